@@ -1,0 +1,237 @@
+"""A lean Llama/Qwen2-family forward pass with a static KV cache (gpt-fast style).
+
+Weights load from a local Hugging Face directory (config.json + safetensors) under the
+same names `transformers` uses, so a user's own Llama/Qwen2 checkpoint works unchanged;
+`tests/unit/test_llama.py` checks logits against `transformers`.
+
+Why our own forward: at small sizes Python overhead dominates, and owning the pass makes
+rollback (a length reset), ragged batching and capturing EAGLE-3's hidden states simple.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    max_positions: int
+    tie_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> "LlamaShape":
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab=cfg.vocab_size, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
+            heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+            max_positions=cfg.max_position_embeddings,
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without declaring `attention_bias`.
+            attention_bias=bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2",
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.attention_bias)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.attention_bias)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.attention_bias)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+
+    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None, start: int, mask):
+        """x: [B, T, H]; cos/sin: [T, D]; kv: this layer's cache ([B, kvh, S, D] each) or None."""
+        b, t, _ = x.shape
+        s = self.s
+        q = self.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
+        else:
+            kc, vc = kv
+            kc[:, :, start:start + t] = k
+            vc[:, :, start:start + t] = v
+            k, v = kc[:, :, :start + t], vc[:, :, :start + t]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=s.kv_heads != s.heads)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden, s.eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, cos, sin, kv, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KVCache:
+    """Static per-layer K/V buffers ``[batch, kv_heads, capacity, head_dim]``.
+
+    Rollback is free: a row's valid length lives with its owner; positions past it are
+    overwritten by the next forward.
+    """
+
+    def __init__(self, s: LlamaShape, batch: int, capacity: int, dtype, device):
+        shape = (batch, s.kv_heads, capacity, s.head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(s.layers)]
+        self.capacity = capacity
+
+
+class Llama(nn.Module):
+    """Llama-architecture causal LM. Parameter names mirror HF's minus the ``model.`` prefix."""
+
+    def __init__(self, hf_config):
+        super().__init__()
+        s = LlamaShape.from_hf(hf_config)
+        self.s = s
+        self.hf_config = hf_config
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.norm = RMSNorm(s.hidden, s.eps)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        if s.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = _rope_tables(hf_config, s.max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # -- training / scoring: full causal sequence, no cache ------------------------------
+    def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        x = self.embed_tokens(ids)
+        cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, None, 0, None)
+        return self.lm_head(self.norm(x))
+
+    # -- inference: T new tokens at positions start..start+T-1 of every row ---------------
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[B, T, V]`` and the residual stream entering each layer in ``capture``."""
+        t = ids.shape[1]
+        x = self.embed_tokens(ids)
+        cos = self.rope_cos[start:start + t].to(x.dtype)
+        sin = self.rope_sin[start:start + t].to(x.dtype)
+        mask = None
+        if t > 1:  # new token i sees the cache plus new tokens 0..i
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                hidden.append(x)
+            x = layer(x, cos, sin, cache.layers[i], start, mask)
+        return self.lm_head(self.norm(x)), hidden
+
+    def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
+        p = next(self.parameters())
+        return KVCache(self.s, batch, capacity or self.s.max_positions, p.dtype, p.device)
+
+    # -- Hugging Face directory I/O --------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype=torch.float32, device="cpu") -> "Llama":
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        path = Path(path)
+        cfg = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = {}
+        for f in sorted(path.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        if model.s.tie_embeddings or "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, strict=False, assign=True)
+        if model.s.tie_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        cos, sin = _rope_tables(cfg, model.s.max_positions)
+        model.rope_cos, model.rope_sin = cos, sin
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:
+            raise ValueError(f"{path}: checkpoint lacks weights {missing[:5]}")
+        return model.to(device=device, dtype=dtype).eval()
+
+    def save_pretrained(self, path: str | Path, dtype=torch.float16) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {}
+        for k, v in self.state_dict().items():
+            if k == "lm_head.weight" and self.s.tie_embeddings:
+                continue
+            name = k if k.startswith("lm_head.") else f"model.{k}"
+            state[name] = v.detach().to(dtype).contiguous()
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.torch_dtype = str(dtype).removeprefix("torch.")
+        self.hf_config.save_pretrained(str(path))
+
+
+def _rope_tables(hf_config, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[n, head_dim]`` from transformers' rotary embedding (all rope types)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device("cpu"):
+        rope = LlamaRotaryEmbedding(hf_config)
+        pos = torch.arange(n)[None]
+        cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
+    return cos[0], sin[0]
+
+
+def load_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())

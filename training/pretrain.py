@@ -1,0 +1,224 @@
+"""Pre-train a Llama-architecture causal LM of the bundled zoo on the stdlib corpus.
+
+Resumable: a full checkpoint (weights, optimizer, step) is written every
+``--ckpt-minutes`` to ``--work-dir`` and on SIGTERM/SIGINT; rerunning the same command
+continues from it. Each checkpoint also exports the fp16 Hugging Face model to ``--out``.
+
+    python -m training.pretrain --preset target --out models/target
+    python -m training.pretrain --preset draft  --out models/draft
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.common.llama import Llama
+from training.corpus import EOS, source_document, source_files, training_texts
+
+
+@dataclass(frozen=True)
+class Preset:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    tokens: int          # total training tokens (sets the LR schedule)
+    batch: int           # sequences per step
+    lr: float
+
+
+PRESETS = {
+    "target": Preset(layers=8, hidden=256, intermediate=768, heads=4, tokens=25_000_000, batch=8, lr=1.5e-3),
+    "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=4_000_000, batch=8, lr=2e-3),
+}
+SEQ_LEN = 1024
+
+
+def default_work_dir(name: str) -> Path:
+    base = Path(os.environ.get("SPECMESH_TRAIN_DIR", Path.home() / ".cache" / "specmesh" / "train"))
+    return base / name
+
+
+def encode_corpus(tokenizer_dir: Path, work: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Token streams (train, heldout) as uint16, cached in ``work``."""
+    from transformers import AutoTokenizer
+
+    train_f, held_f = work / "train.u16", work / "heldout.u16"
+    if train_f.exists() and held_f.exists():
+        return np.fromfile(train_f, np.uint16), np.fromfile(held_f, np.uint16)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    eos = tok.convert_tokens_to_ids(EOS)
+
+    def stream(texts: list[str]) -> np.ndarray:
+        ids = tok(texts, add_special_tokens=False)["input_ids"]
+        return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
+
+    t0 = time.time()
+    train = stream(training_texts())
+    held = stream([source_document(p) for p in source_files("heldout")])
+    work.mkdir(parents=True, exist_ok=True)
+    train.tofile(train_f)
+    held.tofile(held_f)
+    print(f"[corpus] train={len(train):,} heldout={len(held):,} tokens ({time.time() - t0:.0f}s)", flush=True)
+    return train, held
+
+
+def build_model(p: Preset, vocab: int, eos: int) -> Llama:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=p.hidden, intermediate_size=p.intermediate,
+        num_hidden_layers=p.layers, num_attention_heads=p.heads, num_key_value_heads=p.heads,
+        max_position_embeddings=SEQ_LEN, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    for m in model.modules():  # HF Llama initialisation: N(0, 0.02)
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(m.weight, std=0.02)
+    return model
+
+
+def lm_loss(model: Llama, x: torch.Tensor) -> torch.Tensor:
+    logits = model.forward_train(x)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    """Linear warm-up, then cosine decay to 10 % of peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def batch_at(stream: np.ndarray, step: int, batch: int, seed: int) -> torch.Tensor:
+    """Random ``SEQ_LEN``-token windows; a pure function of step so resumes are exact."""
+    rng = np.random.default_rng(seed * 1_000_003 + step)
+    starts = rng.integers(0, len(stream) - SEQ_LEN - 1, size=batch)
+    return torch.from_numpy(np.stack([stream[s:s + SEQ_LEN] for s in starts]).astype(np.int64))
+
+
+@torch.no_grad()
+def heldout_loss(model, held: np.ndarray, windows: int = 24) -> float:
+    model.eval()
+    step = max(1, (len(held) - SEQ_LEN - 1) // windows)
+    losses = []
+    for i in range(windows):
+        x = torch.from_numpy(held[i * step:i * step + SEQ_LEN].astype(np.int64))[None]
+        losses.append(lm_loss(model, x).item())
+    model.train()
+    return float(np.mean(losses))
+
+
+def export(model, tokenizer_dir: Path, out: Path, state: dict) -> None:
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, dtype=torch.float16)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out)
+    (out / "training_state.json").write_text(json.dumps(state, indent=2) + "\n")
+
+
+class _Stop:
+    requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        def handler(signum, frame):
+            cls.requested = True
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def train(args: argparse.Namespace) -> None:
+    p = PRESETS[args.preset]
+    if args.tokens:
+        p = Preset(**{**asdict(p), "tokens": args.tokens})
+    torch.set_num_threads(args.threads)
+    work = args.work_dir or default_work_dir(args.preset)
+    work.mkdir(parents=True, exist_ok=True)
+    train_ids, held_ids = encode_corpus(args.tokenizer, default_work_dir("corpus"))
+    eos = int(train_ids[-1])
+    model = build_model(p, vocab=8192, eos=eos)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    step, elapsed = 0, 0.0
+    ckpt = work / "ckpt.pt"
+    if ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, elapsed = st["step"], st["elapsed"]
+        print(f"[{args.preset}] resumed at step {step} ({elapsed / 60:.1f} min trained)", flush=True)
+    total_steps = p.tokens // (p.batch * SEQ_LEN)
+    nparams = sum(x.numel() for x in model.parameters())
+    print(f"[{args.preset}] params={nparams / 1e6:.2f}M steps={total_steps} "
+          f"tokens={p.tokens / 1e6:.0f}M train_stream={len(train_ids) / 1e6:.1f}M", flush=True)
+    _Stop.install()
+    model.train()
+
+    def save(final: bool = False) -> None:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "elapsed": elapsed}, ckpt.with_suffix(".tmp"))
+        os.replace(ckpt.with_suffix(".tmp"), ckpt)
+        state = {"preset": args.preset, **asdict(p), "seq_len": SEQ_LEN, "step": step,
+                 "total_steps": total_steps, "tokens_seen": step * p.batch * SEQ_LEN,
+                 "train_minutes": round(elapsed / 60, 1), "final": final,
+                 "heldout_loss": round(heldout_loss(model, held_ids), 4), "threads": args.threads}
+        export(model, args.tokenizer, args.out, state)
+        print(f"[{args.preset}] checkpoint step={step} heldout_loss={state['heldout_loss']}", flush=True)
+
+    last_ckpt, t_seg, loss_ema = time.time(), time.time(), None
+    while step < total_steps and not _Stop.requested:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total_steps, p.lr)
+        x = batch_at(train_ids, step, p.batch, seed=1)
+        loss = lm_loss(model, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        now = time.time()
+        elapsed += now - t_seg
+        t_seg = now
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        if step % args.log_every == 0 or step == total_steps:
+            rate = step * p.batch * SEQ_LEN / max(elapsed, 1e-9)
+            eta = (total_steps - step) * p.batch * SEQ_LEN / max(rate, 1e-9)
+            print(f"[{args.preset}] step {step}/{total_steps} loss {loss_ema:.3f} "
+                  f"lr {lr_at(step, total_steps, p.lr):.2e} {rate:,.0f} tok/s eta {eta / 60:.0f} min",
+                  flush=True)
+        if now - last_ckpt > args.ckpt_minutes * 60:
+            save()
+            last_ckpt = t_seg = time.time()
+    save(final=step >= total_steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tokenizer", type=Path, default=Path("models/tokenizer"))
+    ap.add_argument("--work-dir", type=Path, default=None)
+    ap.add_argument("--tokens", type=int, default=0, help="override the preset's token budget")
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--ckpt-minutes", type=float, default=10.0)
+    ap.add_argument("--log-every", type=int, default=10)
+    train(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
