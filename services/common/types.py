@@ -1,0 +1,113 @@
+"""Types shared by every component: sampling parameters, drafts, verdicts, statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Draft:
+    """Candidate continuation proposed by a drafter.
+
+    token_ids: drafted tokens d_1..d_k.
+    parents:   parent index of each token (-1 = the last committed token); a chain is
+               [-1, 0, 1, ...]. Only chains are verified today.
+    probs:     [k, V] float32, the distribution q each token was sampled from; None means
+               q is one-hot on the token (greedy drafts, suffix-cache drafts).
+    score:     drafter's own confidence (suffix cache: sum of token probabilities).
+    """
+
+    token_ids: list[int]
+    parents: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None
+    score: float = 0.0
+    source: str = "none"
+    features: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.parents:
+            self.parents = list(range(-1, len(self.token_ids) - 1))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls(token_ids=[])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one draft.
+
+    accepted:        draft tokens kept, a prefix of the draft (includes rescued ones).
+    tokens:          tokens emitted this cycle: the kept draft prefix, then one token from
+                     the target (the correction at the first rejection, or the bonus token
+                     when the whole draft passed).
+    rescued:         kept draft tokens the target did not itself choose (relaxed policies).
+    first_rejection: (draft_token, target_token) at the first true rejection, if any.
+    """
+
+    accepted: int
+    tokens: list[int]
+    rescued: int = 0
+    first_rejection: tuple[int, int] | None = None
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculation counters (DESIGN.md §5 definitions)."""
+
+    cycles: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    rescued_tokens: int = 0
+    generated_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafts_by_source: dict[str, int] = field(default_factory=dict)
+
+    def add(self, draft: Draft, verdict: Verdict) -> None:
+        self.cycles += 1
+        self.draft_tokens += len(draft)
+        self.accepted_tokens += verdict.accepted
+        self.rescued_tokens += verdict.rescued
+        if len(draft):
+            self.drafts_by_source[draft.source] = self.drafts_by_source.get(draft.source, 0) + 1
+        while len(self.accepted_per_position) < verdict.accepted:
+            self.accepted_per_position.append(0)
+        for i in range(verdict.accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per cycle (accepted drafts + the correction/bonus token)."""
+        return self.generated_tokens / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "cycles": self.cycles, "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens, "rescued_tokens": self.rescued_tokens,
+            "generated_tokens": self.generated_tokens, "tau": round(self.tau, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafts_by_source": dict(self.drafts_by_source),
+        }

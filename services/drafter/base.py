@@ -1,0 +1,45 @@
+"""The one drafter protocol, and the registry drafters are looked up in by name."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from services.common.types import Draft, SamplingParams
+
+
+class Drafter(Protocol):
+    """Request lifecycle: start → (propose → observe)* → stop.
+
+    ``observe`` receives the tokens committed in the cycle (accepted drafts + the target's
+    token); a drafter compares them with what it proposed to roll back its own state.
+    """
+
+    name: str
+
+    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator) -> None: ...
+
+    def propose(self, req_id: str, budget: int) -> Draft: ...
+
+    def observe(self, req_id: str, tokens: list[int]) -> None: ...
+
+    def stop(self, req_id: str) -> None: ...
+
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        DRAFTERS[name] = factory
+        return factory
+    return deco
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

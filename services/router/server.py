@@ -1,0 +1,126 @@
+"""Public gRPC front end: `specmesh.v1.Generation/Generate` over the embedded engine.
+
+Protobuf appears only here (`request_from_pb`, `*_to_pb`); the engine sees dataclasses.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.config import ServerConfig
+from services.common.types import SamplingParams
+from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
+from specmesh.v1 import generate_pb2 as pb
+from specmesh.v1 import generate_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specmesh.router")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP}
+
+
+def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
+    if r.prompt and r.prompt_token_ids:
+        raise InvalidRequest("prompt: set either `prompt` or `prompt_token_ids`, not both")
+    ids = list(r.prompt_token_ids) if r.prompt_token_ids else engine.encode(r.prompt) if r.prompt else []
+    return GenerationRequest(
+        prompt_ids=ids,
+        max_new_tokens=r.max_new_tokens if r.HasField("max_new_tokens") else engine.cfg.default_max_new_tokens,
+        sampling=SamplingParams(
+            temperature=r.temperature, top_p=r.top_p if r.HasField("top_p") else 1.0,
+            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None),
+        stop=tuple(s for s in r.stop if s),
+        method=r.method or engine.cfg.default_method,
+        request_id=r.request_id,
+    )
+
+
+def final_to_pb(gen: Generation) -> pb.GenerateResponse:
+    s = gen.stats
+    return pb.GenerateResponse(
+        finish_reason=FINISH.get(gen.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+        usage=pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.output_ids)),
+        stats=pb.SpeculationStats(
+            cycles=s.cycles, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+            rescued_tokens=s.rescued_tokens, tau=s.tau, acceptance_rate=s.acceptance_rate,
+            accepted_per_position=s.accepted_per_position),
+        method=gen.req.method,
+    )
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, cfg: ServerConfig):
+        self.engine = engine
+        self._slots = threading.BoundedSemaphore(cfg.max_sessions)
+        self._max_sessions = cfg.max_sessions
+        self._lock = threading.Lock()
+        self.active: dict[str, Generation] = {}
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        try:
+            gen = self.engine.generate(request_from_pb(request, self.engine))
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server is at its limit of {self._max_sessions} concurrent sessions; retry later")
+        with self._lock:
+            self.active[gen.req_id] = gen
+        steps = iter(gen)
+        try:
+            for step in steps:
+                if not context.is_active():  # cancelled or past its deadline
+                    log.info("request %s ended by the client after %d tokens", gen.req_id, len(gen.output_ids))
+                    return
+                yield pb.GenerateResponse(token_ids=step.token_ids, text=step.text)
+            yield final_to_pb(gen)
+        finally:
+            steps.close()  # frees the drafter state even when the client went away mid-stream
+            with self._lock:
+                self.active.pop(gen.req_id, None)
+            self._slots.release()
+
+
+def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:
+    """A started-ready server bound to cfg.host:cfg.port (port 0 = any free port)."""
+    opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers), options=opts)
+    servicer = GenerationServicer(engine, cfg)
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
+    server.health = health_servicer  # for graceful shutdown
+    return server, servicer, port
+
+
+def serve(engine: Engine, cfg: ServerConfig) -> None:
+    import signal
+
+    server, _, port = build_server(engine, cfg)
+    server.start()
+    log.info("specmesh serving %s on %s:%d (methods: %s)", SERVICE_NAME, cfg.host, port, ", ".join(engine.methods()))
+    print(f"specmesh: serving on {cfg.host}:{port} — try: specmesh client --addr {cfg.host}:{port} --prompt 'def add(a, b):'",
+          flush=True)
+    done = threading.Event()
+
+    def stop(signum, frame):
+        server.health.enter_graceful_shutdown()
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    done.wait()
+    server.stop(grace=10).wait()

@@ -1,0 +1,77 @@
+"""Acceptance policies: pure functions (draft, target logits, sampling, rng) → Verdict.
+
+Definitions (as in vLLM's rejection sampler):
+- accepted tokens: the longest draft prefix the policy keeps;
+- recovered (correction) token: emitted by the target at the first rejected position;
+- bonus token: sampled from the target's last distribution when every draft token passed.
+Every cycle therefore emits ``accepted + 1`` tokens.
+
+``logits`` is [k+1, V]: row i is the target's prediction for the position of draft token
+i (row k predicts the bonus token).
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from services.common.sampling import probs_from_logits, sample
+from services.common.types import Draft, SamplingParams, Verdict
+
+
+class AcceptancePolicy(Protocol):
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams,
+                 rng: torch.Generator) -> Verdict: ...
+
+
+def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
+                 rng: torch.Generator) -> Verdict:
+    """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus)."""
+    target = logits.argmax(-1).tolist()
+    d = draft.token_ids
+    m = 0
+    while m < len(d) and d[m] == target[m]:
+        m += 1
+    first = (d[m], target[m]) if m < len(d) else None
+    return Verdict(accepted=m, tokens=d[:m] + [target[m]], first_rejection=first)
+
+
+def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
+                       rng: torch.Generator) -> Verdict:
+    """Lossless speculative sampling.
+
+    Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a
+    token from norm(max(p_i − q_i, 0)); if all pass, a bonus token from p_k. A draft with
+    no probabilities has q one-hot on its token.
+    """
+    p = probs_from_logits(logits, sp)
+    k = len(draft)
+    d = torch.tensor(draft.token_ids, dtype=torch.long)
+    pos = torch.arange(k)
+    q_d = draft.probs[pos, d] if draft.probs is not None else torch.ones(k)
+    u = torch.rand(k, generator=rng)
+    rejected = (u * q_d >= p[pos, d]).nonzero()  # u < p/q accepts; written without division
+    m = int(rejected[0]) if len(rejected) else k
+    if m == k:
+        return Verdict(accepted=k, tokens=draft.token_ids + [sample(p[k], rng)])
+    if draft.probs is not None:
+        residual = (p[m] - draft.probs[m]).clamp_min(0)
+    else:
+        residual = p[m].clone()
+        residual[d[m]] = 0.0
+    t = sample(residual / residual.sum() if residual.sum() > 0 else p[m], rng)
+    return Verdict(accepted=m, tokens=draft.token_ids[:m] + [t], first_rejection=(int(d[m]), t))
+
+
+def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
+             rng: torch.Generator) -> Verdict:
+    """Exact match when greedy, rejection sampling otherwise: output distribution = target's."""
+    policy = exact_greedy if sp.greedy else rejection_sampling
+    return policy(draft, logits, sp, rng)
+
+
+POLICIES: dict[str, Callable[..., Verdict]] = {
+    "exact": exact_greedy,
+    "rejection": rejection_sampling,
+    "lossless": lossless,
+}

@@ -1,0 +1,53 @@
+"""Target runner: owns the target model, each session's KV cache and its rollback.
+
+Invariant per session: ``cache_len`` tokens of ``tokens`` have K/V in the cache; at least
+the newest committed token is still pending. A verification pass feeds the pending tokens
+plus the draft in one forward; committing a verdict keeps the K/V of the accepted draft
+prefix and drops the rest (rollback = not advancing ``cache_len``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.llama import KVCache, Llama
+from services.common.types import Verdict
+
+
+@dataclass
+class TargetSession:
+    tokens: list[int]
+    cache: KVCache
+    cache_len: int = 0
+
+    @property
+    def pending(self) -> list[int]:
+        return self.tokens[self.cache_len:]
+
+
+class TargetRunner:
+    def __init__(self, model: Llama, capture_layers: tuple[int, ...] = ()):
+        self.model = model
+        self.capture_layers = capture_layers
+        self.device = next(model.parameters()).device
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.s.max_positions
+
+    def open(self, prompt: list[int], capacity: int) -> TargetSession:
+        return TargetSession(tokens=list(prompt), cache=self.model.new_cache(1, min(capacity, self.max_positions)))
+
+    @torch.inference_mode()
+    def verify(self, st: TargetSession, draft: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Target logits [k+1, V] for the draft positions (row k = bonus) and captured hidden states."""
+        pending = st.pending
+        ids = torch.tensor([pending + draft], dtype=torch.long, device=self.device)
+        logits, hidden = self.model(ids, st.cache_len, st.cache, self.capture_layers)
+        return logits[0, len(pending) - 1:].float().cpu(), hidden
+
+    @staticmethod
+    def commit(st: TargetSession, verdict: Verdict) -> None:
+        st.cache_len += len(st.pending) + verdict.accepted
+        st.tokens.extend(verdict.tokens)

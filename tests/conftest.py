@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny Llama checkpoints (HF format, real tokenizer) and engines over them.
+
+Tiny models keep the suite fast; their weights are scaled up so next-token distributions
+are peaked (no argmax near-ties), and the draft is a perturbed copy of the target so that
+drafts are mostly but not always accepted (rollback gets exercised).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.config import MODELS_DIR, EngineConfig
+
+TOKENIZER = MODELS_DIR / "tokenizer"
+BUNDLED_TARGET = MODELS_DIR / "target"
+BUNDLED_DRAFT = MODELS_DIR / "draft"
+
+torch.set_num_threads(1)
+
+
+def tiny_config(layers: int = 2, hidden: int = 64, max_pos: int = 256, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=kw.pop("kv_heads", 2),
+                       max_position_embeddings=max_pos, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+                       pad_token_id=0, **kw)
+
+
+def make_tiny(path: Path, seed: int, layers: int = 2, base: dict | None = None, noise: float = 0.0, **kw) -> Path:
+    """Save a tiny Llama to ``path``; with ``base`` (a state dict), copy it plus Gaussian ``noise``."""
+    from transformers import AutoTokenizer
+
+    from services.common.llama import Llama
+
+    torch.manual_seed(seed)
+    model = Llama(tiny_config(layers=layers, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if base is not None:
+                p.copy_(base[name] + noise * torch.randn_like(p))
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.35 if "embed" in name else 0.2)
+    model.save_pretrained(path, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(str(TOKENIZER)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    from services.common.llama import Llama
+
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny(root / "target", seed=0)
+    base = dict(Llama.from_pretrained(target).named_parameters())
+    draft = make_tiny(root / "draft", seed=1, base={k: v.detach() for k, v in base.items()}, noise=0.006)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_dirs):
+    from services.router.engine import Engine
+
+    target, draft = tiny_dirs
+    return Engine(EngineConfig(target=target, draft=draft, num_speculative_tokens=4, max_new_tokens_limit=200))
+
+
+def bundled_available() -> bool:
+    return (BUNDLED_TARGET / "model.safetensors").exists() and (BUNDLED_DRAFT / "model.safetensors").exists()
+
+
+@pytest.fixture(scope="session")
+def bundled_engine():
+    from services.router.engine import Engine
+
+    if not bundled_available():
+        pytest.fail("bundled models missing: run `make models`")
+    return Engine(EngineConfig())
