@@ -39,7 +39,7 @@ class Preset:
 
 PRESETS = {
     "target": Preset(layers=8, hidden=256, intermediate=768, heads=4, tokens=25_000_000, batch=8, lr=1.5e-3),
-    "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=4_000_000, batch=8, lr=2e-3),
+    "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=8_000_000, batch=8, lr=2e-3),
 }
 SEQ_LEN = 1024
 

@@ -1,0 +1,149 @@
+"""gRPC contract of specmesh.v1.Generation: streaming, final message, every error status."""
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.config import ServerConfig
+from services.router.engine import GenerationRequest
+from services.router.server import SERVICE_NAME, build_server
+from specmesh.v1 import generate_pb2 as pb
+from specmesh.v1 import generate_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def served(tiny_engine):
+    server, servicer, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=2))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.GenerationStub(channel), servicer, channel
+    channel.close()
+    server.stop(0)
+
+
+def collect(stub, **kw):
+    return list(stub.Generate(pb.GenerateRequest(**kw), timeout=30))
+
+
+def wait_idle(servicer, timeout=5.0):
+    end = time.time() + timeout
+    while servicer.active and time.time() < end:
+        time.sleep(0.01)
+    return not servicer.active
+
+
+def test_stream_matches_engine_and_ends_with_final(served, tiny_engine):
+    stub, servicer, _ = served
+    msgs = collect(stub, prompt="def add(a, b):\n", max_new_tokens=40, method="sd")
+    final = msgs[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(msgs) >= 2 and all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+    ids = [t for m in msgs for t in m.token_ids]
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 40, method="vanilla")).result()
+    assert ids == ref["token_ids"]
+    assert "".join(m.text for m in msgs) == ref["text"]
+    assert final.usage.completion_tokens == 40 and final.usage.prompt_tokens == len(tiny_engine.encode("def add(a, b):\n"))
+    s = final.stats
+    assert s.cycles == len(msgs) - 1 or s.cycles >= len(msgs) - 1
+    assert abs(s.tau - 40 / s.cycles) < 1e-6 and s.accepted_tokens <= s.draft_tokens
+    assert final.method == "sd"
+    assert wait_idle(servicer)
+
+
+def test_prompt_token_ids_and_default_method(served, tiny_engine):
+    stub, _, _ = served
+    ids = tiny_engine.encode("import os\n")
+    msgs = collect(stub, prompt_token_ids=ids, max_new_tokens=8)
+    assert msgs[-1].method == tiny_engine.cfg.default_method
+    assert sum(len(m.token_ids) for m in msgs) == 8
+
+
+def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
+    stub, _, _ = served
+    full = tiny_engine.generate(GenerationRequest(tiny_engine.encode("x = ["), 60, method="vanilla")).result()["text"]
+    stop = full[12:15]
+    msgs = collect(stub, prompt="x = [", max_new_tokens=60, stop=[stop], method="sd")
+    text = "".join(m.text for m in msgs)
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert text == full[:full.index(stop)] and stop not in text
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"prompt": "", "max_new_tokens": 5}, "prompt"),
+    ({"prompt": "a", "prompt_token_ids": [1], "max_new_tokens": 5}, "prompt"),
+    ({"prompt": "a", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "a", "max_new_tokens": -3}, "max_new_tokens"),
+    ({"prompt": "a", "max_new_tokens": 100000}, "max_new_tokens"),
+    ({"prompt": "a", "max_new_tokens": 5, "temperature": -0.5}, "temperature"),
+    ({"prompt": "a", "max_new_tokens": 5, "temperature": float("nan")}, "temperature"),
+    ({"prompt": "a", "max_new_tokens": 5, "top_p": 0.0}, "top_p"),
+    ({"prompt": "a", "max_new_tokens": 5, "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),
+    ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
+    ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
+    ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
+])
+def test_invalid_argument_names_the_field(served, kw, field):
+    stub, servicer, _ = served
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stub, **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith(field + ":"), e.value.details()
+    assert wait_idle(servicer)
+
+
+def test_deadline_exceeded_frees_session(served):
+    stub, servicer, _ = served
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt="def f():", max_new_tokens=200, method="vanilla"), timeout=0.02))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_idle(servicer)
+
+
+def test_cancelled_stream_frees_session_and_drafter_state(served, tiny_engine):
+    stub, servicer, _ = served
+    call = stub.Generate(pb.GenerateRequest(prompt="class A:", max_new_tokens=200, method="sd"), timeout=30)
+    next(call)
+    call.cancel()
+    assert wait_idle(servicer)
+    assert not tiny_engine.drafters["draft-lm"].states
+
+
+def test_resource_exhausted_when_sessions_full(served):
+    stub, servicer, _ = served
+    taken = [servicer._slots.acquire(blocking=False) for _ in range(2)]
+    try:
+        assert all(taken)
+        with pytest.raises(grpc.RpcError) as e:
+            collect(stub, prompt="a", max_new_tokens=3)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "concurrent sessions" in e.value.details()
+    finally:
+        for _ in taken:
+            servicer._slots.release()
+    assert collect(stub, prompt="a", max_new_tokens=3)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_health_and_reflection(served):
+    _, _, channel = served
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", SERVICE_NAME):
+        assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+
+
+def test_generated_code_is_up_to_date(tmp_path):
+    from pathlib import Path
+
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[2]
+    assert protoc.main(["protoc", f"-I{root / 'protos'}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
+                        str(root / "protos/specmesh/v1/generate.proto")]) == 0
+    for name in ("generate_pb2.py", "generate_pb2_grpc.py"):
+        assert (tmp_path / "specmesh/v1" / name).read_text() == (root / "specmesh/v1" / name).read_text(), \
+            f"specmesh/v1/{name} is stale: run `make protos`"

@@ -1,0 +1,63 @@
+"""The `specmesh` entry point as a user runs it: generate --json, serve + client in real processes."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+CLI = [sys.executable, "-m", "services.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_generate_json(tiny_dirs):
+    target, draft = tiny_dirs
+    out = subprocess.run(CLI + ["generate", "--target", str(target), "--draft", str(draft), "--method", "sd",
+                                "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--json"],
+                         capture_output=True, text=True, env=ENV, timeout=120, check=True)
+    obj = json.loads(out.stdout)
+    assert set(obj) >= {"text", "token_ids", "stats"} and len(obj["token_ids"]) == 12
+    assert set(obj["stats"]) >= {"cycles", "draft_tokens", "accepted_tokens", "tau", "wall_s"}
+    assert abs(obj["stats"]["tau"] - 12 / obj["stats"]["cycles"]) < 1e-3
+
+
+def test_generate_reports_invalid_input(tiny_dirs):
+    target, draft = tiny_dirs
+    out = subprocess.run(CLI + ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x",
+                                "--max-new-tokens", "0"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode != 0 and "max_new_tokens" in out.stderr
+
+
+def test_serve_then_client_streams(tiny_dirs):
+    target, draft = tiny_dirs
+    port = free_port()
+    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=90)
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        out = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "import os",
+                                    "--max-new-tokens", "10"], capture_output=True, text=True, env=ENV, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "FINISH_REASON_LENGTH" in out.stderr and "10 tokens" in out.stderr
+        bad = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "x", "--method", "nope"],
+                             capture_output=True, text=True, env=ENV, timeout=60)
+        assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr and "method" in bad.stderr
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    assert server.returncode == 0, server.stdout.read()
