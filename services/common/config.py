@@ -10,6 +10,23 @@ MODELS_DIR = Path(os.environ.get("SPECMESH_MODELS", REPO_ROOT / "models"))
 
 
 @dataclass(frozen=True)
+class SpecParams:
+    """SuffixDecoding speculation limits (ArcticInference's defaults)."""
+
+    max_spec_tokens: int = 16      # cap on draft length
+    max_spec_factor: float = 1.0   # draft length ≤ match_len · factor + offset
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1    # stop when the running probability falls below this
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_depth: int = 64
+    max_cached_requests: int = 1000   # global tree keeps the outputs of the last N requests (FIFO)
+    spec: SpecParams = SpecParams()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
@@ -20,6 +37,7 @@ class EngineConfig:
     default_max_new_tokens: int = 128
     default_method: str = "sd"
     threads: int = 0                      # torch intra-op threads; 0 = torch default
+    suffix: SuffixConfig = SuffixConfig()
 
 
 @dataclass(frozen=True)

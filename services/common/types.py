@@ -30,6 +30,8 @@ class Draft:
     probs:     [k, V] float32, the distribution q each token was sampled from; None means
                q is one-hot on the token (greedy drafts, suffix-cache drafts).
     score:     drafter's own confidence (suffix cache: sum of token probabilities).
+    match_len: length of the context suffix the draft continues (suffix cache).
+    token_probs: drafter's running probability of each token (suffix cache), not a q.
     """
 
     token_ids: list[int]
@@ -37,6 +39,8 @@ class Draft:
     probs: torch.Tensor | None = None
     score: float = 0.0
     source: str = "none"
+    match_len: int = 0
+    token_probs: list[float] = field(default_factory=list)
     features: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,8 @@ from services.router.detok import Detokenizer
 from services.verifier.policies import POLICIES
 from services.verifier.runner import TargetRunner
 
+from services.drafter.suffix import GlobalSuffixCache, SuffixConfig, SuffixDrafter
+
 import services.drafter.draft_lm  # noqa: F401  (registers "draft-lm")
 
 
@@ -34,6 +36,7 @@ class MethodSpec:
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("vanilla", None, "lossless", "target model alone, one token per forward"),
     MethodSpec("sd", "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
+    MethodSpec("suffix", "suffix", "lossless", "suffix-cache drafts (prompt + past outputs), lossless verification"),
 )}
 
 
@@ -86,8 +89,13 @@ class Engine:
         self.eos_id = self.tokenizer.eos_token_id
         self.runner = TargetRunner(Llama.from_pretrained(cfg.target, dtype, cfg.device))
         self.drafters: dict[str, Drafter] = {}
+        self.max_draft: dict[str, int] = {}
         if cfg.draft is not None:
             self.drafters["draft-lm"] = DRAFTERS["draft-lm"](Llama.from_pretrained(cfg.draft, dtype, cfg.device))
+            self.max_draft["draft-lm"] = cfg.num_speculative_tokens
+        self.suffix_cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        self.drafters["suffix"] = SuffixDrafter(cfg.suffix, self.suffix_cache)
+        self.max_draft["suffix"] = cfg.suffix.spec.max_spec_tokens
         self._ids = itertools.count()
 
     @property
@@ -134,6 +142,7 @@ class Generation:
         self.method = METHODS[req.method]
         self.policy = POLICIES[self.method.policy]
         self.drafter = engine.drafters[self.method.drafter] if self.method.drafter else None
+        self.max_draft = engine.max_draft[self.method.drafter] if self.method.drafter else 0
         self.rng = make_rng(req.sampling.seed)
         self.stats = SpecStats()
         self.timings = Timings()
@@ -146,7 +155,7 @@ class Generation:
 
     def __iter__(self) -> Iterator[StepOutput]:
         eng, req = self.engine, self.req
-        capacity = len(req.prompt_ids) + req.max_new_tokens + eng.cfg.num_speculative_tokens + 1
+        capacity = len(req.prompt_ids) + req.max_new_tokens + self.max_draft + 1
         session = eng.runner.open(req.prompt_ids, capacity)
         if self.drafter:
             self.drafter.start(self.req_id, req.prompt_ids, req.sampling, self.rng)
@@ -163,7 +172,7 @@ class Generation:
     def _budget(self, session) -> int:
         remaining = self.req.max_new_tokens - len(self.output_ids)
         room = session.cache.capacity - len(session.tokens) - 1
-        return max(0, min(self.engine.cfg.num_speculative_tokens, remaining - 1, room))
+        return max(0, min(self.max_draft, remaining - 1, room))
 
     def _cycle(self, session) -> StepOutput:
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ PROMPTS = ["def add(a, b):\n", "import os\n\nclass Config:\n    def __init__(sel
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_sd_equals_vanilla_tiny(tiny_engine, k):
+    """Draft-LM drafts of k tokens, verified exactly, reproduce vanilla greedy output."""
     eng = tiny_engine
     accepted = drafted = 0
     for i, text in enumerate(PROMPTS):
@@ -34,6 +35,20 @@ def test_sd_equals_vanilla_tiny(tiny_engine, k):
     assert 0.2 * drafted < accepted < drafted  # rollback really exercised, drafts really used
 
 
+def test_suffix_equals_vanilla_tiny(tiny_engine):
+    """Suffix drafts (local tree over a repetitive prompt, then the global tree) are lossless."""
+    eng = tiny_engine
+    hits = 0
+    for text in PROMPTS[:6]:
+        ids = eng.encode(text * 3)
+        van = eng.generate(GenerationRequest(ids, 48, method="vanilla")).result()
+        for _ in range(2):  # second pass drafts from the first pass's output in the global tree
+            out = eng.generate(GenerationRequest(ids, 48, method="suffix")).result()
+            assert out["token_ids"] == van["token_ids"], text
+            hits += out["stats"]["accepted_tokens"]
+    assert hits > 0
+
+
 @pytest.mark.skipif(not bundled_available(), reason="bundled models not built (make models)")
 def test_sd_equals_vanilla_bundled_humaneval_and_stdlib(bundled_engine):
     eng = bundled_engine
@@ -42,9 +57,10 @@ def test_sd_equals_vanilla_bundled_humaneval_and_stdlib(bundled_engine):
         ids = eng.encode(p.text)
         n = [16, 48, 96][i % 3]
         van = eng.generate(GenerationRequest(ids, n, method="vanilla")).result()
-        sd = eng.generate(GenerationRequest(ids, n, method="sd")).result()
-        assert sd["token_ids"] == van["token_ids"], p.id
-        assert sd["text"] == van["text"]
+        for method in ("sd", "suffix"):
+            out = eng.generate(GenerationRequest(ids, n, method=method)).result()
+            assert out["token_ids"] == van["token_ids"], (method, p.id)
+            assert out["text"] == van["text"]
 
 
 def test_sd_sampling_first_token_matches_target_distribution(tiny_engine):

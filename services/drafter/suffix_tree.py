@@ -1,0 +1,191 @@
+"""Depth-capped suffix trie with occurrence counts, for SuffixDecoding (arXiv 2411.04975).
+
+Every substring of length ≤ ``max_depth`` of the inserted sequences is a path from the root;
+``count`` is its number of occurrences. Speculation from a matched context suffix follows
+the most frequent child while the running probability ``count(child) / count(node)`` stays
+≥ ``min_token_prob``; a draft's ``score`` is the sum of its token probabilities.
+
+Representation (ours, shaped for Python speed and memory):
+- *Lazy leaves.* A node seen once has no children: its continuation is read from the one
+  occurrence it references (``seq[end:]``). When a second occurrence arrives, the first
+  one's next token is materialized as a child (one level per step), so counts match a full
+  trie exactly while unique text costs one node per token instead of ``max_depth``.
+- *Active suffixes.* A sequence being extended keeps the nodes of its suffixes that are
+  repeated (count ≥ 2); a token append touches only those, and they double as the
+  sequence's matches in its own tree.
+- Each node caches its most frequent child (``best``) so a speculation step is O(1).
+
+Pure Python: no torch, gRPC, Redis or Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.config import SpecParams
+
+
+class Node:
+    __slots__ = ("count", "children", "depth", "seq", "end", "best", "token")
+
+    def __init__(self, token: int, depth: int, seq: list[int], end: int):
+        self.token = token
+        self.count = 1
+        self.children: dict[int, Node] | None = None
+        self.depth = depth
+        self.seq = seq          # one occurrence: this node's string is seq[end-depth:end]
+        self.end = end
+        self.best: Node | None = None
+
+
+@dataclass
+class Candidate:
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    score: float = 0.0
+    match_len: int = 0
+
+
+@dataclass(frozen=True)
+class Match:
+    """A context suffix matched in a tree: ``node``'s string plus ``extra`` implicit tokens."""
+
+    node: Node
+    extra: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.node.depth + self.extra
+
+
+class SuffixTree:
+    def __init__(self, max_depth: int = 64):
+        self.max_depth = max_depth
+        self.root = Node(-1, 0, [], 0)
+        self.root.count = 0
+        self.root.children = {}
+        self.num_nodes = 0
+
+    # -- insertion ----------------------------------------------------------------------
+    def append(self, seq: list[int], actives: list[Node], token: int) -> list[Node]:
+        """Append ``token`` to ``seq`` (mutated) and return the new active suffix nodes.
+
+        ``actives`` are the nodes of seq's repeated suffixes before the append, longest first.
+        """
+        seq.append(token)
+        end = len(seq)
+        self.root.count += 1
+        new: list[Node] = []
+        for node in (*actives, self.root):
+            if node.depth >= self.max_depth:
+                continue
+            children = node.children
+            child = children.get(token)
+            if child is None:
+                child = Node(token, node.depth + 1, seq, end)
+                children[token] = child
+                self.num_nodes += 1
+                if node.best is None:
+                    node.best = child
+                continue  # seen once: its future is implicit in seq
+            if child.count == 1:
+                self._materialize(child)
+            child.count += 1
+            child.seq, child.end = seq, end
+            if child.count > node.best.count:
+                node.best = child
+            new.append(child)
+        return new
+
+    def _materialize(self, node: Node) -> None:
+        """Give a once-seen node an explicit child for its single occurrence's next token."""
+        node.children = {}
+        if node.end < len(node.seq) and node.depth < self.max_depth:
+            tok = node.seq[node.end]
+            child = Node(tok, node.depth + 1, node.seq, node.end + 1)
+            node.children[tok] = child
+            node.best = child
+            self.num_nodes += 1
+
+    def extend(self, seq: list[int], tokens: list[int], actives: list[Node] | None = None) -> list[Node]:
+        actives = actives or []
+        for t in tokens:
+            actives = self.append(seq, actives, t)
+        return actives
+
+    # -- matching a foreign context (e.g. a request against the global tree) --------------
+    def advance(self, matches: list[Match], token: int) -> list[Match]:
+        """Matches of the context extended by ``token``, longest first (capped at max_depth)."""
+        out: list[Match] = []
+        for m in (*matches, Match(self.root)):
+            node, extra = m.node, m.extra
+            if m.length >= self.max_depth:
+                continue
+            if node.children is None:  # implicit continuation
+                i = node.end + extra
+                if i < len(node.seq) and node.seq[i] == token:
+                    out.append(Match(node, extra + 1))
+            elif extra == 0:
+                child = node.children.get(token)
+                if child is not None:
+                    out.append(Match(child))
+        return out
+
+    def match_context(self, context: list[int]) -> list[Match]:
+        matches: list[Match] = []
+        for t in context[-self.max_depth:]:
+            matches = self.advance(matches, t)
+        return matches
+
+    def count(self, tokens: list[int]) -> int:
+        """Occurrences of ``tokens`` (length ≤ max_depth) in the inserted sequences."""
+        m = Match(self.root)
+        for t in tokens:
+            nxt = self.advance([m], t)
+            if not nxt or nxt[0].length != m.length + 1:
+                return 0
+            m = nxt[0]
+        return self.root.count if not tokens else m.node.count
+
+    # -- speculation ------------------------------------------------------------------------
+    def speculate(self, matches, budget: int, p: SpecParams) -> Candidate:
+        """Best-scoring path draft over all matched suffix lengths (longest first).
+
+        ``matches``: Match objects or nodes (a node = a match of its full depth).
+        """
+        best = Candidate()
+        for m in matches:
+            node, extra = (m.node, m.extra) if isinstance(m, Match) else (m, 0)
+            match_len = node.depth + extra
+            limit = min(budget, p.max_spec_tokens, int(match_len * p.max_spec_factor + p.max_spec_offset + 1e-6))
+            if limit <= best.score:  # every token adds ≤ 1 to the score: cannot win
+                continue
+            cand = self._speculate_path(node, extra, limit, p.min_token_prob)
+            if cand.score > best.score:
+                cand.match_len = match_len
+                best = cand
+        return best
+
+    def _speculate_path(self, node: Node, extra: int, limit: int, min_prob: float) -> Candidate:
+        c = Candidate()
+        ids, probs = c.token_ids, c.probs
+        prob = 1.0
+        while len(ids) < limit:
+            if node.children is None:  # single occurrence: copy its continuation, probability unchanged
+                i = node.end + extra
+                room = min(limit - len(ids), len(node.seq) - i, self.max_depth - node.depth - extra)
+                if room <= 0:
+                    break
+                ids.extend(node.seq[i:i + room])
+                probs.extend([prob] * room)
+                break
+            child = node.best
+            if child is None:
+                break
+            prob *= child.count / node.count
+            if prob < min_prob:
+                break
+            ids.append(child.token)
+            probs.append(prob)
+            node, extra = child, 0
+        c.score = sum(probs)
+        return c

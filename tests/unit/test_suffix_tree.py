@@ -1,0 +1,97 @@
+"""Suffix tree against brute force: exact substring counts and greedy-path speculation."""
+import random
+from collections import Counter
+
+import pytest
+
+from services.common.config import SpecParams, SuffixConfig
+from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
+from services.drafter.suffix_tree import SuffixTree
+
+
+def substring_counts(seqs, depth):
+    c = Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for j in range(i + 1, min(len(s), i + depth) + 1):
+                c[tuple(s[i:j])] += 1
+    return c
+
+
+@pytest.mark.parametrize("vocab,depth,seed", [(2, 8, 0), (3, 6, 1), (5, 64, 2), (20, 16, 3)])
+def test_counts_equal_brute_force(vocab, depth, seed):
+    rng = random.Random(seed)
+    seqs = [[rng.randrange(vocab) for _ in range(rng.randint(1, 60))] for _ in range(4)]
+    tree = SuffixTree(depth)
+    for s in seqs:
+        tree.extend([], s)
+    ref = substring_counts(seqs, depth)
+    for sub, n in ref.items():
+        assert tree.count(list(sub)) == n, sub
+    assert tree.count([vocab + 1]) == 0
+    assert tree.root.count == sum(len(s) for s in seqs)
+
+
+def _children(ref, pattern, vocab):
+    return {t: ref[tuple(pattern) + (t,)] for t in range(vocab) if ref[tuple(pattern) + (t,)]}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_local_speculation_follows_most_frequent_children(seed):
+    rng = random.Random(seed)
+    vocab, depth = 4, 12
+    seq = [rng.randrange(vocab) for _ in range(120)]
+    tree = SuffixTree(depth)
+    own: list[int] = []
+    actives = tree.extend(own, seq)
+    p = SpecParams(max_spec_tokens=10, min_token_prob=0.2)
+    cand = tree.speculate(actives, 10, p)
+    ref = substring_counts([seq], depth)
+    assert cand.token_ids, "a 120-token sequence over 4 symbols always repeats its suffix"
+    pattern = seq[-cand.match_len:]
+    assert cand.match_len <= depth and len(cand.token_ids) <= min(10, cand.match_len)
+    prob = 1.0
+    for tok, pr in zip(cand.token_ids, cand.probs):
+        if len(pattern) < depth:
+            kids = _children(ref, pattern, vocab)
+            assert kids[tok] == max(kids.values())
+            prob *= kids[tok] / ref[tuple(pattern)]
+        assert pr == pytest.approx(prob) and pr >= 0.2
+        pattern = pattern + [tok]
+    assert cand.score == pytest.approx(sum(cand.probs))
+
+
+def test_repeated_block_is_drafted_from_the_prompt():
+    block = list(range(100, 160))
+    tree = SuffixTree(64)
+    seq: list[int] = []
+    actives = tree.extend(seq, [1, 2] + block + [7, 8] + block[:10])
+    cand = tree.speculate(actives, 32, SpecParams(max_spec_tokens=32))
+    assert cand.token_ids == block[10:20]  # draft length ≤ match_len (10)
+    # The context's own occurrence counts too (node count 2, child count 1): p = 0.5 per token.
+    assert cand.match_len == 10 and cand.probs == [0.5] * 10 and cand.score == 5.0
+
+
+def test_drafter_global_cache_makes_second_request_hit():
+    cache = GlobalSuffixCache(max_depth=64, max_cached_requests=10)
+    d = SuffixDrafter(SuffixConfig(), cache)
+    answer = list(range(500, 540))
+    d.start("a", [1, 2, 3])
+    d.observe("a", answer)
+    assert d.stop("a") == answer
+    d.start("b", [9, 9, 9])
+    d.observe("b", answer[:5])
+    draft = d.propose("b", 16)
+    assert draft.token_ids == answer[5:10] and draft.features["tree"] == "global"
+    assert draft.source == "suffix" and draft.match_len == 5
+
+
+def test_global_cache_fifo_eviction():
+    cache = GlobalSuffixCache(max_depth=8, max_cached_requests=4)
+    for i in range(12):
+        cache.insert([1000 + i, 2000 + i, 3000 + i])
+    assert len(cache) == 4
+    assert cache.tree.count([1011, 2011]) == 1
+    assert cache.tree.count([1000]) == 0  # evicted outputs leave the tree
+    live = sum(1 for i in range(12) if cache.tree.count([1000 + i]))
+    assert 4 <= live <= 5  # rebuild slack: at most a quarter of capacity extra
