@@ -80,6 +80,52 @@ def cmd_client(args: argparse.Namespace) -> None:
             sys.exit(f"\nerror: {e.code().name}: {e.details()}")
 
 
+def record_traces(engine, prompts, max_new: int, progress: bool = True) -> list:
+    """Greedy target generations (method `vanilla`) of ``prompts``, as replayable traces."""
+    import time
+
+    from services.drafter.replay import Trace
+    from services.router.engine import GenerationRequest
+
+    traces, t0 = [], time.time()
+    for i, p in enumerate(prompts):
+        ids = engine.encode(p.text)
+        r = engine.generate(GenerationRequest(ids, max_new, method="vanilla")).result()
+        traces.append(Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None))
+        if progress:
+            rate = (time.time() - t0) / (i + 1)
+            print(f"[trace] {i + 1}/{len(prompts)} {rate:.1f} s/prompt eta {rate * (len(prompts) - i - 1):.0f}s",
+                  file=sys.stderr, flush=True)
+    return traces
+
+
+def cmd_trace(args: argparse.Namespace) -> None:
+    from bench.workloads import load
+    from services.drafter.replay import save_traces
+    from services.router.engine import Engine
+
+    engine = Engine(engine_config(args))
+    traces = record_traces(engine, load(args.workload, args.limit), args.max_new_tokens)
+    save_traces(args.out, traces)
+    print(f"wrote {len(traces)} traces to {args.out}")
+
+
+def cmd_replay(args: argparse.Namespace) -> None:
+    from services.common.config import SpecParams, SuffixConfig
+    from services.drafter.base import DRAFTERS
+    from services.drafter.replay import load_traces, replay
+
+    if args.drafter != "suffix":
+        sys.exit(f"error: --drafter {args.drafter!r}: replay supports the model-free drafter 'suffix'")
+    cfg = SuffixConfig(max_depth=args.max_depth, spec=SpecParams(max_spec_tokens=args.max_draft))
+    stats = replay(DRAFTERS["suffix"](cfg), load_traces(args.traces), args.max_draft, progress=True)
+    report = {"drafter": args.drafter, "traces": str(args.traces), "max_draft": args.max_draft,
+              "max_depth": args.max_depth, **stats.report()}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from bench.harness import main as bench_main
 
@@ -119,6 +165,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop", action="append")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=cmd_client)
+
+    p = sub.add_parser("trace", help="record greedy target generations of a workload as replay traces")
+    _engine_args(p)
+    p.add_argument("--workload", required=True)
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("replay", help="replay traces through a drafter without the target")
+    p.add_argument("--drafter", default="suffix")
+    p.add_argument("--traces", type=Path, required=True)
+    p.add_argument("--max-draft", type=int, default=16)
+    p.add_argument("--max-depth", type=int, default=64)
+    p.add_argument("--out", type=Path, default=None)
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("bench", help="benchmark methods side by side (see bench/harness.py)")
     _engine_args(p)

@@ -85,16 +85,18 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafts_by_source: dict[str, int] = field(default_factory=dict)
 
-    def add(self, draft: Draft, verdict: Verdict) -> None:
+    def add(self, draft: Draft, verdict: Verdict, committed: int) -> None:
+        """Count one cycle; ``committed`` = tokens kept (the verdict's, cut after EOS)."""
+        accepted = min(verdict.accepted, committed)
         self.cycles += 1
         self.draft_tokens += len(draft)
-        self.accepted_tokens += verdict.accepted
+        self.accepted_tokens += accepted
         self.rescued_tokens += verdict.rescued
         if len(draft):
             self.drafts_by_source[draft.source] = self.drafts_by_source.get(draft.source, 0) + 1
-        while len(self.accepted_per_position) < verdict.accepted:
+        while len(self.accepted_per_position) < accepted:
             self.accepted_per_position.append(0)
-        for i in range(verdict.accepted):
+        for i in range(accepted):
             self.accepted_per_position[i] += 1
 
     @property

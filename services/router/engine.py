@@ -22,7 +22,6 @@ from services.verifier.runner import TargetRunner
 
 from services.drafter.suffix import GlobalSuffixCache, SuffixConfig, SuffixDrafter
 
-import services.drafter.draft_lm  # noqa: F401  (registers "draft-lm")
 
 
 @dataclass(frozen=True)
@@ -182,13 +181,16 @@ class Generation:
         logits, _ = self.engine.runner.verify(session, draft.token_ids)
         verdict = self.policy(draft, logits, self.req.sampling, self.rng)
         self.engine.runner.commit(session, verdict)
+        eos = self.engine.eos_id
+        # The request commits nothing past EOS; drafters and statistics see the same tokens.
+        committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if eos in verdict.tokens else verdict.tokens
         if self.drafter:
-            self.drafter.observe(self.req_id, verdict.tokens)
+            self.drafter.observe(self.req_id, committed)
         t2 = time.perf_counter()
         self.timings.draft_s += t1 - t0
         self.timings.verify_s += t2 - t1
-        self.stats.add(draft, verdict)
-        return self._emit(verdict.tokens)
+        self.stats.add(draft, verdict, len(committed))
+        return self._emit(committed)
 
     def _emit(self, tokens: list[int]) -> StepOutput:
         """Append tokens one by one, stopping at EOS, the length limit or a stop string.
