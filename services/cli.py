@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
+    ap.add_argument("--redis-url", default=os.environ.get("SPECMESH_REDIS_URL"),
+                    help="share state across replicas through Redis (env SPECMESH_REDIS_URL); default: none")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -26,7 +29,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     draft = args.draft if args.draft and (args.draft / "config.json").exists() else None
     return EngineConfig(target=args.target, draft=draft, device=device, dtype=dtype,
-                        num_speculative_tokens=args.num_speculative_tokens, threads=args.threads)
+                        num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
+                        redis_url=args.redis_url or None)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

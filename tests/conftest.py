@@ -78,3 +78,61 @@ def bundled_engine():
     if not bundled_available():
         pytest.fail("bundled models missing: run `make models`")
     return Engine(EngineConfig())
+
+
+# -- Redis -----------------------------------------------------------------------------------
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def redis_url():
+    """The machine's Redis (CI starts one). Absent Redis is a failure, never a skip."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_timeout=1).ping()
+    except redis.RedisError as e:
+        pytest.fail(f"Redis is required at {REDIS_URL}: {e}")
+    return REDIS_URL
+
+
+class RedisProcess:
+    """A private redis-server on a spare port, for tests that stop and restart Redis."""
+
+    def __init__(self):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self):
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                redis.Redis(port=self.port).ping()
+                return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self):
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def private_redis():
+    r = RedisProcess().start()
+    yield r
+    r.stop()

@@ -38,6 +38,7 @@ class EngineConfig:
     default_method: str = "sd"
     threads: int = 0                      # torch intra-op threads; 0 = torch default
     suffix: SuffixConfig = SuffixConfig()
+    redis_url: str | None = None          # shared state across replicas; None = process-local only
 
 
 @dataclass(frozen=True)

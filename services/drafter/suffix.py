@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -70,8 +71,10 @@ class SuffixDrafter:
 
     name = "suffix"
 
-    def __init__(self, cfg: SuffixConfig = SuffixConfig(), global_cache: GlobalSuffixCache | None = None):
+    def __init__(self, cfg: SuffixConfig = SuffixConfig(), global_cache: GlobalSuffixCache | None = None,
+                 on_finish: Callable[[list[int]], None] | None = None):
         self.cfg = cfg
+        self.on_finish = on_finish  # e.g. publish to the replicas' shared feed
         self.global_cache = global_cache if global_cache is not None else GlobalSuffixCache(
             cfg.max_depth, cfg.max_cached_requests)
         self.trees: dict[str, SuffixTree] = {}
@@ -127,4 +130,6 @@ class SuffixDrafter:
             return []
         output = st.seq[st.prompt_len:]
         self.global_cache.insert(output)
+        if self.on_finish is not None:
+            self.on_finish(output)
         return output

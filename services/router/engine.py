@@ -93,9 +93,21 @@ class Engine:
             self.drafters["draft-lm"] = DRAFTERS["draft-lm"](Llama.from_pretrained(cfg.draft, dtype, cfg.device))
             self.max_draft["draft-lm"] = cfg.num_speculative_tokens
         self.suffix_cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
-        self.drafters["suffix"] = SuffixDrafter(cfg.suffix, self.suffix_cache)
+        self.suffix_feed = None
+        if cfg.redis_url:
+            from services.memory.redis_link import RedisLink
+            from services.memory.suffix_feed import SuffixFeed
+
+            self.suffix_feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), self.suffix_cache).start()
+        self.drafters["suffix"] = SuffixDrafter(cfg.suffix, self.suffix_cache,
+                                                self.suffix_feed.publish if self.suffix_feed else None)
         self.max_draft["suffix"] = cfg.suffix.spec.max_spec_tokens
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Flush state shared with other replicas (pending suffix-feed outputs)."""
+        if self.suffix_feed is not None:
+            self.suffix_feed.close()
 
     @property
     def context_len(self) -> int:

@@ -124,3 +124,4 @@ def serve(engine: Engine, cfg: ServerConfig) -> None:
     signal.signal(signal.SIGINT, stop)
     done.wait()
     server.stop(grace=10).wait()
+    engine.close()

@@ -1,0 +1,65 @@
+"""A Redis connection that fails fast and recovers with backoff.
+
+Rule: callers never wait long on Redis (short socket timeouts); while Redis is down, calls
+raise ``RedisUnavailable`` immediately until the next retry time (exponential backoff,
+0.5 s → 30 s); the outage is logged once when it starts and once when it ends, counted in
+``specmesh_redis_errors_total`` and shown in ``specmesh_redis_up``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, TypeVar
+
+import redis
+
+from services.common.metrics import REDIS_ERRORS, REDIS_UP
+
+log = logging.getLogger("specmesh.redis")
+T = TypeVar("T")
+
+
+class RedisUnavailable(RuntimeError):
+    pass
+
+
+class RedisLink:
+    def __init__(self, url: str, component: str, timeout_s: float = 0.5):
+        self.url = url
+        self.component = component
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.healthy = True
+        self._backoff = 0.5
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+        REDIS_UP.labels(component).set(1)
+
+    def call(self, fn: Callable[[redis.Redis], T]) -> T:
+        if not self.healthy and time.monotonic() < self._retry_at:
+            raise RedisUnavailable(f"{self.component}: Redis at {self.url} is down; retrying later")
+        try:
+            result = fn(self.client)
+        except redis.RedisError as e:
+            self._failed(e)
+            raise RedisUnavailable(f"{self.component}: {e}") from e
+        if not self.healthy:
+            with self._lock:
+                self.healthy, self._backoff = True, 0.5
+            REDIS_UP.labels(self.component).set(1)
+            log.warning("%s: Redis at %s is back", self.component, self.url)
+        return result
+
+    def _failed(self, e: Exception) -> None:
+        REDIS_ERRORS.labels(self.component).inc()
+        with self._lock:
+            if self.healthy:
+                log.warning("%s: Redis at %s unavailable (%s); serving from local state", self.component, self.url, e)
+            else:
+                self._backoff = min(self._backoff * 2, 30.0)
+            self.healthy = False
+            self._retry_at = time.monotonic() + self._backoff
+        REDIS_UP.labels(self.component).set(0)
+
+    def seconds_to_retry(self) -> float:
+        return max(0.0, self._retry_at - time.monotonic()) if not self.healthy else 0.0
