@@ -27,6 +27,19 @@ class SuffixConfig:
 
 
 @dataclass(frozen=True)
+class GateConfig:
+    """Semantic Consistency Gating: a rejected draft token d (target prefers t) is rescued when
+    count(d, t) ≥ min_count in the correction memory (skipped when use_memory is False: the
+    `scg` ablation), d is in the target's top_k, and logit(d) − logit(t) ≥ log(tau).
+    Defaults: see bench/results/csd_sweep.*"""
+
+    min_count: float = 3.0
+    top_k: int = 5
+    tau: float = 0.3
+    use_memory: bool = True
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
@@ -39,6 +52,8 @@ class EngineConfig:
     threads: int = 0                      # torch intra-op threads; 0 = torch default
     suffix: SuffixConfig = SuffixConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only
+    gate: GateConfig = GateConfig()
+    ocm_snapshot: Path | None = MODELS_DIR / "ocm_snapshot.json"   # calibration prior, loaded when present
 
 
 @dataclass(frozen=True)

@@ -12,3 +12,8 @@ SUFFIX_FEED_INGESTED = Counter("specmesh_suffix_feed_ingested_total",
                                "Outputs of other replicas ingested into the global suffix tree")
 SUFFIX_FEED_PUBLISHED = Counter("specmesh_suffix_feed_published_total",
                                 "Finished outputs published to the shared suffix feed")
+OCM_PAIRS = Gauge("specmesh_ocm_pairs", "Distinct (draft, target) pairs in the correction memory view")
+RESCUED_TOKENS = Counter("specmesh_rescued_tokens_total", "Draft tokens accepted by relaxed (calibrated) verification",
+                         ["method"])
+FIRST_REJECTIONS = Counter("specmesh_first_rejections_total",
+                           "Cycles whose draft hit a true rejection (rescue-rate denominator)", ["method"])

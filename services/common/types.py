@@ -81,6 +81,7 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rescued_tokens: int = 0
+    first_rejections: int = 0          # cycles ending in a true (unrescued) rejection
     generated_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafts_by_source: dict[str, int] = field(default_factory=dict)
@@ -92,6 +93,7 @@ class SpecStats:
         self.draft_tokens += len(draft)
         self.accepted_tokens += accepted
         self.rescued_tokens += verdict.rescued
+        self.first_rejections += verdict.first_rejection is not None and verdict.accepted < committed
         if len(draft):
             self.drafts_by_source[draft.source] = self.drafts_by_source.get(draft.source, 0) + 1
         while len(self.accepted_per_position) < accepted:
@@ -105,6 +107,12 @@ class SpecStats:
         return self.generated_tokens / self.cycles if self.cycles else 0.0
 
     @property
+    def rescue_rate(self) -> float:
+        """Rescued tokens / mismatches met (rescued + true rejections)."""
+        n = self.rescued_tokens + self.first_rejections
+        return self.rescued_tokens / n if n else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
@@ -112,6 +120,7 @@ class SpecStats:
         return {
             "cycles": self.cycles, "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens, "rescued_tokens": self.rescued_tokens,
+            "first_rejections": self.first_rejections, "rescue_rate": round(self.rescue_rate, 4),
             "generated_tokens": self.generated_tokens, "tau": round(self.tau, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "accepted_per_position": list(self.accepted_per_position),

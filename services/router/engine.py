@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -17,7 +18,9 @@ from services.common.sampling import make_rng
 from services.common.types import Draft, SamplingParams, SpecStats
 from services.drafter.base import DRAFTERS, Drafter
 from services.router.detok import Detokenizer
-from services.verifier.policies import POLICIES
+from services.memory.correction_memory import LocalCorrectionMemory
+from services.memory.snapshot import load_snapshot
+from services.verifier.policies import POLICIES, CalibratedGreedy
 from services.verifier.runner import TargetRunner
 
 from services.drafter.suffix import GlobalSuffixCache, SuffixConfig, SuffixDrafter
@@ -36,6 +39,8 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("vanilla", None, "lossless", "target model alone, one token per forward"),
     MethodSpec("sd", "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
     MethodSpec("suffix", "suffix", "lossless", "suffix-cache drafts (prompt + past outputs), lossless verification"),
+    MethodSpec("csd", "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate), greedy"),
+    MethodSpec("scg", "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
 )}
 
 
@@ -102,12 +107,33 @@ class Engine:
         self.drafters["suffix"] = SuffixDrafter(cfg.suffix, self.suffix_cache,
                                                 self.suffix_feed.publish if self.suffix_feed else None)
         self.max_draft["suffix"] = cfg.suffix.spec.max_spec_tokens
+        self.memory = self._open_memory(cfg)
+        self.policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, self.memory),
+                         "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
         self._ids = itertools.count()
+
+    @staticmethod
+    def _open_memory(cfg: EngineConfig):
+        """Correction memory: Redis-shared when configured, else in-process; calibration prior loaded."""
+        prior = load_snapshot(cfg.ocm_snapshot) if cfg.ocm_snapshot and Path(cfg.ocm_snapshot).exists() else None
+        if cfg.redis_url:
+            from services.memory.redis_link import RedisLink
+            from services.memory.redis_memory import RedisCorrectionMemory
+
+            memory = RedisCorrectionMemory(RedisLink(cfg.redis_url, "ocm"))
+            if prior:
+                memory.ensure_prior(prior)
+            return memory
+        memory = LocalCorrectionMemory()
+        if prior:
+            memory.restore(prior)
+        return memory
 
     def close(self) -> None:
         """Flush state shared with other replicas (pending suffix-feed outputs)."""
         if self.suffix_feed is not None:
             self.suffix_feed.close()
+        self.memory.close()
 
     @property
     def context_len(self) -> int:
@@ -151,7 +177,7 @@ class Generation:
     def __init__(self, engine: Engine, req: GenerationRequest, req_id: str):
         self.engine, self.req, self.req_id = engine, req, req_id
         self.method = METHODS[req.method]
-        self.policy = POLICIES[self.method.policy]
+        self.policy = engine.policies[self.method.policy]
         self.drafter = engine.drafters[self.method.drafter] if self.method.drafter else None
         self.max_draft = engine.max_draft[self.method.drafter] if self.method.drafter else 0
         self.rng = make_rng(req.sampling.seed)
@@ -202,6 +228,8 @@ class Generation:
         self.timings.draft_s += t1 - t0
         self.timings.verify_s += t2 - t1
         self.stats.add(draft, verdict, len(committed))
+        if verdict.first_rejection is not None and self.req.sampling.greedy:
+            self.engine.memory.record([verdict.first_rejection])
         return self._emit(committed)
 
     def _emit(self, tokens: list[int]) -> StepOutput:

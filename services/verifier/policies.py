@@ -11,6 +11,7 @@ i (row k predicts the bonus token).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol
 
 import torch
@@ -61,6 +62,46 @@ def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
         residual[d[m]] = 0.0
     t = sample(residual / residual.sum() if residual.sum() > 0 else p[m], rng)
     return Verdict(accepted=m, tokens=draft.token_ids[:m] + [t], first_rejection=(int(d[m]), t))
+
+
+class CalibratedGreedy:
+    """Calibrated Speculative Decoding's verification (greedy requests only).
+
+    Walk the draft: d_i == argmax p_i is accepted; a mismatch is *rescued* when the gate
+    passes (``GateConfig``), which emits the draft token and keeps verifying — the target's
+    later logits were computed on the draft prefix, so they stay valid. The first mismatch
+    that is not rescued is the true rejection: emit the target's token there and report the
+    pair for the memory. Sampled requests fall back to lossless rejection sampling.
+    """
+
+    def __init__(self, gate, memory=None):
+        self.gate = gate
+        self.memory = memory if gate.use_memory else None
+        self.log_tau = math.log(gate.tau)
+
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams,
+                 rng: torch.Generator) -> Verdict:
+        if not sp.greedy:
+            return rejection_sampling(draft, logits, sp, rng)
+        target = logits.argmax(-1).tolist()
+        d = draft.token_ids
+        m = rescued = 0
+        while m < len(d):
+            if d[m] != target[m]:
+                if not self._rescue(d[m], target[m], logits[m]):
+                    break
+                rescued += 1
+            m += 1
+        first = (d[m], target[m]) if m < len(d) else None
+        return Verdict(accepted=m, tokens=d[:m] + [target[m]], rescued=rescued, first_rejection=first)
+
+    def _rescue(self, d: int, t: int, row: torch.Tensor) -> bool:
+        if self.memory is not None and self.memory.lookup(d, t) < self.gate.min_count:
+            return False
+        gap = float(row[d] - row[t])  # ≤ 0: t is the argmax
+        if gap < self.log_tau:
+            return False
+        return int((row > row[d]).sum()) < self.gate.top_k  # d ranks within the top-k
 
 
 def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
