@@ -121,7 +121,7 @@ def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, r
     def once(m: str, ids: list[int], n: int) -> Run:
         return peers.run(m, ids, n) if m in HF_PEERS else run_ours(engine, m, ids, n)
 
-    encoded = [engine.encode(p.text) for p in prompts]
+    encoded = [engine.encode_fit(p.text, max_new) for p in prompts]
     for m in methods:  # warm-up
         once(m, encoded[0], 16)
     runs: dict[str, list[Run]] = {m: [] for m in methods}

@@ -31,10 +31,12 @@ def humaneval(limit: int) -> list[Prompt]:
     return [Prompt(r["task_id"], r["prompt"]) for r in rows[:limit]]
 
 
-def stdlib_heldout(limit: int, prompt_chars: int = 1200) -> list[Prompt]:
-    """Up to ``limit`` prompts, round-robin over held-out files, each a window ending at a line end."""
+def stdlib_heldout(limit: int, prompt_chars: int = 1200, split: str = "heldout") -> list[Prompt]:
+    """Up to ``limit`` prompts, round-robin over ``split`` files, each a window ending at a line end."""
     out = []
-    files = [p for p in corpus.source_files("heldout") if (corpus.read_source(p) or "").count("\n") > 80]
+    files = [p for p in corpus.source_files(split) if (corpus.read_source(p) or "").count("\n") > 80]
+    if split == "train":  # a fixed spread over the (large) training split
+        files = files[::max(1, len(files) // 200)]
     offset = 0
     while len(out) < limit and files:
         for path in files:
@@ -56,12 +58,21 @@ def stdlib_heldout(limit: int, prompt_chars: int = 1200) -> list[Prompt]:
     return out
 
 
-def edit(limit: int) -> list[Prompt]:
-    docs = corpus.edit_documents("heldout", per_lines=250, seed=7)
+def edit(limit: int, split: str = "heldout") -> list[Prompt]:
+    docs = corpus.edit_documents(split, per_lines=250 if split == "heldout" else 2000, seed=7)
     return [Prompt(f"{d.path}#{i}", d.prompt, reference=d.edited) for i, d in enumerate(docs[:limit])]
 
 
-WORKLOADS = {"humaneval": humaneval, "stdlib-heldout": stdlib_heldout, "edit": edit}
+# Evaluation workloads, and training-split twins for calibration and predictor training
+# (never evaluated on).
+WORKLOADS = {
+    "humaneval": humaneval,
+    "stdlib-heldout": stdlib_heldout,
+    "edit": edit,
+    "stdlib-train": lambda limit: stdlib_heldout(limit, split="train"),
+    "edit-train": lambda limit: edit(limit, split="train"),
+}
+EVALUATION = ("humaneval", "stdlib-heldout", "edit")
 
 
 def load(name: str, limit: int) -> list[Prompt]:

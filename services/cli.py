@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from services.common.config import MODELS_DIR, EngineConfig, ServerConfig
@@ -93,7 +94,7 @@ def record_traces(engine, prompts, max_new: int, progress: bool = True) -> list:
 
     traces, t0 = [], time.time()
     for i, p in enumerate(prompts):
-        ids = engine.encode(p.text)
+        ids = engine.encode_fit(p.text, max_new)
         r = engine.generate(GenerationRequest(ids, max_new, method="vanilla")).result()
         traces.append(Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None))
         if progress:
@@ -128,6 +129,43 @@ def cmd_replay(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    """Run `sd` over a calibration workload, record first-rejection pairs, write a snapshot."""
+    import time
+
+    from bench.workloads import EVALUATION, load
+    from services.memory.correction_memory import LocalCorrectionMemory
+    from services.memory.snapshot import save_snapshot
+    from services.router.engine import Engine, GenerationRequest
+
+    if args.workload in EVALUATION:
+        sys.exit(f"error: --workload {args.workload!r} is an evaluation set; calibrate on stdlib-train or edit-train")
+    cfg = engine_config(args)
+    engine = Engine(replace(cfg, redis_url=None, ocm_snapshot=None))
+    engine.memory = LocalCorrectionMemory()
+    prompts = load(args.workload, args.limit)
+    t0 = time.time()
+    for i, p in enumerate(prompts):
+        engine.generate(GenerationRequest(engine.encode_fit(p.text, args.max_new_tokens), args.max_new_tokens,
+                                          method="sd")).result()
+        rate = (time.time() - t0) / (i + 1)
+        print(f"[calibrate] {i + 1}/{len(prompts)} prompts, {len(engine.memory)} pairs, "
+              f"eta {rate * (len(prompts) - i - 1):.0f}s", file=sys.stderr, flush=True)
+    counts = engine.memory.snapshot()
+    save_snapshot(args.out, counts, {"workload": args.workload, "prompts": len(prompts),
+                                     "max_new_tokens": args.max_new_tokens, "target": str(cfg.target),
+                                     "draft": str(cfg.draft)})
+    print(f"wrote {len(counts)} pairs ({int(sum(counts.values()))} rejections) to {args.out}")
+    if args.redis_url:
+        from services.memory.redis_link import RedisLink
+        from services.memory.redis_memory import RedisCorrectionMemory
+
+        shared = RedisCorrectionMemory(RedisLink(args.redis_url, "ocm"))
+        shared.restore(counts)
+        shared.close()
+        print(f"loaded the snapshot as the shared prior into {args.redis_url}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -185,6 +223,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-depth", type=int, default=64)
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("calibrate", help="fill the correction memory from sd runs on a calibration set")
+    _engine_args(p)
+    p.add_argument("--workload", default="stdlib-train")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("bench", help="benchmark methods side by side (see bench/harness.py)")
     _engine_args(p)

@@ -145,6 +145,12 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_fit(self, text: str, max_new_tokens: int) -> list[int]:
+        """Encode for offline tools (bench, trace, calibrate): keep the prompt's last tokens so
+        prompt + max_new_tokens fits the context. The public API rejects long prompts instead."""
+        ids = self.encode(text)
+        return ids[-(self.context_len - max_new_tokens):]
+
     def validate(self, req: GenerationRequest) -> None:
         sp = req.sampling
         if not req.prompt_ids:

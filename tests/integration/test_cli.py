@@ -61,3 +61,25 @@ def test_serve_then_client_streams(tiny_dirs):
         except subprocess.TimeoutExpired:
             server.kill()
     assert server.returncode == 0, server.stdout.read()
+
+
+def test_calibrate_writes_snapshot_and_loads_redis_prior(tiny_dirs, tmp_path, redis_url):
+    import redis
+
+    from services.memory.snapshot import load_snapshot
+
+    target, draft = tiny_dirs
+    out = tmp_path / "ocm.json"
+    base = CLI + ["calibrate", "--target", str(target), "--draft", str(draft), "--limit", "3",
+                  "--max-new-tokens", "24", "--out", str(out)]
+    bad = subprocess.run(base + ["--workload", "humaneval"], capture_output=True, text=True, env=ENV, timeout=120)
+    assert bad.returncode != 0 and "evaluation set" in bad.stderr
+    r = redis.Redis.from_url(redis_url)
+    r.delete("specmesh:ocm:prior")
+    subprocess.run(base + ["--workload", "stdlib-train", "--redis-url", redis_url], capture_output=True, text=True,
+                   env=ENV, timeout=300, check=True)
+    counts = load_snapshot(out)
+    assert counts and all(n >= 1 for n in counts.values())
+    prior = r.hgetall("specmesh:ocm:prior")
+    assert len(prior) == len(counts)
+    r.delete("specmesh:ocm:prior")
