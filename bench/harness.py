@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench.quality import parses, rescued_breakdown, token_agreement
 from bench.workloads import Prompt, load
 
 HF_PEERS = ("hf-vanilla", "hf-assisted", "hf-pld")
@@ -37,6 +38,7 @@ class Run:
     ids: list[int]
     wall: float
     stats: dict = field(default_factory=dict)
+    rescued_pairs: list = field(default_factory=list)
 
 
 class HFPeers:
@@ -67,8 +69,9 @@ class HFPeers:
 def run_ours(engine, method: str, ids: list[int], max_new: int) -> Run:
     from services.router.engine import GenerationRequest
 
-    r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
-    return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"])
+    gen = engine.generate(GenerationRequest(ids, max_new, method=method))
+    r = gen.result()
+    return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"], list(gen.stats.rescued_pairs))
 
 
 @torch.inference_mode()
@@ -82,7 +85,7 @@ def target_nll(engine, prompt: list[int], out: list[int]) -> tuple[float, int]:
 
 
 def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tuple[float, int],
-              refs: list[str | None], texts: list[str]) -> dict:
+              refs: list[str | None], texts: list[str], prompts: list[str], tokenizer) -> dict:
     tokens = [len(r.ids) for r in runs]
     row = {
         "method": method,
@@ -93,9 +96,11 @@ def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tupl
         "median_wall_s": round(statistics.median(r.wall for r in runs), 4),
         "mean_new_tokens": round(statistics.mean(tokens), 1),
     }
+    row["parse_rate"] = round(sum(parses(p, t) for p, t in zip(prompts, texts)) / len(runs), 3)
     if vanilla:
         row["speedup_vs_vanilla"] = round(statistics.median(v.wall / r.wall for v, r in zip(vanilla, runs)), 3)
         row["exact_match_vs_vanilla"] = round(sum(v.ids == r.ids for v, r in zip(vanilla, runs)) / len(runs), 3)
+        row["token_agreement"] = round(statistics.mean(token_agreement(v.ids, r.ids) for v, r in zip(vanilla, runs)), 3)
     if runs[0].stats:
         cycles = sum(r.stats["cycles"] for r in runs)
         gen = sum(r.stats["generated_tokens"] for r in runs)
@@ -110,6 +115,12 @@ def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tupl
                 per_pos[i] += n
         n_drafts = sum(sum(r.stats["drafts_by_source"].values()) for r in runs)
         row["acceptance_per_position"] = [round(n / n_drafts, 3) for n in per_pos] if n_drafts else []
+        rescued = [p for r in runs for p in r.rescued_pairs]
+        if rescued:
+            rejections = sum(r.stats["first_rejections"] for r in runs)
+            row["rescued_tokens"] = len(rescued)
+            row["rescue_rate"] = round(len(rescued) / (len(rescued) + rejections), 3)
+            row["rescued_kinds"] = rescued_breakdown(tokenizer, rescued)
     if any(refs):
         row["reference_exact"] = round(sum(t.startswith(ref) for t, ref in zip(texts, refs) if ref)
                                        / sum(1 for ref in refs if ref), 3)
@@ -149,13 +160,16 @@ def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, r
             nll[0] += s
             nll[1] += n
         texts = [engine.tokenizer.decode(r.ids) for r in runs[m]]
-        rows.append(summarize(m, runs[m], runs.get("vanilla"), tuple(nll), refs, texts))
+        rows.append(summarize(m, runs[m], runs.get("vanilla"), tuple(nll), refs, texts,
+                              [p.text for p in prompts], engine.tokenizer))
     return rows
 
 
 def markdown(result: dict) -> str:
     cols = ["method", "tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_rate",
-            "exact_match_vs_vanilla", "target_nll"]
+            "exact_match_vs_vanilla", "token_agreement", "target_nll", "parse_rate"]
+    if any("rescue_rate" in r for r in result["rows"]):
+        cols.append("rescue_rate")
     if any("reference_exact" in r for r in result["rows"]):
         cols.append("reference_exact")
     lines = [f"### `{result['workload']}` — {result['limit']} prompts, {result['max_new_tokens']} new tokens, greedy",

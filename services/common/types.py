@@ -63,14 +63,19 @@ class Verdict:
     tokens:          tokens emitted this cycle: the kept draft prefix, then one token from
                      the target (the correction at the first rejection, or the bonus token
                      when the whole draft passed).
-    rescued:         kept draft tokens the target did not itself choose (relaxed policies).
+    rescued_pairs:   (draft, target) of each kept draft token the target did not itself
+                     choose (relaxed policies).
     first_rejection: (draft_token, target_token) at the first true rejection, if any.
     """
 
     accepted: int
     tokens: list[int]
-    rescued: int = 0
+    rescued_pairs: tuple[tuple[int, int], ...] = ()
     first_rejection: tuple[int, int] | None = None
+
+    @property
+    def rescued(self) -> int:
+        return len(self.rescued_pairs)
 
 
 @dataclass
@@ -80,11 +85,11 @@ class SpecStats:
     cycles: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    rescued_tokens: int = 0
     first_rejections: int = 0          # cycles ending in a true (unrescued) rejection
     generated_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafts_by_source: dict[str, int] = field(default_factory=dict)
+    rescued_pairs: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, draft: Draft, verdict: Verdict, committed: int) -> None:
         """Count one cycle; ``committed`` = tokens kept (the verdict's, cut after EOS)."""
@@ -92,7 +97,8 @@ class SpecStats:
         self.cycles += 1
         self.draft_tokens += len(draft)
         self.accepted_tokens += accepted
-        self.rescued_tokens += verdict.rescued
+        if accepted == verdict.accepted:  # a cycle cut short by EOS keeps no rescue statistics
+            self.rescued_pairs.extend(verdict.rescued_pairs)
         self.first_rejections += verdict.first_rejection is not None and verdict.accepted < committed
         if len(draft):
             self.drafts_by_source[draft.source] = self.drafts_by_source.get(draft.source, 0) + 1
@@ -105,6 +111,10 @@ class SpecStats:
     def tau(self) -> float:
         """Mean tokens per cycle (accepted drafts + the correction/bonus token)."""
         return self.generated_tokens / self.cycles if self.cycles else 0.0
+
+    @property
+    def rescued_tokens(self) -> int:
+        return len(self.rescued_pairs)
 
     @property
     def rescue_rate(self) -> float:

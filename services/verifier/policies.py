@@ -85,15 +85,16 @@ class CalibratedGreedy:
             return rejection_sampling(draft, logits, sp, rng)
         target = logits.argmax(-1).tolist()
         d = draft.token_ids
-        m = rescued = 0
+        m = 0
+        rescued: list[tuple[int, int]] = []
         while m < len(d):
             if d[m] != target[m]:
                 if not self._rescue(d[m], target[m], logits[m]):
                     break
-                rescued += 1
+                rescued.append((d[m], target[m]))
             m += 1
         first = (d[m], target[m]) if m < len(d) else None
-        return Verdict(accepted=m, tokens=d[:m] + [target[m]], rescued=rescued, first_rejection=first)
+        return Verdict(accepted=m, tokens=d[:m] + [target[m]], rescued_pairs=tuple(rescued), first_rejection=first)
 
     def _rescue(self, d: int, t: int, row: torch.Tensor) -> bool:
         if self.memory is not None and self.memory.lookup(d, t) < self.gate.min_count:
