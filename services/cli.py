@@ -15,6 +15,8 @@ from services.common.config import MODELS_DIR, EngineConfig, ServerConfig
 def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", type=Path, default=MODELS_DIR / "target", help="HF model directory of the target")
     ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft", help="HF model directory of the draft LM")
+    ap.add_argument("--eagle3", type=Path, default=MODELS_DIR / "eagle3",
+                    help="EAGLE-3 head directory (ours or a published one for the same target)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
@@ -29,7 +31,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     draft = args.draft if args.draft and (args.draft / "config.json").exists() else None
-    return EngineConfig(target=args.target, draft=draft, device=device, dtype=dtype,
+    eagle3 = args.eagle3 if args.eagle3 and (args.eagle3 / "config.json").exists() else None
+    return EngineConfig(target=args.target, draft=draft, eagle3=eagle3, device=device, dtype=dtype,
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
                         redis_url=args.redis_url or None)
 

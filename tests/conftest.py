@@ -136,3 +136,29 @@ def private_redis():
     r = RedisProcess().start()
     yield r
     r.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3(tiny_dirs, tmp_path_factory) -> Path:
+    """An (untrained, scaled-up) EAGLE-3 head for the tiny target, aux layers (0, 1, 1)."""
+    from transformers import AutoConfig
+
+    from services.drafter.eagle3 import Eagle3Head, eagle3_config
+
+    torch.manual_seed(7)
+    head = Eagle3Head(eagle3_config(AutoConfig.from_pretrained(str(tiny_dirs[0])), (0, 1, 1)))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() > 1 and "embed" not in name:
+                p.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("eagle3")
+    head.save_pretrained(path, dtype=torch.float32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_engine(tiny_dirs, tiny_eagle3):
+    from services.router.engine import Engine
+
+    return Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tiny_eagle3, eagle3_k=4,
+                               max_new_tokens_limit=200))

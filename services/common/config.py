@@ -43,6 +43,8 @@ class GateConfig:
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
+    eagle3: Path | None = MODELS_DIR / "eagle3"      # loaded when the directory holds a head
+    eagle3_k: int = 4                                 # EAGLE-3 chain length
     device: str = "cpu"
     dtype: str = "float32"
     num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`

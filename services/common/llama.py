@@ -169,12 +169,12 @@ class Llama(nn.Module):
         mask = None
         if t > 1:  # new token i sees the cache plus new tokens 0..i
             mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
-        hidden = []
+        seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
-                hidden.append(x)
+                seen[i] = x
             x = layer(x, cos, sin, cache.layers[i], start, mask)
-        return self.lm_head(self.norm(x)), hidden
+        return self.lm_head(self.norm(x)), [seen[i] for i in capture]
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
         p = next(self.parameters())

@@ -13,15 +13,18 @@ class Drafter(Protocol):
 
     ``observe`` receives the tokens committed in the cycle (accepted drafts + the target's
     token); a drafter compares them with what it proposed to roll back its own state.
+    Drafters with ``needs_target_states = True`` (EAGLE-3) also get the target's fused
+    hidden states of the positions the cycle verified, from the same forward pass.
     """
 
     name: str
+    needs_target_states: bool = False
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator) -> None: ...
 
     def propose(self, req_id: str, budget: int) -> Draft: ...
 
-    def observe(self, req_id: str, tokens: list[int]) -> None: ...
+    def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None: ...
 
     def stop(self, req_id: str) -> None: ...
 

@@ -64,7 +64,7 @@ class DraftLMDrafter:
         st.drafted = out
         return Draft(token_ids=out, probs=torch.stack(qs) if qs else None, source=self.name)
 
-    def observe(self, req_id: str, tokens: list[int]) -> None:
+    def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
         # K/V stay valid for the committed prefix of what was fed: old tokens + drafts that survived.
         kept = common_prefix(st.drafted, tokens)

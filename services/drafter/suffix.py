@@ -112,7 +112,7 @@ class SuffixDrafter:
                      features={"tree": tree, "prompt_len": st.prompt_len,
                                "generated_len": len(st.seq) - st.prompt_len})
 
-    def observe(self, req_id: str, tokens: list[int]) -> None:
+    def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
         tree = self.trees[req_id]
         gm = self._global_matches(st)

@@ -39,6 +39,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("vanilla", None, "lossless", "target model alone, one token per forward"),
     MethodSpec("sd", "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
     MethodSpec("suffix", "suffix", "lossless", "suffix-cache drafts (prompt + past outputs), lossless verification"),
+    MethodSpec("eagle3", "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states, lossless"),
     MethodSpec("csd", "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate), greedy"),
     MethodSpec("scg", "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
 )}
@@ -107,6 +108,13 @@ class Engine:
         self.drafters["suffix"] = SuffixDrafter(cfg.suffix, self.suffix_cache,
                                                 self.suffix_feed.publish if self.suffix_feed else None)
         self.max_draft["suffix"] = cfg.suffix.spec.max_spec_tokens
+        if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
+            from services.drafter.eagle3 import Eagle3Head
+
+            head = Eagle3Head.from_pretrained(cfg.eagle3, self.runner.model.embed_tokens.weight, dtype, cfg.device)
+            self.runner.capture_layers = head.aux_layers
+            self.drafters["eagle3"] = DRAFTERS["eagle3"](head)
+            self.max_draft["eagle3"] = cfg.eagle3_k
         self.memory = self._open_memory(cfg)
         self.policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, self.memory),
                          "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
@@ -222,14 +230,18 @@ class Generation:
         budget = self._budget(session)
         draft = self.drafter.propose(self.req_id, budget) if self.drafter and budget > 0 else Draft.empty()
         t1 = time.perf_counter()
-        logits, _ = self.engine.runner.verify(session, draft.token_ids)
+        n_pending = len(session.pending)
+        logits, hidden = self.engine.runner.verify(session, draft.token_ids)
         verdict = self.policy(draft, logits, self.req.sampling, self.rng)
         self.engine.runner.commit(session, verdict)
         eos = self.engine.eos_id
         # The request commits nothing past EOS; drafters and statistics see the same tokens.
         committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if eos in verdict.tokens else verdict.tokens
         if self.drafter:
-            self.drafter.observe(self.req_id, committed)
+            states = None
+            if getattr(self.drafter, "needs_target_states", False):  # fused features of the verified positions
+                states = torch.cat(hidden, dim=-1)[0, :n_pending + verdict.accepted]
+            self.drafter.observe(self.req_id, committed, states)
         t2 = time.perf_counter()
         self.timings.draft_s += t1 - t0
         self.timings.verify_s += t2 - t1

@@ -1,0 +1,169 @@
+"""EAGLE-3 draft head (arXiv 2503.01840): one decoder layer over fused target features.
+
+Step at position i (shapes for one sequence; H = head hidden size):
+    h_i      = fc(cat(f_low, f_mid, f_high)_i)          target features, 3·H_t → H   (step 0)
+             | prenorm output of the previous step          (chain steps ≥ 1: own hidden state)
+    x_i      = cat(input_layernorm(embed(token_{i+1})), hidden_norm(h_i))            2H
+    r_i      = h_i + o_proj(attention(x_i))                 causal over the head's cache
+    out_i    = r_i + mlp(post_attention_layernorm(r_i))     prenorm: the next chain step's h
+    logits_i = lm_head(norm(out_i))                         draft vocabulary; target id = d + d2t[d]
+
+Checkpoint format = published EAGLE-3 heads (config.json + safetensors): ``fc.*``,
+``midlayer.*``, ``norm.*``, ``lm_head.*``, ``d2t``, ``t2d``; config keys ``draft_vocab_size``
+and ``eagle_config.eagle_aux_hidden_state_layer_ids``. Embeddings are the target's, frozen
+(loaded from the checkpoint when it carries ``embed_tokens.weight``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.llama import MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, rotate_half
+
+
+class MidLayer(nn.Module):
+    def __init__(self, s: LlamaShape):
+        super().__init__()
+        self.s = s
+        self.input_layernorm = RMSNorm(s.hidden, s.eps)
+        self.hidden_norm = RMSNorm(s.hidden, s.eps)
+        attn = nn.Module()
+        attn.q_proj = nn.Linear(2 * s.hidden, s.heads * s.head_dim, bias=False)
+        attn.k_proj = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
+        attn.v_proj = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
+        attn.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+        self.mlp = MLP(s)
+
+    def qkv(self, emb, h, cos, sin):
+        """[B, T, H] embeddings and hidden → rotated q [B, nh, T, d], k/v [B, nkv, T, d]."""
+        b, t, _ = h.shape
+        s, a = self.s, self.self_attn
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        q = a.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def finish(self, attn_out, h):
+        """attn_out [B, nh, T, d], residual h [B, T, H] → prenorm output [B, T, H]."""
+        b, _, t, _ = attn_out.shape
+        r = h + self.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        s = LlamaShape.from_hf(cfg)
+        self.s, self.cfg = s, cfg
+        target_hidden = getattr(cfg, "target_hidden_size", None) or s.hidden
+        self.draft_vocab = getattr(cfg, "draft_vocab_size", None) or s.vocab
+        self.aux_layers = tuple(cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * target_hidden, s.hidden, bias=False)
+        self.midlayer = MidLayer(s)
+        self.norm = RMSNorm(s.hidden, s.eps)
+        self.lm_head = nn.Linear(s.hidden, self.draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(s.vocab, dtype=torch.bool))
+        cos, sin = _rope_tables(cfg, s.max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits → target-vocabulary logits (-inf outside the draft vocabulary)."""
+        if self.draft_vocab == self.s.vocab and not self.d2t.any():
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.s.vocab), float("-inf"))
+        out[..., self.to_target_ids(torch.arange(self.draft_vocab, device=logits.device))] = logits
+        return out
+
+    def step(self, h: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache):
+        """Run T positions start..start+T-1 with the head's KV cache → (target-vocab logits, prenorm)."""
+        t = tokens.shape[1]
+        cos, sin = self.rope(torch.arange(start, start + t, device=tokens.device), h.dtype)
+        q, k, v = self.midlayer.qkv(self.embed_tokens(tokens), h, cos, sin)
+        kc, vc = cache.layers[0]
+        kc[:, :, start:start + t] = k
+        vc[:, :, start:start + t] = v
+        mask = None
+        if t > 1:
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=tokens.device).tril(start)
+        o = F.scaled_dot_product_attention(q, kc[:, :, :start + t], vc[:, :, :start + t], attn_mask=mask,
+                                           enable_gqa=self.s.kv_heads != self.s.heads)
+        out = self.midlayer.finish(o, h)
+        return self.target_logits(self.lm_head(self.norm(out))), out
+
+    def new_cache(self, capacity: int) -> KVCache:
+        p = self.fc.weight
+        shape = LlamaShape(**{**self.s.__dict__, "layers": 1})
+        return KVCache(shape, 1, capacity, p.dtype, p.device)
+
+    # -- checkpoint I/O (published EAGLE-3 layout) ---------------------------------------------
+    def save_pretrained(self, path: str | Path, dtype=torch.float16) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+                 for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        self.cfg.dtype = str(dtype).removeprefix("torch.")
+        self.cfg.save_pretrained(str(path))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_embed: torch.Tensor | None = None,
+                        dtype=torch.float32, device="cpu") -> "Eagle3Head":
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+
+        path = Path(path)
+        raw = json.loads((path / "config.json").read_text())
+        if "eagle_config" not in raw or "eagle_aux_hidden_state_layer_ids" not in raw["eagle_config"]:
+            raise ValueError(f"{path}: config.json lacks eagle_config.eagle_aux_hidden_state_layer_ids")
+        cfg = LlamaConfig.from_pretrained(str(path))
+        cfg.eagle_config = raw["eagle_config"]
+        with torch.device("meta"):
+            head = cls(cfg)
+        state = load_file(str(path / "model.safetensors"))
+        if "embed_tokens.weight" not in state:
+            if target_embed is None:
+                raise ValueError(f"{path}: head has no embed_tokens.weight; pass the target's embeddings")
+            state["embed_tokens.weight"] = target_embed.detach()
+        head.load_state_dict(state, strict=True, assign=True)
+        cos, sin = _rope_tables(cfg, head.s.max_positions)
+        head.rope_cos, head.rope_sin = cos, sin
+        head.embed_tokens.weight.requires_grad_(False)
+        return head.to(device=device, dtype=dtype).eval()
+
+
+def eagle3_config(target_cfg, aux_layers: tuple[int, int, int], intermediate: int | None = None):
+    """Head config for ``target_cfg``: same hidden size, heads, vocabulary and RoPE as the target."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,
+        intermediate_size=intermediate or target_cfg.intermediate_size, num_hidden_layers=1,
+        num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=getattr(target_cfg, "num_key_value_heads", None) or target_cfg.num_attention_heads,
+        max_position_embeddings=target_cfg.max_position_embeddings, rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_parameters=getattr(target_cfg, "rope_parameters", None), tie_word_embeddings=False,
+        architectures=["LlamaForCausalLMEagle3"],
+    )
+    cfg.draft_vocab_size = target_cfg.vocab_size
+    cfg.target_hidden_size = target_cfg.hidden_size
+    cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True}
+    return cfg

@@ -1,0 +1,76 @@
+"""EAGLE-3 head: checkpoint format, feature catch-up (rollback), lossless eagle3 decoding."""
+import json
+
+import pytest
+import torch
+
+from services.common.llama import Llama
+from services.common.types import SamplingParams
+from services.drafter.eagle3 import Eagle3Head
+from services.drafter.eagle3_drafter import Eagle3Drafter
+from services.router.engine import GenerationRequest
+
+
+def test_checkpoint_roundtrip_and_published_names(tiny_dirs, tiny_eagle3, tmp_path):
+    from safetensors.torch import load_file
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    keys = set(load_file(str(tiny_eagle3 / "model.safetensors")))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= keys and not any(k.startswith("embed_tokens") for k in keys)
+    cfg = json.loads((tiny_eagle3 / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1] and cfg["draft_vocab_size"] == 8192
+    assert head.midlayer.self_attn.q_proj.weight.shape[1] == 2 * 64 and head.fc.weight.shape == (64, 192)
+    head.save_pretrained(tmp_path / "again", dtype=torch.float32)
+    again = Eagle3Head.from_pretrained(tmp_path / "again", target.embed_tokens.weight)
+    h, toks = torch.randn(1, 6, 64), torch.randint(0, 8192, (1, 6))
+    with torch.no_grad():
+        a, _ = head.step(h, toks, 0, head.new_cache(16))
+        b, _ = again.step(h, toks, 0, again.new_cache(16))
+    assert torch.equal(a, b)
+
+
+def test_loader_rejects_non_eagle_config(tiny_dirs):
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        Eagle3Head.from_pretrained(tiny_dirs[0])
+
+
+def features(target: Llama, tokens: list[int], layers) -> torch.Tensor:
+    with torch.no_grad():
+        _, hidden = target(torch.tensor([tokens]), 0, target.new_cache(capacity=len(tokens)), layers)
+    return torch.cat(hidden, -1)[0]
+
+
+def test_incremental_features_equal_one_shot(tiny_dirs, tiny_eagle3):
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seq = list(range(300, 340))
+    f = features(target, seq, head.aux_layers)  # features of positions 0..39
+    a = Eagle3Drafter(head)
+    a.start("r", seq[:10], SamplingParams(), None)
+    a.observe("r", [], f[:9])                     # prefill cycle: 9 positions verified
+    a.propose("r", 4)
+    pos = 9
+    for chunk in (3, 1, 5):                       # cycles committing `chunk` tokens each
+        a.observe("r", seq[10 + pos - 9:10 + pos - 9 + chunk], f[pos:pos + chunk])
+        pos += chunk
+        a.propose("r", 4)
+    a.propose("r", 4)                             # a dropped draft, proposed again
+    b = Eagle3Drafter(head)
+    b.start("r", seq[:pos + 1], SamplingParams(), None)
+    b.observe("r", [], f[:pos])
+    assert a.states["r"].tokens == b.states["r"].tokens
+    assert a.propose("r", 5).token_ids == b.propose("r", 5).token_ids
+
+
+def test_eagle3_equals_vanilla(tiny_eagle_engine):
+    eng = tiny_eagle_engine
+    for text in ["def add(a, b):\n", "import os\nimport sys\n", "class A:\n    def f(self", "x = [1, 2"]:
+        ids = eng.encode(text)
+        van = eng.generate(GenerationRequest(ids, 40, method="vanilla")).result()
+        e3 = eng.generate(GenerationRequest(ids, 40, method="eagle3")).result()
+        assert e3["token_ids"] == van["token_ids"]
+        assert e3["stats"]["draft_tokens"] > 0 and e3["stats"]["drafts_by_source"].get("eagle3", 0) > 0
+    out = eng.generate(GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3"))
+    assert len(out.result()["token_ids"]) == 20
