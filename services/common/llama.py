@@ -150,13 +150,18 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     # -- training / scoring: full causal sequence, no cache ------------------------------
-    def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward_train(self, ids: torch.Tensor, capture: tuple[int, ...] = ()):
+        """Logits [B, T, V]; with ``capture``, also the residual streams entering those layers."""
         t = ids.shape[1]
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
-        for layer in self.layers:
+        seen = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                seen[i] = x
             x = layer(x, cos, sin, None, 0, None)
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        return (logits, [seen[i] for i in capture]) if capture else logits
 
     # -- inference: T new tokens at positions start..start+T-1 of every row ---------------
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache,

@@ -74,3 +74,27 @@ def test_eagle3_equals_vanilla(tiny_eagle_engine):
         assert e3["stats"]["draft_tokens"] > 0 and e3["stats"]["drafts_by_source"].get("eagle3", 0) > 0
     out = eng.generate(GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3"))
     assert len(out.result()["token_ids"]) == 20
+
+
+def test_ttt_unroll_matches_inference_chain(tiny_dirs, tiny_eagle3):
+    """Step j at index i of training equals chain step j of a draft started at position i."""
+    from training.eagle3 import ttt_loss, ttt_unroll
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seq = list(range(500, 530))
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        logits, hidden = target.forward_train(ids, capture=head.aux_layers)
+        f = torch.cat(hidden, -1)
+        steps = {j: lg for j, lg in ttt_unroll(head, f, ids, 4)}
+        for i in (3, 11, 20):
+            cache = head.new_cache(64)
+            lg, out = head.step(head.fc(f[:, :i + 1]), ids[:, 1:i + 2], 0, cache)
+            assert torch.allclose(lg[0, -1], steps[0][0, i], atol=1e-4)
+            h = out[:, -1:]
+            for j in (1, 2, 3):  # teacher-forced chain: token x_{i+1+j} at position i+j
+                lg, h = head.step(h, ids[:, i + 1 + j:i + 2 + j], i + j, cache)
+                assert torch.allclose(lg[0, -1], steps[j][0, i], atol=1e-4), (i, j)
+        loss, per_step = ttt_loss(head, f, torch.softmax(logits, -1), ids, torch.tensor([30]), 4)
+    assert loss.item() > 0 and len(per_step) == 4

@@ -1,0 +1,230 @@
+"""Train the EAGLE-3 head with training-time test (TTT) on the target's own generations.
+
+Data: traces (`specmesh trace`) of the target's greedy regenerations of *training* prompts
+(stdlib-train, edit-train); each sequence = prompt + the target's output.
+Per batch the target runs once (no grad) to give the fused features f (residual streams
+entering the aux layers) and its next-token distributions p. The head is unrolled for
+``ttt_steps`` steps; at step j, index i stands for the chain started at position i, now at
+position i+j:
+    hidden   = fc(f_i) at j = 0, else the head's own step j−1 output at i   (TTT)
+    token    = x_{i+1+j} (teacher forced), RoPE position i+j
+    keys     = step-0 keys of positions ≤ i  +  the chain's own keys of steps 1..j at i
+    loss_j   = Σ_i soft-CE(head_j(i), p_{i+1+j}) over valid i,  weighted 0.8^j
+The attention pattern is exactly what chain drafting sees at inference.
+
+    python -m training.eagle3 --traces T1.jsonl,T2.jsonl --out models/eagle3 [--ttt-steps 7]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.common.llama import Llama
+from services.drafter.eagle3 import Eagle3Head, eagle3_config
+from services.drafter.replay import load_traces
+
+STEP_WEIGHT = 0.8
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    """Distinct low / mid / high layers (EAGLE-3 uses 2, N/2, N−3 on deep targets)."""
+    if n_layers >= 8:
+        return 1, n_layers // 2, n_layers - 1
+    return 0, max(1, n_layers // 2), n_layers - 1
+
+
+def ttt_unroll(head: Eagle3Head, feats: torch.Tensor, ids: torch.Tensor, steps: int):
+    """Yield (j, logits_j [B, L, V_draft]) for the TTT steps; feats [B, L, 3H_t], ids [B, L]."""
+    L = feats.shape[1]
+    s = head.s
+    scale = 1.0 / math.sqrt(s.head_dim)
+    rep = s.heads // s.kv_heads
+    idx = torch.arange(L, device=ids.device)
+    causal = idx[None, :] <= idx[:, None]                       # [L(query), L(key)]
+    h = head.fc(feats)
+    k0 = v0 = None
+    diag_k: list[torch.Tensor] = []
+    diag_v: list[torch.Tensor] = []
+    for j in range(steps):
+        tok = torch.roll(ids, -(1 + j), dims=1)                 # x_{i+1+j}; the wrapped tail is masked
+        cos, sin = head.rope((idx + j).clamp_max(head.rope_cos.shape[0] - 1), h.dtype)
+        q, k, v = head.midlayer.qkv(head.embed_tokens(tok), h, cos, sin)
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        if j == 0:
+            k0, v0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        main = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
+        if diag_k:
+            diag = torch.stack([(q * dk).sum(-1) * scale for dk in diag_k], -1)   # [B, nh, L, j]
+            w = torch.softmax(torch.cat([main, diag], -1), -1)
+            attn = w[..., :L] @ v0 + (w[..., L:, None] * torch.stack(diag_v, -2)).sum(-2)
+        else:
+            attn = torch.softmax(main, -1) @ v0
+        out = head.midlayer.finish(attn, h)
+        yield j, head.lm_head(head.norm(out))
+        h = out
+
+
+def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor,
+             lengths: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
+    """Σ_j 0.8^j · mean over valid i of soft-CE(head_j(i), p_{i+1+j}); probs [B, L, V]."""
+    idx = torch.arange(ids.shape[1], device=ids.device)
+    total = feats.new_zeros(())
+    per_step = []
+    for j, logits in ttt_unroll(head, feats, ids, steps):
+        logp = torch.log_softmax(logits.float(), -1)
+        target = torch.roll(probs, -(1 + j), dims=1)
+        valid = (idx[None, :] + 1 + j) < lengths[:, None]
+        loss_j = (-(target * logp).sum(-1) * valid).sum() / valid.sum().clamp_min(1)
+        total = total + (STEP_WEIGHT ** j) * loss_j
+        per_step.append(float(loss_j))
+    return total, per_step
+
+
+def build_sequences(trace_files: list[Path], max_len: int) -> list[list[int]]:
+    seqs = []
+    for f in trace_files:
+        for t in load_traces(f):
+            seq = (t.prompt_ids + t.continuation)[:max_len]
+            if len(seq) > 8:
+                seqs.append(seq)
+    return seqs
+
+
+def batches(seqs: list[list[int]], tokens_per_batch: int, seed: int):
+    order = list(range(len(seqs)))
+    random.Random(seed).shuffle(order)
+    batch, width = [], 0
+    for i in order:
+        w = max(width, len(seqs[i]))
+        if batch and w * (len(batch) + 1) > tokens_per_batch:
+            yield batch
+            batch, w = [], len(seqs[i])
+        batch.append(seqs[i])
+        width = w
+    if batch:
+        yield batch
+
+
+def pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(s) for s in batch)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    for r, s in enumerate(batch):
+        ids[r, :len(s)] = torch.tensor(s)
+    return ids, torch.tensor([len(s) for s in batch])
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    target = Llama.from_pretrained(args.target)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
+    torch.manual_seed(0)
+    head = Eagle3Head(eagle3_config(target.hf_config, aux))
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight)  # full draft vocabulary: start from the target's head
+        for m in (head.fc, *[x for x in head.midlayer.modules() if isinstance(x, torch.nn.Linear)]):
+            torch.nn.init.normal_(m.weight, std=0.02)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
+    n_tokens = sum(len(s) for s in seqs)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / "ckpt.pt"
+    epoch, done_in_epoch, step, elapsed = 0, 0, 0, 0.0
+    if ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
+        print(f"[eagle3] resumed at epoch {epoch} step {step}", flush=True)
+    steps_per_epoch = sum(1 for _ in batches(seqs, args.batch_tokens, 0))
+    total_steps = steps_per_epoch * args.epochs
+    print(f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
+          f"TTT steps {args.ttt_steps}", flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
+
+    def save():
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch, "done": done_in_epoch,
+                    "step": step, "elapsed": elapsed}, ckpt.with_suffix(".tmp"))
+        os.replace(ckpt.with_suffix(".tmp"), ckpt)
+        head.save_pretrained(args.out)
+        (Path(args.out) / "training_state.json").write_text(json.dumps({
+            "traces": args.traces, "sequences": len(seqs), "tokens": n_tokens, "epochs": args.epochs,
+            "step": step, "total_steps": total_steps, "ttt_steps": args.ttt_steps, "aux_layers": list(aux),
+            "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr}, indent=2) + "\n")
+
+    t_last, t_seg, ema = time.time(), time.time(), None
+    while epoch < args.epochs and not stop["now"]:
+        for i, batch in enumerate(batches(seqs, args.batch_tokens, epoch)):
+            if i < done_in_epoch:
+                continue
+            ids, lengths = pad(batch, pad_id=0)
+            with torch.no_grad():
+                logits, hidden = target.forward_train(ids, capture=aux)
+                feats, probs = torch.cat(hidden, -1), torch.softmax(logits.float(), -1)
+            warmup = min(50, max(1, total_steps // 10))
+            lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, per_step = ttt_loss(head, feats, probs, ids, lengths, args.ttt_steps)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            done_in_epoch = i + 1
+            now = time.time()
+            elapsed += now - t_seg
+            t_seg = now
+            ema = per_step if ema is None else [0.9 * a + 0.1 * b for a, b in zip(ema, per_step)]
+            if step % args.log_every == 0:
+                eta = (total_steps - step) * elapsed / step
+                print(f"[eagle3] epoch {epoch} step {step}/{total_steps} loss/step "
+                      f"{' '.join(f'{x:.2f}' for x in ema)} lr {lr:.1e} eta {eta / 60:.0f} min", flush=True)
+            if now - t_last > args.ckpt_minutes * 60:
+                save()
+                t_last = t_seg = time.time()
+            if stop["now"]:
+                break
+        else:
+            epoch, done_in_epoch = epoch + 1, 0
+    save()
+    print(f"[eagle3] saved {args.out} (step {step}/{total_steps})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=Path("models/target"))
+    ap.add_argument("--traces", required=True, help="comma-separated trace files (training prompts only)")
+    ap.add_argument("--out", type=Path, default=Path("models/eagle3"))
+    ap.add_argument("--work-dir", default=str(Path.home() / ".cache/specmesh/train/eagle3"))
+    ap.add_argument("--aux-layers", type=int, nargs=3, default=None)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--ckpt-minutes", type=float, default=10.0)
+    ap.add_argument("--log-every", type=int, default=10)
+    train(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
