@@ -40,11 +40,19 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
+class HybridConfig:
+    tau: float = 6.0                 # verify the cache draft when the predicted yield exceeds tau
+    score_threshold: float = 4.0     # hybrid-rule baseline: verify when the suffix score reaches this
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
     eagle3: Path | None = MODELS_DIR / "eagle3"      # loaded when the directory holds a head
     eagle3_k: int = 4                                 # EAGLE-3 chain length
+    predictor: Path | None = MODELS_DIR / "predictor"  # HVD yield predictor, loaded when present
+    hybrid: HybridConfig = HybridConfig()
     device: str = "cpu"
     dtype: str = "float32"
     num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`

@@ -17,3 +17,5 @@ RESCUED_TOKENS = Counter("specmesh_rescued_tokens_total", "Draft tokens accepted
                          ["method"])
 FIRST_REJECTIONS = Counter("specmesh_first_rejections_total",
                            "Cycles whose draft hit a true rejection (rescue-rate denominator)", ["method"])
+HYBRID_DECISIONS = Counter("specmesh_hybrid_decisions_total", "Hybrid router choices per cycle",
+                           ["method", "source"])

@@ -20,7 +20,8 @@ class Drafter(Protocol):
     name: str
     needs_target_states: bool = False
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator) -> None: ...
+    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
+              max_new_tokens: int = 0) -> None: ...
 
     def propose(self, req_id: str, budget: int) -> Draft: ...
 

@@ -35,7 +35,8 @@ class DraftLMDrafter:
         self.model = model
         self.states: dict[str, _State] = {}
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator) -> None:
+    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
+              max_new_tokens: int = 0) -> None:
         self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng)
 
     @torch.inference_mode()

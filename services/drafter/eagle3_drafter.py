@@ -40,7 +40,8 @@ class Eagle3Drafter:
         self.head = head
         self.states: dict[str, _State] = {}
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None) -> None:
+    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
+              max_new_tokens: int = 0) -> None:
         self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng)
 
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None:

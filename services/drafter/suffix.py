@@ -81,7 +81,7 @@ class SuffixDrafter:
         self.states: dict[str, _Req] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams | None = None,
-              rng: torch.Generator | None = None) -> None:
+              rng: torch.Generator | None = None, max_new_tokens: int = 0) -> None:
         tree = SuffixTree(self.cfg.max_depth)
         seq: list[int] = []
         actives = tree.extend(seq, prompt)

@@ -40,6 +40,9 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("sd", "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
     MethodSpec("suffix", "suffix", "lossless", "suffix-cache drafts (prompt + past outputs), lossless verification"),
     MethodSpec("eagle3", "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states, lossless"),
+    MethodSpec("hybrid", "hybrid", "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
+    MethodSpec("hybrid-csd", "hybrid", "csd", "HVD drafting + calibrated verification (the full system)"),
+    MethodSpec("hybrid-rule", "hybrid-rule", "lossless", "baseline hybrid: suffix draft when its score >= threshold"),
     MethodSpec("csd", "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate), greedy"),
     MethodSpec("scg", "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
 )}
@@ -115,10 +118,30 @@ class Engine:
             self.runner.capture_layers = head.aux_layers
             self.drafters["eagle3"] = DRAFTERS["eagle3"](head)
             self.max_draft["eagle3"] = cfg.eagle3_k
+        self._add_hybrids(cfg)
         self.memory = self._open_memory(cfg)
         self.policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, self.memory),
                          "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
         self._ids = itertools.count()
+
+    def _add_hybrids(self, cfg: EngineConfig) -> None:
+        """hybrid / hybrid-rule: suffix cache + a model drafter (EAGLE-3, else the draft LM)."""
+        from services.router.hybrid import HybridDrafter, PredictorRule, ScoreRule
+
+        fallback = "eagle3" if "eagle3" in self.drafters else "draft-lm" if "draft-lm" in self.drafters else None
+        if fallback is None:
+            return
+        suffix, model = self.drafters["suffix"], self.drafters[fallback]
+        limits = (self.max_draft["suffix"], self.max_draft[fallback])
+        rules = {"hybrid-rule": ScoreRule(cfg.hybrid.score_threshold)}
+        if cfg.predictor is not None and (Path(cfg.predictor) / "config.json").exists():
+            from services.predictor.features import TokenFlags
+            from services.predictor.mlp import YieldMLP
+
+            rules["hybrid"] = PredictorRule(YieldMLP.load(cfg.predictor), TokenFlags(self.tokenizer), cfg.hybrid.tau)
+        for name, rule in rules.items():
+            self.drafters[name] = HybridDrafter(name, suffix, model, rule, *limits)
+            self.max_draft[name] = max(limits)
 
     @staticmethod
     def _open_memory(cfg: EngineConfig):
@@ -209,7 +232,7 @@ class Generation:
         capacity = len(req.prompt_ids) + req.max_new_tokens + self.max_draft + 1
         session = eng.runner.open(req.prompt_ids, capacity)
         if self.drafter:
-            self.drafter.start(self.req_id, req.prompt_ids, req.sampling, self.rng)
+            self.drafter.start(self.req_id, req.prompt_ids, req.sampling, self.rng, req.max_new_tokens)
         try:
             while self.finish_reason is None:
                 out = self._cycle(session)
