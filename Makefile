@@ -8,7 +8,9 @@ PORT   ?= 50051
 LIMIT  ?= 20
 TOKENS ?= 128
 
-.PHONY: setup serve test bench models model-target model-draft model-cards protos clean-venv
+TRACES := build/traces
+
+.PHONY: setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -37,7 +39,7 @@ bench: setup
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
-	$(MAKE) model-target model-draft model-cards
+	$(MAKE) model-target model-draft model-cards eagle3 predictor
 
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out models/target
@@ -48,6 +50,22 @@ model-draft: setup
 model-cards: setup
 	$(BIN)/python -m training.evaluate --model models/target
 	$(BIN)/python -m training.evaluate --model models/draft
+
+# Greedy target generations: training prompts (EAGLE-3 data, predictor training) and
+# held-out prompts (predictor report only). Lossless `suffix` decoding makes them faster.
+traces: setup
+	mkdir -p $(TRACES)
+	test -s $(TRACES)/stdlib-train.jsonl || $(BIN)/specmesh trace --method suffix --workload stdlib-train --limit 400 --max-new-tokens 256 --out $(TRACES)/stdlib-train.jsonl
+	test -s $(TRACES)/edit-train.jsonl || $(BIN)/specmesh trace --method suffix --workload edit-train --limit 300 --max-new-tokens 512 --out $(TRACES)/edit-train.jsonl
+	test -s $(TRACES)/edit-heldout.jsonl || $(BIN)/specmesh trace --method suffix --workload edit --limit 60 --max-new-tokens 512 --out $(TRACES)/edit-heldout.jsonl
+	test -s $(TRACES)/stdlib-heldout.jsonl || $(BIN)/specmesh trace --method suffix --workload stdlib-heldout --limit 60 --max-new-tokens 256 --out $(TRACES)/stdlib-heldout.jsonl
+
+eagle3: traces
+	$(BIN)/python -m training.eagle3 --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --out models/eagle3
+
+predictor: traces
+	$(BIN)/python -m training.predictor --train $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl \
+	    --heldout $(TRACES)/edit-heldout.jsonl,$(TRACES)/stdlib-heldout.jsonl --out models/predictor
 
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \

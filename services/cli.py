@@ -88,8 +88,9 @@ def cmd_client(args: argparse.Namespace) -> None:
             sys.exit(f"\nerror: {e.code().name}: {e.details()}")
 
 
-def record_traces(engine, prompts, max_new: int, progress: bool = True) -> list:
-    """Greedy target generations (method `vanilla`) of ``prompts``, as replayable traces."""
+def record_traces(engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla") -> list:
+    """Greedy target generations of ``prompts`` as replayable traces. ``method`` must be lossless
+    (vanilla, sd, suffix, eagle3, hybrid): their greedy tokens are the target's."""
     import time
 
     from services.drafter.replay import Trace
@@ -98,7 +99,7 @@ def record_traces(engine, prompts, max_new: int, progress: bool = True) -> list:
     traces, t0 = [], time.time()
     for i, p in enumerate(prompts):
         ids = engine.encode_fit(p.text, max_new)
-        r = engine.generate(GenerationRequest(ids, max_new, method="vanilla")).result()
+        r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
         traces.append(Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None))
         if progress:
             rate = (time.time() - t0) / (i + 1)
@@ -113,7 +114,9 @@ def cmd_trace(args: argparse.Namespace) -> None:
     from services.router.engine import Engine
 
     engine = Engine(engine_config(args))
-    traces = record_traces(engine, load(args.workload, args.limit), args.max_new_tokens)
+    if args.method not in ("vanilla", "sd", "suffix", "eagle3", "hybrid"):
+        sys.exit(f"error: --method {args.method!r} is not lossless; traces must be the target's own tokens")
+    traces = record_traces(engine, load(args.workload, args.limit), args.max_new_tokens, method=args.method)
     save_traces(args.out, traces)
     print(f"wrote {len(traces)} traces to {args.out}")
 
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", required=True)
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--method", default="vanilla", help="a lossless method; suffix is fastest on edits")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_trace)
 
