@@ -43,7 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     cfg = engine_config(args)
     engine = Engine(cfg)
-    serve(engine, ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions))
+    serve(engine, ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions,
+                               metrics_port=args.metrics_port))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions)
+    p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="Prometheus port (0 = off)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate once in-process")

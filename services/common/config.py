@@ -73,3 +73,4 @@ class ServerConfig:
     max_sessions: int = 8                 # concurrent Generate streams; beyond → RESOURCE_EXHAUSTED
     workers: int = 16
     max_message_bytes: int = 4 * 1024 * 1024
+    metrics_port: int = 9400              # Prometheus /metrics; 0 = off

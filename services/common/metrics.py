@@ -4,7 +4,7 @@ Defined once here; components increment them. `serve` exposes them over HTTP.
 """
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 REDIS_ERRORS = Counter("specmesh_redis_errors_total", "Redis operations that failed", ["component"])
 REDIS_UP = Gauge("specmesh_redis_up", "1 when the component's Redis link is healthy", ["component"])
@@ -19,3 +19,74 @@ FIRST_REJECTIONS = Counter("specmesh_first_rejections_total",
                            "Cycles whose draft hit a true rejection (rescue-rate denominator)", ["method"])
 HYBRID_DECISIONS = Counter("specmesh_hybrid_decisions_total", "Hybrid router choices per cycle",
                            ["method", "source"])
+
+# -- speculative decoding (vLLM's spec-decode counters, per method and draft source) ------------
+CYCLES = Counter("specmesh_cycles_total", "Target verification forward passes", ["method"])
+GENERATED_TOKENS = Counter("specmesh_generated_tokens_total", "Tokens emitted by decoding cycles", ["method"])
+NUM_DRAFTS = Counter("specmesh_spec_decode_num_drafts_total", "Non-empty drafts verified", ["method", "source"])
+NUM_DRAFT_TOKENS = Counter("specmesh_spec_decode_num_draft_tokens_total", "Draft tokens verified",
+                           ["method", "source"])
+NUM_ACCEPTED_TOKENS = Counter("specmesh_spec_decode_num_accepted_tokens_total", "Draft tokens accepted",
+                              ["method", "source"])
+ACCEPTED_PER_POS = Counter("specmesh_spec_decode_num_accepted_tokens_per_pos_total",
+                           "Accepted draft tokens by position in the draft", ["method", "position"])
+PREDICTED_VS_ACTUAL = Counter("specmesh_hybrid_high_yield_total",
+                              "Cache drafts by predicted and actual high yield (≥ 6 tokens)",
+                              ["method", "predicted", "actual"])
+
+# -- requests and latency --------------------------------------------------------------------------
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+REQUESTS = Counter("specmesh_requests_total", "Finished requests", ["method", "finish_reason"])
+REQUESTS_REJECTED = Counter("specmesh_requests_rejected_total", "Requests refused before decoding", ["code"])
+ACTIVE_SESSIONS = Gauge("specmesh_active_sessions", "Generate streams in progress")
+TTFT = Histogram("specmesh_time_to_first_token_seconds", "Time to first token", ["method"], buckets=_LAT)
+TPOT = Histogram("specmesh_time_per_output_token_seconds", "Decode time per output token (per cycle)",
+                 ["method"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25))
+E2E = Histogram("specmesh_request_latency_seconds", "End-to-end request latency", ["method"], buckets=_LAT)
+
+
+class MethodMetrics:
+    """Metric children bound once per request (label lookups stay off the per-cycle path)."""
+
+    _cache: dict[str, "MethodMetrics"] = {}
+
+    def __init__(self, method: str):
+        self.method = method
+        self.cycles = CYCLES.labels(method)
+        self.generated = GENERATED_TOKENS.labels(method)
+        self.rescued = RESCUED_TOKENS.labels(method)
+        self.rejections = FIRST_REJECTIONS.labels(method)
+        self.ttft, self.tpot, self.e2e = TTFT.labels(method), TPOT.labels(method), E2E.labels(method)
+        self._by_source: dict[str, tuple] = {}
+        self._per_pos: list = []
+
+    @classmethod
+    def of(cls, method: str) -> "MethodMetrics":
+        if method not in cls._cache:
+            cls._cache[method] = cls(method)
+        return cls._cache[method]
+
+    def cycle(self, source: str, drafted: int, accepted: int, emitted: int, rescued: int, rejected: bool,
+              seconds: float) -> None:
+        self.cycles.inc()
+        self.generated.inc(emitted)
+        if emitted:
+            self.tpot.observe(seconds / emitted)
+        if rescued:
+            self.rescued.inc(rescued)
+        if rejected:
+            self.rejections.inc()
+        if not drafted:
+            return
+        if source not in self._by_source:
+            self._by_source[source] = (NUM_DRAFTS.labels(self.method, source),
+                                       NUM_DRAFT_TOKENS.labels(self.method, source),
+                                       NUM_ACCEPTED_TOKENS.labels(self.method, source))
+        n, t, a = self._by_source[source]
+        n.inc()
+        t.inc(drafted)
+        a.inc(accepted)
+        while len(self._per_pos) < accepted:
+            self._per_pos.append(ACCEPTED_PER_POS.labels(self.method, str(len(self._per_pos))))
+        for i in range(accepted):
+            self._per_pos[i].inc()

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from services.common.config import EngineConfig
+from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.llama import Llama
 from services.common.sampling import make_rng
 from services.common.types import Draft, SamplingParams, SpecStats
@@ -220,6 +221,7 @@ class Generation:
         self.rng = make_rng(req.sampling.seed)
         self.stats = SpecStats()
         self.timings = Timings()
+        self.metrics = MethodMetrics.of(req.method)
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -242,6 +244,8 @@ class Generation:
             self.timings.end = time.perf_counter()
             if self.drafter:
                 self.drafter.stop(self.req_id)
+            self.metrics.e2e.observe(self.timings.wall_s)
+            REQUESTS.labels(self.req.method, self.finish_reason or "cancelled").inc()
 
     def _budget(self, session) -> int:
         remaining = self.req.max_new_tokens - len(self.output_ids)
@@ -271,7 +275,11 @@ class Generation:
         self.stats.add(draft, verdict, len(committed))
         if verdict.first_rejection is not None and self.req.sampling.greedy:
             self.engine.memory.record([verdict.first_rejection])
-        return self._emit(committed)
+        out = self._emit(committed)
+        accepted = min(verdict.accepted, len(committed))
+        self.metrics.cycle(draft.source, len(draft), accepted, len(out.token_ids), verdict.rescued,
+                           verdict.first_rejection is not None and accepted < len(committed), t2 - t0)
+        return out
 
     def _emit(self, tokens: list[int]) -> StepOutput:
         """Append tokens one by one, stopping at EOS, the length limit or a stop string.
@@ -300,6 +308,7 @@ class Generation:
         self.text += delta
         if new_ids and self.timings.first_token is None:
             self.timings.first_token = time.perf_counter()
+            self.metrics.ttft.observe(self.timings.ttft_s)
         return StepOutput(new_ids, delta)
 
     def _find_stop(self, before: int) -> bool:

@@ -12,10 +12,13 @@ from typing import Protocol
 
 import torch
 
-from services.common.metrics import HYBRID_DECISIONS
+from services.common.metrics import HYBRID_DECISIONS, PREDICTED_VS_ACTUAL
 from services.common.types import Draft, SamplingParams
 from services.predictor.features import TokenFlags, YieldTracker, featurize
 from services.predictor.mlp import YieldMLP
+
+
+HIGH_YIELD = 6  # the paper's "high-yield draft": accepted length ≥ 6
 
 
 class DecisionRule(Protocol):
@@ -51,6 +54,7 @@ class _State:
     tracker: YieldTracker
     cache_draft: list[int]
     chose_cache: bool = False
+    predicted: bool | None = None
 
 
 class HybridDrafter:
@@ -72,6 +76,8 @@ class HybridDrafter:
         draft = self.cache.propose(req_id, min(budget, self.max_cache))
         st.cache_draft = draft.token_ids
         st.chose_cache = bool(draft.token_ids) and self.rule.verify_cache(draft, st.tracker, budget)
+        y_hat = draft.features.get("predicted_yield")
+        st.predicted = None if y_hat is None else y_hat >= HIGH_YIELD
         HYBRID_DECISIONS.labels(self.name, "cache" if st.chose_cache else "model").inc()
         return draft if st.chose_cache else self.model.propose(req_id, min(budget, self.max_model))
 
@@ -80,6 +86,9 @@ class HybridDrafter:
         self.cache.observe(req_id, tokens)
         self.model.observe(req_id, tokens, target_states)
         st.tracker.update(st.cache_draft, st.chose_cache, tokens)
+        if st.predicted is not None:  # predicted vs observed high yield, for precision / recall
+            actual = st.tracker.yields[0] >= HIGH_YIELD
+            PREDICTED_VS_ACTUAL.labels(self.name, str(st.predicted).lower(), str(actual).lower()).inc()
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ServerConfig
+from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from specmesh.v1 import generate_pb2 as pb
@@ -65,12 +66,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             gen = self.engine.generate(request_from_pb(request, self.engine))
         except InvalidRequest as e:
+            REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not self._slots.acquire(blocking=False):
+            REQUESTS_REJECTED.labels("RESOURCE_EXHAUSTED").inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"server is at its limit of {self._max_sessions} concurrent sessions; retry later")
         with self._lock:
             self.active[gen.req_id] = gen
+            ACTIVE_SESSIONS.set(len(self.active))
         steps = iter(gen)
         try:
             for step in steps:
@@ -83,6 +87,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             steps.close()  # frees the drafter state even when the client went away mid-stream
             with self._lock:
                 self.active.pop(gen.req_id, None)
+                ACTIVE_SESSIONS.set(len(self.active))
             self._slots.release()
 
 
@@ -109,8 +114,13 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
 def serve(engine: Engine, cfg: ServerConfig) -> None:
     import signal
 
+    from prometheus_client import start_http_server
+
     server, _, port = build_server(engine, cfg)
     server.start()
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
     log.info("specmesh serving %s on %s:%d (methods: %s)", SERVICE_NAME, cfg.host, port, ", ".join(engine.methods()))
     print(f"specmesh: serving on {cfg.host}:{port} — try: specmesh client --addr {cfg.host}:{port} --prompt 'def add(a, b):'",
           flush=True)

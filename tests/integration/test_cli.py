@@ -37,10 +37,25 @@ def test_generate_reports_invalid_input(tiny_dirs):
     assert out.returncode != 0 and "max_new_tokens" in out.stderr
 
 
+def scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+            out[key] = s.value
+    return out
+
+
 def test_serve_then_client_streams(tiny_dirs):
     target, draft = tiny_dirs
-    port = free_port()
-    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--port", str(port)],
+    port, mport = free_port(), free_port()
+    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--port", str(port),
+                                     "--metrics-port", str(mport)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -48,12 +63,23 @@ def test_serve_then_client_streams(tiny_dirs):
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         out = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "import os",
-                                    "--max-new-tokens", "10"], capture_output=True, text=True, env=ENV, timeout=60)
+                                    "--max-new-tokens", "10", "--method", "sd"],
+                             capture_output=True, text=True, env=ENV, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "FINISH_REASON_LENGTH" in out.stderr and "10 tokens" in out.stderr
+        m = scrape(mport)
+        drafted = m["specmesh_spec_decode_num_draft_tokens_total{method=sd,source=draft-lm}"]
+        accepted = m["specmesh_spec_decode_num_accepted_tokens_total{method=sd,source=draft-lm}"]
+        per_pos = sum(v for k, v in m.items() if k.startswith("specmesh_spec_decode_num_accepted_tokens_per_pos_total"))
+        cycles = m["specmesh_cycles_total{method=sd}"]
+        assert 0 < accepted <= drafted and per_pos == accepted
+        assert m["specmesh_generated_tokens_total{method=sd}"] == 10 == accepted + cycles
+        assert m["specmesh_requests_total{finish_reason=length,method=sd}"] == 1
+        assert m["specmesh_time_to_first_token_seconds_count{method=sd}"] == 1
         bad = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "x", "--method", "nope"],
                              capture_output=True, text=True, env=ENV, timeout=60)
         assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr and "method" in bad.stderr
+        assert scrape(mport)["specmesh_requests_rejected_total{code=INVALID_ARGUMENT}"] == 1
     finally:
         server.terminate()
         try:
