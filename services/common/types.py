@@ -91,17 +91,15 @@ class SpecStats:
     drafts_by_source: dict[str, int] = field(default_factory=dict)
     rescued_pairs: list[tuple[int, int]] = field(default_factory=list)
 
-    def add(self, draft: Draft, verdict: Verdict, committed: int) -> None:
-        """Count one cycle; ``committed`` = tokens kept (the verdict's, cut after EOS)."""
-        accepted = min(verdict.accepted, committed)
+    def add(self, drafted: int, accepted: int, source: str, rescued_pairs=(), rejected: bool = False) -> None:
+        """Count one cycle: ``accepted`` draft tokens kept of ``drafted`` (from ``source``)."""
         self.cycles += 1
-        self.draft_tokens += len(draft)
+        self.draft_tokens += drafted
         self.accepted_tokens += accepted
-        if accepted == verdict.accepted:  # a cycle cut short by EOS keeps no rescue statistics
-            self.rescued_pairs.extend(verdict.rescued_pairs)
-        self.first_rejections += verdict.first_rejection is not None and verdict.accepted < committed
-        if len(draft):
-            self.drafts_by_source[draft.source] = self.drafts_by_source.get(draft.source, 0) + 1
+        self.rescued_pairs.extend(rescued_pairs)
+        self.first_rejections += rejected
+        if drafted:
+            self.drafts_by_source[source] = self.drafts_by_source.get(source, 0) + 1
         while len(self.accepted_per_position) < accepted:
             self.accepted_per_position.append(0)
         for i in range(accepted):

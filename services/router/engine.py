@@ -1,12 +1,15 @@
-"""Embedded engine: tokenizer, target runner, drafters, and the speculative decode loop.
+"""Router side of decoding: request validation, the method registry, router-side drafters
+(suffix cache, hybrid decision) and the decode loop over a verifier session.
 
-One cycle = draft → verify (one target forward) → policy verdict → commit → observe.
+One cycle = draft (here, or delegated to a verifier-side drafter) → ``session.cycle`` (one
+target forward, policy, commit) → router drafters observe → stream the new text. The
+verifier is in-process (embedded) or remote (distributed); the loop is the same.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -14,38 +17,34 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
-from services.common.llama import Llama
-from services.common.sampling import make_rng
 from services.common.types import Draft, SamplingParams, SpecStats
-from services.drafter.base import DRAFTERS, Drafter
+from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
-from services.memory.correction_memory import LocalCorrectionMemory
-from services.memory.snapshot import load_snapshot
-from services.verifier.policies import POLICIES, CalibratedGreedy
-from services.verifier.runner import TargetRunner
+from services.router.hybrid import Delegate
+from services.verifier.core import CycleRequest, SessionSpec, VerifierCore
 
-from services.drafter.suffix import GlobalSuffixCache, SuffixConfig, SuffixDrafter
-
+MODEL = "model"  # a hybrid's fallback: the verifier's EAGLE-3 head, else its draft LM
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    drafter: str | None      # name in DRAFTERS; None = target only
-    policy: str              # name in POLICIES
+    router_drafter: str | None    # drafter run by the router (suffix cache, hybrid decision)
+    model_drafter: str | None     # drafter run beside the target (draft-lm, eagle3, or MODEL)
+    policy: str                   # acceptance policy, see services.verifier.policies
     description: str
 
 
 METHODS: dict[str, MethodSpec] = {m.name: m for m in (
-    MethodSpec("vanilla", None, "lossless", "target model alone, one token per forward"),
-    MethodSpec("sd", "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
-    MethodSpec("suffix", "suffix", "lossless", "suffix-cache drafts (prompt + past outputs), lossless verification"),
-    MethodSpec("eagle3", "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states, lossless"),
-    MethodSpec("hybrid", "hybrid", "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
-    MethodSpec("hybrid-csd", "hybrid", "csd", "HVD drafting + calibrated verification (the full system)"),
-    MethodSpec("hybrid-rule", "hybrid-rule", "lossless", "baseline hybrid: suffix draft when its score >= threshold"),
-    MethodSpec("csd", "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate), greedy"),
-    MethodSpec("scg", "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
+    MethodSpec("vanilla", None, None, "lossless", "target model alone, one token per forward"),
+    MethodSpec("sd", None, "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
+    MethodSpec("suffix", "suffix", None, "lossless", "suffix-cache drafts (prompt + past outputs), lossless"),
+    MethodSpec("eagle3", None, "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states"),
+    MethodSpec("hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
+    MethodSpec("hybrid-csd", "hybrid", MODEL, "csd", "HVD drafting + calibrated verification (the full system)"),
+    MethodSpec("hybrid-rule", "hybrid-rule", MODEL, "lossless", "baseline hybrid: suffix draft when score >= threshold"),
+    MethodSpec("csd", None, "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate)"),
+    MethodSpec("scg", None, "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
 )}
 
 
@@ -87,21 +86,16 @@ class Timings:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig = EngineConfig()):
+    def __init__(self, cfg: EngineConfig = EngineConfig(), verifier=None):
+        """``verifier``: a VerifierCore or a remote one with the same interface; default: load in-process."""
         from transformers import AutoTokenizer
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
-        dtype = getattr(torch, cfg.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.target))
         self.eos_id = self.tokenizer.eos_token_id
-        self.runner = TargetRunner(Llama.from_pretrained(cfg.target, dtype, cfg.device))
-        self.drafters: dict[str, Drafter] = {}
-        self.max_draft: dict[str, int] = {}
-        if cfg.draft is not None:
-            self.drafters["draft-lm"] = DRAFTERS["draft-lm"](Llama.from_pretrained(cfg.draft, dtype, cfg.device))
-            self.max_draft["draft-lm"] = cfg.num_speculative_tokens
+        self.verifier = verifier if verifier is not None else VerifierCore.from_config(cfg, self.eos_id)
         self.suffix_cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
         self.suffix_feed = None
         if cfg.redis_url:
@@ -109,31 +103,19 @@ class Engine:
             from services.memory.suffix_feed import SuffixFeed
 
             self.suffix_feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), self.suffix_cache).start()
-        self.drafters["suffix"] = SuffixDrafter(cfg.suffix, self.suffix_cache,
-                                                self.suffix_feed.publish if self.suffix_feed else None)
-        self.max_draft["suffix"] = cfg.suffix.spec.max_spec_tokens
-        if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
-            from services.drafter.eagle3 import Eagle3Head
-
-            head = Eagle3Head.from_pretrained(cfg.eagle3, self.runner.model.embed_tokens.weight, dtype, cfg.device)
-            self.runner.capture_layers = head.aux_layers
-            self.drafters["eagle3"] = DRAFTERS["eagle3"](head)
-            self.max_draft["eagle3"] = cfg.eagle3_k
+        self.drafters = {"suffix": SuffixDrafter(cfg.suffix, self.suffix_cache,
+                                                 self.suffix_feed.publish if self.suffix_feed else None)}
+        self.max_draft = {**self.verifier.max_draft, "suffix": cfg.suffix.spec.max_spec_tokens}
+        self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
-        self.memory = self._open_memory(cfg)
-        self.policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, self.memory),
-                         "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
         self._ids = itertools.count()
 
     def _add_hybrids(self, cfg: EngineConfig) -> None:
-        """hybrid / hybrid-rule: suffix cache + a model drafter (EAGLE-3, else the draft LM)."""
+        """hybrid / hybrid-rule: the suffix cache + the verifier's model drafter as fallback."""
         from services.router.hybrid import HybridDrafter, PredictorRule, ScoreRule
 
-        fallback = "eagle3" if "eagle3" in self.drafters else "draft-lm" if "draft-lm" in self.drafters else None
-        if fallback is None:
+        if self.model_fallback is None:
             return
-        suffix, model = self.drafters["suffix"], self.drafters[fallback]
-        limits = (self.max_draft["suffix"], self.max_draft[fallback])
         rules = {"hybrid-rule": ScoreRule(cfg.hybrid.score_threshold)}
         if cfg.predictor is not None and (Path(cfg.predictor) / "config.json").exists():
             from services.predictor.features import TokenFlags
@@ -141,38 +123,54 @@ class Engine:
 
             rules["hybrid"] = PredictorRule(YieldMLP.load(cfg.predictor), TokenFlags(self.tokenizer), cfg.hybrid.tau)
         for name, rule in rules.items():
-            self.drafters[name] = HybridDrafter(name, suffix, model, rule, *limits)
-            self.max_draft[name] = max(limits)
+            self.add_hybrid(name, rule)
 
-    @staticmethod
-    def _open_memory(cfg: EngineConfig):
-        """Correction memory: Redis-shared when configured, else in-process; calibration prior loaded."""
-        prior = load_snapshot(cfg.ocm_snapshot) if cfg.ocm_snapshot and Path(cfg.ocm_snapshot).exists() else None
-        if cfg.redis_url:
-            from services.memory.redis_link import RedisLink
-            from services.memory.redis_memory import RedisCorrectionMemory
+    def add_hybrid(self, name: str, rule) -> None:
+        from services.router.hybrid import HybridDrafter
 
-            memory = RedisCorrectionMemory(RedisLink(cfg.redis_url, "ocm"))
-            if prior:
-                memory.ensure_prior(prior)
-            return memory
-        memory = LocalCorrectionMemory()
-        if prior:
-            memory.restore(prior)
-        return memory
+        limits = (self.max_draft["suffix"], self.max_draft[self.model_fallback])
+        self.drafters[name] = HybridDrafter(name, self.drafters["suffix"], self.model_fallback, rule, *limits)
+        self.max_draft[name] = max(limits)
+
+    # -- compatibility views onto the in-process verifier (tests, bench, calibration) ------------
+    @property
+    def runner(self):
+        return self.verifier.runner
+
+    @property
+    def memory(self):
+        return self.verifier.memory
+
+    @memory.setter
+    def memory(self, value) -> None:
+        from services.verifier.policies import CalibratedGreedy
+
+        self.verifier.memory = value
+        self.verifier.policies["csd"] = CalibratedGreedy(self.cfg.gate, value)
+
+    @property
+    def policies(self):
+        return self.verifier.policies
 
     def close(self) -> None:
-        """Flush state shared with other replicas (pending suffix-feed outputs)."""
+        """Flush state shared with other replicas (suffix-feed outputs, correction memory)."""
         if self.suffix_feed is not None:
             self.suffix_feed.close()
-        self.memory.close()
+        self.verifier.close()
 
     @property
     def context_len(self) -> int:
-        return self.runner.max_positions
+        return self.verifier.context_len
+
+    def model_drafter(self, method: MethodSpec) -> str | None:
+        return self.model_fallback if method.model_drafter == MODEL else method.model_drafter
 
     def methods(self) -> list[str]:
-        return [m.name for m in METHODS.values() if m.drafter is None or m.drafter in self.drafters]
+        def available(m: MethodSpec) -> bool:
+            model = self.model_drafter(m)
+            return ((m.router_drafter is None or m.router_drafter in self.drafters)
+                    and (m.model_drafter is None or model in self.verifier.max_draft))
+        return [m.name for m in METHODS.values() if available(m)]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -187,8 +185,9 @@ class Engine:
         sp = req.sampling
         if not req.prompt_ids:
             raise InvalidRequest("prompt: must not be empty (set `prompt` or `prompt_token_ids`)")
-        if any(not 0 <= t < self.runner.model.s.vocab for t in req.prompt_ids):
-            raise InvalidRequest(f"prompt_token_ids: every id must be in [0, {self.runner.model.s.vocab})")
+        vocab = self.verifier.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise InvalidRequest(f"prompt_token_ids: every id must be in [0, {vocab})")
         if not 0 < req.max_new_tokens <= self.cfg.max_new_tokens_limit:
             raise InvalidRequest(f"max_new_tokens: must be in [1, {self.cfg.max_new_tokens_limit}], got {req.max_new_tokens}")
         if len(req.prompt_ids) + req.max_new_tokens > self.context_len:
@@ -215,10 +214,10 @@ class Generation:
     def __init__(self, engine: Engine, req: GenerationRequest, req_id: str):
         self.engine, self.req, self.req_id = engine, req, req_id
         self.method = METHODS[req.method]
-        self.policy = engine.policies[self.method.policy]
-        self.drafter = engine.drafters[self.method.drafter] if self.method.drafter else None
-        self.max_draft = engine.max_draft[self.method.drafter] if self.method.drafter else 0
-        self.rng = make_rng(req.sampling.seed)
+        self.drafter = engine.drafters[self.method.router_drafter] if self.method.router_drafter else None
+        self.model_drafter = engine.model_drafter(self.method)
+        self.max_draft = max(engine.max_draft.get(self.method.router_drafter, 0),
+                             engine.max_draft.get(self.model_drafter, 0))
         self.stats = SpecStats()
         self.timings = Timings()
         self.metrics = MethodMetrics.of(req.method)
@@ -230,11 +229,13 @@ class Generation:
         self._stop_window = max((len(s) for s in req.stop), default=1)
 
     def __iter__(self) -> Iterator[StepOutput]:
-        eng, req = self.engine, self.req
-        capacity = len(req.prompt_ids) + req.max_new_tokens + self.max_draft + 1
-        session = eng.runner.open(req.prompt_ids, capacity)
+        req = self.req
+        session = self.engine.verifier.open(SessionSpec(
+            prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
+            policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
+            session_id=self.req_id))
         if self.drafter:
-            self.drafter.start(self.req_id, req.prompt_ids, req.sampling, self.rng, req.max_new_tokens)
+            self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
         try:
             while self.finish_reason is None:
                 out = self._cycle(session)
@@ -242,43 +243,38 @@ class Generation:
                     yield out
         finally:
             self.timings.end = time.perf_counter()
+            session.close()
             if self.drafter:
                 self.drafter.stop(self.req_id)
             self.metrics.e2e.observe(self.timings.wall_s)
             REQUESTS.labels(self.req.method, self.finish_reason or "cancelled").inc()
 
-    def _budget(self, session) -> int:
-        remaining = self.req.max_new_tokens - len(self.output_ids)
-        room = session.cache.capacity - len(session.tokens) - 1
-        return max(0, min(self.max_draft, remaining - 1, room))
+    def _request(self, budget: int) -> CycleRequest:
+        """What the verifier should verify this cycle."""
+        if budget <= 0:
+            return CycleRequest()
+        if self.drafter is None:
+            return CycleRequest(draft_with=self.model_drafter, budget=budget) if self.model_drafter else CycleRequest()
+        choice = self.drafter.propose(self.req_id, budget)
+        if isinstance(choice, Delegate):
+            return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
+        return CycleRequest(draft_ids=tuple(choice.token_ids), draft_source=choice.source)
 
     def _cycle(self, session) -> StepOutput:
         t0 = time.perf_counter()
-        budget = self._budget(session)
-        draft = self.drafter.propose(self.req_id, budget) if self.drafter and budget > 0 else Draft.empty()
+        budget = max(0, min(self.max_draft, self.req.max_new_tokens - len(self.output_ids) - 1))
+        creq = self._request(budget)
         t1 = time.perf_counter()
-        n_pending = len(session.pending)
-        logits, hidden = self.engine.runner.verify(session, draft.token_ids)
-        verdict = self.policy(draft, logits, self.req.sampling, self.rng)
-        self.engine.runner.commit(session, verdict)
-        eos = self.engine.eos_id
-        # The request commits nothing past EOS; drafters and statistics see the same tokens.
-        committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if eos in verdict.tokens else verdict.tokens
+        res = session.cycle(creq)
         if self.drafter:
-            states = None
-            if getattr(self.drafter, "needs_target_states", False):  # fused features of the verified positions
-                states = torch.cat(hidden, dim=-1)[0, :n_pending + verdict.accepted]
-            self.drafter.observe(self.req_id, committed, states)
+            self.drafter.observe(self.req_id, res.committed)
         t2 = time.perf_counter()
-        self.timings.draft_s += t1 - t0
-        self.timings.verify_s += t2 - t1
-        self.stats.add(draft, verdict, len(committed))
-        if verdict.first_rejection is not None and self.req.sampling.greedy:
-            self.engine.memory.record([verdict.first_rejection])
-        out = self._emit(committed)
-        accepted = min(verdict.accepted, len(committed))
-        self.metrics.cycle(draft.source, len(draft), accepted, len(out.token_ids), verdict.rescued,
-                           verdict.first_rejection is not None and accepted < len(committed), t2 - t0)
+        self.timings.draft_s += (t1 - t0) + res.draft_s
+        self.timings.verify_s += res.verify_s
+        self.stats.add(res.drafted, res.accepted, res.source, res.rescued_pairs, res.rejected)
+        out = self._emit(res.committed)
+        self.metrics.cycle(res.source, res.drafted, res.accepted, len(out.token_ids), len(res.rescued_pairs),
+                           res.rejected, t2 - t0)
         return out
 
     def _emit(self, tokens: list[int]) -> StepOutput:

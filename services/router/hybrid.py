@@ -49,6 +49,15 @@ class ScoreRule:
         return draft.score >= self.threshold
 
 
+@dataclass(frozen=True)
+class Delegate:
+    """The hybrid's answer when the cache draft is not worth verifying: draft with ``drafter``
+    (beside the verifier) instead, at most ``budget`` tokens."""
+
+    drafter: str
+    budget: int
+
+
 @dataclass
 class _State:
     tracker: YieldTracker
@@ -58,9 +67,10 @@ class _State:
 
 
 class HybridDrafter:
-    needs_target_states = True
+    """Router-side: drafts from the suffix cache, returns that draft or a ``Delegate`` to the
+    verifier's model drafter (which observes every cycle there, with the target's states)."""
 
-    def __init__(self, name: str, cache, model, rule: DecisionRule, max_cache: int, max_model: int):
+    def __init__(self, name: str, cache, model: str, rule: DecisionRule, max_cache: int, max_model: int):
         self.name, self.cache, self.model, self.rule = name, cache, model, rule
         self.max_cache, self.max_model = max_cache, max_model
         self.states: dict[str, _State] = {}
@@ -68,10 +78,9 @@ class HybridDrafter:
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
               max_new_tokens: int = 0) -> None:
         self.cache.start(req_id, prompt, sp, rng)
-        self.model.start(req_id, prompt, sp, rng)
         self.states[req_id] = _State(YieldTracker(len(prompt), max_new_tokens), [])
 
-    def propose(self, req_id: str, budget: int) -> Draft:
+    def propose(self, req_id: str, budget: int) -> Draft | Delegate:
         st = self.states[req_id]
         draft = self.cache.propose(req_id, min(budget, self.max_cache))
         st.cache_draft = draft.token_ids
@@ -79,12 +88,11 @@ class HybridDrafter:
         y_hat = draft.features.get("predicted_yield")
         st.predicted = None if y_hat is None else y_hat >= HIGH_YIELD
         HYBRID_DECISIONS.labels(self.name, "cache" if st.chose_cache else "model").inc()
-        return draft if st.chose_cache else self.model.propose(req_id, min(budget, self.max_model))
+        return draft if st.chose_cache else Delegate(self.model, min(budget, self.max_model))
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
         self.cache.observe(req_id, tokens)
-        self.model.observe(req_id, tokens, target_states)
         st.tracker.update(st.cache_draft, st.chose_cache, tokens)
         if st.predicted is not None:  # predicted vs observed high yield, for precision / recall
             actual = st.tracker.yields[0] >= HIGH_YIELD
@@ -93,4 +101,3 @@ class HybridDrafter:
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)
         self.cache.stop(req_id)
-        self.model.stop(req_id)

@@ -107,7 +107,7 @@ def test_cancelled_stream_frees_session_and_drafter_state(served, tiny_engine):
     next(call)
     call.cancel()
     assert wait_idle(servicer)
-    assert not tiny_engine.drafters["draft-lm"].states
+    assert not tiny_engine.verifier.drafters["draft-lm"].states
 
 
 def test_resource_exhausted_when_sessions_full(served):

@@ -4,7 +4,7 @@ import torch
 from services.predictor.features import TokenFlags
 from services.predictor.mlp import YieldMLP
 from services.router.engine import GenerationRequest
-from services.router.hybrid import HybridDrafter, PredictorRule, ScoreRule
+from services.router.hybrid import PredictorRule, ScoreRule
 
 TEXTS = ["def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n", "import os\nimport sys\nimport os\n",
          "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "for i in range(3):\n    print(i)\nfor i in range(3):\n"]
@@ -16,11 +16,6 @@ class MatchLenMLP(YieldMLP):
     @torch.inference_mode()
     def predict(self, phi):
         return phi.reshape(-1, phi.shape[-1])[:, 1]
-
-
-def hybrid(eng, rule):
-    return HybridDrafter("hybrid", eng.drafters["suffix"], eng.drafters["eagle3"], rule,
-                         eng.max_draft["suffix"], eng.max_draft["eagle3"])
 
 
 def run_all(eng, method):
@@ -37,8 +32,7 @@ def run_all(eng, method):
 
 def test_hybrid_predictor_rule_is_lossless_and_mixes_sources(tiny_eagle_engine):
     eng = tiny_eagle_engine
-    eng.drafters["hybrid"] = hybrid(eng, PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1))
-    eng.max_draft["hybrid"] = 16
+    eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1))
     sources = run_all(eng, "hybrid")
     assert sources.get("suffix", 0) > 0 and sources.get("eagle3", 0) > 0, sources
     assert run_all(eng, "hybrid-csd")  # calibrated gating on top of the same drafts runs
@@ -46,7 +40,7 @@ def test_hybrid_predictor_rule_is_lossless_and_mixes_sources(tiny_eagle_engine):
 
 def test_hybrid_score_rule_extremes(tiny_eagle_engine):
     eng = tiny_eagle_engine
-    eng.drafters["hybrid-rule"] = hybrid(eng, ScoreRule(1e9))   # never trust the cache
+    eng.add_hybrid("hybrid-rule", ScoreRule(1e9))   # never trust the cache
     assert set(run_all(eng, "hybrid-rule")) == {"eagle3"}
-    eng.drafters["hybrid-rule"] = hybrid(eng, ScoreRule(0.0))   # always verify a non-empty cache draft
+    eng.add_hybrid("hybrid-rule", ScoreRule(0.0))   # always verify a non-empty cache draft
     assert run_all(eng, "hybrid-rule").get("suffix", 0) > 0

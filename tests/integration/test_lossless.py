@@ -22,12 +22,12 @@ def test_sd_equals_vanilla_tiny(tiny_engine, k):
         n = [5, 17, 40, 64][i % 4]
         ids = eng.encode(text)
         van = eng.generate(GenerationRequest(ids, n, method="vanilla")).result()
-        old = eng.cfg
-        object.__setattr__(eng, "cfg", type(old)(**{**old.__dict__, "num_speculative_tokens": k}))
+        old = eng.max_draft["draft-lm"]
+        eng.max_draft["draft-lm"] = k
         try:
             sd = eng.generate(GenerationRequest(ids, n, method="sd")).result()
         finally:
-            object.__setattr__(eng, "cfg", old)
+            eng.max_draft["draft-lm"] = old
         assert sd["token_ids"] == van["token_ids"], text
         assert sd["stats"]["cycles"] <= van["stats"]["cycles"]
         accepted += sd["stats"]["accepted_tokens"]

@@ -1,0 +1,168 @@
+"""Verifier: target model, per-session KV caches, the drafters that live beside the target
+(draft LM, EAGLE-3: they need its hidden states or its accelerator), acceptance policies,
+and the correction-memory side effect.
+
+One ``VerifierSession.cycle`` = one decoding cycle on the verifier side: take the router's
+draft or draft locally, verify it in one target forward, apply the policy, commit, let the
+local drafter observe (with the target's fused hidden states), record the first true
+rejection. The router calls it in-process (embedded topology) or over a gRPC stream
+(distributed); the code is the same.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from services.common.config import EngineConfig
+from services.common.llama import Llama
+from services.common.sampling import make_rng
+from services.common.types import Draft, SamplingParams, Verdict
+from services.drafter.base import DRAFTERS, Drafter
+from services.memory.correction_memory import LocalCorrectionMemory
+from services.memory.snapshot import load_snapshot
+from services.verifier.policies import POLICIES, CalibratedGreedy
+from services.verifier.runner import TargetRunner
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    policy: str = "lossless"
+    model_drafter: str | None = None     # verifier-side drafter this session may use
+    max_draft: int = 0                   # longest draft the session will see (KV capacity)
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class CycleRequest:
+    draft_ids: tuple[int, ...] = ()      # a draft made by the router (suffix cache)
+    draft_source: str = "none"
+    draft_with: str | None = None        # or: draft here with this verifier-side drafter
+    budget: int = 0
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    committed: list[int]                 # tokens the request keeps: the verdict's, cut after EOS
+    drafted: int
+    accepted: int                        # draft tokens kept among ``committed``
+    source: str
+    rescued_pairs: tuple[tuple[int, int], ...] = ()
+    rejected: bool = False               # the cycle ended at a true rejection
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+class VerifierCore:
+    def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
+                 policies: dict, memory, eos_id: int):
+        self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
+        self.policies, self.memory, self.eos_id = policies, memory, eos_id
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, eos_id: int) -> "VerifierCore":
+        dtype = getattr(torch, cfg.dtype)
+        runner = TargetRunner(Llama.from_pretrained(cfg.target, dtype, cfg.device))
+        drafters: dict[str, Drafter] = {}
+        max_draft: dict[str, int] = {}
+        if cfg.draft is not None:
+            drafters["draft-lm"] = DRAFTERS["draft-lm"](Llama.from_pretrained(cfg.draft, dtype, cfg.device))
+            max_draft["draft-lm"] = cfg.num_speculative_tokens
+        if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
+            from services.drafter.eagle3 import Eagle3Head
+
+            head = Eagle3Head.from_pretrained(cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device)
+            runner.capture_layers = head.aux_layers
+            drafters["eagle3"] = DRAFTERS["eagle3"](head)
+            max_draft["eagle3"] = cfg.eagle3_k
+        memory = open_memory(cfg)
+        policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
+                    "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
+        return cls(runner, drafters, max_draft, policies, memory, eos_id)
+
+    @property
+    def context_len(self) -> int:
+        return self.runner.max_positions
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model.s.vocab
+
+    def open(self, spec: SessionSpec) -> "VerifierSession":
+        return VerifierSession(self, spec, spec.session_id or f"v-{next(self._ids)}")
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+def open_memory(cfg: EngineConfig):
+    """Correction memory: Redis-shared when configured, else in-process; calibration prior loaded."""
+    prior = load_snapshot(cfg.ocm_snapshot) if cfg.ocm_snapshot and Path(cfg.ocm_snapshot).exists() else None
+    if cfg.redis_url:
+        from services.memory.redis_link import RedisLink
+        from services.memory.redis_memory import RedisCorrectionMemory
+
+        memory = RedisCorrectionMemory(RedisLink(cfg.redis_url, "ocm"))
+        if prior:
+            memory.ensure_prior(prior)
+        return memory
+    memory = LocalCorrectionMemory()
+    if prior:
+        memory.restore(prior)
+    return memory
+
+
+@dataclass
+class VerifierSession:
+    core: VerifierCore
+    spec: SessionSpec
+    session_id: str
+    rng: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        self.rng = make_rng(s.sampling.seed)
+        self.policy = self.core.policies[s.policy]
+        self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1)
+        self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
+        if self.drafter:
+            self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens)
+
+    def cycle(self, req: CycleRequest) -> CycleResult:
+        t0 = time.perf_counter()
+        if req.draft_with and req.budget > 0:
+            draft = self.core.drafters[req.draft_with].propose(self.session_id, req.budget)
+        else:
+            draft = Draft(list(req.draft_ids), source=req.draft_source)
+        t1 = time.perf_counter()
+        n_pending = len(self.target.pending)
+        logits, hidden = self.core.runner.verify(self.target, draft.token_ids)
+        verdict: Verdict = self.policy(draft, logits, self.spec.sampling, self.rng)
+        self.core.runner.commit(self.target, verdict)
+        eos = self.core.eos_id
+        committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if eos in verdict.tokens else verdict.tokens
+        if self.drafter:
+            states = None
+            if getattr(self.drafter, "needs_target_states", False):  # fused features of the verified positions
+                states = torch.cat(hidden, dim=-1)[0, :n_pending + verdict.accepted]
+            self.drafter.observe(self.session_id, committed, states)
+        if verdict.first_rejection is not None and self.spec.sampling.greedy:
+            self.core.memory.record([verdict.first_rejection])
+        accepted = min(verdict.accepted, len(committed))
+        return CycleResult(
+            committed=committed, drafted=len(draft), accepted=accepted, source=draft.source,
+            # a cycle cut short by EOS keeps no rescue statistics
+            rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
+            rejected=verdict.first_rejection is not None and accepted < len(committed),
+            draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
+
+    def close(self) -> None:
+        if self.drafter:
+            self.drafter.stop(self.session_id)
