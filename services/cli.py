@@ -38,13 +38,84 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from services.router.engine import Engine
+    """embedded (default): everything in this process. distributed: verifier replicas as
+    separate processes on loopback + the router here. --role runs one service alone."""
     from services.router.server import serve
 
     cfg = engine_config(args)
-    engine = Engine(cfg)
-    serve(engine, ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions,
-                               metrics_port=args.metrics_port))
+    scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, metrics_port=args.metrics_port)
+    if args.role == "verifier":
+        from services.verifier.core import VerifierCore
+        from services.verifier.server import build_verifier_server
+
+        core = VerifierCore.from_config(cfg, _eos_id(cfg.target))
+        server, _, port = build_verifier_server(core, args.host, args.port, args.max_sessions)
+        _run_until_signal(server, f"verifier on {args.host}:{port}", scfg.metrics_port, args.host)
+        core.close()  # flush pending correction-memory writes
+        return
+    if args.role == "router" or args.topology == "distributed":
+        from services.router.engine import Engine
+        from services.verifier.server import RemoteVerifier
+
+        children, addrs = [], [a for a in (args.verifiers or "").split(",") if a]
+        if args.topology == "distributed" and not addrs:
+            children, addrs = _spawn_verifiers(args)
+        try:
+            serve(Engine(cfg, verifier=RemoteVerifier(addrs)), scfg)
+        finally:
+            for c in children:
+                c.terminate()
+            for c in children:
+                c.wait(30)
+        return
+    from services.router.engine import Engine
+
+    serve(Engine(cfg), scfg)
+
+
+def _eos_id(target: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target)).eos_token_id
+
+
+def _spawn_verifiers(args: argparse.Namespace):
+    import subprocess
+
+    children, addrs = [], []
+    for i in range(args.replicas):
+        port = args.port + 1 + i
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--host", args.host,
+               "--port", str(port), "--metrics-port", str(args.metrics_port + 1 + i if args.metrics_port else 0),
+               "--target", str(args.target), "--draft", str(args.draft), "--eagle3", str(args.eagle3),
+               "-k", str(args.num_speculative_tokens), "--max-sessions", str(args.max_sessions)]
+        if args.redis_url:
+            cmd += ["--redis-url", args.redis_url]
+        children.append(subprocess.Popen(cmd))
+        addrs.append(f"{args.host}:{port}")
+    return children, addrs
+
+
+def _run_until_signal(server, what: str, metrics_port: int, host: str) -> None:
+    import signal
+    import threading
+
+    from prometheus_client import start_http_server
+
+    server.start()
+    if metrics_port:
+        start_http_server(metrics_port, addr=host)
+    print(f"specmesh: {what}", flush=True)
+    done = threading.Event()
+
+    def stop(signum, frame):
+        server.health.enter_graceful_shutdown()
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    done.wait()
+    server.stop(grace=10).wait()
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -185,8 +256,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="specmesh", description="Speculative-decoding LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("serve", help="run the embedded all-in-one gRPC server")
+    p = sub.add_parser("serve", help="run the gRPC server (embedded all-in-one by default)")
     _engine_args(p)
+    p.add_argument("--topology", choices=["embedded", "distributed"], default="embedded")
+    p.add_argument("--role", choices=["all", "router", "verifier"], default="all")
+    p.add_argument("--verifiers", default=os.environ.get("SPECMESH_VERIFIERS", ""),
+                   help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)")
+    p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions)

@@ -16,6 +16,7 @@ from services.common.config import ServerConfig
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
+from services.verifier.server import NoReplica
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
 
@@ -83,6 +84,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     return
                 yield pb.GenerateResponse(token_ids=step.token_ids, text=step.text)
             yield final_to_pb(gen)
+        except NoReplica as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             steps.close()  # frees the drafter state even when the client went away mid-stream
             with self._lock:

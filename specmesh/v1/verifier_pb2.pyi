@@ -1,0 +1,128 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Open(_message.Message):
+    __slots__ = ("session_id", "prompt_ids", "max_new_tokens", "sampling", "policy", "model_drafter", "max_draft")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    sampling: Sampling
+    policy: str
+    model_drafter: str
+    max_draft: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., model_drafter: _Optional[str] = ..., max_draft: _Optional[int] = ...) -> None: ...
+
+class Cycle(_message.Message):
+    __slots__ = ("draft_ids", "draft_source", "draft_with", "budget")
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WITH_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    draft_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_source: str
+    draft_with: str
+    budget: int
+    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_source: _Optional[str] = ..., draft_with: _Optional[str] = ..., budget: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "cycle")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    open: Open
+    cycle: Cycle
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., cycle: _Optional[_Union[Cycle, _Mapping]] = ...) -> None: ...
+
+class Opened(_message.Message):
+    __slots__ = ("session_id", "replica")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    replica: str
+    def __init__(self, session_id: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class RescuedPair(_message.Message):
+    __slots__ = ("draft", "target")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    draft: int
+    target: int
+    def __init__(self, draft: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
+
+class CycleResult(_message.Message):
+    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RESCUED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    committed: _containers.RepeatedScalarFieldContainer[int]
+    drafted: int
+    accepted: int
+    source: str
+    rescued: _containers.RepeatedCompositeFieldContainer[RescuedPair]
+    rejected: bool
+    draft_s: float
+    verify_s: float
+    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("opened", "result")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    opened: Opened
+    result: CycleResult
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., result: _Optional[_Union[CycleResult, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("context_len", "vocab_size", "max_draft", "active_sessions", "max_sessions", "replica")
+    class MaxDraftEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    context_len: int
+    vocab_size: int
+    max_draft: _containers.ScalarMap[str, int]
+    active_sessions: int
+    max_sessions: int
+    replica: str
+    def __init__(self, context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_draft: _Optional[_Mapping[str, int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
