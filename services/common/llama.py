@@ -93,6 +93,31 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
 
 
+def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+    """Attention for concatenated rows: x [N, H]; rows = (offset, start, (k_cache, v_cache)) in order.
+
+    Projections run once over all N tokens; each row attends to its own cache (batch 1)."""
+    s = attn.s
+    n = x.shape[0]
+    q = attn.q_proj(x).view(n, s.heads, s.head_dim).transpose(0, 1)
+    k = attn.k_proj(x).view(n, s.kv_heads, s.head_dim).transpose(0, 1)
+    v = attn.v_proj(x).view(n, s.kv_heads, s.head_dim).transpose(0, 1)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    outs = []
+    ends = [off for off, _, _ in rows[1:]] + [n]
+    for (off, start, (kc, vc)), end in zip(rows, ends):
+        t = end - off
+        kc[0, :, start:start + t] = k[:, off:end]
+        vc[0, :, start:start + t] = v[:, off:end]
+        mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start) if t > 1 else None
+        outs.append(F.scaled_dot_product_attention(q[None, :, off:end], kc[:, :, :start + t], vc[:, :, :start + t],
+                                                   attn_mask=mask, enable_gqa=s.kv_heads != s.heads)[0])
+    o = torch.cat(outs, dim=1)                     # [heads, N, d]
+    return attn.o_proj(o.transpose(0, 1).reshape(n, s.heads * s.head_dim))
+
+
 class MLP(nn.Module):
     def __init__(self, s: LlamaShape):
         super().__init__()
@@ -180,6 +205,29 @@ class Llama(nn.Module):
                 seen[i] = x
             x = layer(x, cos, sin, cache.layers[i], start, mask)
         return self.lm_head(self.norm(x)), [seen[i] for i in capture]
+
+    def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
+                       capture: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
+        ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] and captured states [T_r, H]."""
+        dev = self.embed_tokens.weight.device
+        lens = [len(t) for t in seqs]
+        ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
+        x = self.embed_tokens(ids)
+        cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
+        offsets = [sum(lens[:r]) for r in range(len(lens))]
+        seen = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                seen[i] = x
+            rows = [(off, st, c.layers[i]) for off, st, c in zip(offsets, starts, caches)]
+            x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.lm_head(self.norm(x))
+        split = lambda t: list(torch.split(t, lens))  # noqa: E731
+        hidden = [split(seen[i]) for i in capture]
+        return split(logits), [[h[r] for h in hidden] for r in range(len(lens))]
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
         p = next(self.parameters())

@@ -90,3 +90,5 @@ class MethodMetrics:
             self._per_pos.append(ACCEPTED_PER_POS.labels(self.method, str(len(self._per_pos))))
         for i in range(accepted):
             self._per_pos[i].inc()
+VERIFY_BATCH = Histogram("specmesh_verify_batch_size", "Sessions verified together in one target forward",
+                         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))

@@ -164,5 +164,6 @@ class VerifierSession:
             draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
 
     def close(self) -> None:
+        self.core.runner.close(self.target)
         if self.drafter:
             self.drafter.stop(self.session_id)

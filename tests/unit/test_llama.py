@@ -71,3 +71,24 @@ def test_missing_weights_is_a_clear_error(tmp_path):
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="norm.weight"):
         Llama.from_pretrained(path)
+
+
+def test_ragged_batch_equals_separate_forwards(tmp_path):
+    m = Llama.from_pretrained(make_tiny(tmp_path / "m", seed=8, layers=2))
+    seqs = [torch.randint(0, 8192, (n,)).tolist() for n in (30, 7, 19)]
+    # each row already has some cached prefix; feed the next chunk of different lengths
+    split = [(25, 5), (3, 4), (18, 1)]
+    caches_a = [m.new_cache(capacity=64) for _ in seqs]
+    caches_b = [m.new_cache(capacity=64) for _ in seqs]
+    with torch.no_grad():
+        for s, (p, _), ca, cb in zip(seqs, split, caches_a, caches_b):
+            m(torch.tensor([s[:p]]), 0, ca)
+            m(torch.tensor([s[:p]]), 0, cb)
+        ref = [m(torch.tensor([s[p:p + n]]), p, c, capture=(0, 1)) for s, (p, n), c in zip(seqs, split, caches_a)]
+        got, hidden = m.forward_ragged([s[p:p + n] for s, (p, n) in zip(seqs, split)], [p for p, _ in split],
+                                       caches_b, capture=(0, 1))
+    for (lr, hr), lg, hg in zip(ref, got, hidden):
+        assert torch.allclose(lr[0], lg, atol=1e-4)
+        assert all(torch.allclose(a[0], b, atol=1e-5) for a, b in zip(hr, hg))
+    for ca, cb in zip(caches_a, caches_b):
+        assert torch.allclose(ca.layers[1][0], cb.layers[1][0], atol=1e-5)
