@@ -69,7 +69,7 @@ predictor: traces
 
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
-	    protos/specmesh/v1/generate.proto
+	    protos/specmesh/v1/*.proto
 
 clean-venv:
 	rm -rf $(VENV)

@@ -17,6 +17,7 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft", help="HF model directory of the draft LM")
     ap.add_argument("--eagle3", type=Path, default=MODELS_DIR / "eagle3",
                     help="EAGLE-3 head directory (ours or a published one for the same target)")
+    ap.add_argument("--predictor", type=Path, default=MODELS_DIR / "predictor", help="HVD yield predictor directory")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
@@ -32,9 +33,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     draft = args.draft if args.draft and (args.draft / "config.json").exists() else None
     eagle3 = args.eagle3 if args.eagle3 and (args.eagle3 / "config.json").exists() else None
-    return EngineConfig(target=args.target, draft=draft, eagle3=eagle3, device=device, dtype=dtype,
+    return EngineConfig(target=args.target, draft=draft, eagle3=eagle3, predictor=args.predictor,
+                        device=device, dtype=dtype,
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
-                        redis_url=args.redis_url or None)
+                        redis_url=args.redis_url or None,
+                        predictor_addr=getattr(args, "predictor_addr", None) or None,
+                        drafter_addr=getattr(args, "drafter_addr", None) or None,
+                        memory_addr=getattr(args, "memory_addr", None) or None)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -52,6 +57,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         server, _, port = build_verifier_server(core, args.host, args.port, args.max_sessions)
         _run_until_signal(server, f"verifier on {args.host}:{port}", scfg.metrics_port, args.host)
         core.close()  # flush pending correction-memory writes
+        return
+    if args.role in ("predictor", "drafter", "memory"):
+        server, port = _component_server(args, cfg)
+        _run_until_signal(server, f"{args.role} on {args.host}:{port}", scfg.metrics_port, args.host)
         return
     if args.role == "router" or args.topology == "distributed":
         from services.router.engine import Engine
@@ -71,6 +80,40 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from services.router.engine import Engine
 
     serve(Engine(cfg), scfg)
+
+
+def _component_server(args: argparse.Namespace, cfg):
+    """predictor / drafter / memory: one service alone (config from flags and env vars)."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(cfg.target)))
+    if args.role == "predictor":
+        from services.predictor.mlp import YieldMLP
+        from services.predictor.server import build_predictor_server
+
+        return build_predictor_server(YieldMLP.load(cfg.predictor), args.host, args.port)
+    feed = None
+    if cfg.redis_url:
+        from services.drafter.suffix import GlobalSuffixCache
+        from services.memory.redis_link import RedisLink
+        from services.memory.suffix_feed import SuffixFeed
+
+        cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache).start()
+    if args.role == "drafter":
+        from services.drafter.server import build_drafter_server
+        from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
+
+        cache = feed.cache if feed else GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        drafter = SuffixDrafter(cfg.suffix, cache, feed.publish if feed else None)
+        server, _, port = build_drafter_server(drafter, vocab, args.host, args.port)
+        return server, port
+    from services.memory.server import build_memory_server
+    from services.verifier.core import open_memory
+
+    server, _, port = build_memory_server(open_memory(replace(cfg, memory_addr=None)), vocab, args.host, args.port,
+                                          publish=feed.publish if feed else None)
+    return server, port
 
 
 def _eos_id(target: Path) -> int:
@@ -259,7 +302,13 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("serve", help="run the gRPC server (embedded all-in-one by default)")
     _engine_args(p)
     p.add_argument("--topology", choices=["embedded", "distributed"], default="embedded")
-    p.add_argument("--role", choices=["all", "router", "verifier"], default="all")
+    p.add_argument("--role", choices=["all", "router", "verifier", "predictor", "drafter", "memory"], default="all")
+    p.add_argument("--predictor-addr", default=os.environ.get("SPECMESH_PREDICTOR_ADDR"),
+                   help="router: use this Predictor service (env SPECMESH_PREDICTOR_ADDR)")
+    p.add_argument("--drafter-addr", default=os.environ.get("SPECMESH_DRAFTER_ADDR"),
+                   help="router: use this suffix-cache Drafter service (env SPECMESH_DRAFTER_ADDR)")
+    p.add_argument("--memory-addr", default=os.environ.get("SPECMESH_MEMORY_ADDR"),
+                   help="verifier: share the correction memory through this Memory service")
     p.add_argument("--verifiers", default=os.environ.get("SPECMESH_VERIFIERS", ""),
                    help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)")
     p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")

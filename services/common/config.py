@@ -63,6 +63,9 @@ class EngineConfig:
     suffix: SuffixConfig = SuffixConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only
     gate: GateConfig = GateConfig()
+    predictor_addr: str | None = None     # use a remote Predictor service instead of the in-process MLP
+    drafter_addr: str | None = None       # use a remote suffix-cache Drafter service
+    memory_addr: str | None = None        # share the correction memory through the Memory service
     ocm_snapshot: Path | None = MODELS_DIR / "ocm_snapshot.json"   # calibration prior, loaded when present
 
 

@@ -103,8 +103,13 @@ class Engine:
             from services.memory.suffix_feed import SuffixFeed
 
             self.suffix_feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), self.suffix_cache).start()
-        self.drafters = {"suffix": SuffixDrafter(cfg.suffix, self.suffix_cache,
-                                                 self.suffix_feed.publish if self.suffix_feed else None)}
+        if cfg.drafter_addr:
+            from services.drafter.server import RemoteDrafter
+
+            self.drafters = {"suffix": RemoteDrafter(cfg.drafter_addr)}
+        else:
+            self.drafters = {"suffix": SuffixDrafter(cfg.suffix, self.suffix_cache,
+                                                     self.suffix_feed.publish if self.suffix_feed else None)}
         self.max_draft = {**self.verifier.max_draft, "suffix": cfg.suffix.spec.max_spec_tokens}
         self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
@@ -117,8 +122,14 @@ class Engine:
         if self.model_fallback is None:
             return
         rules = {"hybrid-rule": ScoreRule(cfg.hybrid.score_threshold)}
-        if cfg.predictor is not None and (Path(cfg.predictor) / "config.json").exists():
-            from services.predictor.features import TokenFlags
+        from services.predictor.features import TokenFlags
+
+        if cfg.predictor_addr:
+            from services.predictor.server import RemotePredictor
+
+            rules["hybrid"] = PredictorRule(RemotePredictor(cfg.predictor_addr), TokenFlags(self.tokenizer),
+                                            cfg.hybrid.tau)
+        elif cfg.predictor is not None and (Path(cfg.predictor) / "config.json").exists():
             from services.predictor.mlp import YieldMLP
 
             rules["hybrid"] = PredictorRule(YieldMLP.load(cfg.predictor), TokenFlags(self.tokenizer), cfg.hybrid.tau)

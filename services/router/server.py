@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent import futures
-
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ServerConfig
+from services.common.grpc_server import build_grpc_server
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
@@ -95,22 +92,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:
-    """A started-ready server bound to cfg.host:cfg.port (port 0 = any free port)."""
-    opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
-            ("grpc.max_send_message_length", cfg.max_message_bytes)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers), options=opts)
+    """A ready-to-start server bound to cfg.host:cfg.port (port 0 = any free port)."""
     servicer = GenerationServicer(engine, cfg)
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise RuntimeError(f"could not bind {cfg.host}:{cfg.port}")
-    server.health = health_servicer  # for graceful shutdown
+    server, port = build_grpc_server(lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s), [SERVICE_NAME],
+                                     cfg.host, cfg.port, cfg.workers, cfg.max_message_bytes)
     return server, servicer, port
 
 

@@ -103,8 +103,13 @@ class VerifierCore:
 
 
 def open_memory(cfg: EngineConfig):
-    """Correction memory: Redis-shared when configured, else in-process; calibration prior loaded."""
+    """Correction memory: through the memory service, or Redis, when configured; else in-process.
+    The calibration prior is installed unless the shared store already has one."""
     prior = load_snapshot(cfg.ocm_snapshot) if cfg.ocm_snapshot and Path(cfg.ocm_snapshot).exists() else None
+    if cfg.memory_addr:
+        from services.memory.server import RemoteCorrectionMemory
+
+        return RemoteCorrectionMemory(cfg.memory_addr)
     if cfg.redis_url:
         from services.memory.redis_link import RedisLink
         from services.memory.redis_memory import RedisCorrectionMemory

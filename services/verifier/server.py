@@ -12,10 +12,9 @@ import queue
 import threading
 import time
 import uuid
-from concurrent import futures
-
 import grpc
 
+from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
 from services.verifier.core import CycleRequest, CycleResult, SessionSpec, VerifierCore
@@ -151,22 +150,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 def build_verifier_server(core: VerifierCore, host: str, port: int, max_sessions: int = 16, workers: int = 32,
                           max_message_bytes: int = 4 * 1024 * 1024):
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         options=[("grpc.max_receive_message_length", max_message_bytes),
-                                  ("grpc.max_send_message_length", max_message_bytes)])
     servicer = VerifierServicer(core, max_sessions)
-    pb_grpc.add_VerifierServicer_to_server(servicer, server)
-    hs = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    for name in ("", SERVICE_NAME):
-        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    server.health = hs
+    server, bound = build_grpc_server(lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s), [SERVICE_NAME],
+                                      host, port, workers, max_message_bytes)
     return server, servicer, bound
 
 
@@ -244,9 +230,7 @@ class RemoteVerifier:
     def __init__(self, addresses: list[str], timeout_s: float | None = None, max_message_bytes: int = 4 << 20):
         if not addresses:
             raise ValueError("at least one verifier address is required")
-        opts = [("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes)]
-        self.channels = {a: grpc.insecure_channel(a, options=opts) for a in addresses}
+        self.channels = {a: channel(a, max_message_bytes) for a in addresses}
         self._stubs = {a: pb_grpc.VerifierStub(ch) for a, ch in self.channels.items()}
         self.load = {a: 0 for a in addresses}
         self.timeout_s = timeout_s

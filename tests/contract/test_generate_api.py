@@ -142,8 +142,11 @@ def test_generated_code_is_up_to_date(tmp_path):
     from grpc_tools import protoc
 
     root = Path(__file__).resolve().parents[2]
+    protos = sorted((root / "protos/specmesh/v1").glob("*.proto"))
+    assert len(protos) == 5
     assert protoc.main(["protoc", f"-I{root / 'protos'}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-                        str(root / "protos/specmesh/v1/generate.proto")]) == 0
-    for name in ("generate_pb2.py", "generate_pb2_grpc.py"):
-        assert (tmp_path / "specmesh/v1" / name).read_text() == (root / "specmesh/v1" / name).read_text(), \
-            f"specmesh/v1/{name} is stale: run `make protos`"
+                        *map(str, protos)]) == 0
+    for proto in protos:
+        for name in (f"{proto.stem}_pb2.py", f"{proto.stem}_pb2_grpc.py"):
+            assert (tmp_path / "specmesh/v1" / name).read_text() == (root / "specmesh/v1" / name).read_text(), \
+                f"specmesh/v1/{name} is stale: run `make protos`"

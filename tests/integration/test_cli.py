@@ -109,3 +109,27 @@ def test_calibrate_writes_snapshot_and_loads_redis_prior(tiny_dirs, tmp_path, re
     prior = r.hgetall("specmesh:ocm:prior")
     assert len(prior) == len(counts)
     r.delete("specmesh:ocm:prior")
+
+
+def test_component_roles_run_standalone(tiny_dirs, tmp_path):
+    from services.predictor.mlp import YieldMLP
+
+    YieldMLP().save(tmp_path / "predictor", {})
+    procs = []
+    try:
+        for role in ("predictor", "drafter", "memory"):
+            port = free_port()
+            procs.append((role, port, subprocess.Popen(
+                CLI + ["serve", "--role", role, "--port", str(port), "--metrics-port", "0", "--target",
+                       str(tiny_dirs[0]), "--predictor", str(tmp_path / "predictor")],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)))
+        for role, port, _ in procs:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                grpc.channel_ready_future(ch).result(timeout=90)
+                status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+                assert status == health_pb2.HealthCheckResponse.SERVING, role
+    finally:
+        for _, _, p in procs:
+            p.terminate()
+        for role, _, p in procs:
+            assert p.wait(30) == 0, (role, p.stdout.read())

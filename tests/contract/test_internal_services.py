@@ -1,0 +1,122 @@
+"""Contracts of the internal services: predictor, drafter, memory (parity + every bad input)."""
+import math
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common.config import SuffixConfig
+from services.drafter.server import RemoteDrafter, build_drafter_server
+from services.drafter.suffix import SuffixDrafter
+from services.memory.correction_memory import LocalCorrectionMemory
+from services.memory.server import RemoteCorrectionMemory, build_memory_server
+from services.predictor.features import FEATURES
+from services.predictor.mlp import YieldMLP
+from services.predictor.server import RemotePredictor, build_predictor_server
+from specmesh.v1 import drafter_pb2 as dpb
+from specmesh.v1 import drafter_pb2_grpc as dgrpc
+from specmesh.v1 import memory_pb2 as mpb
+from specmesh.v1 import memory_pb2_grpc as mgrpc
+from specmesh.v1 import predictor_pb2 as ppb
+from specmesh.v1 import predictor_pb2_grpc as pgrpc
+
+VOCAB = 8192
+
+
+def started(pair):
+    server, port = pair[0], pair[-1]
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def code_of(fn, *a):
+    with pytest.raises(grpc.RpcError) as e:
+        fn(*a, timeout=10)
+    return e.value.code()
+
+
+def fuzz(addr: str, method: str):
+    call = grpc.insecure_channel(addr).unary_unary(method, request_serializer=lambda b: b,
+                                                   response_deserializer=lambda b: b)
+    for blob in (b"\xff\xfe\x00garbage", os.urandom(48)):
+        with pytest.raises(grpc.RpcError) as e:
+            call(blob, timeout=10)
+        assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+
+
+def test_predictor_batches_match_in_process_and_reject_bad_input():
+    mlp = YieldMLP()
+    server, addr = started(build_predictor_server(mlp, "127.0.0.1", 0))
+    try:
+        phi = np.random.default_rng(0).normal(size=(5, len(FEATURES))).astype(np.float32)
+        assert np.allclose(RemotePredictor(addr).predict(phi), mlp.predict(phi), atol=1e-5)
+        stub = pgrpc.PredictorStub(grpc.insecure_channel(addr))
+        assert code_of(stub.PredictYield, ppb.PredictYieldRequest()) == grpc.StatusCode.INVALID_ARGUMENT
+        short = ppb.PredictYieldRequest(items=[ppb.FeatureVector(values=[1.0, 2.0])])
+        assert code_of(stub.PredictYield, short) == grpc.StatusCode.INVALID_ARGUMENT
+        nan = ppb.PredictYieldRequest(items=[ppb.FeatureVector(values=[math.nan] * len(FEATURES))])
+        assert code_of(stub.PredictYield, nan) == grpc.StatusCode.INVALID_ARGUMENT
+        fuzz(addr, "/specmesh.v1.Predictor/PredictYield")
+    finally:
+        server.stop(0)
+
+
+def test_drafter_service_matches_local_and_guards_sessions():
+    server, servicer, port = build_drafter_server(SuffixDrafter(SuffixConfig()), VOCAB, "127.0.0.1", 0)
+    server.start()
+    addr = f"127.0.0.1:{port}"
+    try:
+        local, remote = SuffixDrafter(SuffixConfig()), RemoteDrafter(addr)
+        prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+        for d in (local, remote):
+            d.start("s", prompt)
+        assert remote.propose("s", 8).token_ids == local.propose("s", 8).token_ids == [8, 9, 5]  # ≤ match_len (3)
+        for d in (local, remote):
+            d.observe("s", [8, 9])
+        assert remote.propose("s", 8).token_ids == local.propose("s", 8).token_ids
+        stub = dgrpc.DrafterStub(grpc.insecure_channel(addr))
+        assert code_of(stub.Start, dpb.DrafterStart(session_id="s", prompt_ids=[1])) == grpc.StatusCode.ALREADY_EXISTS
+        assert code_of(stub.Start, dpb.DrafterStart(session_id="", prompt_ids=[1])) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(stub.Start, dpb.DrafterStart(session_id="x", prompt_ids=[VOCAB])) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(stub.Propose, dpb.DrafterPropose(session_id="nope", budget=4)) == grpc.StatusCode.NOT_FOUND
+        assert code_of(stub.Propose, dpb.DrafterPropose(session_id="s", budget=10_000)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(stub.Observe, dpb.DrafterObserve(session_id="s", tokens=[VOCAB + 5])) == grpc.StatusCode.INVALID_ARGUMENT
+        remote.stop("s")
+        assert "s" not in servicer.drafter.states and "s" not in servicer.last_seen
+        servicer.idle_s = 0.0  # forgotten sessions are reaped on the next Start
+        remote.start("forgotten", [1, 2])
+        remote.start("next", [1, 2])
+        assert "forgotten" not in servicer.drafter.states
+        for m in ("Start", "Propose", "Observe", "Stop"):
+            fuzz(addr, f"/specmesh.v1.Drafter/{m}")
+    finally:
+        server.stop(0)
+
+
+def test_memory_service_aggregates_clients_and_rejects_bad_input():
+    backing = LocalCorrectionMemory()
+    server, _, port = build_memory_server(backing, VOCAB, "127.0.0.1", 0)
+    server.start()
+    addr = f"127.0.0.1:{port}"
+    try:
+        a = RemoteCorrectionMemory(addr, flush_interval_s=0.05, refresh_interval_s=0.05)
+        b = RemoteCorrectionMemory(addr, flush_interval_s=0.05, refresh_interval_s=0.05)
+        a.record([(3, 4)] * 2)
+        b.record([(3, 4), (5, 6)])
+        a.close()
+        b.close()
+        assert backing.lookup(3, 4) == 3 and backing.lookup(5, 6) == 1
+        c = RemoteCorrectionMemory(addr)
+        assert c.lookup(3, 4) == 3  # a new verifier starts from the shared counts
+        c.close()
+        stub = mgrpc.MemoryStub(grpc.insecure_channel(addr))
+        for bad in (mpb.PairCount(draft=VOCAB, target=1, count=1), mpb.PairCount(draft=1, target=2, count=0),
+                    mpb.PairCount(draft=1, target=2, count=0.5), mpb.PairCount(draft=1, target=2, count=1e9)):
+            assert code_of(stub.RecordPairs, mpb.RecordPairsRequest(pairs=[bad])) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(stub.PublishOutput, mpb.PublishOutputRequest(tokens=[1])) == grpc.StatusCode.FAILED_PRECONDITION
+        for m in ("RecordPairs", "FetchSnapshot", "PublishOutput"):
+            if m != "FetchSnapshot":
+                fuzz(addr, f"/specmesh.v1.Memory/{m}")
+    finally:
+        server.stop(0)
