@@ -58,7 +58,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`
     max_new_tokens_limit: int = 1024
     default_max_new_tokens: int = 128
-    default_method: str = "sd"
+    default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid-csd")   # falls back, see Engine
     threads: int = 0                      # torch intra-op threads; 0 = torch default
     suffix: SuffixConfig = SuffixConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only

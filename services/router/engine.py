@@ -173,6 +173,15 @@ class Engine:
     def context_len(self) -> int:
         return self.verifier.context_len
 
+    @property
+    def default_method(self) -> str:
+        """The configured default when its models are loaded, else the best available method."""
+        available = self.methods()
+        for m in (self.cfg.default_method, "hybrid-csd", "hybrid", "eagle3", "sd", "vanilla"):
+            if m in available:
+                return m
+        return available[0]
+
     def model_drafter(self, method: MethodSpec) -> str | None:
         return self.model_fallback if method.model_drafter == MODEL else method.model_drafter
 

@@ -34,7 +34,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
             temperature=r.temperature, top_p=r.top_p if r.HasField("top_p") else 1.0,
             top_k=r.top_k, seed=r.seed if r.HasField("seed") else None),
         stop=tuple(s for s in r.stop if s),
-        method=r.method or engine.cfg.default_method,
+        method=r.method or engine.default_method,
         request_id=r.request_id,
     )
 
@@ -109,7 +109,8 @@ def serve(engine: Engine, cfg: ServerConfig) -> None:
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.host)
         log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
-    log.info("specmesh serving %s on %s:%d (methods: %s)", SERVICE_NAME, cfg.host, port, ", ".join(engine.methods()))
+    log.info("specmesh serving %s on %s:%d (default method %s; available: %s)", SERVICE_NAME, cfg.host, port,
+             engine.default_method, ", ".join(engine.methods()))
     print(f"specmesh: serving on {cfg.host}:{port} — try: specmesh client --addr {cfg.host}:{port} --prompt 'def add(a, b):'",
           flush=True)
     done = threading.Event()

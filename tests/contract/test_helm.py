@@ -1,0 +1,121 @@
+"""Helm chart, offline: strict lint, schema, render for several values files, kubernetes-validate."""
+import json
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy/helm/specmesh"
+CRDS = {"RayService", "ServiceMonitor"}  # validated structurally here, not by kubernetes-validate
+
+
+def values_file(name: str) -> dict:
+    return yaml.safe_load((CHART / "ci" / name).read_text())
+
+
+def render(values: dict) -> list[dict]:
+    out = helm.Chart.load(str(CHART)).render(values, name="demo", namespace="llm")
+    docs = [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def kinds(docs, kind):
+    return [d for d in docs if d["kind"] == kind]
+
+
+def named(docs, kind, suffix):
+    return next(d for d in kinds(docs, kind) if d["metadata"]["name"].endswith(suffix))
+
+
+def container(doc):
+    return doc["spec"]["template"]["spec"]["containers"][0]
+
+
+VALUES = [{}, {"mode": "services"}, values_file("services-cpu-external-redis-values.yaml"),
+          values_file("services-gpu-values.yaml"), values_file("ray-values.yaml")]
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_lint_strict_and_kubernetes_validate(values):
+    report = helm.lint(str(CHART), values, strict=True)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    for doc in render(values):
+        if doc["kind"] in CRDS:
+            continue
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+
+
+def test_schema_rejects_bad_values():
+    chart = helm.Chart.load(str(CHART))
+    for bad in ({"mode": "swarm"}, {"verifier": {"gpus": -1}}, {"redis": {"bundled": False, "externalUrl": ""}},
+                {"models": {"source": "s3"}}, {"router": {"port": 70000}}):
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(bad)
+
+
+def test_services_mode_gpu_workloads():
+    docs = render(values_file("services-gpu-values.yaml"))
+    assert not kinds(docs, "RayService")
+    ver = named(docs, "StatefulSet", "-verifier")
+    assert ver["spec"]["replicas"] == 2
+    c = container(ver)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and "--device=cuda" in c["args"]
+    spec = ver["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+    router = container(named(docs, "Deployment", "-router"))
+    verifiers = next(a for a in router["args"] if a.startswith("--verifiers=")).split("=", 1)[1].split(",")
+    assert verifiers == ["demo-specmesh-verifier-0.demo-specmesh-verifier:50052",
+                         "demo-specmesh-verifier-1.demo-specmesh-verifier:50052"]
+    assert {d["metadata"]["name"] for d in kinds(docs, "Deployment")} == {
+        "demo-specmesh-router", "demo-specmesh-drafter", "demo-specmesh-predictor", "demo-specmesh-memory"}
+    sm = kinds(docs, "ServiceMonitor")[0]
+    assert sm["metadata"]["labels"]["release"] == "prometheus" and sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert named(docs, "StatefulSet", "-redis")  # bundled Redis
+    for d in kinds(docs, "Deployment") + [ver]:
+        assert container(d)["readinessProbe"]["grpc"]["port"] == int(container(d)["ports"][0]["containerPort"])
+
+
+def test_services_mode_cpu_external_redis_pvc():
+    docs = render(values_file("services-cpu-external-redis-values.yaml"))
+    ver = named(docs, "StatefulSet", "-verifier")
+    assert ver["spec"]["replicas"] == 3 and "nvidia.com/gpu" not in str(container(ver)["resources"])
+    assert "--device=cpu" in container(ver)["args"] and "--dtype=float32" in container(ver)["args"]
+    assert not [d for d in kinds(docs, "StatefulSet") if d["metadata"]["name"].endswith("-redis")]
+    assert not kinds(docs, "Secret")  # the password comes from the existing Secret
+    env = {e["name"]: e for e in container(ver)["env"]}
+    assert env["SPECMESH_REDIS_URL"]["value"] == "rediss://:$(REDIS_PASSWORD)@redis.example.internal:6380/2"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "specmesh-redis"
+    vol = ver["spec"]["template"]["spec"]["volumes"][0]
+    assert vol["persistentVolumeClaim"]["claimName"] == "llm-models" and not kinds(docs, "PersistentVolumeClaim")
+    assert "initContainers" not in ver["spec"]["template"]["spec"]
+
+
+def test_ray_mode_rayservice():
+    docs = render(values_file("ray-values.yaml"))
+    assert not kinds(docs, "Deployment") and not [d for d in kinds(docs, "StatefulSet") if "verifier" in d["metadata"]["name"]]
+    rs = kinds(docs, "RayService")[0]
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["import_path"] == "services.ray_app:app"
+    assert "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
+    assert serve["applications"][0]["args"]["verifier_gpus"] == 4
+    worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert worker["replicas"] == 3 and worker["rayStartParams"]["num-gpus"] == "4"
+    assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    svc = named(docs, "Service", "demo-specmesh")
+    assert svc["spec"]["selector"]["ray.io/node-type"] == "head"
+
+
+def test_dashboard_configmap_carries_the_dashboard():
+    docs = render({})
+    cm = named(docs, "ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["specmesh.json"]) == json.loads((ROOT / "deploy/grafana/specmesh.json").read_text())
+
+
+def test_notes_show_a_client_call():
+    notes = helm.Chart.load(str(CHART)).render({}, name="demo", namespace="llm")["specmesh/templates/NOTES.txt"]
+    assert "specmesh client --addr" in notes and "grpcurl" in notes
