@@ -48,7 +48,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from services.router.server import serve
 
     cfg = engine_config(args)
-    scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, metrics_port=args.metrics_port)
+    token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else os.environ.get("SPECMESH_AUTH_TOKEN")
+    scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, metrics_port=args.metrics_port,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                        auth_token=token or None)
+    if args.tls_cert:  # component servers read their TLS settings from the environment
+        os.environ.setdefault("SPECMESH_TLS_CERT", str(args.tls_cert))
+        os.environ.setdefault("SPECMESH_TLS_KEY", str(args.tls_key))
+        if args.tls_client_ca:
+            os.environ.setdefault("SPECMESH_TLS_CLIENT_CA", str(args.tls_client_ca))
     if args.role == "verifier":
         from services.verifier.core import VerifierCore
         from services.verifier.server import build_verifier_server
@@ -190,10 +198,16 @@ def cmd_client(args: argparse.Namespace) -> None:
 
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              method=args.method, stop=args.stop or [])
-    with grpc.insecure_channel(args.addr) as ch:
+    from services.common.security import TLSConfig, channel_credentials
+
+    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    ch = grpc.secure_channel(args.addr, channel_credentials(tls)) if tls.enabled else grpc.insecure_channel(args.addr)
+    token = args.token or os.environ.get("SPECMESH_AUTH_TOKEN")
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with ch:
         stub = pb_grpc.GenerationStub(ch)
         try:
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
                 print(msg.text, end="", flush=True)
                 if msg.finish_reason:
                     s = msg.stats
@@ -312,6 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--verifiers", default=os.environ.get("SPECMESH_VERIFIERS", ""),
                    help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)")
     p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: PEM certificate (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None)
+    p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")
+    p.add_argument("--auth-token-file", default=None,
+                   help="require `authorization: Bearer <token>` (token from this file, or env SPECMESH_AUTH_TOKEN)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions)
@@ -339,6 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")
+    p.add_argument("--tls-cert", type=Path, default=None, help="client certificate for mTLS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None)
+    p.add_argument("--token", default=None, help="bearer token (or env SPECMESH_AUTH_TOKEN)")
     p.set_defaults(func=cmd_client)
 
     p = sub.add_parser("trace", help="record greedy target generations of a workload as replay traces")

@@ -77,3 +77,7 @@ class ServerConfig:
     workers: int = 16
     max_message_bytes: int = 4 * 1024 * 1024
     metrics_port: int = 9400              # Prometheus /metrics; 0 = off
+    tls_cert: Path | None = None          # serve TLS with this certificate + key
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None     # and require client certificates signed by this CA (mTLS)
+    auth_token: str | None = None         # require `authorization: Bearer <token>` on the public API

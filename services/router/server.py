@@ -10,6 +10,7 @@ import grpc
 
 from services.common.config import ServerConfig
 from services.common.grpc_server import build_grpc_server
+from services.common.security import TLSConfig
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
@@ -94,8 +95,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:
     """A ready-to-start server bound to cfg.host:cfg.port (port 0 = any free port)."""
     servicer = GenerationServicer(engine, cfg)
+    tls = TLSConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     server, port = build_grpc_server(lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s), [SERVICE_NAME],
-                                     cfg.host, cfg.port, cfg.workers, cfg.max_message_bytes)
+                                     cfg.host, cfg.port, cfg.workers, cfg.max_message_bytes, tls, cfg.auth_token)
     return server, servicer, port
 
 

@@ -35,6 +35,7 @@ def container(doc):
 
 
 VALUES = [{}, {"mode": "services"}, values_file("services-cpu-external-redis-values.yaml"),
+          values_file("services-tls-auth-values.yaml"),
           values_file("services-gpu-values.yaml"), values_file("ray-values.yaml")]
 
 
@@ -119,3 +120,17 @@ def test_dashboard_configmap_carries_the_dashboard():
 def test_notes_show_a_client_call():
     notes = helm.Chart.load(str(CHART)).render({}, name="demo", namespace="llm")["specmesh/templates/NOTES.txt"]
     assert "specmesh client --addr" in notes and "grpcurl" in notes
+
+
+def test_tls_and_auth_are_wired_from_secrets():
+    docs = render(values_file("services-tls-auth-values.yaml"))
+    router = named(docs, "Deployment", "-router")
+    env = {e["name"]: e for e in container(router)["env"]}
+    assert env["SPECMESH_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "specmesh-token", "key": "token"}
+    ver = named(docs, "StatefulSet", "-verifier")
+    venv = {e["name"]: e.get("value") for e in container(ver)["env"]}
+    assert venv["SPECMESH_TLS_CERT"] == "/etc/specmesh/tls/tls.crt" and venv["SPECMESH_TLS_CLIENT_CA"]
+    assert {"name": "tls", "secret": {"secretName": "specmesh-tls"}} in ver["spec"]["template"]["spec"]["volumes"]
+    assert "tcpSocket" in container(ver)["readinessProbe"]  # gRPC probes cannot speak TLS
+    with pytest.raises(helm.HelmRenderError):
+        render({"mode": "services", "tls": {"enabled": True}})  # a TLS Secret is required

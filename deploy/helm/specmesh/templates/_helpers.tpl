@@ -35,7 +35,34 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- end -}}
 {{- end -}}
 
+{{- define "specmesh.securityEnv" -}}
+{{- if .Values.tls.enabled }}
+- {name: SPECMESH_TLS_CERT, value: /etc/specmesh/tls/tls.crt}
+- {name: SPECMESH_TLS_KEY, value: /etc/specmesh/tls/tls.key}
+- {name: SPECMESH_TLS_CA, value: /etc/specmesh/tls/ca.crt}
+{{- if .Values.tls.mutual }}
+- {name: SPECMESH_TLS_CLIENT_CA, value: /etc/specmesh/tls/ca.crt}
+- {name: SPECMESH_TLS_CLIENT_CERT, value: /etc/specmesh/tls/tls.crt}
+- {name: SPECMESH_TLS_CLIENT_KEY, value: /etc/specmesh/tls/tls.key}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "specmesh.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- {name: tls, mountPath: /etc/specmesh/tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "specmesh.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret: {secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}}
+{{- end }}
+{{- end -}}
+
 {{- define "specmesh.redisEnv" -}}
+{{ include "specmesh.securityEnv" . }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
@@ -54,6 +81,7 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 
 {{/* volumes + init container that make the models available at .Values.models.dir */}}
 {{- define "specmesh.modelVolume" -}}
+{{ include "specmesh.tlsVolume" . }}
 - name: models
 {{- if eq .Values.models.source "pvc" }}
   persistentVolumeClaim:
@@ -76,12 +104,14 @@ initContainers:
 {{- end }}
 {{- end -}}
 
+{{/* gRPC probes cannot speak TLS: TCP probes when TLS is on */}}
 {{- define "specmesh.probes" -}}
+{{- $check := ternary (dict "tcpSocket" (dict "port" .port)) (dict "grpc" (dict "port" .port)) .tls }}
 readinessProbe:
-  grpc: {port: {{ .port }}}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: 5
 livenessProbe:
-  grpc: {port: {{ .port }}}
+  {{- toYaml $check | nindent 2 }}
   initialDelaySeconds: 30
   periodSeconds: 10
 {{- end -}}
