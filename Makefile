@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: serve-ray setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 
 serve: setup
 	$(BIN)/specmesh serve --host $(HOST) --port $(PORT)
+
+serve-ray: setup
+	$(BIN)/serve run deploy/ray/serve.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q tests

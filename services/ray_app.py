@@ -1,0 +1,227 @@
+"""Ray Serve application: the same components as the other topologies, as deployments.
+
+- ``GenerationIngress``: the router, serving `specmesh.v1.Generation/Generate` and
+  `grpc.health.v1.Health/Check` through Serve's gRPC proxy.
+- ``VerifierDeployment``: verifier replicas (target + EAGLE-3 + draft LM + gate), with
+  ``ray_actor_options.num_gpus`` from the app args and autoscaling. A session's cycles carry
+  ``multiplexed_model_id = session id`` so Serve routes them to the replica holding its KV
+  cache; a cycle that lands elsewhere (scale-down, replica death) re-opens the session there
+  from the prompt plus the committed tokens, as the distributed router's failover does.
+- ``PredictorDeployment``: the yield predictor, batching concurrent calls (``@serve.batch``).
+The suffix cache lives in the router; replicas share state through Redis when configured.
+
+    serve run deploy/ray/serve.yaml          # or: import_path services.ray_app:app, args below
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+from ray import serve
+
+from services.common.config import MODELS_DIR, EngineConfig
+from services.verifier.core import CycleRequest, SessionSpec
+
+
+class SessionMissing(RuntimeError):
+    """This replica does not hold the session (routed elsewhere, or evicted)."""
+
+
+def engine_config(args: dict) -> EngineConfig:
+    models = Path(args.get("models_dir") or os.environ.get("SPECMESH_MODELS", MODELS_DIR))
+    gpus = float(args.get("verifier_gpus", 0))
+    return EngineConfig(
+        target=models / "target", draft=models / "draft", eagle3=models / "eagle3", predictor=models / "predictor",
+        device="cuda" if gpus > 0 else "cpu", dtype=args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32",
+        redis_url=args.get("redis_url") or os.environ.get("SPECMESH_REDIS_URL") or None,
+        max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)))
+
+
+class _Slot:
+    """A replica-side session holder; evicting it (LRU over sessions) closes the session."""
+
+    session = None
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def __del__(self):
+        self.close()
+
+
+@serve.deployment
+class VerifierDeployment:
+    def __init__(self, args: dict):
+        from transformers import AutoTokenizer
+
+        from services.verifier.core import VerifierCore
+
+        cfg = engine_config(args)
+        eos = AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
+        self.core = VerifierCore.from_config(cfg, eos)
+
+    def info(self) -> dict:
+        return {"context_len": self.core.context_len, "vocab_size": self.core.vocab_size,
+                "max_draft": dict(self.core.max_draft)}
+
+    @serve.multiplexed(max_num_models_per_replica=64)
+    async def _slot(self, session_id: str) -> _Slot:
+        return _Slot()
+
+    async def open(self, spec: SessionSpec) -> None:
+        slot = await self._slot(serve.get_multiplexed_model_id())
+        slot.close()
+        slot.session = await asyncio.to_thread(self.core.open, spec)
+
+    async def cycle(self, req: CycleRequest):
+        slot = await self._slot(serve.get_multiplexed_model_id())
+        if slot.session is None:
+            raise SessionMissing(serve.get_multiplexed_model_id())
+        return await asyncio.to_thread(slot.session.cycle, req)
+
+    async def close(self) -> None:
+        (await self._slot(serve.get_multiplexed_model_id())).close()
+
+
+class RaySession:
+    def __init__(self, handle, spec: SessionSpec):
+        self.spec = replace(spec, session_id=spec.session_id or uuid.uuid4().hex)
+        self.h = handle.options(multiplexed_model_id=self.spec.session_id)
+        self.tokens = list(spec.prompt_ids)
+        self._open()
+
+    def _open(self) -> None:
+        generated = len(self.tokens) - len(self.spec.prompt_ids)
+        self.h.open.remote(replace(self.spec, prompt_ids=list(self.tokens),
+                                   max_new_tokens=max(1, self.spec.max_new_tokens - generated))).result()
+
+    def cycle(self, req: CycleRequest):
+        try:
+            res = self.h.cycle.remote(req).result()
+        except Exception as e:  # Ray wraps the replica's exception
+            if "SessionMissing" not in repr(e):
+                raise
+            self._open()
+            res = self.h.cycle.remote(req).result()
+        self.tokens.extend(res.committed)
+        return res
+
+    def close(self) -> None:
+        self.h.close.remote()
+
+
+class RayVerifier:
+    """The router's verifier interface over the Serve deployment."""
+
+    policies: dict = {}
+    memory = None
+
+    def __init__(self, handle):
+        self.handle = handle
+        info = handle.info.remote().result()
+        self.context_len, self.vocab_size, self.max_draft = info["context_len"], info["vocab_size"], info["max_draft"]
+
+    def open(self, spec: SessionSpec) -> RaySession:
+        return RaySession(self.handle, spec)
+
+    def close(self) -> None:
+        pass
+
+
+@serve.deployment
+class PredictorDeployment:
+    def __init__(self, path: str):
+        from services.predictor.mlp import YieldMLP
+
+        self.mlp = YieldMLP.load(Path(path))
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
+    async def predict(self, rows: list[np.ndarray]) -> list[float]:
+        return self.mlp.predict(np.stack(rows)).tolist()
+
+
+class RayPredictor:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def predict(self, phi: np.ndarray) -> np.ndarray:
+        rows = np.atleast_2d(phi)
+        return np.asarray([self.handle.predict.remote(r).result() for r in rows], dtype=np.float32)
+
+
+@serve.deployment
+class GenerationIngress:
+    def __init__(self, verifier, predictor, args: dict):
+        import threading
+
+        self._handles, self._args = (verifier, predictor), args
+        self._engine = None
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self):
+        """Built on first use, in Serve's request thread pool: the constructor runs inside the
+        replica's event loop, where blocking on another deployment is not allowed."""
+        with self._lock:
+            if self._engine is None:
+                from services.router.engine import Engine
+
+                verifier, predictor = self._handles
+                cfg = engine_config(self._args)
+                engine = Engine(cfg, verifier=RayVerifier(verifier))
+                if predictor is not None and engine.model_fallback:
+                    from services.predictor.features import TokenFlags
+                    from services.router.hybrid import PredictorRule
+
+                    engine.add_hybrid("hybrid", PredictorRule(RayPredictor(predictor), TokenFlags(engine.tokenizer),
+                                                              cfg.hybrid.tau))
+                self._engine = engine
+        return self._engine
+
+    def Generate(self, request, grpc_context):
+        """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""
+        from services.router.engine import InvalidRequest
+        from services.router.server import final_to_pb, request_from_pb
+        from specmesh.v1 import generate_pb2 as pb
+
+        engine = self.engine
+        try:
+            gen = engine.generate(request_from_pb(request, engine))
+        except InvalidRequest as e:
+            grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            grpc_context.set_details(str(e))
+            raise
+        for step in gen:
+            yield pb.GenerateResponse(token_ids=step.token_ids, text=step.text)
+        yield final_to_pb(gen)
+
+    def Check(self, request):
+        from grpc_health.v1 import health_pb2
+
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def app(args: dict):
+    """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config:
+    verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
+    models_dir, redis_url, cpus_per_replica."""
+    cpus = float(args.get("cpus_per_replica", 1))
+    auto = args.get("autoscaling")
+    scaling = ({"autoscaling_config": {"min_replicas": auto["min_replicas"], "max_replicas": auto["max_replicas"],
+                                       "target_ongoing_requests": auto["target_ongoing_requests"]}}
+               if auto else {"num_replicas": int(args.get("verifier_replicas", 1))})
+    verifier = VerifierDeployment.options(
+        ray_actor_options={"num_gpus": float(args.get("verifier_gpus", 0)), "num_cpus": cpus},
+        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, **scaling).bind(args)
+    cfg = engine_config(args)
+    predictor = None
+    if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():
+        predictor = PredictorDeployment.options(ray_actor_options={"num_cpus": min(cpus, 0.5)}).bind(str(cfg.predictor))
+    return GenerationIngress.options(ray_actor_options={"num_cpus": cpus}).bind(verifier, predictor, args)

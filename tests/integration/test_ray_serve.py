@@ -1,0 +1,69 @@
+"""The Ray Serve application, in-process on 2 CPUs: Generate through Serve's gRPC proxy."""
+import socket
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.router.engine import GenerationRequest
+from specmesh.v1 import generate_pb2 as pb
+from specmesh.v1 import generate_pb2_grpc as pb_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_app(tiny_dirs, tmp_path_factory):
+    import shutil
+
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from services.ray_app import app
+
+    models = tmp_path_factory.mktemp("ray-models")
+    shutil.copytree(tiny_dirs[0], models / "target")
+    shutil.copytree(tiny_dirs[1], models / "draft")
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[
+                    "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
+                    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
+    serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.25,
+                   "max_new_tokens_limit": 200}), name="specmesh", route_prefix="/")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.GenerationStub(channel), channel
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
+    stub, _ = serve_app
+    for method in ("vanilla", "sd", "suffix"):
+        msgs = list(stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n", max_new_tokens=24, method=method),
+                                  timeout=120))
+        ids = [t for m in msgs for t in m.token_ids]
+        ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 24, method="vanilla"))
+        assert ids == ref.result()["token_ids"], method
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].stats.cycles > 0
+
+
+def test_invalid_request_status_survives_the_proxy(serve_app):
+    stub, _ = serve_app
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=0), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
+
+
+def test_health_through_the_proxy(serve_app):
+    _, channel = serve_app
+    resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
