@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: serve-ray setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -42,17 +42,22 @@ bench: setup
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
-	$(MAKE) model-target model-draft model-cards eagle3 predictor
+	$(MAKE) model-target model-draft model-cards publish-models eagle3 predictor publish-models
 
 model-target: setup
-	$(BIN)/python -m training.pretrain --preset target --out models/target
+	$(BIN)/python -m training.pretrain --preset target --out build/models/target
 
 model-draft: setup
-	$(BIN)/python -m training.pretrain --preset draft --out models/draft
+	$(BIN)/python -m training.pretrain --preset draft --out build/models/draft
 
+# Evaluate (model cards) and publish finished models from build/models into models/.
 model-cards: setup
-	$(BIN)/python -m training.evaluate --model models/target
-	$(BIN)/python -m training.evaluate --model models/draft
+	$(BIN)/python -m training.evaluate --model build/models/target
+	$(BIN)/python -m training.evaluate --model build/models/draft
+
+publish-models:
+	for m in target draft eagle3 predictor; do \
+	  test -d build/models/$$m && mkdir -p models/$$m && cp -r build/models/$$m/. models/$$m/ || true; done
 
 # Greedy target generations: training prompts (EAGLE-3 data, predictor training) and
 # held-out prompts (predictor report only). Lossless `suffix` decoding makes them faster.
@@ -64,11 +69,11 @@ traces: setup
 	test -s $(TRACES)/stdlib-heldout.jsonl || $(BIN)/specmesh trace --method suffix --workload stdlib-heldout --limit 60 --max-new-tokens 256 --out $(TRACES)/stdlib-heldout.jsonl
 
 eagle3: traces
-	$(BIN)/python -m training.eagle3 --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --out models/eagle3
+	$(BIN)/python -m training.eagle3 --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --out build/models/eagle3
 
 predictor: traces
 	$(BIN)/python -m training.predictor --train $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl \
-	    --heldout $(TRACES)/edit-heldout.jsonl,$(TRACES)/stdlib-heldout.jsonl --out models/predictor
+	    --heldout $(TRACES)/edit-heldout.jsonl,$(TRACES)/stdlib-heldout.jsonl --out build/models/predictor
 
 protos: setup
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
