@@ -148,25 +148,10 @@ def _spawn_verifiers(args: argparse.Namespace):
 
 
 def _run_until_signal(server, what: str, metrics_port: int, host: str) -> None:
-    import signal
-    import threading
+    from services.common.grpc_server import run_until_signal
 
-    from prometheus_client import start_http_server
-
-    server.start()
-    if metrics_port:
-        start_http_server(metrics_port, addr=host)
     print(f"specmesh: {what}", flush=True)
-    done = threading.Event()
-
-    def stop(signum, frame):
-        server.health.enter_graceful_shutdown()
-        done.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    done.wait()
-    server.stop(grace=10).wait()
+    run_until_signal(server, metrics_port, host)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

@@ -48,3 +48,26 @@ def channel(addr: str, max_message_bytes: int = 4 * 1024 * 1024, tls: TLSConfig 
     if tls.enabled:
         return grpc.secure_channel(addr, channel_credentials(tls), options=opts)
     return grpc.insecure_channel(addr, options=opts)
+
+
+def run_until_signal(server: grpc.Server, metrics_port: int = 0, host: str = "127.0.0.1", grace_s: float = 10.0) -> None:
+    """Start ``server`` (and /metrics); on SIGTERM/SIGINT report NOT_SERVING, drain in-flight
+    calls for up to ``grace_s``, then return so the caller can flush shared state."""
+    import signal
+    import threading
+
+    from prometheus_client import start_http_server
+
+    server.start()
+    if metrics_port:
+        start_http_server(metrics_port, addr=host)
+    done = threading.Event()
+
+    def stop(signum, frame):
+        server.health.enter_graceful_shutdown()
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    done.wait()
+    server.stop(grace=grace_s).wait()

@@ -9,7 +9,7 @@ import threading
 import grpc
 
 from services.common.config import ServerConfig
-from services.common.grpc_server import build_grpc_server
+from services.common.grpc_server import build_grpc_server, run_until_signal
 from services.common.security import TLSConfig
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
@@ -102,27 +102,10 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
 
 
 def serve(engine: Engine, cfg: ServerConfig) -> None:
-    import signal
-
-    from prometheus_client import start_http_server
-
     server, _, port = build_server(engine, cfg)
-    server.start()
-    if cfg.metrics_port:
-        start_http_server(cfg.metrics_port, addr=cfg.host)
-        log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, cfg.metrics_port)
-    log.info("specmesh serving %s on %s:%d (default method %s; available: %s)", SERVICE_NAME, cfg.host, port,
-             engine.default_method, ", ".join(engine.methods()))
+    log.info("specmesh serving %s on %s:%d (default method %s; available: %s; metrics :%d)", SERVICE_NAME,
+             cfg.host, port, engine.default_method, ", ".join(engine.methods()), cfg.metrics_port)
     print(f"specmesh: serving on {cfg.host}:{port} — try: specmesh client --addr {cfg.host}:{port} --prompt 'def add(a, b):'",
           flush=True)
-    done = threading.Event()
-
-    def stop(signum, frame):
-        server.health.enter_graceful_shutdown()
-        done.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    done.wait()
-    server.stop(grace=10).wait()
-    engine.close()
+    run_until_signal(server, cfg.metrics_port, cfg.host)
+    engine.close()  # flush suffix-feed outputs and correction-memory writes
