@@ -60,6 +60,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     method: str = "sd"
     request_id: str = ""
+    deadline_s: float | None = None   # time the client allows, from the request's arrival
 
 
 @dataclass
@@ -253,7 +254,7 @@ class Generation:
         session = self.engine.verifier.open(SessionSpec(
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
-            session_id=self.req_id))
+            session_id=self.req_id, deadline_s=req.deadline_s))
         if self.drafter:
             self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 import grpc
 
 from services.common.config import ServerConfig
@@ -63,7 +64,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
-            gen = self.engine.generate(request_from_pb(request, self.engine))
+            req = replace(request_from_pb(request, self.engine), deadline_s=context.time_remaining())
+            gen = self.engine.generate(req)
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -37,6 +37,7 @@ class SessionSpec:
     model_drafter: str | None = None     # verifier-side drafter this session may use
     max_draft: int = 0                   # longest draft the session will see (KV capacity)
     session_id: str = ""
+    deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
 
 
 @dataclass(frozen=True)

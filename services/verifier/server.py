@@ -173,6 +173,7 @@ class RemoteSession:
         self.pool, self.spec = pool, spec
         self.tokens = list(spec.prompt_ids)
         self.generated = 0
+        self._t0 = time.monotonic()
         self._connect(exclude=set())
 
     def _connect(self, exclude: set[str]) -> None:
@@ -183,7 +184,7 @@ class RemoteSession:
             addr = self.pool.pick(exclude)
             q: queue.Queue = queue.Queue()
             q.put(pb.SessionRequest(open=spec_to_pb(spec)))
-            call = self.pool.stub(addr).Session(iter(q.get, None), timeout=self.pool.timeout_s)
+            call = self.pool.stub(addr).Session(iter(q.get, None), timeout=self._timeout())
             try:
                 self.replica = next(call).opened.replica
             except grpc.RpcError as e:
@@ -196,6 +197,12 @@ class RemoteSession:
             self.pool.load[addr] += 1
             return
 
+    def _timeout(self) -> float | None:
+        """The client's deadline, carried to the verifier stream (re-opens get what is left)."""
+        if self.spec.deadline_s is None:
+            return self.pool.timeout_s
+        return max(0.001, self.spec.deadline_s - (time.monotonic() - self._t0))
+
     def cycle(self, req: CycleRequest) -> CycleResult:
         tried: set[str] = set()
         while True:
@@ -205,7 +212,7 @@ class RemoteSession:
                 break
             except (grpc.RpcError, StopIteration) as e:
                 code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-                if code not in _RETRYABLE:
+                if code not in _RETRYABLE or self._timeout() == 0.001:
                     raise
                 log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, code.name)
                 self._release()
