@@ -26,6 +26,9 @@ def serve_app(tiny_dirs, tmp_path_factory):
 
     from services.ray_app import app
 
+    import os
+
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "180")  # a loaded 2-core machine starts GCS slowly
     models = tmp_path_factory.mktemp("ray-models")
     shutil.copytree(tiny_dirs[0], models / "target")
     shutil.copytree(tiny_dirs[1], models / "draft")
