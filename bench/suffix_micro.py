@@ -22,7 +22,8 @@ import torch
 from services.common.config import MODELS_DIR, SuffixConfig
 from services.common.llama import Llama
 from services.drafter.replay import load_traces, replay
-from services.drafter.suffix import SuffixDrafter, SuffixTree
+from services.drafter.suffix import SuffixDrafter
+from services.drafter.suffix_tree import SuffixTree
 
 CPP = {"us_per_speculate_call": 37.0, "us_per_update_token": 2.75, "us_per_indexed_prompt_token": 1.9}
 
