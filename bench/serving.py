@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    from services.common.runtime import tune_gc
+
+    tune_gc()
     cfg = EngineConfig(target=args.target, draft=args.draft, eagle3=None)
     prompts = [p.text for p in load(args.workload, args.limit)]
     result = {"command": " ".join(["python -m bench.serving"] + sys.argv[1:]), "workload": args.workload,

@@ -21,6 +21,7 @@ import torch
 
 from services.common.config import MODELS_DIR, SuffixConfig
 from services.common.llama import Llama
+from services.common.runtime import tune_gc
 from services.drafter.replay import load_traces, replay
 from services.drafter.suffix import SuffixDrafter
 from services.drafter.suffix_tree import SuffixTree
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--cycle-ms", type=float, default=None, help="a measured `suffix` cycle (default: 1-token step)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    tune_gc()  # as every specmesh process does
     traces = load_traces(args.traces)
     rep = replay(SuffixDrafter(SuffixConfig()), traces, 16).report()
     # indexing a 2,000-token prompt (a trace prompt repeated to length)

@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_bench)
 
     args = ap.parse_args(argv)
+    from services.common.runtime import tune_gc
+
+    tune_gc()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.func(args)
 
