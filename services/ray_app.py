@@ -61,8 +61,10 @@ class VerifierDeployment:
     def __init__(self, args: dict):
         from transformers import AutoTokenizer
 
+        from services.common.runtime import tune_gc
         from services.verifier.core import VerifierCore
 
+        tune_gc()
         cfg = engine_config(args)
         eos = AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
         self.core = VerifierCore.from_config(cfg, eos)
@@ -161,6 +163,9 @@ class GenerationIngress:
     def __init__(self, verifier, predictor, args: dict):
         import threading
 
+        from services.common.runtime import tune_gc
+
+        tune_gc()  # the router holds the suffix trees
         self._handles, self._args = (verifier, predictor), args
         self._engine = None
         self._lock = threading.Lock()
