@@ -49,7 +49,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     cfg = engine_config(args)
     token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else os.environ.get("SPECMESH_AUTH_TOKEN")
-    scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, metrics_port=args.metrics_port,
+    scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, max_queue=args.max_queue,
+                        metrics_port=args.metrics_port,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                         auth_token=token or None)
     if args.tls_cert:  # component servers read their TLS settings from the environment
@@ -319,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions)
+    p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
+                   help="requests waiting for a session slot before RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="Prometheus port (0 = off)")
     p.set_defaults(func=cmd_serve)
 

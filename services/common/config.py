@@ -73,7 +73,8 @@ class EngineConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    max_sessions: int = 8                 # concurrent Generate streams; beyond → RESOURCE_EXHAUSTED
+    max_sessions: int = 8                 # concurrent Generate streams
+    max_queue: int = 32                   # requests waiting for a stream slot; beyond → RESOURCE_EXHAUSTED
     workers: int = 16
     max_message_bytes: int = 4 * 1024 * 1024
     metrics_port: int = 9400              # Prometheus /metrics; 0 = off

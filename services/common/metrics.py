@@ -39,6 +39,7 @@ _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 REQUESTS = Counter("specmesh_requests_total", "Finished requests", ["method", "finish_reason"])
 REQUESTS_REJECTED = Counter("specmesh_requests_rejected_total", "Requests refused before decoding", ["code"])
 ACTIVE_SESSIONS = Gauge("specmesh_active_sessions", "Generate streams in progress")
+QUEUE_DEPTH = Gauge("specmesh_queue_depth", "Generate requests waiting for a session slot")
 TTFT = Histogram("specmesh_time_to_first_token_seconds", "Time to first token", ["method"], buckets=_LAT)
 TPOT = Histogram("specmesh_time_per_output_token_seconds", "Decode time per output token (per cycle)",
                  ["method"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25))

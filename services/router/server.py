@@ -12,7 +12,7 @@ import grpc
 from services.common.config import ServerConfig
 from services.common.grpc_server import build_grpc_server, run_until_signal
 from services.common.security import TLSConfig
-from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
+from services.common.metrics import ACTIVE_SESSIONS, QUEUE_DEPTH, REQUESTS_REJECTED
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.verifier.server import NoReplica
@@ -54,11 +54,51 @@ def final_to_pb(gen: Generation) -> pb.GenerateResponse:
     )
 
 
+class Admission:
+    """At most ``max_sessions`` streams decode at once; up to ``max_queue`` more wait for a
+    slot (until their deadline, or until the client leaves); beyond that, refuse at once."""
+
+    def __init__(self, max_sessions: int, max_queue: int):
+        self.max_sessions, self.max_queue = max_sessions, max_queue
+        self._cond = threading.Condition()
+        self.running = 0
+        self.waiting = 0
+
+    def acquire(self, context: grpc.ServicerContext) -> grpc.StatusCode | None:
+        """None when a slot is taken; else why not: RESOURCE_EXHAUSTED (queue full),
+        DEADLINE_EXCEEDED (the deadline passed in the queue) or CANCELLED."""
+        with self._cond:
+            if self.running < self.max_sessions:
+                self.running += 1
+                return None
+            if self.waiting >= self.max_queue:
+                return grpc.StatusCode.RESOURCE_EXHAUSTED
+            self.waiting += 1
+            QUEUE_DEPTH.set(self.waiting)
+            try:
+                while self.running >= self.max_sessions:
+                    left = context.time_remaining()
+                    if left is not None and left <= 0.005:
+                        return grpc.StatusCode.DEADLINE_EXCEEDED
+                    if not context.is_active():
+                        return grpc.StatusCode.CANCELLED
+                    self._cond.wait(timeout=min(0.5, left) if left is not None else 0.5)
+                self.running += 1
+                return None
+            finally:
+                self.waiting -= 1
+                QUEUE_DEPTH.set(self.waiting)
+
+    def release(self) -> None:
+        with self._cond:
+            self.running -= 1
+            self._cond.notify()
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, engine: Engine, cfg: ServerConfig):
         self.engine = engine
-        self._slots = threading.BoundedSemaphore(cfg.max_sessions)
-        self._max_sessions = cfg.max_sessions
+        self.admission = Admission(cfg.max_sessions, cfg.max_queue)
         self._lock = threading.Lock()
         self.active: dict[str, Generation] = {}
 
@@ -69,10 +109,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not self._slots.acquire(blocking=False):
-            REQUESTS_REJECTED.labels("RESOURCE_EXHAUSTED").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"server is at its limit of {self._max_sessions} concurrent sessions; retry later")
+        refused = self.admission.acquire(context)
+        if refused is not None:
+            REQUESTS_REJECTED.labels(refused.name).inc()
+            context.abort(refused, "deadline passed while queued for a session slot"
+                          if refused == grpc.StatusCode.DEADLINE_EXCEEDED else
+                          f"server is at its limit of {self.admission.max_sessions} concurrent sessions and "
+                          f"{self.admission.max_queue} queued requests; retry later")
         with self._lock:
             self.active[gen.req_id] = gen
             ACTIVE_SESSIONS.set(len(self.active))
@@ -91,7 +134,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             with self._lock:
                 self.active.pop(gen.req_id, None)
                 ACTIVE_SESSIONS.set(len(self.active))
-            self._slots.release()
+            self.admission.release()
 
 
 def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:

@@ -110,19 +110,49 @@ def test_cancelled_stream_frees_session_and_drafter_state(served, tiny_engine):
     assert not tiny_engine.verifier.drafters["draft-lm"].states
 
 
-def test_resource_exhausted_when_sessions_full(served):
+def test_admission_queues_then_refuses(served):
+    """Slots full: a request waits in the queue (and runs when a slot frees); queue full: refused."""
+    import threading
+
     stub, servicer, _ = served
-    taken = [servicer._slots.acquire(blocking=False) for _ in range(2)]
+    adm = servicer.admission
+    with adm._cond:
+        adm.running = adm.max_sessions          # every slot taken
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("msgs", collect(stub, prompt="a", max_new_tokens=3)))
+    waiter.start()
+    end = time.time() + 5
+    while adm.waiting == 0 and time.time() < end:
+        time.sleep(0.01)
+    assert adm.waiting == 1 and "msgs" not in result      # queued, not refused
+    old_queue, adm.max_queue = adm.max_queue, 1
     try:
-        assert all(taken)
         with pytest.raises(grpc.RpcError) as e:
             collect(stub, prompt="a", max_new_tokens=3)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "concurrent sessions" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in e.value.details()
     finally:
-        for _ in taken:
-            servicer._slots.release()
-    assert collect(stub, prompt="a", max_new_tokens=3)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        adm.max_queue = old_queue
+        with adm._cond:
+            adm.running = 0
+            adm._cond.notify_all()
+    waiter.join(10)
+    assert result["msgs"][-1].finish_reason == pb.FINISH_REASON_LENGTH  # the queued request ran
+
+
+def test_queued_request_leaves_at_its_deadline(served):
+    stub, servicer, _ = served
+    adm = servicer.admission
+    with adm._cond:
+        adm.running = adm.max_sessions
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=3), timeout=0.3))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert adm.waiting == 0
+    finally:
+        with adm._cond:
+            adm.running = 0
+            adm._cond.notify_all()
 
 
 def test_health_and_reflection(served):
