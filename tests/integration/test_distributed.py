@@ -181,3 +181,24 @@ def test_client_deadline_reaches_the_verifier(tiny_dirs):
     finally:
         server.stop(0)
         stop([slow])
+
+
+def test_sigterm_drains_in_flight_sessions(tiny_dirs, tiny_engine):
+    """Graceful shutdown: a replica told to stop finishes the streams it holds (no other replica exists)."""
+    import signal
+
+    proc, addr = start_verifier(tiny_dirs, delay_ms=25)
+    engine, server, _, stub = router(tiny_dirs, [addr])
+    try:
+        prompt = "import os\nimport sys\n"
+        call = stub.Generate(gpb.GenerateRequest(prompt=prompt, max_new_tokens=40, method="sd"), timeout=120)
+        ids = list(next(call).token_ids)
+        proc.send_signal(signal.SIGTERM)
+        for m in call:
+            ids += m.token_ids
+        ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(prompt), 40, method="vanilla")).result()
+        assert ids == ref["token_ids"]
+        assert proc.wait(60) == 0
+    finally:
+        server.stop(0)
+        stop([proc])
