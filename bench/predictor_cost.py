@@ -1,0 +1,58 @@
+"""Per-call cost of the yield predictor: in-process MLP vs the PredictYield gRPC service.
+
+    python -m bench.predictor_cost --predictor models/predictor --out bench/results/predictor_cost.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from services.common.config import MODELS_DIR
+from services.predictor.features import FEATURES
+from services.predictor.mlp import YieldMLP
+from services.predictor.server import RemotePredictor, build_predictor_server
+
+
+def per_call_us(fn, x, n: int) -> float:
+    fn(x)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return round(1e6 * statistics.median(times), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--predictor", type=Path, default=MODELS_DIR / "predictor")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    mlp = YieldMLP.load(args.predictor) if (args.predictor / "config.json").exists() else YieldMLP()
+    server, port = build_predictor_server(mlp, "127.0.0.1", 0)
+    server.start()
+    remote = RemotePredictor(f"127.0.0.1:{port}")
+    rng = np.random.default_rng(0)
+    rows = {}
+    for batch in (1, 16, 64):
+        x = rng.normal(size=(batch, len(FEATURES))).astype(np.float32)
+        rows[str(batch)] = {"in_process_us": per_call_us(mlp.predict, x, args.calls),
+                            "grpc_us": per_call_us(remote.predict, x, args.calls)}
+        rows[str(batch)]["grpc_us_per_item"] = round(rows[str(batch)]["grpc_us"] / batch, 2)
+    server.stop(0)
+    result = {"command": "python -m bench.predictor_cost " + " ".join(sys.argv[1:]),
+              "trained_model": (args.predictor / "config.json").exists(), "batch": rows}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
