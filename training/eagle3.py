@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config

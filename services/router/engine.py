@@ -17,7 +17,7 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
-from services.common.types import Draft, SamplingParams, SpecStats
+from services.common.types import SamplingParams, SpecStats
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
 from services.router.hybrid import Delegate
@@ -118,7 +118,7 @@ class Engine:
 
     def _add_hybrids(self, cfg: EngineConfig) -> None:
         """hybrid / hybrid-rule: the suffix cache + the verifier's model drafter as fallback."""
-        from services.router.hybrid import HybridDrafter, PredictorRule, ScoreRule
+        from services.router.hybrid import PredictorRule, ScoreRule
 
         if self.model_fallback is None:
             return

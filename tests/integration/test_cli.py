@@ -4,7 +4,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
