@@ -10,6 +10,7 @@ rollback (a length reset), ragged batching and capturing EAGLE-3's hidden states
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,7 +271,9 @@ class Llama(nn.Module):
                 continue
             name = k if k.startswith("lm_head.") else f"model.{k}"
             state[name] = v.detach().to(dtype).contiguous()
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        tmp = path / "model.safetensors.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / "model.safetensors")  # readers never see a half-written file
         self.hf_config.dtype = str(dtype).removeprefix("torch.")
         self.hf_config.save_pretrained(str(path))
 
