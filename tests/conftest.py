@@ -11,6 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import datetime
+import ipaddress
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
 from services.common.config import MODELS_DIR, EngineConfig
 
 TOKENIZER = MODELS_DIR / "tokenizer"
@@ -162,3 +170,37 @@ def tiny_eagle_engine(tiny_dirs, tiny_eagle3):
 
     return Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tiny_eagle3, eagle3_k=4,
                                max_new_tokens_limit=200))
+
+
+# -- a throw-away PKI (CA, server and client certificates for localhost) ----------------------
+def _cert(subject: str, issuer_cert, issuer_key, key, ca: bool = False):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+         .issuer_name(issuer_cert.subject if issuer_cert else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+    return b.sign(issuer_key or key, hashes.SHA256())
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _cert("specmesh-test-ca", None, None, ca_key, ca=True)
+    out = {}
+    for name in ("server", "client"):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _cert(f"specmesh-{name}", ca, ca_key, key)
+        (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+        (d / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        out[name] = (d / f"{name}.crt", d / f"{name}.key")
+    (d / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out["ca"] = d / "ca.crt"
+    return out
+
+

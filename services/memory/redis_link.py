@@ -8,6 +8,7 @@ raise ``RedisUnavailable`` immediately until the next retry time (exponential ba
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable, TypeVar
@@ -26,9 +27,12 @@ class RedisUnavailable(RuntimeError):
 
 class RedisLink:
     def __init__(self, url: str, component: str, timeout_s: float = 0.5):
+        """``rediss://`` URLs use TLS; a private CA comes from SPECMESH_REDIS_CA (a PEM file)."""
         self.url = url
         self.component = component
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        tls = {"ssl_ca_certs": os.environ["SPECMESH_REDIS_CA"]} if url.startswith("rediss://") and \
+            os.environ.get("SPECMESH_REDIS_CA") else {}
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls)
         self.healthy = True
         self._backoff = 0.5
         self._retry_at = 0.0

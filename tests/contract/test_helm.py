@@ -90,7 +90,9 @@ def test_services_mode_cpu_external_redis_pvc():
     env = {e["name"]: e for e in container(ver)["env"]}
     assert env["SPECMESH_REDIS_URL"]["value"] == "rediss://:$(REDIS_PASSWORD)@redis.example.internal:6380/2"
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "specmesh-redis"
-    vol = ver["spec"]["template"]["spec"]["volumes"][0]
+    assert env["SPECMESH_REDIS_CA"]["value"] == "/etc/specmesh/redis-ca/ca.crt"
+    assert {"name": "redis-ca", "secret": {"secretName": "redis-ca"}} in ver["spec"]["template"]["spec"]["volumes"]
+    vol = next(v for v in ver["spec"]["template"]["spec"]["volumes"] if v["name"] == "models")
     assert vol["persistentVolumeClaim"]["claimName"] == "llm-models" and not kinds(docs, "PersistentVolumeClaim")
     assert "initContainers" not in ver["spec"]["template"]["spec"]
 

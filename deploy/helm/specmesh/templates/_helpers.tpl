@@ -52,12 +52,19 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- if .Values.tls.enabled }}
 - {name: tls, mountPath: /etc/specmesh/tls, readOnly: true}
 {{- end }}
+{{- if .Values.redis.caSecret }}
+- {name: redis-ca, mountPath: /etc/specmesh/redis-ca, readOnly: true}
+{{- end }}
 {{- end -}}
 
 {{- define "specmesh.tlsVolume" -}}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret: {secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}}
+{{- end }}
+{{- if .Values.redis.caSecret }}
+- name: redis-ca
+  secret: {secretName: {{ .Values.redis.caSecret }}}
 {{- end }}
 {{- end -}}
 
@@ -70,6 +77,9 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
       key: password
 - name: SPECMESH_REDIS_URL
   value: {{ include "specmesh.redisUrl" . | quote }}
+{{- if .Values.redis.caSecret }}
+- {name: SPECMESH_REDIS_CA, value: /etc/specmesh/redis-ca/ca.crt}
+{{- end }}
 {{- end -}}
 
 {{- define "specmesh.modelArgs" -}}
