@@ -45,10 +45,10 @@ models: setup
 	$(MAKE) model-target model-draft model-cards publish-models eagle3 predictor publish-models
 
 model-target: setup
-	$(BIN)/python -m training.pretrain --preset target --out build/models/target
+	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
 
 model-draft: setup
-	$(BIN)/python -m training.pretrain --preset draft --out build/models/draft
+	$(BIN)/python -m training.pretrain --preset draft --out build/models/draft --warm-start models/draft
 
 # Evaluate (model cards) and publish finished models from build/models into models/.
 model-cards: setup

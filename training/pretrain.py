@@ -164,6 +164,14 @@ def train(args: argparse.Namespace) -> None:
         opt.load_state_dict(st["opt"])
         step, elapsed = st["step"], st["elapsed"]
         print(f"[{args.preset}] resumed at step {step} ({elapsed / 60:.1f} min trained)", flush=True)
+    elif args.warm_start and (args.warm_start / "training_state.json").exists():
+        # A new machine has no checkpoint: continue from published weights (fp16) and their
+        # step; the optimizer restarts (a short re-warm-up of its moments).
+        state = json.loads((args.warm_start / "training_state.json").read_text())
+        published = Llama.from_pretrained(args.warm_start)
+        model.load_state_dict(published.state_dict())
+        step, elapsed = int(state["step"]), 60.0 * float(state["train_minutes"])
+        print(f"[{args.preset}] warm start from {args.warm_start} at step {step}", flush=True)
     total_steps = p.tokens // (p.batch * SEQ_LEN)
     nparams = sum(x.numel() for x in model.parameters())
     print(f"[{args.preset}] params={nparams / 1e6:.2f}M steps={total_steps} "
@@ -219,6 +227,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--warm-start", type=Path, default=None,
+                    help="without a checkpoint, continue from this published model directory and its step")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="torch.compile the training forward (default on)")
     train(ap.parse_args())
