@@ -126,12 +126,13 @@ def pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor
 
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    target = Llama.from_pretrained(args.target)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = Llama.from_pretrained(args.target, device=device)
     for p in target.parameters():
         p.requires_grad_(False)
     aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
     torch.manual_seed(0)
-    head = Eagle3Head(eagle3_config(target.hf_config, aux))
+    head = Eagle3Head(eagle3_config(target.hf_config, aux)).to(device)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.embed_tokens.weight)
         head.lm_head.weight.copy_(target.lm_head.weight)  # full draft vocabulary: start from the target's head
@@ -146,7 +147,7 @@ def train(args: argparse.Namespace) -> None:
     ckpt = work / "ckpt.pt"
     epoch, done_in_epoch, step, elapsed = 0, 0, 0, 0.0
     if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
+        st = torch.load(ckpt, weights_only=False, map_location=device)
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
@@ -175,6 +176,7 @@ def train(args: argparse.Namespace) -> None:
             if i < done_in_epoch:
                 continue
             ids, lengths = pad(batch, pad_id=0)
+            ids, lengths = ids.to(device), lengths.to(device)
             with torch.no_grad():
                 logits, hidden = target.forward_train(ids, capture=aux)
                 feats, probs = torch.cat(hidden, -1), torch.softmax(logits.float(), -1)
@@ -216,6 +218,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache/specmesh/train/eagle3"))
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None)
     ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -270,7 +270,7 @@ class Llama(nn.Module):
             if k == "lm_head.weight" and self.s.tie_embeddings:
                 continue
             name = k if k.startswith("lm_head.") else f"model.{k}"
-            state[name] = v.detach().to(dtype).contiguous()
+            state[name] = v.detach().to("cpu", dtype).contiguous()
         tmp = path / "model.safetensors.tmp"
         save_file(state, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, path / "model.safetensors")  # readers never see a half-written file

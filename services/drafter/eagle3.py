@@ -118,7 +118,7 @@ class Eagle3Head(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous()
+        state = {k: (v.to("cpu", dtype) if v.is_floating_point() else v.cpu()).contiguous()
                  for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         self.cfg.dtype = str(dtype).removeprefix("torch.")
