@@ -145,8 +145,8 @@ class _Stop:
 
 def train(args: argparse.Namespace) -> None:
     p = PRESETS[args.preset]
-    if args.tokens:
-        p = Preset(**{**asdict(p), "tokens": args.tokens})
+    if args.tokens or args.batch:
+        p = Preset(**{**asdict(p), "tokens": args.tokens or p.tokens, "batch": args.batch or p.batch})
     torch.set_num_threads(args.threads)
     work = args.work_dir or default_work_dir(args.preset)
     work.mkdir(parents=True, exist_ok=True)
@@ -226,6 +226,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=Path("models/tokenizer"))
     ap.add_argument("--work-dir", type=Path, default=None)
     ap.add_argument("--tokens", type=int, default=0, help="override the preset's token budget")
+    ap.add_argument("--batch", type=int, default=0, help="override the preset's sequences per step (GPU: 64)")
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--log-every", type=int, default=10)

@@ -260,7 +260,10 @@ class Llama(nn.Module):
             raise ValueError(f"{path}: checkpoint lacks weights {missing[:5]}")
         return model.to(device=device, dtype=dtype).eval()
 
-    def save_pretrained(self, path: str | Path, dtype=torch.float16) -> None:
+    def save_pretrained(self, path: str | Path, dtype=torch.float16, max_shard_bytes: int = 15 * 2**20) -> None:
+        """HF layout: one model.safetensors, or shards + model.safetensors.index.json past
+        ``max_shard_bytes`` (transfers here cap files at 16 MB). Each file is written to a
+        temporary name and renamed, so readers never see a half-written file."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -271,9 +274,26 @@ class Llama(nn.Module):
                 continue
             name = k if k.startswith("lm_head.") else f"model.{k}"
             state[name] = v.detach().to("cpu", dtype).contiguous()
-        tmp = path / "model.safetensors.tmp"
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / "model.safetensors")  # readers never see a half-written file
+        shards: list[dict] = [{}]
+        size = 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        for old in path.glob("model*.safetensors*"):
+            old.unlink()
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        for fname, shard in zip(names, shards):
+            save_file(shard, str(path / (fname + ".tmp")), metadata={"format": "pt"})
+            os.replace(path / (fname + ".tmp"), path / fname)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                     "weight_map": {n: f for f, sh in zip(names, shards) for n in sh}}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         self.hf_config.dtype = str(dtype).removeprefix("torch.")
         self.hf_config.save_pretrained(str(path))
 

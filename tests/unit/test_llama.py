@@ -92,3 +92,18 @@ def test_ragged_batch_equals_separate_forwards(tmp_path):
         assert all(torch.allclose(a[0], b, atol=1e-5) for a, b in zip(hr, hg))
     for ca, cb in zip(caches_a, caches_b):
         assert torch.allclose(ca.layers[1][0], cb.layers[1][0], atol=1e-5)
+
+
+def test_sharded_save_loads_in_ours_and_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    m = Llama.from_pretrained(make_tiny(tmp_path / "a", seed=9))
+    m.save_pretrained(tmp_path / "b", dtype=torch.float32, max_shard_bytes=400_000)
+    shards = sorted(p.name for p in (tmp_path / "b").glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "b" / "model.safetensors.index.json").exists()
+    x = torch.randint(0, 8192, (1, 12))
+    with torch.no_grad():
+        ref = m.forward_train(x)
+        assert torch.allclose(Llama.from_pretrained(tmp_path / "b").forward_train(x), ref, atol=1e-5)
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32).eval()
+        assert torch.allclose(hf(x).logits, ref, atol=1e-4)
