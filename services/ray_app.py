@@ -8,7 +8,11 @@
   cache; a cycle that lands elsewhere (scale-down, replica death) re-opens the session there
   from the prompt plus the committed tokens, as the distributed router's failover does.
 - ``PredictorDeployment``: the yield predictor, batching concurrent calls (``@serve.batch``).
-The suffix cache lives in the router; replicas share state through Redis when configured.
+- ``MemoryDeployment`` (``shared_memory: true``): the correction memory every verifier replica
+  shares without Redis (write-behind through a handle-backed store).
+- ``DrafterDeployment`` (``remote_drafter: true``): the suffix cache as a deployment shared by
+  router replicas; off by default, as it adds a hop per cycle (the router's own suffix cache
+  plus the Redis feed is the default).
 
     serve run deploy/ray/serve.yaml          # or: import_path services.ray_app:app, args below
 """
@@ -57,8 +61,95 @@ class _Slot:
 
 
 @serve.deployment
-class VerifierDeployment:
+class MemoryDeployment:
     def __init__(self, args: dict):
+        from services.verifier.core import open_memory
+
+        self.memory = open_memory(replace(engine_config(args), memory_addr=None, ocm_snapshot=None))
+
+    def write(self, batch: dict) -> int:
+        self.memory.record(p for p, n in batch.items() for _ in range(int(n)))
+        return len(self.memory)
+
+    def read(self) -> dict:
+        return self.memory.snapshot()
+
+
+class RayMemoryStore:
+    """MemoryStore over MemoryDeployment (the write-behind layer keeps the hot path local)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def read(self):
+        from collections import Counter
+
+        return Counter(self.handle.read.remote().result())
+
+    def write(self, batch) -> None:
+        self.handle.write.remote(dict(batch)).result()
+
+    def has_prior(self) -> bool:
+        return True
+
+    def replace_prior(self, counts) -> None:
+        raise NotImplementedError("load the calibration prior into the memory deployment's backend")
+
+    def retry_in(self) -> float:
+        return 0.5
+
+
+@serve.deployment
+class DrafterDeployment:
+    """The suffix-cache drafter as a deployment; sessions routed by multiplexed id."""
+
+    def __init__(self, args: dict):
+        from services.common.runtime import tune_gc
+        from services.drafter.suffix import SuffixDrafter
+
+        tune_gc()
+        self.drafter = SuffixDrafter(engine_config(args).suffix)
+
+    def start(self, prompt: list[int], max_new_tokens: int) -> None:
+        self.drafter.start(serve.get_multiplexed_model_id(), prompt, max_new_tokens=max_new_tokens)
+
+    def propose(self, budget: int):
+        return self.drafter.propose(serve.get_multiplexed_model_id(), budget)
+
+    def observe(self, tokens: list[int]) -> None:
+        self.drafter.observe(serve.get_multiplexed_model_id(), tokens)
+
+    def stop(self) -> None:
+        self.drafter.stop(serve.get_multiplexed_model_id())
+
+
+class RayDrafter:
+    """The Drafter protocol over DrafterDeployment."""
+
+    name = "suffix"
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def _h(self, req_id: str):
+        return self.handle.options(multiplexed_model_id=req_id)
+
+    def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0) -> None:
+        self._h(req_id).start.remote(list(prompt), max_new_tokens).result()
+
+    def propose(self, req_id, budget):
+        return self._h(req_id).propose.remote(budget).result()
+
+    def observe(self, req_id, tokens, target_states=None) -> None:
+        self._h(req_id).observe.remote(list(tokens)).result()
+
+    def stop(self, req_id) -> None:
+        self._h(req_id).stop.remote()
+
+
+@serve.deployment
+class VerifierDeployment:
+    def __init__(self, args: dict, memory=None):
         from transformers import AutoTokenizer
 
         from services.common.runtime import tune_gc
@@ -68,6 +159,21 @@ class VerifierDeployment:
         cfg = engine_config(args)
         eos = AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
         self.core = VerifierCore.from_config(cfg, eos)
+        self._memory_handle = memory  # bound lazily: the constructor runs in the event loop
+
+    def _share_memory(self) -> None:
+        """With a memory deployment, replace the local correction memory (first call, in a thread)."""
+        if self._memory_handle is None:
+            return
+        from dataclasses import replace as dc_replace
+
+        from services.memory.write_behind import WriteBehindMemory
+        from services.verifier.policies import CalibratedGreedy
+
+        memory = WriteBehindMemory(RayMemoryStore(self._memory_handle))
+        self.core.memory = memory
+        self.core.policies["csd"] = CalibratedGreedy(engine_config({}).gate, memory)
+        self._memory_handle = None
 
     def info(self) -> dict:
         return {"context_len": self.core.context_len, "vocab_size": self.core.vocab_size,
@@ -78,6 +184,7 @@ class VerifierDeployment:
         return _Slot()
 
     async def open(self, spec: SessionSpec) -> None:
+        await asyncio.to_thread(self._share_memory)
         slot = await self._slot(serve.get_multiplexed_model_id())
         slot.close()
         slot.session = await asyncio.to_thread(self.core.open, spec)
@@ -160,13 +267,13 @@ class RayPredictor:
 
 @serve.deployment
 class GenerationIngress:
-    def __init__(self, verifier, predictor, args: dict):
+    def __init__(self, verifier, predictor, args: dict, drafter=None):
         import threading
 
         from services.common.runtime import tune_gc
 
         tune_gc()  # the router holds the suffix trees
-        self._handles, self._args = (verifier, predictor), args
+        self._handles, self._args, self._drafter = (verifier, predictor), args, drafter
         self._engine = None
         self._lock = threading.Lock()
 
@@ -181,6 +288,10 @@ class GenerationIngress:
                 verifier, predictor = self._handles
                 cfg = engine_config(self._args)
                 engine = Engine(cfg, verifier=RayVerifier(verifier))
+                if self._drafter is not None:
+                    engine.drafters["suffix"] = RayDrafter(self._drafter)
+                    for name in [n for n in engine.drafters if n.startswith("hybrid")]:
+                        engine.drafters[name].cache = engine.drafters["suffix"]
                 if predictor is not None and engine.model_fallback:
                     from services.predictor.features import TokenFlags
                     from services.router.hybrid import PredictorRule
@@ -216,17 +327,20 @@ class GenerationIngress:
 def app(args: dict):
     """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config:
     verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
-    models_dir, redis_url, cpus_per_replica."""
+    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter."""
     cpus = float(args.get("cpus_per_replica", 1))
     auto = args.get("autoscaling")
     scaling = ({"autoscaling_config": {"min_replicas": auto["min_replicas"], "max_replicas": auto["max_replicas"],
                                        "target_ongoing_requests": auto["target_ongoing_requests"]}}
                if auto else {"num_replicas": int(args.get("verifier_replicas", 1))})
+    small = {"ray_actor_options": {"num_cpus": min(cpus, 0.5)}}
+    memory = MemoryDeployment.options(**small).bind(args) if args.get("shared_memory") else None
+    drafter = DrafterDeployment.options(**small).bind(args) if args.get("remote_drafter") else None
     verifier = VerifierDeployment.options(
         ray_actor_options={"num_gpus": float(args.get("verifier_gpus", 0)), "num_cpus": cpus},
-        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, **scaling).bind(args)
+        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, **scaling).bind(args, memory)
     cfg = engine_config(args)
     predictor = None
     if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():
         predictor = PredictorDeployment.options(ray_actor_options={"num_cpus": min(cpus, 0.5)}).bind(str(cfg.predictor))
-    return GenerationIngress.options(ray_actor_options={"num_cpus": cpus}).bind(verifier, predictor, args)
+    return GenerationIngress.options(ray_actor_options={"num_cpus": cpus}).bind(verifier, predictor, args, drafter)

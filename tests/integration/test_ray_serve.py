@@ -40,7 +40,8 @@ def serve_app(tiny_dirs, tmp_path_factory):
                     "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
     serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.25,
-                   "max_new_tokens_limit": 200}), name="specmesh", route_prefix="/")
+                   "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True}),
+              name="specmesh", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield pb_grpc.GenerationStub(channel), channel
     channel.close()
@@ -50,12 +51,15 @@ def serve_app(tiny_dirs, tmp_path_factory):
 
 def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
     stub, _ = serve_app
-    for method in ("vanilla", "sd", "suffix"):
+    for method in ("vanilla", "sd", "suffix", "csd"):
         msgs = list(stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n", max_new_tokens=24, method=method),
                                   timeout=120))
         ids = [t for m in msgs for t in m.token_ids]
         ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 24, method="vanilla"))
-        assert ids == ref.result()["token_ids"], method
+        if method == "csd":  # relaxed: only its length is fixed
+            assert len(ids) == 24
+        else:
+            assert ids == ref.result()["token_ids"], method
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].stats.cycles > 0
 
 
@@ -64,6 +68,24 @@ def test_invalid_request_status_survives_the_proxy(serve_app):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=0), timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
+
+
+def test_memory_and_drafter_deployments_are_shared(serve_app):
+    """csd runs recorded first rejections into the memory deployment; suffix drafts came from the drafter one."""
+    from ray import serve
+
+    memory = serve.get_deployment_handle("MemoryDeployment", app_name="specmesh")
+    stub, _ = serve_app
+    list(stub.Generate(pb.GenerateRequest(prompt="class A:\n", max_new_tokens=24, method="csd"), timeout=120))
+    import time
+
+    end = time.time() + 20
+    while not memory.read.remote().result() and time.time() < end:
+        time.sleep(0.2)
+    assert memory.read.remote().result()  # pairs flushed by the verifier's write-behind
+    msgs = list(stub.Generate(pb.GenerateRequest(prompt="x = 1\nx = 1\nx = 1\n", max_new_tokens=16,
+                                                 method="suffix"), timeout=120))
+    assert msgs[-1].stats.cycles > 0
 
 
 def test_health_through_the_proxy(serve_app):
