@@ -303,10 +303,16 @@ class GenerationIngress:
 
     def Generate(self, request, grpc_context):
         """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""
+        from services.common.security import DENIED, bearer_ok
         from services.router.engine import InvalidRequest
         from services.router.server import final_to_pb, request_from_pb
         from specmesh.v1 import generate_pb2 as pb
 
+        token = os.environ.get("SPECMESH_AUTH_TOKEN")  # Serve's proxy runs no interceptors: check here
+        if token and not bearer_ok(grpc_context.invocation_metadata(), token):
+            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            grpc_context.set_details(DENIED)
+            raise PermissionError(DENIED)
         engine = self.engine
         try:
             gen = engine.generate(request_from_pb(request, engine))

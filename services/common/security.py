@@ -56,25 +56,32 @@ def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
         certificate_chain=tls.cert.read_bytes() if tls.cert else None)
 
 
+DENIED = "authorization: missing or invalid bearer token"
+
+
+def bearer_ok(metadata, token: str) -> bool:
+    """``authorization: Bearer <token>`` present in ``metadata`` (constant-time comparison)."""
+    got = dict(metadata or ()).get("authorization", "")
+    got = got.encode() if isinstance(got, str) else got
+    return hmac.compare_digest(got, f"Bearer {token}".encode())
+
+
 class BearerAuth(grpc.ServerInterceptor):
     def __init__(self, token: str):
         if not token:
             raise ValueError("auth: the bearer token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or details.method.startswith(EXEMPT):
-            return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        if handler is None or details.method.startswith(EXEMPT) or bearer_ok(details.invocation_metadata, self._token):
             return handler
         return _deny(handler)
 
 
 def _deny(handler):
     def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or invalid bearer token")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
     kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
             else "stream_unary" if handler.stream_unary else "stream_stream")

@@ -48,6 +48,14 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- end }}
 {{- end -}}
 
+{{- define "specmesh.authEnv" -}}
+{{- if .Values.auth.enabled }}
+- name: SPECMESH_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ required "auth.secretName is required when auth.enabled" .Values.auth.secretName }}, key: token}
+{{- end }}
+{{- end -}}
+
 {{- define "specmesh.tlsMount" -}}
 {{- if .Values.tls.enabled }}
 - {name: tls, mountPath: /etc/specmesh/tls, readOnly: true}
