@@ -150,7 +150,41 @@ def main() -> None:
             dis["median_ms_per_cycle"] - emb["median_ms_per_cycle"], 3)
     print(json.dumps(result, indent=2))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write(result, args.out)
+
+
+def write(result: dict, out: Path) -> None:
+    """JSON, a markdown table and a PNG of tokens/s by concurrency, side by side."""
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    concs = list(result["rows"][0]["tokens_per_s"])
+    lines = [f"### Serving — {result['workload']}, {result['max_new_tokens']} new tokens, {result['replicas']} verifier replica(s)",
+             "", "| topology | method | ms / cycle (1 stream) | " + " | ".join(f"tok/s @{c}" for c in concs)
+             + f" | ×{concs[-2] if len(concs) > 1 else concs[0]} vs ×1 |", "|" + "---|" * (3 + len(concs) + 1)]
+    for r in result["rows"]:
+        key = concs[-2] if len(concs) > 1 else concs[0]
+        lines.append(f"| {r['topology']} | {r['method']} | {r['median_ms_per_cycle']} | "
+                     + " | ".join(str(r["tokens_per_s"][c]) for c in concs) + f" | {r['scaling_vs_first'][key]} |")
+    lines += ["", "Distributed − embedded, ms per cycle: "
+              + ", ".join(f"{m} {v:+}" for m, v in result["distributed_overhead_ms_per_cycle"].items()),
+              "", f"Command: `{result['command']}`", ""]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in result["rows"]:
+        ax.plot([int(c) for c in concs], [r["tokens_per_s"][c] for c in concs], marker="o",
+                label=f"{r['topology']} {r['method']}")
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    ax.set_title("specmesh serving throughput")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

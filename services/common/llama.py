@@ -95,8 +95,8 @@ class Attention(nn.Module):
 
 
 def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
-    """Attention for concatenated rows: x [N, H]; rows = (offset, start, (k_cache, v_cache)) in order.
+                     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]]) -> torch.Tensor:
+    """Attention for concatenated rows: x [N, H]; rows = (offset, start, (k_cache, v_cache), mask).
 
     Projections run once over all N tokens; each row attends to its own cache (batch 1)."""
     s = attn.s
@@ -107,12 +107,11 @@ def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin:
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     outs = []
-    ends = [off for off, _, _ in rows[1:]] + [n]
-    for (off, start, (kc, vc)), end in zip(rows, ends):
+    ends = [row[0] for row in rows[1:]] + [n]
+    for (off, start, (kc, vc), mask), end in zip(rows, ends):
         t = end - off
         kc[0, :, start:start + t] = k[:, off:end]
         vc[0, :, start:start + t] = v[:, off:end]
-        mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start) if t > 1 else None
         outs.append(F.scaled_dot_product_attention(q[None, :, off:end], kc[:, :, :start + t], vc[:, :, :start + t],
                                                    attn_mask=mask, enable_gqa=s.kv_heads != s.heads)[0])
     o = torch.cat(outs, dim=1)                     # [heads, N, d]
@@ -210,19 +209,25 @@ class Llama(nn.Module):
     def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
                        capture: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
-        ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] and captured states [T_r, H]."""
+        ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] and captured states [T_r, H].
+        A single row takes the plain batched path (no per-row bookkeeping)."""
         dev = self.embed_tokens.weight.device
+        if len(seqs) == 1:
+            logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture)
+            return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
         pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         offsets = [sum(lens[:r]) for r in range(len(lens))]
+        masks = [torch.ones(n, st + n, dtype=torch.bool, device=dev).tril(st) if n > 1 else None
+                 for st, n in zip(starts, lens)]  # built once, shared by every layer
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 seen[i] = x
-            rows = [(off, st, c.layers[i]) for off, st, c in zip(offsets, starts, caches)]
+            rows = [(off, st, c.layers[i], mk) for off, st, c, mk in zip(offsets, starts, caches, masks)]
             x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = self.lm_head(self.norm(x))
