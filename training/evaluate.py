@@ -116,7 +116,7 @@ from scratch by `training/pretrain.py` (preset `{state['preset']}`) — no hub d
 | tokens seen | {state['tokens_seen']:,} of {state['tokens']:,} planned (step {state['step']}/{state['total_steps']}){'' if state['final'] else ' — **training still in progress**'} |
 | training time | {state['train_minutes']} min on {state['threads']} CPU thread(s) |
 | held-out loss | **{ev['heldout_loss']}** nats/token |
-| loop rate | **{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle (gate ≤ 25 %) |
+| loop rate | **{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle (the target's gate: ≤ 25 %) |
 | edit exact rate | {ev['edit_exact_rate']:.1%} of {ev['edit_prompts']} held-out edit prompts rewritten exactly |
 
 Held-out modules (never trained on): {', '.join(HELD_OUT)} (and their `test/test_*` files).
