@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,15 +24,11 @@ from pathlib import Path
 import grpc
 
 from bench.workloads import load
+from services.common.grpc_server import free_port
 from services.common.config import MODELS_DIR, EngineConfig, ServerConfig
 from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_router(cfg: EngineConfig, verifiers: list[str] | None):

@@ -165,7 +165,6 @@ class VerifierDeployment:
         """With a memory deployment, replace the local correction memory (first call, in a thread)."""
         if self._memory_handle is None:
             return
-        from dataclasses import replace as dc_replace
 
         from services.memory.write_behind import WriteBehindMemory
         from services.verifier.policies import CalibratedGreedy

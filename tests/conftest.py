@@ -88,6 +88,16 @@ def bundled_engine():
     return Engine(EngineConfig())
 
 
+def wait_for(cond, timeout: float = 5.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass; return its last value."""
+    import time
+
+    end = time.time() + timeout
+    while not cond() and time.time() < end:
+        time.sleep(0.02)
+    return cond()
+
+
 # -- Redis -----------------------------------------------------------------------------------
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

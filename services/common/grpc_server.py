@@ -71,3 +71,12 @@ def run_until_signal(server: grpc.Server, metrics_port: int = 0, host: str = "12
     signal.signal(signal.SIGINT, stop)
     done.wait()
     server.stop(grace=grace_s).wait()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (tests, benchmarks, local multi-process topologies)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,21 +1,16 @@
 """The `specmesh` entry point as a user runs it: generate --json, serve + client in real processes."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.common.grpc_server import free_port
 
 CLI = [sys.executable, "-m", "services.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_generate_json(tiny_dirs):

@@ -4,7 +4,6 @@ Same outputs as embedded, a replica killed mid-stream loses nothing, a bounded l
 leaves no session behind, malformed verifier input gets a clear status.
 """
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,14 +20,10 @@ from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
 from specmesh.v1 import verifier_pb2 as vpb
 from specmesh.v1 import verifier_pb2_grpc as vgrpc
+from services.common.grpc_server import free_port
 
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\nimport os\n", "class A:\n    pass\n\nclass", "x = [1, 2"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_verifier(tiny_dirs, delay_ms: int = 0) -> tuple[subprocess.Popen, str]:

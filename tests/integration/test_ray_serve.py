@@ -1,5 +1,4 @@
 """The Ray Serve application, in-process on 2 CPUs: Generate through Serve's gRPC proxy."""
-import socket
 
 import grpc
 import pytest
@@ -8,12 +7,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.router.engine import GenerationRequest
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
+from services.common.grpc_server import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import redis
 from services.common.metrics import REDIS_ERRORS
 from services.memory.redis_link import RedisLink
 from services.memory.redis_memory import RedisCorrectionMemory
+from tests.conftest import wait_for
 
 WORKER = """
 import sys
@@ -21,12 +22,6 @@ for i in range(200):
 m.close()
 """
 
-
-def wait_for(cond, timeout=5.0):
-    end = time.time() + timeout
-    while not cond() and time.time() < end:
-        time.sleep(0.02)
-    return cond()
 
 
 def cleanup(url, prefix):

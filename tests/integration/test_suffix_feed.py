@@ -9,6 +9,7 @@ from services.common.metrics import REDIS_ERRORS
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.memory.redis_link import RedisLink
 from services.memory.suffix_feed import SuffixFeed
+from tests.conftest import wait_for
 
 
 def replica(url: str, stream: str) -> tuple[SuffixDrafter, SuffixFeed]:
@@ -16,12 +17,6 @@ def replica(url: str, stream: str) -> tuple[SuffixDrafter, SuffixFeed]:
     feed = SuffixFeed(RedisLink(url, "suffix_feed"), cache, stream=stream).start()
     return SuffixDrafter(SuffixConfig(), cache, feed.publish), feed
 
-
-def wait_for(cond, timeout=5.0):
-    end = time.time() + timeout
-    while not cond() and time.time() < end:
-        time.sleep(0.02)
-    return cond()
 
 
 def test_output_finished_on_one_replica_hits_on_the_other(redis_url):
