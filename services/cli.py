@@ -257,15 +257,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     import time
 
     from bench.workloads import EVALUATION, load
-    from services.memory.correction_memory import LocalCorrectionMemory
     from services.memory.snapshot import save_snapshot
     from services.router.engine import Engine, GenerationRequest
 
     if args.workload in EVALUATION:
         sys.exit(f"error: --workload {args.workload!r} is an evaluation set; calibrate on stdlib-train or edit-train")
     cfg = engine_config(args)
-    engine = Engine(replace(cfg, redis_url=None, ocm_snapshot=None))
-    engine.memory = LocalCorrectionMemory()
+    # no shared store and no prior: the engine's memory starts empty and in-process
+    engine = Engine(replace(cfg, redis_url=None, ocm_snapshot=None, memory_addr=None))
     prompts = load(args.workload, args.limit)
     t0 = time.time()
     for i, p in enumerate(prompts):

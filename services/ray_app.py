@@ -167,11 +167,8 @@ class VerifierDeployment:
             return
 
         from services.memory.write_behind import WriteBehindMemory
-        from services.verifier.policies import CalibratedGreedy
 
-        memory = WriteBehindMemory(RayMemoryStore(self._memory_handle))
-        self.core.memory = memory
-        self.core.policies["csd"] = CalibratedGreedy(engine_config({}).gate, memory)
+        self.core.set_memory(WriteBehindMemory(RayMemoryStore(self._memory_handle)))
         self._memory_handle = None
 
     def info(self) -> dict:

@@ -153,13 +153,6 @@ class Engine:
     def memory(self):
         return self.verifier.memory
 
-    @memory.setter
-    def memory(self, value) -> None:
-        from services.verifier.policies import CalibratedGreedy
-
-        self.verifier.memory = value
-        self.verifier.policies["csd"] = CalibratedGreedy(self.cfg.gate, value)
-
     @property
     def policies(self):
         return self.verifier.policies

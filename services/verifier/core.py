@@ -88,6 +88,12 @@ class VerifierCore:
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
         return cls(runner, drafters, max_draft, policies, memory, eos_id)
 
+    def set_memory(self, memory) -> None:
+        """Swap the correction memory; the calibrated policy gates from the new one."""
+        old, self.memory = self.memory, memory
+        self.policies["csd"] = CalibratedGreedy(self.policies["csd"].gate, memory)
+        old.close()
+
     @property
     def context_len(self) -> int:
         return self.runner.max_positions
