@@ -43,6 +43,9 @@ def ends_in_loop(tokens: list[int]) -> bool:
 
 @torch.inference_mode()
 def greedy(model: Llama, prompt: list[int], n: int, eos: int) -> list[int]:
+    """Greedy continuation of up to ``n`` tokens, stopping at EOS or the end of the context."""
+    prompt = prompt[-(model.s.max_positions - 1):]
+    n = min(n, model.s.max_positions - len(prompt))
     runner = TargetRunner(model)
     st = runner.open(prompt, len(prompt) + n + 1)
     out: list[int] = []
