@@ -76,7 +76,8 @@ def tiny_engine(tiny_dirs):
 
 
 def bundled_available() -> bool:
-    return (BUNDLED_TARGET / "model.safetensors").exists() and (BUNDLED_DRAFT / "model.safetensors").exists()
+    """Both bundled models present (single-file or sharded safetensors)."""
+    return all((d / "config.json").exists() and any(d.glob("*.safetensors")) for d in (BUNDLED_TARGET, BUNDLED_DRAFT))
 
 
 @pytest.fixture(scope="session")

@@ -129,6 +129,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             yield final_to_pb(gen)
         except NoReplica as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except grpc.RpcError as e:  # the verifier's status (e.g. the propagated deadline) reaches the client
+            context.abort(e.code(), f"verifier: {e.details()}")
         finally:
             steps.close()  # frees the drafter state even when the client went away mid-stream
             with self._lock:
