@@ -41,15 +41,35 @@ def prefill_ms(model: Llama, n: int, repeats: int = 3) -> float:
     return 1000 * best
 
 
+def heldout_text_traces(n: int):
+    """Replay traces from real held-out source text (no target needed): deterministic."""
+    from transformers import AutoTokenizer
+
+    from services.drafter.replay import Trace
+    from training.corpus import read_source, source_files
+
+    tok = AutoTokenizer.from_pretrained(str(MODELS_DIR / "tokenizer"))
+    out = []
+    for p in source_files("heldout"):
+        ids = tok(read_source(p) or "", add_special_tokens=False)["input_ids"]
+        if len(ids) > 900:
+            out.append(Trace(p.name, ids[:600], ids[600:900], 300))
+        if len(out) == n:
+            break
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", type=Path, required=True)
+    ap.add_argument("--traces", type=Path, default=None, help="target traces (specmesh trace)")
+    ap.add_argument("--heldout-text", type=int, default=0,
+                    help="instead: N traces cut from held-out stdlib files (600-token prompt, 300-token text)")
     ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
     ap.add_argument("--cycle-ms", type=float, default=None, help="a measured `suffix` cycle (default: 1-token step)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tune_gc()  # as every specmesh process does
-    traces = load_traces(args.traces)
+    traces = load_traces(args.traces) if args.traces else heldout_text_traces(args.heldout_text)
     rep = replay(SuffixDrafter(SuffixConfig()), traces, 16).report()
     # indexing a 2,000-token prompt (a trace prompt repeated to length)
     prompt = [t for tr in traces for t in tr.prompt_ids][:2000]
@@ -62,7 +82,8 @@ def main() -> None:
     cycle_ms = args.cycle_ms or prefill_ms(model, 17)  # a 16-token draft + 1 verified in one forward
     per_cycle_us = rep["us_per_speculate_call"] + rep["us_per_update_token"] * rep["tau"]
     result = {
-        "command": "python -m bench.suffix_micro " + " ".join(sys.argv[1:]), "traces": str(args.traces),
+        "command": "python -m bench.suffix_micro " + " ".join(sys.argv[1:]),
+        "traces": str(args.traces) if args.traces else f"{len(traces)} held-out stdlib texts",
         "replay": rep,
         "vs_cpp": {k: round(rep[k] / v, 2) for k, v in CPP.items()},
         "speculate_plus_update_share_of_cycle": round(per_cycle_us / (1000 * cycle_ms), 4),
