@@ -56,7 +56,6 @@ def greedy(model: Llama, prompt: list[int], n: int, eos: int) -> list[int]:
         if v.tokens[0] == eos:
             break
         out.append(v.tokens[0])
-    runner.close(st)
     return out
 
 

@@ -21,6 +21,39 @@ class _State:
     drafted: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Row:
+    """One request's draft in progress: tokens to feed next at ``pos``, tokens drafted."""
+    st: _State
+    budget: int
+    feed: list[int]
+    pos: int
+    out: list[int] = field(default_factory=list)
+    qs: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, st: _State, budget: int) -> "_Row":
+        # K/V of an earlier draft that was never committed is stale; at least one token stays pending.
+        st.cache_len = min(st.cache_len, len(st.tokens) - 1)
+        budget = max(0, min(budget, st.cache.capacity - len(st.tokens)))
+        return cls(st, budget, st.tokens[st.cache_len:], st.cache_len)
+
+    def take(self, greedy_tok: int | None, logits: torch.Tensor) -> None:
+        """Greedy requests draft argmax tokens (q one-hot); sampled ones sample from q."""
+        if greedy_tok is None:
+            q = probs_from_logits(logits, self.st.sp).cpu()
+            greedy_tok = sample(q, self.st.rng)
+            self.qs.append(q)
+        self.out.append(greedy_tok)
+        self.feed = [greedy_tok]
+
+    def finish(self, source: str) -> Draft:
+        if self.out:
+            self.st.cache_len = self.pos
+        self.st.drafted = self.out
+        return Draft(token_ids=self.out, probs=torch.stack(self.qs) if self.qs else None, source=source)
+
+
 @register("draft-lm")
 class DraftLMDrafter:
     """Autoregressive chain drafts of ``budget`` tokens.
@@ -39,31 +72,24 @@ class DraftLMDrafter:
               max_new_tokens: int = 0) -> None:
         self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng)
 
-    @torch.inference_mode()
     def propose(self, req_id: str, budget: int) -> Draft:
-        st = self.states[req_id]
-        # K/V of an earlier draft that was never committed is stale; at least one token stays pending.
-        st.cache_len = min(st.cache_len, len(st.tokens) - 1)
-        budget = min(budget, st.cache.capacity - len(st.tokens))
-        feed, pos = st.tokens[st.cache_len:], st.cache_len
-        out: list[int] = []
-        qs: list[torch.Tensor] = []
-        for _ in range(max(0, budget)):
-            ids = torch.tensor([feed], dtype=torch.long, device=self.model.rope_cos.device)
-            logits, _ = self.model(ids, pos, st.cache)
-            pos += len(feed)
-            last = logits[0, -1]
-            if st.sp.greedy:
-                tok = int(last.argmax())
-            else:
-                q = probs_from_logits(last, st.sp).cpu()
-                tok = sample(q, st.rng)
-                qs.append(q)
-            out.append(tok)
-            feed = [tok]
-        st.cache_len = pos if out else st.cache_len
-        st.drafted = out
-        return Draft(token_ids=out, probs=torch.stack(qs) if qs else None, source=self.name)
+        return self.propose_batch([(req_id, budget)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
+        """Drafts for several requests, one ragged draft-model forward per draft position."""
+        rows = [_Row.of(self.states[req_id], budget) for req_id, budget in asks]
+        active = [r for r in rows if r.budget > 0]
+        while active:
+            logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
+                                                  [r.st.cache for r in active])
+            last = [lg[-1] for lg in logits]
+            greedy = torch.stack(last).argmax(-1).tolist()
+            for r, lg, g in zip(active, last, greedy):
+                r.pos += len(r.feed)
+                r.take(g if r.st.sp.greedy else None, lg)
+            active = [r for r in active if len(r.out) < r.budget]
+        return [r.finish(self.name) for r in rows]
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]

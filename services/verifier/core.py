@@ -24,6 +24,7 @@ from services.common.types import Draft, SamplingParams, Verdict
 from services.drafter.base import DRAFTERS, Drafter
 from services.memory.correction_memory import LocalCorrectionMemory
 from services.memory.snapshot import load_snapshot
+from services.verifier.batcher import CycleBatcher, Pending
 from services.verifier.policies import POLICIES, CalibratedGreedy
 from services.verifier.runner import TargetRunner
 
@@ -65,6 +66,7 @@ class VerifierCore:
                  policies: dict, memory, eos_id: int):
         self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
+        self.batcher = CycleBatcher(self._step)
         self._ids = itertools.count()
 
     @classmethod
@@ -108,6 +110,46 @@ class VerifierCore:
     def close(self) -> None:
         self.memory.close()
 
+    def _step(self, batch: list[Pending]) -> None:
+        """One step for a batch of sessions' cycles: draft, one target forward, finish each."""
+        t0 = time.perf_counter()
+        drafts = self._drafts(batch)
+        t1 = time.perf_counter()
+        live = [b for b in batch if b.error is None]
+        if not live:
+            return
+        outs = self.runner.verify_batch([(b.session.target, drafts[id(b)].token_ids) for b in live])
+        for b, (logits, hidden) in zip(live, outs):
+            try:
+                b.result = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1)
+            except Exception as e:  # one session's failure is its own
+                b.error = e
+
+    def _drafts(self, batch: list[Pending]) -> dict[int, Draft]:
+        """Each cycle's draft: the router's, or one drafted here — batched per drafter where
+        the drafter offers ``propose_batch``."""
+        drafts: dict[int, Draft] = {}
+        groups: dict[str, list[Pending]] = {}
+        for b in batch:
+            r = b.request
+            if r.draft_with and r.budget > 0:
+                groups.setdefault(r.draft_with, []).append(b)
+            else:
+                drafts[id(b)] = Draft(list(r.draft_ids), source=r.draft_source)
+        for name, group in groups.items():
+            try:
+                drafter = self.drafters[name]
+                asks = [(b.session.session_id, b.request.budget) for b in group]
+                if hasattr(drafter, "propose_batch"):
+                    made = drafter.propose_batch(asks)
+                else:
+                    made = [drafter.propose(*a) for a in asks]
+                drafts.update(zip(map(id, group), made))
+            except Exception as e:
+                for b in group:
+                    b.error = e
+        return drafts
+
 
 def open_memory(cfg: EngineConfig):
     """Correction memory: through the memory service, or Redis, when configured; else in-process.
@@ -143,19 +185,21 @@ class VerifierSession:
         self.rng = make_rng(s.sampling.seed)
         self.policy = self.core.policies[s.policy]
         self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1)
+        self.core.batcher.opened()
+        self._closed = False
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
             self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens)
 
     def cycle(self, req: CycleRequest) -> CycleResult:
-        t0 = time.perf_counter()
-        if req.draft_with and req.budget > 0:
-            draft = self.core.drafters[req.draft_with].propose(self.session_id, req.budget)
-        else:
-            draft = Draft(list(req.draft_ids), source=req.draft_source)
-        t1 = time.perf_counter()
+        """Draft (or take the router's draft), verify, commit; batched with the replica's
+        other sessions that cycle at the same time."""
+        return self.core.batcher.submit(self, req)
+
+    def finish(self, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor], draft_s: float,
+               verify_start: float) -> CycleResult:
+        """Apply the policy to the verified draft, commit, let the local drafter observe."""
         n_pending = len(self.target.pending)
-        logits, hidden = self.core.runner.verify(self.target, draft.token_ids)
         verdict: Verdict = self.policy(draft, logits, self.spec.sampling, self.rng)
         self.core.runner.commit(self.target, verdict)
         eos = self.core.eos_id
@@ -173,9 +217,12 @@ class VerifierSession:
             # a cycle cut short by EOS keeps no rescue statistics
             rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
             rejected=verdict.first_rejection is not None and accepted < len(committed),
-            draft_s=t1 - t0, verify_s=time.perf_counter() - t1)
+            draft_s=draft_s, verify_s=time.perf_counter() - verify_start)
 
     def close(self) -> None:
-        self.core.runner.close(self.target)
+        if self._closed:
+            return
+        self._closed = True
+        self.core.batcher.closed()
         if self.drafter:
             self.drafter.stop(self.session_id)

@@ -1,0 +1,109 @@
+"""Cycle batcher and batched drafting: sessions step together, each keeps its own result."""
+import threading
+import time
+
+import torch
+
+from services.common.llama import Llama
+from services.common.sampling import make_rng
+from services.common.types import SamplingParams
+from services.drafter.draft_lm import DraftLMDrafter
+from services.verifier.batcher import CycleBatcher
+
+
+def run_sessions(batcher: CycleBatcher, requests: dict[str, int]) -> dict[str, object]:
+    out: dict[str, object] = {}
+
+    def run(name: str, req: int) -> None:
+        try:
+            out[name] = batcher.submit(name, req)
+        except Exception as e:
+            out[name] = e
+
+    for _ in requests:
+        batcher.opened()
+    threads = [threading.Thread(target=run, args=kv) for kv in requests.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_open_sessions_share_one_step_and_failures_stay_per_session():
+    steps: list[list[str]] = []
+
+    def step(batch):
+        steps.append(sorted(b.session for b in batch))
+        for b in batch:
+            if b.request < 0:
+                b.error = ValueError(f"{b.session}: bad request")
+            else:
+                b.result = b.request * 10
+
+    batcher = CycleBatcher(step, window_s=5.0)  # the window only ends early when all have submitted
+    out = run_sessions(batcher, {"a": 1, "b": 2, "c": -1})
+    assert steps == [["a", "b", "c"]]
+    assert out["a"] == 10 and out["b"] == 20
+    assert isinstance(out["c"], ValueError) and "c: bad request" in str(out["c"])
+
+
+def test_a_crashing_step_fails_every_waiter_and_the_next_step_runs():
+    calls = []
+
+    def step(batch):
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("forward failed")
+        for b in batch:
+            b.result = "ok"
+
+    batcher = CycleBatcher(step, window_s=5.0)
+    out = run_sessions(batcher, {"a": 1, "b": 1})
+    assert all(isinstance(v, RuntimeError) for v in out.values())
+    assert batcher.submit("a", 1) == "ok"
+
+
+def test_lone_session_runs_inline_without_waiting_for_closed_ones():
+    batcher = CycleBatcher(lambda batch: [setattr(b, "result", threading.current_thread()) for b in batch],
+                           window_s=5.0)
+    batcher.opened()
+    batcher.opened()
+    batcher.closed()
+    t0 = time.monotonic()
+    assert batcher.submit("a", 0) is threading.current_thread()
+    assert time.monotonic() - t0 < 2.5  # the 5 s window is not awaited: only one session is open
+
+
+def test_batched_draft_lm_proposals_equal_one_at_a_time(tiny_dirs):
+    model = Llama.from_pretrained(tiny_dirs[1])
+    prompts = {"a": [5, 17, 300, 42, 9], "b": [7, 7, 8], "c": list(range(100, 130))}
+    budgets = {"a": 4, "b": 0, "c": 6}
+
+    def drafter() -> DraftLMDrafter:
+        d = DraftLMDrafter(model)
+        for k, p in prompts.items():
+            d.start(k, p, SamplingParams(), make_rng(0))
+        return d
+
+    one, many = drafter(), drafter()
+    for _ in range(3):  # several cycles: cache reuse and rollback across batched proposals
+        singles = {k: one.propose(k, b).token_ids for k, b in budgets.items()}
+        batched = dict(zip(budgets, (d.token_ids for d in many.propose_batch(list(budgets.items())))))
+        assert batched == singles
+        assert [len(v) for v in batched.values()] == [4, 0, 6]
+        for k, toks in singles.items():
+            kept = toks[:2] + [1]  # a partial acceptance plus a correction
+            one.observe(k, kept)
+            many.observe(k, kept)
+
+
+def test_batched_sampled_drafts_return_q_per_position(tiny_dirs):
+    model = Llama.from_pretrained(tiny_dirs[1])
+    d = DraftLMDrafter(model)
+    d.start("s", [5, 6, 7], SamplingParams(temperature=0.8, seed=3), torch.Generator().manual_seed(3))
+    d.start("g", [5, 6, 7], SamplingParams(), make_rng(0))
+    s, g = d.propose_batch([("s", 3), ("g", 3)])
+    assert s.probs is not None and s.probs.shape == (3, model.s.vocab)
+    assert torch.allclose(s.probs.sum(-1), torch.ones(3), atol=1e-4)
+    assert g.probs is None and len(g.token_ids) == 3
