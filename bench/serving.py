@@ -1,11 +1,14 @@
 """Serving benchmark: per-cycle overhead and aggregate throughput, embedded vs distributed.
 
-- ms per cycle of single-stream requests through the public gRPC API (median over prompts);
-  the model work is the same in both topologies, so distributed − embedded is the cost the
-  network hop adds per cycle;
+- ms per cycle of single-stream requests through the public gRPC API (median over prompts),
+  and the part of it outside model work (drafting and verification steps, as the stream's
+  final stats report them): distributed − embedded of that part is what the hop adds;
 - aggregate tokens/s at each concurrency (threads streaming Generate at once, the same
   prompts for every topology), reported with the ratio to concurrency 1.
-The distributed topology runs verifier replicas as processes on loopback.
+Both topologies run as ``specmesh serve`` processes started side by side (distributed: a
+router process plus verifier processes on loopback); every round measures every cell on
+both, interleaved, and medians over the rounds are reported. The load generator (the gRPC
+clients) runs in its own process, as real clients do.
 
     python -m bench.serving --methods sd --concurrency 1,4,8,16 --out bench/results/serving.json
 """
@@ -13,48 +16,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import grpc
 
 from bench.workloads import load
 from services.common.grpc_server import free_port
-from services.common.config import MODELS_DIR, EngineConfig, ServerConfig
+from services.common.config import MODELS_DIR
 from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
 
 
 
-def start_router(cfg: EngineConfig, verifiers: list[str] | None):
-    from services.router.engine import Engine
-    from services.router.server import build_server
-    from services.verifier.server import RemoteVerifier
-
-    engine = Engine(cfg, verifier=RemoteVerifier(verifiers) if verifiers else None)
-    server, _, port = build_server(engine, ServerConfig(port=0, max_sessions=64, workers=64, metrics_port=0))
-    server.start()
-    return server, ggrpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+# OpenMP workers that spin after a forward would hold a core the router and clients need.
+SERVER_ENV = {"OMP_WAIT_POLICY": os.environ.get("SPECMESH_BENCH_OMP_WAIT", "PASSIVE")}
 
 
-def start_verifiers(args, n: int) -> tuple[list[subprocess.Popen], list[str]]:
-    procs, addrs = [], []
-    for _ in range(n):
-        port = free_port()
-        procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--role", "verifier",
-                                       "--port", str(port), "--metrics-port", "0", "--target", str(args.target),
-                                       "--draft", str(args.draft), "--max-sessions", "64"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        addrs.append(f"127.0.0.1:{port}")
-    for a in addrs:
-        with grpc.insecure_channel(a) as ch:
-            grpc.channel_ready_future(ch).result(timeout=120)
-    return procs, addrs
+def start_server(topology: str, args) -> tuple[subprocess.Popen, str]:
+    """``specmesh serve`` as users run it: embedded (one process) or distributed (router +
+    verifier processes on the ports after the router's)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--topology", topology, "--replicas", str(args.replicas),
+           "--port", str(port), "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft),
+           "--eagle3", "none", "--max-sessions", "64", "--batch-window-ms", str(args.batch_window_ms)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
+    addr = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(addr) as ch:
+        grpc.channel_ready_future(ch).result(timeout=300)
+    return proc, addr
 
 
 def one(stub, prompt: str, n: int, method: str) -> tuple[int, float, dict]:
@@ -62,7 +59,8 @@ def one(stub, prompt: str, n: int, method: str) -> tuple[int, float, dict]:
     msgs = list(stub.Generate(gpb.GenerateRequest(prompt=prompt, max_new_tokens=n, method=method), timeout=600))
     wall = time.perf_counter() - t0
     final = msgs[-1]
-    return final.usage.completion_tokens, wall, {"cycles": final.stats.cycles}
+    st = final.stats
+    return final.usage.completion_tokens, wall, {"cycles": st.cycles, "model_s": st.draft_s + st.verify_s}
 
 
 def aggregate(stub, prompts: list[str], n: int, method: str, conc: int) -> float:
@@ -85,22 +83,17 @@ def aggregate(stub, prompts: list[str], n: int, method: str, conc: int) -> float
     return total[0] / (time.perf_counter() - t0)
 
 
-def measure(stub, prompts, args, method) -> dict:
-    walls, cycles, toks = [], [], []
-    for p in prompts[:args.overhead_prompts]:
-        t, w, s = one(stub, p, args.max_new_tokens, method)
-        walls.append(w)
-        cycles.append(s["cycles"])
-        toks.append(t)
-    row = {"median_wall_s": round(statistics.median(walls), 4),
-           "median_ms_per_cycle": round(1000 * statistics.median(w / c for w, c in zip(walls, cycles)), 3)}
-    row["tokens_per_s"] = {}
-    for conc in args.concurrency:
-        row["tokens_per_s"][str(conc)] = round(aggregate(stub, prompts, args.max_new_tokens, method, conc), 2)
-        print(f"[serving] {method} concurrency {conc}: {row['tokens_per_s'][str(conc)]} tok/s", flush=True)
-    base = row["tokens_per_s"][str(args.concurrency[0])]
-    row["scaling_vs_first"] = {k: round(v / base, 3) for k, v in row["tokens_per_s"].items()}
-    return row
+def single_stream(addr: str, prompts: list[str], n: int, method: str) -> dict:
+    """Median ms per cycle of one stream at a time, and its part outside model work."""
+    stub = ggrpc.GenerationStub(grpc.insecure_channel(addr))
+    one(stub, prompts[0], 8, method)  # warm-up
+    rows = [one(stub, p, n, method) for p in prompts]
+    return {"ms_per_cycle": 1000 * statistics.median(w / s["cycles"] for _, w, s in rows),
+            "overhead_ms_per_cycle": 1000 * statistics.median((w - s["model_s"]) / s["cycles"] for _, w, s in rows)}
+
+
+def concurrent(addr: str, prompts: list[str], n: int, method: str, conc: int) -> float:
+    return aggregate(ggrpc.GenerationStub(grpc.insecure_channel(addr)), prompts, n, method, conc)
 
 
 def main() -> None:
@@ -114,35 +107,63 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--overhead-prompts", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--batch-window-ms", type=float, default=5.0)
+    ap.add_argument("--topologies", default="embedded,distributed")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    from services.common.runtime import tune_gc
-
-    tune_gc()
-    cfg = EngineConfig(target=args.target, draft=args.draft, eagle3=None)
+    concs = [int(c) for c in args.concurrency.split(",")]
+    methods = args.methods.split(",")
     prompts = [p.text for p in load(args.workload, args.limit)]
     result = {"command": " ".join(["python -m bench.serving"] + sys.argv[1:]), "workload": args.workload,
-              "max_new_tokens": args.max_new_tokens, "replicas": args.replicas, "rows": []}
-    procs: list[subprocess.Popen] = []
+              "max_new_tokens": args.max_new_tokens, "replicas": args.replicas, "repeats": args.repeats,
+              "server_env": SERVER_ENV, "rows": []}
+    topologies = tuple(args.topologies.split(","))
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    samples: dict[tuple, list] = {}
+    clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
-        for topology in ("embedded", "distributed"):
-            verifiers = None
-            if topology == "distributed":
-                procs, verifiers = start_verifiers(args, args.replicas)
-            server, stub = start_router(cfg, verifiers)
-            for method in args.methods.split(","):
-                one(stub, prompts[0], 8, method)  # warm-up
-                result["rows"].append({"topology": topology, "method": method, **measure(stub, prompts, args, method)})
-            server.stop(0)
+        for t in topologies:
+            servers[t] = start_server(t, args)
+        total = args.repeats * len(methods) * (1 + len(concs)) * len(topologies)
+        done, t0 = 0, time.perf_counter()
+        for rnd in range(args.repeats):  # every round runs every cell once, topologies side by side
+            for m in methods:
+                for conc in [0] + concs:  # 0 = the single-stream overhead measurement
+                    for t in topologies:
+                        addr = servers[t][1]
+                        if conc == 0:
+                            job = clients.submit(single_stream, addr, prompts[:args.overhead_prompts],
+                                                 args.max_new_tokens, m)
+                        else:
+                            job = clients.submit(concurrent, addr, prompts, args.max_new_tokens, m, conc)
+                        samples.setdefault((t, m, conc), []).append(job.result())
+                        done += 1
+                        eta = (time.perf_counter() - t0) / done * (total - done)
+                        print(f"[serving] round {rnd + 1}/{args.repeats} {t} {m} conc {conc or 1}"
+                              f"{' (overhead)' if conc == 0 else f': {samples[(t, m, conc)][-1]:.1f} tok/s'}"
+                              f" — {done}/{total}, ETA {eta / 60:.1f} min", flush=True)
     finally:
-        for p in procs:
-            p.terminate()
-    for m in args.methods.split(","):
-        emb = next(r for r in result["rows"] if r["method"] == m and r["topology"] == "embedded")
-        dis = next(r for r in result["rows"] if r["method"] == m and r["topology"] == "distributed")
+        clients.shutdown()
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
+    for t in topologies:
+        for m in methods:
+            single = samples[(t, m, 0)]
+            row = {"topology": t, "method": m,
+                   "median_ms_per_cycle": round(statistics.median(x["ms_per_cycle"] for x in single), 3),
+                   "median_overhead_ms_per_cycle": round(
+                       statistics.median(x["overhead_ms_per_cycle"] for x in single), 3),
+                   "tokens_per_s": {str(c): round(statistics.median(samples[(t, m, c)]), 2) for c in concs},
+                   "tokens_per_s_samples": {str(c): [round(x, 2) for x in samples[(t, m, c)]] for c in concs}}
+            base = row["tokens_per_s"][str(concs[0])]
+            row["scaling_vs_first"] = {k: round(v / base, 3) for k, v in row["tokens_per_s"].items()}
+            result["rows"].append(row)
+    for m in methods if len(topologies) == 2 else ():
+        emb, dis = (next(r for r in result["rows"] if r["method"] == m and r["topology"] == t) for t in topologies)
         result.setdefault("distributed_overhead_ms_per_cycle", {})[m] = round(
-            dis["median_ms_per_cycle"] - emb["median_ms_per_cycle"], 3)
+            dis["median_overhead_ms_per_cycle"] - emb["median_overhead_ms_per_cycle"], 3)
     print(json.dumps(result, indent=2))
     if args.out:
         write(result, args.out)
@@ -152,14 +173,14 @@ def write(result: dict, out: Path) -> None:
     """JSON, a markdown table and a PNG of tokens/s by concurrency, side by side."""
     out.write_text(json.dumps(result, indent=2) + "\n")
     concs = list(result["rows"][0]["tokens_per_s"])
+    key = "8" if "8" in concs else concs[-1]
     lines = [f"### Serving — {result['workload']}, {result['max_new_tokens']} new tokens, {result['replicas']} verifier replica(s)",
-             "", "| topology | method | ms / cycle (1 stream) | " + " | ".join(f"tok/s @{c}" for c in concs)
-             + f" | ×{concs[-2] if len(concs) > 1 else concs[0]} vs ×1 |", "|" + "---|" * (3 + len(concs) + 1)]
+             "", "| topology | method | ms / cycle (1 stream) | outside model, ms / cycle | "
+             + " | ".join(f"tok/s @{c}" for c in concs) + f" | ×{key} vs ×{concs[0]} |", "|" + "---|" * (4 + len(concs) + 1)]
     for r in result["rows"]:
-        key = concs[-2] if len(concs) > 1 else concs[0]
-        lines.append(f"| {r['topology']} | {r['method']} | {r['median_ms_per_cycle']} | "
+        lines.append(f"| {r['topology']} | {r['method']} | {r['median_ms_per_cycle']} | {r['median_overhead_ms_per_cycle']} | "
                      + " | ".join(str(r["tokens_per_s"][c]) for c in concs) + f" | {r['scaling_vs_first'][key]} |")
-    lines += ["", "Distributed − embedded, ms per cycle: "
+    lines += ["", "Distributed − embedded, ms per cycle outside model work: "
               + ", ".join(f"{m} {v:+}" for m, v in result["distributed_overhead_ms_per_cycle"].items()),
               "", f"Command: `{result['command']}`", ""]
     out.with_suffix(".md").write_text("\n".join(lines))

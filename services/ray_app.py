@@ -29,7 +29,15 @@ import numpy as np
 from ray import serve
 
 from services.common.config import MODELS_DIR, EngineConfig
+from services.common.metrics import start_node_exporter
 from services.verifier.core import CycleRequest, SessionSpec
+
+METRICS_PORT_ENV = "SPECMESH_NODE_METRICS_PORT"
+
+
+def node_metrics() -> None:
+    """Every replica offers to serve its node's specmesh_* metrics (see ``start_node_exporter``)."""
+    start_node_exporter(int(os.environ.get(METRICS_PORT_ENV, "0")))
 
 
 class SessionMissing(RuntimeError):
@@ -63,6 +71,7 @@ class _Slot:
 @serve.deployment
 class MemoryDeployment:
     def __init__(self, args: dict):
+        node_metrics()
         from services.verifier.core import open_memory
 
         self.memory = open_memory(replace(engine_config(args), memory_addr=None, ocm_snapshot=None))
@@ -106,6 +115,7 @@ class DrafterDeployment:
     def __init__(self, args: dict):
         from services.common.runtime import tune_gc
         from services.drafter.suffix import SuffixDrafter
+        node_metrics()
 
         tune_gc()
         self.drafter = SuffixDrafter(engine_config(args).suffix)
@@ -150,6 +160,7 @@ class RayDrafter:
 @serve.deployment
 class VerifierDeployment:
     def __init__(self, args: dict, memory=None):
+        node_metrics()
         from transformers import AutoTokenizer
 
         from services.common.runtime import tune_gc
@@ -243,6 +254,7 @@ class RayVerifier:
 @serve.deployment
 class PredictorDeployment:
     def __init__(self, path: str):
+        node_metrics()
         from services.predictor.mlp import YieldMLP
 
         self.mlp = YieldMLP.load(Path(path))
@@ -264,6 +276,7 @@ class RayPredictor:
 @serve.deployment
 class GenerationIngress:
     def __init__(self, verifier, predictor, args: dict, drafter=None):
+        node_metrics()
         import threading
 
         from services.common.runtime import tune_gc
@@ -329,20 +342,30 @@ class GenerationIngress:
 def app(args: dict):
     """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config:
     verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
-    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter."""
+    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port.
+
+    Metrics: every replica process writes to a per-application multiprocess directory on its
+    node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
+    """
     cpus = float(args.get("cpus_per_replica", 1))
+    env = {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": f"/tmp/specmesh_metrics/{uuid.uuid4().hex[:12]}",
+                        METRICS_PORT_ENV: str(int(args.get("metrics_port", 9400)))}}
+
+    def actor(num_cpus: float, num_gpus: float = 0.0) -> dict:
+        return {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": env}
+
     auto = args.get("autoscaling")
     scaling = ({"autoscaling_config": {"min_replicas": auto["min_replicas"], "max_replicas": auto["max_replicas"],
                                        "target_ongoing_requests": auto["target_ongoing_requests"]}}
                if auto else {"num_replicas": int(args.get("verifier_replicas", 1))})
-    small = {"ray_actor_options": {"num_cpus": min(cpus, 0.5)}}
+    small = {"ray_actor_options": actor(min(cpus, 0.5))}
     memory = MemoryDeployment.options(**small).bind(args) if args.get("shared_memory") else None
     drafter = DrafterDeployment.options(**small).bind(args) if args.get("remote_drafter") else None
     verifier = VerifierDeployment.options(
-        ray_actor_options={"num_gpus": float(args.get("verifier_gpus", 0)), "num_cpus": cpus},
+        ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
         max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, **scaling).bind(args, memory)
     cfg = engine_config(args)
     predictor = None
     if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():
-        predictor = PredictorDeployment.options(ray_actor_options={"num_cpus": min(cpus, 0.5)}).bind(str(cfg.predictor))
-    return GenerationIngress.options(ray_actor_options={"num_cpus": cpus}).bind(verifier, predictor, args, drafter)
+        predictor = PredictorDeployment.options(ray_actor_options=actor(min(cpus, 0.5))).bind(str(cfg.predictor))
+    return GenerationIngress.options(ray_actor_options=actor(cpus)).bind(verifier, predictor, args, drafter)

@@ -60,6 +60,8 @@ class EngineConfig:
     default_max_new_tokens: int = 128
     default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid-csd")   # falls back, see Engine
     threads: int = 0                      # torch intra-op threads; 0 = torch default
+    max_batch: int = 16                   # sessions verified together in one step
+    batch_window_ms: float = 5.0          # a step waits at most this long for the sessions it expects
     suffix: SuffixConfig = SuffixConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only
     gate: GateConfig = GateConfig()

@@ -1,18 +1,28 @@
 """Prometheus metric catalog: prefix `specmesh_`, base units, counters end in `_total`.
 
-Defined once here; components increment them. `serve` exposes them over HTTP.
+Defined once here; components increment them. `serve` exposes them over HTTP. Under Ray
+Serve each replica is its own process: with ``PROMETHEUS_MULTIPROC_DIR`` set (the Serve app
+sets it), every process on a node writes its values there and one of them serves the node's
+sum (``start_node_exporter``). Gauges say how they combine across processes.
 """
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import os
+
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # value files are created with the metrics below
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+
+from prometheus_client import Counter, Gauge, Histogram  # noqa: E402
 
 REDIS_ERRORS = Counter("specmesh_redis_errors_total", "Redis operations that failed", ["component"])
-REDIS_UP = Gauge("specmesh_redis_up", "1 when the component's Redis link is healthy", ["component"])
+REDIS_UP = Gauge("specmesh_redis_up", "1 when the component's Redis link is healthy", ["component"],
+                 multiprocess_mode="livemin")
 SUFFIX_FEED_INGESTED = Counter("specmesh_suffix_feed_ingested_total",
                                "Outputs of other replicas ingested into the global suffix tree")
 SUFFIX_FEED_PUBLISHED = Counter("specmesh_suffix_feed_published_total",
                                 "Finished outputs published to the shared suffix feed")
-OCM_PAIRS = Gauge("specmesh_ocm_pairs", "Distinct (draft, target) pairs in the correction memory view")
+OCM_PAIRS = Gauge("specmesh_ocm_pairs", "Distinct (draft, target) pairs in the correction memory view",
+                  multiprocess_mode="livemax")
 RESCUED_TOKENS = Counter("specmesh_rescued_tokens_total", "Draft tokens accepted by relaxed (calibrated) verification",
                          ["method"])
 FIRST_REJECTIONS = Counter("specmesh_first_rejections_total",
@@ -38,8 +48,9 @@ PREDICTED_VS_ACTUAL = Counter("specmesh_hybrid_high_yield_total",
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 REQUESTS = Counter("specmesh_requests_total", "Finished requests", ["method", "finish_reason"])
 REQUESTS_REJECTED = Counter("specmesh_requests_rejected_total", "Requests refused before decoding", ["code"])
-ACTIVE_SESSIONS = Gauge("specmesh_active_sessions", "Generate streams in progress")
-QUEUE_DEPTH = Gauge("specmesh_queue_depth", "Generate requests waiting for a session slot")
+ACTIVE_SESSIONS = Gauge("specmesh_active_sessions", "Generate streams in progress", multiprocess_mode="livesum")
+QUEUE_DEPTH = Gauge("specmesh_queue_depth", "Generate requests waiting for a session slot",
+                    multiprocess_mode="livesum")
 TTFT = Histogram("specmesh_time_to_first_token_seconds", "Time to first token", ["method"], buckets=_LAT)
 TPOT = Histogram("specmesh_time_per_output_token_seconds", "Decode time per output token (per cycle)",
                  ["method"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25))
@@ -93,3 +104,35 @@ class MethodMetrics:
             self._per_pos[i].inc()
 VERIFY_BATCH = Histogram("specmesh_verify_batch_size", "Sessions verified together in one target forward",
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+
+
+def start_node_exporter(port: int, host: str = "0.0.0.0", retry_s: float = 10.0) -> bool:
+    """Serve the sum over every process of this node's ``PROMETHEUS_MULTIPROC_DIR`` on ``port``.
+
+    Rule: every replica calls it; whichever binds the port first serves, the others retry
+    every ``retry_s`` so the endpoint outlives the replica serving it. A process that exits
+    marks itself dead, so live-mode gauges drop its values. Returns False without the
+    multiprocess directory (nothing to aggregate) or without a port.
+    """
+    import atexit
+    import threading
+    import time
+
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+    if not port or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return False
+    atexit.register(multiprocess.mark_process_dead, os.getpid())
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+
+    def bind() -> None:
+        while True:
+            try:
+                start_http_server(port, addr=host, registry=registry)
+                return
+            except OSError:
+                time.sleep(retry_s)
+
+    threading.Thread(target=bind, daemon=True, name="specmesh-node-metrics").start()
+    return True

@@ -107,6 +107,34 @@ class Eagle3Head(nn.Module):
         out = self.midlayer.finish(o, h)
         return self.target_logits(self.lm_head(self.norm(out))), out
 
+    def step_ragged(self, hs: list[torch.Tensor], tokens: list[list[int]], starts: list[int],
+                    caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``step`` for several requests at once: row r runs ``tokens[r]`` with inputs hs[r]
+        [T_r, H] at positions starts[r].. of caches[r]. Projections, MLP and lm_head run once
+        over all rows; attention per row. Returns per-row logits [T_r, V] and prenorm [T_r, H]."""
+        if len(hs) == 1:
+            dev = hs[0].device
+            logits, out = self.step(hs[0][None], torch.tensor([tokens[0]], device=dev), starts[0], caches[0])
+            return [logits[0]], [out[0]]
+        dev, lens = hs[0].device, [len(t) for t in tokens]
+        h = torch.cat(hs)[None]
+        ids = torch.tensor([[t for row in tokens for t in row]], device=dev)
+        pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
+        cos, sin = self.rope(pos, h.dtype)
+        q, k, v = self.midlayer.qkv(self.embed_tokens(ids), h, cos, sin)
+        outs, off = [], 0
+        for st, n, cache in zip(starts, lens, caches):
+            kc, vc = cache.layers[0]
+            kc[:, :, st:st + n] = k[:, :, off:off + n]
+            vc[:, :, st:st + n] = v[:, :, off:off + n]
+            mask = torch.ones(n, st + n, dtype=torch.bool, device=dev).tril(st) if n > 1 else None
+            outs.append(F.scaled_dot_product_attention(q[:, :, off:off + n], kc[:, :, :st + n], vc[:, :, :st + n],
+                                                       attn_mask=mask, enable_gqa=self.s.kv_heads != self.s.heads))
+            off += n
+        out = self.midlayer.finish(torch.cat(outs, dim=2), h)
+        logits = self.target_logits(self.lm_head(self.norm(out)))[0]
+        return list(torch.split(logits, lens)), list(torch.split(out[0], lens))
+
     def new_cache(self, capacity: int) -> KVCache:
         p = self.fc.weight
         shape = LlamaShape(**{**self.s.__dict__, "layers": 1})

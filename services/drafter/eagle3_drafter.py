@@ -31,6 +31,22 @@ class _State:
     last_feat: torch.Tensor | None = None
 
 
+@dataclass
+class _Row:
+    st: _State
+    budget: int
+    drafted: list[int] = field(default_factory=list)
+    qs: list[torch.Tensor] = field(default_factory=list)
+    h: torch.Tensor | None = None      # the head's last prenorm output, input of the next step
+
+    def take(self, pick: tuple[int, torch.Tensor | None], h: torch.Tensor) -> None:
+        tok, q = pick
+        self.drafted.append(tok)
+        if q is not None:
+            self.qs.append(q)
+        self.h = h
+
+
 @register("eagle3")
 class Eagle3Drafter:
     name = "eagle3"
@@ -57,34 +73,46 @@ class Eagle3Drafter:
         q = probs_from_logits(logits, st.sp).cpu()
         return sample(q, st.rng), q
 
-    @torch.inference_mode()
     def propose(self, req_id: str, budget: int) -> Draft:
-        st = self.states[req_id]
-        budget = min(budget, st.cache.capacity - st.n_feats)
-        if st.n_feats == 0 or budget <= 0:
-            return Draft.empty()
-        head, dev = self.head, self.head.fc.weight.device
-        if st.feats:  # catch up on real features: positions real_len .. n_feats-1
+        return self.propose_batch([(req_id, budget)])[0]
+
+    def _catch_up(self, st: _State) -> tuple[torch.Tensor, list[int], int]:
+        """Head inputs for the positions not yet run on real features: fc(f), tokens, start."""
+        head = self.head
+        if st.feats:  # positions real_len .. n_feats-1
             st.last_feat = st.feats[-1][-1:]
             f, start = torch.cat(st.feats), st.real_len
             st.feats = []
         else:  # nothing verified since the last draft: recompute the last real position
             f, start = st.last_feat, st.n_feats - 1
-        toks = torch.tensor([st.tokens[start + 1:st.n_feats + 1]], device=dev)
-        logits, out = head.step(head.fc(f.to(dev, head.fc.weight.dtype))[None], toks, start, st.cache)
         st.real_len = st.n_feats
-        drafted, qs = [], []
-        h, row = out[:, -1:], logits[0, -1]
-        for j in range(budget):
-            tok, q = self._pick(st, row)
-            drafted.append(tok)
-            if q is not None:
-                qs.append(q)
-            if j + 1 == budget:
-                break
-            logits, h = head.step(h, torch.tensor([[tok]], device=dev), st.n_feats + j, st.cache)
-            row = logits[0, -1]
-        return Draft(token_ids=drafted, probs=torch.stack(qs) if qs else None, source=self.name)
+        h = head.fc(f.to(head.fc.weight.device, head.fc.weight.dtype))
+        return h, st.tokens[start + 1:st.n_feats + 1], start
+
+    @torch.inference_mode()
+    def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
+        """Chain drafts for several requests: a ragged catch-up step on real features, then
+        k−1 ragged steps on the head's own hidden states."""
+        rows = []
+        for req_id, budget in asks:
+            st = self.states[req_id]
+            budget = min(budget, st.cache.capacity - st.n_feats)
+            rows.append(_Row(st, budget) if st.n_feats > 0 and budget > 0 else None)
+        active = [r for r in rows if r is not None]
+        if active:
+            inputs = [self._catch_up(r.st) for r in active]
+            logits, outs = self.head.step_ragged([i[0] for i in inputs], [i[1] for i in inputs],
+                                                 [i[2] for i in inputs], [r.st.cache for r in active])
+        while active:
+            for r, lg, out in zip(active, logits, outs):
+                r.take(self._pick(r.st, lg[-1]), out[-1:])
+            active = [r for r in active if len(r.drafted) < r.budget]
+            if active:
+                logits, outs = self.head.step_ragged([r.h for r in active], [[r.drafted[-1]] for r in active],
+                                                     [r.st.n_feats + len(r.drafted) - 1 for r in active],
+                                                     [r.st.cache for r in active])
+        return [Draft.empty() if r is None else
+                Draft(token_ids=r.drafted, probs=torch.stack(r.qs) if r.qs else None, source=self.name) for r in rows]
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

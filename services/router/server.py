@@ -49,7 +49,8 @@ def final_to_pb(gen: Generation) -> pb.GenerateResponse:
         stats=pb.SpeculationStats(
             cycles=s.cycles, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
             rescued_tokens=s.rescued_tokens, tau=s.tau, acceptance_rate=s.acceptance_rate,
-            accepted_per_position=s.accepted_per_position),
+            accepted_per_position=s.accepted_per_position,
+            draft_s=gen.timings.draft_s, verify_s=gen.timings.verify_s),
         method=gen.req.method,
     )
 
@@ -143,8 +144,10 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
     """A ready-to-start server bound to cfg.host:cfg.port (port 0 = any free port)."""
     servicer = GenerationServicer(engine, cfg)
     tls = TLSConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+    # every admitted stream and every queued request holds a handler thread; health checks need one more
+    workers = max(cfg.workers, cfg.max_sessions + cfg.max_queue + 2)
     server, port = build_grpc_server(lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s), [SERVICE_NAME],
-                                     cfg.host, cfg.port, cfg.workers, cfg.max_message_bytes, tls, cfg.auth_token)
+                                     cfg.host, cfg.port, workers, cfg.max_message_bytes, tls, cfg.auth_token)
     return server, servicer, port
 
 

@@ -1,11 +1,13 @@
 """Cycle batcher: all sessions of a replica step together, one thread doing the work.
 
 Rule (leader/follower): a session submitting a cycle joins the pending list; if no step is
-running it leads — waits up to ``window_s`` until every open session has submitted (at
-most ``max_batch``), then runs the whole step for all of them: drafting (batched per
-drafter), one ragged target forward, each session's policy and commit. Followers only
-block on their result, so the Python work of a step is done by one thread instead of
-contending for the interpreter across request threads. A lone session never waits.
+running it leads — waits up to ``window_s`` for the sessions it expects (those served by
+the previous step and those opened since; at most ``max_batch``), then runs the whole step
+for all that have submitted: drafting (batched per drafter), one ragged target forward,
+each session's policy and commit. Followers only block on their result, so the Python work
+of a step is done by one thread instead of contending for the interpreter across request
+threads. A session that misses the window is not waited for again until it is back, so an
+idle client costs at most one window; a lone session never waits.
 """
 from __future__ import annotations
 
@@ -25,22 +27,31 @@ class Pending:
 
 
 class CycleBatcher:
-    def __init__(self, step: Callable[[list[Pending]], None], max_batch: int = 16, window_s: float = 0.002):
+    def __init__(self, step: Callable[[list[Pending]], None], max_batch: int = 16, window_s: float = 0.005):
         """``step(batch)`` sets ``result`` or ``error`` on every item of the batch."""
         self.step, self.max_batch, self.window_s = step, max_batch, window_s
         self.open_sessions = 0
         self._cond = threading.Condition()
         self._queue: list[Pending] = []
+        self._expected: set[int] = set()   # id() of the sessions served by the last step
+        self._fresh: set[int] = set()      # id() of sessions opened since the last step began
         self._running = False
 
-    def opened(self) -> None:
+    def opened(self, session) -> None:
         with self._cond:
             self.open_sessions += 1
+            self._fresh.add(id(session))
 
-    def closed(self) -> None:
+    def closed(self, session) -> None:
         with self._cond:
             self.open_sessions -= 1
+            self._expected.discard(id(session))
+            self._fresh.discard(id(session))
             self._cond.notify_all()
+
+    def _ready(self) -> bool:
+        queued = {id(b.session) for b in self._queue}
+        return len(self._queue) >= self.max_batch or (self._expected | self._fresh) <= queued
 
     def submit(self, session, request):
         item = Pending(session, request)
@@ -60,9 +71,11 @@ class CycleBatcher:
         """Called with the lock held; runs one step without it."""
         self._running = True
         end = time.perf_counter() + self.window_s
-        while len(self._queue) < min(self.open_sessions, self.max_batch) and time.perf_counter() < end:
+        while not self._ready() and time.perf_counter() < end:
             self._cond.wait(end - time.perf_counter())
         batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+        self._expected = {id(b.session) for b in batch}
+        self._fresh = set()  # had their window; those opened from now on are awaited next
         self._cond.release()
         try:
             self.step(batch)

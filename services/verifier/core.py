@@ -63,10 +63,10 @@ class CycleResult:
 
 class VerifierCore:
     def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
-                 policies: dict, memory, eos_id: int):
+                 policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0):
         self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
-        self.batcher = CycleBatcher(self._step)
+        self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000)
         self._ids = itertools.count()
 
     @classmethod
@@ -88,7 +88,7 @@ class VerifierCore:
         memory = open_memory(cfg)
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
-        return cls(runner, drafters, max_draft, policies, memory, eos_id)
+        return cls(runner, drafters, max_draft, policies, memory, eos_id, cfg.max_batch, cfg.batch_window_ms)
 
     def set_memory(self, memory) -> None:
         """Swap the correction memory; the calibrated policy gates from the new one."""
@@ -185,7 +185,7 @@ class VerifierSession:
         self.rng = make_rng(s.sampling.seed)
         self.policy = self.core.policies[s.policy]
         self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1)
-        self.core.batcher.opened()
+        self.core.batcher.opened(self)
         self._closed = False
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
@@ -223,6 +223,6 @@ class VerifierSession:
         if self._closed:
             return
         self._closed = True
-        self.core.batcher.closed()
+        self.core.batcher.closed(self)
         if self.drafter:
             self.drafter.stop(self.session_id)

@@ -51,7 +51,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("cycles", "draft_tokens", "accepted_tokens", "rescued_tokens", "tau", "acceptance_rate", "accepted_per_position")
+    __slots__ = ("cycles", "draft_tokens", "accepted_tokens", "rescued_tokens", "tau", "acceptance_rate", "accepted_per_position", "draft_s", "verify_s")
     CYCLES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,8 @@ class SpeculationStats(_message.Message):
     TAU_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     cycles: int
     draft_tokens: int
     accepted_tokens: int
@@ -66,7 +68,9 @@ class SpeculationStats(_message.Message):
     tau: float
     acceptance_rate: float
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cycles: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rescued_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_s: float
+    verify_s: float
+    def __init__(self, cycles: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rescued_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "stats", "method")

@@ -9,7 +9,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/specmesh"
-CRDS = {"RayService", "ServiceMonitor"}  # validated structurally here, not by kubernetes-validate
+CRDS = {"RayService", "ServiceMonitor", "PodMonitor"}  # validated structurally here, not by kubernetes-validate
 
 
 def values_file(name: str) -> dict:
@@ -110,6 +110,16 @@ def test_ray_mode_rayservice():
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     svc = named(docs, "Service", "demo-specmesh")
     assert svc["spec"]["selector"]["ray.io/node-type"] == "head"
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+    assert all(head["metadata"]["labels"][k] == v for k, v in svc["spec"]["selector"].items() if k.startswith("app."))
+    # every Ray pod serves its node's metrics; the PodMonitor scrapes head and workers
+    port = serve["applications"][0]["args"]["metrics_port"]
+    assert {"name": "metrics", "containerPort": port} in worker["template"]["spec"]["containers"][0]["ports"]
+    pm = kinds(docs, "PodMonitor")[0]
+    assert not kinds(docs, "ServiceMonitor") and pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    expr = pm["spec"]["selector"]["matchExpressions"][0]
+    assert set(expr["values"]) == {head["metadata"]["labels"]["app.kubernetes.io/component"],
+                                   worker["template"]["metadata"]["labels"]["app.kubernetes.io/component"]}
 
 
 def test_dashboard_configmap_carries_the_dashboard():

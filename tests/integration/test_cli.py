@@ -127,3 +127,42 @@ def test_component_roles_run_standalone(tiny_dirs, tmp_path):
             p.terminate()
         for role, _, p in procs:
             assert p.wait(30) == 0, (role, p.stdout.read())
+
+
+def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
+    """A hybrid server drafts from two sources; the scraped counters agree with each other:
+    per-source accepted ≤ drafted, per-position sum = Σ accepted over sources, generated =
+    Σ accepted + cycles, and one hybrid decision per cycle that had a budget."""
+    target, draft = tiny_dirs
+    port, mport = free_port(), free_port()
+    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--eagle3",
+                                     str(tiny_eagle3), "--port", str(port), "--metrics-port", str(mport)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=90)
+        total = 0
+        for prompt in ("x = 1\nx = 1\nx = 1\nx = 1\nx = 1\nx = 1\n", "def add(a, b):\n    return a + b\n" * 3):
+            out = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", prompt,
+                                        "--max-new-tokens", "40", "--method", "hybrid-rule"],
+                                 capture_output=True, text=True, env=ENV, timeout=60)
+            assert out.returncode == 0, out.stderr
+            total += 40
+        m = scrape(mport)
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    label = "method=hybrid-rule"
+    drafted = {k.split("source=")[1][:-1]: v for k, v in m.items()
+               if k.startswith("specmesh_spec_decode_num_draft_tokens_total{") and label in k}
+    accepted = {k.split("source=")[1][:-1]: v for k, v in m.items()
+                if k.startswith("specmesh_spec_decode_num_accepted_tokens_total{") and label in k}
+    assert {"suffix", "eagle3"} <= {s for s, v in drafted.items() if v > 0}, drafted
+    assert all(accepted.get(s, 0) <= d for s, d in drafted.items())
+    per_pos = sum(v for k, v in m.items()
+                  if k.startswith("specmesh_spec_decode_num_accepted_tokens_per_pos_total{") and label in k)
+    cycles = m[f"specmesh_cycles_total{{{label}}}"]
+    assert per_pos == sum(accepted.values())
+    assert m[f"specmesh_generated_tokens_total{{{label}}}"] == total == sum(accepted.values()) + cycles
+    decisions = sum(v for k, v in m.items() if k.startswith("specmesh_hybrid_decisions_total{") and label in k)
+    assert 0 < decisions <= cycles

@@ -8,6 +8,7 @@ from services.router.engine import GenerationRequest
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
 from services.common.grpc_server import free_port
+from tests.conftest import wait_for
 
 
 
@@ -27,7 +28,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
     models = tmp_path_factory.mktemp("ray-models")
     shutil.copytree(tiny_dirs[0], models / "target")
     shutil.copytree(tiny_dirs[1], models / "draft")
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
@@ -35,17 +36,18 @@ def serve_app(tiny_dirs, tmp_path_factory):
                     "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
     serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.25,
-                   "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True}),
+                   "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True,
+                   "metrics_port": metrics_port}),
               name="specmesh", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield pb_grpc.GenerationStub(channel), channel
+    yield pb_grpc.GenerationStub(channel), channel, metrics_port
     channel.close()
     serve.shutdown()
     ray.shutdown()
 
 
 def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
-    stub, _ = serve_app
+    stub = serve_app[0]
     for method in ("vanilla", "sd", "suffix", "csd"):
         msgs = list(stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n", max_new_tokens=24, method=method),
                                   timeout=120))
@@ -59,7 +61,7 @@ def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
 
 
 def test_invalid_request_status_survives_the_proxy(serve_app):
-    stub, _ = serve_app
+    stub = serve_app[0]
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=0), timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
@@ -70,7 +72,7 @@ def test_memory_and_drafter_deployments_are_shared(serve_app):
     from ray import serve
 
     memory = serve.get_deployment_handle("MemoryDeployment", app_name="specmesh")
-    stub, _ = serve_app
+    stub = serve_app[0]
     list(stub.Generate(pb.GenerateRequest(prompt="class A:\n", max_new_tokens=24, method="csd"), timeout=120))
     import time
 
@@ -84,6 +86,46 @@ def test_memory_and_drafter_deployments_are_shared(serve_app):
 
 
 def test_health_through_the_proxy(serve_app):
-    _, channel = serve_app
+    channel = serve_app[1]
     resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The node endpoint's samples, summed over label sets: name -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_replica_metrics_reach_the_node_endpoint(serve_app):
+    """Router-side counters (ingress replica) and verifier-side histograms (verifier replica,
+    another process) are served together, and they move with a Generate."""
+    stub, _, port = serve_app
+    assert wait_for(lambda: _try_scrape(port) is not None, timeout=30), "no node metrics endpoint"
+    before = scrape(port)
+    msgs = list(stub.Generate(pb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=20, method="sd"), timeout=120))
+    cycles = msgs[-1].stats.cycles
+    after = scrape(port)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("specmesh_requests_total") == 1                       # ingress process
+    assert moved("specmesh_cycles_total") == cycles
+    assert moved("specmesh_verify_batch_size_count") == cycles         # verifier process
+    assert moved("specmesh_spec_decode_num_accepted_tokens_total") <= moved("specmesh_spec_decode_num_draft_tokens_total")
+
+
+def _try_scrape(port: int):
+    try:
+        return scrape(port)
+    except OSError:
+        return None

@@ -20,8 +20,8 @@ def run_sessions(batcher: CycleBatcher, requests: dict[str, int]) -> dict[str, o
         except Exception as e:
             out[name] = e
 
-    for _ in requests:
-        batcher.opened()
+    for name in requests:
+        batcher.opened(name)
     threads = [threading.Thread(target=run, args=kv) for kv in requests.items()]
     for t in threads:
         t.start()
@@ -67,12 +67,40 @@ def test_a_crashing_step_fails_every_waiter_and_the_next_step_runs():
 def test_lone_session_runs_inline_without_waiting_for_closed_ones():
     batcher = CycleBatcher(lambda batch: [setattr(b, "result", threading.current_thread()) for b in batch],
                            window_s=5.0)
-    batcher.opened()
-    batcher.opened()
-    batcher.closed()
+    batcher.opened("a")
+    batcher.opened("b")
+    batcher.closed("b")
     t0 = time.monotonic()
     assert batcher.submit("a", 0) is threading.current_thread()
     assert time.monotonic() - t0 < 2.5  # the 5 s window is not awaited: only one session is open
+
+
+def test_a_session_that_missed_the_window_is_not_awaited_again():
+    """After a step without ``b``, the next step does not wait for it; once back it is expected."""
+    steps: list[list[str]] = []
+    batcher = CycleBatcher(lambda batch: [steps.append(sorted(b.session for b in batch))]
+                           + [setattr(b, "result", 1) for b in batch], window_s=0.3)
+    batcher.opened("a")
+    batcher.opened("b")
+    t0 = time.monotonic()
+    batcher.submit("a", 0)          # waits the window for the fresh session b, which never comes
+    waited = time.monotonic() - t0
+    t0 = time.monotonic()
+    batcher.submit("a", 0)          # b is no longer expected: no wait
+    assert waited >= 0.25 and time.monotonic() - t0 < 0.25
+    out = run_sessions_opened(batcher, {"a": 0, "b": 0})
+    assert out == {"a": 1, "b": 1}  # b, back, is served again
+
+
+def run_sessions_opened(batcher: CycleBatcher, requests: dict[str, int]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda k=k, v=v: out.__setitem__(k, batcher.submit(k, v)))
+               for k, v in requests.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
 
 
 def test_batched_draft_lm_proposals_equal_one_at_a_time(tiny_dirs):

@@ -98,3 +98,32 @@ def test_ttt_unroll_matches_inference_chain(tiny_dirs, tiny_eagle3):
                 assert torch.allclose(lg[0, -1], steps[j][0, i], atol=1e-4), (i, j)
         loss, per_step = ttt_loss(head, f, torch.softmax(logits, -1), ids, torch.tensor([30]), 4)
     assert loss.item() > 0 and len(per_step) == 4
+
+
+def test_batched_proposals_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
+    """propose_batch over requests at different points (fresh, mid-catch-up, nothing new,
+    no features yet) drafts what propose drafts for each alone, cycle after cycle."""
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seqs = {"a": list(range(300, 340)), "b": list(range(500, 520)), "c": [7, 8, 9, 10, 11, 12]}
+    feats = {k: features(target, s, head.aux_layers) for k, s in seqs.items()}
+    one, many = Eagle3Drafter(head), Eagle3Drafter(head)
+    for d in (one, many):
+        for k, s in seqs.items():
+            d.start(k, s[:5], SamplingParams(), None)
+        d.observe("a", [], feats["a"][:4])
+        d.observe("b", [], feats["b"][:4])          # "c" has no features yet: an empty draft
+    budgets = {"a": 4, "b": 3, "c": 4}
+    pos = {"a": 4, "b": 4}
+    for cycle in range(3):
+        singles = {k: one.propose(k, b).token_ids for k, b in budgets.items()}
+        batched = dict(zip(budgets, (d.token_ids for d in many.propose_batch(list(budgets.items())))))
+        assert batched == singles, cycle
+        assert len(singles["a"]) == 4 and len(singles["b"]) == 3 and singles["c"] == []
+        n = 2 if cycle != 1 else 0                 # cycle 1 commits nothing to "b": recompute path
+        for d in (one, many):
+            d.observe("a", seqs["a"][pos["a"] + 1:pos["a"] + 3], feats["a"][pos["a"]:pos["a"] + 2])
+            if n:
+                d.observe("b", seqs["b"][pos["b"] + 1:pos["b"] + 1 + n], feats["b"][pos["b"]:pos["b"] + n])
+        pos["a"] += 2
+        pos["b"] += n
