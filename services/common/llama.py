@@ -106,16 +106,31 @@ def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin:
     v = attn.v_proj(x).view(n, s.kv_heads, s.head_dim).transpose(0, 1)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
+    o = attend_rows(q, k, v, rows, s.kv_heads != s.heads)     # [heads, N, d]
+    return attn.o_proj(o.transpose(0, 1).reshape(n, s.heads * s.head_dim))
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
+                gqa: bool) -> torch.Tensor:
+    """q [heads, N, d], k/v [kv_heads, N, d] of concatenated rows; row r's tokens start at
+    ``offset`` and sit at positions ``start``.. of its batch-1 cache: write its K/V there and
+    attend over the cache prefix with ``mask`` (None for one token). Returns [heads, N, d]."""
     outs = []
-    ends = [row[0] for row in rows[1:]] + [n]
+    ends = [row[0] for row in rows[1:]] + [q.shape[1]]
     for (off, start, (kc, vc), mask), end in zip(rows, ends):
         t = end - off
         kc[0, :, start:start + t] = k[:, off:end]
         vc[0, :, start:start + t] = v[:, off:end]
         outs.append(F.scaled_dot_product_attention(q[None, :, off:end], kc[:, :, :start + t], vc[:, :, :start + t],
-                                                   attn_mask=mask, enable_gqa=s.kv_heads != s.heads)[0])
-    o = torch.cat(outs, dim=1)                     # [heads, N, d]
-    return attn.o_proj(o.transpose(0, 1).reshape(n, s.heads * s.head_dim))
+                                                   attn_mask=mask, enable_gqa=gqa)[0])
+    return torch.cat(outs, dim=1)
+
+
+def causal_masks(starts: list[int], lens: list[int], device) -> list[torch.Tensor | None]:
+    """Per-row masks for rows of ``lens`` new tokens after ``starts`` cached ones."""
+    return [torch.ones(n, st + n, dtype=torch.bool, device=device).tril(st) if n > 1 else None
+            for st, n in zip(starts, lens)]
 
 
 class MLP(nn.Module):
@@ -221,8 +236,7 @@ class Llama(nn.Module):
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         offsets = [sum(lens[:r]) for r in range(len(lens))]
-        masks = [torch.ones(n, st + n, dtype=torch.bool, device=dev).tril(st) if n > 1 else None
-                 for st, n in zip(starts, lens)]  # built once, shared by every layer
+        masks = causal_masks(starts, lens, dev)  # built once, shared by every layer
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.llama import MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, rotate_half
+from services.common.llama import (MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, attend_rows, causal_masks,
+                                   rotate_half)
 
 
 class MidLayer(nn.Module):
@@ -122,16 +123,10 @@ class Eagle3Head(nn.Module):
         pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
         cos, sin = self.rope(pos, h.dtype)
         q, k, v = self.midlayer.qkv(self.embed_tokens(ids), h, cos, sin)
-        outs, off = [], 0
-        for st, n, cache in zip(starts, lens, caches):
-            kc, vc = cache.layers[0]
-            kc[:, :, st:st + n] = k[:, :, off:off + n]
-            vc[:, :, st:st + n] = v[:, :, off:off + n]
-            mask = torch.ones(n, st + n, dtype=torch.bool, device=dev).tril(st) if n > 1 else None
-            outs.append(F.scaled_dot_product_attention(q[:, :, off:off + n], kc[:, :, :st + n], vc[:, :, :st + n],
-                                                       attn_mask=mask, enable_gqa=self.s.kv_heads != self.s.heads))
-            off += n
-        out = self.midlayer.finish(torch.cat(outs, dim=2), h)
+        offsets = [sum(lens[:r]) for r in range(len(lens))]
+        rows = list(zip(offsets, starts, [c.layers[0] for c in caches], causal_masks(starts, lens, dev)))
+        o = attend_rows(q[0], k[0], v[0], rows, self.s.kv_heads != self.s.heads)
+        out = self.midlayer.finish(o[None], h)
         logits = self.target_logits(self.lm_head(self.norm(out)))[0]
         return list(torch.split(logits, lens)), list(torch.split(out[0], lens))
 

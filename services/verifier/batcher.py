@@ -30,7 +30,6 @@ class CycleBatcher:
     def __init__(self, step: Callable[[list[Pending]], None], max_batch: int = 16, window_s: float = 0.005):
         """``step(batch)`` sets ``result`` or ``error`` on every item of the batch."""
         self.step, self.max_batch, self.window_s = step, max_batch, window_s
-        self.open_sessions = 0
         self._cond = threading.Condition()
         self._queue: list[Pending] = []
         self._expected: set[int] = set()   # id() of the sessions served by the last step
@@ -39,12 +38,10 @@ class CycleBatcher:
 
     def opened(self, session) -> None:
         with self._cond:
-            self.open_sessions += 1
             self._fresh.add(id(session))
 
     def closed(self, session) -> None:
         with self._cond:
-            self.open_sessions -= 1
             self._expected.discard(id(session))
             self._fresh.discard(id(session))
             self._cond.notify_all()
