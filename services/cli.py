@@ -207,24 +207,40 @@ def cmd_client(args: argparse.Namespace) -> None:
             sys.exit(f"\nerror: {e.code().name}: {e.details()}")
 
 
-def record_traces(engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla") -> list:
+def run_concurrently(fn, items: list, concurrency: int, label: str, status=lambda: "", progress: bool = True) -> list:
+    """``[fn(x) for x in items]`` with ``concurrency`` requests in flight (the verifier
+    batches them), in order, with a progress line per completion: count, rate, ETA."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0, done = time.time(), [0]
+
+    def one(x):
+        out = fn(x)
+        done[0] += 1
+        rate = (time.time() - t0) / done[0]
+        if progress:
+                print(f"[{label}] {done[0]}/{len(items)} {rate:.1f} s/prompt{status()} "
+                  f"eta {rate * (len(items) - done[0]):.0f}s", file=sys.stderr, flush=True)
+        return out
+
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        return list(pool.map(one, items))
+
+
+def record_traces(engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla",
+                  concurrency: int = 1) -> list:
     """Greedy target generations of ``prompts`` as replayable traces. ``method`` must be lossless
     (vanilla, sd, suffix, eagle3, hybrid): their greedy tokens are the target's."""
-    import time
-
     from services.drafter.replay import Trace
     from services.router.engine import GenerationRequest
 
-    traces, t0 = [], time.time()
-    for i, p in enumerate(prompts):
+    def trace(p):
         ids = engine.encode_fit(p.text, max_new)
         r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
-        traces.append(Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None))
-        if progress:
-            rate = (time.time() - t0) / (i + 1)
-            print(f"[trace] {i + 1}/{len(prompts)} {rate:.1f} s/prompt eta {rate * (len(prompts) - i - 1):.0f}s",
-                  file=sys.stderr, flush=True)
-    return traces
+        return Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None)
+
+    return run_concurrently(trace, list(prompts), concurrency, "trace", progress=progress)
 
 
 def cmd_trace(args: argparse.Namespace) -> None:
@@ -235,7 +251,8 @@ def cmd_trace(args: argparse.Namespace) -> None:
     engine = Engine(engine_config(args))
     if args.method not in ("vanilla", "sd", "suffix", "eagle3", "hybrid"):
         sys.exit(f"error: --method {args.method!r} is not lossless; traces must be the target's own tokens")
-    traces = record_traces(engine, load(args.workload, args.limit), args.max_new_tokens, method=args.method)
+    traces = record_traces(engine, load(args.workload, args.limit), args.max_new_tokens, method=args.method,
+                           concurrency=args.concurrency)
     save_traces(args.out, traces)
     print(f"wrote {len(traces)} traces to {args.out}")
 
@@ -258,8 +275,6 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     """Run `sd` over a calibration workload, record first-rejection pairs, write a snapshot."""
-    import time
-
     from bench.workloads import EVALUATION, load
     from services.memory.snapshot import save_snapshot
     from services.router.engine import Engine, GenerationRequest
@@ -270,13 +285,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     # no shared store and no prior: the engine's memory starts empty and in-process
     engine = Engine(replace(cfg, redis_url=None, ocm_snapshot=None, memory_addr=None))
     prompts = load(args.workload, args.limit)
-    t0 = time.time()
-    for i, p in enumerate(prompts):
-        engine.generate(GenerationRequest(engine.encode_fit(p.text, args.max_new_tokens), args.max_new_tokens,
-                                          method="sd")).result()
-        rate = (time.time() - t0) / (i + 1)
-        print(f"[calibrate] {i + 1}/{len(prompts)} prompts, {len(engine.memory)} pairs, "
-              f"eta {rate * (len(prompts) - i - 1):.0f}s", file=sys.stderr, flush=True)
+    run_concurrently(lambda p: engine.generate(GenerationRequest(
+        engine.encode_fit(p.text, args.max_new_tokens), args.max_new_tokens, method="sd")).result(),
+        prompts, args.concurrency, "calibrate", lambda: f", {len(engine.memory)} pairs")
     counts = engine.memory.snapshot()
     save_snapshot(args.out, counts, {"workload": args.workload, "prompts": len(prompts),
                                      "max_new_tokens": args.max_new_tokens, "target": str(cfg.target),
@@ -361,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--method", default="vanilla", help="a lossless method; suffix is fastest on edits")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (verified in one batch)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_trace)
 
@@ -377,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workload", default="stdlib-train")
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (verified in one batch)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_calibrate)
 

@@ -51,3 +51,11 @@ def test_replay_cli_reports_metrics(tiny_dirs, tmp_path):
     assert rep["tau"] >= 1.0 and rep["cycles"] > 0 and "acceptance_per_position" in rep
     assert sum(rep["draft_length_histogram"].values()) == rep["cycles"]
     assert out.stdout
+
+
+def test_concurrent_trace_recording_equals_sequential(tiny_dirs):
+    """Traces recorded with requests in flight together (batched verification, a global
+    suffix tree filled in another order) are the same target tokens, in prompt order."""
+    one = record_traces(fresh_engine(tiny_dirs), PROMPTS, 32, progress=False, method="suffix")
+    many = record_traces(fresh_engine(tiny_dirs), PROMPTS, 32, progress=False, method="suffix", concurrency=4)
+    assert many == one
