@@ -125,6 +125,8 @@ def main() -> None:
     try:
         for t in topologies:
             servers[t] = start_server(t, args)
+            for m in methods:  # warm-up, not measured: first batched steps, allocator, caches
+                clients.submit(concurrent, servers[t][1], prompts[:max(concs)], 16, m, max(concs)).result()
         total = args.repeats * len(methods) * (1 + len(concs)) * len(topologies)
         done, t0 = 0, time.perf_counter()
         for rnd in range(args.repeats):  # every round runs every cell once, topologies side by side

@@ -171,6 +171,14 @@ class VerifierDeployment:
         eos = AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
         self.core = VerifierCore.from_config(cfg, eos)
         self._memory_handle = memory  # bound lazily: the constructor runs in the event loop
+        # A thread per in-flight cycle: the cycles that the batcher verifies together must all be
+        # able to block in it at once (asyncio's default pool has only cpus + 4 threads).
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(int(args.get("max_sessions", 16)) * 4, thread_name_prefix="cycle")
+
+    async def _in_pool(self, fn, *a):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *a)
 
     def _share_memory(self) -> None:
         """With a memory deployment, replace the local correction memory (first call, in a thread)."""
@@ -191,16 +199,16 @@ class VerifierDeployment:
         return _Slot()
 
     async def open(self, spec: SessionSpec) -> None:
-        await asyncio.to_thread(self._share_memory)
+        await self._in_pool(self._share_memory)
         slot = await self._slot(serve.get_multiplexed_model_id())
         slot.close()
-        slot.session = await asyncio.to_thread(self.core.open, spec)
+        slot.session = await self._in_pool(self.core.open, spec)
 
     async def cycle(self, req: CycleRequest):
         slot = await self._slot(serve.get_multiplexed_model_id())
         if slot.session is None:
             raise SessionMissing(serve.get_multiplexed_model_id())
-        return await asyncio.to_thread(slot.session.cycle, req)
+        return await self._in_pool(slot.session.cycle, req)
 
     async def close(self) -> None:
         (await self._slot(serve.get_multiplexed_model_id())).close()
@@ -342,7 +350,8 @@ class GenerationIngress:
 def app(args: dict):
     """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config:
     verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
-    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port.
+    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port,
+    max_streams (64 per ingress replica), max_queue (32).
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
@@ -368,4 +377,9 @@ def app(args: dict):
     predictor = None
     if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():
         predictor = PredictorDeployment.options(ray_actor_options=actor(min(cpus, 0.5))).bind(str(cfg.predictor))
-    return GenerationIngress.options(ray_actor_options=actor(cpus)).bind(verifier, predictor, args, drafter)
+    # Admission as in the other topologies: max_streams Generate streams per ingress replica (each
+    # holds one of Serve's sync-method threads), max_queue waiting; beyond that Serve's
+    # back-pressure answers RESOURCE_EXHAUSTED.
+    return GenerationIngress.options(
+        ray_actor_options=actor(cpus), max_ongoing_requests=int(args.get("max_streams", 64)),
+        max_queued_requests=int(args.get("max_queue", 32))).bind(verifier, predictor, args, drafter)

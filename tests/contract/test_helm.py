@@ -105,6 +105,7 @@ def test_ray_mode_rayservice():
     assert serve["applications"][0]["import_path"] == "services.ray_app:app"
     assert "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     assert serve["applications"][0]["args"]["verifier_gpus"] == 4
+    assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     assert worker["replicas"] == 3 and worker["rayStartParams"]["num-gpus"] == "4"
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4

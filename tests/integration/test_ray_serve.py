@@ -37,7 +37,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
     serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.25,
                    "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True,
-                   "metrics_port": metrics_port}),
+                   "metrics_port": metrics_port, "max_streams": 2, "max_queue": 1}),
               name="specmesh", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield pb_grpc.GenerationStub(channel), channel, metrics_port
@@ -129,3 +129,28 @@ def _try_scrape(port: int):
         return scrape(port)
     except OSError:
         return None
+
+
+def test_streams_beyond_admission_get_resource_exhausted(serve_app):
+    """2 streams run, 1 waits, the rest are refused by Serve's back-pressure; the admitted ones finish."""
+    import threading
+
+    stub = serve_app[0]
+    codes: list = []
+
+    def stream() -> None:
+        try:
+            msgs = list(stub.Generate(pb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=150, method="vanilla"),
+                                      timeout=120))
+            codes.append(grpc.StatusCode.OK if msgs[-1].finish_reason else None)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    threads = [threading.Thread(target=stream) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+    assert codes.count(grpc.StatusCode.OK) >= 2 and set(codes) <= {grpc.StatusCode.OK,
+                                                                    grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
