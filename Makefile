@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ bench: setup
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
-	$(MAKE) model-target model-draft model-cards publish-models eagle3 predictor publish-models
+	$(MAKE) model-target model-draft model-cards publish-models eagle3 predictor calibrate publish-models
 
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
@@ -58,6 +58,12 @@ model-cards: setup
 publish-models:
 	for m in target draft eagle3 predictor; do \
 	  test -d build/models/$$m && mkdir -p models/$$m && cp -r build/models/$$m/. models/$$m/ || true; done
+	test -s build/models/ocm_snapshot.json && cp build/models/ocm_snapshot.json models/ || true
+
+# The correction memory's calibration prior: first-rejection pairs of `sd` on training prompts.
+calibrate: setup
+	$(BIN)/specmesh calibrate --workload stdlib-train --limit 200 --max-new-tokens 128 \
+	    --out build/models/ocm_snapshot.json
 
 # Greedy target generations: training prompts (EAGLE-3 data, predictor training) and
 # held-out prompts (predictor report only). Lossless `suffix` decoding makes them faster.
