@@ -32,12 +32,12 @@ from services.common.config import MODELS_DIR, EngineConfig
 from services.common.metrics import start_node_exporter
 from services.verifier.core import CycleRequest, SessionSpec
 
-METRICS_PORT_ENV = "SPECMESH_NODE_METRICS_PORT"
+METRICS_PORT_ENV, METRICS_HOST_ENV = "SPECMESH_NODE_METRICS_PORT", "SPECMESH_NODE_METRICS_HOST"
 
 
 def node_metrics() -> None:
     """Every replica offers to serve its node's specmesh_* metrics (see ``start_node_exporter``)."""
-    start_node_exporter(int(os.environ.get(METRICS_PORT_ENV, "0")))
+    start_node_exporter(int(os.environ.get(METRICS_PORT_ENV, "0")), os.environ.get(METRICS_HOST_ENV, "0.0.0.0"))
 
 
 class SessionMissing(RuntimeError):
@@ -350,7 +350,7 @@ class GenerationIngress:
 def app(args: dict):
     """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config:
     verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
-    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port,
+    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port, metrics_host,
     max_streams (64 per ingress replica), max_queue (32).
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
@@ -358,7 +358,8 @@ def app(args: dict):
     """
     cpus = float(args.get("cpus_per_replica", 1))
     env = {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": f"/tmp/specmesh_metrics/{uuid.uuid4().hex[:12]}",
-                        METRICS_PORT_ENV: str(int(args.get("metrics_port", 9400)))}}
+                        METRICS_PORT_ENV: str(int(args.get("metrics_port", 9400))),
+                        METRICS_HOST_ENV: str(args.get("metrics_host", "0.0.0.0"))}}
 
     def actor(num_cpus: float, num_gpus: float = 0.0) -> dict:
         return {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": env}

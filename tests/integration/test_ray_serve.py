@@ -37,7 +37,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
     serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.25,
                    "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True,
-                   "metrics_port": metrics_port, "max_streams": 2, "max_queue": 1}),
+                   "metrics_port": metrics_port, "metrics_host": "127.0.0.1", "max_streams": 2, "max_queue": 1}),
               name="specmesh", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield pb_grpc.GenerationStub(channel), channel, metrics_port
