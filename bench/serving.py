@@ -86,7 +86,6 @@ def aggregate(stub, prompts: list[str], n: int, method: str, conc: int) -> float
 def single_stream(addr: str, prompts: list[str], n: int, method: str) -> dict:
     """Median ms per cycle of one stream at a time, and its part outside model work."""
     stub = ggrpc.GenerationStub(grpc.insecure_channel(addr))
-    one(stub, prompts[0], 8, method)  # warm-up
     rows = [one(stub, p, n, method) for p in prompts]
     return {"ms_per_cycle": 1000 * statistics.median(w / s["cycles"] for _, w, s in rows),
             "overhead_ms_per_cycle": 1000 * statistics.median((w - s["model_s"]) / s["cycles"] for _, w, s in rows)}

@@ -54,11 +54,11 @@ class TargetRunner:
     def verify_batch(self, items: list[tuple[TargetSession, list[int]]]
                      ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         VERIFY_BATCH.observe(len(items))
+        pending = [st.pending for st, _ in items]
         logits, hidden = self.model.forward_ragged(
-            [st.pending + draft for st, draft in items], [st.cache_len for st, _ in items],
+            [p + draft for p, (_, draft) in zip(pending, items)], [st.cache_len for st, _ in items],
             [st.cache for st, _ in items], self.capture_layers)
-        return [(lg[len(st.pending) - 1:].float().cpu(), [h[None] for h in hs])
-                for (st, _), lg, hs in zip(items, logits, hidden)]
+        return [(lg[len(p) - 1:].float().cpu(), [h[None] for h in hs]) for p, lg, hs in zip(pending, logits, hidden)]
 
     @staticmethod
     def commit(st: TargetSession, verdict: Verdict) -> None:

@@ -9,6 +9,7 @@ from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
 from services.common.grpc_server import free_port
 from tests.conftest import wait_for
+from tests.integration.test_cli import scrape as scrape_labelled
 
 
 
@@ -93,15 +94,10 @@ def test_health_through_the_proxy(serve_app):
 
 def scrape(port: int) -> dict[str, float]:
     """The node endpoint's samples, summed over label sets: name -> value."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
+    for key, value in scrape_labelled(port).items():
+        name = key.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + value
     return out
 
 
