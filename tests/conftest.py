@@ -72,7 +72,8 @@ def tiny_engine(tiny_dirs):
     from services.router.engine import Engine
 
     target, draft = tiny_dirs
-    return Engine(EngineConfig(target=target, draft=draft, num_speculative_tokens=4, max_new_tokens_limit=200))
+    return Engine(EngineConfig(target=target, draft=draft, num_speculative_tokens=4, draft_confidence=0.0,
+                               max_new_tokens_limit=200))
 
 
 def bundled_available() -> bool:

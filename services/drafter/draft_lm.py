@@ -30,6 +30,7 @@ class _Row:
     pos: int
     out: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
+    confident: bool = True
 
     @classmethod
     def of(cls, st: _State, budget: int) -> "_Row":
@@ -38,14 +39,21 @@ class _Row:
         budget = max(0, min(budget, st.cache.capacity - len(st.tokens)))
         return cls(st, budget, st.tokens[st.cache_len:], st.cache_len)
 
-    def take(self, greedy_tok: int | None, logits: torch.Tensor) -> None:
-        """Greedy requests draft argmax tokens (q one-hot); sampled ones sample from q."""
+    def take(self, greedy_tok: int | None, logits: torch.Tensor, p_max: float, min_confidence: float) -> None:
+        """Greedy requests draft argmax tokens (q one-hot); sampled ones sample from q.
+        The chain ends after a token whose draft probability (max of q) is below ``min_confidence``."""
         if greedy_tok is None:
             q = probs_from_logits(logits, self.st.sp).cpu()
             greedy_tok = sample(q, self.st.rng)
             self.qs.append(q)
+            p_max = float(q.max())
         self.out.append(greedy_tok)
         self.feed = [greedy_tok]
+        self.confident = p_max >= min_confidence
+
+    @property
+    def drafting(self) -> bool:
+        return self.confident and len(self.out) < self.budget
 
     def finish(self, source: str) -> Draft:
         if self.out:
@@ -56,16 +64,20 @@ class _Row:
 
 @register("draft-lm")
 class DraftLMDrafter:
-    """Autoregressive chain drafts of ``budget`` tokens.
+    """Autoregressive chain drafts of at most ``budget`` tokens.
 
     Greedy requests draft argmax tokens (q one-hot); sampled requests sample from the
     draft's q under the request's sampling transform and return q for rejection sampling.
+    Dynamic draft length: the chain stops after a token the draft itself doubts
+    (max q < ``min_confidence``), since later tokens are then unlikely to be accepted and
+    each costs a draft forward. Verification stays lossless either way.
     """
 
     name = "draft-lm"
 
-    def __init__(self, model: Llama):
+    def __init__(self, model: Llama, min_confidence: float = 0.0):
         self.model = model
+        self.min_confidence = min_confidence
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
@@ -84,11 +96,11 @@ class DraftLMDrafter:
             logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
                                                   [r.st.cache for r in active])
             last = [lg[-1] for lg in logits]
-            greedy = torch.stack(last).argmax(-1).tolist()
-            for r, lg, g in zip(active, last, greedy):
+            p_max, greedy = torch.softmax(torch.stack(last).float(), -1).max(-1)
+            for r, lg, g, p in zip(active, last, greedy.tolist(), p_max.tolist()):
                 r.pos += len(r.feed)
-                r.take(g if r.st.sp.greedy else None, lg)
-            active = [r for r in active if len(r.out) < r.budget]
+                r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence)
+            active = [r for r in active if r.drafting]
         return [r.finish(self.name) for r in rows]
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:

@@ -76,7 +76,8 @@ class VerifierCore:
         drafters: dict[str, Drafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:
-            drafters["draft-lm"] = DRAFTERS["draft-lm"](Llama.from_pretrained(cfg.draft, dtype, cfg.device))
+            drafters["draft-lm"] = DRAFTERS["draft-lm"](Llama.from_pretrained(cfg.draft, dtype, cfg.device),
+                                                     cfg.draft_confidence)
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
             from services.drafter.eagle3 import Eagle3Head

@@ -62,9 +62,12 @@ def test_sd_equals_vanilla_bundled_humaneval_and_stdlib(bundled_engine):
             assert out["text"] == van["text"]
 
 
-def test_sd_sampling_first_token_matches_target_distribution(tiny_engine):
-    """Empirical distribution of sd's first sampled token equals the target's p (chi-square)."""
+@pytest.mark.parametrize("min_confidence", [0.0, 0.2])
+def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_confidence, monkeypatch):
+    """Empirical distribution of sd's first sampled token equals the target's p (chi-square),
+    with fixed and with dynamic (confidence-cut) draft lengths."""
     eng = tiny_engine
+    monkeypatch.setattr(eng.verifier.drafters["draft-lm"], "min_confidence", min_confidence)
     ids = eng.encode("def f(x):\n    return")
     sp = SamplingParams(temperature=1.5, top_k=6)
     with torch.no_grad():

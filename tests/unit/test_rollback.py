@@ -53,3 +53,20 @@ def test_draft_respects_cache_capacity(tiny_dirs):
     drafter = DraftLMDrafter(model)
     drafter.start("r", list(range(1, 254)), SamplingParams(), torch.Generator())  # capacity 256
     assert len(drafter.propose("r", 8)) == 3
+
+
+def test_dynamic_draft_length_cuts_after_first_doubted_token(tiny_dirs):
+    model = Llama.from_pretrained(tiny_dirs[1])
+    prompt, sp = [5, 17, 300, 42], SamplingParams()
+    full = DraftLMDrafter(model)
+    full.start("r", prompt, sp, torch.Generator())
+    chain = full.propose("r", 8).token_ids
+    with torch.no_grad():
+        probs = torch.softmax(model.forward_train(torch.tensor([prompt + chain]))[0, len(prompt) - 1:-1], -1)
+    p_max = probs.max(-1).values.tolist()
+    threshold = sorted(p_max)[len(p_max) // 2]
+    cut = next(i for i, p in enumerate(p_max) if p < threshold) + 1
+    assert 1 <= cut < len(chain)
+    dyn = DraftLMDrafter(model, min_confidence=threshold)
+    dyn.start("r", prompt, sp, torch.Generator())
+    assert dyn.propose("r", 8).token_ids == chain[:cut]
