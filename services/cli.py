@@ -21,6 +21,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
+    ap.add_argument("--packed-gemm", action=argparse.BooleanOptionalAction, default=EngineConfig.packed_gemm,
+                    help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
     ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
                     help="draft LM: end a chain after a token whose draft probability is below this")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
@@ -40,7 +42,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(target=args.target, draft=draft, eagle3=eagle3, predictor=args.predictor,
                         device=device, dtype=dtype,
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
-                        draft_confidence=args.draft_confidence,
+                        draft_confidence=args.draft_confidence, packed_gemm=args.packed_gemm,
                         batch_window_ms=args.batch_window_ms,
                         redis_url=args.redis_url or None,
                         predictor_addr=getattr(args, "predictor_addr", None) or None,
@@ -147,6 +149,7 @@ def _spawn_verifiers(args: argparse.Namespace):
                "--port", str(port), "--metrics-port", str(args.metrics_port + 1 + i if args.metrics_port else 0),
                "--target", str(args.target), "--draft", str(args.draft), "--eagle3", str(args.eagle3),
                "-k", str(args.num_speculative_tokens), "--draft-confidence", str(args.draft_confidence),
+               "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
                "--max-sessions", str(args.max_sessions),
                "--batch-window-ms", str(args.batch_window_ms)]
         if args.redis_url:

@@ -56,6 +56,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`
+    packed_gemm: bool = True              # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
     draft_confidence: float = 0.3         # draft-LM chains stop after a token with max q below this
     max_new_tokens_limit: int = 1024
     default_max_new_tokens: int = 128

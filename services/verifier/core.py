@@ -19,6 +19,7 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.llama import Llama
+from services.common.packed_linear import pack_linears
 from services.common.sampling import make_rng
 from services.common.types import Draft, SamplingParams, Verdict
 from services.drafter.base import DRAFTERS, Drafter
@@ -61,6 +62,13 @@ class CycleResult:
     verify_s: float = 0.0
 
 
+def _load(path: Path, cfg: EngineConfig) -> Llama:
+    model = Llama.from_pretrained(path, getattr(torch, cfg.dtype), cfg.device)
+    if cfg.packed_gemm:
+        pack_linears(model)
+    return model
+
+
 class VerifierCore:
     def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
                  policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0):
@@ -72,17 +80,18 @@ class VerifierCore:
     @classmethod
     def from_config(cls, cfg: EngineConfig, eos_id: int) -> "VerifierCore":
         dtype = getattr(torch, cfg.dtype)
-        runner = TargetRunner(Llama.from_pretrained(cfg.target, dtype, cfg.device))
+        runner = TargetRunner(_load(cfg.target, cfg))
         drafters: dict[str, Drafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:
-            drafters["draft-lm"] = DRAFTERS["draft-lm"](Llama.from_pretrained(cfg.draft, dtype, cfg.device),
-                                                     cfg.draft_confidence)
+            drafters["draft-lm"] = DRAFTERS["draft-lm"](_load(cfg.draft, cfg), cfg.draft_confidence)
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
             from services.drafter.eagle3 import Eagle3Head
 
             head = Eagle3Head.from_pretrained(cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device)
+            if cfg.packed_gemm:
+                pack_linears(head)
             runner.capture_layers = head.aux_layers
             drafters["eagle3"] = DRAFTERS["eagle3"](head)
             max_draft["eagle3"] = cfg.eagle3_k

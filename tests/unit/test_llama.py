@@ -107,3 +107,28 @@ def test_sharded_save_loads_in_ours_and_transformers(tmp_path):
         assert torch.allclose(Llama.from_pretrained(tmp_path / "b").forward_train(x), ref, atol=1e-5)
         hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b"), dtype=torch.float32).eval()
         assert torch.allclose(hf(x).logits, ref, atol=1e-4)
+
+
+def test_packed_gemm_equals_fp32_path(tiny_dirs):
+    """FBGEMM fp16-weight layers on our fp16-stored checkpoints give the fp32 path's logits."""
+    from torch import nn
+
+    from services.common.packed_linear import PackedLinear, fp16_gemm_available, pack_linears
+
+    assert fp16_gemm_available()
+    ref, packed = Llama.from_pretrained(tiny_dirs[0]), Llama.from_pretrained(tiny_dirs[0])
+    assert pack_linears(packed) == 0  # the tiny checkpoints are stored in fp32
+    for m in (ref, packed):
+        for p in m.parameters():
+            p.data = p.data.half().float()  # what an fp16 checkpoint loads as
+    assert pack_linears(packed) == 7 * ref.s.layers + 1
+    assert isinstance(packed.lm_head, PackedLinear) and packed.state_dict().keys() == ref.state_dict().keys()
+    seqs, starts = [[5, 17, 300, 42], [9], [7, 8, 9]], [0, 0, 0]
+    with torch.inference_mode():
+        want, _ = ref.forward_ragged(seqs, starts, [ref.new_cache(1, 16) for _ in seqs])
+        got, _ = packed.forward_ragged(seqs, starts, [packed.new_cache(1, 16) for _ in seqs])
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-4) and torch.equal(g.argmax(-1), w.argmax(-1))
+    # A layer whose weights are not fp16 values would change results: it stays nn.Linear.
+    plain = nn.Sequential(nn.Linear(8, 8))
+    assert pack_linears(plain) == 0 and isinstance(plain[0], nn.Linear)
