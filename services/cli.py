@@ -21,6 +21,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
+    ap.add_argument("--eagle3-k", type=int, default=EngineConfig.eagle3_k, help="the longest EAGLE-3 chain")
+    ap.add_argument("--eagle3-confidence", type=float, default=EngineConfig.eagle3_confidence,
+                    help="EAGLE-3: end a chain after a token whose head probability is below this")
     ap.add_argument("--packed-gemm", action=argparse.BooleanOptionalAction, default=EngineConfig.packed_gemm,
                     help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
     ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
@@ -43,6 +46,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=device, dtype=dtype,
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
                         draft_confidence=args.draft_confidence, packed_gemm=args.packed_gemm,
+                        eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
                         batch_window_ms=args.batch_window_ms,
                         redis_url=args.redis_url or None,
                         predictor_addr=getattr(args, "predictor_addr", None) or None,
@@ -150,6 +154,7 @@ def _spawn_verifiers(args: argparse.Namespace):
                "--target", str(args.target), "--draft", str(args.draft), "--eagle3", str(args.eagle3),
                "-k", str(args.num_speculative_tokens), "--draft-confidence", str(args.draft_confidence),
                "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
+               "--eagle3-k", str(args.eagle3_k), "--eagle3-confidence", str(args.eagle3_confidence),
                "--max-sessions", str(args.max_sessions),
                "--batch-window-ms", str(args.batch_window_ms)]
         if args.redis_url:

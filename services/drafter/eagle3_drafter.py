@@ -38,22 +38,32 @@ class _Row:
     drafted: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
     h: torch.Tensor | None = None      # the head's last prenorm output, input of the next step
+    confident: bool = True
 
-    def take(self, pick: tuple[int, torch.Tensor | None], h: torch.Tensor) -> None:
-        tok, q = pick
+    def take(self, pick: tuple[int, torch.Tensor | None, float], h: torch.Tensor, min_confidence: float) -> None:
+        tok, q, p_max = pick
         self.drafted.append(tok)
         if q is not None:
             self.qs.append(q)
         self.h = h
+        self.confident = p_max >= min_confidence
+
+    @property
+    def drafting(self) -> bool:
+        return self.confident and len(self.drafted) < self.budget
 
 
 @register("eagle3")
 class Eagle3Drafter:
+    """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
+    whose head probability (max q) is below ``min_confidence``."""
+
     name = "eagle3"
     needs_target_states = True
 
-    def __init__(self, head: Eagle3Head):
+    def __init__(self, head: Eagle3Head, min_confidence: float = 0.0):
         self.head = head
+        self.min_confidence = min_confidence
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
@@ -67,11 +77,15 @@ class Eagle3Drafter:
             st.feats.append(target_states)
             st.n_feats += len(target_states)
 
-    def _pick(self, st: _State, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _pick(self, st: _State, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """(token, q for sampled requests, max q; 1.0 when no confidence cut is set)."""
         if st.sp.greedy:
-            return int(logits.argmax()), None
+            if self.min_confidence <= 0:
+                return int(logits.argmax()), None, 1.0
+            p_max, tok = torch.softmax(logits.float(), -1).max(-1)
+            return int(tok), None, float(p_max)
         q = probs_from_logits(logits, st.sp).cpu()
-        return sample(q, st.rng), q
+        return sample(q, st.rng), q, float(q.max())
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
@@ -105,8 +119,8 @@ class Eagle3Drafter:
                                                  [i[2] for i in inputs], [r.st.cache for r in active])
         while active:
             for r, lg, out in zip(active, logits, outs):
-                r.take(self._pick(r.st, lg[-1]), out[-1:])
-            active = [r for r in active if len(r.drafted) < r.budget]
+                r.take(self._pick(r.st, lg[-1]), out[-1:], self.min_confidence)
+            active = [r for r in active if r.drafting]
             if active:
                 logits, outs = self.head.step_ragged([r.h for r in active], [[r.drafted[-1]] for r in active],
                                                      [r.st.n_feats + len(r.drafted) - 1 for r in active],

@@ -93,7 +93,7 @@ class VerifierCore:
             if cfg.packed_gemm:
                 pack_linears(head)
             runner.capture_layers = head.aux_layers
-            drafters["eagle3"] = DRAFTERS["eagle3"](head)
+            drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
             max_draft["eagle3"] = cfg.eagle3_k
         memory = open_memory(cfg)
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),

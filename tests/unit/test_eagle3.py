@@ -127,3 +127,26 @@ def test_batched_proposals_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
                 d.observe("b", seqs["b"][pos["b"] + 1:pos["b"] + 1 + n], feats["b"][pos["b"]:pos["b"] + n])
         pos["a"] += 2
         pos["b"] += n
+
+
+def test_dynamic_chain_length_cuts_after_first_doubted_token(tiny_dirs, tiny_eagle3):
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seq = list(range(300, 320))
+    f = features(target, seq, head.aux_layers)
+
+    def drafter(min_confidence: float) -> Eagle3Drafter:
+        d = Eagle3Drafter(head, min_confidence)
+        d.start("r", seq, SamplingParams(), None)
+        d.observe("r", [], f[:len(seq) - 1])
+        return d
+
+    full, picks = drafter(1e-9), []   # a cut this low never fires; it makes _pick report max q
+    pick = full._pick
+    full._pick = lambda st, lg: picks.append(pick(st, lg)) or picks[-1]
+    chain = full.propose("r", 8).token_ids
+    p_max = [p for _, _, p in picks]
+    threshold = sorted(p_max)[len(p_max) // 2]
+    cut = next(i for i, p in enumerate(p_max) if p < threshold) + 1
+    assert len(chain) == 8 and 1 <= cut < 8
+    assert drafter(threshold).propose("r", 8).token_ids == chain[:cut]
