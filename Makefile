@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -42,13 +42,18 @@ bench: setup
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
-	$(MAKE) model-target model-draft model-cards publish-models eagle3 predictor calibrate publish-models
+	$(MAKE) model-target model-draft model-cards publish-models draft-distill eagle3 predictor calibrate model-cards publish-models
 
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
 
 model-draft: setup
 	$(BIN)/python -m training.pretrain --preset draft --out build/models/draft --warm-start models/draft
+
+# Distil the pretrained draft toward the target on the target's generations of training prompts.
+draft-distill: traces
+	$(BIN)/python -m training.distill --draft $$(test -d build/models/draft && echo build/models/draft || echo models/draft) \
+	    --target models/target --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --out build/models/draft
 
 # Evaluate (model cards) and publish finished models from build/models into models/.
 model-cards: setup

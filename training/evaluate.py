@@ -100,6 +100,16 @@ def evaluate(model_dir: Path, n_prompts: int, n_edit: int) -> dict:
             "samples": samples, "eval_seconds": round(time.time() - t0, 1)}
 
 
+def distill_row(state: dict) -> str:
+    """Card row for a draft distilled toward the target (`training/distill.py`), else nothing."""
+    d = state.get("distill")
+    if not d:
+        return ""
+    return (f"| distillation | then {d['step']}/{d['total_steps']} steps ({d['epochs']} epochs, {d['train_minutes']} min)"
+            f" toward the target's distribution on its generations of {d['sequences']} training prompts"
+            f"{'' if d['final'] else ' — **in progress**'} |\n")
+
+
 def write_card(model_dir: Path, ev: dict) -> None:
     state = json.loads((model_dir / "training_state.json").read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -117,7 +127,7 @@ from scratch by `training/pretrain.py` (preset `{state['preset']}`) — no hub d
 | training data | Python {__import__('sys').version.split()[0]} stdlib sources + edit documents, held-out modules excluded |
 | tokens seen | {state['tokens_seen']:,} of {state['tokens']:,} planned (step {state['step']}/{state['total_steps']}){'' if state['final'] else ' — **training still in progress**'} |
 | training time | {state['train_minutes']} min on {state['threads']} CPU thread(s) |
-| held-out loss | **{ev['heldout_loss']}** nats/token |
+{distill_row(state)}| held-out loss | **{ev['heldout_loss']}** nats/token |
 | loop rate | **{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle (the target's gate: ≤ 25 %) |
 | edit exact rate | {ev['edit_exact_rate']:.1%} of {ev['edit_prompts']} held-out edit prompts rewritten exactly |
 

@@ -39,7 +39,7 @@ class Preset:
 
 PRESETS = {
     "target": Preset(layers=8, hidden=256, intermediate=768, heads=4, tokens=25_000_000, batch=8, lr=1.5e-3),
-    "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=8_000_000, batch=8, lr=2e-3),
+    "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=16_000_000, batch=8, lr=2e-3),
 }
 SEQ_LEN = 1024
 
@@ -169,6 +169,9 @@ def train(args: argparse.Namespace) -> None:
         # A new machine has no checkpoint: continue from published weights (fp16) and their
         # step; the optimizer restarts (a short re-warm-up of its moments).
         state = json.loads((args.warm_start / "training_state.json").read_text())
+        if int(state["step"]) >= p.tokens // (p.batch * SEQ_LEN) or "distill" in state:
+            print(f"[{args.preset}] {args.warm_start} has finished pretraining (step {state['step']}); nothing to do")
+            return
         published = Llama.from_pretrained(args.warm_start)
         model.load_state_dict(published.state_dict())
         step, elapsed = int(state["step"]), 60.0 * float(state["train_minutes"])

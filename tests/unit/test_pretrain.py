@@ -46,3 +46,8 @@ def test_warm_start_continues_from_published_weights(tmp_path, tiny_dirs, monkey
     pt.train(args)
     state = json.loads((tmp_path / "out" / "training_state.json").read_text())
     assert seen["built"] and state["step"] == 44  # continued at 42, ran the last 2 steps
+    # A published model already at (or past) the budget, or distilled since, is left alone.
+    for published_state in ({"step": 44, "train_minutes": 3.0}, {"step": 10, "train_minutes": 1.0, "distill": {}}):
+        (published / "training_state.json").write_text(json.dumps(published_state))
+        pt.train(pt.argparse.Namespace(**{**vars(args), "out": tmp_path / "untouched", "work_dir": tmp_path / "w2"}))
+        assert not (tmp_path / "untouched").exists()

@@ -1,0 +1,135 @@
+"""Distil the draft LM toward the target on the target's own generations (DistillSpec-style).
+
+Acceptance in speculative decoding depends on how often the draft agrees with the target,
+not on how well the draft models text. A small draft pretrained on the corpus agrees with
+the target far less than its loss gap suggests. Fine-tuning it on what the target
+actually generates closes that gap where it matters.
+
+Data: traces (`specmesh trace`) of the target's greedy generations of *training* prompts.
+Each sequence is prompt + output. Per batch the frozen target gives p at every position.
+The draft minimises the forward KL to it (soft cross-entropy Σ −p·log q) over all real
+positions. The pretrain fields of the draft's `training_state.json` are kept; a `distill`
+section is added.
+
+    python -m training.distill --draft models/draft --traces T1.jsonl,T2.jsonl --out build/models/draft
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from services.common.llama import Llama
+from training.eagle3 import batches, build_sequences, pad
+from training.pretrain import export
+
+
+def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean over real positions of −Σ p·log q; logits [B, L, V], p [B, L, V], lengths [B]."""
+    valid = torch.arange(draft_logits.shape[1], device=p.device)[None, :] < lengths[:, None]
+    per_pos = -(p * torch.log_softmax(draft_logits.float(), -1)).sum(-1)
+    return per_pos[valid].mean()
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    """Short linear warm-up (the optimizer starts fresh), then cosine to 10 % of ``peak``."""
+    warmup = min(30, max(1, total // 10))
+    return peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(1, total))))
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    state = json.loads((args.draft / "training_state.json").read_text())
+    if state.get("distill", {}).get("final"):
+        print(f"[distill] {args.draft} is already distilled ({state['distill']['step']} steps); nothing to do")
+        return
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = Llama.from_pretrained(args.target, device=device).requires_grad_(False)
+    draft = Llama.from_pretrained(args.draft, device=device).train()
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / "ckpt.pt"
+    prog = {"epoch": 0, "done": 0, "step": 0, "elapsed": 0.0}
+    if ckpt.exists():
+        st = torch.load(ckpt, weights_only=False, map_location=device)
+        draft.load_state_dict(st["draft"])
+        opt.load_state_dict(st["opt"])
+        prog = st["progress"]
+        print(f"[distill] resumed at epoch {prog['epoch']} step {prog['step']}", flush=True)
+    total = sum(1 for _ in batches(seqs, args.batch_tokens, 0)) * args.epochs
+    print(f"[distill] {len(seqs)} sequences, {sum(map(len, seqs)):,} tokens, {total} steps", flush=True)
+
+    def save() -> None:
+        torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "progress": prog}, ckpt.with_suffix(".tmp"))
+        os.replace(ckpt.with_suffix(".tmp"), ckpt)
+        distill = {"traces": args.traces, "sequences": len(seqs), "epochs": args.epochs, "step": prog["step"],
+                   "total_steps": total, "lr": args.lr, "train_minutes": round(prog["elapsed"] / 60, 1),
+                   "final": prog["step"] >= total}
+        export(draft, args.draft, args.out, {**state, "distill": distill})
+
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
+    run_epochs(args, target, draft, opt, seqs, prog, total, save, stop)
+    save()
+    print(f"[distill] saved {args.out} (step {prog['step']}/{total})", flush=True)
+
+
+def run_epochs(args, target, draft, opt, seqs, prog, total, save, stop) -> None:
+    t_last, t_seg, ema, device = time.time(), time.time(), None, next(draft.parameters()).device
+    while prog["epoch"] < args.epochs and not stop["now"]:
+        for i, batch in enumerate(batches(seqs, args.batch_tokens, seed=prog["epoch"])):
+            if i < prog["done"]:
+                continue
+            ids, lengths = (t.to(device) for t in pad(batch, pad_id=0))
+            with torch.no_grad():
+                p = torch.softmax(target.forward_train(ids).float(), -1)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(prog["step"], total, args.lr)
+            loss = soft_ce(draft.forward_train(ids), p, lengths)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            now = time.time()
+            prog.update(step=prog["step"] + 1, done=i + 1, elapsed=prog["elapsed"] + now - t_seg)
+            t_seg, ema = now, loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
+            if prog["step"] % args.log_every == 0:
+                eta = (total - prog["step"]) * prog["elapsed"] / prog["step"]
+                print(f"[distill] epoch {prog['epoch']} step {prog['step']}/{total} soft-CE {ema:.3f} "
+                      f"{prog['step'] * args.batch_tokens / prog['elapsed']:,.0f} tok/s eta {eta / 60:.0f} min", flush=True)
+            if now - t_last > args.ckpt_minutes * 60:
+                save()
+                t_last = t_seg = time.time()
+            if stop["now"]:
+                return
+        prog.update(epoch=prog["epoch"] + 1, done=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", type=Path, default=Path("models/draft"), help="pretrained draft to start from")
+    ap.add_argument("--target", type=Path, default=Path("models/target"))
+    ap.add_argument("--traces", required=True, help="comma-separated trace files (training prompts only)")
+    ap.add_argument("--out", type=Path, default=Path("build/models/draft"))
+    ap.add_argument("--work-dir", default=str(Path.home() / ".cache/specmesh/train/distill"))
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--ckpt-minutes", type=float, default=10.0)
+    ap.add_argument("--log-every", type=int, default=5)
+    train(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
