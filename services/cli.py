@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.config import MODELS_DIR, EngineConfig, ServerConfig
+from services.common.config import MODELS_DIR, EngineConfig, HybridConfig, ServerConfig
 
 
 def _engine_args(ap: argparse.ArgumentParser) -> None:
@@ -24,6 +24,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eagle3-k", type=int, default=EngineConfig.eagle3_k, help="the longest EAGLE-3 chain")
     ap.add_argument("--eagle3-confidence", type=float, default=EngineConfig.eagle3_confidence,
                     help="EAGLE-3: end a chain after a token whose head probability is below this")
+    ap.add_argument("--hybrid-tau", type=float, default=HybridConfig.tau,
+                    help="HVD: verify the suffix-cache draft when its predicted yield exceeds this (bench.hybrid_sweep)")
     ap.add_argument("--packed-gemm", action=argparse.BooleanOptionalAction, default=EngineConfig.packed_gemm,
                     help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
     ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
@@ -47,6 +49,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
                         draft_confidence=args.draft_confidence, packed_gemm=args.packed_gemm,
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
+                        hybrid=HybridConfig(tau=args.hybrid_tau),
                         batch_window_ms=args.batch_window_ms,
                         redis_url=args.redis_url or None,
                         predictor_addr=getattr(args, "predictor_addr", None) or None,
