@@ -73,14 +73,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.attention_bias)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.attention_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.qkv: nn.Module | None = None   # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections of x [..., hidden], flat over heads."""
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        s = self.s
+        return self.qkv(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None, start: int, mask):
         """x: [B, T, H]; cos/sin: [T, D]; kv: this layer's cache ([B, kvh, S, D] each) or None."""
         b, t, _ = x.shape
         s = self.s
-        q = self.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.view(b, t, s.heads, s.head_dim).transpose(1, 2)
+        k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if kv is None:
@@ -101,9 +110,10 @@ def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin:
     Projections run once over all N tokens; each row attends to its own cache (batch 1)."""
     s = attn.s
     n = x.shape[0]
-    q = attn.q_proj(x).view(n, s.heads, s.head_dim).transpose(0, 1)
-    k = attn.k_proj(x).view(n, s.kv_heads, s.head_dim).transpose(0, 1)
-    v = attn.v_proj(x).view(n, s.kv_heads, s.head_dim).transpose(0, 1)
+    q, k, v = attn.project(x)
+    q = q.view(n, s.heads, s.head_dim).transpose(0, 1)
+    k = k.view(n, s.kv_heads, s.head_dim).transpose(0, 1)
+    v = v.view(n, s.kv_heads, s.head_dim).transpose(0, 1)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     o = attend_rows(q, k, v, rows, s.kv_heads != s.heads)     # [heads, N, d]
@@ -139,9 +149,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
+        self.gate_up: nn.Module | None = None   # inference: one fused gate|up GEMM (packed_linear.pack_linears)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

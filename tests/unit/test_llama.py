@@ -110,7 +110,8 @@ def test_sharded_save_loads_in_ours_and_transformers(tmp_path):
 
 
 def test_packed_gemm_equals_fp32_path(tiny_dirs):
-    """FBGEMM fp16-weight layers on our fp16-stored checkpoints give the fp32 path's logits."""
+    """FBGEMM fp16-weight layers (q|k|v and gate|up fused) on fp16-stored weights give the
+    fp32 path's logits, on the ragged path and on the single-row cached path."""
     from torch import nn
 
     from services.common.packed_linear import PackedLinear, fp16_gemm_available, pack_linears
@@ -123,10 +124,13 @@ def test_packed_gemm_equals_fp32_path(tiny_dirs):
             p.data = p.data.half().float()  # what an fp16 checkpoint loads as
     assert pack_linears(packed) == 7 * ref.s.layers + 1
     assert isinstance(packed.lm_head, PackedLinear) and packed.state_dict().keys() == ref.state_dict().keys()
+    assert all(b.self_attn.qkv is not None and b.mlp.gate_up is not None for b in packed.layers)  # fused GEMMs
     seqs, starts = [[5, 17, 300, 42], [9], [7, 8, 9]], [0, 0, 0]
     with torch.inference_mode():
         want, _ = ref.forward_ragged(seqs, starts, [ref.new_cache(1, 16) for _ in seqs])
         got, _ = packed.forward_ragged(seqs, starts, [packed.new_cache(1, 16) for _ in seqs])
+        want.append(ref(torch.tensor([seqs[0]]), 0, ref.new_cache(1, 16))[0][0])
+        got.append(packed(torch.tensor([seqs[0]]), 0, packed.new_cache(1, 16))[0][0])
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-4) and torch.equal(g.argmax(-1), w.argmax(-1))
     # A layer whose weights are not fp16 values would change results: it stays nn.Linear.
