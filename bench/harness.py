@@ -84,6 +84,16 @@ def target_nll(engine, prompt: list[int], out: list[int]) -> tuple[float, int]:
     return float(-logp[torch.arange(len(out)), torch.tensor(out)].sum()), len(out)
 
 
+def cycle_profile(runs: list[Run], cycles: int) -> dict:
+    """Where a cycle's time goes (ms): drafting, the verification forward, and the rest
+    (policies, bookkeeping, detokenizing, scheduling)."""
+    draft = sum(r.stats.get("draft_s", 0.0) for r in runs)
+    verify = sum(r.stats.get("verify_s", 0.0) for r in runs)
+    wall = sum(r.wall for r in runs)
+    return {"draft_ms_per_cycle": round(1e3 * draft / cycles, 3), "verify_ms_per_cycle": round(1e3 * verify / cycles, 3),
+            "other_ms_per_cycle": round(1e3 * (wall - draft - verify) / cycles, 3)}
+
+
 def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tuple[float, int],
               refs: list[str | None], texts: list[str], prompts: list[str], tokenizer) -> dict:
     tokens = [len(r.ids) for r in runs]
@@ -107,6 +117,7 @@ def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tupl
         drafted = sum(r.stats["draft_tokens"] for r in runs)
         row["tau"] = round(gen / cycles, 3)
         row["cycles_per_1k"] = round(1000 * cycles / gen, 1)
+        row.update(cycle_profile(runs, cycles))
         row["acceptance_rate"] = round(sum(r.stats["accepted_tokens"] for r in runs) / drafted, 3) if drafted else None
         per_pos: list[int] = []
         for r in runs:
@@ -168,6 +179,7 @@ def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, r
 def markdown(result: dict) -> str:
     cols = ["method", "tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_rate",
             "exact_match_vs_vanilla", "token_agreement", "target_nll", "parse_rate"]
+    cols += ["draft_ms_per_cycle", "verify_ms_per_cycle", "other_ms_per_cycle"]
     if any("rescue_rate" in r for r in result["rows"]):
         cols.append("rescue_rate")
     if any("reference_exact" in r for r in result["rows"]):
