@@ -42,7 +42,9 @@ bench: setup
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
-	$(MAKE) model-target model-draft model-cards publish-models draft-distill eagle3 predictor calibrate model-cards publish-models
+	$(MAKE) model-target model-draft model-cards publish-models
+	$(MAKE) draft-distill
+	$(MAKE) eagle3 predictor calibrate publish-models
 
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
@@ -54,11 +56,12 @@ model-draft: setup
 draft-distill: traces
 	$(BIN)/python -m training.distill --draft $$(test -d build/models/draft && echo build/models/draft || echo models/draft) \
 	    --target models/target --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --out build/models/draft
+	$(MAKE) model-cards publish-models
 
-# Evaluate (model cards) and publish finished models from build/models into models/.
+# Evaluate (model cards) whatever was (re)trained into build/models, then publish it into models/.
 model-cards: setup
-	$(BIN)/python -m training.evaluate --model build/models/target
-	$(BIN)/python -m training.evaluate --model build/models/draft
+	for m in target draft; do \
+	  if [ -d build/models/$$m ]; then $(BIN)/python -m training.evaluate --model build/models/$$m || exit 1; fi; done
 
 publish-models:
 	for m in target draft eagle3 predictor; do \
