@@ -12,7 +12,7 @@ position i+j:
     loss_j   = Σ_i soft-CE(head_j(i), p_{i+1+j}) over valid i,  weighted 0.8^j
 The attention pattern is exactly what chain drafting sees at inference.
 
-    python -m training.eagle3 --traces T1.jsonl,T2.jsonl --out models/eagle3 [--ttt-steps 7]
+    python -m training.eagle3 --traces T1.jsonl,T2.jsonl --out models/eagle3 [--ttt-steps 4]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
 from services.drafter.replay import load_traces
@@ -217,7 +218,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("models/eagle3"))
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache/specmesh/train/eagle3"))
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None)
-    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--ttt-steps", type=int, default=EngineConfig.eagle3_k,
+                    help="unrolled steps; chains at inference are at most eagle3_k long, so later steps go unused")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch-tokens", type=int, default=4096)
