@@ -158,7 +158,7 @@ def _spawn_verifiers(args: argparse.Namespace):
                "-k", str(args.num_speculative_tokens), "--draft-confidence", str(args.draft_confidence),
                "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
                "--eagle3-k", str(args.eagle3_k), "--eagle3-confidence", str(args.eagle3_confidence),
-               "--max-sessions", str(args.max_sessions),
+               "--threads", str(args.threads), "--max-sessions", str(args.max_sessions),
                "--batch-window-ms", str(args.batch_window_ms)]
         if args.redis_url:
             cmd += ["--redis-url", args.redis_url]

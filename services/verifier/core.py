@@ -79,6 +79,8 @@ class VerifierCore:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, eos_id: int) -> "VerifierCore":
+        if cfg.threads:  # every process that runs the models: embedded, verifier role, Ray replica
+            torch.set_num_threads(cfg.threads)
         dtype = getattr(torch, cfg.dtype)
         runner = TargetRunner(_load(cfg.target, cfg))
         drafters: dict[str, Drafter] = {}
