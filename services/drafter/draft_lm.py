@@ -96,7 +96,11 @@ class DraftLMDrafter:
             logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
                                                   [r.st.cache for r in active])
             last = [lg[-1] for lg in logits]
-            p_max, greedy = torch.softmax(torch.stack(last).float(), -1).max(-1)
+            stacked = torch.stack(last)
+            if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
+                p_max, greedy = torch.softmax(stacked.float(), -1).max(-1)
+            else:
+                greedy, p_max = stacked.argmax(-1), torch.ones(len(last))
             for r, lg, g, p in zip(active, last, greedy.tolist(), p_max.tolist()):
                 r.pos += len(r.feed)
                 r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence)
