@@ -37,9 +37,12 @@ class Preset:
     lr: float
 
 
+# The published zoo's recipes: about six passes over the 10.5 M-token corpus, trained on a lent
+# GPU (scripts/gpu_pretrain.sh, about 1 M tok/s). On a CPU (~1 k tok/s) pass --tokens/--batch
+# for a shorter run, or --warm-start to continue published weights.
 PRESETS = {
-    "target": Preset(layers=8, hidden=256, intermediate=768, heads=4, tokens=25_000_000, batch=8, lr=1.5e-3),
-    "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=16_000_000, batch=8, lr=2e-3),
+    "target": Preset(layers=8, hidden=256, intermediate=768, heads=4, tokens=60_000_000, batch=64, lr=1.5e-3),
+    "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=60_000_000, batch=64, lr=2e-3),
 }
 SEQ_LEN = 1024
 
@@ -104,6 +107,11 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def budgeted_total(total: int, step: int, seconds_per_step: float, seconds_left: float) -> int:
+    """Steps that fit a wall-clock budget: the schedule is shortened, never lengthened."""
+    return max(step + 1, min(total, step + int(seconds_left / max(seconds_per_step, 1e-9))))
+
+
 def batch_at(stream: np.ndarray, step: int, batch: int, seed: int) -> torch.Tensor:
     """Random ``SEQ_LEN``-token windows; a pure function of step so resumes are exact."""
     rng = np.random.default_rng(seed * 1_000_003 + step)
@@ -157,26 +165,28 @@ def train(args: argparse.Namespace) -> None:
     if args.compile:  # inductor fuses the elementwise work (norms, RoPE, SiLU·mul): ~13 % faster here
         model.forward_train = torch.compile(model.forward_train)
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    step, elapsed = 0, 0.0
+    step, elapsed, total_override = 0, 0.0, None
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         st = torch.load(ckpt, weights_only=False, map_location=device)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, elapsed = st["step"], st["elapsed"]
+        total_override = st.get("total_steps")
         print(f"[{args.preset}] resumed at step {step} ({elapsed / 60:.1f} min trained)", flush=True)
     elif args.warm_start and (args.warm_start / "training_state.json").exists():
         # A new machine has no checkpoint: continue from published weights (fp16) and their
         # step; the optimizer restarts (a short re-warm-up of its moments).
         state = json.loads((args.warm_start / "training_state.json").read_text())
-        if int(state["step"]) >= p.tokens // (p.batch * SEQ_LEN) or "distill" in state:
+        done = state.get("final") or int(state["step"]) >= p.tokens // (p.batch * SEQ_LEN)
+        if done or "distill" in state:
             print(f"[{args.preset}] {args.warm_start} has finished pretraining (step {state['step']}); nothing to do")
             return
         published = Llama.from_pretrained(args.warm_start)
         model.load_state_dict(published.state_dict())
         step, elapsed = int(state["step"]), 60.0 * float(state["train_minutes"])
         print(f"[{args.preset}] warm start from {args.warm_start} at step {step}", flush=True)
-    total_steps = p.tokens // (p.batch * SEQ_LEN)
+    total_steps = total_override or p.tokens // (p.batch * SEQ_LEN)
     nparams = sum(x.numel() for x in model.parameters())
     print(f"[{args.preset}] params={nparams / 1e6:.2f}M steps={total_steps} "
           f"tokens={p.tokens / 1e6:.0f}M train_stream={len(train_ids) / 1e6:.1f}M", flush=True)
@@ -185,9 +195,10 @@ def train(args: argparse.Namespace) -> None:
 
     def save(final: bool = False) -> None:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": elapsed}, ckpt.with_suffix(".tmp"))
+                    "elapsed": elapsed, "total_steps": total_steps}, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
-        state = {"preset": args.preset, **asdict(p), "seq_len": SEQ_LEN, "step": step,
+        state = {"preset": args.preset, **asdict(p), "tokens": total_steps * p.batch * SEQ_LEN,
+                 "seq_len": SEQ_LEN, "step": step, "device": device.type,
                  "total_steps": total_steps, "tokens_seen": step * p.batch * SEQ_LEN,
                  "train_minutes": round(elapsed / 60, 1), "final": final,
                  "heldout_loss": round(heldout_loss(model, held_ids), 4), "threads": args.threads}
@@ -195,7 +206,19 @@ def train(args: argparse.Namespace) -> None:
         print(f"[{args.preset}] checkpoint step={step} heldout_loss={state['heldout_loss']}", flush=True)
 
     last_ckpt, t_seg, loss_ema = time.time(), time.time(), None
+    t_start, step_start = time.time(), step
     while step < total_steps and not _Stop.requested:
+        if args.max_minutes and step == step_start + 40:
+            # A wall-clock budget (a lent GPU) fixes the schedule's length once, from the rate
+            # of steps 20-40 (past compilation), before warm-up ends; a resume keeps it.
+            if total_override is None:
+                per_step = (time.time() - t_mark) / 20
+                left = args.max_minutes * 60 - (time.time() - t_start) - 30
+                total_steps = budgeted_total(total_steps, step, per_step, left)
+                print(f"[{args.preset}] time budget: {total_steps} steps "
+                      f"({total_steps * p.batch * SEQ_LEN / 1e6:.0f}M tokens)", flush=True)
+        if step == step_start + 20:
+            t_mark = time.time()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, p.lr)
         x = batch_at(train_ids, step, p.batch, seed=1).to(device)
@@ -236,6 +259,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available; bf16 autocast there)")
     ap.add_argument("--warm-start", type=Path, default=None,
                     help="without a checkpoint, continue from this published model directory and its step")
+    ap.add_argument("--max-minutes", type=float, default=0.0,
+                    help="fit the schedule to this wall-clock budget, measured at step 40 (a lent GPU)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="torch.compile the training forward (default on)")
     train(ap.parse_args())
