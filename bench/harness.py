@@ -44,23 +44,26 @@ class Run:
 class HFPeers:
     """transformers `generate` on the same checkpoints: plain, assisted (draft LM), prompt lookup."""
 
-    def __init__(self, target: Path, draft: Path | None, eos: int):
+    def __init__(self, target: Path, draft: Path | None, eos: int, device: str = "cpu", dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
-        self.target = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(str(draft), dtype=torch.float32).eval() if draft else None
-        self.eos = eos
+        def load(path):  # the engine's device and dtype, so the comparison is like for like
+            return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
+
+        self.target = load(target)
+        self.draft = load(draft) if draft else None
+        self.eos, self.device = eos, device
 
     @torch.inference_mode()
     def run(self, method: str, ids: list[int], max_new: int) -> Run:
         extra = {"hf-vanilla": {}, "hf-assisted": {"assistant_model": self.draft},
                  "hf-pld": {"prompt_lookup_num_tokens": 10}}[method]
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.device)
         t0 = time.perf_counter()
         out = self.target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
                                    do_sample=False, eos_token_id=self.eos, pad_token_id=self.eos, **extra)
-        wall = time.perf_counter() - t0
         new = out[0, len(ids):].tolist()
+        wall = time.perf_counter() - t0
         if self.eos in new:
             new = new[:new.index(self.eos)]
         return Run(new, wall)
@@ -79,9 +82,10 @@ def target_nll(engine, prompt: list[int], out: list[int]) -> tuple[float, int]:
     """Sum of target negative log-likelihoods of ``out`` given ``prompt``, and its token count."""
     if not out:
         return 0.0, 0
-    x = torch.tensor([prompt + out])
+    device = next(engine.runner.model.parameters()).device
+    x = torch.tensor([prompt + out], device=device)
     logp = torch.log_softmax(engine.runner.model.forward_train(x)[0, len(prompt) - 1:-1].float(), -1)
-    return float(-logp[torch.arange(len(out)), torch.tensor(out)].sum()), len(out)
+    return float(-logp[torch.arange(len(out), device=device), x[0, len(prompt):]].sum()), len(out)
 
 
 def cycle_profile(runs: list[Run], cycles: int) -> dict:
@@ -224,7 +228,7 @@ def main(args: argparse.Namespace) -> dict:
     unknown = [m for m in methods if m not in engine.methods() and m not in HF_PEERS]
     if unknown:
         sys.exit(f"error: unknown or unavailable methods {unknown}; available: {engine.methods() + list(HF_PEERS)}")
-    peers = HFPeers(cfg.target, cfg.draft, engine.eos_id) if any(m in HF_PEERS for m in methods) else None
+    peers = HFPeers(cfg.target, cfg.draft, engine.eos_id, cfg.device, cfg.dtype) if any(m in HF_PEERS for m in methods) else None
     prompts = load(args.workload, args.limit)
     rows = benchmark(engine, prompts, methods, args.max_new_tokens, args.repeats, peers)
     result = {

