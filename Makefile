@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -31,20 +31,19 @@ serve-ray: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
+# Every method side by side in one process, interleaved, on each evaluation workload.
+METHODS ?= vanilla,sd,suffix,eagle3,hybrid,hybrid-csd,hybrid-rule,csd,scg,hf-vanilla,hf-assisted,hf-pld
 bench: setup
-	$(BIN)/specmesh bench --workload humaneval --methods vanilla,sd,hf-vanilla,hf-assisted,hf-pld \
-	    --limit $(LIMIT) --max-new-tokens $(TOKENS) --out bench/results/humaneval.json
-	$(BIN)/specmesh bench --workload stdlib-heldout --methods vanilla,sd,hf-vanilla,hf-assisted,hf-pld \
-	    --limit $(LIMIT) --max-new-tokens $(TOKENS) --out bench/results/stdlib-heldout.json
-	$(BIN)/specmesh bench --workload edit --methods vanilla,sd,hf-vanilla,hf-assisted,hf-pld \
-	    --limit $(LIMIT) --max-new-tokens 256 --out bench/results/edit.json
+	for w in humaneval:$(TOKENS) stdlib-heldout:$(TOKENS) edit:256; do \
+	  $(BIN)/specmesh bench --workload $${w%%:*} --methods $(METHODS) --limit $(LIMIT) --threads 1 \
+	    --max-new-tokens $${w##*:} --out bench/results/$${w%%:*}.json || exit 1; done
 
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
 	$(MAKE) model-target model-draft model-cards publish-models
 	$(MAKE) draft-distill
-	$(MAKE) eagle3 predictor calibrate publish-models
+	$(MAKE) eagle3 predictor head-cards calibrate publish-models
 
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
@@ -62,6 +61,11 @@ draft-distill: traces
 model-cards: setup
 	for m in target draft; do \
 	  if [ -d build/models/$$m ]; then $(BIN)/python -m training.evaluate --model build/models/$$m || exit 1; fi; done
+
+# Cards of the EAGLE-3 head (held-out agreement per chain position) and the yield predictor.
+head-cards: setup
+	$(BIN)/python -m training.cards --eagle3 build/models/eagle3 --predictor build/models/predictor \
+	    --heldout $(TRACES)/stdlib-heldout.jsonl,$(TRACES)/edit-heldout.jsonl
 
 publish-models:
 	for m in target draft eagle3 predictor; do \

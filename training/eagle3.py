@@ -92,6 +92,24 @@ def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: to
     return total, per_step
 
 
+@torch.no_grad()
+def heldout_agreement(head: Eagle3Head, target: Llama, seqs: list[list[int]], steps: int) -> list[float]:
+    """Per chain position j: how often head_j's argmax equals the target's greedy token
+    (teacher-forced, as in TTT); a greedy chain's acceptance cannot beat the running product."""
+    hits, counts = [0.0] * steps, [0] * steps
+    for batch in batches(seqs, 4096, seed=0):
+        ids, lengths = pad(batch, pad_id=0)
+        logits, hidden = target.forward_train(ids, capture=head.aux_layers)
+        greedy = logits.argmax(-1)
+        idx = torch.arange(ids.shape[1])
+        for j, lg in ttt_unroll(head, torch.cat(hidden, -1), ids, steps):
+            valid = (idx[None, :] + 1 + j) < lengths[:, None]
+            same = head.to_target_ids(lg.argmax(-1)) == torch.roll(greedy, -(1 + j), dims=1)
+            hits[j] += float((same & valid).sum())
+            counts[j] += int(valid.sum())
+    return [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]
+
+
 def build_sequences(trace_files: list[Path], max_len: int) -> list[list[int]]:
     seqs = []
     for f in trace_files:

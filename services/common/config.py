@@ -51,7 +51,7 @@ class EngineConfig:
     draft: Path | None = MODELS_DIR / "draft"
     eagle3: Path | None = MODELS_DIR / "eagle3"      # loaded when the directory holds a head
     eagle3_k: int = 4                                 # EAGLE-3 chain length
-    eagle3_confidence: float = 0.0                    # EAGLE-3 chains stop after a token with max q below this
+    eagle3_confidence: float = 0.1                    # EAGLE-3 chains stop after a token with max q below this (tuned)
     predictor: Path | None = MODELS_DIR / "predictor"  # HVD yield predictor, loaded when present
     hybrid: HybridConfig = HybridConfig()
     device: str = "cpu"

@@ -150,3 +150,29 @@ def test_dynamic_chain_length_cuts_after_first_doubted_token(tiny_dirs, tiny_eag
     cut = next(i for i, p in enumerate(p_max) if p < threshold) + 1
     assert len(chain) == 8 and 1 <= cut < 8
     assert drafter(threshold).propose("r", 8).token_ids == chain[:cut]
+
+
+def test_heldout_agreement_compares_each_chain_position_with_the_targets_next_greedy_token(tiny_dirs, tiny_eagle3):
+    """Chain position j at index i predicts x_{i+2+j}, whose greedy choice is the target's argmax at
+    i+1+j. A target that always agrees with the head's first chain position scores 1.0 there."""
+    from training.eagle3 import heldout_agreement, ttt_unroll
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seq = [(37 * i) % 900 + 100 for i in range(30)]
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        _, hidden = target.forward_train(ids, capture=head.aux_layers)
+        steps = {j: lg[0].argmax(-1) for j, lg in ttt_unroll(head, torch.cat(hidden, -1), ids, 3)}
+    agreeing = torch.full((1, 30, 8192), -1.0)
+    agreeing[0, torch.arange(1, 30), steps[0][:29]] = 1.0   # argmax at i+1 = the head's step-0 token at i
+
+    class Agreeing:
+        def forward_train(self, x, capture=()):
+            return agreeing, hidden
+
+    got = heldout_agreement(head, Agreeing(), [seq], 3)
+    assert got[0] == 1.0
+    for j in (1, 2):  # later positions: the head's step-j tokens against the same shifted argmax
+        want = (steps[j][:29 - j] == steps[0][j:29]).float().mean().item()
+        assert got[j] == round(want, 4)

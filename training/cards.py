@@ -1,0 +1,108 @@
+"""Model cards for the bundled EAGLE-3 head and yield predictor (the LMs' cards: `training.evaluate`).
+
+Each card states what the model was trained on, how, and what it scores on held-out data:
+- EAGLE-3: per chain position, how often the head's greedy token equals the target's on
+  held-out traces (teacher-forced, as in training-time test) — an upper bound on greedy
+  acceptance at that position, measured without the serving stack.
+- Predictor: the `training.predictor` report (precision/recall at the yield threshold
+  against the score rule and the oracle), from its `eval.json`.
+
+    python -m training.cards --eagle3 models/eagle3 --predictor models/predictor \
+        --heldout build/traces/stdlib-heldout.jsonl,build/traces/edit-heldout.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from services.common.llama import Llama
+from services.drafter.eagle3 import Eagle3Head
+from training.eagle3 import build_sequences, heldout_agreement
+
+
+def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path]) -> dict:
+    state = json.loads((head_dir / "training_state.json").read_text())
+    target = Llama.from_pretrained(target_dir)
+    head = Eagle3Head.from_pretrained(head_dir, target.embed_tokens.weight, torch.float32, "cpu").eval()
+    seqs = build_sequences(heldout, target.s.max_positions)
+    agree = heldout_agreement(head, target, seqs, state["ttt_steps"])
+    ev = {"heldout_traces": [str(p) for p in heldout], "heldout_sequences": len(seqs),
+          "agreement_per_position": agree}
+    rows = " | ".join(f"{a:.1%}" for a in agree)
+    card = f"""# specmesh bundled model: `eagle3`
+
+EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlayer`, `norm`,
+`lm_head`, `d2t`/`t2d`), trained from scratch by `training/eagle3.py` with training-time test.
+
+| | |
+|---|---|
+| fused target layers | {state['aux_layers']} (low, middle, high) |
+| training data | {state['sequences']} target generations of training prompts ({state['tokens']:,} tokens): `{state['traces']}` |
+| recipe | {state['epochs']} epochs, {state['ttt_steps']} TTT steps (step weight 0.8^j), peak LR {state['lr']} |
+| steps | {state['step']}/{state['total_steps']}, {state['train_minutes']} min{'' if state['final'] else ' — **training still in progress**'} |
+
+Held-out agreement with the target's greedy token, per chain position (teacher-forced,
+{len(seqs)} held-out traces; greedy acceptance at position j is at most the product up to j):
+
+| position | {' | '.join(str(j + 1) for j in range(len(agree)))} |
+|---|{'---|' * len(agree)}
+| agreement | {rows} |
+
+Regenerate: `make traces eagle3`. Card: `python -m training.cards --eagle3 models/eagle3`.
+"""
+    (head_dir / "README.md").write_text(card)
+    (head_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+    return ev
+
+
+def predictor_card(pred_dir: Path) -> dict:
+    ev = json.loads((pred_dir / "eval.json").read_text())
+    h = ev["heldout"]
+
+    def row(name, r):
+        return f"| {name} | {r['precision']:.3f} | {r['recall']:.3f} | {r['selected']} |"
+
+    card = f"""# specmesh bundled model: `predictor`
+
+The HVD yield predictor: a small MLP that reads suffix-cache draft features and predicts how
+many tokens the target will accept; the router verifies the cache draft when the prediction
+exceeds τ = {h['tau']}, else EAGLE-3 drafts. Trained by `training/predictor.py` on trace
+replays of training prompts ({ev['train_samples']:,} samples, `{ev['train_traces']}`), max draft {ev['max_draft']}.
+
+Held-out ({h['samples']:,} samples from `{ev['heldout_traces']}`; {h['predictor']['high_yield']} with yield ≥ τ):
+
+| selector | precision | recall | selected |
+|---|---|---|---|
+{row('predictor', h['predictor'])}
+{row(f"score rule (threshold {h['score_rule']['threshold']:.2f})", h['score_rule'])}
+{row('oracle', h['oracle'])}
+
+Regression MSE {h['mse']} (a constant predictor: {h['mse_constant_baseline']}).
+Regenerate: `make traces predictor`.
+"""
+    (pred_dir / "README.md").write_text(card)
+    return ev
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--eagle3", type=Path, default=None)
+    ap.add_argument("--predictor", type=Path, default=None)
+    ap.add_argument("--target", type=Path, default=Path("models/target"))
+    ap.add_argument("--heldout", default="build/traces/stdlib-heldout.jsonl,build/traces/edit-heldout.jsonl")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.eagle3 and (args.eagle3 / "config.json").exists():
+        ev = eagle3_card(args.eagle3, args.target, [Path(p) for p in args.heldout.split(",")])
+        print(f"[cards] {args.eagle3}: agreement per position {ev['agreement_per_position']}")
+    if args.predictor and (args.predictor / "eval.json").exists():
+        predictor_card(args.predictor)
+        print(f"[cards] {args.predictor}: card written")
+
+
+if __name__ == "__main__":
+    main()
