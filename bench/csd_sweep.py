@@ -29,11 +29,13 @@ def main() -> None:
     ap.add_argument("--taus", default="0.05,0.1,0.2,0.3,0.5,0.8")
     ap.add_argument("--top-ks", default="3,5,10")
     ap.add_argument("--min-counts", default="3")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from services.router.engine import Engine
 
-    engine = Engine(EngineConfig(target=MODELS_DIR / "target", draft=MODELS_DIR / "draft", eagle3=None))
+    engine = Engine(EngineConfig(target=MODELS_DIR / "target", draft=MODELS_DIR / "draft", eagle3=None,
+                                 threads=args.threads))
     prompts = load(args.workload, args.limit)
     base = {r["method"]: r for r in benchmark(engine, prompts, ["vanilla", "sd"], args.max_new_tokens, 1, None)}
     rows = []

@@ -87,9 +87,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--taus", default="2,3,4,5,6,8,10")
     ap.add_argument("--thresholds", default="2,4,6,8,12")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    engine = Engine(EngineConfig())
+    engine = Engine(EngineConfig(threads=args.threads))
     missing = [m for m in KNOBS if m not in engine.drafters]
     if missing:
         sys.exit(f"error: {missing} unavailable: the sweep needs models/eagle3 (or models/draft) and models/predictor")

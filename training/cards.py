@@ -20,17 +20,21 @@ import torch
 
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head
-from training.eagle3 import build_sequences, heldout_agreement
+from training.eagle3 import build_sequences, heldout_agreement, lm_agreement
 
 
-def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path]) -> dict:
+def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir: Path) -> dict:
     state = json.loads((head_dir / "training_state.json").read_text())
     target = Llama.from_pretrained(target_dir)
     head = Eagle3Head.from_pretrained(head_dir, target.embed_tokens.weight, torch.float32, "cpu").eval()
     seqs = build_sequences(heldout, target.s.max_positions)
     agree = heldout_agreement(head, target, seqs, state["ttt_steps"])
+    train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], target.s.max_positions)
+    train_agree = heldout_agreement(head, target, train, state["ttt_steps"]) if train else []
+    draft = lm_agreement(Llama.from_pretrained(draft_dir), target, seqs) if (draft_dir / "config.json").exists() else None
     ev = {"heldout_traces": [str(p) for p in heldout], "heldout_sequences": len(seqs),
-          "agreement_per_position": agree}
+          "agreement_per_position": agree, "train_agreement_per_position": train_agree,
+          "draft_lm_agreement": draft}
     rows = " | ".join(f"{a:.1%}" for a in agree)
     card = f"""# specmesh bundled model: `eagle3`
 
@@ -50,6 +54,11 @@ Held-out agreement with the target's greedy token, per chain position (teacher-f
 | position | {' | '.join(str(j + 1) for j in range(len(agree)))} |
 |---|{'---|' * len(agree)}
 | agreement | {rows} |
+| on its training traces | {' | '.join(f"{a:.1%}" for a in train_agree) or '—'} |
+
+For comparison, the draft LM (`sd`) agrees with the target on {'—' if draft is None else f"{draft:.1%}"} of the
+same held-out positions. A gap between training and held-out agreement means the head is
+data-limited: it was trained on {state['tokens']:,} tokens (`--corpus-tokens` adds pretraining text).
 
 Regenerate: `make traces eagle3`. Card: `python -m training.cards --eagle3 models/eagle3`.
 """
@@ -92,12 +101,13 @@ def main() -> None:
     ap.add_argument("--eagle3", type=Path, default=None)
     ap.add_argument("--predictor", type=Path, default=None)
     ap.add_argument("--target", type=Path, default=Path("models/target"))
+    ap.add_argument("--draft", type=Path, default=Path("models/draft"), help="the draft LM to compare with")
     ap.add_argument("--heldout", default="build/traces/stdlib-heldout.jsonl,build/traces/edit-heldout.jsonl")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.eagle3 and (args.eagle3 / "config.json").exists():
-        ev = eagle3_card(args.eagle3, args.target, [Path(p) for p in args.heldout.split(",")])
+        ev = eagle3_card(args.eagle3, args.target, [Path(p) for p in args.heldout.split(",")], args.draft)
         print(f"[cards] {args.eagle3}: agreement per position {ev['agreement_per_position']}")
     if args.predictor and (args.predictor / "eval.json").exists():
         predictor_card(args.predictor)

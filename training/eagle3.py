@@ -88,7 +88,7 @@ def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: to
         valid = (idx[None, :] + 1 + j) < lengths[:, None]
         loss_j = (-(target * logp).sum(-1) * valid).sum() / valid.sum().clamp_min(1)
         total = total + (STEP_WEIGHT ** j) * loss_j
-        per_step.append(float(loss_j))
+        per_step.append(float(loss_j.detach()))
     return total, per_step
 
 
@@ -110,6 +110,20 @@ def heldout_agreement(head: Eagle3Head, target: Llama, seqs: list[list[int]], st
     return [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]
 
 
+@torch.no_grad()
+def lm_agreement(draft: Llama, target: Llama, seqs: list[list[int]]) -> float:
+    """How often a draft LM's argmax equals the target's (teacher-forced): the same measure
+    as ``heldout_agreement`` at chain position 1, for the `sd` drafter."""
+    hits = count = 0
+    for batch in batches(seqs, 4096, seed=0):
+        ids, lengths = pad(batch, pad_id=0)
+        valid = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+        same = draft.forward_train(ids).argmax(-1) == target.forward_train(ids).argmax(-1)
+        hits += int((same & valid).sum())
+        count += int(valid.sum())
+    return round(hits / max(count, 1), 4)
+
+
 def build_sequences(trace_files: list[Path], max_len: int) -> list[list[int]]:
     seqs = []
     for f in trace_files:
@@ -118,6 +132,24 @@ def build_sequences(trace_files: list[Path], max_len: int) -> list[list[int]]:
             if len(seq) > 8:
                 seqs.append(seq)
     return seqs
+
+
+def evenly(seqs: list, fraction: float) -> list:
+    """An evenly spaced ``fraction`` of ``seqs`` (every source file keeps its share)."""
+    return [s for i, s in enumerate(seqs) if int((i + 1) * fraction) > int(i * fraction)]
+
+
+def corpus_windows(n_tokens: int, width: int = 512) -> list[list[int]]:
+    """``n_tokens`` of the pretraining stream as evenly spaced ``width``-token windows (more
+    data for the head: the target still supplies features and soft labels)."""
+    if n_tokens <= 0:
+        return []
+    from training.pretrain import default_work_dir, encode_corpus
+
+    stream, _ = encode_corpus(Path("models/tokenizer"), default_work_dir("corpus"))
+    n = max(1, n_tokens // width)
+    starts = [int(i * (len(stream) - width) / n) for i in range(n)]
+    return [stream[s:s + width].astype("int64").tolist() for s in starts]
 
 
 def batches(seqs: list[list[int]], tokens_per_batch: int, seed: int):
@@ -160,6 +192,7 @@ def train(args: argparse.Namespace) -> None:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
+    seqs = evenly(seqs, args.trace_fraction) + corpus_windows(args.corpus_tokens)
     n_tokens = sum(len(s) for s in seqs)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -187,7 +220,8 @@ def train(args: argparse.Namespace) -> None:
         (Path(args.out) / "training_state.json").write_text(json.dumps({
             "traces": args.traces, "sequences": len(seqs), "tokens": n_tokens, "epochs": args.epochs,
             "step": step, "total_steps": total_steps, "ttt_steps": args.ttt_steps, "aux_layers": list(aux),
-            "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr}, indent=2) + "\n")
+            "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr,
+            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens}, indent=2) + "\n")
 
     t_last, t_seg, ema = time.time(), time.time(), None
     while epoch < args.epochs and not stop["now"]:
@@ -240,6 +274,9 @@ def main() -> None:
                     help="unrolled steps; chains at inference are at most eagle3_k long, so later steps go unused")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--trace-fraction", type=float, default=1.0, help="train on this share of the traces (ablation)")
+    ap.add_argument("--corpus-tokens", type=int, default=0,
+                    help="add this many pretraining-corpus tokens (512-token windows) to the traces")
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))

@@ -176,3 +176,34 @@ def test_heldout_agreement_compares_each_chain_position_with_the_targets_next_gr
     for j in (1, 2):  # later positions: the head's step-j tokens against the same shifted argmax
         want = (steps[j][:29 - j] == steps[0][j:29]).float().mean().item()
         assert got[j] == round(want, 4)
+
+
+def test_corpus_windows_are_evenly_spaced_slices_of_the_training_stream(monkeypatch):
+    import numpy as np
+
+    import training.pretrain as pt
+    from training.eagle3 import corpus_windows
+
+    stream = np.arange(10_000, dtype=np.uint16)
+    monkeypatch.setattr(pt, "encode_corpus", lambda tok, work: (stream, stream[:10]))
+    wins = corpus_windows(2048, width=512)
+    assert [len(w) for w in wins] == [512] * 4
+    assert [w[0] for w in wins] == [0, 2372, 4744, 7116] and all(w == list(range(w[0], w[0] + 512)) for w in wins)
+    assert corpus_windows(0) == []
+
+
+def test_evenly_keeps_an_evenly_spaced_share():
+    from training.eagle3 import evenly
+
+    assert evenly(list(range(10)), 0.5) == [1, 3, 5, 7, 9]
+    assert evenly(list(range(10)), 1.0) == list(range(10))
+    assert len(evenly(list(range(100)), 0.25)) == 25
+
+
+def test_lm_agreement_is_one_for_the_target_itself_and_lower_for_another_model(tiny_dirs):
+    from training.eagle3 import lm_agreement
+
+    target, draft = (Llama.from_pretrained(d) for d in tiny_dirs)
+    seqs = [[(31 * i + r) % 700 + 50 for i in range(n)] for r, n in ((0, 40), (3, 25))]
+    assert lm_agreement(target, target, seqs) == 1.0
+    assert 0.0 <= lm_agreement(draft, target, seqs) < 1.0
