@@ -26,6 +26,7 @@ def sweep(engine, prompts, max_new: int, settings: dict[str, list[float]]) -> li
     rows = []
 
     def run(methods: list[str], setting: float | None = None) -> None:
+        engine.suffix_cache.clear()  # each setting starts from the same (empty) past outputs
         for r in benchmark(engine, prompts, ["vanilla", *methods], max_new, 1, None):
             if r["method"] != "vanilla":
                 rows.append({"method": r["method"], "setting": setting, **{k: r[k] for k in KEYS}})

@@ -23,6 +23,15 @@ from services.drafter.eagle3 import Eagle3Head
 from training.eagle3 import build_sequences, heldout_agreement, lm_agreement
 
 
+def data_limited(heldout: list[float], train: list[float], tokens: int) -> str:
+    """A head that agrees clearly more on its own training traces than on held-out ones has
+    memorised them: more data, not more steps, is what it needs."""
+    if not train or train[0] - heldout[0] < 0.05:
+        return ""
+    return (f"Position-1 agreement is {100 * (train[0] - heldout[0]):.0f} points higher on its training traces: "
+            f"the head is data-limited at {tokens:,} tokens (`--corpus-tokens` adds pretraining text).")
+
+
 def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir: Path) -> dict:
     state = json.loads((head_dir / "training_state.json").read_text())
     target = Llama.from_pretrained(target_dir)
@@ -49,7 +58,8 @@ EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlaye
 | steps | {state['step']}/{state['total_steps']}, {state['train_minutes']} min{'' if state['final'] else ' — **training still in progress**'} |
 
 Held-out agreement with the target's greedy token, per chain position (teacher-forced,
-{len(seqs)} held-out traces; greedy acceptance at position j is at most the product up to j):
+{len(seqs)} held-out traces). A chain position counts only when every earlier one was
+accepted, so acceptance falls with position faster than agreement does:
 
 | position | {' | '.join(str(j + 1) for j in range(len(agree)))} |
 |---|{'---|' * len(agree)}
@@ -57,8 +67,7 @@ Held-out agreement with the target's greedy token, per chain position (teacher-f
 | on its training traces | {' | '.join(f"{a:.1%}" for a in train_agree) or '—'} |
 
 For comparison, the draft LM (`sd`) agrees with the target on {'—' if draft is None else f"{draft:.1%}"} of the
-same held-out positions. A gap between training and held-out agreement means the head is
-data-limited: it was trained on {state['tokens']:,} tokens (`--corpus-tokens` adds pretraining text).
+same held-out positions. {data_limited(agree, train_agree, state['tokens'])}
 
 Regenerate: `make traces eagle3`. Card: `python -m training.cards --eagle3 models/eagle3`.
 """

@@ -34,8 +34,8 @@ class GateConfig:
     Defaults: see bench/results/csd_sweep.*"""
 
     min_count: float = 3.0
-    top_k: int = 5
-    tau: float = 0.3
+    top_k: int = 2
+    tau: float = 0.5
     use_memory: bool = True
 
 

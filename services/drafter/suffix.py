@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,12 +32,16 @@ class GlobalSuffixCache:
         self.tree = SuffixTree(max_depth)
         self.version = 0
         self._evicted = 0
+        self._held: list[tuple[int, ...]] | None = None
         self._lock = threading.Lock()
 
     def insert(self, output: list[int]) -> None:
         if not output:
             return
         with self._lock:
+            if self._held is not None:
+                self._held.append(tuple(output))
+                return
             self.outputs.append(tuple(output))
             if len(self.outputs) > self.capacity:
                 self.outputs.popleft()
@@ -52,6 +57,28 @@ class GlobalSuffixCache:
 
     def __len__(self) -> int:
         return len(self.outputs)
+
+    @contextmanager
+    def deferred(self, keep: bool = True):
+        """Hold inserts until the block ends, then insert each distinct output once (or none,
+        ``keep=False``). A benchmark runs every method on one prompt inside such a block: no
+        method drafts from another method's output of that prompt, and later prompts see the
+        outputs as later requests would."""
+        with self._lock:
+            self._held = []
+        try:
+            yield
+        finally:
+            with self._lock:
+                held, self._held = self._held, None
+            for out in dict.fromkeys(held if keep else []):
+                self.insert(list(out))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.outputs.clear()
+            self.tree, self._evicted = SuffixTree(self.max_depth), 0
+            self.version += 1
 
 
 @dataclass

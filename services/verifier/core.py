@@ -11,6 +11,8 @@ rejection. The router calls it in-process (embedded topology) or over a gRPC str
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +30,8 @@ from services.memory.snapshot import load_snapshot
 from services.verifier.batcher import CycleBatcher, Pending
 from services.verifier.policies import POLICIES, CalibratedGreedy
 from services.verifier.runner import TargetRunner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,21 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
     return model
 
 
+def _fits(head_dir: Path, target: Llama) -> bool:
+    """An EAGLE-3 head serves only the target it was trained for (hidden size, vocabulary,
+    feature layers); another one is left out with a warning, and `eagle3` is unavailable."""
+    raw = json.loads((Path(head_dir) / "config.json").read_text())
+    hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
+    layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [])
+    s = target.s
+    if hidden == s.hidden and raw.get("vocab_size") == s.vocab and all(0 <= i < s.layers for i in layers):
+        return True
+    log.warning("EAGLE-3 head %s was trained for a target of hidden %s, vocabulary %s; this target has "
+                "hidden %d, vocabulary %d, %d layers: eagle3 is unavailable", head_dir, hidden,
+                raw.get("vocab_size"), s.hidden, s.vocab, s.layers)
+    return False
+
+
 class VerifierCore:
     def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
                  policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0):
@@ -88,7 +107,7 @@ class VerifierCore:
         if cfg.draft is not None:
             drafters["draft-lm"] = DRAFTERS["draft-lm"](_load(cfg.draft, cfg), cfg.draft_confidence)
             max_draft["draft-lm"] = cfg.num_speculative_tokens
-        if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
+        if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists() and _fits(cfg.eagle3, runner.model):
             from services.drafter.eagle3 import Eagle3Head
 
             head = Eagle3Head.from_pretrained(cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device)

@@ -15,3 +15,14 @@ def test_benchmark_rows_and_cycle_profile(tiny_engine):
     table = markdown({"workload": "t", "limit": 2, "max_new_tokens": 24, "command": "c", "machine": "m",
                       "rows": list(rows.values())})
     assert "draft_ms_per_cycle" in table and table.count("\n| ") >= 3
+
+
+def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(tiny_engine):
+    """Each prompt's lossless runs insert one output into the global suffix cache, after all
+    methods ran on it; the warm-up inserts none."""
+    prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "import os\n\nclass Config:\n")]
+    cache = tiny_engine.suffix_cache
+    before = list(cache.outputs)
+    benchmark(tiny_engine, prompts, ["vanilla", "suffix", "hybrid-rule"], 24, 2, None)
+    new = list(cache.outputs)[len(before):]
+    assert len(new) == 2 and new[0] != new[1]

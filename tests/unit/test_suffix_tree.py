@@ -95,3 +95,25 @@ def test_global_cache_fifo_eviction():
     assert cache.tree.count([1000]) == 0  # evicted outputs leave the tree
     live = sum(1 for i in range(12) if cache.tree.count([1000 + i]))
     assert 4 <= live <= 5  # rebuild slack: at most a quarter of capacity extra
+
+
+def test_deferred_inserts_land_once_after_the_block_and_never_inside_it():
+    cache = GlobalSuffixCache(max_depth=64, max_cached_requests=10)
+    d = SuffixDrafter(SuffixConfig(), cache)
+    answer = list(range(500, 540))
+    with cache.deferred():
+        for req in ("first-method", "second-method"):
+            d.start(req, [1, 2, 3])
+            d.observe(req, answer[:5])
+            assert d.propose(req, 16).features["tree"] == "local"  # the other run's output is not visible
+            d.observe(req, answer[5:])
+            d.stop(req)
+        assert len(cache) == 0
+    assert list(cache.outputs) == [tuple(answer)]  # one distinct output, inserted once
+    with cache.deferred(keep=False):
+        d.start("warm-up", [4])
+        d.observe("warm-up", [7, 8, 9])
+        d.stop("warm-up")
+    assert len(cache) == 1
+    cache.clear()
+    assert len(cache) == 0 and cache.tree.match_context(answer[:5]) == []
