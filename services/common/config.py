@@ -41,8 +41,8 @@ class GateConfig:
 
 @dataclass(frozen=True)
 class HybridConfig:
-    tau: float = 6.0                 # verify the cache draft when the predicted yield exceeds tau
-    score_threshold: float = 4.0     # hybrid-rule baseline: verify when the suffix score reaches this
+    tau: float = 2.0                 # verify the cache draft when the predicted yield exceeds tau (bench.hybrid_sweep)
+    score_threshold: float = 2.0     # hybrid-rule baseline: verify when the suffix score reaches this (its best too)
 
 
 @dataclass(frozen=True)

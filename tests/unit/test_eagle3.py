@@ -207,3 +207,14 @@ def test_lm_agreement_is_one_for_the_target_itself_and_lower_for_another_model(t
     seqs = [[(31 * i + r) % 700 + 50 for i in range(n)] for r, n in ((0, 40), (3, 25))]
     assert lm_agreement(target, target, seqs) == 1.0
     assert 0.0 <= lm_agreement(draft, target, seqs) < 1.0
+
+
+def test_a_head_trained_for_another_target_is_left_out(tiny_dirs, tiny_eagle3, tmp_path):
+    from services.verifier.core import _fits
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    assert _fits(tiny_eagle3, target)
+    other = json.loads((tiny_eagle3 / "config.json").read_text())
+    other.update(target_hidden_size=256, hidden_size=256)
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    assert not _fits(tmp_path, target)
