@@ -64,7 +64,7 @@ def train(args: argparse.Namespace) -> None:
         opt.load_state_dict(st["opt"])
         prog = st["progress"]
         print(f"[distill] resumed at epoch {prog['epoch']} step {prog['step']}", flush=True)
-    total = sum(1 for _ in batches(seqs, args.batch_tokens, 0)) * args.epochs
+    total = sum(1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e))  # packing varies by epoch
     print(f"[distill] {len(seqs)} sequences, {sum(map(len, seqs)):,} tokens, {total} steps", flush=True)
 
     def save() -> None:

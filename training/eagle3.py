@@ -204,8 +204,7 @@ def train(args: argparse.Namespace) -> None:
         opt.load_state_dict(st["opt"])
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
         print(f"[eagle3] resumed at epoch {epoch} step {step}", flush=True)
-    steps_per_epoch = sum(1 for _ in batches(seqs, args.batch_tokens, 0))
-    total_steps = steps_per_epoch * args.epochs
+    total_steps = sum(1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e))  # packing varies by epoch
     print(f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
           f"TTT steps {args.ttt_steps}", flush=True)
     stop = {"now": False}

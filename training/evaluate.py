@@ -126,7 +126,7 @@ from scratch by `training/pretrain.py` (preset `{state['preset']}`) — no hub d
 | context | {cfg['max_position_embeddings']} tokens, trained on {state['seq_len']}-token windows |
 | training data | Python {__import__('sys').version.split()[0]} stdlib sources + edit documents, held-out modules excluded |
 | tokens seen | {state['tokens_seen']:,} of {state['tokens']:,} planned (step {state['step']}/{state['total_steps']}){'' if state['final'] else ' — **training still in progress**'} |
-| training time | {state['train_minutes']} min on {state['threads']} CPU thread(s) |
+| training time | {state['train_minutes']} min on {'a GPU' if state.get('device') == 'cuda' else str(state['threads']) + ' CPU thread(s)'} |
 {distill_row(state)}| held-out loss | **{ev['heldout_loss']}** nats/token |
 | loop rate | **{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle (the target's gate: ≤ 25 %) |
 | edit exact rate | {ev['edit_exact_rate']:.1%} of {ev['edit_prompts']} held-out edit prompts rewritten exactly |

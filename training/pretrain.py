@@ -165,14 +165,14 @@ def train(args: argparse.Namespace) -> None:
     if args.compile:  # inductor fuses the elementwise work (norms, RoPE, SiLU·mul): ~13 % faster here
         model.forward_train = torch.compile(model.forward_train)
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    step, elapsed, total_override = 0, 0.0, None
+    step, elapsed, budget_steps = 0, 0.0, None
     ckpt = work / "ckpt.pt"
     if ckpt.exists():
         st = torch.load(ckpt, weights_only=False, map_location=device)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, elapsed = st["step"], st["elapsed"]
-        total_override = st.get("total_steps")
+        budget_steps = st.get("budget_steps")
         print(f"[{args.preset}] resumed at step {step} ({elapsed / 60:.1f} min trained)", flush=True)
     elif args.warm_start and (args.warm_start / "training_state.json").exists():
         # A new machine has no checkpoint: continue from published weights (fp16) and their
@@ -186,7 +186,7 @@ def train(args: argparse.Namespace) -> None:
         model.load_state_dict(published.state_dict())
         step, elapsed = int(state["step"]), 60.0 * float(state["train_minutes"])
         print(f"[{args.preset}] warm start from {args.warm_start} at step {step}", flush=True)
-    total_steps = total_override or p.tokens // (p.batch * SEQ_LEN)
+    total_steps = budget_steps or p.tokens // (p.batch * SEQ_LEN)
     nparams = sum(x.numel() for x in model.parameters())
     print(f"[{args.preset}] params={nparams / 1e6:.2f}M steps={total_steps} "
           f"tokens={p.tokens / 1e6:.0f}M train_stream={len(train_ids) / 1e6:.1f}M", flush=True)
@@ -195,7 +195,7 @@ def train(args: argparse.Namespace) -> None:
 
     def save(final: bool = False) -> None:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": elapsed, "total_steps": total_steps}, ckpt.with_suffix(".tmp"))
+                    "elapsed": elapsed, "budget_steps": budget_steps}, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
         state = {"preset": args.preset, **asdict(p), "tokens": total_steps * p.batch * SEQ_LEN,
                  "seq_len": SEQ_LEN, "step": step, "device": device.type,
@@ -211,10 +211,10 @@ def train(args: argparse.Namespace) -> None:
         if args.max_minutes and step == step_start + 40:
             # A wall-clock budget (a lent GPU) fixes the schedule's length once, from the rate
             # of steps 20-40 (past compilation), before warm-up ends; a resume keeps it.
-            if total_override is None:
+            if budget_steps is None:
                 per_step = (time.time() - t_mark) / 20
                 left = args.max_minutes * 60 - (time.time() - t_start) - 30
-                total_steps = budgeted_total(total_steps, step, per_step, left)
+                total_steps = budget_steps = budgeted_total(total_steps, step, per_step, left)
                 print(f"[{args.preset}] time budget: {total_steps} steps "
                       f"({total_steps * p.batch * SEQ_LEN / 1e6:.0f}M tokens)", flush=True)
         if step == step_start + 20:
