@@ -48,15 +48,18 @@ def test_suffix_equals_vanilla_tiny(tiny_engine):
     assert hits > 0
 
 
-def test_sd_equals_vanilla_bundled_humaneval_and_stdlib(bundled_engine):
-    """On the shipped models (the fixture fails, never skips, if they are missing)."""
+def test_lossless_methods_equal_vanilla_bundled_humaneval_and_stdlib(bundled_engine):
+    """On the shipped models (the fixture fails, never skips, if they are missing): every
+    lossless method, the EAGLE-3 head and the trained yield predictor included."""
     eng = bundled_engine
+    lossless = ("sd", "suffix", "eagle3", "hybrid", "hybrid-rule")
+    assert set(lossless) <= set(eng.methods())
     prompts = load("humaneval", 12) + load("stdlib-heldout", 10)
     for i, p in enumerate(prompts):
         ids = eng.encode(p.text)
         n = [16, 48, 96][i % 3]
         van = eng.generate(GenerationRequest(ids, n, method="vanilla")).result()
-        for method in ("sd", "suffix"):
+        for method in lossless:
             out = eng.generate(GenerationRequest(ids, n, method=method)).result()
             assert out["token_ids"] == van["token_ids"], (method, p.id)
             assert out["text"] == van["text"]
