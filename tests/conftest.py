@@ -72,8 +72,9 @@ def tiny_engine(tiny_dirs):
     from services.router.engine import Engine
 
     target, draft = tiny_dirs
+    # Hermetic: none of the bundled zoo's extras (EAGLE-3 head, predictor, OCM prior) for the tiny pair.
     return Engine(EngineConfig(target=target, draft=draft, num_speculative_tokens=4, draft_confidence=0.0,
-                               max_new_tokens_limit=200))
+                               max_new_tokens_limit=200, eagle3=None, predictor=None, ocm_snapshot=None))
 
 
 def bundled_available() -> bool:
