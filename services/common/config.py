@@ -61,7 +61,7 @@ class EngineConfig:
     draft_confidence: float = 0.3         # draft-LM chains stop after a token with max q below this
     max_new_tokens_limit: int = 1024
     default_max_new_tokens: int = 128
-    default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid-csd")   # falls back, see Engine
+    default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid")   # lossless; falls back, see Engine
     threads: int = 0                      # torch intra-op threads; 0 = torch default
     max_batch: int = 16                   # sessions verified together in one step
     batch_window_ms: float = 5.0          # a step waits at most this long for the sessions it expects

@@ -171,7 +171,7 @@ class Engine:
     def default_method(self) -> str:
         """The configured default when its models are loaded, else the best available method."""
         available = self.methods()
-        for m in (self.cfg.default_method, "hybrid-csd", "hybrid", "eagle3", "sd", "vanilla"):
+        for m in (self.cfg.default_method, "hybrid", "eagle3", "sd", "vanilla"):  # lossless fallbacks only
             if m in available:
                 return m
         return available[0]

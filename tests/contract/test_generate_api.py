@@ -55,7 +55,7 @@ def test_prompt_token_ids_and_default_method(served, tiny_engine):
     stub, _, _ = served
     ids = tiny_engine.encode("import os\n")
     msgs = collect(stub, prompt_token_ids=ids, max_new_tokens=8)
-    assert msgs[-1].method == tiny_engine.default_method == "sd"  # hybrid-csd needs EAGLE-3 + predictor
+    assert msgs[-1].method == tiny_engine.default_method == "sd"  # hybrid needs the predictor
     assert sum(len(m.token_ids) for m in msgs) == 8
 
 
