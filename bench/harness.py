@@ -238,7 +238,8 @@ def main(args: argparse.Namespace) -> dict:
     unknown = [m for m in methods if m not in engine.methods() and m not in HF_PEERS]
     if unknown:
         sys.exit(f"error: unknown or unavailable methods {unknown}; available: {engine.methods() + list(HF_PEERS)}")
-    peers = HFPeers(cfg.target, cfg.draft, engine.eos_id, cfg.device, cfg.dtype) if any(m in HF_PEERS for m in methods) else None
+    peers = (HFPeers(cfg.target, cfg.draft, engine.eos_id, cfg.device, cfg.dtype)
+             if any(m in HF_PEERS for m in methods) else None)
     prompts = load(args.workload, args.limit)
     rows = benchmark(engine, prompts, methods, args.max_new_tokens, args.repeats, peers)
     result = {

@@ -32,18 +32,24 @@ def data_limited(heldout: list[float], train: list[float], tokens: int) -> str:
             f"the head is data-limited at {tokens:,} tokens (`--corpus-tokens` adds pretraining text).")
 
 
+def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict, draft_dir: Path) -> dict:
+    """Per-position agreement on held-out and on its own training traces; the draft LM's, for scale."""
+    steps, max_len = state["ttt_steps"], target.s.max_positions
+    seqs = build_sequences(heldout, max_len)
+    train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], max_len)
+    draft = Llama.from_pretrained(draft_dir) if (draft_dir / "config.json").exists() else None
+    return {"heldout_traces": [str(p) for p in heldout], "heldout_sequences": len(seqs),
+            "agreement_per_position": heldout_agreement(head, target, seqs, steps),
+            "train_agreement_per_position": heldout_agreement(head, target, train, steps) if train else [],
+            "draft_lm_agreement": lm_agreement(draft, target, seqs) if draft else None}
+
+
 def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir: Path) -> dict:
     state = json.loads((head_dir / "training_state.json").read_text())
     target = Llama.from_pretrained(target_dir)
     head = Eagle3Head.from_pretrained(head_dir, target.embed_tokens.weight, torch.float32, "cpu").eval()
-    seqs = build_sequences(heldout, target.s.max_positions)
-    agree = heldout_agreement(head, target, seqs, state["ttt_steps"])
-    train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], target.s.max_positions)
-    train_agree = heldout_agreement(head, target, train, state["ttt_steps"]) if train else []
-    draft = lm_agreement(Llama.from_pretrained(draft_dir), target, seqs) if (draft_dir / "config.json").exists() else None
-    ev = {"heldout_traces": [str(p) for p in heldout], "heldout_sequences": len(seqs),
-          "agreement_per_position": agree, "train_agreement_per_position": train_agree,
-          "draft_lm_agreement": draft}
+    ev = agreements(head, target, heldout, state, draft_dir)
+    agree, train_agree, draft = ev["agreement_per_position"], ev["train_agreement_per_position"], ev["draft_lm_agreement"]
     rows = " | ".join(f"{a:.1%}" for a in agree)
     card = f"""# specmesh bundled model: `eagle3`
 
@@ -53,12 +59,13 @@ EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlaye
 | | |
 |---|---|
 | fused target layers | {state['aux_layers']} (low, middle, high) |
-| training data | {state['sequences']} target generations of training prompts ({state['tokens']:,} tokens): `{state['traces']}` |
+| training data | {state['sequences']} target generations of training prompts ({state['tokens']:,} tokens): \
+`{state['traces']}` |
 | recipe | {state['epochs']} epochs, {state['ttt_steps']} TTT steps (step weight 0.8^j), peak LR {state['lr']} |
 | steps | {state['step']}/{state['total_steps']}, {state['train_minutes']} min{'' if state['final'] else ' — **training still in progress**'} |
 
 Held-out agreement with the target's greedy token, per chain position (teacher-forced,
-{len(seqs)} held-out traces). A chain position counts only when every earlier one was
+{ev['heldout_sequences']} held-out traces). A chain position counts only when every earlier one was
 accepted, so acceptance falls with position faster than agreement does:
 
 | position | {' | '.join(str(j + 1) for j in range(len(agree)))} |

@@ -218,3 +218,10 @@ def test_a_head_trained_for_another_target_is_left_out(tiny_dirs, tiny_eagle3, t
     other.update(target_hidden_size=256, hidden_size=256)
     (tmp_path / "config.json").write_text(json.dumps(other))
     assert not _fits(tmp_path, target)
+
+
+def test_card_calls_a_head_data_limited_only_when_it_fits_its_training_traces_clearly_better():
+    from training.cards import data_limited
+
+    assert "14 points" in data_limited([0.41, 0.39], [0.55, 0.52], 334_941)
+    assert data_limited([0.41], [0.43], 1000) == "" and data_limited([0.41], [], 1000) == ""
