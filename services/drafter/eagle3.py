@@ -74,6 +74,7 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(s.hidden, self.draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(s.vocab, dtype=torch.bool))
+        self.remaps_vocab = self.draft_vocab != s.vocab   # set from d2t on load; training keeps d2t = 0
         cos, sin = _rope_tables(cfg, s.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -86,7 +87,7 @@ class Eagle3Head(nn.Module):
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits → target-vocabulary logits (-inf outside the draft vocabulary)."""
-        if self.draft_vocab == self.s.vocab and not self.d2t.any():
+        if not self.remaps_vocab:  # decided once at load: no per-step reduction (a sync on CUDA)
             return logits
         out = logits.new_full((*logits.shape[:-1], self.s.vocab), float("-inf"))
         out[..., self.to_target_ids(torch.arange(self.draft_vocab, device=logits.device))] = logits
@@ -167,6 +168,7 @@ class Eagle3Head(nn.Module):
                 raise ValueError(f"{path}: head has no embed_tokens.weight; pass the target's embeddings")
             state["embed_tokens.weight"] = target_embed.detach()
         head.load_state_dict(state, strict=True, assign=True)
+        head.remaps_vocab = head.draft_vocab != head.s.vocab or bool(head.d2t.any())
         cos, sin = _rope_tables(cfg, head.s.max_positions)
         head.rope_cos, head.rope_sin = cos, sin
         head.embed_tokens.weight.requires_grad_(False)
