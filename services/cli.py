@@ -25,7 +25,10 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eagle3-confidence", type=float, default=EngineConfig.eagle3_confidence,
                     help="EAGLE-3: end a chain after a token whose head probability is below this")
     ap.add_argument("--hybrid-tau", type=float, default=HybridConfig.tau,
-                    help="HVD: verify the suffix-cache draft when its predicted yield exceeds this (bench.hybrid_sweep)")
+                    help="HVD: verify the suffix-cache draft when its predicted yield exceeds this (bench.hybrid_sweep); "
+                         "used with --no-hybrid-cost-aware")
+    ap.add_argument("--hybrid-cost-aware", action=argparse.BooleanOptionalAction, default=HybridConfig.cost_aware,
+                    help="HVD: weigh the predicted yield against measured cycle costs (model drafter or plain step)")
     ap.add_argument("--packed-gemm", action=argparse.BooleanOptionalAction, default=EngineConfig.packed_gemm,
                     help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
     ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
@@ -49,7 +52,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
                         draft_confidence=args.draft_confidence, packed_gemm=args.packed_gemm,
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
-                        hybrid=HybridConfig(tau=args.hybrid_tau),
+                        hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
                         batch_window_ms=args.batch_window_ms,
                         redis_url=args.redis_url or None,
                         predictor_addr=getattr(args, "predictor_addr", None) or None,

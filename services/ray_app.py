@@ -314,7 +314,7 @@ class GenerationIngress:
                     from services.router.hybrid import PredictorRule
 
                     engine.add_hybrid("hybrid", PredictorRule(RayPredictor(predictor), TokenFlags(engine.tokenizer),
-                                                              cfg.hybrid.tau))
+                                                              cfg.hybrid.tau), cost_aware=cfg.hybrid.cost_aware)
                 self._engine = engine
         return self._engine
 

@@ -96,18 +96,31 @@ def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: to
 def heldout_agreement(head: Eagle3Head, target: Llama, seqs: list[list[int]], steps: int) -> list[float]:
     """Per chain position j: how often head_j's argmax equals the target's greedy token
     (teacher-forced, as in TTT); a greedy chain's acceptance cannot beat the running product."""
-    hits, counts = [0.0] * steps, [0] * steps
+    return chain_agreement(head, target, seqs, steps)[0]
+
+
+@torch.no_grad()
+def chain_agreement(head: Eagle3Head, target: Llama, seqs: list[list[int]], steps: int
+                    ) -> tuple[list[float], list[float]]:
+    """(agreement per position, chain acceptance per position). A greedy chain keeps position
+    j only when positions 1..j all agree, and then the teacher-forced inputs are exactly the
+    drafted ones: chain acceptance is greedy acceptance, and its sum the mean accepted length."""
+    hits, chain, counts = [0.0] * steps, [0.0] * steps, [0] * steps
     for batch in batches(seqs, 4096, seed=0):
         ids, lengths = pad(batch, pad_id=0)
         logits, hidden = target.forward_train(ids, capture=head.aux_layers)
         greedy = logits.argmax(-1)
         idx = torch.arange(ids.shape[1])
+        alive = torch.ones_like(ids, dtype=torch.bool)
         for j, lg in ttt_unroll(head, torch.cat(hidden, -1), ids, steps):
             valid = (idx[None, :] + 1 + j) < lengths[:, None]
             same = head.to_target_ids(lg.argmax(-1)) == torch.roll(greedy, -(1 + j), dims=1)
+            alive &= same
             hits[j] += float((same & valid).sum())
+            chain[j] += float((alive & valid).sum())
             counts[j] += int(valid.sum())
-    return [round(h / max(c, 1), 4) for h, c in zip(hits, counts)]
+    rate = lambda xs: [round(x / max(c, 1), 4) for x, c in zip(xs, counts)]  # noqa: E731
+    return rate(hits), rate(chain)
 
 
 @torch.no_grad()

@@ -43,6 +43,7 @@ class GateConfig:
 class HybridConfig:
     tau: float = 2.0                 # verify the cache draft when the predicted yield exceeds tau (bench.hybrid_sweep)
     score_threshold: float = 2.0     # hybrid-rule baseline: verify when the suffix score reaches this (its best too)
+    cost_aware: bool = True          # hybrid: weigh ŷ against measured cycle costs instead of tau (router/hybrid.py)
 
 
 @dataclass(frozen=True)

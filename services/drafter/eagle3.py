@@ -15,6 +15,7 @@ and ``eagle_config.eagle_aux_hidden_state_layer_ids``. Embeddings are the target
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -22,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.llama import (MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, attend_rows, causal_masks,
-                                   rotate_half)
+from services.common.llama import MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, rotate_half
 
 
 class MidLayer(nn.Module):
@@ -41,15 +41,19 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
         self.mlp = MLP(s)
 
-    def qkv(self, emb, h, cos, sin):
-        """[B, T, H] embeddings and hidden → rotated q [B, nh, T, d], k/v [B, nkv, T, d]."""
+    def qkv(self, emb, h, cos, sin, q_index: torch.Tensor | None = None):
+        """[B, T, H] embeddings and hidden → rotated q [B, nh, T, d], k/v [B, nkv, T, d];
+        q only at positions ``q_index`` when given (inference attends from the last ones only)."""
         b, t, _ = h.shape
         s, a = self.s, self.self_attn
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
-        q = a.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
+        qcos, qsin = cos, sin
+        if q_index is not None:
+            x_q, qcos, qsin = x[:, q_index], cos[q_index], sin[q_index]
+        q = a.q_proj(x if q_index is None else x_q).view(b, -1, s.heads, s.head_dim).transpose(1, 2)
         k = a.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         v = a.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return q * qcos + rotate_half(q) * qsin, k * cos + rotate_half(k) * sin, v
 
     def finish(self, attn_out, h):
         """attn_out [B, nh, T, d], residual h [B, T, H] → prenorm output [B, T, H]."""
@@ -94,26 +98,27 @@ class Eagle3Head(nn.Module):
         return out
 
     def step(self, h: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache):
-        """Run T positions start..start+T-1 with the head's KV cache → (target-vocab logits, prenorm)."""
+        """Run positions start..start+T-1: K/V of all of them into the head's cache; attention,
+        MLP and LM head for the last one only, all a chain step needs (a catch-up over many
+        positions costs little more than their K/V) → (target-vocab logits [B, 1, V], prenorm [B, 1, H])."""
         t = tokens.shape[1]
         cos, sin = self.rope(torch.arange(start, start + t, device=tokens.device), h.dtype)
-        q, k, v = self.midlayer.qkv(self.embed_tokens(tokens), h, cos, sin)
+        last = torch.tensor([t - 1], device=tokens.device)
+        q, k, v = self.midlayer.qkv(self.embed_tokens(tokens), h, cos, sin, last)
         kc, vc = cache.layers[0]
         kc[:, :, start:start + t] = k
         vc[:, :, start:start + t] = v
-        mask = None
-        if t > 1:
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=tokens.device).tril(start)
-        o = F.scaled_dot_product_attention(q, kc[:, :, :start + t], vc[:, :, :start + t], attn_mask=mask,
+        o = F.scaled_dot_product_attention(q, kc[:, :, :start + t], vc[:, :, :start + t],  # the last sees all
                                            enable_gqa=self.s.kv_heads != self.s.heads)
-        out = self.midlayer.finish(o, h)
+        out = self.midlayer.finish(o, h[:, -1:])
         return self.target_logits(self.lm_head(self.norm(out))), out
 
     def step_ragged(self, hs: list[torch.Tensor], tokens: list[list[int]], starts: list[int],
                     caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``step`` for several requests at once: row r runs ``tokens[r]`` with inputs hs[r]
-        [T_r, H] at positions starts[r].. of caches[r]. Projections, MLP and lm_head run once
-        over all rows; attention per row. Returns per-row logits [T_r, V] and prenorm [T_r, H]."""
+        [T_r, H] at positions starts[r].. of caches[r]. Projections and MLP run once over all
+        rows, attention per row. Returns per-row logits [1, V] and prenorm [1, H] of each row's
+        last position."""
         if len(hs) == 1:
             dev = hs[0].device
             logits, out = self.step(hs[0][None], torch.tensor([tokens[0]], device=dev), starts[0], caches[0])
@@ -122,14 +127,20 @@ class Eagle3Head(nn.Module):
         h = torch.cat(hs)[None]
         ids = torch.tensor([[t for row in tokens for t in row]], device=dev)
         pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
+        ends = list(itertools.accumulate(lens))
+        last = torch.tensor(ends, device=dev) - 1
         cos, sin = self.rope(pos, h.dtype)
-        q, k, v = self.midlayer.qkv(self.embed_tokens(ids), h, cos, sin)
-        offsets = [sum(lens[:r]) for r in range(len(lens))]
-        rows = list(zip(offsets, starts, [c.layers[0] for c in caches], causal_masks(starts, lens, dev)))
-        o = attend_rows(q[0], k[0], v[0], rows, self.s.kv_heads != self.s.heads)
-        out = self.midlayer.finish(o[None], h)
-        logits = self.target_logits(self.lm_head(self.norm(out)))[0]
-        return list(torch.split(logits, lens)), list(torch.split(out[0], lens))
+        q, k, v = self.midlayer.qkv(self.embed_tokens(ids), h, cos, sin, last)
+        outs = []
+        for r, (st, n, end, c) in enumerate(zip(starts, lens, ends, caches)):
+            kc, vc = c.layers[0]
+            kc[0, :, st:st + n] = k[0, :, end - n:end]
+            vc[0, :, st:st + n] = v[0, :, end - n:end]
+            outs.append(F.scaled_dot_product_attention(q[:, :, r:r + 1], kc[:, :, :st + n], vc[:, :, :st + n],
+                                                       enable_gqa=self.s.kv_heads != self.s.heads))
+        out = self.midlayer.finish(torch.cat(outs, dim=2), h[:, last])[0]
+        logits = self.target_logits(self.lm_head(self.norm(out)))
+        return list(logits[:, None]), list(out[:, None])
 
     def new_cache(self, capacity: int) -> KVCache:
         p = self.fc.weight

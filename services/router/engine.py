@@ -135,13 +135,14 @@ class Engine:
 
             rules["hybrid"] = PredictorRule(YieldMLP.load(cfg.predictor), TokenFlags(self.tokenizer), cfg.hybrid.tau)
         for name, rule in rules.items():
-            self.add_hybrid(name, rule)
+            self.add_hybrid(name, rule, cost_aware=cfg.hybrid.cost_aware and name == "hybrid")
 
-    def add_hybrid(self, name: str, rule) -> None:
-        from services.router.hybrid import HybridDrafter
+    def add_hybrid(self, name: str, rule, cost_aware: bool = False) -> None:
+        from services.router.hybrid import CycleCosts, HybridDrafter
 
         limits = (self.max_draft["suffix"], self.max_draft[self.model_fallback])
-        self.drafters[name] = HybridDrafter(name, self.drafters["suffix"], self.model_fallback, rule, *limits)
+        self.drafters[name] = HybridDrafter(name, self.drafters["suffix"], self.model_fallback, rule, *limits,
+                                            costs=CycleCosts() if cost_aware else None)
         self.max_draft[name] = max(limits)
 
     # -- compatibility views onto the in-process verifier (tests, bench, calibration) ------------

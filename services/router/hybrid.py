@@ -4,9 +4,18 @@ when its predicted yield is worth a verification; otherwise draft with the model
 ``HybridDrafter`` is itself a Drafter, so the decode loop is unchanged. Decision rules:
 ``PredictorRule`` (g_θ(φ_t) > τ, the paper) and ``ScoreRule`` (suffix score ≥ threshold,
 ArcticInference's hybrid, the baseline).
+
+Cost-aware variant (``CycleCosts``): τ compares a yield with a constant, but what a cycle is
+worth depends on what it costs here. With measured costs, the cache draft is verified when
+(1 + ŷ) / seconds of a cache cycle ≥ the best fallback's tokens / seconds, and the fallback
+is the model drafter or a plain step (no draft, one token), whichever yields more per second.
+Where the model drafter's cycle costs more than its extra tokens are worth (a CPU, where the
+EAGLE-3 head's steps are not cheap next to the target), the hybrid stops calling it.
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,10 +30,72 @@ from services.predictor.mlp import YieldMLP
 HIGH_YIELD = 6  # the paper's "high-yield draft": accepted length ≥ 6
 
 
+CACHE, MODEL, PLAIN = "cache", "model", "plain"   # a hybrid's choices per cycle
+
+
+@dataclass
+class _Ema:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    n: int = 0
+
+    def add(self, tokens: int, seconds: float, alpha: float) -> None:
+        a = 1.0 if self.n == 0 else alpha
+        self.tokens += a * (tokens - self.tokens)
+        self.seconds += a * (seconds - self.seconds)
+        self.n += 1
+
+    def rate(self, tokens: float | None = None) -> float:
+        return (self.tokens if tokens is None else tokens) / max(self.seconds, 1e-9)
+
+
+class CycleCosts:
+    """Tokens and seconds per cycle of each choice, EMAs over all requests of one hybrid.
+
+    A fallback seen fewer than ``warmup`` times is tried first, and every ``explore_every``-th
+    fallback re-measures the one not taken, so the estimates follow load and hardware."""
+
+    def __init__(self, warmup: int = 4, explore_every: int = 32, alpha: float = 0.05):
+        self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
+        self.ema = {c: _Ema() for c in (CACHE, MODEL, PLAIN)}
+        self._fallbacks = 0
+        self._lock = threading.Lock()
+
+    def record(self, choice: str, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.ema[choice].add(tokens, seconds, self.alpha)
+
+    def fallback(self) -> str:
+        """The model drafter or a plain step: whichever yields more tokens per second."""
+        with self._lock:
+            m, p = self.ema[MODEL], self.ema[PLAIN]
+            if min(m.n, p.n) < self.warmup:
+                return MODEL if m.n <= p.n else PLAIN
+            return MODEL if m.rate() >= p.rate() else PLAIN
+
+    def take(self, fallback: str) -> str:
+        """The fallback to run: every ``explore_every``-th one taken is the other, to re-measure it."""
+        with self._lock:
+            self._fallbacks += 1
+            if self._fallbacks % self.explore_every:
+                return fallback
+            return PLAIN if fallback == MODEL else MODEL
+
+    def cache_pays(self, y_hat: float, fallback: str, tau: float) -> bool:
+        """(1 + ŷ) tokens per cache-cycle second beat the fallback's measured rate; until both
+        are measured, the paper's rule ŷ > τ decides."""
+        with self._lock:
+            c, f = self.ema[CACHE], self.ema[fallback]
+            if min(c.n, f.n) < self.warmup:
+                return y_hat > tau
+            return c.rate(1.0 + max(0.0, y_hat)) >= f.rate()
+
+
 class DecisionRule(Protocol):
     name: str
 
-    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int) -> bool: ...
+    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str,
+                     costs: CycleCosts | None) -> bool: ...
 
 
 class PredictorRule:
@@ -33,10 +104,11 @@ class PredictorRule:
     def __init__(self, mlp: YieldMLP, flags: TokenFlags, tau: float):
         self.mlp, self.flags, self.tau = mlp, flags, tau
 
-    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int) -> bool:
+    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
+                     costs: CycleCosts | None = None) -> bool:
         y_hat = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
         draft.features["predicted_yield"] = y_hat
-        return y_hat > self.tau
+        return y_hat > self.tau if costs is None else costs.cache_pays(y_hat, fallback, self.tau)
 
 
 class ScoreRule:
@@ -45,7 +117,8 @@ class ScoreRule:
     def __init__(self, threshold: float):
         self.threshold = threshold
 
-    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int) -> bool:
+    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
+                     costs: CycleCosts | None = None) -> bool:
         return draft.score >= self.threshold
 
 
@@ -64,15 +137,20 @@ class _State:
     cache_draft: list[int]
     chose_cache: bool = False
     predicted: bool | None = None
+    choice: str = CACHE
+    started: float = 0.0
 
 
 class HybridDrafter:
-    """Router-side: drafts from the suffix cache, returns that draft or a ``Delegate`` to the
-    verifier's model drafter (which observes every cycle there, with the target's states)."""
+    """Router-side: drafts from the suffix cache, returns that draft, a ``Delegate`` to the
+    verifier's model drafter (which observes every cycle there, with the target's states) or,
+    with ``costs``, an empty draft when a plain step is the cheaper fallback."""
 
-    def __init__(self, name: str, cache, model: str, rule: DecisionRule, max_cache: int, max_model: int):
+    def __init__(self, name: str, cache, model: str, rule: DecisionRule, max_cache: int, max_model: int,
+                 costs: CycleCosts | None = None):
         self.name, self.cache, self.model, self.rule = name, cache, model, rule
         self.max_cache, self.max_model = max_cache, max_model
+        self.costs = costs
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
@@ -82,16 +160,27 @@ class HybridDrafter:
 
     def propose(self, req_id: str, budget: int) -> Draft | Delegate:
         st = self.states[req_id]
+        st.started = time.perf_counter()
         draft = self.cache.propose(req_id, min(budget, self.max_cache))
         st.cache_draft = draft.token_ids
-        st.chose_cache = bool(draft.token_ids) and self.rule.verify_cache(draft, st.tracker, budget)
+        fallback = self.costs.fallback() if self.costs else MODEL
+        st.chose_cache = bool(draft.token_ids) and self.rule.verify_cache(draft, st.tracker, budget, fallback,
+                                                                        self.costs)
         y_hat = draft.features.get("predicted_yield")
         st.predicted = None if y_hat is None else y_hat >= HIGH_YIELD
-        HYBRID_DECISIONS.labels(self.name, "cache" if st.chose_cache else "model").inc()
-        return draft if st.chose_cache else Delegate(self.model, min(budget, self.max_model))
+        st.choice = CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL
+        HYBRID_DECISIONS.labels(self.name, st.choice).inc()
+        if st.choice == CACHE:
+            return draft
+        if st.choice == PLAIN:
+            return Draft.empty()
+        return Delegate(self.model, min(budget, self.max_model))
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
+        if self.costs and st.started:  # a cycle this hybrid chose (a budget-0 cycle is not one)
+            self.costs.record(st.choice, len(tokens), time.perf_counter() - st.started)
+            st.started = 0.0
         self.cache.observe(req_id, tokens)
         st.tracker.update(st.cache_draft, st.chose_cache, tokens)
         if st.predicted is not None:  # predicted vs observed high yield, for precision / recall

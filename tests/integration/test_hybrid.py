@@ -4,7 +4,7 @@ import torch
 from services.predictor.features import TokenFlags
 from services.predictor.mlp import YieldMLP
 from services.router.engine import GenerationRequest
-from services.router.hybrid import PredictorRule, ScoreRule
+from services.router.hybrid import CACHE, MODEL, PLAIN, PredictorRule, ScoreRule
 
 TEXTS = ["def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n", "import os\nimport sys\nimport os\n",
          "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "for i in range(3):\n    print(i)\nfor i in range(3):\n"]
@@ -36,6 +36,27 @@ def test_hybrid_predictor_rule_is_lossless_and_mixes_sources(tiny_eagle_engine):
     sources = run_all(eng, "hybrid")
     assert sources.get("suffix", 0) > 0 and sources.get("eagle3", 0) > 0, sources
     assert run_all(eng, "hybrid-csd")  # calibrated gating on top of the same drafts runs
+
+
+def test_cost_aware_hybrid_is_lossless_and_follows_measured_costs(tiny_eagle_engine):
+    """Seeded with a model drafter far slower than a plain step, the cost-aware hybrid falls
+    back to plain steps (and re-measures the drafter now and then); with a fast one, to it."""
+    eng = tiny_eagle_engine
+    eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
+    costs = eng.drafters["hybrid"].costs
+    for _ in range(costs.warmup):
+        costs.record(MODEL, 1, 10.0)
+    run_all(eng, "hybrid")
+    plain, model = costs.ema[PLAIN].n, costs.ema[MODEL].n
+    assert costs.ema[CACHE].n > 0 and plain >= costs.warmup and model <= costs.warmup + plain // 16 + 1
+    eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
+    costs = eng.drafters["hybrid"].costs
+    for _ in range(costs.warmup):
+        costs.record(MODEL, 100, 1e-6)
+        costs.record(PLAIN, 1, 10.0)
+    assert run_all(eng, "hybrid").get("eagle3", 0) > 0
+    plain, model = costs.ema[PLAIN].n, costs.ema[MODEL].n
+    assert model > costs.warmup and plain <= costs.warmup + model // 16 + 1
 
 
 def test_hybrid_score_rule_extremes(tiny_eagle_engine):

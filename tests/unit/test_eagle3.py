@@ -225,3 +225,20 @@ def test_card_calls_a_head_data_limited_only_when_it_fits_its_training_traces_cl
 
     assert "14 points" in data_limited([0.41, 0.39], [0.55, 0.52], 334_941)
     assert data_limited([0.41], [0.43], 1000) == "" and data_limited([0.41], [], 1000) == ""
+
+
+def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_path):
+    """training.ablation: position 1's chain acceptance is its agreement; later positions need
+    every earlier one, so chain acceptance never rises and never exceeds agreement."""
+    from training.ablation import table
+    from training.eagle3 import chain_agreement
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seqs = [list(range(300, 340)), [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7], list(range(900, 960, 2))]
+    agree, chain = chain_agreement(head, target, seqs, 4)
+    assert len(agree) == len(chain) == 4 and chain[0] == agree[0]
+    assert all(a >= b for a, b in zip(chain, chain[1:])) and all(c <= a for c, a in zip(chain, agree))
+    row = {"head": "h", "ttt_steps": 4, "train_tokens": 10, "agreement_per_position": agree,
+           "chain_acceptance_per_position": chain, "mean_accepted_length": sum(chain)}
+    assert "| `h` | 4 | 10 |" in table([row], "x", 3, "cmd")

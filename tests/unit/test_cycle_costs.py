@@ -1,0 +1,52 @@
+"""Cost-aware hybrid decisions (services/router/hybrid.py CycleCosts)."""
+from services.router.hybrid import CACHE, MODEL, PLAIN, CycleCosts
+
+
+def measured(model=(2.0, 0.016), plain=(1.0, 0.008), cache=(6.0, 0.010), n=8) -> CycleCosts:
+    """Costs with ``n`` cycles of each choice at (tokens, seconds)."""
+    c = CycleCosts(warmup=4, explore_every=16)
+    for _ in range(n):
+        c.record(MODEL, *model)
+        c.record(PLAIN, *plain)
+        c.record(CACHE, *cache)
+    return c
+
+
+def test_unmeasured_fallbacks_are_tried_first():
+    c = CycleCosts(warmup=2)
+    assert c.fallback() == MODEL
+    c.record(MODEL, 2, 0.01)
+    assert c.fallback() == PLAIN
+    c.record(PLAIN, 1, 0.01)
+    assert c.fallback() == MODEL   # both seen once, warm-up asks for two
+
+
+def test_fallback_is_the_faster_one_with_periodic_exploration():
+    slow_model = measured(model=(2.0, 0.030))            # 67 tok/s vs plain's 125
+    picks = [slow_model.take(slow_model.fallback()) for _ in range(32)]
+    assert picks.count(PLAIN) == 30 and picks.count(MODEL) == 2
+    fast_model = measured(model=(3.0, 0.012))            # 250 tok/s
+    assert [fast_model.take(fast_model.fallback()) for _ in range(15)] == [MODEL] * 15
+
+
+def test_cache_draft_verified_when_its_predicted_rate_beats_the_fallback():
+    c = measured(cache=(6.0, 0.010), plain=(1.0, 0.008))     # plain: 125 tok/s
+    assert c.cache_pays(1.0, PLAIN, tau=6)          # (1 + 1) / 0.010 = 200 tok/s
+    assert not c.cache_pays(0.0, PLAIN, tau=-1)     # 100 tok/s
+    assert not c.cache_pays(-3.0, PLAIN, tau=-9)    # a negative prediction counts as no yield
+
+
+def test_paper_rule_decides_until_cache_and_fallback_are_measured():
+    c = CycleCosts(warmup=4)
+    assert c.cache_pays(2.5, MODEL, tau=2) and not c.cache_pays(1.5, MODEL, tau=2)
+    for _ in range(4):
+        c.record(CACHE, 1, 0.001)
+    assert not c.cache_pays(1.5, MODEL, tau=2)      # the model drafter is not measured yet
+
+
+def test_ema_follows_a_change_in_cost():
+    c = measured(model=(2.0, 0.010))       # 200 tok/s: the model drafter wins
+    assert c.fallback() == MODEL
+    for _ in range(200):                   # the machine gets busy: model cycles slow down
+        c.record(MODEL, 2.0, 0.040)
+    assert c.fallback() == PLAIN
