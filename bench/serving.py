@@ -40,14 +40,14 @@ from specmesh.v1 import generate_pb2_grpc as ggrpc
 SERVER_ENV = {"OMP_WAIT_POLICY": os.environ.get("SPECMESH_BENCH_OMP_WAIT", "PASSIVE")}
 
 
-def start_server(topology: str, args) -> tuple[subprocess.Popen, str]:
+def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subprocess.Popen, str]:
     """``specmesh serve`` as users run it: embedded (one process) or distributed (router +
     verifier processes on the ports after the router's)."""
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--topology", topology, "--replicas", str(args.replicas),
            "--port", str(port), "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft),
            "--eagle3", "none", "--max-sessions", "64", "--batch-window-ms", str(args.batch_window_ms),
-           "--threads", str(args.server_threads)]
+           "--threads", str(args.server_threads), "--spec-disable-batch", str(spec_disable_batch)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--batch-window-ms", type=float, default=5.0)
     ap.add_argument("--topologies", default="embedded,distributed")
+    ap.add_argument("--spec-disable-batch", default="0",
+                    help="comma-separated settings of the servers' --spec-disable-batch; each gets its own servers")
     ap.add_argument("--server-threads", type=int, default=1,
                     help="torch intra-op threads per server process (0 = torch's default). With two servers and the "
                          "clients sharing the cores, intra-op threads must not spin (OMP_WAIT_POLICY=PASSIVE), and "
@@ -123,13 +125,14 @@ def main() -> None:
     result = {"command": " ".join(["python -m bench.serving"] + sys.argv[1:]), "workload": args.workload,
               "max_new_tokens": args.max_new_tokens, "replicas": args.replicas, "repeats": args.repeats,
               "server_env": SERVER_ENV, "rows": []}
-    topologies = tuple(args.topologies.split(","))
-    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    settings = [int(x) for x in args.spec_disable_batch.split(",")]
+    topologies = tuple((t, sdb) for sdb in settings for t in args.topologies.split(","))
+    servers: dict[tuple, tuple[subprocess.Popen, str]] = {}
     samples: dict[tuple, list] = {}
     clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         for t in topologies:
-            servers[t] = start_server(t, args)
+            servers[t] = start_server(t[0], args, t[1])
             for m in methods:  # warm-up, not measured: first batched steps, allocator, caches
                 clients.submit(concurrent, servers[t][1], prompts[:max(concs)], 16, m, max(concs)).result()
         total = args.repeats * len(methods) * (1 + len(concs)) * len(topologies)
@@ -147,7 +150,7 @@ def main() -> None:
                         samples.setdefault((t, m, conc), []).append(job.result())
                         done += 1
                         eta = (time.perf_counter() - t0) / done * (total - done)
-                        print(f"[serving] round {rnd + 1}/{args.repeats} {t} {m} conc {conc or 1}"
+                        print(f"[serving] round {rnd + 1}/{args.repeats} {t[0]} spec-off>{t[1]} {m} conc {conc or 1}"
                               f"{' (overhead)' if conc == 0 else f': {samples[(t, m, conc)][-1]:.1f} tok/s'}"
                               f" — {done}/{total}, ETA {eta / 60:.1f} min", flush=True)
     finally:
@@ -158,7 +161,7 @@ def main() -> None:
     for t in topologies:
         for m in methods:
             single = samples[(t, m, 0)]
-            row = {"topology": t, "method": m,
+            row = {"topology": t[0], "spec_disable_batch": t[1], "method": m,
                    "median_ms_per_cycle": round(statistics.median(x["ms_per_cycle"] for x in single), 3),
                    "median_overhead_ms_per_cycle": round(
                        statistics.median(x["overhead_ms_per_cycle"] for x in single), 3),
@@ -167,8 +170,10 @@ def main() -> None:
             base = row["tokens_per_s"][str(concs[0])]
             row["scaling_vs_first"] = {k: round(v / base, 3) for k, v in row["tokens_per_s"].items()}
             result["rows"].append(row)
-    for m in methods if len(topologies) == 2 else ():
-        emb, dis = (next(r for r in result["rows"] if r["method"] == m and r["topology"] == t) for t in topologies)
+    pair = [t for t in topologies if t[1] == settings[0]]
+    for m in methods if len(pair) == 2 else ():
+        emb, dis = (next(r for r in result["rows"] if r["method"] == m and (r["topology"], r["spec_disable_batch"]) == t)
+                    for t in pair)
         result.setdefault("distributed_overhead_ms_per_cycle", {})[m] = round(
             dis["median_overhead_ms_per_cycle"] - emb["median_overhead_ms_per_cycle"], 3)
     print(json.dumps(result, indent=2))
@@ -182,10 +187,11 @@ def write(result: dict, out: Path) -> None:
     concs = list(result["rows"][0]["tokens_per_s"])
     key = "8" if "8" in concs else concs[-1]
     lines = [f"### Serving — {result['workload']}, {result['max_new_tokens']} new tokens, {result['replicas']} verifier replica(s)",
-             "", "| topology | method | ms / cycle (1 stream) | outside model, ms / cycle | "
-             + " | ".join(f"tok/s @{c}" for c in concs) + f" | ×{key} vs ×{concs[0]} |", "|" + "---|" * (4 + len(concs) + 1)]
+             "", "| topology | no drafts above batch | method | ms / cycle (1 stream) | outside model, ms / cycle | "
+             + " | ".join(f"tok/s @{c}" for c in concs) + f" | ×{key} vs ×{concs[0]} |", "|" + "---|" * (5 + len(concs) + 1)]
     for r in result["rows"]:
-        lines.append(f"| {r['topology']} | {r['method']} | {r['median_ms_per_cycle']} | {r['median_overhead_ms_per_cycle']} | "
+        sdb = r.get("spec_disable_batch") or "—"
+        lines.append(f"| {r['topology']} | {sdb} | {r['method']} | {r['median_ms_per_cycle']} | {r['median_overhead_ms_per_cycle']} | "
                      + " | ".join(str(r["tokens_per_s"][c]) for c in concs) + f" | {r['scaling_vs_first'][key]} |")
     if "distributed_overhead_ms_per_cycle" in result:
         lines += ["", "Distributed − embedded, ms per cycle outside model work: "
@@ -200,7 +206,8 @@ def write(result: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in result["rows"]:
         ax.plot([int(c) for c in concs], [r["tokens_per_s"][c] for c in concs], marker="o",
-                label=f"{r['topology']} {r['method']}")
+                label=f"{r['topology']} {r['method']}" + (f" (no drafts > {r['spec_disable_batch']})"
+                                                          if r.get("spec_disable_batch") else ""))
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_xscale("log", base=2)

@@ -36,6 +36,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     ap.add_argument("--batch-window-ms", type=float, default=EngineConfig.batch_window_ms,
                     help="verifier: how long a step waits for the other open sessions' cycles")
+    ap.add_argument("--spec-disable-batch", type=int, default=EngineConfig.spec_disable_batch,
+                    help="router: draft nothing while the verifier batches more sessions than this per step "
+                         "(env SPECMESH_SPEC_DISABLE_BATCH); 0 = always speculate")
     ap.add_argument("--redis-url", default=os.environ.get("SPECMESH_REDIS_URL"),
                     help="share state across replicas through Redis (env SPECMESH_REDIS_URL); default: none")
 
@@ -53,7 +56,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         draft_confidence=args.draft_confidence, packed_gemm=args.packed_gemm,
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
                         hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
-                        batch_window_ms=args.batch_window_ms,
+                        batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
                         redis_url=args.redis_url or None,
                         predictor_addr=getattr(args, "predictor_addr", None) or None,
                         drafter_addr=getattr(args, "drafter_addr", None) or None,

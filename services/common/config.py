@@ -65,6 +65,8 @@ class EngineConfig:
     default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid")   # lossless; falls back, see Engine
     threads: int = 0                      # torch intra-op threads; 0 = torch default
     max_batch: int = 16                   # sessions verified together in one step
+    spec_disable_batch: int = int(os.environ.get("SPECMESH_SPEC_DISABLE_BATCH", "0"))  # no drafts while a
+    #                                       verifier step batches more sessions than this; 0 = never (bench.serving)
     batch_window_ms: float = 5.0          # a step waits at most this long for the sessions it expects
     suffix: SuffixConfig = SuffixConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only

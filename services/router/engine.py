@@ -242,6 +242,7 @@ class Generation:
         self._detok = Detokenizer(engine.tokenizer)
         self._raw = ""  # all detokenized output; ``text`` is the part already streamed
         self._stop_window = max((len(s) for s in req.stop), default=1)
+        self._batch = 1  # sessions in the verifier step of the last cycle
 
     def __iter__(self) -> Iterator[StepOutput]:
         req = self.req
@@ -275,12 +276,23 @@ class Generation:
             return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
         return CycleRequest(draft_ids=tuple(choice.token_ids), draft_source=choice.source)
 
+    def _budget(self) -> int:
+        """Draft tokens this cycle may verify: none past the length limit, and none while the
+        verifier batches more sessions than ``spec_disable_batch`` (vLLM's
+        speculative_disable_by_batch_size): a loaded step is compute-bound, and verifying
+        drafts that get rejected then slows every session in it."""
+        limit = self.engine.cfg.spec_disable_batch
+        if limit and self._batch > limit:
+            return 0
+        return max(0, min(self.max_draft, self.req.max_new_tokens - len(self.output_ids) - 1))
+
     def _cycle(self, session) -> StepOutput:
         t0 = time.perf_counter()
-        budget = max(0, min(self.max_draft, self.req.max_new_tokens - len(self.output_ids) - 1))
+        budget = self._budget()
         creq = self._request(budget)
         t1 = time.perf_counter()
         res = session.cycle(creq)
+        self._batch = res.batch_size
         if self.drafter:
             self.drafter.observe(self.req_id, res.committed)
         t2 = time.perf_counter()

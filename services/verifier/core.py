@@ -64,6 +64,7 @@ class CycleResult:
     rejected: bool = False               # the cycle ended at a true rejection
     draft_s: float = 0.0
     verify_s: float = 0.0
+    batch_size: int = 1                  # sessions verified in the same target forward
 
 
 def _load(path: Path, cfg: EngineConfig) -> Llama:
@@ -152,7 +153,7 @@ class VerifierCore:
         outs = self.runner.verify_batch([(b.session.target, drafts[id(b)].token_ids) for b in live])
         for b, (logits, hidden) in zip(live, outs):
             try:
-                b.result = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1)
+                b.result = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1, len(live))
             except Exception as e:  # one session's failure is its own
                 b.error = e
 
@@ -228,7 +229,7 @@ class VerifierSession:
         return self.core.batcher.submit(self, req)
 
     def finish(self, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor], draft_s: float,
-               verify_start: float) -> CycleResult:
+               verify_start: float, batch_size: int = 1) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
         n_pending = len(self.target.pending)
         verdict: Verdict = self.policy(draft, logits, self.spec.sampling, self.rng)
@@ -248,7 +249,7 @@ class VerifierSession:
             # a cycle cut short by EOS keeps no rescue statistics
             rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
             rejected=verdict.first_rejection is not None and accepted < len(committed),
-            draft_s=draft_s, verify_s=time.perf_counter() - verify_start)
+            draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size)
 
     def close(self) -> None:
         if self._closed:

@@ -73,7 +73,7 @@ class RescuedPair(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class CycleResult(_message.Message):
-    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s")
+    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s", "batch_size")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class CycleResult(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
     accepted: int
@@ -90,7 +91,8 @@ class CycleResult(_message.Message):
     rejected: bool
     draft_s: float
     verify_s: float
-    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
+    batch_size: int
+    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("opened", "result")

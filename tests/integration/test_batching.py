@@ -32,3 +32,32 @@ def test_concurrent_sessions_share_forwards_and_match_vanilla(tiny_engine):
         assert out[i] == refs[p]
     forwards, rows = histogram("_count") - before_forwards, histogram("_sum") - before_rows
     assert rows / forwards > 1.5, (rows, forwards)  # sessions really were verified together
+
+
+def test_speculation_stops_while_the_verifier_step_is_loaded(tiny_dirs, tiny_engine):
+    """spec_disable_batch: once a cycle reports a batch above the limit, the next cycles
+    verify no draft (plain steps), and the output is still vanilla's; at or under it, drafts go on."""
+    from dataclasses import replace
+
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    def loaded(engine, batch):  # every verifier step reports ``batch`` sessions
+        open_ = engine.verifier.open
+
+        def open_loaded(spec):
+            s = open_(spec)
+            cycle = s.cycle
+            s.cycle = lambda req: replace(cycle(req), batch_size=batch)
+            return s
+        engine.verifier.open = open_loaded
+        return engine
+
+    cfg = replace(tiny_engine.cfg, spec_disable_batch=4)
+    ids = tiny_engine.encode(PROMPTS[0])
+    ref = tiny_engine.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
+    busy = loaded(Engine(cfg), batch=5).generate(GenerationRequest(ids, 40, method="sd")).result()
+    assert busy["token_ids"] == ref
+    assert busy["stats"]["draft_tokens"] <= 4      # only the first cycle, before any batch was seen
+    calm = loaded(Engine(cfg), batch=4).generate(GenerationRequest(ids, 40, method="sd")).result()
+    assert calm["token_ids"] == ref and calm["stats"]["draft_tokens"] > 4
