@@ -26,3 +26,20 @@ def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(t
     benchmark(tiny_engine, prompts, ["vanilla", "suffix", "hybrid-rule"], 24, 2, None)
     new = list(cache.outputs)[len(before):]
     assert len(new) == 2 and new[0] != new[1]
+
+
+def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3):
+    """bench.eagle3_sweep: one `sd` reference row, then one lossless `eagle3` row per (head, k)
+    whose chains never pass k."""
+    from bench.eagle3_sweep import markdown as sweep_md, sweep
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, draft_confidence=0.0,
+                              eagle3_confidence=0.0, predictor=None, ocm_snapshot=None))
+    prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "x = [1, 2, 3]\ny = [1, 2, 3]\n")]
+    rows = sweep(eng, prompts, 20, [tiny_eagle3], [1, 3])
+    assert [(r["method"], r["k"]) for r in rows] == [("sd", 4), ("eagle3", 1), ("eagle3", 3)]
+    assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
+    assert len(rows[1]["acceptance_per_position"]) <= 1 and len(rows[2]["acceptance_per_position"]) <= 3
+    assert "| eagle3 |" in sweep_md({"workload": "t", "limit": 2, "max_new_tokens": 20, "command": "c", "rows": rows})

@@ -1,0 +1,95 @@
+"""Sweep EAGLE-3 chain length k, for one or more heads, against `sd` on a workload.
+
+Each setting runs `vanilla` and `eagle3` on the same prompts (greedy); `sd` runs once as the
+reference. A head trained without training-time test agrees more at chain position 1 and
+far less after it (`bench/results/eagle3_ablation.md`), so the best k depends on the head:
+the sweep picks the head and k together.
+
+    python -m bench.eagle3_sweep --workload humaneval --heads models/eagle3,build/models/eagle3-ttt1 \
+        --ks 1,2,3,4 --out bench/results/eagle3_sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.harness import benchmark
+from bench.workloads import load
+
+KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_per_position",
+        "exact_match_vs_vanilla")
+
+
+def use_head(engine, head_dir: Path, k: int) -> None:
+    """Serve ``head_dir`` as the engine's `eagle3` drafter with chains of at most ``k``."""
+    from services.drafter.eagle3 import Eagle3Head
+    from services.drafter.eagle3_drafter import Eagle3Drafter
+    from services.common.packed_linear import pack_linears
+
+    core, cfg = engine.verifier, engine.cfg
+    head = Eagle3Head.from_pretrained(head_dir, core.runner.model.embed_tokens.weight)
+    if cfg.packed_gemm:
+        pack_linears(head)
+    core.runner.capture_layers = head.aux_layers
+    core.drafters["eagle3"] = Eagle3Drafter(head, cfg.eagle3_confidence)
+    core.max_draft["eagle3"] = engine.max_draft["eagle3"] = k
+
+
+def sweep(engine, prompts, max_new: int, heads: list[Path], ks: list[int]) -> list[dict]:
+    rows = []
+    for r in benchmark(engine, prompts, ["vanilla", "sd"], max_new, 1, None):
+        if r["method"] == "sd":
+            rows.append({"method": "sd", "head": None, "k": engine.max_draft["draft-lm"], **{x: r[x] for x in KEYS}})
+    todo = [(h, k) for h in heads for k in ks]
+    for i, (h, k) in enumerate(todo):
+        use_head(engine, h, k)
+        for r in benchmark(engine, prompts, ["vanilla", "eagle3"], max_new, 1, None):
+            if r["method"] == "eagle3":
+                rows.append({"method": "eagle3", "head": str(h), "k": k, **{x: r[x] for x in KEYS}})
+        print(f"[eagle3-sweep] {i + 1}/{len(todo)} settings", file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [f"### EAGLE-3 chain-length sweep — {result['workload']}, {result['limit']} prompts, "
+             f"{result['max_new_tokens']} new tokens", "",
+             "| method | head | k | tok/s | speedup | τ | cycles / 1k | accepted at position 1.. (per cycle) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        pos = ", ".join(f"{a:.2f}" for a in (r["acceptance_per_position"] or []))
+        lines.append(f"| {r['method']} | {r['head'] or '—'} | {r['k']} | {r['tokens_per_s']} | "
+                     f"{r['speedup_vs_vanilla']} | {r['tau']} | {r['cycles_per_1k']} | {pos} |")
+    return "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
+
+
+def main() -> None:
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="humaneval")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--heads", default="models/eagle3", help="comma-separated EAGLE-3 head directories")
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    engine = Engine(EngineConfig(threads=args.threads))
+    if "eagle3" not in engine.verifier.drafters or "draft-lm" not in engine.verifier.drafters:
+        sys.exit("error: the sweep needs models/eagle3 and models/draft")
+    prompts = load(args.workload, args.limit)
+    rows = sweep(engine, prompts, args.max_new_tokens, [Path(h) for h in args.heads.split(",")],
+                 [int(k) for k in args.ks.split(",")])
+    result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "command": "python -m bench.eagle3_sweep " + " ".join(sys.argv[1:]), "rows": rows}
+    print(markdown(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
