@@ -25,10 +25,18 @@ class AcceptancePolicy(Protocol):
                  rng: torch.Generator) -> Verdict: ...
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """argmax of each row (the first maximum, as torch's). On CPU through numpy: torch's
+    argmax costs ~50 µs on [5, 8192] here, numpy's ~2 µs, and it runs every cycle."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
                  rng: torch.Generator) -> Verdict:
     """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus)."""
-    target = logits.argmax(-1).tolist()
+    target = greedy_ids(logits)
     d = draft.token_ids
     m = 0
     while m < len(d) and d[m] == target[m]:
@@ -83,7 +91,7 @@ class CalibratedGreedy:
                  rng: torch.Generator) -> Verdict:
         if not sp.greedy:
             return rejection_sampling(draft, logits, sp, rng)
-        target = logits.argmax(-1).tolist()
+        target = greedy_ids(logits)
         d = draft.token_ids
         m = 0
         rescued: list[tuple[int, int]] = []
@@ -99,6 +107,7 @@ class CalibratedGreedy:
     def _rescue(self, d: int, t: int, row: torch.Tensor) -> bool:
         if self.memory is not None and self.memory.lookup(d, t) < self.gate.min_count:
             return False
+        row = row.numpy() if row.device.type == "cpu" else row   # scalar reads: numpy's are ~1 µs
         gap = float(row[d] - row[t])  # ≤ 0: t is the argmax
         if gap < self.log_tau:
             return False

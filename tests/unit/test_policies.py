@@ -70,3 +70,13 @@ def test_lossless_dispatches_on_temperature():
     v = lossless(Draft([0]), logits * 10, SamplingParams(temperature=0.5), torch.Generator().manual_seed(0))
     assert v.accepted == 0 and v.tokens == [3]
     assert v.first_rejection == (0, 3)
+
+
+def test_greedy_ids_equal_torch_argmax_including_ties():
+    from services.verifier.policies import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 8192, generator=g)
+    logits[2, 10] = logits[2, 4000] = logits[2].max() + 1   # a tie: the first maximum wins
+    assert greedy_ids(logits) == logits.argmax(-1).tolist() and greedy_ids(logits)[2] == 10
+    assert greedy_ids(logits[3:]) == logits[3:].argmax(-1).tolist()  # a view, as verify returns
