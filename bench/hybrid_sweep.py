@@ -1,7 +1,8 @@
 """Sweep the HVD decision threshold τ (and the rule-based hybrid's score threshold) on a workload.
 
 Each setting runs on the same prompts (greedy) next to `vanilla`; `suffix` and the model
-drafter (`eagle3`) run once as the single-source references. The report gives tokens per
+drafter (`eagle3`) run once as the single-source references, and so does the cost-aware
+hybrid (the default, which weighs ŷ against measured cycle costs instead of τ). The report gives tokens per
 cycle, cycles per 1,000 tokens and speedup vs vanilla per setting. Choose the default τ as
 the fastest setting on `edit` that stays within 3 % of the best single source elsewhere.
 
@@ -22,16 +23,23 @@ KNOBS = {"hybrid": "tau", "hybrid-rule": "threshold"}   # the rule attribute eac
 
 
 def sweep(engine, prompts, max_new: int, settings: dict[str, list[float]]) -> list[dict]:
-    """Rows for the single-source references and for every setting of each hybrid's knob."""
+    """Rows for the single-source references, the cost-aware hybrid, and every setting of each
+    hybrid's knob (the paper's threshold rule: no cost model)."""
+    from services.router.hybrid import CycleCosts
+
     rows = []
 
-    def run(methods: list[str], setting: float | None = None) -> None:
+    def run(methods: list[str], setting: float | str | None = None) -> None:
         engine.suffix_cache.clear()  # each setting starts from the same (empty) past outputs
         for r in benchmark(engine, prompts, ["vanilla", *methods], max_new, 1, None):
             if r["method"] != "vanilla":
                 rows.append({"method": r["method"], "setting": setting, **{k: r[k] for k in KEYS}})
 
     run(["suffix", engine.model_fallback])
+    hybrid = engine.drafters["hybrid"]
+    hybrid.costs = CycleCosts()
+    run(["hybrid"], "cost-aware")
+    hybrid.costs = None
     todo = [(m, v) for m, values in settings.items() for v in values]
     for i, (method, value) in enumerate(todo):
         setattr(engine.drafters[method].rule, KNOBS[method], value)
@@ -41,7 +49,9 @@ def sweep(engine, prompts, max_new: int, settings: dict[str, list[float]]) -> li
 
 
 def best(rows: list[dict], method: str) -> dict:
-    return max((r for r in rows if r["method"] == method), key=lambda r: r["speedup_vs_vanilla"])
+    """The fastest threshold setting of ``method``."""
+    return max((r for r in rows if r["method"] == method and isinstance(r["setting"], float)),
+               key=lambda r: r["speedup_vs_vanilla"])
 
 
 def markdown(result: dict) -> str:
@@ -49,7 +59,8 @@ def markdown(result: dict) -> str:
              "", "| method | setting | tok/s | speedup | tokens/cycle | cycles / 1k | exact vs vanilla |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        setting = "—" if r["setting"] is None else f"{KNOBS[r['method']]} = {r['setting']}"
+        setting = r["setting"] if isinstance(r["setting"], str) else \
+            "—" if r["setting"] is None else f"{KNOBS[r['method']]} = {r['setting']}"
         lines.append(f"| {r['method']} | {setting} | {r['tokens_per_s']} | {r['speedup_vs_vanilla']} | {r['tau']} "
                      f"| {r['cycles_per_1k']} | {r['exact_match_vs_vanilla']} |")
     return "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
@@ -63,8 +74,10 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
-    hyb = [r for r in rows if r["method"] == "hybrid"]
+    hyb = [r for r in rows if r["method"] == "hybrid" and isinstance(r["setting"], float)]
     ax.plot([r["setting"] for r in hyb], [r["speedup_vs_vanilla"] for r in hyb], "o-", label="hybrid (predicted yield > τ)")
+    for r in (r for r in rows if r["setting"] == "cost-aware"):
+        ax.axhline(r["speedup_vs_vanilla"], ls="-", lw=1.2, color="C0", label="hybrid, cost-aware (default)")
     for i, r in enumerate(r for r in rows if r["setting"] is None):
         ax.axhline(r["speedup_vs_vanilla"], ls="--", lw=0.8, color=f"C{i + 1}", label=r["method"])
     rule = best(rows, "hybrid-rule")

@@ -78,12 +78,13 @@ def test_tau_sweep_rows_and_extremes(tiny_eagle_engine, tmp_path):
     prompts = [Prompt(f"p{i}", t) for i, t in enumerate(TEXTS[:2])]
     rows = sweep(eng, prompts, 24, {"hybrid": [1.0, 1e9], "hybrid-rule": [0.0, 1e9]})
     assert [(r["method"], r["setting"]) for r in rows] == [
-        ("suffix", None), ("eagle3", None), ("hybrid", 1.0), ("hybrid", 1e9), ("hybrid-rule", 0.0), ("hybrid-rule", 1e9)]
+        ("suffix", None), ("eagle3", None), ("hybrid", "cost-aware"), ("hybrid", 1.0), ("hybrid", 1e9),
+        ("hybrid-rule", 0.0), ("hybrid-rule", 1e9)]
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
     by = {(r["method"], r["setting"]): r for r in rows}
     assert by["hybrid", 1e9]["cycles_per_1k"] == by["eagle3", None]["cycles_per_1k"]
     result = {"workload": "t", "limit": 2, "max_new_tokens": 24, "command": "test", "rows": rows,
               "best": {m: best(rows, m) for m in ("hybrid", "hybrid-rule")}}
-    assert "| hybrid | tau = 1.0 |" in markdown(result)
+    assert "| hybrid | tau = 1.0 |" in markdown(result) and "| hybrid | cost-aware |" in markdown(result)
     plot(result, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
