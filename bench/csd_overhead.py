@@ -4,7 +4,8 @@ verification) and the correction memory (record of the first rejection), as a sh
 
 Both engines run `csd` on the same prompts. Every cycle's policy call is timed, and so is
 exact greedy on the same draft and logits (which of the two runs first alternates); memory
-records are timed where the verifier makes them.
+records are timed where the verifier makes them. The accepted lengths of both policies on
+those same cycles show what rescues add inside a cycle, apart from where the text goes next.
 
     python -m bench.csd_overhead --workload humaneval --limit 10 --out bench/results/csd_overhead.json
 """
@@ -26,7 +27,8 @@ class Timed:
     """Wraps the calibrated policy and the memory's ``record``; sums seconds per cycle."""
 
     def __init__(self, core):
-        self.gate_s, self.exact_s, self.record_s, self.cycles = [], [], [], 0
+        self.gate_s, self.exact_s, self.record_s = [], [], []
+        self.accepted_csd, self.accepted_exact = [], []   # the same verification, both policies
         policy, memory = core.policies["csd"], core.memory
         record = memory.record
 
@@ -41,6 +43,8 @@ class Timed:
                 secs[i] = time.perf_counter() - t0
             self.gate_s.append(secs[0])
             self.exact_s.append(secs[1])
+            self.accepted_csd.append(out[0].accepted)
+            self.accepted_exact.append(out[1].accepted)
             return out[0]
 
         def timed_record(pairs):
@@ -67,6 +71,9 @@ def measure(engine, prompts, max_new: int) -> dict:
     return {"cycles": int(cycles), "cycle_us": round(cycle_us, 1),
             "gate_us_per_cycle": round(gate_us, 2), "record_us_per_cycle": round(record_us, 2),
             "median_record_us": round(1e6 * statistics.median(t.record_s), 2) if t.record_s else 0.0,
+            # in-cycle effect of the gate: accepted draft tokens per cycle, same drafts and logits
+            "accepted_per_cycle_csd": round(statistics.mean(t.accepted_csd), 4),
+            "accepted_per_cycle_exact": round(statistics.mean(t.accepted_exact), 4),
             "overhead_share": round((gate_us + record_us) / cycle_us, 5)}
 
 
@@ -94,10 +101,12 @@ def main() -> None:
     result = {"command": "python -m bench.csd_overhead " + " ".join(sys.argv[1:]), "workload": args.workload,
               "limit": len(prompts), "max_new_tokens": args.max_new_tokens, "memories": rows}
     lines = [f"### CSD overhead per cycle — {args.workload}, {len(prompts)} prompts", "",
-             "| memory | cycles | µs / cycle | gate µs / cycle | record µs / cycle | gate + memory share |",
-             "|---|---|---|---|---|---|"]
+             "| memory | cycles | µs / cycle | gate µs / cycle | record µs / cycle | gate + memory share | "
+             "accepted / cycle, csd vs exact on the same cycles |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {k} | {r['cycles']} | {r['cycle_us']} | {r['gate_us_per_cycle']} | {r['record_us_per_cycle']} | "
-              f"{100 * r['overhead_share']:.2f} % |" for k, r in rows.items()]
+              f"{100 * r['overhead_share']:.2f} % | {r['accepted_per_cycle_csd']:.3f} vs {r['accepted_per_cycle_exact']:.3f} |"
+              for k, r in rows.items()]
     text = "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
     print(text)
     if args.out:

@@ -8,6 +8,10 @@
 # The exports come back as $OUT/models2.tar.part-*; here:
 #   cat /work/.device/.../models2.tar.part-* | tar xf - -C build   # -> build/models/{draft,eagle3}
 # then evaluate (make model-cards) and publish (make publish-models).
+# More EAGLE-3 data (the head is data-limited: bench/results/eagle3_ablation.md): encode the
+# corpus here (python -c "from training.pretrain import encode_corpus; from pathlib import Path;
+# encode_corpus(Path('models/tokenizer'), Path('build/corpus'))"), carry build/corpus too and
+# pass EAGLE3_EXTRA="--corpus-tokens 4000000 --corpus-dir build/corpus".
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/build/gpu-site${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-build/gpu-out}

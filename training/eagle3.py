@@ -152,14 +152,15 @@ def evenly(seqs: list, fraction: float) -> list:
     return [s for i, s in enumerate(seqs) if int((i + 1) * fraction) > int(i * fraction)]
 
 
-def corpus_windows(n_tokens: int, width: int = 512) -> list[list[int]]:
+def corpus_windows(n_tokens: int, width: int = 512, corpus_dir: Path | None = None) -> list[list[int]]:
     """``n_tokens`` of the pretraining stream as evenly spaced ``width``-token windows (more
-    data for the head: the target still supplies features and soft labels)."""
+    data for the head: the target still supplies features and soft labels). The stream is
+    the one cached in ``corpus_dir`` (default: pre-training's), encoded there if missing."""
     if n_tokens <= 0:
         return []
     from training.pretrain import default_work_dir, encode_corpus
 
-    stream, _ = encode_corpus(Path("models/tokenizer"), default_work_dir("corpus"))
+    stream, _ = encode_corpus(Path("models/tokenizer"), corpus_dir or default_work_dir("corpus"))
     n = max(1, n_tokens // width)
     starts = [int(i * (len(stream) - width) / n) for i in range(n)]
     return [stream[s:s + width].astype("int64").tolist() for s in starts]
@@ -205,7 +206,7 @@ def train(args: argparse.Namespace) -> None:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
-    seqs = evenly(seqs, args.trace_fraction) + corpus_windows(args.corpus_tokens)
+    seqs = evenly(seqs, args.trace_fraction) + corpus_windows(args.corpus_tokens, corpus_dir=args.corpus_dir)
     n_tokens = sum(len(s) for s in seqs)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -289,6 +290,8 @@ def main() -> None:
     ap.add_argument("--trace-fraction", type=float, default=1.0, help="train on this share of the traces (ablation)")
     ap.add_argument("--corpus-tokens", type=int, default=0,
                     help="add this many pretraining-corpus tokens (512-token windows) to the traces")
+    ap.add_argument("--corpus-dir", type=Path, default=None,
+                    help="where the encoded pre-training stream is cached (a GPU run carries it: build/corpus)")
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
