@@ -59,3 +59,18 @@ def test_loader_rejects_other_features(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="trained on features"):
         YieldMLP.load(tmp_path)
+
+
+def test_numpy_predict_equals_torch_forward_and_follows_updates():
+    """predict runs on numpy copies of the weights; an in-place update (as an optimizer step
+    makes) is picked up on the next call."""
+    import torch
+
+    torch.manual_seed(0)
+    model = YieldMLP()
+    x = np.random.default_rng(0).normal(size=(7, len(FEATURES))).astype(np.float32)
+    with torch.no_grad():
+        assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-5)
+        model.net[0].weight.mul_(2.0)
+        assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-5)
+    assert model.predict(x[0]).shape == (1,)
