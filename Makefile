@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -43,7 +43,7 @@ models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
 	$(MAKE) model-target model-draft model-cards publish-models
 	$(MAKE) draft-distill
-	$(MAKE) eagle3 predictor head-cards calibrate publish-models
+	$(MAKE) eagle3 eagle3-1step predictor head-cards calibrate publish-models
 
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
@@ -66,9 +66,11 @@ model-cards: setup
 head-cards: setup
 	$(BIN)/python -m training.cards --eagle3 build/models/eagle3 --predictor build/models/predictor \
 	    --heldout $(TRACES)/stdlib-heldout.jsonl,$(TRACES)/edit-heldout.jsonl
+	$(BIN)/python -m training.cards --eagle3 build/models/eagle3-1step \
+	    --heldout $(TRACES)/stdlib-heldout.jsonl,$(TRACES)/edit-heldout.jsonl
 
 publish-models:
-	for m in target draft eagle3 predictor; do \
+	for m in target draft eagle3 eagle3-1step predictor; do \
 	  test -d build/models/$$m && mkdir -p models/$$m && cp -r build/models/$$m/. models/$$m/ || true; done
 	test -s build/models/ocm_snapshot.json && cp build/models/ocm_snapshot.json models/ || true
 
@@ -88,6 +90,11 @@ traces: setup
 
 eagle3: traces
 	$(BIN)/python -m training.eagle3 --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --out build/models/eagle3
+
+# The same head without training-time test: best for the 1-token chains that pay on CPU.
+eagle3-1step: traces
+	$(BIN)/python -m training.eagle3 --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --ttt-steps 1 \
+	    --out build/models/eagle3-1step --work-dir $$HOME/.cache/specmesh/train/eagle3-1step
 
 predictor: traces
 	$(BIN)/python -m training.predictor --train $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl \

@@ -15,7 +15,7 @@ from services.common.config import MODELS_DIR, EngineConfig, HybridConfig, Serve
 def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", type=Path, default=MODELS_DIR / "target", help="HF model directory of the target")
     ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft", help="HF model directory of the draft LM")
-    ap.add_argument("--eagle3", type=Path, default=MODELS_DIR / "eagle3",
+    ap.add_argument("--eagle3", type=Path, default=EngineConfig.eagle3,
                     help="EAGLE-3 head directory (ours or a published one for the same target)")
     ap.add_argument("--predictor", type=Path, default=MODELS_DIR / "predictor", help="HVD yield predictor directory")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

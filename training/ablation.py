@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head
 from training.eagle3 import build_sequences, chain_agreement
@@ -56,7 +55,7 @@ def main() -> None:
     ap.add_argument("--heads", required=True, help="comma-separated EAGLE-3 head directories")
     ap.add_argument("--target", type=Path, default=Path("models/target"))
     ap.add_argument("--heldout", required=True, help="comma-separated held-out trace files")
-    ap.add_argument("--positions", type=int, default=EngineConfig.eagle3_k)
+    ap.add_argument("--positions", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

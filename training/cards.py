@@ -32,9 +32,12 @@ def data_limited(heldout: list[float], train: list[float], tokens: int) -> str:
             f"the head is data-limited at {tokens:,} tokens (`--corpus-tokens` adds pretraining text).")
 
 
+CARD_POSITIONS = 4  # chain positions every card reports, whatever the head was trained with
+
+
 def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict, draft_dir: Path) -> dict:
     """Per-position agreement on held-out and on its own training traces; the draft LM's, for scale."""
-    steps, max_len = state["ttt_steps"], target.s.max_positions
+    steps, max_len = max(CARD_POSITIONS, state["ttt_steps"]), target.s.max_positions
     seqs = build_sequences(heldout, max_len)
     train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], max_len)
     draft = Llama.from_pretrained(draft_dir) if (draft_dir / "config.json").exists() else None
@@ -51,17 +54,21 @@ def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir
     ev = agreements(head, target, heldout, state, draft_dir)
     agree, train_agree, draft = ev["agreement_per_position"], ev["train_agreement_per_position"], ev["draft_lm_agreement"]
     rows = " | ".join(f"{a:.1%}" for a in agree)
-    card = f"""# specmesh bundled model: `eagle3`
+    name, ttt = head_dir.name, state["ttt_steps"] > 1
+    how = ("with training-time test." if ttt else
+           "without training-time test (one step): the TTT ablation, and the head for 1-token chains, "
+           "which measured fastest on CPU (`bench/results/eagle3_sweep.md`).")
+    card = f"""# specmesh bundled model: `{name}`
 
 EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlayer`, `norm`,
-`lm_head`, `d2t`/`t2d`), trained from scratch by `training/eagle3.py` with training-time test.
+`lm_head`, `d2t`/`t2d`), trained from scratch by `training/eagle3.py` {how}
 
 | | |
 |---|---|
 | fused target layers | {state['aux_layers']} (low, middle, high) |
 | training data | {state['sequences']} target generations of training prompts ({state['tokens']:,} tokens): \
 `{state['traces']}` |
-| recipe | {state['epochs']} epochs, {state['ttt_steps']} TTT steps (step weight 0.8^j), peak LR {state['lr']} |
+| recipe | {state['epochs']} epochs, {state['ttt_steps']} TTT step{'s (step weight 0.8^j)' if ttt else ''}, peak LR {state['lr']} |
 | steps | {state['step']}/{state['total_steps']}, {state['train_minutes']} min{'' if state['final'] else ' — **training still in progress**'} |
 
 Held-out agreement with the target's greedy token, per chain position (teacher-forced,
@@ -76,7 +83,7 @@ accepted, so acceptance falls with position faster than agreement does:
 For comparison, the draft LM (`sd`) agrees with the target on {'—' if draft is None else f"{draft:.1%}"} of the
 same held-out positions. {data_limited(agree, train_agree, state['tokens'])}
 
-Regenerate: `make traces eagle3`. Card: `python -m training.cards --eagle3 models/eagle3`.
+Regenerate: `make traces {name}`. Card: `python -m training.cards --eagle3 models/{name}`.
 """
     (head_dir / "README.md").write_text(card)
     (head_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
@@ -94,8 +101,9 @@ def predictor_card(pred_dir: Path) -> dict:
 
 The HVD yield predictor: a small MLP that reads suffix-cache draft features and predicts how
 many tokens the target will accept; the router verifies the cache draft when the prediction
-exceeds τ = {h['tau']}, else EAGLE-3 drafts. Trained by `training/predictor.py` on trace
-replays of training prompts ({ev['train_samples']:,} samples, `{ev['train_traces']}`), max draft {ev['max_draft']}.
+pays for the cycle's measured cost (the default; `--no-hybrid-cost-aware`: when it exceeds τ),
+else EAGLE-3 drafts or a plain step runs. High-yield below means yield ≥ {h['tau']}. Trained by
+`training/predictor.py` on trace replays of training prompts ({ev['train_samples']:,} samples, `{ev['train_traces']}`), max draft {ev['max_draft']}.
 
 Held-out ({h['samples']:,} samples from `{ev['heldout_traces']}`; {h['predictor']['high_yield']} with yield ≥ τ):
 

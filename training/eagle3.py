@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
 from services.drafter.replay import load_traces
@@ -283,8 +282,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("models/eagle3"))
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache/specmesh/train/eagle3"))
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None)
-    ap.add_argument("--ttt-steps", type=int, default=EngineConfig.eagle3_k,
-                    help="unrolled steps; chains at inference are at most eagle3_k long, so later steps go unused")
+    ap.add_argument("--ttt-steps", type=int, default=4,
+                    help="unrolled training-time-test steps (1 = no TTT); serve the head with --eagle3-k at most this")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--trace-fraction", type=float, default=1.0, help="train on this share of the traces (ablation)")

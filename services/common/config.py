@@ -50,8 +50,11 @@ class HybridConfig:
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
-    eagle3: Path | None = MODELS_DIR / "eagle3"      # loaded when the directory holds a head
-    eagle3_k: int = 4                                 # EAGLE-3 chain length
+    # EAGLE-3: on CPU, verifying each extra token costs ~15 % of a forward, so 1-token chains
+    # from the head trained without TTT measured fastest (bench/results/eagle3_sweep.md);
+    # where verification is flat in tokens (a GPU), serve models/eagle3 (TTT) with k = 4.
+    eagle3: Path | None = MODELS_DIR / "eagle3-1step"  # loaded when the directory holds a head
+    eagle3_k: int = 1                                   # EAGLE-3 chain length
     eagle3_confidence: float = 0.1                    # EAGLE-3 chains stop after a token with max q below this (tuned)
     predictor: Path | None = MODELS_DIR / "predictor"  # HVD yield predictor, loaded when present
     hybrid: HybridConfig = HybridConfig()

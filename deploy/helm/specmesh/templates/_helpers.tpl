@@ -93,7 +93,8 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- define "specmesh.modelArgs" -}}
 - --target={{ .Values.models.dir }}/target
 - --draft={{ .Values.models.dir }}/draft
-- --eagle3={{ .Values.models.dir }}/eagle3
+- --eagle3={{ .Values.models.dir }}/{{ .Values.models.eagle3 }}
+- --eagle3-k={{ .Values.models.eagle3K }}
 - --predictor={{ .Values.models.dir }}/predictor
 {{- end -}}
 
