@@ -122,17 +122,20 @@ def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin:
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
-                gqa: bool) -> torch.Tensor:
+                gqa: bool, last_only: bool = False) -> torch.Tensor:
     """q [heads, N, d], k/v [kv_heads, N, d] of concatenated rows; row r's tokens start at
     ``offset`` and sit at positions ``start``.. of its batch-1 cache: write its K/V there and
-    attend over the cache prefix with ``mask`` (None for one token). Returns [heads, N, d]."""
+    attend over the cache prefix with ``mask`` (None for one token). Returns [heads, N, d].
+    With ``last_only``, q holds only each row's last query ([heads, rows, d]), which sees the
+    whole prefix (no mask): K/V of every position are written, attention runs for one."""
     outs = []
-    ends = [row[0] for row in rows[1:]] + [q.shape[1]]
-    for (off, start, (kc, vc), mask), end in zip(rows, ends):
+    ends = [row[0] for row in rows[1:]] + [k.shape[1]]
+    for r, ((off, start, (kc, vc), mask), end) in enumerate(zip(rows, ends)):
         t = end - off
         kc[0, :, start:start + t] = k[:, off:end]
         vc[0, :, start:start + t] = v[:, off:end]
-        outs.append(F.scaled_dot_product_attention(q[None, :, off:end], kc[:, :, :start + t], vc[:, :, :start + t],
+        qr, mask = (q[None, :, r:r + 1], None) if last_only else (q[None, :, off:end], mask)
+        outs.append(F.scaled_dot_product_attention(qr, kc[:, :, :start + t], vc[:, :, :start + t],
                                                    attn_mask=mask, enable_gqa=gqa)[0])
     return torch.cat(outs, dim=1)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.llama import MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, rotate_half
+from services.common.llama import MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, attend_rows, rotate_half
 
 
 class MidLayer(nn.Module):
@@ -131,14 +131,10 @@ class Eagle3Head(nn.Module):
         last = torch.tensor(ends, device=dev) - 1
         cos, sin = self.rope(pos, h.dtype)
         q, k, v = self.midlayer.qkv(self.embed_tokens(ids), h, cos, sin, last)
-        outs = []
-        for r, (st, n, end, c) in enumerate(zip(starts, lens, ends, caches)):
-            kc, vc = c.layers[0]
-            kc[0, :, st:st + n] = k[0, :, end - n:end]
-            vc[0, :, st:st + n] = v[0, :, end - n:end]
-            outs.append(F.scaled_dot_product_attention(q[:, :, r:r + 1], kc[:, :, :st + n], vc[:, :, :st + n],
-                                                       enable_gqa=self.s.kv_heads != self.s.heads))
-        out = self.midlayer.finish(torch.cat(outs, dim=2), h[:, last])[0]
+        offsets = [end - n for end, n in zip(ends, lens)]
+        rows = [(off, st, c.layers[0], None) for off, st, c in zip(offsets, starts, caches)]
+        o = attend_rows(q[0], k[0], v[0], rows, self.s.kv_heads != self.s.heads, last_only=True)
+        out = self.midlayer.finish(o[None], h[:, last])[0]
         logits = self.target_logits(self.lm_head(self.norm(out)))
         return list(logits[:, None]), list(out[:, None])
 
