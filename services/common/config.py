@@ -50,7 +50,7 @@ class HybridConfig:
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
-    # EAGLE-3: on CPU, verifying each extra token costs ~15 % of a forward, so 1-token chains
+    # EAGLE-3: on CPU, verification cost grows with every token checked, so 1-token chains
     # from the head trained without TTT measured fastest (bench/results/eagle3_sweep.md);
     # where verification is flat in tokens (a GPU), serve models/eagle3 (TTT) with k = 4.
     eagle3: Path | None = MODELS_DIR / "eagle3-1step"  # loaded when the directory holds a head
