@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -41,12 +41,18 @@ bench: setup
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
-	$(MAKE) model-target model-draft model-cards publish-models
+	$(MAKE) model-target model-draft target-unlikelihood model-cards publish-models
 	$(MAKE) draft-distill
 	$(MAKE) eagle3 eagle3-1step predictor head-cards calibrate publish-models
 
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
+
+# Fine-tune the pretrained target against greedy loops (sequence-level unlikelihood); a target
+# already fine-tuned is left alone.
+target-unlikelihood: setup
+	$(BIN)/python -m training.unlikelihood --out build/models/target \
+	    --model $$(test -d build/models/target && echo build/models/target || echo models/target)
 
 model-draft: setup
 	$(BIN)/python -m training.pretrain --preset draft --out build/models/draft --warm-start models/draft

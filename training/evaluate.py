@@ -110,6 +110,19 @@ def distill_row(state: dict) -> str:
             f"{'' if d['final'] else ' — **in progress**'} |\n")
 
 
+def unlikelihood_row(state: dict) -> str:
+    """Card row for a target fine-tuned against loops (`training/unlikelihood.py`), else nothing."""
+    u = state.get("unlikelihood")
+    if not u:
+        return ""
+    first, last = u["history"][0], u["history"][-1]
+    return (f"| unlikelihood fine-tuning | then {u['step']}/{u['total_steps']} steps ({u['train_minutes']} min): MLE on "
+            f"{u['mle_batch']} windows + sequence-level unlikelihood (α = {u['alpha']}) on {u['ul_batch']} greedy "
+            f"{u['continuation']}-token continuations of training prompts per step; loop rate on {u['monitor_prompts']} monitored "
+            f"training prompts {first['monitor_loop_rate']:.1%} → {last['monitor_loop_rate']:.1%}"
+            f"{'' if u['final'] else ' — **in progress**'} |\n")
+
+
 def write_card(model_dir: Path, ev: dict) -> None:
     state = json.loads((model_dir / "training_state.json").read_text())
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -127,7 +140,7 @@ from scratch by `training/pretrain.py` (preset `{state['preset']}`) — no hub d
 | training data | Python {__import__('sys').version.split()[0]} stdlib sources + edit documents, held-out modules excluded |
 | tokens seen | {state['tokens_seen']:,} of {state['tokens']:,} planned (step {state['step']}/{state['total_steps']}){'' if state['final'] else ' — **training still in progress**'} |
 | training time | {state['train_minutes']} min on {'a GPU' if state.get('device') == 'cuda' else str(state['threads']) + ' CPU thread(s)'} |
-{distill_row(state)}| held-out loss | **{ev['heldout_loss']}** nats/token |
+{distill_row(state)}{unlikelihood_row(state)}| held-out loss | **{ev['heldout_loss']}** nats/token |
 | loop rate | **{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle (the target's gate: ≤ 25 %) |
 | edit exact rate | {ev['edit_exact_rate']:.1%} of {ev['edit_prompts']} held-out edit prompts rewritten exactly |
 
