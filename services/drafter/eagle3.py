@@ -157,7 +157,8 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_embed: torch.Tensor | None = None,
-                        dtype=torch.float32, device="cpu") -> "Eagle3Head":
+                        dtype=torch.float32, device="cpu", target: LlamaShape | None = None) -> "Eagle3Head":
+        """With ``target``, a head trained for another target raises ``HeadMismatch``."""
         from safetensors.torch import load_file
         from transformers import LlamaConfig
 
@@ -165,6 +166,8 @@ class Eagle3Head(nn.Module):
         raw = json.loads((path / "config.json").read_text())
         if "eagle_config" not in raw or "eagle_aux_hidden_state_layer_ids" not in raw["eagle_config"]:
             raise ValueError(f"{path}: config.json lacks eagle_config.eagle_aux_hidden_state_layer_ids")
+        if target is not None:
+            check_fits(raw, target, path)
         cfg = LlamaConfig.from_pretrained(str(path))
         cfg.eagle_config = raw["eagle_config"]
         with torch.device("meta"):
@@ -180,6 +183,20 @@ class Eagle3Head(nn.Module):
         head.rope_cos, head.rope_sin = cos, sin
         head.embed_tokens.weight.requires_grad_(False)
         return head.to(device=device, dtype=dtype).eval()
+
+
+class HeadMismatch(ValueError):
+    """The head was trained for another target (hidden size, vocabulary or feature layers)."""
+
+
+def check_fits(raw: dict, target: LlamaShape, path) -> None:
+    """A head serves only a target of its hidden size and vocabulary with its feature layers."""
+    hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
+    layers = raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    if hidden != target.hidden or raw.get("vocab_size") != target.vocab or not all(0 <= i < target.layers for i in layers):
+        raise HeadMismatch(f"EAGLE-3 head {path} was trained for a target of hidden {hidden}, vocabulary "
+                           f"{raw.get('vocab_size')}, feature layers {layers}; this target has hidden "
+                           f"{target.hidden}, vocabulary {target.vocab}, {target.layers} layers")
 
 
 def eagle3_config(target_cfg, aux_layers: tuple[int, int, int], intermediate: int | None = None):

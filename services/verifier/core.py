@@ -11,7 +11,6 @@ rejection. The router calls it in-process (embedded topology) or over a gRPC str
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -74,21 +73,6 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
     return model
 
 
-def _fits(head_dir: Path, target: Llama) -> bool:
-    """An EAGLE-3 head serves only the target it was trained for (hidden size, vocabulary,
-    feature layers); another one is left out with a warning, and `eagle3` is unavailable."""
-    raw = json.loads((Path(head_dir) / "config.json").read_text())
-    hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
-    layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [])
-    s = target.s
-    if hidden == s.hidden and raw.get("vocab_size") == s.vocab and all(0 <= i < s.layers for i in layers):
-        return True
-    log.warning("EAGLE-3 head %s was trained for a target of hidden %s, vocabulary %s; this target has "
-                "hidden %d, vocabulary %d, %d layers: eagle3 is unavailable", head_dir, hidden,
-                raw.get("vocab_size"), s.hidden, s.vocab, s.layers)
-    return False
-
-
 class VerifierCore:
     def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
                  policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0):
@@ -108,15 +92,20 @@ class VerifierCore:
         if cfg.draft is not None:
             drafters["draft-lm"] = DRAFTERS["draft-lm"](_load(cfg.draft, cfg), cfg.draft_confidence)
             max_draft["draft-lm"] = cfg.num_speculative_tokens
-        if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists() and _fits(cfg.eagle3, runner.model):
-            from services.drafter.eagle3 import Eagle3Head
+        if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
+            from services.drafter.eagle3 import Eagle3Head, HeadMismatch
 
-            head = Eagle3Head.from_pretrained(cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device)
-            if cfg.packed_gemm:
-                pack_linears(head)
-            runner.capture_layers = head.aux_layers
-            drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
-            max_draft["eagle3"] = cfg.eagle3_k
+            try:  # a head trained for another target is left out: `eagle3` is unavailable
+                head = Eagle3Head.from_pretrained(cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device,
+                                                  target=runner.model.s)
+            except HeadMismatch as e:
+                log.warning("%s: eagle3 is unavailable", e)
+            else:
+                if cfg.packed_gemm:
+                    pack_linears(head)
+                runner.capture_layers = head.aux_layers
+                drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
+                max_draft["eagle3"] = cfg.eagle3_k
         memory = open_memory(cfg)
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}

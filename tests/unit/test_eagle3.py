@@ -209,15 +209,30 @@ def test_lm_agreement_is_one_for_the_target_itself_and_lower_for_another_model(t
     assert 0.0 <= lm_agreement(draft, target, seqs) < 1.0
 
 
-def test_a_head_trained_for_another_target_is_left_out(tiny_dirs, tiny_eagle3, tmp_path):
-    from services.verifier.core import _fits
+def test_a_head_trained_for_another_target_is_refused_by_the_loader(tiny_dirs, tiny_eagle3, tmp_path):
+    import shutil
+
+    from services.drafter.eagle3 import HeadMismatch
 
     target = Llama.from_pretrained(tiny_dirs[0])
-    assert _fits(tiny_eagle3, target)
+    Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight, target=target.s)
+    shutil.copy(tiny_eagle3 / "model.safetensors", tmp_path)
     other = json.loads((tiny_eagle3 / "config.json").read_text())
     other.update(target_hidden_size=256, hidden_size=256)
     (tmp_path / "config.json").write_text(json.dumps(other))
-    assert not _fits(tmp_path, target)
+    with pytest.raises(HeadMismatch, match="hidden 256"):
+        Eagle3Head.from_pretrained(tmp_path, target.embed_tokens.weight, target=target.s)
+
+
+def test_an_engine_leaves_a_mismatched_head_out(tiny_dirs, tiny_eagle3, tmp_path):
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    other = json.loads((tiny_eagle3 / "config.json").read_text())
+    other["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 9]
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tmp_path, predictor=None, ocm_snapshot=None))
+    assert "eagle3" not in eng.methods() and "vanilla" in eng.methods()
 
 
 def test_card_calls_a_head_data_limited_only_when_it_fits_its_training_traces_clearly_better():
