@@ -230,6 +230,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     from services.cli import engine_config
+    from services.common.runtime import freeze_startup_heap
     from services.router.engine import Engine
 
     cfg = engine_config(args)
@@ -241,6 +242,7 @@ def main(args: argparse.Namespace) -> dict:
     peers = (HFPeers(cfg.target, cfg.draft, engine.eos_id, cfg.device, cfg.dtype)
              if any(m in HF_PEERS for m in methods) else None)
     prompts = load(args.workload, args.limit)
+    freeze_startup_heap()  # as a serving process does (services.common.grpc_server.run_until_signal)
     rows = benchmark(engine, prompts, methods, args.max_new_tokens, args.repeats, peers)
     result = {
         "workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,

@@ -115,12 +115,13 @@ class DrafterDeployment:
     """The suffix-cache drafter as a deployment; sessions routed by multiplexed id."""
 
     def __init__(self, args: dict):
-        from services.common.runtime import tune_gc
+        from services.common.runtime import freeze_startup_heap, tune_gc
         from services.drafter.suffix import SuffixDrafter
         node_metrics()
 
         tune_gc()
         self.drafter = SuffixDrafter(engine_config(args).suffix)
+        freeze_startup_heap()
 
     def start(self, prompt: list[int], max_new_tokens: int) -> None:
         self.drafter.start(serve.get_multiplexed_model_id(), prompt, max_new_tokens=max_new_tokens)
@@ -178,6 +179,9 @@ class VerifierDeployment:
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(int(args.get("max_sessions", 16)) * 4, thread_name_prefix="cycle")
+        from services.common.runtime import freeze_startup_heap
+
+        freeze_startup_heap()
 
     async def _in_pool(self, fn, *a):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *a)
@@ -318,6 +322,9 @@ class GenerationIngress:
                     engine.add_hybrid("hybrid", PredictorRule(RayPredictor(predictor), TokenFlags(engine.tokenizer),
                                                               cfg.hybrid.tau), cost_aware=cfg.hybrid.cost_aware)
                 self._engine = engine
+                from services.common.runtime import freeze_startup_heap
+
+                freeze_startup_heap()
         return self._engine
 
     def Generate(self, request, grpc_context):

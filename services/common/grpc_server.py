@@ -58,6 +58,9 @@ def run_until_signal(server: grpc.Server, metrics_port: int = 0, host: str = "12
 
     from prometheus_client import start_http_server
 
+    from services.common.runtime import freeze_startup_heap
+
+    freeze_startup_heap()
     server.start()
     if metrics_port:
         start_http_server(metrics_port, addr=host)

@@ -13,3 +13,20 @@ def tune_gc() -> None:
     collection, so collect far less often.
     """
     gc.set_threshold(50_000, 20, 20)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive once start-up is done into the collector's permanent generation.
+
+    Imported modules (torch, transformers, grpc) and loaded models leave a few hundred thousand
+    long-lived objects; each full collection walks all of them, and on the serving path those
+    pauses land inside decoding cycles. Frozen objects are never scanned again; what serving
+    creates (suffix-tree nodes, sessions) is still collected as usual. Call it once, right
+    before serving. ``SPECMESH_GC_FREEZE=0`` turns it off (for A/B measurements).
+    """
+    import os
+
+    if os.environ.get("SPECMESH_GC_FREEZE", "1") == "0":
+        return
+    gc.collect()
+    gc.freeze()
