@@ -41,6 +41,19 @@ def ends_in_loop(tokens: list[int]) -> bool:
     return False
 
 
+def seq_rep(tokens: list[int], n: int = 4) -> float:
+    """Share of a sequence's n-grams that repeat an earlier one (Welleck et al.'s seq-rep-n):
+    near-loops that vary a token each cycle escape ``ends_in_loop`` but not this."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def text_seq_rep(held: np.ndarray, windows: int = 40, n_tokens: int = 128) -> float:
+    """seq-rep-4 of held-out source itself: ``windows`` spaced 128-token windows (the reference)."""
+    step = (len(held) - n_tokens) // windows
+    return float(np.mean([seq_rep(held[i * step:i * step + n_tokens].tolist()) for i in range(windows)]))
+
+
 @torch.inference_mode()
 def greedy(model: Llama, prompt: list[int], n: int, eos: int) -> list[int]:
     """Greedy continuation of up to ``n`` tokens, stopping at EOS or the end of the context."""
@@ -78,12 +91,13 @@ def evaluate(model_dir: Path, n_prompts: int, n_edit: int) -> dict:
     model = Llama.from_pretrained(model_dir)
     _, held = encode_corpus(model_dir, default_work_dir("corpus"))
     loss = heldout_loss(model, held)
-    loops, samples = 0, []
+    loops, reps, samples = 0, [], []
     prompts = stdlib_heldout(n_prompts)
     for i, p in enumerate(prompts):
         ids = tok(p.text, add_special_tokens=False)["input_ids"]
         out = greedy(model, ids, 128, tok.eos_token_id)
         loops += ends_in_loop(out)
+        reps.append(seq_rep(out))
         if i < 3:
             samples.append({"prompt_tail": p.text[-300:], "continuation": tok.decode(out)})
         print(f"[eval] loop check {i + 1}/{len(prompts)} ({time.time() - t0:.0f}s)", flush=True)
@@ -96,6 +110,7 @@ def evaluate(model_dir: Path, n_prompts: int, n_edit: int) -> dict:
         exact += tok.decode(out).startswith(p.reference)
         print(f"[eval] edit {i + 1}/{len(edits)} ({time.time() - t0:.0f}s)", flush=True)
     return {"heldout_loss": round(loss, 4), "loop_rate": round(loops / len(prompts), 3), "loop_prompts": len(prompts),
+            "seq_rep_4": round(float(np.mean(reps)), 3), "text_seq_rep_4": round(text_seq_rep(held), 3),
             "edit_exact_rate": round(exact / max(1, len(edits)), 3), "edit_prompts": len(edits),
             "samples": samples, "eval_seconds": round(time.time() - t0, 1)}
 
@@ -142,6 +157,7 @@ from scratch by `training/pretrain.py` (preset `{state['preset']}`) — no hub d
 | training time | {state['train_minutes']} min on {'a GPU' if state.get('device') == 'cuda' else str(state['threads']) + ' CPU thread(s)'} |
 {distill_row(state)}{unlikelihood_row(state)}| held-out loss | **{ev['heldout_loss']}** nats/token |
 | loop rate | **{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle (the target's gate: ≤ 25 %) |
+| seq-rep-4 | {ev['seq_rep_4']:.1%} of the continuations' 4-grams repeat an earlier one (held-out source text itself: {ev['text_seq_rep_4']:.1%}) |
 | edit exact rate | {ev['edit_exact_rate']:.1%} of {ev['edit_prompts']} held-out edit prompts rewritten exactly |
 
 Held-out modules (never trained on): {', '.join(HELD_OUT)} (and their `test/test_*` files).

@@ -68,3 +68,13 @@ def test_lr_warms_up_holds_then_decays_to_ten_percent():
     assert lr_at(0, 300, 1.0) < lr_at(10, 300, 1.0) < lr_at(19, 300, 1.0) == 1.0
     assert lr_at(150, 300, 1.0) == lr_at(199, 300, 1.0) == 1.0
     assert 0.1 < lr_at(250, 300, 1.0) < 1.0 and abs(lr_at(300, 300, 1.0) - 0.1) < 1e-9
+
+
+def test_seq_rep_counts_repeated_four_grams_including_near_loops():
+    from training.evaluate import ends_in_loop, seq_rep
+
+    assert seq_rep(list(range(50))) == 0.0
+    near = []
+    for k in range(8):  # a cycle that grows by one token each time: no exact period
+        near += [1, 2, 3, 4] + [5] * (k % 3) + [6]
+    assert not ends_in_loop(near) and seq_rep(near) > 0.5
