@@ -4,8 +4,8 @@ Serving processes freeze what start-up leaves alive (``services.common.runtime.f
 so full collections stop walking torch's, transformers' and gRPC's objects inside decoding
 cycles. Per prompt, each method runs once with the start-up heap frozen and once with it
 unfrozen (``gc.unfreeze``; the order alternates), under the serving GC thresholds. The report
-gives median tokens/s, the frozen/unfrozen ratio and the collector's pause time per 1,000
-tokens, measured with ``gc.callbacks``.
+gives median tokens/s, the frozen/unfrozen ratio, the collector's mean pause time per 1,000
+tokens (``gc.callbacks``) and the collections per generation over the whole run.
 
     python -m bench.gc_freeze --workload edit --limit 10 --max-new-tokens 256 --out bench/results/gc_freeze.json
 """
@@ -28,6 +28,7 @@ class PauseClock:
 
     def __init__(self):
         self.total = [0.0, 0.0, 0.0]
+        self.count = [0, 0, 0]
         self._t0 = 0.0
         gc.callbacks.append(self._on)
 
@@ -36,16 +37,28 @@ class PauseClock:
             self._t0 = time.perf_counter()
         else:
             self.total[info["generation"]] += time.perf_counter() - self._t0
+            self.count[info["generation"]] += 1
 
     def seconds(self) -> float:
         return sum(self.total)
 
 
 def set_frozen(frozen: bool) -> None:
+    """No collection here: the collector's counters run on as they would while serving."""
     gc.unfreeze()
-    gc.collect()
     if frozen:
         gc.freeze()
+
+
+def full_collection_ms(frozen: bool, repeats: int = 5) -> float:
+    """Median pause of one full (generation-2) collection of this process's heap."""
+    set_frozen(frozen)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gc.collect()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def run(engine, ids: list[int], n: int, method: str, clock: PauseClock) -> tuple[float, float, list[int]]:
@@ -99,28 +112,35 @@ def main() -> None:
         for m in methods:
             run(engine, engine.encode_fit(prompts[0].text, 16), 16, m, clock)
     r = measure(engine, prompts, methods, args.max_new_tokens, clock)
+    collections = list(clock.count)
+    pause = {f: round(full_collection_ms(f), 1) for f in (True, False)}
     med = statistics.median
     rows = [{"method": m, "tokens_per_s_frozen": round(med(r["speed"][m, True]), 1),
              "tokens_per_s_unfrozen": round(med(r["speed"][m, False]), 1),
              "frozen_vs_unfrozen": round(med(a / b for a, b in zip(r["speed"][m, True], r["speed"][m, False])), 3),
-             "gc_ms_per_1k_frozen": round(med(r["pauses"][m, True]), 2),
-             "gc_ms_per_1k_unfrozen": round(med(r["pauses"][m, False]), 2)} for m in methods]
-    report(args, rows, len(prompts))
+             "gc_ms_per_1k_frozen": round(statistics.mean(r["pauses"][m, True]), 2),
+             "gc_ms_per_1k_unfrozen": round(statistics.mean(r["pauses"][m, False]), 2)} for m in methods]
+    report(args, rows, len(prompts), pause, collections)
 
 
-def report(args, rows: list[dict], n_prompts: int) -> None:
+def report(args, rows: list[dict], n_prompts: int, pause: dict, gens: list[int]) -> None:
     command = "python -m bench.gc_freeze " + " ".join(sys.argv[1:])
     lines = [f"### Start-up heap frozen vs unfrozen — {args.workload}, {n_prompts} prompts, "
              f"{args.max_new_tokens} new tokens, {args.threads} thread(s)", "",
              "| method | tok/s frozen | tok/s unfrozen | frozen / unfrozen (median per prompt) | "
-             "GC ms per 1k tokens frozen | unfrozen |", "|---|---|---|---|---|---|"]
+             "GC ms per 1k tokens frozen (mean) | unfrozen (mean) |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['tokens_per_s_frozen']} | {r['tokens_per_s_unfrozen']} | {r['frozen_vs_unfrozen']} | "
               f"{r['gc_ms_per_1k_frozen']} | {r['gc_ms_per_1k_unfrozen']} |" for r in rows]
-    text = "\n".join(lines + ["", f"Command: `{command}`", ""])
+    text = "\n".join(lines + ["", f"Collections in the run, generations 0/1/2: {gens[0]}/{gens[1]}/{gens[2]}. "
+                              f"One full collection of this process after the run: {pause[True]} ms frozen, "
+                              f"{pause[False]} ms unfrozen.", "",
+                              f"Command: `{command}`", ""])
     print(text)
     if args.out:
         args.out.write_text(json.dumps({"command": command, "workload": args.workload, "limit": n_prompts,
-                                        "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2) + "\n")
+                                        "max_new_tokens": args.max_new_tokens,
+                                        "full_collection_ms": {"frozen": pause[True], "unfrozen": pause[False]},
+                                        "collections_per_generation": gens, "rows": rows}, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(text)
 
 
