@@ -23,6 +23,8 @@ def freeze_startup_heap() -> None:
     pauses land inside decoding cycles. Frozen objects are never scanned again; what serving
     creates (suffix-tree nodes, sessions) is still collected as usual. Call it once, right
     before serving. ``SPECMESH_GC_FREEZE=0`` turns it off (for A/B measurements).
+    Measured (``bench/results/gc_freeze.md``): a full collection of a loaded engine process
+    takes ~222 ms unfrozen, ~0 ms frozen.
     """
     import os
 
