@@ -116,12 +116,10 @@ def monitor(model: Llama, pool: PromptPool, held_ids: np.ndarray, step: int) -> 
 def monitor_loop_rate(model: Llama, pool: PromptPool, n: int = 128) -> float:
     from training.evaluate import ends_in_loop
 
-    model.eval()
     loops = 0
     for i in range(0, len(pool.monitor), 8):  # similar lengths: batches of 8 keep truncation small
         cont = greedy_batch(model, stack_left_truncated(pool.monitor[i:i + 8]), n)
         loops += sum(ends_in_loop(r) for r in cont.tolist())
-    model.train()
     return loops / len(pool.monitor)
 
 
@@ -146,9 +144,7 @@ def ul_step(model, opt, args, pool, train_ids, step: int, eos: int) -> tuple[flo
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     prompts = pool.batch(step, args.ul_batch)
-    model.eval()
-    cont = greedy_batch(model, prompts, args.continuation)
-    model.train()
+    cont = greedy_batch(model, prompts, args.continuation)  # no dropout: train mode decodes as eval
     mask = loop_masks(cont, eos)
     ul = args.alpha * ul_loss(model, prompts, cont, mask)
     opt.zero_grad(set_to_none=True)
