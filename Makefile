@@ -48,11 +48,12 @@ models: setup
 model-target: setup
 	$(BIN)/python -m training.pretrain --preset target --out build/models/target --warm-start models/target
 
-# Fine-tune the pretrained target against greedy loops (sequence-level unlikelihood); a target
-# already fine-tuned is left alone.
+# Fine-tune the pretrained target against greedy loops (sequence-level unlikelihood): round 1,
+# then a gentler round 2; a finished round is skipped.
+UL_MODEL = $$(test -d build/models/target && echo build/models/target || echo models/target)
 target-unlikelihood: setup
-	$(BIN)/python -m training.unlikelihood --out build/models/target \
-	    --model $$(test -d build/models/target && echo build/models/target || echo models/target)
+	$(BIN)/python -m training.unlikelihood --out build/models/target --model $(UL_MODEL)
+	$(BIN)/python -m training.unlikelihood --out build/models/target --model $(UL_MODEL) --round 2 --steps 150 --lr 5e-5
 
 model-draft: setup
 	$(BIN)/python -m training.pretrain --preset draft --out build/models/draft --warm-start models/draft

@@ -27,7 +27,7 @@ import torch
 
 from services.common.llama import Llama
 from training.eagle3 import batches, build_sequences, pad
-from training.pretrain import export
+from training.pretrain import export, weights_digest
 
 
 def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -46,9 +46,13 @@ def lr_at(step: int, total: int, peak: float) -> float:
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     state = json.loads((args.draft / "training_state.json").read_text())
-    if state.get("distill", {}).get("final"):
-        print(f"[distill] {args.draft} is already distilled ({state['distill']['step']} steps); nothing to do")
+    toward = weights_digest(args.target)
+    done = state.get("distill", {})
+    if done.get("final") and done.get("target") == toward:
+        print(f"[distill] {args.draft} is already distilled toward {args.target} ({done['step']} steps); nothing to do")
         return
+    if done.get("final"):  # distilled toward other target weights: start a new distillation from it
+        print(f"[distill] {args.draft} was distilled toward other target weights; distilling toward {args.target}", flush=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = Llama.from_pretrained(args.target, device=device).requires_grad_(False)
     draft = Llama.from_pretrained(args.draft, device=device).train()
@@ -57,9 +61,11 @@ def train(args: argparse.Namespace) -> None:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt.pt"
-    prog = {"epoch": 0, "done": 0, "step": 0, "elapsed": 0.0}
-    if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False, map_location=device)
+    prog = {"epoch": 0, "done": 0, "step": 0, "elapsed": 0.0, "target": toward}
+    st = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.exists() else None
+    if st and st["progress"].get("target") != toward:
+        print(f"[distill] {ckpt} was toward other target weights; starting afresh", flush=True)
+    elif st:
         draft.load_state_dict(st["draft"])
         opt.load_state_dict(st["opt"])
         prog = st["progress"]
@@ -72,7 +78,7 @@ def train(args: argparse.Namespace) -> None:
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
         distill = {"traces": args.traces, "sequences": len(seqs), "epochs": args.epochs, "step": prog["step"],
                    "total_steps": total, "lr": args.lr, "train_minutes": round(prog["elapsed"] / 60, 1),
-                   "final": prog["step"] >= total}
+                   "final": prog["step"] >= total, "target": toward}
         export(draft, args.draft, args.out, {**state, "distill": distill})
 
     stop = {"now": False}

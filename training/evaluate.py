@@ -130,8 +130,11 @@ def unlikelihood_row(state: dict) -> str:
     u = state.get("unlikelihood")
     if not u:
         return ""
-    first, last = u["history"][0], u["history"][-1]
-    return (f"| unlikelihood fine-tuning | then {u['step']}/{u['total_steps']} steps ({u['train_minutes']} min): MLE on "
+    rounds = [*u.get("previous", []), u]
+    first, last = rounds[0]["history"][0], u["history"][-1]
+    steps = " + ".join(f"{r['step']}/{r['total_steps']} (LR {r['lr']:g})" for r in rounds)
+    minutes = round(sum(r["train_minutes"] for r in rounds), 1)
+    return (f"| unlikelihood fine-tuning | then {steps} steps ({minutes} min): MLE on "
             f"{u['mle_batch']} windows + sequence-level unlikelihood (α = {u['alpha']}) on {u['ul_batch']} greedy "
             f"{u['continuation']}-token continuations of training prompts per step; loop rate on {u['monitor_prompts']} monitored "
             f"training prompts {first['monitor_loop_rate']:.1%} → {last['monitor_loop_rate']:.1%}"

@@ -10,6 +10,7 @@ continues from it. Each checkpoint also exports the fp16 Hugging Face model to `
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -50,6 +51,14 @@ SEQ_LEN = 1024
 def default_work_dir(name: str) -> Path:
     base = Path(os.environ.get("SPECMESH_TRAIN_DIR", Path.home() / ".cache" / "specmesh" / "train"))
     return base / name
+
+
+def weights_digest(model_dir: Path) -> str:
+    """Fingerprint of a model directory's weights (keys checkpoints and \"distilled toward\")."""
+    h = hashlib.sha1()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def encode_corpus(tokenizer_dir: Path, work: Path) -> tuple[np.ndarray, np.ndarray]:

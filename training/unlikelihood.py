@@ -11,7 +11,11 @@ repetitions directly. Each step makes two updates:
   t repeat with some period p ≤ 32 for at least max(2p, 8) tokens.
 
 The pretrain fields of ``training_state.json`` are kept and an ``unlikelihood`` section is
-added. Resumable: a checkpoint is written every ``--ckpt-minutes`` and on SIGTERM/SIGINT.
+added. ``--round N`` runs round N on a model that has finished round N − 1 (its own steps, LR
+and a fresh optimizer; earlier rounds move to ``unlikelihood.previous`` and each round draws
+windows and prompts the earlier ones did not); a finished round is skipped. Resumable: a checkpoint is written every
+``--ckpt-minutes`` and on SIGTERM/SIGINT; it records the weights it started from and is
+ignored when those differ.
 
     python -m training.unlikelihood --model models/target --out build/models/target
 """
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 from services.common.llama import Llama
-from training.pretrain import batch_at, default_work_dir, encode_corpus, export, heldout_loss, lm_loss
+from training.pretrain import batch_at, default_work_dir, encode_corpus, export, heldout_loss, lm_loss, weights_digest
 
 MAX_PERIOD = 32
 MIN_SPAN = 8
@@ -96,7 +100,7 @@ class PromptPool:
         self.train, self.monitor = ids[:-n_monitor], ids[-n_monitor:]
 
     def batch(self, step: int, b: int) -> torch.Tensor:
-        rng = np.random.default_rng(7_000_003 + step)
+        rng = np.random.default_rng(7_000_003 + step)   # step counts on across rounds (global_step)
         return stack_left_truncated([self.train[i] for i in rng.choice(len(self.train), b, replace=False)])
 
 
@@ -137,6 +141,7 @@ def ul_step(model, opt, args, pool, train_ids, step: int, eos: int) -> tuple[flo
     """One MLE update and one unlikelihood update; returns (mle loss, ul loss, share of loop tokens)."""
     for g in opt.param_groups:
         g["lr"] = lr_at(step, args.steps, args.lr)
+    step += args.step_offset   # a later round draws windows and prompts the earlier ones did not
     x = batch_at(train_ids, step, args.mle_batch, seed=11)
     mle = lm_loss(model, x)
     opt.zero_grad(set_to_none=True)
@@ -154,28 +159,60 @@ def ul_step(model, opt, args, pool, train_ids, step: int, eos: int) -> tuple[flo
     return mle.item(), ul.item(), float(mask.mean())
 
 
+def round_state(state: dict, model_dir: Path, round_no: int) -> tuple[dict, list[dict], str]:
+    """(pretrain state, finished earlier rounds, digest of the weights round ``round_no`` starts from).
+
+    A model exported mid-round carries its round's start digest, so that round resumes. Raises
+    ``AlreadyTuned`` when round ``round_no`` is finished and ValueError when an earlier one is not."""
+    base = {k: v for k, v in state.items() if k != "unlikelihood"}
+    cur = state.get("unlikelihood")
+    if not cur:
+        done, earlier = 0, []
+    elif cur["final"]:
+        earlier = [*cur.get("previous", []), {k: v for k, v in cur.items() if k != "previous"}]
+        done = len(earlier)
+    else:
+        done, earlier = len(cur.get("previous", [])), cur.get("previous", [])
+        if done + 1 == round_no:
+            return base, earlier, cur.get("source") or weights_digest(model_dir)
+    if done >= round_no:
+        raise AlreadyTuned
+    if done + 1 < round_no:
+        raise ValueError(f"{model_dir} has {done} finished unlikelihood round(s); run round {done + 1} first")
+    return base, earlier, weights_digest(model_dir)
+
+
+class AlreadyTuned(Exception):
+    pass
+
+
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     state = json.loads((args.model / "training_state.json").read_text())
-    if state.get("unlikelihood", {}).get("final"):
-        print(f"[unlikelihood] {args.model} is already fine-tuned; nothing to do")
+    try:
+        base, earlier, source = round_state(state, args.model, args.round)
+    except AlreadyTuned:
+        print(f"[unlikelihood] {args.model} has finished round {args.round}; nothing to do")
         return
+    args.step_offset = sum(r["step"] for r in earlier)
     model = Llama.from_pretrained(args.model).train()
     eos = int(model.hf_config.eos_token_id)
     train_ids, held_ids = encode_corpus(args.model, default_work_dir("corpus"))
     pool = PromptPool(args.model, args.prompts, args.monitor, args.max_prompt)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    work = args.work_dir
+    work = args.work_dir / f"round{args.round}"
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt.pt"
-    prog = {"step": 0, "elapsed": 0.0, "history": []}
-    if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
+    prog = {"step": 0, "elapsed": 0.0, "history": [], "source": source}
+    st = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
+    if st and st["progress"].get("source") == source:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         prog = st["progress"]
         print(f"[unlikelihood] resumed at step {prog['step']}", flush=True)
     else:
+        if st:
+            print(f"[unlikelihood] {ckpt} started from other weights; starting afresh", flush=True)
         prog["history"].append(monitor(model, pool, held_ids, 0))
 
     def save() -> None:
@@ -184,8 +221,10 @@ def train(args: argparse.Namespace) -> None:
         ul = {"step": prog["step"], "total_steps": args.steps, "lr": args.lr, "alpha": args.alpha,
               "ul_batch": args.ul_batch, "monitor_prompts": args.monitor, "mle_batch": args.mle_batch, "continuation": args.continuation,
               "train_minutes": round(prog["elapsed"] / 60, 1), "history": prog["history"],
-              "heldout_loss": round(heldout_loss(model, held_ids), 4), "final": prog["step"] >= args.steps}
-        export(model, args.model, args.out, {**state, "unlikelihood": ul})
+              "heldout_loss": round(heldout_loss(model, held_ids), 4), "final": prog["step"] >= args.steps, "source": source}
+        if earlier:
+            ul["previous"] = earlier
+        export(model, args.model, args.out, {**base, "unlikelihood": ul})
 
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
@@ -235,6 +274,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--round", type=int, default=1, help="which fine-tuning round this run is; a finished one is skipped")
     train(ap.parse_args())
 
 

@@ -1,5 +1,6 @@
 """`training.distill` end to end on tiny models: the soft cross-entropy to the target falls and
-the distilled draft's drafts are accepted far more often; a finished run is not repeated."""
+the distilled draft's drafts are accepted far more often; a finished run is not repeated, but a
+changed target is distilled toward again."""
 import json
 import subprocess
 import sys
@@ -45,3 +46,10 @@ def test_distill_draft_on_target_traces(tiny_dirs, tmp_path):
     assert "already distilled" in again
     after = acceptance(target, draft, prompts)
     assert after > max(0.2, 2 * before), (before, after)
+    retuned = make_tiny(tmp_path / "target2", seed=3)          # new target weights, same shape
+    cmd2 = list(cmd)
+    cmd2[cmd2.index("--target") + 1], cmd2[cmd2.index("--epochs") + 1] = str(retuned), "1"
+    log2 = subprocess.run(cmd2, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "distilled toward other target weights" in log2 and "resumed" not in log2
+    state2 = json.loads((draft / "training_state.json").read_text())
+    assert state2["distill"]["final"] and state2["distill"]["target"] != state["distill"]["target"]

@@ -1,10 +1,12 @@
 """Sequence-level unlikelihood fine-tuning: which tokens are penalised, batched greedy
 continuations, and that the loss lowers the probability of a looping token."""
+import pytest
 import torch
 
 from services.common.llama import Llama
-from training.evaluate import greedy
-from training.unlikelihood import cycle_mask, greedy_batch, loop_masks, stack_left_truncated, ul_loss
+from training.evaluate import greedy, unlikelihood_row
+from training.unlikelihood import (AlreadyTuned, cycle_mask, greedy_batch, loop_masks, round_state,
+                                   stack_left_truncated, ul_loss)
 
 
 def test_cycle_mask_marks_the_second_repeat_of_a_period():
@@ -78,3 +80,38 @@ def test_seq_rep_counts_repeated_four_grams_including_near_loops():
     for k in range(8):  # a cycle that grows by one token each time: no exact period
         near += [1, 2, 3, 4] + [5] * (k % 3) + [6]
     assert not ends_in_loop(near) and seq_rep(near) > 0.5
+
+
+def _round(step, total, lr, final, **extra):
+    return {"step": step, "total_steps": total, "lr": lr, "alpha": 1.0, "ul_batch": 16, "mle_batch": 8,
+            "continuation": 128, "monitor_prompts": 40, "train_minutes": 10.0, "final": final,
+            "history": [{"step": 0, "monitor_loop_rate": 0.5}, {"step": step, "monitor_loop_rate": 0.2}], **extra}
+
+
+def test_rounds_start_resume_and_skip(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    pre = {"preset": "target"}
+    base, earlier, src = round_state(pre, tmp_path, 1)
+    assert base == pre and earlier == [] and len(src) == 16
+    r1 = _round(300, 300, 1e-4, True)
+    with pytest.raises(AlreadyTuned):
+        round_state({**pre, "unlikelihood": r1}, tmp_path, 1)
+    with pytest.raises(ValueError, match="run round 2 first"):
+        round_state({**pre, "unlikelihood": r1}, tmp_path, 3)
+    base, earlier, src2 = round_state({**pre, "unlikelihood": r1}, tmp_path, 2)
+    assert base == pre and earlier == [r1] and src2 == src
+    # an export made mid-round 2 resumes round 2 from the weights that round started from
+    mid = _round(40, 150, 5e-5, False, source="start-of-r2", previous=[r1])
+    assert round_state({**pre, "unlikelihood": mid}, tmp_path, 2) == (pre, [r1], "start-of-r2")
+    done = {**mid, "step": 150, "final": True}
+    with pytest.raises(AlreadyTuned):
+        round_state({**pre, "unlikelihood": done}, tmp_path, 2)
+    _, earlier, _ = round_state({**pre, "unlikelihood": done}, tmp_path, 3)
+    assert [r["lr"] for r in earlier] == [1e-4, 5e-5] and all("previous" not in r for r in earlier)
+
+
+def test_card_row_sums_the_rounds():
+    r2 = _round(150, 150, 5e-5, True, previous=[_round(300, 300, 1e-4, True)])
+    row = unlikelihood_row({"unlikelihood": r2})
+    assert "300/300 (LR 0.0001) + 150/150 (LR 5e-05) steps (20.0 min)" in row
+    assert "50.0% → 20.0%" in row and "in progress" not in row
