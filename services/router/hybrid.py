@@ -6,11 +6,14 @@ when its predicted yield is worth a verification; otherwise draft with the model
 ArcticInference's hybrid, the baseline).
 
 Cost-aware variant (``CycleCosts``): τ compares a yield with a constant, but what a cycle is
-worth depends on what it costs here. With measured costs, the cache draft is verified when
-(1 + ŷ) / seconds of a cache cycle ≥ the best fallback's tokens / seconds, and the fallback
-is the model drafter or a plain step (no draft, one token), whichever yields more per second.
-Where the model drafter's cycle costs more than its extra tokens are worth (a CPU, where the
-EAGLE-3 head's steps are not cheap next to the target), the hybrid stops calling it.
+worth depends on what it costs here. With measured costs, a cache draft of n tokens is
+verified when (1 + ŷ) / s(n) ≥ the best fallback's tokens / seconds, where s(n) = a + b·n is
+a cache cycle's cost fitted online against draft length (verifying a short draft costs about
+a plain step; a long one more). The fallback is the model drafter or a plain step (no draft,
+one token), whichever yields more per second. When even ŷ = 0 would pass, the predictor is
+not consulted. Where the model drafter's cycle costs more than its extra tokens are worth (a
+CPU, where the EAGLE-3 head's steps are not cheap next to the target), the hybrid stops
+calling it.
 """
 from __future__ import annotations
 
@@ -49,6 +52,31 @@ class _Ema:
         return (self.tokens if tokens is None else tokens) / max(self.seconds, 1e-9)
 
 
+@dataclass
+class _LengthCost:
+    """Seconds of a cycle as a + b·n over its draft length n: EMAs of n, s, n², n·s."""
+
+    n: int = 0
+    mean_len: float = 0.0
+    mean_s: float = 0.0
+    mean_len2: float = 0.0
+    mean_len_s: float = 0.0
+
+    def add(self, length: int, seconds: float, alpha: float) -> None:
+        a = 1.0 if self.n == 0 else alpha
+        self.mean_len += a * (length - self.mean_len)
+        self.mean_s += a * (seconds - self.mean_s)
+        self.mean_len2 += a * (length * length - self.mean_len2)
+        self.mean_len_s += a * (length * seconds - self.mean_len_s)
+        self.n += 1
+
+    def seconds(self, length: int) -> float:
+        """Fitted cost of an n-token draft's cycle; the slope is 0 until lengths vary, never negative."""
+        var = self.mean_len2 - self.mean_len ** 2
+        slope = max(0.0, (self.mean_len_s - self.mean_len * self.mean_s) / var) if var > 0.25 else 0.0
+        return max(1e-9, self.mean_s + slope * (length - self.mean_len))
+
+
 class CycleCosts:
     """Tokens and seconds per cycle of each choice, EMAs over all requests of one hybrid.
 
@@ -58,12 +86,16 @@ class CycleCosts:
     def __init__(self, warmup: int = 4, explore_every: int = 32, alpha: float = 0.05):
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
         self.ema = {c: _Ema() for c in (CACHE, MODEL, PLAIN)}
+        self.cache_cost = _LengthCost()
         self._fallbacks = 0
         self._lock = threading.Lock()
 
-    def record(self, choice: str, tokens: int, seconds: float) -> None:
+    def record(self, choice: str, tokens: int, seconds: float, drafted: int = 0) -> None:
+        """One finished cycle: tokens committed, its seconds, and (cache cycles) the draft length."""
         with self._lock:
             self.ema[choice].add(tokens, seconds, self.alpha)
+            if choice == CACHE:
+                self.cache_cost.add(drafted, seconds, self.alpha)
 
     def fallback(self) -> str:
         """The model drafter or a plain step: whichever yields more tokens per second."""
@@ -81,14 +113,20 @@ class CycleCosts:
                 return fallback
             return PLAIN if fallback == MODEL else MODEL
 
-    def cache_pays(self, y_hat: float, fallback: str, tau: float) -> bool:
-        """(1 + ŷ) tokens per cache-cycle second beat the fallback's measured rate; until both
-        are measured, the paper's rule ŷ > τ decides."""
+    def yield_needed(self, length: int, fallback: str) -> float | None:
+        """The least ŷ for which verifying an n-token cache draft beats the fallback:
+        (1 + ŷ) / s(n) ≥ the fallback's rate. None until both are measured."""
         with self._lock:
-            c, f = self.ema[CACHE], self.ema[fallback]
-            if min(c.n, f.n) < self.warmup:
-                return y_hat > tau
-            return c.rate(1.0 + max(0.0, y_hat)) >= f.rate()
+            f = self.ema[fallback]
+            if min(self.cache_cost.n, f.n) < self.warmup:
+                return None
+            return f.rate() * self.cache_cost.seconds(length) - 1.0
+
+    def cache_pays(self, y_hat: float, fallback: str, tau: float, length: int = 0) -> bool:
+        """(1 + ŷ) tokens per second of an n-token cache cycle beat the fallback's measured
+        rate; until both are measured, the paper's rule ŷ > τ decides."""
+        need = self.yield_needed(length, fallback)
+        return y_hat > tau if need is None else max(0.0, y_hat) >= need
 
 
 class DecisionRule(Protocol):
@@ -106,9 +144,13 @@ class PredictorRule:
 
     def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
                      costs: CycleCosts | None = None) -> bool:
+        n = len(draft.token_ids)
+        need = costs.yield_needed(n, fallback) if costs is not None else None
+        if need is not None and need <= 0.0:   # any ŷ ≥ 0 passes: no prediction needed
+            return True
         y_hat = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
         draft.features["predicted_yield"] = y_hat
-        return y_hat > self.tau if costs is None else costs.cache_pays(y_hat, fallback, self.tau)
+        return y_hat > self.tau if costs is None else costs.cache_pays(y_hat, fallback, self.tau, n)
 
 
 class ScoreRule:
@@ -178,9 +220,12 @@ class HybridDrafter:
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
-        if self.costs and st.started:  # a cycle this hybrid chose (a budget-0 cycle is not one)
-            self.costs.record(st.choice, len(tokens), time.perf_counter() - st.started)
-            st.started = 0.0
+        # A cycle this hybrid chose (a budget-0 cycle is not one), except a request's first:
+        # its seconds include the prompt's prefill, which no choice changes.
+        if self.costs and st.started and st.tracker.generated > 0:
+            self.costs.record(st.choice, len(tokens), time.perf_counter() - st.started,
+                              len(st.cache_draft) if st.choice == CACHE else 0)
+        st.started = 0.0
         self.cache.observe(req_id, tokens)
         st.tracker.update(st.cache_draft, st.chose_cache, tokens)
         if st.predicted is not None:  # predicted vs observed high yield, for precision / recall

@@ -59,6 +59,20 @@ def test_cost_aware_hybrid_is_lossless_and_follows_measured_costs(tiny_eagle_eng
     assert model > costs.warmup and plain <= costs.warmup + model // 16 + 1
 
 
+def test_cost_aware_hybrid_does_not_charge_the_prefill_cycle_to_a_choice(tiny_eagle_engine):
+    eng = tiny_eagle_engine
+    eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
+    hybrid = eng.drafters["hybrid"]
+    chosen = []                                   # cycles the hybrid decided (budget > 0)
+    propose = hybrid.propose
+    hybrid.propose = lambda req_id, budget: chosen.append(req_id) or propose(req_id, budget)
+    for t in TEXTS:
+        eng.generate(GenerationRequest(eng.encode(t), 24, method="hybrid")).result()
+    recorded = sum(e.n for e in hybrid.costs.ema.values())
+    assert len(set(chosen)) == len(TEXTS) and recorded == len(chosen) - len(TEXTS)
+    assert hybrid.costs.cache_cost.n == hybrid.costs.ema[CACHE].n
+
+
 def test_hybrid_score_rule_extremes(tiny_eagle_engine):
     eng = tiny_eagle_engine
     eng.add_hybrid("hybrid-rule", ScoreRule(1e9))   # never trust the cache

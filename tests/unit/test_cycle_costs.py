@@ -50,3 +50,54 @@ def test_ema_follows_a_change_in_cost():
     for _ in range(200):                   # the machine gets busy: model cycles slow down
         c.record(MODEL, 2.0, 0.040)
     assert c.fallback() == PLAIN
+
+
+def test_cache_cost_grows_with_draft_length():
+    c = measured(plain=(1.0, 0.008), n=0)
+    for _ in range(8):
+        c.record(PLAIN, 1, 0.008)
+        c.record(CACHE, 2, 0.008, drafted=2)
+        c.record(CACHE, 6, 0.016, drafted=16)
+    assert abs(c.cache_cost.seconds(2) - 0.008) < 1e-4 and abs(c.cache_cost.seconds(16) - 0.016) < 1e-4
+    assert abs(c.yield_needed(2, PLAIN)) < 0.02          # a short draft costs a plain step: any yield pays
+    assert c.cache_pays(0.0, PLAIN, tau=6, length=2)
+    assert abs(c.yield_needed(16, PLAIN) - 1.0) < 0.02   # a long one costs two: it must yield one more token
+    assert not c.cache_pays(0.5, PLAIN, tau=0, length=16) and c.cache_pays(1.5, PLAIN, tau=9, length=16)
+
+
+def test_cost_slope_is_flat_until_lengths_vary_and_never_negative():
+    c = CycleCosts()
+    for _ in range(5):
+        c.record(CACHE, 3, 0.010, drafted=4)
+    assert c.cache_cost.seconds(1) == c.cache_cost.seconds(30) == 0.010
+    for n, s in [(2, 0.020), (20, 0.010)] * 10:          # longer drafts measured cheaper (noise)
+        c.record(CACHE, 3, s, drafted=n)
+    assert c.cache_cost.seconds(30) == c.cache_cost.seconds(1)
+
+
+def test_predictor_is_not_asked_when_any_yield_would_pass():
+    import numpy as np
+
+    from services.common.types import Draft
+    from services.predictor.features import YieldTracker
+    from services.router.hybrid import PredictorRule
+
+    class CountingMLP:
+        calls = 0
+
+        def predict(self, phi):
+            CountingMLP.calls += 1
+            return np.array([0.0])
+
+    class NoFlags:
+        table = np.zeros((8, 5), np.float32)
+
+        def of(self, ids):
+            return np.zeros(5, np.float32)
+
+    rule = PredictorRule(CountingMLP(), NoFlags(), tau=6)
+    c = measured(plain=(1.0, 0.010), cache=(3.0, 0.008))   # a cache cycle is cheaper than a plain one
+    draft = Draft(token_ids=[1, 2, 3], source="suffix")
+    assert rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c) and CountingMLP.calls == 0
+    slow = measured(plain=(1.0, 0.004), cache=(3.0, 0.008))   # here ŷ must reach 1
+    assert not rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, slow) and CountingMLP.calls == 1
