@@ -30,6 +30,7 @@ import torch
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
 from services.drafter.replay import load_traces
+from training.pretrain import weights_digest
 
 STEP_WEIGHT = 0.8
 
@@ -211,8 +212,11 @@ def train(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt.pt"
     epoch, done_in_epoch, step, elapsed = 0, 0, 0, 0.0
-    if ckpt.exists():
-        st = torch.load(ckpt, weights_only=False, map_location=device)
+    toward = weights_digest(args.target)   # a checkpoint of a head for other target weights is not resumed
+    st = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.exists() else None
+    if st and st.get("target") != toward:
+        print(f"[eagle3] {ckpt} is a head for other target weights; starting afresh", flush=True)
+    elif st:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
@@ -226,14 +230,15 @@ def train(args: argparse.Namespace) -> None:
 
     def save():
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch, "done": done_in_epoch,
-                    "step": step, "elapsed": elapsed}, ckpt.with_suffix(".tmp"))
+                    "step": step, "elapsed": elapsed, "target": toward}, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
         head.save_pretrained(args.out)
         (Path(args.out) / "training_state.json").write_text(json.dumps({
             "traces": args.traces, "sequences": len(seqs), "tokens": n_tokens, "epochs": args.epochs,
             "step": step, "total_steps": total_steps, "ttt_steps": args.ttt_steps, "aux_layers": list(aux),
             "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr,
-            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens}, indent=2) + "\n")
+            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens, "target": toward},
+            indent=2) + "\n")
 
     t_last, t_seg, ema = time.time(), time.time(), None
     while epoch < args.epochs and not stop["now"]:

@@ -1,5 +1,6 @@
 """`training.eagle3` end to end on the tiny target: loss falls, the head loads and drafts."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ from services.cli import record_traces
 from services.common.config import EngineConfig
 from services.drafter.replay import save_traces
 from services.router.engine import Engine, GenerationRequest
+from tests.conftest import make_tiny
 
 
 def acceptance(target, head_dir, prompts) -> float:
@@ -39,5 +41,13 @@ def test_train_eagle3_head_on_traces(tiny_dirs, tiny_eagle3, tmp_path):
     assert state["final"] and state["ttt_steps"] == 3
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     assert "resumed" in again  # a finished run resumes from its checkpoint instead of restarting
+    shutil.copytree(tmp_path / "work", tmp_path / "work2")   # that checkpoint, found by a run for new target weights
+    other = list(cmd)
+    for flag, value in (("--target", make_tiny(tmp_path / "target2", seed=3)), ("--epochs", 1),
+                        ("--work-dir", tmp_path / "work2"), ("--out", tmp_path / "head2")):
+        other[other.index(flag) + 1] = str(value)
+    fresh = subprocess.run(other, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "other target weights; starting afresh" in fresh and "resumed" not in fresh
+    assert json.loads((tmp_path / "head2" / "training_state.json").read_text())["target"] != state["target"]
     trained, untrained = acceptance(target, out, prompts), acceptance(target, tiny_eagle3, prompts)
     assert trained > max(0.05, 2 * untrained), (trained, untrained)  # it learned the target's continuations
