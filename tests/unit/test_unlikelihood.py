@@ -115,3 +115,13 @@ def test_card_row_sums_the_rounds():
     row = unlikelihood_row({"unlikelihood": r2})
     assert "300/300 (LR 0.0001) + 150/150 (LR 5e-05) steps (20.0 min)" in row
     assert "50.0% → 20.0%" in row and "in progress" not in row
+
+
+def test_loop_row_reports_the_standard_error_and_the_file_heads():
+    from training.evaluate import loop_row
+
+    ev = {"loop_rate": 0.15, "loop_prompts": 200, "loop_rate_stderr": 0.025, "loop_rate_file_heads": 0.275,
+          "file_heads": 40}
+    row = loop_row(ev)
+    assert row.startswith("**15.0%** of 200") and "standard error 2.5%" in row and "40 windows at file heads" in row
+    assert "27.5%" in row and "standard error" not in loop_row({"loop_rate": 0.3, "loop_prompts": 40})
