@@ -92,6 +92,7 @@ Regenerate: `make traces {name}`. Card: `python -m training.cards --eagle3 model
 
 def predictor_card(pred_dir: Path) -> dict:
     ev = json.loads((pred_dir / "eval.json").read_text())
+    cfg = json.loads((pred_dir / "config.json").read_text())
     h = ev["heldout"]
 
     def row(name, r):
@@ -99,7 +100,7 @@ def predictor_card(pred_dir: Path) -> dict:
 
     card = f"""# specmesh bundled model: `predictor`
 
-The HVD yield predictor: a small MLP that reads suffix-cache draft features and predicts how
+The HVD yield predictor: a small MLP ({cfg['layers']} × {cfg['hidden']}) that reads suffix-cache draft features and predicts how
 many tokens the target will accept; the router verifies the cache draft when the prediction
 pays for the cycle's measured cost (the default; `--no-hybrid-cost-aware`: when it exceeds τ),
 else EAGLE-3 drafts or a plain step runs. High-yield below means yield ≥ {h['tau']}. Trained by

@@ -23,13 +23,12 @@ from services.common.config import SpecParams, SuffixConfig
 from services.drafter.base import common_prefix
 from services.drafter.replay import Trace, load_traces
 from services.drafter.suffix import SuffixDrafter
-from services.predictor.features import FEATURES, TokenFlags, YieldTracker, featurize
+from services.predictor.features import FEATURES, HIGH_YIELD, TokenFlags, YieldTracker, featurize
 from services.predictor.mlp import YieldMLP
 
-HIGH_YIELD = 6
 
 
-def replay_dataset(traces: list[Trace], flags: TokenFlags, max_draft: int = 16, tau: float = HIGH_YIELD,
+def replay_dataset(traces: list[Trace], flags: TokenFlags, max_draft: int = 16,
                    progress: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(φ [N, F], labels [N], suffix scores [N]) at every cycle start with a non-empty cache draft."""
     drafter = SuffixDrafter(SuffixConfig(spec=SpecParams(max_spec_tokens=max_draft)))
@@ -51,7 +50,7 @@ def replay_dataset(traces: list[Trace], flags: TokenFlags, max_draft: int = 16, 
                 scores.append(draft.score)
             emitted = truth[pos:pos + label + 1]
             drafter.observe(rid, emitted)
-            tracker.update(draft.token_ids if draft else [], label > tau, emitted)
+            tracker.update(draft.token_ids if draft else [], emitted)
             pos += len(emitted)
         drafter.stop(rid)
         if progress and (n + 1) % 25 == 0:
@@ -80,9 +79,9 @@ def best_score_rule(scores: np.ndarray, labels: np.ndarray) -> tuple[float, dict
     return best
 
 
-def fit(x: np.ndarray, y: np.ndarray, epochs: int, lr: float, seed: int = 0) -> YieldMLP:
+def fit(x: np.ndarray, y: np.ndarray, epochs: int, lr: float, seed: int = 0, hidden: int = 256) -> YieldMLP:
     torch.manual_seed(seed)
-    model = YieldMLP(len(FEATURES))
+    model = YieldMLP(len(FEATURES), hidden)
     model.mean.copy_(torch.from_numpy(x.mean(0)))
     model.std.copy_(torch.from_numpy(x.std(0) + 1e-6))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -127,14 +126,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("models/predictor"))
     ap.add_argument("--epochs", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--hidden", type=int, default=64, help="MLP width (2 hidden layers; 64 matched 256 held-out, see the card)")
     ap.add_argument("--tau", type=float, default=HIGH_YIELD)
     ap.add_argument("--max-draft", type=int, default=16)
     args = ap.parse_args()
     flags = TokenFlags(AutoTokenizer.from_pretrained(str(args.tokenizer)))
     load = lambda spec: [t for f in spec.split(",") for t in load_traces(Path(f))]  # noqa: E731
-    x, y, _ = replay_dataset(load(args.train), flags, args.max_draft, args.tau, progress="train")
-    hx, hy, hs = replay_dataset(load(args.heldout), flags, args.max_draft, args.tau, progress="heldout")
-    model = fit(x, y, args.epochs, args.lr)
+    x, y, _ = replay_dataset(load(args.train), flags, args.max_draft, progress="train")
+    hx, hy, hs = replay_dataset(load(args.heldout), flags, args.max_draft, progress="heldout")
+    model = fit(x, y, args.epochs, args.lr, hidden=args.hidden)
     rep = {"train_samples": len(y), "heldout": report(model, hx, hy, hs, args.tau),
            "train_traces": args.train, "heldout_traces": args.heldout, "max_draft": args.max_draft}
     model.save(args.out, {"tau": args.tau, "max_draft": args.max_draft})

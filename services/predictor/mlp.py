@@ -1,4 +1,6 @@
-"""g_θ: MLP regression of a cache draft's accepted length from φ_t (HVD: 2 × 256, MSE)."""
+"""g_θ: MLP regression of a cache draft's accepted length from φ_t, MSE. HVD starts from 2 × 256;
+the bundled predictor is 2 × 64, which matched 2 × 256 on held-out traces at a quarter of the
+per-cycle cost (bench/results/predictor_width.md)."""
 from __future__ import annotations
 
 import json
@@ -29,16 +31,18 @@ class YieldMLP(nn.Module):
         """[N, F] or [F] features → predicted accepted lengths. Runs in numpy on a copy of
         the weights (refreshed whenever a parameter changes): the router calls it once per
         cycle on one row, where torch's per-op overhead made it ~5× slower."""
-        mean, std, layers = self._np()
-        h = (np.atleast_2d(phi).astype(np.float32) - mean) / std
+        layers = self._np()
+        h = np.atleast_2d(phi).astype(np.float32, copy=False)
         for i, (w, b) in enumerate(layers):
-            h = h @ w + b
+            h = h @ w
+            h += b
             if i < len(layers) - 1:
-                h = np.maximum(h, 0.0)
+                np.maximum(h, 0.0, out=h)
         return h[:, 0]
 
-    def _np(self) -> tuple:
-        """numpy copies of (mean, std, [(Wᵀ, b)]), re-made when a tensor changed in place
+    def _np(self) -> list:
+        """numpy [(Wᵀ, b)] per layer with the input normalisation folded into the first
+        ((x − μ)/σ · W = x · W/σ − μ/σ · W), re-made when a tensor changed in place
         (optimizer steps, load_state_dict: both bump the tensor's version)."""
         if getattr(self, "_np_tensors", None) is None:
             self._np_tensors = (*self.parameters(), self.mean, self.std)
@@ -46,7 +50,11 @@ class YieldMLP(nn.Module):
         if getattr(self, "_np_key", None) != key:
             arr = lambda t: t.detach().cpu().numpy().copy()  # noqa: E731
             lin = [m for m in self.net if isinstance(m, nn.Linear)]
-            self._np_cache = (arr(self.mean), arr(self.std), [(arr(m.weight).T.copy(), arr(m.bias)) for m in lin])
+            layers = [(arr(m.weight).T.copy(), arr(m.bias)) for m in lin]
+            mean, std = arr(self.mean), arr(self.std)
+            w0, b0 = layers[0]
+            layers[0] = (w0 / std[:, None], b0 - (mean / std) @ w0)
+            self._np_cache = layers
             self._np_key = key
         return self._np_cache
 

@@ -26,11 +26,8 @@ import torch
 
 from services.common.metrics import HYBRID_DECISIONS, PREDICTED_VS_ACTUAL
 from services.common.types import Draft, SamplingParams
-from services.predictor.features import TokenFlags, YieldTracker, featurize
+from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize
 from services.predictor.mlp import YieldMLP
-
-
-HIGH_YIELD = 6  # the paper's "high-yield draft": accepted length ≥ 6
 
 
 CACHE, MODEL, PLAIN = "cache", "model", "plain"   # a hybrid's choices per cycle
@@ -227,10 +224,10 @@ class HybridDrafter:
                               len(st.cache_draft) if st.choice == CACHE else 0)
         st.started = 0.0
         self.cache.observe(req_id, tokens)
-        st.tracker.update(st.cache_draft, st.chose_cache, tokens)
-        if st.predicted is not None:  # predicted vs observed high yield, for precision / recall
-            actual = st.tracker.yields[0] >= HIGH_YIELD
-            PREDICTED_VS_ACTUAL.labels(self.name, str(st.predicted).lower(), str(actual).lower()).inc()
+        # predicted vs observed high yield, for precision / recall, once a draft's yield is known
+        for predicted, y in st.tracker.update(st.cache_draft, tokens, st.chose_cache, st.predicted):
+            if predicted is not None:
+                PREDICTED_VS_ACTUAL.labels(self.name, str(predicted).lower(), str(y >= HIGH_YIELD).lower()).inc()
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

@@ -73,4 +73,7 @@ def test_numpy_predict_equals_torch_forward_and_follows_updates():
         assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-5)
         model.net[0].weight.mul_(2.0)
         assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-5)
+        model.mean.copy_(torch.linspace(-1, 1, len(FEATURES)))     # normalisation folded into layer 1
+        model.std.copy_(torch.linspace(0.5, 3, len(FEATURES)))
+        assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-4)
     assert model.predict(x[0]).shape == (1,)

@@ -90,7 +90,7 @@ def test_predictor_is_not_asked_when_any_yield_would_pass():
             return np.array([0.0])
 
     class NoFlags:
-        table = np.zeros((8, 5), np.float32)
+        rows = [(0.0,) * 5] * 8
 
         def of(self, ids):
             return np.zeros(5, np.float32)
