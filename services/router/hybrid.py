@@ -33,45 +33,50 @@ from services.predictor.mlp import YieldMLP
 CACHE, MODEL, PLAIN = "cache", "model", "plain"   # a hybrid's choices per cycle
 
 
-@dataclass
-class _Ema:
-    tokens: float = 0.0
-    seconds: float = 0.0
-    n: int = 0
+class _Means:
+    """Running means of named values: an EMA with factor ``alpha``; the first sample sets them."""
 
-    def add(self, tokens: int, seconds: float, alpha: float) -> None:
+    def __init__(self):
+        self.mean: dict[str, float] = {}
+        self.n = 0
+
+    def add(self, alpha: float, **values: float) -> None:
         a = 1.0 if self.n == 0 else alpha
-        self.tokens += a * (tokens - self.tokens)
-        self.seconds += a * (seconds - self.seconds)
+        for k, v in values.items():
+            m = self.mean.get(k, 0.0)
+            self.mean[k] = m + a * (v - m)
         self.n += 1
+
+
+class _Ema(_Means):
+    """Tokens and seconds per cycle of one choice."""
+
+    @property
+    def tokens(self) -> float:
+        return self.mean.get("tokens", 0.0)
+
+    @property
+    def seconds(self) -> float:
+        return self.mean.get("seconds", 0.0)
 
     def rate(self, tokens: float | None = None) -> float:
         return (self.tokens if tokens is None else tokens) / max(self.seconds, 1e-9)
 
 
-@dataclass
-class _LengthCost:
-    """Seconds of a cycle as a + b·n over its draft length n: EMAs of n, s, n², n·s."""
+class _LengthCost(_Means):
+    """Seconds of a cycle as a + b·n over its draft length n, from running means of n, s, n², n·s."""
 
-    n: int = 0
-    mean_len: float = 0.0
-    mean_s: float = 0.0
-    mean_len2: float = 0.0
-    mean_len_s: float = 0.0
-
-    def add(self, length: int, seconds: float, alpha: float) -> None:
-        a = 1.0 if self.n == 0 else alpha
-        self.mean_len += a * (length - self.mean_len)
-        self.mean_s += a * (seconds - self.mean_s)
-        self.mean_len2 += a * (length * length - self.mean_len2)
-        self.mean_len_s += a * (length * seconds - self.mean_len_s)
-        self.n += 1
+    def add_cycle(self, length: int, seconds: float, alpha: float) -> None:
+        self.add(alpha, n=length, s=seconds, nn=length * length, ns=length * seconds)
 
     def seconds(self, length: int) -> float:
         """Fitted cost of an n-token draft's cycle; the slope is 0 until lengths vary, never negative."""
-        var = self.mean_len2 - self.mean_len ** 2
-        slope = max(0.0, (self.mean_len_s - self.mean_len * self.mean_s) / var) if var > 0.25 else 0.0
-        return max(1e-9, self.mean_s + slope * (length - self.mean_len))
+        m = self.mean
+        if not m:
+            return 1e-9
+        var = m["nn"] - m["n"] ** 2
+        slope = max(0.0, (m["ns"] - m["n"] * m["s"]) / var) if var > 0.25 else 0.0
+        return max(1e-9, m["s"] + slope * (length - m["n"]))
 
 
 class CycleCosts:
@@ -90,9 +95,9 @@ class CycleCosts:
     def record(self, choice: str, tokens: int, seconds: float, drafted: int = 0) -> None:
         """One finished cycle: tokens committed, its seconds, and (cache cycles) the draft length."""
         with self._lock:
-            self.ema[choice].add(tokens, seconds, self.alpha)
+            self.ema[choice].add(self.alpha, tokens=tokens, seconds=seconds)
             if choice == CACHE:
-                self.cache_cost.add(drafted, seconds, self.alpha)
+                self.cache_cost.add_cycle(drafted, seconds, self.alpha)
 
     def fallback(self) -> str:
         """The model drafter or a plain step: whichever yields more tokens per second."""
