@@ -43,6 +43,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
     MethodSpec("hybrid-csd", "hybrid", MODEL, "csd", "HVD drafting + calibrated verification (the full system)"),
     MethodSpec("hybrid-rule", "hybrid-rule", MODEL, "lossless", "baseline hybrid: suffix draft when score >= threshold"),
+    MethodSpec("hybrid-lm", "hybrid-lm", "draft-lm", "lossless", "HVD with the draft LM as its model fallback"),
     MethodSpec("csd", None, "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate)"),
     MethodSpec("scg", None, "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
 )}
@@ -136,12 +137,16 @@ class Engine:
             rules["hybrid"] = PredictorRule(YieldMLP.load(cfg.predictor), TokenFlags(self.tokenizer), cfg.hybrid.tau)
         for name, rule in rules.items():
             self.add_hybrid(name, rule, cost_aware=cfg.hybrid.cost_aware and name == "hybrid")
+        if "hybrid" in rules and self.model_fallback != "draft-lm" and "draft-lm" in self.verifier.max_draft:
+            self.add_hybrid("hybrid-lm", rules["hybrid"], cfg.hybrid.cost_aware, fallback="draft-lm")
 
-    def add_hybrid(self, name: str, rule, cost_aware: bool = False) -> None:
+    def add_hybrid(self, name: str, rule, cost_aware: bool = False, fallback: str | None = None) -> None:
+        """A hybrid of the suffix cache and ``fallback`` (default: the EAGLE-3 head, else the draft LM)."""
         from services.router.hybrid import CycleCosts, HybridDrafter
 
-        limits = (self.max_draft["suffix"], self.max_draft[self.model_fallback])
-        self.drafters[name] = HybridDrafter(name, self.drafters["suffix"], self.model_fallback, rule, *limits,
+        model = fallback or self.model_fallback
+        limits = (self.max_draft["suffix"], self.max_draft[model])
+        self.drafters[name] = HybridDrafter(name, self.drafters["suffix"], model, rule, *limits,
                                             costs=CycleCosts() if cost_aware else None)
         self.max_draft[name] = max(limits)
 
