@@ -27,7 +27,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
   --out build/models/eagle3 --work-dir /tmp/specmesh-train/eagle3 ${EAGLE3_EXTRA:-} > "$OUT/eagle3.log" 2>&1 &
 wait
 tail -n 3 "$OUT"/*.log
-tar cf - -C build models/draft models/eagle3 | split -b 15M - "$OUT/models2.tar.part-"
+# A draft already distilled toward these target weights is left alone (no build/models/draft).
+tar cf - -C build $(cd build && ls -d models/draft models/eagle3 2>/dev/null) | split -b 15M - "$OUT/models2.tar.part-"
 "$PY" -m services.cli bench --device "$DEVICE" --draft build/models/draft --eagle3 build/models/eagle3 \
   --workload humaneval --methods vanilla,sd,eagle3,hf-vanilla,hf-assisted --limit "${LIMIT:-20}" \
   --max-new-tokens 128 --out "$OUT/humaneval-cuda.json" > "$OUT/bench.log" 2>&1
