@@ -27,7 +27,7 @@ import torch
 
 from services.common.llama import Llama
 from training.eagle3 import batches, build_sequences, pad
-from training.pretrain import export, weights_digest
+from training.pretrain import export, load_checkpoint, weights_digest
 
 
 def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -62,10 +62,8 @@ def train(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt.pt"
     prog = {"epoch": 0, "done": 0, "step": 0, "elapsed": 0.0, "target": toward}
-    st = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.exists() else None
-    if st and st["progress"].get("target") != toward:
-        print(f"[distill] {ckpt} was toward other target weights; starting afresh", flush=True)
-    elif st:
+    st = load_checkpoint(ckpt, toward, lambda c: c["progress"].get("target"), "distill", device)
+    if st:
         draft.load_state_dict(st["draft"])
         opt.load_state_dict(st["opt"])
         prog = st["progress"]

@@ -30,7 +30,7 @@ import torch
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
 from services.drafter.replay import load_traces
-from training.pretrain import weights_digest
+from training.pretrain import load_checkpoint, weights_digest
 
 STEP_WEIGHT = 0.8
 
@@ -213,10 +213,8 @@ def train(args: argparse.Namespace) -> None:
     ckpt = work / "ckpt.pt"
     epoch, done_in_epoch, step, elapsed = 0, 0, 0, 0.0
     toward = weights_digest(args.target)   # a checkpoint of a head for other target weights is not resumed
-    st = torch.load(ckpt, weights_only=False, map_location=device) if ckpt.exists() else None
-    if st and st.get("target") != toward:
-        print(f"[eagle3] {ckpt} is a head for other target weights; starting afresh", flush=True)
-    elif st:
+    st = load_checkpoint(ckpt, toward, lambda c: c.get("target"), "eagle3", device)
+    if st:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]

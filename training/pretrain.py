@@ -61,6 +61,18 @@ def weights_digest(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def load_checkpoint(ckpt: Path, fingerprint: str, key, tag: str, device="cpu") -> dict | None:
+    """The checkpoint at ``ckpt`` if ``key(checkpoint)`` equals ``fingerprint`` (the weights it
+    was made from or for), else None, saying so: a stale checkpoint is never resumed."""
+    if not ckpt.exists():
+        return None
+    st = torch.load(ckpt, weights_only=False, map_location=device)
+    if key(st) == fingerprint:
+        return st
+    print(f"[{tag}] {ckpt} was made for other target weights; starting afresh", flush=True)
+    return None
+
+
 def encode_corpus(tokenizer_dir: Path, work: Path) -> tuple[np.ndarray, np.ndarray]:
     """Token streams (train, heldout) as uint16, cached in ``work``."""
     from transformers import AutoTokenizer

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from services.common.llama import Llama
-from training.pretrain import batch_at, default_work_dir, encode_corpus, export, heldout_loss, lm_loss, weights_digest
+from training.pretrain import (batch_at, default_work_dir, encode_corpus, export, heldout_loss, lm_loss,
+                              load_checkpoint, weights_digest)
 
 MAX_PERIOD = 32
 MIN_SPAN = 8
@@ -204,15 +205,13 @@ def train(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt.pt"
     prog = {"step": 0, "elapsed": 0.0, "history": [], "source": source}
-    st = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
-    if st and st["progress"].get("source") == source:
+    st = load_checkpoint(ckpt, source, lambda c: c["progress"].get("source"), "unlikelihood")
+    if st:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         prog = st["progress"]
         print(f"[unlikelihood] resumed at step {prog['step']}", flush=True)
     else:
-        if st:
-            print(f"[unlikelihood] {ckpt} started from other weights; starting afresh", flush=True)
         prog["history"].append(monitor(model, pool, held_ids, 0))
 
     def save() -> None:

@@ -127,8 +127,12 @@ class CycleCosts:
     def cache_pays(self, y_hat: float, fallback: str, tau: float, length: int = 0) -> bool:
         """(1 + ŷ) tokens per second of an n-token cache cycle beat the fallback's measured
         rate; until both are measured, the paper's rule ŷ > τ decides."""
-        need = self.yield_needed(length, fallback)
-        return y_hat > tau if need is None else max(0.0, y_hat) >= need
+        return passes(y_hat, self.yield_needed(length, fallback), tau)
+
+
+def passes(y_hat: float, need: float | None, tau: float) -> bool:
+    """ŷ reaches the yield a cache cycle needs (a negative ŷ counts as none); unmeasured: ŷ > τ."""
+    return y_hat > tau if need is None else max(0.0, y_hat) >= need
 
 
 class DecisionRule(Protocol):
@@ -152,7 +156,7 @@ class PredictorRule:
             return True
         y_hat = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
         draft.features["predicted_yield"] = y_hat
-        return y_hat > self.tau if costs is None else costs.cache_pays(y_hat, fallback, self.tau, n)
+        return passes(y_hat, need, self.tau)
 
 
 class ScoreRule:
