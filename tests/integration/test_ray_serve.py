@@ -140,17 +140,29 @@ def test_streams_beyond_admission_get_resource_exhausted(serve_app):
 
     stub = serve_app[0]
     codes: list = []
+    running = [threading.Event() for _ in range(2)]
 
-    def stream() -> None:
+    def stream(started: threading.Event | None = None) -> None:
         try:
-            msgs = list(stub.Generate(pb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=150, method="vanilla"),
-                                      timeout=120))
+            msgs = []
+            for msg in stub.Generate(pb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=150, method="vanilla"),
+                                     timeout=120):
+                msgs.append(msg)
+                if started:
+                    started.set()
             codes.append(grpc.StatusCode.OK if msgs[-1].finish_reason else None)
         except grpc.RpcError as e:
             codes.append(e.code())
 
-    threads = [threading.Thread(target=stream) for _ in range(6)]
+    # The 2 admitted streams are running before the burst: Serve counts a request as queued
+    # until a replica takes it, so a burst that arrives all at once can find 0 running.
+    threads = [threading.Thread(target=stream, args=(ev,)) for ev in running]
     for t in threads:
+        t.start()
+    for ev in running:
+        ev.wait(60)
+    threads += [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads[2:]:
         t.start()
     for t in threads:
         t.join(150)
