@@ -11,7 +11,7 @@ verified when (1 + ŷ) / s(n) ≥ the best fallback's tokens / seconds, where s(
 a cache cycle's cost fitted online against draft length (verifying a short draft costs about
 a plain step; a long one more). The fallback is the model drafter or a plain step (no draft,
 one token), whichever yields more per second. When even ŷ = 0 would pass, the predictor is
-not consulted. Where the model drafter's cycle costs more than its extra tokens are worth (a
+not consulted; nor is it where its answer is not worth its cost (``PredictionValue``). Where the model drafter's cycle costs more than its extra tokens are worth (a
 CPU, where the EAGLE-3 head's steps are not cheap next to the target), the hybrid stops
 calling it.
 """
@@ -79,6 +79,46 @@ class _LengthCost(_Means):
         return max(1e-9, m["s"] + slope * (length - m["n"]))
 
 
+def length_bucket(n: int) -> int:
+    """Draft lengths 1, 2, 3, 4 on their own, then 5-8, 9-16, 17-32, ..."""
+    return n if n <= 4 else 2 + (n - 1).bit_length()
+
+
+class PredictionValue:
+    """Whether a yield prediction is worth its cost, per draft-length bucket.
+
+    A prediction can only change a decision into a decline, and a decline gains
+    max(0, need − ŷ) tokens of the fallback's (``need`` being the least yield that pays for the
+    cache cycle, in tokens). It costs its seconds × the fallback's rate, in tokens too. The
+    predictor is consulted where the mean gain per consultation covers that cost; elsewhere
+    the draft is verified unpredicted, except every ``explore_every``-th time, which keeps the
+    gain measured. A bucket is always consulted until ``warmup`` gains are seen."""
+
+    def __init__(self, warmup: int = 16, explore_every: int = 16, alpha: float = 0.05):
+        self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
+        self.gain: dict[int, _Means] = {}
+        self.cost = _Means()              # seconds per prediction
+        self._skipped: dict[int, int] = {}
+
+    def worth(self, length: int, rate: float) -> bool:
+        """Consult the predictor for an n-token draft, the fallback yielding ``rate`` tokens/s."""
+        b = length_bucket(length)
+        g = self.gain.get(b)
+        if g is None or g.n < self.warmup or self.cost.n == 0:
+            return True
+        if g.mean["gain"] >= self.cost.mean["s"] * rate:
+            return True
+        self._skipped[b] = self._skipped.get(b, 0) + 1
+        if self._skipped[b] >= self.explore_every:
+            self._skipped[b] = 0
+            return True
+        return False
+
+    def record(self, length: int, need: float, y_hat: float, seconds: float) -> None:
+        self.gain.setdefault(length_bucket(length), _Means()).add(self.alpha, gain=max(0.0, need - max(0.0, y_hat)))
+        self.cost.add(self.alpha, s=seconds)
+
+
 class CycleCosts:
     """Tokens and seconds per cycle of each choice, EMAs over all requests of one hybrid.
 
@@ -89,6 +129,7 @@ class CycleCosts:
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
         self.ema = {c: _Ema() for c in (CACHE, MODEL, PLAIN)}
         self.cache_cost = _LengthCost()
+        self.prediction = PredictionValue()
         self._fallbacks = 0
         self._lock = threading.Lock()
 
@@ -124,6 +165,14 @@ class CycleCosts:
                 return None
             return f.rate() * self.cache_cost.seconds(length) - 1.0
 
+    def worth_predicting(self, length: int, fallback: str) -> bool:
+        with self._lock:
+            return self.prediction.worth(length, self.ema[fallback].rate())
+
+    def record_prediction(self, length: int, need: float, y_hat: float, seconds: float) -> None:
+        with self._lock:
+            self.prediction.record(length, need, y_hat, seconds)
+
     def cache_pays(self, y_hat: float, fallback: str, tau: float, length: int = 0) -> bool:
         """(1 + ŷ) tokens per second of an n-token cache cycle beat the fallback's measured
         rate; until both are measured, the paper's rule ŷ > τ decides."""
@@ -152,9 +201,12 @@ class PredictorRule:
                      costs: CycleCosts | None = None) -> bool:
         n = len(draft.token_ids)
         need = costs.yield_needed(n, fallback) if costs is not None else None
-        if need is not None and need <= 0.0:   # any ŷ ≥ 0 passes: no prediction needed
-            return True
+        if need is not None and (need <= 0.0 or not costs.worth_predicting(n, fallback)):
+            return True     # any ŷ ≥ 0 passes, or a decline would not repay the prediction
+        t0 = time.perf_counter()
         y_hat = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
+        if need is not None:
+            costs.record_prediction(n, need, y_hat, time.perf_counter() - t0)
         draft.features["predicted_yield"] = y_hat
         return passes(y_hat, need, self.tau)
 

@@ -75,29 +75,77 @@ def test_cost_slope_is_flat_until_lengths_vary_and_never_negative():
     assert c.cache_cost.seconds(30) == c.cache_cost.seconds(1)
 
 
-def test_predictor_is_not_asked_when_any_yield_would_pass():
-    import numpy as np
+class CountingMLP:
+    """A predictor that answers ``y`` and counts its calls."""
 
+    def __init__(self, y: float = 0.0):
+        self.y, self.calls = y, 0
+
+    def predict(self, phi):
+        import numpy as np
+
+        self.calls += 1
+        return np.array([self.y])
+
+
+class NoFlags:
+    rows = [(0.0,) * 5] * 8
+
+    def of(self, ids):
+        import numpy as np
+
+        return np.zeros(5, np.float32)
+
+
+def test_predictor_is_not_asked_when_any_yield_would_pass():
     from services.common.types import Draft
     from services.predictor.features import YieldTracker
     from services.router.hybrid import PredictorRule
 
-    class CountingMLP:
-        calls = 0
-
-        def predict(self, phi):
-            CountingMLP.calls += 1
-            return np.array([0.0])
-
-    class NoFlags:
-        rows = [(0.0,) * 5] * 8
-
-        def of(self, ids):
-            return np.zeros(5, np.float32)
-
-    rule = PredictorRule(CountingMLP(), NoFlags(), tau=6)
+    mlp = CountingMLP()
+    rule = PredictorRule(mlp, NoFlags(), tau=6)
     c = measured(plain=(1.0, 0.010), cache=(3.0, 0.008))   # a cache cycle is cheaper than a plain one
     draft = Draft(token_ids=[1, 2, 3], source="suffix")
-    assert rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c) and CountingMLP.calls == 0
+    assert rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c) and mlp.calls == 0
     slow = measured(plain=(1.0, 0.004), cache=(3.0, 0.008))   # here ŷ must reach 1
-    assert not rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, slow) and CountingMLP.calls == 1
+    assert not rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, slow) and mlp.calls == 1
+
+
+def test_length_buckets():
+    from services.router.hybrid import length_bucket
+
+    assert [length_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 3, 4, 5, 5, 6, 6, 7, 7]
+
+
+def test_prediction_skipped_where_declines_do_not_repay_it():
+    """Consult the predictor only where the mean gain of its declines (tokens) covers its
+    cost (seconds × the fallback's tokens/s); elsewhere verify, re-consulting now and then."""
+    from services.router.hybrid import PredictionValue
+
+    v = PredictionValue(warmup=4, explore_every=8)
+    rate = 100.0                                   # fallback tokens/s: a 1 ms prediction costs 0.1 token
+    assert v.worth(3, rate)                        # unmeasured: consult
+    for _ in range(4):
+        v.record(3, need=0.5, y_hat=2.0, seconds=0.001)      # short drafts always pass: no gain
+        v.record(16, need=3.0, y_hat=0.0, seconds=0.001)     # long ones get declined: 3 tokens each
+    assert v.worth(16, rate)
+    consulted = [v.worth(3, rate) for _ in range(16)]
+    assert consulted.count(True) == 2 and consulted[7] and consulted[15]   # every 8th re-measures
+    for _ in range(60):                            # short drafts start failing: the gain returns
+        v.record(3, need=0.5, y_hat=0.0, seconds=0.001)
+    assert v.worth(3, rate)
+
+
+def test_rule_skips_the_predictor_where_it_does_not_pay():
+    from services.common.types import Draft
+    from services.predictor.features import YieldTracker
+    from services.router.hybrid import PredictorRule
+
+    mlp = CountingMLP(y=5.0)                       # always passes: a decline never happens
+    rule = PredictorRule(mlp, NoFlags(), tau=6)
+    c = measured(plain=(1.0, 0.004), cache=(3.0, 0.008))   # ŷ must reach 1: the predictor is asked
+    c.prediction.cost.add(1.0, s=0.001)            # at 250 tok/s, a prediction costs 0.25 token
+    draft = Draft(token_ids=[1, 2, 3], source="suffix")
+    verdicts = [rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c) for _ in range(64)]
+    assert all(verdicts)
+    assert 16 <= mlp.calls < 24                    # warm-up (16), then one in 16
