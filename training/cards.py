@@ -47,6 +47,14 @@ def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict
             "draft_lm_agreement": lm_agreement(draft, target, seqs) if draft else None}
 
 
+def vocab_row(state: dict, vocab: int) -> str:
+    n = state.get("draft_vocab", vocab)
+    if n >= vocab:
+        return f"the whole target vocabulary ({vocab:,} tokens)"
+    return (f"{n:,} of {vocab:,} tokens, the most frequent in the training data "
+            f"({state['draft_vocab_coverage']:.1%} of its tokens); `d2t`/`t2d` map them to target ids")
+
+
 def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir: Path) -> dict:
     state = json.loads((head_dir / "training_state.json").read_text())
     target = Llama.from_pretrained(target_dir)
@@ -69,6 +77,7 @@ EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlaye
 | training data | {state['sequences']} target generations of training prompts ({state['tokens']:,} tokens): \
 `{state['traces']}` |
 | recipe | {state['epochs']} epochs, {state['ttt_steps']} TTT step{'s (step weight 0.8^j)' if ttt else ''}, peak LR {state['lr']} |
+| draft vocabulary | {vocab_row(state, target.s.vocab)} |
 | steps | {state['step']}/{state['total_steps']}, {state['train_minutes']} min{'' if state['final'] else ' — **training still in progress**'} |
 
 Held-out agreement with the target's greedy token, per chain position (teacher-forced,

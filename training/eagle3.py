@@ -77,8 +77,10 @@ def ttt_unroll(head: Eagle3Head, feats: torch.Tensor, ids: torch.Tensor, steps: 
 
 
 def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor,
-             lengths: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
-    """Σ_j 0.8^j · mean over valid i of soft-CE(head_j(i), p_{i+1+j}); probs [B, L, V]."""
+             lengths: torch.Tensor, steps: int, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Σ_j 0.8^j · mean over valid i of soft-CE(head_j(i), p_{i+1+j}); probs [B, L, V_draft].
+    ``keep`` [B, L] marks the positions whose label counts (a reduced draft vocabulary drops
+    those whose target token it cannot draft)."""
     idx = torch.arange(ids.shape[1], device=ids.device)
     total = feats.new_zeros(())
     per_step = []
@@ -86,6 +88,8 @@ def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: to
         logp = torch.log_softmax(logits.float(), -1)
         target = torch.roll(probs, -(1 + j), dims=1)
         valid = (idx[None, :] + 1 + j) < lengths[:, None]
+        if keep is not None:
+            valid = valid & torch.roll(keep, -(1 + j), dims=1)
         loss_j = (-(target * logp).sum(-1) * valid).sum() / valid.sum().clamp_min(1)
         total = total + (STEP_WEIGHT ** j) * loss_j
         per_step.append(float(loss_j.detach()))
@@ -135,6 +139,26 @@ def lm_agreement(draft: Llama, target: Llama, seqs: list[list[int]]) -> float:
         hits += int((same & valid).sum())
         count += int(valid.sum())
     return round(hits / max(count, 1), 4)
+
+
+def draft_vocabulary(seqs: list[list[int]], size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` target ids most frequent as next tokens in ``seqs`` (EAGLE-3 counts the
+    training data's tokens), ascending; never-seen ids fill up by id."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for seq in seqs:
+        counts += torch.bincount(torch.tensor(seq[1:], dtype=torch.long), minlength=vocab)
+    order = torch.argsort(-counts * vocab - (vocab - 1 - torch.arange(vocab)))  # by count, then id
+    return torch.sort(order[:size]).values
+
+
+def set_draft_vocabulary(head: Eagle3Head, ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:
+    """Draft id d ↦ target id ids[d]: d2t = ids − d, t2d marks ids; LM head rows from the target's."""
+    with torch.no_grad():
+        head.d2t.copy_(ids - torch.arange(len(ids)))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+        head.lm_head.weight.copy_(target_lm_head[ids])
+    head.remaps_vocab = len(ids) != head.s.vocab
 
 
 def build_sequences(trace_files: list[Path], max_len: int) -> list[list[int]]:
@@ -189,6 +213,22 @@ def pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor
     return ids, torch.tensor([len(s) for s in batch])
 
 
+def new_head(target: Llama, aux: tuple[int, ...], seqs: list[list[int]], draft_vocab: int, device
+             ) -> tuple[Eagle3Head, torch.Tensor]:
+    """A fresh head: the target's embeddings (frozen), its LM head rows for the draft
+    vocabulary (chosen from ``seqs``), small random weights elsewhere; and the vocabulary's target ids."""
+    vocab = target.s.vocab
+    torch.manual_seed(0)
+    head = Eagle3Head(eagle3_config(target.hf_config, aux, draft_vocab=draft_vocab)).to(device)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        for m in (head.fc, *[x for x in head.midlayer.modules() if isinstance(x, torch.nn.Linear)]):
+            torch.nn.init.normal_(m.weight, std=0.02)
+    vocab_ids = (draft_vocabulary(seqs, draft_vocab, vocab) if draft_vocab < vocab else torch.arange(vocab)).to(device)
+    set_draft_vocabulary(head, vocab_ids, target.lm_head.weight)
+    return head, vocab_ids
+
+
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -196,46 +236,46 @@ def train(args: argparse.Namespace) -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
-    torch.manual_seed(0)
-    head = Eagle3Head(eagle3_config(target.hf_config, aux)).to(device)
-    with torch.no_grad():
-        head.embed_tokens.weight.copy_(target.embed_tokens.weight)
-        head.lm_head.weight.copy_(target.lm_head.weight)  # full draft vocabulary: start from the target's head
-        for m in (head.fc, *[x for x in head.midlayer.modules() if isinstance(x, torch.nn.Linear)]):
-            torch.nn.init.normal_(m.weight, std=0.02)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
     seqs = evenly(seqs, args.trace_fraction) + corpus_windows(args.corpus_tokens, corpus_dir=args.corpus_dir)
     n_tokens = sum(len(s) for s in seqs)
+    vocab = target.s.vocab
+    draft_vocab = args.draft_vocab if 0 < args.draft_vocab < vocab else vocab
+    head, vocab_ids = new_head(target, aux, seqs, draft_vocab, device)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt.pt"
     epoch, done_in_epoch, step, elapsed = 0, 0, 0, 0.0
-    toward = weights_digest(args.target)   # a checkpoint of a head for other target weights is not resumed
-    st = load_checkpoint(ckpt, toward, lambda c: c.get("target"), "eagle3", device)
+    toward = weights_digest(args.target)   # a checkpoint of a head for other target weights is not resumed,
+    st = load_checkpoint(ckpt, f"{toward}:{draft_vocab}",   # nor one of another draft vocabulary size
+                         lambda c: f"{c.get('target')}:{c.get('draft_vocab', vocab)}", "eagle3", device)
     if st:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
         print(f"[eagle3] resumed at epoch {epoch} step {step}", flush=True)
     total_steps = sum(1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e))  # packing varies by epoch
+    covered = sum(int(head.t2d[torch.tensor(x[1:], device=device)].sum()) for x in seqs) / max(1, n_tokens - len(seqs))
     print(f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
-          f"TTT steps {args.ttt_steps}", flush=True)
+          f"TTT steps {args.ttt_steps}, draft vocabulary {draft_vocab} ({covered:.1%} of training tokens)", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
 
     def save():
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch, "done": done_in_epoch,
-                    "step": step, "elapsed": elapsed, "target": toward}, ckpt.with_suffix(".tmp"))
+                    "step": step, "elapsed": elapsed, "target": toward, "draft_vocab": draft_vocab},
+                   ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
         head.save_pretrained(args.out)
         (Path(args.out) / "training_state.json").write_text(json.dumps({
             "traces": args.traces, "sequences": len(seqs), "tokens": n_tokens, "epochs": args.epochs,
             "step": step, "total_steps": total_steps, "ttt_steps": args.ttt_steps, "aux_layers": list(aux),
             "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr,
-            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens, "target": toward},
+            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens, "target": toward,
+            "draft_vocab": draft_vocab, "draft_vocab_coverage": round(covered, 4)},
             indent=2) + "\n")
 
     t_last, t_seg, ema = time.time(), time.time(), None
@@ -247,12 +287,16 @@ def train(args: argparse.Namespace) -> None:
             ids, lengths = ids.to(device), lengths.to(device)
             with torch.no_grad():
                 logits, hidden = target.forward_train(ids, capture=aux)
-                feats, probs = torch.cat(hidden, -1), torch.softmax(logits.float(), -1)
+                feats, keep = torch.cat(hidden, -1), None
+                if draft_vocab < vocab:   # labels renormalised over the draft vocabulary (as EAGLE-3's)
+                    keep = head.t2d[logits.argmax(-1)]
+                    logits = logits[..., vocab_ids]
+                probs = torch.softmax(logits.float(), -1)
             warmup = min(50, max(1, total_steps // 10))
             lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            loss, per_step = ttt_loss(head, feats, probs, ids, lengths, args.ttt_steps)
+            loss, per_step = ttt_loss(head, feats, probs, ids, lengths, args.ttt_steps, keep)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -294,6 +338,9 @@ def main() -> None:
                     help="add this many pretraining-corpus tokens (512-token windows) to the traces")
     ap.add_argument("--corpus-dir", type=Path, default=None,
                     help="where the encoded pre-training stream is cached (a GPU run carries it: build/corpus)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="LM head over the N most frequent training tokens (EAGLE-3's draft vocabulary, d2t/t2d); "
+                         "0 = the whole target vocabulary")
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))

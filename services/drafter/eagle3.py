@@ -89,6 +89,11 @@ class Eagle3Head(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def greedy(self, logits: torch.Tensor) -> int:
+        """Target id of the draft vocabulary's argmax (no scatter into the target vocabulary)."""
+        d = int(logits.argmax())
+        return d + int(self.d2t[d]) if self.remaps_vocab else d
+
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits → target-vocabulary logits (-inf outside the draft vocabulary)."""
         if not self.remaps_vocab:  # decided once at load: no per-step reduction (a sync on CUDA)
@@ -100,7 +105,8 @@ class Eagle3Head(nn.Module):
     def step(self, h: torch.Tensor, tokens: torch.Tensor, start: int, cache: KVCache):
         """Run positions start..start+T-1: K/V of all of them into the head's cache; attention,
         MLP and LM head for the last one only, all a chain step needs (a catch-up over many
-        positions costs little more than their K/V) → (target-vocab logits [B, 1, V], prenorm [B, 1, H])."""
+        positions costs little more than their K/V) → (draft-vocab logits [B, 1, V_d], prenorm [B, 1, H]).
+        ``pick`` and ``target_logits`` map them to target ids."""
         t = tokens.shape[1]
         cos, sin = self.rope(torch.arange(start, start + t, device=tokens.device), h.dtype)
         last = torch.tensor([t - 1], device=tokens.device)
@@ -111,14 +117,14 @@ class Eagle3Head(nn.Module):
         o = F.scaled_dot_product_attention(q, kc[:, :, :start + t], vc[:, :, :start + t],  # the last sees all
                                            enable_gqa=self.s.kv_heads != self.s.heads)
         out = self.midlayer.finish(o, h[:, -1:])
-        return self.target_logits(self.lm_head(self.norm(out))), out
+        return self.lm_head(self.norm(out)), out
 
     def step_ragged(self, hs: list[torch.Tensor], tokens: list[list[int]], starts: list[int],
                     caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``step`` for several requests at once: row r runs ``tokens[r]`` with inputs hs[r]
         [T_r, H] at positions starts[r].. of caches[r]. Projections and MLP run once over all
-        rows, attention per row. Returns per-row logits [1, V] and prenorm [1, H] of each row's
-        last position."""
+        rows, attention per row. Returns per-row draft-vocab logits [1, V_d] and prenorm [1, H]
+        of each row's last position."""
         if len(hs) == 1:
             dev = hs[0].device
             logits, out = self.step(hs[0][None], torch.tensor([tokens[0]], device=dev), starts[0], caches[0])
@@ -135,7 +141,7 @@ class Eagle3Head(nn.Module):
         rows = [(off, st, c.layers[0], None) for off, st, c in zip(offsets, starts, caches)]
         o = attend_rows(q[0], k[0], v[0], rows, self.s.kv_heads != self.s.heads, last_only=True)
         out = self.midlayer.finish(o[None], h[:, last])[0]
-        logits = self.target_logits(self.lm_head(self.norm(out)))
+        logits = self.lm_head(self.norm(out))
         return list(logits[:, None]), list(out[:, None])
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -199,8 +205,10 @@ def check_fits(raw: dict, target: LlamaShape, path) -> None:
                            f"{target.hidden}, vocabulary {target.vocab}, {target.layers} layers")
 
 
-def eagle3_config(target_cfg, aux_layers: tuple[int, int, int], intermediate: int | None = None):
-    """Head config for ``target_cfg``: same hidden size, heads, vocabulary and RoPE as the target."""
+def eagle3_config(target_cfg, aux_layers: tuple[int, int, int], intermediate: int | None = None,
+                  draft_vocab: int | None = None):
+    """Head config for ``target_cfg``: same hidden size, heads, vocabulary and RoPE as the
+    target; the LM head covers ``draft_vocab`` tokens (default: the whole vocabulary)."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
@@ -212,7 +220,7 @@ def eagle3_config(target_cfg, aux_layers: tuple[int, int, int], intermediate: in
         rope_parameters=getattr(target_cfg, "rope_parameters", None), tie_word_embeddings=False,
         architectures=["LlamaForCausalLMEagle3"],
     )
-    cfg.draft_vocab_size = target_cfg.vocab_size
+    cfg.draft_vocab_size = draft_vocab or target_cfg.vocab_size
     cfg.target_hidden_size = target_cfg.hidden_size
     cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True}
     return cfg

@@ -78,13 +78,14 @@ class Eagle3Drafter:
             st.n_feats += len(target_states)
 
     def _pick(self, st: _State, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        """(token, q for sampled requests, max q; 1.0 when no confidence cut is set)."""
-        if st.sp.greedy:
+        """Draft-vocabulary logits → (target token, q over the target vocabulary for sampled
+        requests, max q; 1.0 when no confidence cut is set)."""
+        if st.sp.greedy:   # on the draft vocabulary: its max q is the head's own confidence
+            tok = self.head.greedy(logits)
             if self.min_confidence <= 0:
-                return int(logits.argmax()), None, 1.0
-            p_max, tok = torch.softmax(logits.float(), -1).max(-1)
-            return int(tok), None, float(p_max)
-        q = probs_from_logits(logits, st.sp).cpu()
+                return tok, None, 1.0
+            return tok, None, float(torch.softmax(logits.float(), -1).max())
+        q = probs_from_logits(self.head.target_logits(logits), st.sp).cpu()
         return sample(q, st.rng), q, float(q.max())
 
     def propose(self, req_id: str, budget: int) -> Draft:

@@ -49,5 +49,14 @@ def test_train_eagle3_head_on_traces(tiny_dirs, tiny_eagle3, tmp_path):
     fresh = subprocess.run(other, capture_output=True, text=True, timeout=300, check=True).stdout
     assert "other target weights; starting afresh" in fresh and "resumed" not in fresh
     assert json.loads((tmp_path / "head2" / "training_state.json").read_text())["target"] != state["target"]
+    small = list(other)                                  # a draft vocabulary of the 300 most frequent tokens
+    for flag, value in (("--target", target), ("--work-dir", tmp_path / "work3"), ("--out", tmp_path / "head3")):
+        small[small.index(flag) + 1] = str(value)
+    log3 = subprocess.run(small + ["--draft-vocab", "300"], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "draft vocabulary 300 (" in log3
+    state3 = json.loads((tmp_path / "head3" / "training_state.json").read_text())
+    assert state3["draft_vocab"] == 300 and 0.5 < state3["draft_vocab_coverage"] <= 1.0
+    assert json.loads((tmp_path / "head3" / "config.json").read_text())["draft_vocab_size"] == 300
+    assert acceptance(target, tmp_path / "head3", prompts) >= 0.0     # loads, drafts, equals vanilla
     trained, untrained = acceptance(target, out, prompts), acceptance(target, tiny_eagle3, prompts)
     assert trained > max(0.05, 2 * untrained), (trained, untrained)  # it learned the target's continuations

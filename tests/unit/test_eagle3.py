@@ -257,3 +257,53 @@ def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_p
     row = {"head": "h", "ttt_steps": 4, "train_tokens": 10, "agreement_per_position": agree,
            "chain_acceptance_per_position": chain, "mean_accepted_length": sum(chain)}
     assert "| `h` | 4 | 10 |" in table([row], "x", 3, "cmd")
+
+
+def test_draft_vocabulary_is_the_most_frequent_next_tokens():
+    from training.eagle3 import draft_vocabulary
+
+    seqs = [[9, 5, 5, 5, 7, 7, 3], [5, 4, 4, 3]]     # next tokens: 5×3, then 3, 4, 7 ×2 (first tokens are no labels)
+    assert draft_vocabulary(seqs, 2, 16).tolist() == [3, 5]      # ties go to the lower id
+    assert draft_vocabulary(seqs, 3, 16).tolist() == [3, 4, 5]
+    assert draft_vocabulary(seqs, 5, 16).tolist() == [0, 3, 4, 5, 7]   # an unseen id fills the last place
+
+
+def test_reduced_draft_vocabulary_maps_to_target_ids_and_stays_lossless(tiny_dirs, tmp_path):
+    """A head over 600 of the 8192 tokens: d2t/t2d survive a save, its greedy and sampled
+    drafts are target ids inside its vocabulary, and eagle3 still equals vanilla."""
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+    from training.eagle3 import new_head
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    seqs = [list(range(1000 + 7 * i, 1000 + 7 * i + 50)) for i in range(30)]
+    head, ids = new_head(target, (0, 1, 1), seqs, 600, "cpu")
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() > 1 and "embed" not in name and "lm_head" not in name:
+                p.normal_(0.0, 0.2)
+    assert len(ids) == 600 and torch.equal(head.lm_head.weight, target.lm_head.weight[ids])
+    head.save_pretrained(tmp_path / "h", dtype=torch.float32)
+    again = Eagle3Head.from_pretrained(tmp_path / "h", target.embed_tokens.weight)
+    assert again.remaps_vocab and again.draft_vocab == 600 and int(again.t2d.sum()) == 600
+    assert torch.equal(again.to_target_ids(torch.arange(600)), ids)
+    logits = torch.randn(600)
+    assert again.greedy(logits) == int(ids[logits.argmax()])
+    full = again.target_logits(logits)
+    assert int(full.argmax()) == again.greedy(logits) and torch.isinf(full[~again.t2d]).all()
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tmp_path / "h", eagle3_k=3,
+                              max_new_tokens_limit=200))
+    allowed = set(ids.tolist())
+    for text in ["def add(a, b):\n", "x = [1, 2"]:
+        p = eng.encode(text)
+        van = eng.generate(GenerationRequest(p, 30, method="vanilla")).result()
+        e3 = eng.generate(GenerationRequest(p, 30, method="eagle3")).result()
+        assert e3["token_ids"] == van["token_ids"] and e3["stats"]["draft_tokens"] > 0
+    drafter = eng.verifier.drafters["eagle3"]
+    p = eng.encode("import os\n")
+    f = features(target, p, again.aux_layers)
+    drafter.start("s", p, SamplingParams(0.9, 1.0, 0, 5), torch.Generator().manual_seed(0))
+    drafter.observe("s", [], f[:len(p) - 1])
+    d = drafter.propose("s", 3)
+    assert d.token_ids and set(d.token_ids) <= allowed
+    assert float(d.probs[:, ~again.t2d].sum()) == 0.0     # q lives on the draft vocabulary
