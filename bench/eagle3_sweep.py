@@ -19,7 +19,7 @@ from bench.harness import benchmark
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_per_position",
-        "exact_match_vs_vanilla")
+        "exact_match_vs_vanilla", "draft_ms_per_cycle", "verify_ms_per_cycle")
 
 
 def use_head(engine, head_dir: Path, k: int) -> None:
@@ -55,12 +55,12 @@ def sweep(engine, prompts, max_new: int, heads: list[Path], ks: list[int]) -> li
 def markdown(result: dict) -> str:
     lines = [f"### EAGLE-3 chain-length sweep — {result['workload']}, {result['limit']} prompts, "
              f"{result['max_new_tokens']} new tokens", "",
-             "| method | head | k | tok/s | speedup | τ | cycles / 1k | accepted at position 1.. (per cycle) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | head | k | tok/s | speedup | τ | cycles / 1k | draft ms / cycle | accepted at position 1.. (per cycle) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         pos = ", ".join(f"{a:.2f}" for a in (r["acceptance_per_position"] or []))
         lines.append(f"| {r['method']} | {r['head'] or '—'} | {r['k']} | {r['tokens_per_s']} | "
-                     f"{r['speedup_vs_vanilla']} | {r['tau']} | {r['cycles_per_1k']} | {pos} |")
+                     f"{r['speedup_vs_vanilla']} | {r['tau']} | {r['cycles_per_1k']} | {r.get('draft_ms_per_cycle', '—')} | {pos} |")
     return "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
 
 
