@@ -94,7 +94,7 @@ class DraftLMDrafter:
         active = [r for r in rows if r.budget > 0]
         while active:
             logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
-                                                  [r.st.cache for r in active])
+                                                  [r.st.cache for r in active], last_only=True)
             last = [lg[-1] for lg in logits]
             stacked = torch.stack(last)
             if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
