@@ -10,7 +10,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ bench: setup
 models: setup
 	$(BIN)/python -m training.tokenizer --out models/tokenizer
 	$(MAKE) model-target model-draft target-unlikelihood model-cards publish-models
-	$(MAKE) draft-distill
+	$(MAKE) draft-distill draft-vocab
 	$(MAKE) eagle3 eagle3-1step predictor head-cards calibrate publish-models
 
 model-target: setup
@@ -63,6 +63,12 @@ draft-distill: traces
 	$(BIN)/python -m training.distill --draft $$(test -d build/models/draft && echo build/models/draft || echo models/draft) \
 	    --target models/target --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl --out build/models/draft
 	$(MAKE) model-cards publish-models
+
+# The draft LM's token ranking (next-token frequency in the target's generations of training
+# prompts), shipped beside it: `--draft-vocab N` serves an LM head over its N best (FR-Spec).
+draft-vocab: traces
+	$(BIN)/python -m training.vocab --traces $(TRACES)/stdlib-train.jsonl,$(TRACES)/edit-train.jsonl \
+	    --heldout $(TRACES)/stdlib-heldout.jsonl,$(TRACES)/edit-heldout.jsonl --out models/draft
 
 # Evaluate (model cards) whatever was (re)trained into build/models, then publish it into models/.
 model-cards: setup

@@ -33,6 +33,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
     ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
                     help="draft LM: end a chain after a token whose draft probability is below this")
+    ap.add_argument("--draft-vocab", type=int, default=EngineConfig.draft_vocab,
+                    help="draft LM: LM head over the N most frequent tokens (FR-Spec; needs the ranking "
+                         "shipped beside the draft, python -m training.vocab); 0 = the whole vocabulary")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     ap.add_argument("--batch-window-ms", type=float, default=EngineConfig.batch_window_ms,
                     help="verifier: how long a step waits for the other open sessions' cycles")
@@ -53,7 +56,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(target=args.target, draft=draft, eagle3=eagle3, predictor=args.predictor,
                         device=device, dtype=dtype,
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
-                        draft_confidence=args.draft_confidence, packed_gemm=args.packed_gemm,
+                        draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
+                        packed_gemm=args.packed_gemm,
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
                         hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
                         batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
@@ -162,6 +166,7 @@ def _spawn_verifiers(args: argparse.Namespace):
                "--port", str(port), "--metrics-port", str(args.metrics_port + 1 + i if args.metrics_port else 0),
                "--target", str(args.target), "--draft", str(args.draft), "--eagle3", str(args.eagle3),
                "-k", str(args.num_speculative_tokens), "--draft-confidence", str(args.draft_confidence),
+               "--draft-vocab", str(args.draft_vocab),
                "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
                "--eagle3-k", str(args.eagle3_k), "--eagle3-confidence", str(args.eagle3_confidence),
                "--threads", str(args.threads), "--max-sessions", str(args.max_sessions),

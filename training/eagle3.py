@@ -30,6 +30,7 @@ import torch
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
 from services.drafter.replay import load_traces
+from services.drafter.vocab import frequency_ranking, top_vocabulary
 from training.pretrain import load_checkpoint, weights_digest
 
 STEP_WEIGHT = 0.8
@@ -144,11 +145,7 @@ def lm_agreement(draft: Llama, target: Llama, seqs: list[list[int]]) -> float:
 def draft_vocabulary(seqs: list[list[int]], size: int, vocab: int) -> torch.Tensor:
     """The ``size`` target ids most frequent as next tokens in ``seqs`` (EAGLE-3 counts the
     training data's tokens), ascending; never-seen ids fill up by id."""
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for seq in seqs:
-        counts += torch.bincount(torch.tensor(seq[1:], dtype=torch.long), minlength=vocab)
-    order = torch.argsort(-counts * vocab - (vocab - 1 - torch.arange(vocab)))  # by count, then id
-    return torch.sort(order[:size]).values
+    return top_vocabulary(frequency_ranking(seqs, vocab), size)
 
 
 def set_draft_vocabulary(head: Eagle3Head, ids: torch.Tensor, target_lm_head: torch.Tensor) -> None:

@@ -63,6 +63,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`
     packed_gemm: bool = True              # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
     draft_confidence: float = 0.3         # draft-LM chains stop after a token with max q below this
+    draft_vocab: int = 0                  # draft LM's head over the N most frequent tokens (FR-Spec); 0 = all
     max_new_tokens_limit: int = 1024
     default_max_new_tokens: int = 128
     default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid")   # lossless; falls back, see Engine

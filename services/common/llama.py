@@ -222,9 +222,11 @@ class Llama(nn.Module):
 
     # -- inference: T new tokens at positions start..start+T-1 of every row ---------------
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache,
-                capture: tuple[int, ...] = (), last_only: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits ``[B, T, V]`` (``[B, 1, V]`` of the last position with ``last_only``) and the
-        residual stream entering each layer in ``capture``."""
+                capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[B, T, V]`` (``[B, 1, V]`` of the last position with ``last_only``; from
+        ``head`` instead of the LM head when given) and the residual stream entering each
+        layer in ``capture``."""
         t = ids.shape[1]
         x = self.embed_tokens(ids)
         cos = self.rope_cos[start:start + t].to(x.dtype)
@@ -239,10 +241,10 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, cache.layers[i], start, mask)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x)), [seen[i] for i in capture]
+        return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
     def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
-                       capture: tuple[int, ...] = (), last_only: bool = False
+                       capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None
                        ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
         ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] ([1, V] of each row's
@@ -251,7 +253,7 @@ class Llama(nn.Module):
         dev = self.embed_tokens.weight.device
         if len(seqs) == 1:
             logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture,
-                                  last_only)
+                                  last_only, head)
             return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
@@ -269,10 +271,11 @@ class Llama(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         split = lambda t: list(torch.split(t, lens))  # noqa: E731
         hidden = [split(seen[i]) for i in capture]
+        head = head or self.lm_head
         if last_only:
             ends = torch.tensor(offsets, device=dev) + torch.tensor(lens, device=dev) - 1
-            return list(self.lm_head(self.norm(x[ends]))[:, None]), [[h[r] for h in hidden] for r in range(len(lens))]
-        return split(self.lm_head(self.norm(x))), [[h[r] for h in hidden] for r in range(len(lens))]
+            return list(head(self.norm(x[ends]))[:, None]), [[h[r] for h in hidden] for r in range(len(lens))]
+        return split(head(self.norm(x))), [[h[r] for h in hidden] for r in range(len(lens))]
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
         p = next(self.parameters())

@@ -17,6 +17,7 @@ class _State:
     cache: KVCache
     sp: SamplingParams
     rng: torch.Generator
+    vocab_size: int
     cache_len: int = 0
     drafted: list[int] = field(default_factory=list)
 
@@ -39,11 +40,16 @@ class _Row:
         budget = max(0, min(budget, st.cache.capacity - len(st.tokens)))
         return cls(st, budget, st.tokens[st.cache_len:], st.cache_len)
 
-    def take(self, greedy_tok: int | None, logits: torch.Tensor, p_max: float, min_confidence: float) -> None:
-        """Greedy requests draft argmax tokens (q one-hot); sampled ones sample from q.
+    def take(self, greedy_tok: int | None, logits: torch.Tensor, p_max: float, min_confidence: float,
+             vocab: torch.Tensor | None = None) -> None:
+        """Greedy requests draft argmax tokens (q one-hot); sampled ones sample from q, which
+        lives on the draft vocabulary ``vocab`` when the logits cover only it (zero elsewhere).
         The chain ends after a token whose draft probability (max of q) is below ``min_confidence``."""
         if greedy_tok is None:
-            q = probs_from_logits(logits, self.st.sp).cpu()
+            q = probs_from_logits(logits, self.st.sp)
+            if vocab is not None:
+                q = q.new_zeros(self.st.vocab_size).index_copy_(0, vocab, q)
+            q = q.cpu()
             greedy_tok = sample(q, self.st.rng)
             self.qs.append(q)
             p_max = float(q.max())
@@ -71,18 +77,25 @@ class DraftLMDrafter:
     Dynamic draft length: the chain stops after a token the draft itself doubts
     (max q < ``min_confidence``), since later tokens are then unlikely to be accepted and
     each costs a draft forward. Verification stays lossless either way.
+
+    With ``vocab`` (ascending target ids), the LM head covers only those tokens (FR-Spec,
+    ``services/drafter/vocab.py``): drafts come from them, q is zero elsewhere.
     """
 
     name = "draft-lm"
 
-    def __init__(self, model: Llama, min_confidence: float = 0.0):
+    def __init__(self, model: Llama, min_confidence: float = 0.0, vocab: torch.Tensor | None = None):
         self.model = model
         self.min_confidence = min_confidence
+        self.vocab = vocab
+        self.head = None
+        if vocab is not None:
+            self.head = restricted_head(model.lm_head, vocab)
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
               max_new_tokens: int = 0) -> None:
-        self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng)
+        self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
@@ -94,16 +107,18 @@ class DraftLMDrafter:
         active = [r for r in rows if r.budget > 0]
         while active:
             logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
-                                                  [r.st.cache for r in active], last_only=True)
+                                                  [r.st.cache for r in active], last_only=True, head=self.head)
             last = [lg[-1] for lg in logits]
             stacked = torch.stack(last)
             if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
                 p_max, greedy = torch.softmax(stacked.float(), -1).max(-1)
             else:
                 greedy, p_max = stacked.argmax(-1), torch.ones(len(last))
+            if self.vocab is not None:
+                greedy = self.vocab[greedy]
             for r, lg, g, p in zip(active, last, greedy.tolist(), p_max.tolist()):
                 r.pos += len(r.feed)
-                r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence)
+                r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence, self.vocab)
             active = [r for r in active if r.drafting]
         return [r.finish(self.name) for r in rows]
 
@@ -117,3 +132,14 @@ class DraftLMDrafter:
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+
+
+def restricted_head(lm_head: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.Module:
+    """An LM head over the rows ``vocab`` of ``lm_head`` (packed like it when it is packed)."""
+    from services.common.packed_linear import PackedLinear
+
+    w = lm_head.weight.detach()[vocab]
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return PackedLinear(lin, persistent=False) if isinstance(lm_head, PackedLinear) else lin.eval()

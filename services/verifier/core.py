@@ -90,7 +90,8 @@ class VerifierCore:
         drafters: dict[str, Drafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:
-            drafters["draft-lm"] = DRAFTERS["draft-lm"](_load(cfg.draft, cfg), cfg.draft_confidence)
+            drafters["draft-lm"] = DRAFTERS["draft-lm"](_load(cfg.draft, cfg), cfg.draft_confidence,
+                                                        draft_vocabulary(cfg))
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
             from services.drafter.eagle3 import Eagle3Head, HeadMismatch
@@ -170,6 +171,19 @@ class VerifierCore:
                 for b in group:
                     b.error = e
         return drafts
+
+
+def draft_vocabulary(cfg: EngineConfig) -> torch.Tensor | None:
+    """The draft LM's vocabulary: the ``draft_vocab`` best-ranked ids of the ranking shipped
+    beside it (``training.vocab``); None for the whole vocabulary."""
+    from services.drafter.vocab import RANKING_FILE, load_ranking, top_vocabulary
+
+    if cfg.draft_vocab <= 0:
+        return None
+    path = Path(cfg.draft) / RANKING_FILE
+    if not path.exists():
+        raise ValueError(f"--draft-vocab {cfg.draft_vocab} needs {path} (python -m training.vocab)")
+    return top_vocabulary(load_ranking(path), cfg.draft_vocab).to(cfg.device)
 
 
 def open_memory(cfg: EngineConfig):

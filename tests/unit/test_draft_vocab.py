@@ -1,0 +1,65 @@
+"""Draft vocabularies (services/drafter/vocab.py): the frequency ranking, and the draft LM
+restricted to it (FR-Spec) — drafts inside it, q zero outside, sd still lossless."""
+import shutil
+
+import pytest
+import torch
+
+from services.common.config import EngineConfig
+from services.common.types import SamplingParams
+from services.drafter.vocab import RANKING_FILE, frequency_ranking, load_ranking, save_ranking, top_vocabulary
+from services.router.engine import Engine, GenerationRequest
+
+
+def test_ranking_is_by_next_token_frequency_then_id(tmp_path):
+    seqs = [[9, 5, 5, 5, 7, 7, 3], [5, 4, 4, 3], [6]]      # labels: 5×3; 3, 4, 7 ×2; a 1-token sequence has none
+    r = frequency_ranking(seqs, 10)
+    assert r[:4].tolist() == [5, 3, 4, 7] and sorted(r.tolist()) == list(range(10))
+    assert r[4:].tolist() == [0, 1, 2, 6, 8, 9]             # unseen ids by id
+    assert top_vocabulary(r, 3).tolist() == [3, 4, 5]
+    save_ranking(tmp_path / "r.json", r, "test")
+    assert torch.equal(load_ranking(tmp_path / "r.json"), r)
+
+
+@pytest.fixture(scope="module")
+def restricted(tiny_dirs, tmp_path_factory):
+    """The tiny draft with a ranking that puts 600 mid-range ids first; an engine serving its 600."""
+    target, draft = tiny_dirs
+    d = tmp_path_factory.mktemp("draft") / "draft"
+    shutil.copytree(draft, d)
+    seqs = [list(range(1000 + 7 * i, 1000 + 7 * i + 50)) for i in range(30)]
+    save_ranking(d / RANKING_FILE, frequency_ranking(seqs, 8192), "test")
+    eng = Engine(EngineConfig(target=target, draft=d, num_speculative_tokens=4, draft_confidence=0.0, draft_vocab=600,
+                              max_new_tokens_limit=200, eagle3=None, predictor=None, ocm_snapshot=None))
+    return eng, set(top_vocabulary(load_ranking(d / RANKING_FILE), 600).tolist())
+
+
+def test_restricted_draft_lm_stays_lossless(restricted, tiny_engine):
+    eng, _ = restricted
+    for text in ["def add(a, b):\n", "import os\nimport sys\n", "x = [1, 2"]:
+        ids = eng.encode(text)
+        want = tiny_engine.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
+        got = eng.generate(GenerationRequest(ids, 40, method="sd")).result()
+        assert got["token_ids"] == want and got["stats"]["draft_tokens"] > 0
+
+
+def test_restricted_drafts_and_q_stay_inside_the_vocabulary(restricted):
+    eng, allowed = restricted
+    drafter = eng.verifier.drafters["draft-lm"]
+    prompt = eng.encode("def f(x):\n")
+    drafter.start("g", prompt, SamplingParams(), None)
+    assert set(drafter.propose("g", 4).token_ids) <= allowed
+    drafter.start("s", prompt, SamplingParams(1.0, 1.0, 0, 3), torch.Generator().manual_seed(0))
+    d = drafter.propose("s", 4)
+    outside = torch.ones(8192, dtype=torch.bool)
+    outside[list(allowed)] = False
+    assert d.token_ids and set(d.token_ids) <= allowed
+    assert float(d.probs[:, outside].sum()) == 0.0 and torch.allclose(d.probs.sum(-1), torch.ones(len(d.token_ids)))
+    out = eng.generate(GenerationRequest(prompt, 20, SamplingParams(0.8, 0.9, 0, 5), method="sd")).result()
+    assert len(out["token_ids"]) == 20
+
+
+def test_draft_vocab_without_a_ranking_is_refused(tiny_dirs):
+    target, draft = tiny_dirs
+    with pytest.raises(ValueError, match=RANKING_FILE):
+        Engine(EngineConfig(target=target, draft=draft, draft_vocab=600, eagle3=None, predictor=None, ocm_snapshot=None))
