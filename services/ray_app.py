@@ -53,7 +53,8 @@ def engine_config(args: dict) -> EngineConfig:
         eagle3=models / ("eagle3" if cuda else "eagle3-1step"), eagle3_k=4 if cuda else 1,
         device="cuda" if gpus > 0 else "cpu", dtype=args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32",
         redis_url=args.get("redis_url") or os.environ.get("SPECMESH_REDIS_URL") or None,
-        max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)))
+        max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)),
+        draft_vocab=int(args.get("draft_vocab", EngineConfig.draft_vocab)))
 
 
 class _Slot:
