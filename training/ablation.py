@@ -31,7 +31,8 @@ def score_head(head_dir: Path, target: Llama, seqs: list[list[int]], positions: 
     agree, chain = chain_agreement(head, target, seqs, positions)
     return {"head": str(head_dir), "ttt_steps": state["ttt_steps"], "train_tokens": state["tokens"],
             "trace_fraction": state.get("trace_fraction", 1.0), "epochs": state["epochs"],
-            "steps": state["step"], "agreement_per_position": agree, "chain_acceptance_per_position": chain,
+            "steps": state["step"], "draft_vocab": head.draft_vocab, "corpus_tokens": state.get("corpus_tokens", 0),
+            "agreement_per_position": agree, "chain_acceptance_per_position": chain,
             "mean_accepted_length": round(sum(chain), 4)}
 
 
@@ -40,12 +41,15 @@ def table(rows: list[dict], heldout: str, n_seqs: int, command: str) -> str:
     head = " | ".join(f"pos {j + 1}" for j in range(k))
     lines = [f"### EAGLE-3 ablation — {n_seqs} held-out traces ({heldout})", "",
              "Agreement per chain position (teacher-forced); in brackets, greedy chain acceptance.", "",
-             f"| head | TTT steps | train tokens | {head} | mean accepted ({k}-token chain) |",
-             "|---|---|---|" + "---|" * k + "---|"]
+             f"| head | TTT steps | draft vocabulary | train tokens (of them pretraining text) | {head} | "
+             f"mean accepted ({k}-token chain) |",
+             "|---|---|---|---|" + "---|" * k + "---|"]
     for r in rows:
         cells = " | ".join(f"{a:.1%} ({c:.1%})" for a, c in zip(r["agreement_per_position"],
                                                               r["chain_acceptance_per_position"]))
-        lines.append(f"| `{r['head']}` | {r['ttt_steps']} | {r['train_tokens']:,} | {cells} | "
+        corpus, vocab = r.get("corpus_tokens", 0), r.get("draft_vocab")
+        lines.append(f"| `{r['head']}` | {r['ttt_steps']} | {'—' if vocab is None else f'{vocab:,}'} | {r['train_tokens']:,}"
+                     f"{f' ({corpus:,})' if corpus else ''} | {cells} | "
                      f"{r['mean_accepted_length']:.2f} |")
     return "\n".join(lines + ["", f"Command: `{command}`", ""])
 

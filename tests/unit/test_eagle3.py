@@ -256,7 +256,9 @@ def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_p
     assert all(a >= b for a, b in zip(chain, chain[1:])) and all(c <= a for c, a in zip(chain, agree))
     row = {"head": "h", "ttt_steps": 4, "train_tokens": 10, "agreement_per_position": agree,
            "chain_acceptance_per_position": chain, "mean_accepted_length": sum(chain)}
-    assert "| `h` | 4 | 10 |" in table([row], "x", 3, "cmd")
+    assert "| `h` | 4 | — | 10 |" in table([row], "x", 3, "cmd")
+    row.update(draft_vocab=2048, corpus_tokens=6, train_tokens=16)
+    assert "| `h` | 4 | 2,048 | 16 (6) |" in table([row], "x", 3, "cmd")
 
 
 def test_draft_vocabulary_is_the_most_frequent_next_tokens():
