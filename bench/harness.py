@@ -129,7 +129,12 @@ def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tupl
             for i, n in enumerate(r.stats["accepted_per_position"]):
                 per_pos += [0] * (i + 1 - len(per_pos))
                 per_pos[i] += n
-        n_drafts = sum(sum(r.stats["drafts_by_source"].values()) for r in runs)
+        by_source: dict[str, int] = {}
+        for r in runs:
+            for src, n in r.stats["drafts_by_source"].items():
+                by_source[src] = by_source.get(src, 0) + n
+        row["cycles_by_source"] = {**by_source, "none": cycles - sum(by_source.values())}
+        n_drafts = sum(by_source.values())
         row["acceptance_per_position"] = [round(n / n_drafts, 3) for n in per_pos] if n_drafts else []
         rescued = [p for r in runs for p in r.rescued_pairs]
         if rescued:

@@ -10,6 +10,9 @@ def test_benchmark_rows_and_cycle_profile(tiny_engine):
     assert van["speedup_vs_vanilla"] == 1.0 and van["tau"] == 1.0 and van["cycles_per_1k"] == 1000.0
     assert sd["exact_match_vs_vanilla"] == 1.0 and sd["tau"] > 1.0 and 0 < sd["acceptance_rate"] <= 1
     assert van["verify_ms_per_cycle"] > 0 and sd["draft_ms_per_cycle"] > van["draft_ms_per_cycle"]
+    assert set(van["cycles_by_source"]) == {"none"} and sd["cycles_by_source"]["draft-lm"] > 0
+    cycles = sd["cycles_per_1k"] * sd["mean_new_tokens"] * len(prompts) / 1000
+    assert abs(sum(sd["cycles_by_source"].values()) - cycles) <= 1.5
     per_token = 1e3 / sd["tokens_per_s"]
     assert sd["other_ms_per_cycle"] >= 0 and sd["verify_ms_per_cycle"] < per_token * sd["tau"] * 1.5
     table = markdown({"workload": "t", "limit": 2, "max_new_tokens": 24, "command": "c", "machine": "m",
