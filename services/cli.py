@@ -35,7 +35,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="draft LM: end a chain after a token whose draft probability is below this")
     ap.add_argument("--draft-vocab", type=int, default=EngineConfig.draft_vocab,
                     help="draft LM: LM head over the N most frequent tokens (FR-Spec; needs the ranking "
-                         "shipped beside the draft, python -m training.vocab); 0 = the whole vocabulary")
+                         "shipped beside the draft, python -m training.vocab); 0 = the whole vocabulary; "
+                         "-1 (default) = 4096 where a ranking ships, else the whole vocabulary")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     ap.add_argument("--batch-window-ms", type=float, default=EngineConfig.batch_window_ms,
                     help="verifier: how long a step waits for the other open sessions' cycles")

@@ -50,7 +50,7 @@ def engine_config(args: dict) -> EngineConfig:
     cuda = gpus > 0  # where verification is flat in tokens: the TTT head, 4-token chains (README)
     return EngineConfig(
         target=models / "target", draft=models / "draft", predictor=models / "predictor",
-        eagle3=models / ("eagle3" if cuda else "eagle3-1step"), eagle3_k=4 if cuda else 1,
+        eagle3=models / "eagle3", eagle3_k=4 if cuda else EngineConfig.eagle3_k,
         device="cuda" if gpus > 0 else "cpu", dtype=args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32",
         redis_url=args.get("redis_url") or os.environ.get("SPECMESH_REDIS_URL") or None,
         max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)),

@@ -47,6 +47,18 @@ def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict
             "draft_lm_agreement": lm_agreement(draft, target, seqs) if draft else None}
 
 
+def data_row(state: dict) -> str:
+    """Traces, and the pretraining-text windows beside them (``corpus_windows``: 512 tokens each)."""
+    corpus = state.get("corpus_tokens", 0)
+    windows = corpus // 512 if corpus else 0
+    text = (f"{state['sequences'] - windows} target generations of training prompts "
+            f"({state['tokens'] - windows * 512:,} tokens): `{state['traces']}`")
+    if windows:
+        text += (f", and {windows * 512:,} tokens of pretraining text ({windows} windows; the target supplies "
+                 f"features and soft labels there too)")
+    return text
+
+
 def vocab_row(state: dict, vocab: int) -> str:
     n = state.get("draft_vocab", vocab)
     if n >= vocab:
@@ -74,8 +86,7 @@ EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlaye
 | | |
 |---|---|
 | fused target layers | {state['aux_layers']} (low, middle, high) |
-| training data | {state['sequences']} target generations of training prompts ({state['tokens']:,} tokens): \
-`{state['traces']}` |
+| training data | {data_row(state)} |
 | recipe | {state['epochs']} epochs, {state['ttt_steps']} TTT step{'s (step weight 0.8^j)' if ttt else ''}, peak LR {state['lr']} |
 | draft vocabulary | {vocab_row(state, target.s.vocab)} |
 | steps | {state['step']}/{state['total_steps']}, {state['train_minutes']} min{'' if state['final'] else ' — **training still in progress**'} |

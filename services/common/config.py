@@ -50,11 +50,10 @@ class HybridConfig:
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
-    # EAGLE-3: on CPU, verification cost grows with every token checked, so 1-token chains
-    # from the head trained without TTT measured fastest (bench/results/eagle3_sweep.md);
-    # where verification is flat in tokens (a GPU), serve models/eagle3 (TTT) with k = 4.
-    eagle3: Path | None = MODELS_DIR / "eagle3-1step"  # loaded when the directory holds a head
-    eagle3_k: int = 1                                   # EAGLE-3 chain length
+    # EAGLE-3: the TTT head; on CPU, where verification cost grows with every token checked,
+    # 3-token chains measured fastest (bench/results/eagle3_sweep*.md); on a GPU, k = 4.
+    eagle3: Path | None = MODELS_DIR / "eagle3"          # loaded when the directory holds a head
+    eagle3_k: int = 3                                   # EAGLE-3 chain length
     eagle3_confidence: float = 0.1                    # EAGLE-3 chains stop after a token with max q below this (tuned)
     predictor: Path | None = MODELS_DIR / "predictor"  # HVD yield predictor, loaded when present
     hybrid: HybridConfig = HybridConfig()
@@ -63,7 +62,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`
     packed_gemm: bool = True              # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
     draft_confidence: float = 0.3         # draft-LM chains stop after a token with max q below this
-    draft_vocab: int = 0                  # draft LM's head over the N most frequent tokens (FR-Spec); 0 = all
+    draft_vocab: int = -1                 # draft LM's head over the N most frequent tokens (FR-Spec); 0 = all;
+    #                                       -1 = 4,096 where a ranking ships beside the draft, else all
     max_new_tokens_limit: int = 1024
     default_max_new_tokens: int = 128
     default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid")   # lossless; falls back, see Engine

@@ -37,6 +37,7 @@ class MidLayer(nn.Module):
         attn.k_proj = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
         attn.v_proj = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
         attn.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        attn.qkv = None   # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
         self.mlp = MLP(s)
@@ -49,10 +50,16 @@ class MidLayer(nn.Module):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
         qcos, qsin = cos, sin
         if q_index is not None:
-            x_q, qcos, qsin = x[:, q_index], cos[q_index], sin[q_index]
-        q = a.q_proj(x if q_index is None else x_q).view(b, -1, s.heads, s.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+            qcos, qsin = cos[q_index], sin[q_index]
+        if a.qkv is not None:   # fused: q of every position, kept at ``q_index`` (a catch-up's few extra rows)
+            q, k, v = a.qkv(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
+            q = q if q_index is None else q[:, q_index]
+        else:
+            q = a.q_proj(x if q_index is None else x[:, q_index])
+            k, v = a.k_proj(x), a.v_proj(x)
+        q = q.view(b, -1, s.heads, s.head_dim).transpose(1, 2)
+        k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         return q * qcos + rotate_half(q) * qsin, k * cos + rotate_half(k) * sin, v
 
     def finish(self, attn_out, h):

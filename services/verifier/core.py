@@ -173,17 +173,25 @@ class VerifierCore:
         return drafts
 
 
+AUTO_DRAFT_VOCAB = 4096   # FR-Spec on the bundled draft: draft time −7–9 %, τ within 1 % (README)
+
+
 def draft_vocabulary(cfg: EngineConfig) -> torch.Tensor | None:
     """The draft LM's vocabulary: the ``draft_vocab`` best-ranked ids of the ranking shipped
-    beside it (``training.vocab``); None for the whole vocabulary."""
+    beside it (``training.vocab``); None for the whole vocabulary. -1 (auto) takes 4,096
+    where a ranking ships, the whole vocabulary elsewhere (a user's own draft)."""
     from services.drafter.vocab import RANKING_FILE, load_ranking, top_vocabulary
 
-    if cfg.draft_vocab <= 0:
-        return None
     path = Path(cfg.draft) / RANKING_FILE
+    size = cfg.draft_vocab
+    if size < 0:
+        size = AUTO_DRAFT_VOCAB if path.exists() else 0
+    if size == 0:
+        return None
     if not path.exists():
-        raise ValueError(f"--draft-vocab {cfg.draft_vocab} needs {path} (python -m training.vocab)")
-    return top_vocabulary(load_ranking(path), cfg.draft_vocab).to(cfg.device)
+        raise ValueError(f"--draft-vocab {size} needs {path} (python -m training.vocab)")
+    ranking = load_ranking(path)
+    return top_vocabulary(ranking, size).to(cfg.device) if size < len(ranking) else None
 
 
 def open_memory(cfg: EngineConfig):

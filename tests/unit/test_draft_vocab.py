@@ -63,3 +63,17 @@ def test_draft_vocab_without_a_ranking_is_refused(tiny_dirs):
     target, draft = tiny_dirs
     with pytest.raises(ValueError, match=RANKING_FILE):
         Engine(EngineConfig(target=target, draft=draft, draft_vocab=600, eagle3=None, predictor=None, ocm_snapshot=None))
+
+
+def test_auto_draft_vocab_follows_the_shipped_ranking(tiny_dirs, restricted):
+    """-1 (the default): 4,096 tokens where the draft ships a ranking, the whole vocabulary
+    where it does not (a user's own draft); 0: always the whole vocabulary."""
+    from services.verifier.core import draft_vocabulary
+
+    target, draft = tiny_dirs
+    shipped = restricted[0].cfg.draft
+    assert draft_vocabulary(EngineConfig(target=target, draft=draft, draft_vocab=-1)) is None
+    auto = draft_vocabulary(EngineConfig(target=target, draft=shipped, draft_vocab=-1))
+    assert len(auto) == 4096 and set(restricted[1]) <= set(auto.tolist())
+    assert draft_vocabulary(EngineConfig(target=target, draft=shipped, draft_vocab=0)) is None
+    assert draft_vocabulary(EngineConfig(target=target, draft=shipped, draft_vocab=8192)) is None

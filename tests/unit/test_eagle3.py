@@ -309,3 +309,32 @@ def test_reduced_draft_vocabulary_maps_to_target_ids_and_stays_lossless(tiny_dir
     d = drafter.propose("s", 3)
     assert d.token_ids and set(d.token_ids) <= allowed
     assert float(d.probs[:, ~again.t2d].sum()) == 0.0     # q lives on the draft vocabulary
+
+
+def test_packed_head_equals_fp32_head(tiny_dirs, tiny_eagle3):
+    """pack_linears fuses the head's q|k|v like the target's; a step's logits stay the fp32 path's."""
+    from services.common.packed_linear import pack_linears
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    ref = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    packed = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    for m in (ref, packed):
+        for p in m.parameters():
+            p.data = p.data.half().float()        # what an fp16 checkpoint loads as
+    assert pack_linears(packed) > 0 and packed.midlayer.self_attn.qkv is not None
+    h, toks = torch.randn(1, 5, 64), torch.randint(0, 8192, (1, 5))
+    with torch.no_grad():
+        a, ha = ref.step(h, toks, 2, ref.new_cache(16))
+        b, hb = packed.step(h, toks, 2, packed.new_cache(16))
+    assert torch.allclose(a, b, atol=1e-4) and torch.allclose(ha, hb, atol=1e-4)
+
+
+def test_fused_rms_norm_equals_the_formula():
+    from services.common.llama import RMSNorm
+
+    n = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        n.weight.normal_()
+    x = torch.randn(3, 7, 64) * 5
+    h = x.float()
+    assert torch.equal(n(x), n.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)))

@@ -95,7 +95,7 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 - --draft={{ .Values.models.dir }}/draft
 - --eagle3={{ .Values.models.dir }}/{{ .Values.models.eagle3 }}
 - --eagle3-k={{ .Values.models.eagle3K }}
-- --draft-vocab={{ .Values.models.draftVocab | default 0 }}
+- --draft-vocab={{ .Values.models.draftVocab }}
 - --predictor={{ .Values.models.dir }}/predictor
 {{- end -}}
 
