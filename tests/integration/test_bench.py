@@ -46,3 +46,26 @@ def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3):
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
     assert len(rows[1]["acceptance_per_position"]) <= 1 and len(rows[2]["acceptance_per_position"]) <= 3
     assert "| eagle3 |" in sweep_md({"workload": "t", "limit": 2, "max_new_tokens": 20, "command": "c", "rows": rows})
+
+
+def test_draft_vocab_bench_rows(tiny_dirs, tmp_path):
+    """bench.draft_vocab: one row per size, interleaved; every size lossless, so outputs agree."""
+    import shutil
+
+    from bench.draft_vocab import markdown as vocab_md, measure
+    from services.common.config import EngineConfig
+    from services.drafter.vocab import RANKING_FILE, frequency_ranking, save_ranking
+    from services.router.engine import Engine
+
+    target, draft = tiny_dirs
+    d = tmp_path / "draft"
+    shutil.copytree(draft, d)
+    save_ranking(d / RANKING_FILE, frequency_ranking([list(range(2000))], 8192), "test")
+    engines = {n: Engine(EngineConfig(target=target, draft=d, draft_vocab=n, eagle3=None, predictor=None,
+                                      ocm_snapshot=None, max_new_tokens_limit=200)) for n in (0, 4096)}
+    first = engines[0]
+    prompts = [first.encode("def add(a, b):\n"), first.encode("import os\n")]
+    rows = measure(engines, prompts, 16)
+    assert [r["draft_vocab"] for r in rows] == ["all", 4096]
+    assert all(r["same_output_as_first"] == 1.0 and r["tau"] >= 1.0 for r in rows)
+    assert "| all |" in vocab_md({"workload": "t", "limit": 2, "max_new_tokens": 16, "command": "c", "rows": rows})
