@@ -113,7 +113,7 @@ class Eagle3Head(nn.Module):
         """Run positions start..start+T-1: K/V of all of them into the head's cache; attention,
         MLP and LM head for the last one only, all a chain step needs (a catch-up over many
         positions costs little more than their K/V) → (draft-vocab logits [B, 1, V_d], prenorm [B, 1, H]).
-        ``pick`` and ``target_logits`` map them to target ids."""
+        ``greedy`` and ``target_logits`` map them to target ids."""
         t = tokens.shape[1]
         cos, sin = self.rope(torch.arange(start, start + t, device=tokens.device), h.dtype)
         last = torch.tensor([t - 1], device=tokens.device)
