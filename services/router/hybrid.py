@@ -87,9 +87,9 @@ def length_bucket(n: int) -> int:
 class PredictionValue:
     """Whether a yield prediction is worth its cost, per draft-length bucket.
 
-    A prediction can only change a decision into a decline, and a decline gains
-    max(0, need − ŷ) tokens of the fallback's (``need`` being the least yield that pays for the
-    cache cycle, in tokens). It costs its seconds × the fallback's rate, in tokens too. The
+    A prediction can only change a decision into a decline, and a decline gains, by the
+    predictor's own estimate, need − ŷ tokens of the fallback's (``need`` being the least yield
+    that pays for the cache cycle, in tokens; a pass gains nothing). It costs its seconds × the fallback's rate, in tokens too. The
     predictor is consulted where the mean gain per consultation covers that cost; elsewhere
     the draft is verified unpredicted, except every ``explore_every``-th time, which keeps the
     gain measured. A bucket is always consulted until ``warmup`` gains are seen."""
