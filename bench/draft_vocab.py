@@ -9,12 +9,11 @@ per token and, where a drafted token would have been a rarer one, acceptance.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from bench.harness import run_ours
+from bench.harness import run_ours, save
 from bench.workloads import load
 
 
@@ -93,10 +92,7 @@ def main() -> None:
               "rows": measure(engines, prompts, args.max_new_tokens)}
     print(markdown(result))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(markdown(result))
-        plot(result, args.out.with_suffix(".png"))
+        save(args.out, result, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -259,8 +259,14 @@ def main(args: argparse.Namespace) -> dict:
     }
     print(markdown(result))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(markdown(result))
-        plot(result, args.out.with_suffix(".png"))
+        save(args.out, result, markdown, plot)
     return result
+
+
+def save(out: Path, result: dict, markdown_fn, plot_fn=None) -> None:
+    """A benchmark's result as JSON at ``out``, with its markdown (.md) and plot (.png) beside it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown_fn(result))
+    if plot_fn is not None:
+        plot_fn(result, out.with_suffix(".png"))
