@@ -77,3 +77,21 @@ def test_auto_draft_vocab_follows_the_shipped_ranking(tiny_dirs, restricted):
     assert len(auto) == 4096 and set(restricted[1]) <= set(auto.tolist())
     assert draft_vocabulary(EngineConfig(target=target, draft=shipped, draft_vocab=0)) is None
     assert draft_vocabulary(EngineConfig(target=target, draft=shipped, draft_vocab=8192)) is None
+
+
+def test_training_vocab_writes_the_ranking_beside_the_drafter(tmp_path, monkeypatch, capsys):
+    """training.vocab: ranks the traces' next tokens, reports coverage, writes token_ranking.json."""
+    import sys
+
+    from services.drafter.replay import Trace, save_traces
+    from training import vocab
+
+    traces = [Trace("a", [1, 2], [7, 7, 7, 3, 7, 7, 3, 5], 16), Trace("b", [4], [7, 3, 9, 7, 3, 7, 7, 3], 16)]
+    save_traces(tmp_path / "t.jsonl", traces)
+    assert vocab.coverage([[1, 7, 7, 3]], torch.tensor([7]), 16) == 2 / 3
+    monkeypatch.setattr(sys, "argv", ["vocab", "--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path),
+                                      "--vocab", "16", "--heldout", str(tmp_path / "t.jsonl")])
+    vocab.main()
+    ranking = load_ranking(tmp_path / RANKING_FILE)
+    assert ranking[:5].tolist() == [7, 3, 2, 5, 9] and sorted(ranking.tolist()) == list(range(16))
+    assert "100.0% of training tokens, 100.0% held-out" in capsys.readouterr().out
