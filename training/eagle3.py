@@ -30,7 +30,7 @@ import torch
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
 from services.drafter.replay import load_traces
-from services.drafter.vocab import frequency_ranking, top_vocabulary
+from services.drafter.vocab import coverage, frequency_ranking, top_vocabulary
 from training.pretrain import load_checkpoint, weights_digest
 
 STEP_WEIGHT = 0.8
@@ -254,7 +254,7 @@ def train(args: argparse.Namespace) -> None:
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
         print(f"[eagle3] resumed at epoch {epoch} step {step}", flush=True)
     total_steps = sum(1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e))  # packing varies by epoch
-    covered = sum(int(head.t2d[torch.tensor(x[1:], device=device)].sum()) for x in seqs) / max(1, n_tokens - len(seqs))
+    covered = coverage(seqs, vocab_ids.cpu(), vocab)
     print(f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
           f"TTT steps {args.ttt_steps}, draft vocabulary {draft_vocab} ({covered:.1%} of training tokens)", flush=True)
     stop = {"now": False}

@@ -9,18 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from services.drafter.vocab import RANKING_FILE, frequency_ranking, save_ranking, top_vocabulary
+from services.drafter.vocab import RANKING_FILE, coverage, frequency_ranking, save_ranking, top_vocabulary
 from training.eagle3 import build_sequences
-
-
-def coverage(seqs: list[list[int]], ids: torch.Tensor, vocab: int) -> float:
-    """Share of ``seqs``' next tokens inside ``ids``."""
-    inside = torch.zeros(vocab, dtype=torch.bool)
-    inside[ids] = True
-    hit = sum(int(inside[torch.tensor(s[1:], dtype=torch.long)].sum()) for s in seqs if len(s) > 1)
-    return hit / max(1, sum(len(s) - 1 for s in seqs))
 
 
 def main() -> None:

@@ -34,6 +34,14 @@ def top_vocabulary(ranking: torch.Tensor, size: int) -> torch.Tensor:
     return torch.sort(ranking[:size]).values
 
 
+def coverage(seqs: list[list[int]], ids: torch.Tensor, vocab: int) -> float:
+    """Share of ``seqs``' next tokens inside ``ids``."""
+    inside = torch.zeros(vocab, dtype=torch.bool)
+    inside[ids] = True
+    hit = sum(int(inside[torch.tensor(s[1:], dtype=torch.long)].sum()) for s in seqs if len(s) > 1)
+    return hit / max(1, sum(len(s) - 1 for s in seqs))
+
+
 def save_ranking(path: Path, ranking: torch.Tensor, source: str) -> None:
     path.write_text(json.dumps({"source": source, "ranking": ranking.tolist()}) + "\n")
 

@@ -7,7 +7,7 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.types import SamplingParams
-from services.drafter.vocab import RANKING_FILE, frequency_ranking, load_ranking, save_ranking, top_vocabulary
+from services.drafter.vocab import RANKING_FILE, coverage, frequency_ranking, load_ranking, save_ranking, top_vocabulary
 from services.router.engine import Engine, GenerationRequest
 
 
@@ -88,7 +88,7 @@ def test_training_vocab_writes_the_ranking_beside_the_drafter(tmp_path, monkeypa
 
     traces = [Trace("a", [1, 2], [7, 7, 7, 3, 7, 7, 3, 5], 16), Trace("b", [4], [7, 3, 9, 7, 3, 7, 7, 3], 16)]
     save_traces(tmp_path / "t.jsonl", traces)
-    assert vocab.coverage([[1, 7, 7, 3]], torch.tensor([7]), 16) == 2 / 3
+    assert coverage([[1, 7, 7, 3]], torch.tensor([7]), 16) == 2 / 3
     monkeypatch.setattr(sys, "argv", ["vocab", "--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path),
                                       "--vocab", "16", "--heldout", str(tmp_path / "t.jsonl")])
     vocab.main()
