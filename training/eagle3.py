@@ -173,17 +173,19 @@ def evenly(seqs: list, fraction: float) -> list:
     return [s for i, s in enumerate(seqs) if int((i + 1) * fraction) > int(i * fraction)]
 
 
-def corpus_windows(n_tokens: int, width: int = 512, corpus_dir: Path | None = None) -> list[list[int]]:
+def corpus_windows(n_tokens: int, width: int = 512, corpus_dir: Path | None = None,
+                   offset: float = 0.0) -> list[list[int]]:
     """``n_tokens`` of the pretraining stream as evenly spaced ``width``-token windows (more
     data for the head: the target still supplies features and soft labels). The stream is
-    the one cached in ``corpus_dir`` (default: pre-training's), encoded there if missing."""
+    the one cached in ``corpus_dir`` (default: pre-training's), encoded there if missing;
+    ``offset`` shifts every window by that fraction of the spacing."""
     if n_tokens <= 0:
         return []
     from training.pretrain import default_work_dir, encode_corpus
 
     stream, _ = encode_corpus(Path("models/tokenizer"), corpus_dir or default_work_dir("corpus"))
     n = max(1, n_tokens // width)
-    starts = [int(i * (len(stream) - width) / n) for i in range(n)]
+    starts = [int((i + offset % 1.0) * (len(stream) - width) / n) for i in range(n)]
     return [stream[s:s + width].astype("int64").tolist() for s in starts]
 
 
@@ -226,6 +228,20 @@ def new_head(target: Llama, aux: tuple[int, ...], seqs: list[list[int]], draft_v
     return head, vocab_ids
 
 
+def warm_head(path: Path, target: Llama, aux: tuple[int, ...], draft_vocab: int, device
+              ) -> tuple[Eagle3Head, torch.Tensor]:
+    """A published head to train on: same target, feature layers and draft-vocabulary size,
+    and it keeps its own vocabulary (d2t) so its LM head rows stay meaningful."""
+    head = Eagle3Head.from_pretrained(path, target_embed=target.embed_tokens.weight, device=device, target=target.s)
+    layers = tuple(head.cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    if layers != tuple(aux) or head.draft_vocab != draft_vocab:
+        raise SystemExit(f"--init {path}: head has feature layers {layers} and draft vocabulary {head.draft_vocab}; "
+                         f"this run asks for {tuple(aux)} and {draft_vocab}")
+    head.train()
+    vocab_ids = head.d2t + torch.arange(head.draft_vocab, device=head.d2t.device)
+    return head, vocab_ids
+
+
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -234,11 +250,15 @@ def train(args: argparse.Namespace) -> None:
         p.requires_grad_(False)
     aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
     seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
-    seqs = evenly(seqs, args.trace_fraction) + corpus_windows(args.corpus_tokens, corpus_dir=args.corpus_dir)
+    corpus = corpus_windows(args.corpus_tokens, corpus_dir=args.corpus_dir, offset=args.corpus_offset)
+    seqs = evenly(seqs, args.trace_fraction) + corpus
     n_tokens = sum(len(s) for s in seqs)
     vocab = target.s.vocab
     draft_vocab = args.draft_vocab if 0 < args.draft_vocab < vocab else vocab
-    head, vocab_ids = new_head(target, aux, seqs, draft_vocab, device)
+    if args.init:
+        head, vocab_ids = warm_head(args.init, target, aux, draft_vocab, device)
+    else:
+        head, vocab_ids = new_head(target, aux, seqs, draft_vocab, device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     work = Path(args.work_dir)
@@ -257,6 +277,8 @@ def train(args: argparse.Namespace) -> None:
     covered = coverage(seqs, vocab_ids.cpu(), vocab)
     print(f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
           f"TTT steps {args.ttt_steps}, draft vocabulary {draft_vocab} ({covered:.1%} of training tokens)", flush=True)
+    init_state = json.loads((args.init / "training_state.json").read_text()) if args.init and \
+        (args.init / "training_state.json").exists() else None
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
@@ -271,8 +293,9 @@ def train(args: argparse.Namespace) -> None:
             "traces": args.traces, "sequences": len(seqs), "tokens": n_tokens, "epochs": args.epochs,
             "step": step, "total_steps": total_steps, "ttt_steps": args.ttt_steps, "aux_layers": list(aux),
             "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr,
-            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens, "target": toward,
-            "draft_vocab": draft_vocab, "draft_vocab_coverage": round(covered, 4)},
+            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens,
+            "corpus_offset": args.corpus_offset, "target": toward,
+            "draft_vocab": draft_vocab, "draft_vocab_coverage": round(covered, 4), "init": init_state},
             indent=2) + "\n")
 
     t_last, t_seg, ema = time.time(), time.time(), None
@@ -338,6 +361,12 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="LM head over the N most frequent training tokens (EAGLE-3's draft vocabulary, d2t/t2d); "
                          "0 = the whole target vocabulary")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue training this published head (same target, feature layers, vocabulary size) "
+                         "instead of a fresh one: more data at the cost of only the new tokens")
+    ap.add_argument("--corpus-offset", type=float, default=0.0,
+                    help="shift the corpus windows by this fraction of their spacing (0.5 = between a "
+                         "previous run's windows of the same count)")
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))

@@ -24,6 +24,16 @@ def acceptance(target, head_dir, prompts) -> float:
     return acc / drafted
 
 
+def first_loss(log: str) -> float:
+    return next(float(line.split("loss/step ")[1].split()[0]) for line in log.splitlines() if "loss/step" in line)
+
+
+def d2t(head_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(head_dir / "model.safetensors"))["d2t"]
+
+
 def test_train_eagle3_head_on_traces(tiny_dirs, tiny_eagle3, tmp_path):
     target = tiny_dirs[0]
     eng = Engine(EngineConfig(target=target, draft=None, eagle3=None, max_new_tokens_limit=200))
@@ -58,5 +68,16 @@ def test_train_eagle3_head_on_traces(tiny_dirs, tiny_eagle3, tmp_path):
     assert state3["draft_vocab"] == 300 and 0.5 < state3["draft_vocab_coverage"] <= 1.0
     assert json.loads((tmp_path / "head3" / "config.json").read_text())["draft_vocab_size"] == 300
     assert acceptance(target, tmp_path / "head3", prompts) >= 0.0     # loads, drafts, equals vanilla
+    warm = list(small)                                   # --init: head3 trained on, keeping its vocabulary
+    for flag, value in (("--work-dir", tmp_path / "work4"), ("--out", tmp_path / "head4")):
+        warm[warm.index(flag) + 1] = str(value)
+    log4 = subprocess.run(warm + ["--draft-vocab", "300", "--init", str(tmp_path / "head3")],
+                          capture_output=True, text=True, timeout=300, check=True).stdout
+    assert first_loss(log4) < first_loss(log3), (first_loss(log4), first_loss(log3))
+    assert json.loads((tmp_path / "head4" / "training_state.json").read_text())["init"]["step"] == state3["step"]
+    assert d2t(tmp_path / "head4").equal(d2t(tmp_path / "head3"))
+    refused = subprocess.run(warm + ["--draft-vocab", "200", "--init", str(tmp_path / "head3")],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "draft vocabulary 300" in refused.stderr
     trained, untrained = acceptance(target, out, prompts), acceptance(target, tiny_eagle3, prompts)
     assert trained > max(0.05, 2 * untrained), (trained, untrained)  # it learned the target's continuations

@@ -190,6 +190,8 @@ def test_corpus_windows_are_evenly_spaced_slices_of_the_training_stream(monkeypa
     assert [len(w) for w in wins] == [512] * 4
     assert [w[0] for w in wins] == [0, 2372, 4744, 7116] and all(w == list(range(w[0], w[0] + 512)) for w in wins)
     assert corpus_windows(0) == []
+    shifted = corpus_windows(2048, width=512, offset=0.5)     # halfway between the unshifted windows
+    assert [w[0] for w in shifted] == [1186, 3558, 5930, 8302] and len(shifted[-1]) == 512
 
 
 def test_evenly_keeps_an_evenly_spaced_share():
