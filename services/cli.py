@@ -89,8 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from services.verifier.server import build_verifier_server
 
         core = VerifierCore.from_config(cfg, _eos_id(cfg.target))
-        server, _, port = build_verifier_server(core, args.host, args.port, args.max_sessions)
-        _run_until_signal(server, f"verifier on {args.host}:{port}", scfg.metrics_port, args.host)
+        server, servicer, port = build_verifier_server(core, args.host, args.port, args.max_sessions)
+        _run_until_signal(server, f"verifier on {args.host}:{port}", scfg.metrics_port, args.host, servicer.drain)
         core.close()  # flush pending correction-memory writes
         return
     if args.role in ("predictor", "drafter", "memory"):
@@ -105,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if args.topology == "distributed" and not addrs:
             children, addrs = _spawn_verifiers(args)
         try:
-            serve(Engine(cfg, verifier=RemoteVerifier(addrs)), scfg)
+            serve(Engine(cfg, verifier=RemoteVerifier(addrs, link=args.verifier_link == "multiplex")), scfg)
         finally:
             for c in children:
                 c.terminate()
@@ -179,11 +179,11 @@ def _spawn_verifiers(args: argparse.Namespace):
     return children, addrs
 
 
-def _run_until_signal(server, what: str, metrics_port: int, host: str) -> None:
+def _run_until_signal(server, what: str, metrics_port: int, host: str, on_drain=None) -> None:
     from services.common.grpc_server import run_until_signal
 
     print(f"specmesh: {what}", flush=True)
-    run_until_signal(server, metrics_port, host)
+    run_until_signal(server, metrics_port, host, on_drain=on_drain)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -352,6 +352,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="verifier: share the correction memory through this Memory service")
     p.add_argument("--verifiers", default=os.environ.get("SPECMESH_VERIFIERS", ""),
                    help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)")
+    p.add_argument("--verifier-link", choices=["multiplex", "stream"],
+                   default=os.environ.get("SPECMESH_VERIFIER_LINK", "multiplex"),
+                   help="router: one multiplexed Link per verifier replica carrying every session (one message "
+                        "per step each way), or one Session stream per request (env SPECMESH_VERIFIER_LINK)")
     p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)

@@ -50,9 +50,11 @@ def channel(addr: str, max_message_bytes: int = 4 * 1024 * 1024, tls: TLSConfig 
     return grpc.insecure_channel(addr, options=opts)
 
 
-def run_until_signal(server: grpc.Server, metrics_port: int = 0, host: str = "127.0.0.1", grace_s: float = 10.0) -> None:
-    """Start ``server`` (and /metrics); on SIGTERM/SIGINT report NOT_SERVING, drain in-flight
-    calls for up to ``grace_s``, then return so the caller can flush shared state."""
+def run_until_signal(server: grpc.Server, metrics_port: int = 0, host: str = "127.0.0.1", grace_s: float = 10.0,
+                     on_drain=None) -> None:
+    """Start ``server`` (and /metrics); on SIGTERM/SIGINT report NOT_SERVING, call ``on_drain``
+    (long-lived streams end once their work is done), drain in-flight calls for up to
+    ``grace_s``, then return so the caller can flush shared state."""
     import signal
     import threading
 
@@ -73,6 +75,8 @@ def run_until_signal(server: grpc.Server, metrics_port: int = 0, host: str = "12
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     done.wait()
+    if on_drain is not None:
+        on_drain()
     server.stop(grace=grace_s).wait()
 
 

@@ -8,6 +8,10 @@ each session's policy and commit. Followers only block on their result, so the P
 of a step is done by one thread instead of contending for the interpreter across request
 threads. A session that misses the window is not waited for again until it is back, so an
 idle client costs at most one window; a lone session never waits.
+
+``post`` is the non-blocking entry (the multiplexed link, where one reader thread carries
+many sessions): its cycles are led by the batcher's own stepper thread, and each finished
+item is handed to its callback.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ class Pending:
     result: Any = None
     error: BaseException | None = None
     done: bool = False
+    on_done: Callable[["Pending"], None] | None = None
 
 
 class CycleBatcher:
@@ -35,6 +40,7 @@ class CycleBatcher:
         self._expected: set[int] = set()   # id() of the sessions served by the last step
         self._fresh: set[int] = set()      # id() of sessions opened since the last step began
         self._running = False
+        self._stepper: threading.Thread | None = None
 
     def opened(self, session) -> None:
         with self._cond:
@@ -64,6 +70,22 @@ class CycleBatcher:
             raise item.error
         return item.result
 
+    def post(self, session, request, on_done: Callable[[Pending], None]) -> None:
+        """Queue a cycle without waiting; ``on_done(item)`` runs once it has a result or error."""
+        with self._cond:
+            self._queue.append(Pending(session, request, on_done=on_done))
+            if self._stepper is None:
+                self._stepper = threading.Thread(target=self._step_posted, name="cycle-stepper", daemon=True)
+                self._stepper.start()
+            self._cond.notify_all()
+
+    def _step_posted(self) -> None:
+        with self._cond:
+            while True:
+                while self._running or not self._queue:
+                    self._cond.wait()
+                self._lead()
+
     def _lead(self) -> None:
         """Called with the lock held; runs one step without it."""
         self._running = True
@@ -86,3 +108,6 @@ class CycleBatcher:
             for b in batch:
                 b.done = True
             self._cond.notify_all()
+            for b in batch:
+                if b.on_done is not None:
+                    b.on_done(b)

@@ -6,12 +6,15 @@ drives a ``VerifierCore`` and the client (``RemoteVerifier``) offers the same in
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
 import threading
 import time
 import uuid
+from typing import Any
+
 import grpc
 
 from services.common.grpc_server import build_grpc_server, channel
@@ -71,6 +74,14 @@ class BadRequest(ValueError):
     pass
 
 
+class Exhausted(RuntimeError):
+    pass
+
+
+class Draining(RuntimeError):
+    pass
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, core: VerifierCore, max_sessions: int = 16, replica: str | None = None):
         self.core = core
@@ -79,6 +90,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._slots = threading.BoundedSemaphore(max_sessions)
         self._lock = threading.Lock()
         self.active: set[str] = set()
+        self.links: set[LinkServer] = set()
+        self.draining = False
+
+    def drain(self) -> None:
+        """Shutdown: refuse new sessions; each link ends once its sessions are done."""
+        self.draining = True
+        for link in list(self.links):
+            link.end_if_drained()
 
     def Info(self, request, context):
         return pb.InfoResponse(context_len=self.core.context_len, vocab_size=self.core.vocab_size,
@@ -107,6 +126,27 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if any(t >= self.core.vocab_size for t in c.draft_ids):
             raise BadRequest(f"cycle.draft_ids: ids must be < {self.core.vocab_size}")
 
+    def admit(self, spec: SessionSpec):
+        """Check an open and take a session slot: BadRequest, or Exhausted at the limit."""
+        self._check_open(spec)
+        if self.draining:
+            raise Draining(f"verifier {self.replica} is shutting down")
+        if not self._slots.acquire(blocking=False):
+            REQUESTS_REJECTED.labels("RESOURCE_EXHAUSTED").inc()
+            raise Exhausted(f"verifier {self.replica} is at its limit of {self.max_sessions} sessions")
+        session = self.core.open(spec)
+        with self._lock:
+            self.active.add(session.session_id)
+            ACTIVE_SESSIONS.set(len(self.active))
+        return session
+
+    def release(self, session) -> None:
+        session.close()
+        with self._lock:
+            self.active.discard(session.session_id)
+            ACTIVE_SESSIONS.set(len(self.active))
+        self._slots.release()
+
     def Session(self, request_iterator, context):
         try:
             first = next(request_iterator)
@@ -116,17 +156,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: the first message must be `open`")
         spec = spec_from_pb(first.open)
         try:
-            self._check_open(spec)
+            session = self.admit(spec)
         except BadRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not self._slots.acquire(blocking=False):
-            REQUESTS_REJECTED.labels("RESOURCE_EXHAUSTED").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"verifier {self.replica} is at its limit of {self.max_sessions} sessions")
-        session = self.core.open(spec)
-        with self._lock:
-            self.active.add(session.session_id)
-            ACTIVE_SESSIONS.set(len(self.active))
+        except Exhausted as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Draining as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         try:
             yield pb.SessionResponse(opened=pb.Opened(session_id=session.session_id, replica=self.replica))
             for msg in request_iterator:
@@ -141,11 +177,156 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     time.sleep(FAULT_CYCLE_DELAY_S)
                 yield pb.SessionResponse(result=result_to_pb(session.cycle(req)))
         finally:
-            session.close()
-            with self._lock:
-                self.active.discard(session.session_id)
-                ACTIVE_SESSIONS.set(len(self.active))
-            self._slots.release()
+            self.release(session)
+
+    def Link(self, request_iterator, context):
+        link = LinkServer(self)
+        context.add_callback(link.end)           # a cancelled or broken link unblocks the writer
+        self.links.add(link)
+        threading.Thread(target=link.read, args=(request_iterator,), name="verifier-link", daemon=True).start()
+        try:
+            while (replies := link.next_replies()) is not None:
+                yield pb.LinkResponse(replies=replies)
+        finally:
+            link.end()
+            self.links.discard(link)
+
+
+class LinkServer:
+    """The verifier's end of one multiplexed link. A reader thread opens and closes sessions
+    and posts their cycles to the replica's batcher; finished cycles queue up as replies,
+    and the writer sends all queued replies in one message. When the link ends (half-close,
+    cancel, drain) a session busy with a cycle is answered and closed once that cycle is done."""
+
+    def __init__(self, servicer: VerifierServicer):
+        self.servicer = servicer
+        self.sessions: dict[str, Any] = {}
+        self.busy: set[str] = set()
+        self.closing: set[str] = set()
+        self.ended = self._stopped = False
+        self._lock = threading.Lock()
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read(self, request_iterator) -> None:
+        try:
+            for msg in request_iterator:
+                if FAULT_CYCLE_DELAY_S:
+                    time.sleep(FAULT_CYCLE_DELAY_S)
+                for item in msg.items:
+                    self._handle(item)
+        except Exception as e:  # the link broke (cancelled, reset): its sessions end with it
+            log.debug("link ended: %s", e)
+        finally:
+            self.end()
+
+    def _handle(self, item: pb.LinkItem) -> None:
+        sid, kind = item.session_id, item.WhichOneof("kind")
+        try:
+            if kind == "open":
+                self._open(sid, spec_from_pb(item.open))
+            elif kind == "cycle":
+                self._cycle(sid, cycle_from_pb(item.cycle))
+            elif kind == "close":
+                self._close(sid)
+            else:
+                raise BadRequest("link item: set one of open, cycle, close")
+        except BadRequest as e:
+            self._fail(sid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exhausted as e:
+            self._fail(sid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Draining as e:
+            self._fail(sid, grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def _open(self, sid: str, spec: SessionSpec) -> None:
+        if not sid:
+            raise BadRequest("link item: session_id must not be empty")
+        with self._lock:
+            if sid in self.sessions:
+                raise BadRequest(f"link item: session {sid!r} is already open on this link")
+        session = self.servicer.admit(spec)
+        with self._lock:
+            self.sessions[sid] = session
+        self._out.put(pb.LinkReply(session_id=sid, opened=pb.Opened(session_id=session.session_id,
+                                                                   replica=self.servicer.replica)))
+
+    def _cycle(self, sid: str, req: CycleRequest) -> None:
+        with self._lock:
+            session = self.sessions.get(sid)
+            if session is None:
+                raise BadRequest(f"link item: session {sid!r} is not open on this link")
+            if sid in self.busy:
+                raise BadRequest(f"link item: session {sid!r} already has a cycle in flight")
+            self.servicer._check_cycle(req, session.spec)
+            self.busy.add(sid)
+        self.servicer.core.batcher.post(session, req, lambda item: self._done(sid, item))
+
+    def _done(self, sid: str, item) -> None:
+        if item.error is None:
+            self._out.put(pb.LinkReply(session_id=sid, result=result_to_pb(item.result)))
+        else:
+            log.error("session %s failed: %s", sid, item.error)
+            self._out.put(pb.LinkReply(session_id=sid, error=pb.SessionError(
+                code=grpc.StatusCode.INTERNAL.value[0], message=f"cycle failed: {item.error}")))
+        with self._lock:
+            self.busy.discard(sid)
+            release = self.ended or item.error is not None or sid in self.closing
+        if release:
+            self._close(sid)
+        self._stop_when_idle()
+
+    def _fail(self, sid: str, code: grpc.StatusCode, message: str) -> None:
+        self._out.put(pb.LinkReply(session_id=sid, error=pb.SessionError(code=code.value[0], message=message)))
+        self._close(sid)
+
+    def _close(self, sid: str) -> None:
+        with self._lock:
+            if sid in self.busy:
+                self.closing.add(sid)   # closed by _done once its cycle is through
+                return
+            self.closing.discard(sid)
+            session = self.sessions.pop(sid, None)
+        if session is not None:
+            self.servicer.release(session)
+        self.end_if_drained()
+
+    def end_if_drained(self) -> None:
+        if self.servicer.draining and not self.sessions:
+            self.end()
+
+    def end(self) -> None:
+        """No more requests: idle sessions close now, busy ones once their cycle is answered;
+        then the reply stream ends."""
+        with self._lock:
+            if self.ended:
+                return
+            self.ended = True
+            idle = [sid for sid in self.sessions if sid not in self.busy]
+        for sid in idle:
+            self._close(sid)
+        self._stop_when_idle()
+
+    def _stop_when_idle(self) -> None:
+        with self._lock:
+            stop = self.ended and not self.busy and not self._stopped
+            self._stopped |= stop
+        if stop:
+            self._out.put(None)
+
+    def next_replies(self) -> list | None:
+        """Every reply ready now (blocking for the first); None once the link has ended."""
+        first = self._out.get()
+        if first is None:
+            return None
+        replies = [first]
+        while True:
+            try:
+                r = self._out.get_nowait()
+            except queue.Empty:
+                return replies
+            if r is None:
+                self._out.put(None)
+                return replies
+            replies.append(r)
 
 
 def build_verifier_server(core: VerifierCore, host: str, port: int, max_sessions: int = 16, workers: int = 32,
@@ -165,6 +346,27 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Status
               grpc.StatusCode.CANCELLED}
 
 
+class SessionStream:
+    """Transport: one bidirectional ``Session`` stream per session."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, spec: SessionSpec, timeout: float | None):
+        self._q: queue.Queue = queue.Queue()
+        self._q.put(pb.SessionRequest(open=spec_to_pb(spec)))
+        self._call = stub.Session(iter(self._q.get, None), timeout=timeout)
+        self.replica = next(self._call).opened.replica
+
+    def cycle(self, req: CycleRequest, timeout: float | None) -> CycleResult:
+        self._q.put(pb.SessionRequest(cycle=cycle_to_pb(req)))
+        try:
+            return result_from_pb(next(self._call).result)
+        except StopIteration:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, "session stream ended") from None
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._call.cancel()
+
+
 class RemoteSession:
     """A verifier session on some replica; on replica failure it re-opens elsewhere with the
     prompt plus every token committed so far, and retries the cycle (nothing lost or repeated)."""
@@ -182,23 +384,20 @@ class RemoteSession:
                               "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated)})
         while True:
             addr = self.pool.pick(exclude)
-            q: queue.Queue = queue.Queue()
-            q.put(pb.SessionRequest(open=spec_to_pb(spec)))
-            call = self.pool.stub(addr).Session(iter(q.get, None), timeout=self._timeout())
             try:
-                self.replica = next(call).opened.replica
+                self._t = self.pool.transport(addr, spec, self._timeout())
             except grpc.RpcError as e:
                 if e.code() not in _RETRYABLE:
                     raise
                 log.warning("verifier %s unavailable at open (%s)", addr, e.code().name)
                 exclude.add(addr)
                 continue
-            self.addr, self._q, self._call = addr, q, call
+            self.addr, self.replica = addr, self._t.replica
             self.pool.load[addr] += 1
             return
 
     def _timeout(self) -> float | None:
-        """The client's deadline, carried to the verifier stream (re-opens get what is left)."""
+        """The client's deadline, carried to the verifier (re-opens get what is left)."""
         if self.spec.deadline_s is None:
             return self.pool.timeout_s
         return max(0.001, self.spec.deadline_s - (time.monotonic() - self._t0))
@@ -207,14 +406,12 @@ class RemoteSession:
         tried: set[str] = set()
         while True:
             try:
-                self._q.put(pb.SessionRequest(cycle=cycle_to_pb(req)))
-                res = result_from_pb(next(self._call).result)
+                res = self._t.cycle(req, self._timeout())
                 break
-            except (grpc.RpcError, StopIteration) as e:
-                code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-                if code not in _RETRYABLE or self._timeout() == 0.001:
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE or self._timeout() == 0.001:
                     raise
-                log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, code.name)
+                log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, e.code().name)
                 self._release()
                 tried.add(self.addr)
                 self._connect(exclude=tried)  # same context, so the same request is valid there
@@ -223,8 +420,7 @@ class RemoteSession:
         return res
 
     def _release(self) -> None:
-        self._q.put(None)
-        self._call.cancel()
+        self._t.close()
         self.pool.load[self.addr] -= 1
 
     def close(self) -> None:
@@ -234,13 +430,19 @@ class RemoteSession:
 class RemoteVerifier:
     """Router-side view of verifier replicas: least-loaded placement, session affinity."""
 
-    def __init__(self, addresses: list[str], timeout_s: float | None = None, max_message_bytes: int = 4 << 20):
+    def __init__(self, addresses: list[str], timeout_s: float | None = None, max_message_bytes: int = 4 << 20,
+                 link: bool = True):
+        """``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
+        message per step each way); else each session has its own ``Session`` stream."""
         if not addresses:
             raise ValueError("at least one verifier address is required")
         self.channels = {a: channel(a, max_message_bytes) for a in addresses}
         self._stubs = {a: pb_grpc.VerifierStub(ch) for a, ch in self.channels.items()}
         self.load = {a: 0 for a in addresses}
         self.timeout_s = timeout_s
+        self.link = link
+        self._links: dict[str, ReplicaLink] = {}
+        self._links_lock = threading.Lock()
         info = self._info()
         self.context_len, self.vocab_size = info.context_len, info.vocab_size
         self.max_draft = dict(info.max_draft)
@@ -266,10 +468,137 @@ class RemoteVerifier:
     def open(self, spec: SessionSpec) -> RemoteSession:
         return RemoteSession(self, spec)
 
+    def transport(self, addr: str, spec: SessionSpec, timeout: float | None):
+        """Open ``spec`` on ``addr``: over the replica's link (made anew if it broke), or its own stream."""
+        if not self.link:
+            return SessionStream(self._stubs[addr], spec, timeout)
+        with self._links_lock:
+            link = self._links.get(addr)
+            if link is None or link.broken is not None:
+                link = self._links[addr] = ReplicaLink(self._stubs[addr], addr)
+        return link.open(spec, timeout)
+
     def close(self) -> None:
+        with self._links_lock:
+            for link in self._links.values():
+                link.shut()
         for ch in self.channels.values():
             ch.close()
 
     # the router's engine asks these of any verifier
     policies: dict = {}
     memory = None
+
+
+class LinkError(grpc.RpcError):
+    """A session's failure reported over a link (or the link's own), shaped like a gRPC error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_BROKEN = object()
+
+
+class ReplicaLink:
+    """The router's end of one multiplexed ``Link`` to a replica. Sessions queue items; the
+    request generator sends all queued items as one message; a reader thread hands each
+    reply to its session. A broken link fails every session on it with UNAVAILABLE (they
+    re-open elsewhere)."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, addr: str):
+        self.addr = addr
+        self.broken: grpc.RpcError | None = None
+        self._cond = threading.Condition()
+        self._items: list[pb.LinkItem] = []
+        self._shut = False
+        self._inbox: dict[str, queue.SimpleQueue] = {}
+        self._ids = itertools.count()
+        self._call = stub.Link(self._requests())
+        threading.Thread(target=self._read, name=f"link-{addr}", daemon=True).start()
+
+    def _requests(self):
+        while True:
+            with self._cond:
+                while not self._items and not self._shut:
+                    self._cond.wait()
+                items, self._items = self._items, []
+            if items:
+                yield pb.LinkRequest(items=items)
+            elif self._shut:
+                return
+
+    def _send(self, item: pb.LinkItem) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def _read(self) -> None:
+        err: grpc.RpcError = LinkError(grpc.StatusCode.UNAVAILABLE, f"link to {self.addr} ended")
+        try:
+            for msg in self._call:
+                for r in msg.replies:
+                    box = self._inbox.get(r.session_id)
+                    if box is not None:
+                        box.put(r)
+        except grpc.RpcError as e:
+            err = LinkError(e.code() if e.code() in _RETRYABLE else grpc.StatusCode.UNAVAILABLE,
+                            f"link to {self.addr}: {e.details()}")
+        self.broken = err
+        for box in list(self._inbox.values()):
+            box.put(_BROKEN)
+
+    def _await(self, sid: str, timeout: float | None) -> pb.LinkReply:
+        try:
+            r = self._inbox[sid].get(timeout=timeout)
+        except queue.Empty:
+            self.release(sid)
+            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
+        if r is _BROKEN:
+            raise self.broken
+        if r.WhichOneof("kind") == "error":
+            self._inbox.pop(sid, None)   # the verifier closed the session
+            raise LinkError(_CODES.get(r.error.code, grpc.StatusCode.UNKNOWN), r.error.message)
+        return r
+
+    def open(self, spec: SessionSpec, timeout: float | None) -> "LinkedSession":
+        sid = f"{spec.session_id or 's'}-{next(self._ids)}"
+        self._inbox[sid] = queue.SimpleQueue()
+        if self.broken is not None:
+            raise self.broken
+        self._send(pb.LinkItem(session_id=sid, open=spec_to_pb(spec)))
+        return LinkedSession(self, sid, self._await(sid, timeout).opened.replica)
+
+    def release(self, sid: str) -> None:
+        if self._inbox.pop(sid, None) is not None and self.broken is None:
+            self._send(pb.LinkItem(session_id=sid, close=pb.Close()))
+
+    def shut(self) -> None:
+        with self._cond:
+            self._shut = True
+            self._cond.notify()
+        self._call.cancel()
+
+
+class LinkedSession:
+    """Transport: a session carried on a replica's link."""
+
+    def __init__(self, link: ReplicaLink, sid: str, replica: str):
+        self.link, self.sid, self.replica = link, sid, replica
+
+    def cycle(self, req: CycleRequest, timeout: float | None) -> CycleResult:
+        if self.sid not in self.link._inbox:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, "session is closed")
+        self.link._send(pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req)))
+        return result_from_pb(self.link._await(self.sid, timeout).result)
+
+    def close(self) -> None:
+        self.link.release(self.sid)

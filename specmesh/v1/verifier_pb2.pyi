@@ -128,3 +128,51 @@ class InfoResponse(_message.Message):
     max_sessions: int
     replica: str
     def __init__(self, context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_draft: _Optional[_Mapping[str, int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class Close(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LinkItem(_message.Message):
+    __slots__ = ("session_id", "open", "cycle", "close")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    open: Open
+    cycle: Cycle
+    close: Close
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., cycle: _Optional[_Union[Cycle, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
+
+class LinkRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[LinkItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[LinkItem, _Mapping]]] = ...) -> None: ...
+
+class SessionError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LinkReply(_message.Message):
+    __slots__ = ("session_id", "opened", "result", "error")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    opened: Opened
+    result: CycleResult
+    error: SessionError
+    def __init__(self, session_id: _Optional[str] = ..., opened: _Optional[_Union[Opened, _Mapping]] = ..., result: _Optional[_Union[CycleResult, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+
+class LinkResponse(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[LinkReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[LinkReply, _Mapping]]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Link = channel.stream_stream(
+                '/specmesh.v1.Verifier/Link',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.LinkRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.LinkResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/specmesh.v1.Verifier/Info',
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
@@ -51,6 +56,16 @@ class VerifierServicer:
 
     def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Link(self, request_iterator, context):
+        """Multiplexed: one stream per router carries all its sessions on this replica. Each message
+        holds every item the router had ready (opens, cycles, closes); each reply message holds
+        every answer ready at once (one per open and per cycle), so a step of N sessions costs
+        one message each way instead of N.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -69,6 +84,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.SessionRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.SessionResponse.SerializeToString,
+            ),
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.LinkRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.LinkResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -103,6 +123,33 @@ class Verifier:
             '/specmesh.v1.Verifier/Session',
             specmesh_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Link(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.Verifier/Link',
+            specmesh_dot_v1_dot_verifier__pb2.LinkRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.LinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

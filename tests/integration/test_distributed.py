@@ -51,9 +51,9 @@ def stop(procs):
             p.wait(10)
 
 
-def router(tiny_dirs, addrs):
+def router(tiny_dirs, addrs, link=True):
     cfg = EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, max_new_tokens_limit=200)
-    engine = Engine(cfg, verifier=RemoteVerifier(addrs))
+    engine = Engine(cfg, verifier=RemoteVerifier(addrs, link=link))
     server, servicer, port = build_server(engine, ServerConfig(port=0, max_sessions=32, metrics_port=0))
     server.start()
     return engine, server, servicer, ggrpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -114,10 +114,23 @@ def test_bounded_load_all_streams_complete_no_session_left(cluster, tiny_engine)
     assert not servicer.active and all(active(a) == 0 for a in addrs)
 
 
-def test_replica_killed_mid_stream_loses_nothing(tiny_dirs, tiny_engine):
+def test_per_session_streams_equal_embedded(cluster, tiny_dirs, tiny_engine):
+    """The router's other transport (``--verifier-link stream``): one Session stream per request."""
+    _, _, addrs, _ = cluster
+    engine, server, _, stub = router(tiny_dirs, addrs, link=False)
+    try:
+        for p in PROMPTS:
+            ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()
+            assert stream_ids(stub, p, 40, "sd") == ref["token_ids"], p
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.parametrize("link", [True, False], ids=["link", "stream"])
+def test_replica_killed_mid_stream_loses_nothing(tiny_dirs, tiny_engine, link):
     slow, addr_slow = start_verifier(tiny_dirs, delay_ms=40)
     other, addr_other = start_verifier(tiny_dirs)
-    engine, server, _, stub = router(tiny_dirs, [addr_slow, addr_other])
+    engine, server, _, stub = router(tiny_dirs, [addr_slow, addr_other], link=link)
     try:
         engine.verifier.load[addr_other] = 100  # steer the session to the slow replica first
         prompt = "def add(a, b):\n"
@@ -160,6 +173,45 @@ def test_malformed_verifier_input_gets_clear_status(cluster):
             list(raw(iter([blob]), timeout=20))
         assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
     assert active(addrs[0]) == 0
+
+
+def test_link_answers_each_session_and_each_bad_item_alone(cluster):
+    """One Link message carries two sessions' opens and cycles and malformed items; each bad
+    item gets its own clear status, the good sessions are answered, nothing is left open."""
+    _, _, addrs, _ = cluster
+    stub = vgrpc.VerifierStub(grpc.insecure_channel(addrs[1]))
+    ok = vpb.Open(prompt_ids=[5, 6, 7], max_new_tokens=8, max_draft=2)
+    items = [vpb.LinkItem(session_id="a", open=ok), vpb.LinkItem(session_id="b", open=ok),
+             vpb.LinkItem(session_id="a", cycle=vpb.Cycle(draft_ids=[5, 6])),
+             vpb.LinkItem(session_id="b", cycle=vpb.Cycle()),
+             vpb.LinkItem(session_id="x", cycle=vpb.Cycle()),                              # never opened
+             vpb.LinkItem(session_id="y"),                                                 # no kind
+             vpb.LinkItem(session_id="", open=ok),                                         # no session id
+             vpb.LinkItem(session_id="e", open=vpb.Open(prompt_ids=[], max_new_tokens=5)),  # empty prompt
+             vpb.LinkItem(session_id="h", open=vpb.Open(prompt_ids=[1], max_new_tokens=4_000_000)),
+             vpb.LinkItem(session_id="p", open=vpb.Open(prompt_ids=[1], max_new_tokens=5, policy="nope"))]
+    replies = [r for msg in stub.Link(iter([vpb.LinkRequest(items=items)]), timeout=30) for r in msg.replies]
+    by_id = {}
+    for r in replies:
+        by_id.setdefault(r.session_id, []).append(r)
+    assert [r.WhichOneof("kind") for r in by_id["a"]] == ["opened", "result"]
+    assert [r.WhichOneof("kind") for r in by_id["b"]] == ["opened", "result"]
+    assert len(by_id["b"][1].result.committed) == 1 and 1 <= len(by_id["a"][1].result.committed) <= 3
+    for sid, field in (("x", "not open"), ("y", "set one of"), ("", "session_id"), ("e", "prompt_ids"),
+                       ("h", "max_new_tokens"), ("p", "policy")):
+        (err,) = by_id[sid]
+        assert err.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and field in err.error.message, err
+    raw = grpc.insecure_channel(addrs[1]).stream_stream("/specmesh.v1.Verifier/Link",
+                                                        request_serializer=lambda b: b,
+                                                        response_deserializer=lambda b: b)
+    for blob in (b"\xff\x00\x13garbage", os.urandom(64)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(iter([blob]), timeout=20))
+        assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    end = time.time() + 5
+    while active(addrs[1]) and time.time() < end:
+        time.sleep(0.05)
+    assert active(addrs[1]) == 0   # the half-closed link closed both sessions
 
 
 def test_client_deadline_reaches_the_verifier(tiny_dirs):

@@ -75,6 +75,45 @@ def test_lone_session_runs_inline_without_waiting_for_closed_ones():
     assert time.monotonic() - t0 < 2.5  # the 5 s window is not awaited: only one session is open
 
 
+def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_stepper():
+    """``post`` (the multiplexed link) does not block; its cycles join the same step as a
+    blocking ``submit`` and each item reaches its callback with its own result or error."""
+    steps: list[list[str]] = []
+
+    def step(batch):
+        steps.append(sorted(b.session for b in batch))
+        for b in batch:
+            if b.request < 0:
+                b.error = ValueError("bad")
+            else:
+                b.result = b.request + 1
+
+    batcher = CycleBatcher(step, window_s=5.0)
+    for name in "abc":
+        batcher.opened(name)
+    got: dict[str, object] = {}
+    done = threading.Event()
+
+    def callback(item):
+        got[item.session] = (item.result, item.error, threading.current_thread().name)
+        if len(got) == 2:
+            done.set()
+
+    batcher.post("a", 1, callback)
+    batcher.post("b", -1, callback)
+    assert batcher.submit("c", 5) == 6          # the step waited for c, then ran all three
+    assert done.wait(5)
+    assert steps == [["a", "b", "c"]]
+    assert got["a"][:2] == (2, None) and isinstance(got["b"][1], ValueError)
+    batcher.closed("b")
+    batcher.closed("c")
+    batcher.post("a", 7, callback)               # a posted cycle alone: the stepper leads it
+    end = time.monotonic() + 5
+    while got["a"][0] != 8 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert got["a"][0] == 8 and got["a"][2] == "cycle-stepper"
+
+
 def test_a_session_that_missed_the_window_is_not_awaited_again():
     """After a step without ``b``, the next step does not wait for it; once back it is expected."""
     steps: list[list[str]] = []
