@@ -44,7 +44,9 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
     """``specmesh serve`` as users run it: embedded (one process) or distributed (router +
     verifier processes on the ports after the router's)."""
     port = free_port()
+    topology, _, link = topology.partition("-")   # distributed-stream: per-session streams instead of the Link
     cmd = [sys.executable, "-m", "services.cli", "serve", "--topology", topology, "--replicas", str(args.replicas),
+           "--verifier-link", link or "multiplex",
            "--port", str(port), "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft),
            "--eagle3", "none", "--max-sessions", "64", "--batch-window-ms", str(args.batch_window_ms),
            "--threads", str(args.server_threads), "--spec-disable-batch", str(spec_disable_batch)]
@@ -108,7 +110,9 @@ def main() -> None:
     ap.add_argument("--overhead-prompts", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--batch-window-ms", type=float, default=5.0)
-    ap.add_argument("--topologies", default="embedded,distributed")
+    ap.add_argument("--topologies", default="embedded,distributed",
+                    help="embedded, distributed (router↔verifier over the multiplexed Link), distributed-stream "
+                         "(one Session stream per request)")
     ap.add_argument("--spec-disable-batch", default="0",
                     help="comma-separated settings of the servers' --spec-disable-batch; each gets its own servers")
     ap.add_argument("--server-threads", type=int, default=1,
@@ -170,15 +174,23 @@ def main() -> None:
             base = row["tokens_per_s"][str(concs[0])]
             row["scaling_vs_first"] = {k: round(v / base, 3) for k, v in row["tokens_per_s"].items()}
             result["rows"].append(row)
-    pair = [t for t in topologies if t[1] == settings[0]]
-    for m in methods if len(pair) == 2 else ():
-        emb, dis = (next(r for r in result["rows"] if r["method"] == m and (r["topology"], r["spec_disable_batch"]) == t)
-                    for t in pair)
-        result.setdefault("distributed_overhead_ms_per_cycle", {})[m] = round(
-            dis["median_overhead_ms_per_cycle"] - emb["median_overhead_ms_per_cycle"], 3)
+    result.update(overhead_vs_embedded(result["rows"]))
     print(json.dumps(result, indent=2))
     if args.out:
         write(result, args.out)
+
+
+def overhead_vs_embedded(rows: list[dict]) -> dict:
+    """Per distributed variant and method: its ms per cycle outside model work minus embedded's
+    (same method and spec-disable setting)."""
+    emb = {(r["method"], r["spec_disable_batch"]): r for r in rows if r["topology"] == "embedded"}
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        e = emb.get((r["method"], r["spec_disable_batch"]))
+        if r["topology"] != "embedded" and e is not None and not r["spec_disable_batch"]:
+            out.setdefault(r["topology"], {})[r["method"]] = round(
+                r["median_overhead_ms_per_cycle"] - e["median_overhead_ms_per_cycle"], 3)
+    return {"overhead_vs_embedded_ms_per_cycle": out} if out else {}
 
 
 def write(result: dict, out: Path) -> None:
@@ -193,9 +205,9 @@ def write(result: dict, out: Path) -> None:
         sdb = r.get("spec_disable_batch") or "—"
         lines.append(f"| {r['topology']} | {sdb} | {r['method']} | {r['median_ms_per_cycle']} | {r['median_overhead_ms_per_cycle']} | "
                      + " | ".join(str(r["tokens_per_s"][c]) for c in concs) + f" | {r['scaling_vs_first'][key]} |")
-    if "distributed_overhead_ms_per_cycle" in result:
-        lines += ["", "Distributed − embedded, ms per cycle outside model work: "
-                  + ", ".join(f"{m} {v:+}" for m, v in result["distributed_overhead_ms_per_cycle"].items())]
+    for topology, by_method in result.get("overhead_vs_embedded_ms_per_cycle", {}).items():
+        lines += ["", f"{topology} − embedded, ms per cycle outside model work: "
+                  + ", ".join(f"{m} {v:+}" for m, v in by_method.items())]
     lines += ["", f"Command: `{result['command']}`", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     import matplotlib
