@@ -52,7 +52,7 @@ def test_lint_strict_and_kubernetes_validate(values):
 def test_schema_rejects_bad_values():
     chart = helm.Chart.load(str(CHART))
     for bad in ({"mode": "swarm"}, {"verifier": {"gpus": -1}}, {"redis": {"bundled": False, "externalUrl": ""}},
-                {"models": {"source": "s3"}}, {"router": {"port": 70000}}):
+                {"models": {"source": "s3"}}, {"router": {"port": 70000}}, {"router": {"verifierLink": "udp"}}):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
 
@@ -71,6 +71,7 @@ def test_services_mode_gpu_workloads():
     verifiers = next(a for a in router["args"] if a.startswith("--verifiers=")).split("=", 1)[1].split(",")
     assert verifiers == ["demo-specmesh-verifier-0.demo-specmesh-verifier:50052",
                          "demo-specmesh-verifier-1.demo-specmesh-verifier:50052"]
+    assert {"name": "SPECMESH_VERIFIER_LINK", "value": "multiplex"} in router["env"]
     assert {d["metadata"]["name"] for d in kinds(docs, "Deployment")} == {
         "demo-specmesh-router", "demo-specmesh-drafter", "demo-specmesh-predictor", "demo-specmesh-memory"}
     sm = kinds(docs, "ServiceMonitor")[0]
