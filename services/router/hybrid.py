@@ -160,14 +160,22 @@ class CycleCosts:
         """The least ŷ for which verifying an n-token cache draft beats the fallback:
         (1 + ŷ) / s(n) ≥ the fallback's rate. None until both are measured."""
         with self._lock:
-            f = self.ema[fallback]
-            if min(self.cache_cost.n, f.n) < self.warmup:
-                return None
-            return f.rate() * self.cache_cost.seconds(length) - 1.0
+            return self._need(length, fallback)
 
-    def worth_predicting(self, length: int, fallback: str) -> bool:
+    def _need(self, length: int, fallback: str) -> float | None:
+        f = self.ema[fallback]
+        if min(self.cache_cost.n, f.n) < self.warmup:
+            return None
+        return f.rate() * self.cache_cost.seconds(length) - 1.0
+
+    def plan(self, length: int, fallback: str) -> tuple[float | None, bool]:
+        """(the least ŷ the draft needs, whether predicting it repays its cost), under one lock:
+        a draft that needs no yield is never predicted."""
         with self._lock:
-            return self.prediction.worth(length, self.ema[fallback].rate())
+            need = self._need(length, fallback)
+            if need is None:
+                return None, True
+            return need, need > 0.0 and self.prediction.worth(length, self.ema[fallback].rate())
 
     def record_prediction(self, length: int, need: float, y_hat: float, seconds: float) -> None:
         with self._lock:
@@ -200,8 +208,8 @@ class PredictorRule:
     def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
                      costs: CycleCosts | None = None) -> bool:
         n = len(draft.token_ids)
-        need = costs.yield_needed(n, fallback) if costs is not None else None
-        if need is not None and (need <= 0.0 or not costs.worth_predicting(n, fallback)):
+        need, worth = costs.plan(n, fallback) if costs is not None else (None, True)
+        if not worth:
             return True     # any ŷ ≥ 0 passes, or a decline would not repay the prediction
         t0 = time.perf_counter()
         y_hat = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
