@@ -118,7 +118,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if not (s.sampling.temperature >= 0 and 0 < s.sampling.top_p <= 1 and s.sampling.top_k >= 0):
             raise BadRequest("open.sampling: temperature >= 0, top_p in (0, 1], top_k >= 0")
 
-    def _check_cycle(self, c: CycleRequest, spec: SessionSpec) -> None:
+    def check_cycle(self, c: CycleRequest, spec: SessionSpec) -> None:
         if c.draft_with and c.draft_with != spec.model_drafter:
             raise BadRequest(f"cycle.draft_with: session opened with model_drafter {spec.model_drafter!r}")
         if len(c.draft_ids) > max(spec.max_draft, 0) or c.budget > max(spec.max_draft, 0):
@@ -134,7 +134,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if not self._slots.acquire(blocking=False):
             REQUESTS_REJECTED.labels("RESOURCE_EXHAUSTED").inc()
             raise Exhausted(f"verifier {self.replica} is at its limit of {self.max_sessions} sessions")
-        session = self.core.open(spec)
+        try:
+            session = self.core.open(spec)
+        except BaseException:
+            self._slots.release()
+            raise
         with self._lock:
             self.active.add(session.session_id)
             ACTIVE_SESSIONS.set(len(self.active))
@@ -170,7 +174,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: expected `cycle` after `open`")
                 req = cycle_from_pb(msg.cycle)
                 try:
-                    self._check_cycle(req, spec)
+                    self.check_cycle(req, spec)
                 except BadRequest as e:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 if FAULT_CYCLE_DELAY_S:
@@ -236,6 +240,9 @@ class LinkServer:
             self._fail(sid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Draining as e:
             self._fail(sid, grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:  # one session's failure is its own; the link carries on
+            log.exception("link item for session %s failed", sid)
+            self._fail(sid, grpc.StatusCode.INTERNAL, f"{kind} failed: {e}")
 
     def _open(self, sid: str, spec: SessionSpec) -> None:
         if not sid:
@@ -256,7 +263,7 @@ class LinkServer:
                 raise BadRequest(f"link item: session {sid!r} is not open on this link")
             if sid in self.busy:
                 raise BadRequest(f"link item: session {sid!r} already has a cycle in flight")
-            self.servicer._check_cycle(req, session.spec)
+            self.servicer.check_cycle(req, session.spec)
             self.busy.add(sid)
         self.servicer.core.batcher.post(session, req, lambda item: self._done(sid, item))
 
