@@ -59,6 +59,40 @@ def data_row(state: dict) -> str:
     return text
 
 
+def continued(chain: list[dict]) -> str:
+    if len(chain) == 1:
+        return ""
+    return (f" It was trained in {len(chain)} stages: each later stage continued the head before it "
+            f"(`--init`, same vocabulary) on new data.")
+
+
+def stages(state: dict) -> list[dict]:
+    """The training runs that made a head, first to last (``--init`` continues an earlier head)."""
+    chain = []
+    while state:
+        chain.append(state)
+        state = state.get("init")
+    return chain[::-1]
+
+
+def staged(chain: list[dict], cell) -> str:
+    """One table cell over the stages: ``cell(stage)``, stages numbered when there are several."""
+    if len(chain) == 1:
+        return cell(chain[0])
+    return "; ".join(f"**stage {i + 1}**: {cell(st)}" for i, st in enumerate(chain))
+
+
+def recipe_row(state: dict) -> str:
+    ttt = state["ttt_steps"] > 1
+    return (f"{state['epochs']} epoch{'s' if state['epochs'] != 1 else ''}, {state['ttt_steps']} TTT "
+            f"step{'s (step weight 0.8^j)' if ttt else ''}, peak LR {state['lr']}")
+
+
+def steps_row(state: dict) -> str:
+    return (f"{state['step']}/{state['total_steps']}, {state['train_minutes']} min"
+            f"{'' if state['final'] else ' — **training still in progress**'}")
+
+
 def vocab_row(state: dict, vocab: int) -> str:
     n = state.get("draft_vocab", vocab)
     if n >= vocab:
@@ -75,21 +109,23 @@ def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir
     agree, train_agree, draft = ev["agreement_per_position"], ev["train_agreement_per_position"], ev["draft_lm_agreement"]
     rows = " | ".join(f"{a:.1%}" for a in agree)
     name, ttt = head_dir.name, state["ttt_steps"] > 1
+    chain = stages(state)
+    seen = sum(st["tokens"] * st["epochs"] for st in chain)
     how = ("with training-time test." if ttt else
            "without training-time test (one step): the TTT ablation, and the head for 1-token chains, "
            "which measured fastest on CPU (`bench/results/eagle3_sweep.md`).")
     card = f"""# specmesh bundled model: `{name}`
 
 EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlayer`, `norm`,
-`lm_head`, `d2t`/`t2d`), trained from scratch by `training/eagle3.py` {how}
+`lm_head`, `d2t`/`t2d`), trained from scratch by `training/eagle3.py` {how}{continued(chain)}
 
 | | |
 |---|---|
 | fused target layers | {state['aux_layers']} (low, middle, high) |
-| training data | {data_row(state)} |
-| recipe | {state['epochs']} epochs, {state['ttt_steps']} TTT step{'s (step weight 0.8^j)' if ttt else ''}, peak LR {state['lr']} |
-| draft vocabulary | {vocab_row(state, target.s.vocab)} |
-| steps | {state['step']}/{state['total_steps']}, {state['train_minutes']} min{'' if state['final'] else ' — **training still in progress**'} |
+| training data | {staged(chain, data_row)} |
+| recipe | {staged(chain, recipe_row)} |
+| draft vocabulary | {vocab_row(chain[0], target.s.vocab)} |
+| steps | {staged(chain, steps_row)} |
 
 Held-out agreement with the target's greedy token, per chain position (teacher-forced,
 {ev['heldout_sequences']} held-out traces). A chain position counts only when every earlier one was
@@ -101,7 +137,8 @@ accepted, so acceptance falls with position faster than agreement does:
 | on its training traces | {' | '.join(f"{a:.1%}" for a in train_agree) or '—'} |
 
 For comparison, the draft LM (`sd`) agrees with the target on {'—' if draft is None else f"{draft:.1%}"} of the
-same held-out positions. {data_limited(agree, train_agree, state['tokens'])}
+same held-out positions. {data_limited(agree, train_agree, sum(st['tokens'] for st in chain))}
+Tokens seen in training, all stages and epochs: {seen:,}.
 
 Regenerate: `make traces {name}`. Card: `python -m training.cards --eagle3 models/{name}`.
 """

@@ -244,6 +244,17 @@ def test_card_calls_a_head_data_limited_only_when_it_fits_its_training_traces_cl
     assert data_limited([0.41], [0.43], 1000) == "" and data_limited([0.41], [], 1000) == ""
 
 
+def test_card_lists_every_training_stage_of_a_continued_head():
+    from training.cards import recipe_row, staged, stages
+
+    first = {"epochs": 2, "ttt_steps": 4, "lr": 1e-3, "tokens": 1000}
+    second = {"epochs": 1, "ttt_steps": 4, "lr": 5e-4, "tokens": 3000, "init": first}
+    assert stages(second) == [first, second] and stages(first) == [first]
+    cell = staged(stages(second), recipe_row)
+    assert cell.startswith("**stage 1**: 2 epochs, 4 TTT steps") and "**stage 2**: 1 epoch, 4 TTT" in cell
+    assert "stage" not in staged([first], recipe_row)
+
+
 def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_path):
     """training.ablation: position 1's chain acceptance is its agreement; later positions need
     every earlier one, so chain acceptance never rises and never exceeds agreement."""
