@@ -13,6 +13,8 @@
 # encode_corpus(Path('models/tokenizer'), Path('build/corpus'))"), carry build/corpus too and
 # pass EAGLE3_EXTRA="--draft-vocab 2048 --corpus-tokens 4000000 --corpus-dir build/corpus" (the
 # published head's recipe, make eagle3, with more text: 0.7 M tokens took position 1 from 37 % to 53 %).
+# To continue the published head instead of starting afresh, add "--init models/eagle3 --lr 5e-4
+# --epochs 1 --corpus-offset 0.25" (new windows, between those of make eagle3's two stages).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/build/gpu-site${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-build/gpu-out}
