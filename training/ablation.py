@@ -22,6 +22,7 @@ import torch
 
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head
+from training.cards import stages
 from training.eagle3 import build_sequences, chain_agreement
 
 
@@ -29,9 +30,12 @@ def score_head(head_dir: Path, target: Llama, seqs: list[list[int]], positions: 
     state = json.loads((head_dir / "training_state.json").read_text())
     head = Eagle3Head.from_pretrained(head_dir, target.embed_tokens.weight, torch.float32, "cpu").eval()
     agree, chain = chain_agreement(head, target, seqs, positions)
-    return {"head": str(head_dir), "ttt_steps": state["ttt_steps"], "train_tokens": state["tokens"],
+    runs = stages(state)   # a continued head (--init): every stage's data counts
+    return {"head": str(head_dir), "ttt_steps": state["ttt_steps"], "train_tokens": sum(st["tokens"] for st in runs),
+            "stage_tokens": [st["tokens"] for st in runs],
             "trace_fraction": state.get("trace_fraction", 1.0), "epochs": state["epochs"],
-            "steps": state["step"], "draft_vocab": head.draft_vocab, "corpus_tokens": state.get("corpus_tokens", 0),
+            "steps": state["step"], "draft_vocab": head.draft_vocab,
+            "corpus_tokens": sum(st.get("corpus_tokens", 0) for st in runs),
             "agreement_per_position": agree, "chain_acceptance_per_position": chain,
             "mean_accepted_length": round(sum(chain), 4)}
 
@@ -48,7 +52,8 @@ def table(rows: list[dict], heldout: str, n_seqs: int, command: str) -> str:
         cells = " | ".join(f"{a:.1%} ({c:.1%})" for a, c in zip(r["agreement_per_position"],
                                                               r["chain_acceptance_per_position"]))
         corpus, vocab = r.get("corpus_tokens", 0), r.get("draft_vocab")
-        lines.append(f"| `{r['head']}` | {r['ttt_steps']} | {'—' if vocab is None else f'{vocab:,}'} | {r['train_tokens']:,}"
+        tokens = " + ".join(f"{t:,}" for t in r.get("stage_tokens", [r["train_tokens"]]))
+        lines.append(f"| `{r['head']}` | {r['ttt_steps']} | {'—' if vocab is None else f'{vocab:,}'} | {tokens}"
                      f"{f' ({corpus:,})' if corpus else ''} | {cells} | "
                      f"{r['mean_accepted_length']:.2f} |")
     return "\n".join(lines + ["", f"Command: `{command}`", ""])
