@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import benchmark
+from bench.harness import benchmark, save
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_per_position",
@@ -64,6 +64,30 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
 
 
+def plot(result: dict, path: Path) -> None:
+    """Speedup and τ against chain length k, one line per head; `sd` as a dashed reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    sd = next((r for r in result["rows"] if r["method"] == "sd"), None)
+    for ax, key, label in ((axes[0], "speedup_vs_vanilla", "speedup over vanilla"), (axes[1], "tau", "τ (tokens / target forward)")):
+        for head in dict.fromkeys(r["head"] for r in result["rows"] if r["method"] == "eagle3"):
+            rows = [r for r in result["rows"] if r["head"] == head]
+            ax.plot([r["k"] for r in rows], [r[key] for r in rows], marker="o", label=f"eagle3 {Path(head).name}")
+        if sd is not None:
+            ax.axhline(sd[key], color="grey", linestyle="--", label=f"sd (k={sd['k']})")
+        ax.set_xlabel("chain length k")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"EAGLE-3 chain sweep — {result['workload']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     from services.common.config import EngineConfig
     from services.router.engine import Engine
@@ -87,8 +111,7 @@ def main() -> None:
               "command": "python -m bench.eagle3_sweep " + " ".join(sys.argv[1:]), "rows": rows}
     print(markdown(result))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(markdown(result))
+        save(args.out, result, markdown, plot)
 
 
 if __name__ == "__main__":
