@@ -31,10 +31,11 @@ def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(t
     assert len(new) == 2 and new[0] != new[1]
 
 
-def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3):
+def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_path):
     """bench.eagle3_sweep: one `sd` reference row, then one lossless `eagle3` row per (head, k)
     whose chains never pass k."""
-    from bench.eagle3_sweep import markdown as sweep_md, sweep
+    from bench.eagle3_sweep import markdown as sweep_md, plot, sweep
+    from bench.harness import save
     from services.common.config import EngineConfig
     from services.router.engine import Engine
 
@@ -45,7 +46,10 @@ def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3):
     assert [(r["method"], r["k"]) for r in rows] == [("sd", 4), ("eagle3", 1), ("eagle3", 3)]
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
     assert len(rows[1]["acceptance_per_position"]) <= 1 and len(rows[2]["acceptance_per_position"]) <= 3
-    assert "| eagle3 |" in sweep_md({"workload": "t", "limit": 2, "max_new_tokens": 20, "command": "c", "rows": rows})
+    result = {"workload": "t", "limit": 2, "max_new_tokens": 20, "command": "c", "rows": rows}
+    assert "| eagle3 |" in sweep_md(result)
+    save(tmp_path / "sweep.json", result, sweep_md, plot)
+    assert (tmp_path / "sweep.png").stat().st_size > 0 and (tmp_path / "sweep.md").read_text() == sweep_md(result)
 
 
 def test_draft_vocab_bench_rows(tiny_dirs, tmp_path):
