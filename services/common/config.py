@@ -51,7 +51,8 @@ class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
     # EAGLE-3: the TTT head; on CPU, where verification cost grows with every token checked,
-    # 3-token chains measured fastest (bench/results/eagle3_sweep*.md); on a GPU, k = 4.
+    # 3-token chains (the stage-1 head's best, bench/results/eagle3_sweep*.md; the stage-2 head's
+    # sweeps put k = 4 ahead by speedup, within noise); on a GPU, k = 4.
     eagle3: Path | None = MODELS_DIR / "eagle3"          # loaded when the directory holds a head
     eagle3_k: int = 3                                   # EAGLE-3 chain length
     eagle3_confidence: float = 0.1                    # EAGLE-3 chains stop after a token with max q below this (tuned)
