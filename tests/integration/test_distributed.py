@@ -164,15 +164,18 @@ def test_malformed_verifier_input_gets_clear_status(cluster):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Session(iter(msgs), timeout=20))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-    # random bytes instead of a protobuf message
-    raw = grpc.insecure_channel(addrs[0]).stream_stream("/specmesh.v1.Verifier/Session",
-                                                        request_serializer=lambda b: b,
-                                                        response_deserializer=lambda b: b)
+    random_bytes_get_a_clear_status(addrs[0], "Session")
+    assert active(addrs[0]) == 0
+
+
+def random_bytes_get_a_clear_status(addr: str, rpc: str) -> None:
+    """Random bytes instead of a protobuf message on a Verifier stream."""
+    raw = grpc.insecure_channel(addr).stream_stream(f"/specmesh.v1.Verifier/{rpc}", request_serializer=lambda b: b,
+                                                    response_deserializer=lambda b: b)
     for blob in (b"\xff\x00\x13garbage", os.urandom(64)):
         with pytest.raises(grpc.RpcError) as e:
             list(raw(iter([blob]), timeout=20))
         assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
-    assert active(addrs[0]) == 0
 
 
 def test_link_answers_each_session_and_each_bad_item_alone(cluster):
@@ -201,13 +204,7 @@ def test_link_answers_each_session_and_each_bad_item_alone(cluster):
                        ("h", "max_new_tokens"), ("p", "policy")):
         (err,) = by_id[sid]
         assert err.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and field in err.error.message, err
-    raw = grpc.insecure_channel(addrs[1]).stream_stream("/specmesh.v1.Verifier/Link",
-                                                        request_serializer=lambda b: b,
-                                                        response_deserializer=lambda b: b)
-    for blob in (b"\xff\x00\x13garbage", os.urandom(64)):
-        with pytest.raises(grpc.RpcError) as e:
-            list(raw(iter([blob]), timeout=20))
-        assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    random_bytes_get_a_clear_status(addrs[1], "Link")
     end = time.time() + 5
     while active(addrs[1]) and time.time() < end:
         time.sleep(0.05)
