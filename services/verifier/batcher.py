@@ -15,10 +15,13 @@ item is handed to its callback.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,4 +113,7 @@ class CycleBatcher:
             self._cond.notify_all()
             for b in batch:
                 if b.on_done is not None:
-                    b.on_done(b)
+                    try:
+                        b.on_done(b)
+                    except Exception:  # a callback's failure must not stop the stepper
+                        log.exception("cycle callback failed")
