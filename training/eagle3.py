@@ -256,6 +256,8 @@ def train(args: argparse.Namespace) -> None:
     vocab = target.s.vocab
     draft_vocab = args.draft_vocab if 0 < args.draft_vocab < vocab else vocab
     if args.init:
+        if Path(args.init).resolve() == Path(args.out).resolve():
+            raise SystemExit(f"--init {args.init}: write the continued head elsewhere (--out), the start must stay as it is")
         head, vocab_ids = warm_head(args.init, target, aux, draft_vocab, device)
     else:
         head, vocab_ids = new_head(target, aux, seqs, draft_vocab, device)
@@ -266,8 +268,9 @@ def train(args: argparse.Namespace) -> None:
     ckpt = work / "ckpt.pt"
     epoch, done_in_epoch, step, elapsed = 0, 0, 0, 0.0
     toward = weights_digest(args.target)   # a checkpoint of a head for other target weights is not resumed,
-    st = load_checkpoint(ckpt, f"{toward}:{draft_vocab}",   # nor one of another draft vocabulary size
-                         lambda c: f"{c.get('target')}:{c.get('draft_vocab', vocab)}", "eagle3", device)
+    start = weights_digest(args.init) if args.init else ""   # nor one of another draft vocabulary size or --init
+    st = load_checkpoint(ckpt, f"{toward}:{draft_vocab}:{start}",
+                         lambda c: f"{c.get('target')}:{c.get('draft_vocab', vocab)}:{c.get('init', '')}", "eagle3", device)
     if st:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
@@ -285,7 +288,7 @@ def train(args: argparse.Namespace) -> None:
 
     def save():
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch, "done": done_in_epoch,
-                    "step": step, "elapsed": elapsed, "target": toward, "draft_vocab": draft_vocab},
+                    "step": step, "elapsed": elapsed, "target": toward, "draft_vocab": draft_vocab, "init": start},
                    ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
         head.save_pretrained(args.out)

@@ -79,5 +79,10 @@ def test_train_eagle3_head_on_traces(tiny_dirs, tiny_eagle3, tmp_path):
     refused = subprocess.run(warm + ["--draft-vocab", "200", "--init", str(tmp_path / "head3")],
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "draft vocabulary 300" in refused.stderr
+    stage2 = list(small)   # stage 1's work dir holds its finished checkpoint: a continuation must not resume it
+    stage2[stage2.index("--out") + 1] = str(tmp_path / "head5")
+    log5 = subprocess.run(stage2 + ["--draft-vocab", "300", "--init", str(tmp_path / "head3")],
+                          capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "starting afresh" in log5 and "resumed" not in log5 and "loss/step" in log5
     trained, untrained = acceptance(target, out, prompts), acceptance(target, tiny_eagle3, prompts)
     assert trained > max(0.05, 2 * untrained), (trained, untrained)  # it learned the target's continuations
