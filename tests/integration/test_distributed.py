@@ -114,6 +114,19 @@ def test_bounded_load_all_streams_complete_no_session_left(cluster, tiny_engine)
     assert not servicer.active and all(active(a) == 0 for a in addrs)
 
 
+def test_cancelled_stream_frees_its_session_on_the_replica(cluster):
+    """A client cancelling mid-stream closes its session over the Link; the link carries on."""
+    _, stub, addrs, servicer = cluster
+    call = stub.Generate(gpb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=150, method="sd"), timeout=60)
+    next(call)
+    call.cancel()
+    end = time.time() + 10
+    while (servicer.active or any(active(a) for a in addrs)) and time.time() < end:
+        time.sleep(0.05)
+    assert not servicer.active and all(active(a) == 0 for a in addrs)
+    assert len(stream_ids(stub, PROMPTS[0], 20, "sd")) == 20   # the same link serves the next request
+
+
 def test_per_session_streams_equal_embedded(cluster, tiny_dirs, tiny_engine):
     """The router's other transport (``--verifier-link stream``): one Session stream per request."""
     _, _, addrs, _ = cluster
