@@ -34,14 +34,16 @@ CACHE, MODEL, PLAIN = "cache", "model", "plain"   # a hybrid's choices per cycle
 
 
 class _Means:
-    """Running means of named values: an EMA with factor ``alpha``; the first sample sets them."""
+    """Running means of named values: the plain mean of the first 1/``alpha`` samples, then an
+    EMA with factor ``alpha`` (so no single early sample, such as a cold first cycle, outweighs
+    the next twenty)."""
 
     def __init__(self):
         self.mean: dict[str, float] = {}
         self.n = 0
 
     def add(self, alpha: float, **values: float) -> None:
-        a = 1.0 if self.n == 0 else alpha
+        a = max(alpha, 1.0 / (self.n + 1))
         for k, v in values.items():
             m = self.mean.get(k, 0.0)
             self.mean[k] = m + a * (v - m)

@@ -149,3 +149,15 @@ def test_rule_skips_the_predictor_where_it_does_not_pay():
     verdicts = [rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c) for _ in range(64)]
     assert all(verdicts)
     assert 16 <= mlp.calls < 24                    # warm-up (16), then one in 16
+
+
+
+def test_a_cold_first_cycle_does_not_outweigh_the_next():
+    """The first model cycle may carry a one-off cost; it counts as one sample of a mean, not as
+    the estimate that later cycles move by a few percent each."""
+    c = measured(model=(2.0, 0.080), n=1)      # one slow cycle: 25 tok/s
+    for _ in range(15):
+        c.record(MODEL, 2.0, 0.010)            # then 200 tok/s
+        c.record(PLAIN, 1.0, 0.008)            # plain: 125 tok/s
+    assert abs(c.ema[MODEL].seconds - (0.080 + 15 * 0.010) / 16) < 1e-9
+    assert c.fallback() == MODEL               # 139 tok/s; an EMA seeded at 0.080 s would say 47
