@@ -17,8 +17,8 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
+from bench.harness import workload_args
 from bench.workloads import load
 from services.verifier.policies import exact_greedy
 
@@ -82,12 +82,8 @@ def main() -> None:
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="humaneval")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    workload_args(ap, "humaneval", 10, 128)
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     prompts = load(args.workload, args.limit)
     base = EngineConfig(threads=args.threads, eagle3=None, predictor=None)

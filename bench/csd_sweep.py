@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import benchmark
+from bench.harness import benchmark, workload_args, write_figure
 from bench.workloads import load
 from services.common.config import MODELS_DIR, EngineConfig, GateConfig
 from services.verifier.policies import CalibratedGreedy
@@ -23,14 +23,10 @@ from services.verifier.policies import CalibratedGreedy
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="humaneval")
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    workload_args(ap, "humaneval", 20, 128)
     ap.add_argument("--taus", default="0.05,0.1,0.2,0.3,0.5,0.8")
     ap.add_argument("--top-ks", default="3,5,10")
     ap.add_argument("--min-counts", default="3")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from services.router.engine import Engine
 
@@ -81,9 +77,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("tokens per cycle")
     ax.set_title(f"CSD gate sweep — {result['workload']}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 if __name__ == "__main__":

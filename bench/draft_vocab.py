@@ -13,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.harness import run_ours, save
+from bench.harness import run_ours, save, workload_args, write_figure
 from bench.workloads import load
 
 
@@ -65,9 +65,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("draft vocabulary")
     fig.suptitle(f"FR-Spec `sd` — {result['workload']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 def main() -> None:
@@ -75,12 +73,8 @@ def main() -> None:
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="humaneval")
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    workload_args(ap, "humaneval", 20, 128)
     ap.add_argument("--sizes", default="0,4096,2048", help="draft vocabulary sizes; 0 = the whole vocabulary")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     engines = {int(n): Engine(EngineConfig(threads=args.threads, draft_vocab=int(n))) for n in args.sizes.split(",")}
     first = next(iter(engines.values()))

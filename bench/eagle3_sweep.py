@@ -11,11 +11,10 @@ the sweep picks the head and k together.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from bench.harness import benchmark, save
+from bench.harness import benchmark, save, workload_args, write_figure
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_per_position",
@@ -83,9 +82,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     fig.suptitle(f"EAGLE-3 chain sweep — {result['workload']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 def main() -> None:
@@ -93,13 +90,9 @@ def main() -> None:
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="humaneval")
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    workload_args(ap, "humaneval", 20, 128)
     ap.add_argument("--heads", default="models/eagle3", help="comma-separated EAGLE-3 head directories")
     ap.add_argument("--ks", default="1,2,3,4")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     engine = Engine(EngineConfig(threads=args.threads))
     if "eagle3" not in engine.verifier.drafters or "draft-lm" not in engine.verifier.drafters:

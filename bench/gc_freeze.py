@@ -17,9 +17,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from bench.harness import past_outputs
+from bench.harness import past_outputs, workload_args
 from bench.workloads import load
 
 
@@ -96,12 +95,8 @@ def main() -> None:
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="edit")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    workload_args(ap, "edit", 10, 256)
     ap.add_argument("--methods", default="vanilla,sd,suffix,hybrid,hybrid-csd")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     tune_gc()
     engine = Engine(EngineConfig(threads=args.threads))

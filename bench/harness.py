@@ -25,13 +25,21 @@ from bench.workloads import Prompt, load
 HF_PEERS = ("hf-vanilla", "hf-assisted", "hf-pld")
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="humaneval")
-    p.add_argument("--methods", default="vanilla,sd,hf-vanilla,hf-assisted,hf-pld")
-    p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
+def workload_args(p: argparse.ArgumentParser, workload: str = "humaneval", limit: int = 20,
+                  max_new_tokens: int = 128, threads: bool = True) -> None:
+    """The arguments every benchmark over a workload takes, with its own defaults."""
+    p.add_argument("--workload", default=workload)
+    p.add_argument("--limit", type=int, default=limit)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    if threads:
+        p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
     p.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    workload_args(p, threads=False)   # `specmesh bench` takes --threads with the engine's arguments
+    p.add_argument("--methods", default="vanilla,sd,hf-vanilla,hf-assisted,hf-pld")
+    p.add_argument("--repeats", type=int, default=1)
 
 
 @dataclass
@@ -228,9 +236,7 @@ def plot(result: dict, path: Path) -> None:
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(f"{result['workload']}: {result['limit']} prompts × {result['max_new_tokens']} tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -261,6 +267,14 @@ def main(args: argparse.Namespace) -> dict:
     if args.out:
         save(args.out, result, markdown, plot)
     return result
+
+
+def write_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def save(out: Path, result: dict, markdown_fn, plot_fn=None) -> None:

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import benchmark
+from bench.harness import benchmark, workload_args, write_figure
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "exact_match_vs_vanilla")
@@ -86,9 +86,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("speedup vs vanilla")
     ax.set_title(f"HVD τ sweep — {result['workload']}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 def main() -> None:
@@ -96,13 +94,9 @@ def main() -> None:
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="edit")
-    ap.add_argument("--limit", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    workload_args(ap, "edit", 20, 256)
     ap.add_argument("--taus", default="2,3,4,5,6,8,10")
     ap.add_argument("--thresholds", default="2,4,6,8,12")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     engine = Engine(EngineConfig(threads=args.threads))
     missing = [m for m in KNOBS if m not in engine.drafters]

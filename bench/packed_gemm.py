@@ -14,8 +14,8 @@ import json
 import statistics
 import sys
 from dataclasses import replace
-from pathlib import Path
 
+from bench.harness import workload_args
 from bench.workloads import load
 
 
@@ -31,12 +31,8 @@ def main() -> None:
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="humaneval")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    workload_args(ap, "humaneval", 10, 128)
     ap.add_argument("--methods", default="vanilla,sd")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     base = EngineConfig(threads=args.threads, eagle3=None, predictor=None)
     engines = {"on": Engine(replace(base, packed_gemm=True)), "off": Engine(replace(base, packed_gemm=False))}

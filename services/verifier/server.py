@@ -210,6 +210,7 @@ class LinkServer:
         self.ended = self._stopped = False
         self._lock = threading.Lock()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._posts: list = []    # cycles of the message being read, posted together after it
 
     def read(self, request_iterator) -> None:
         try:
@@ -218,6 +219,9 @@ class LinkServer:
                     time.sleep(FAULT_CYCLE_DELAY_S)
                 for item in msg.items:
                     self._handle(item)
+                posts, self._posts = self._posts, []
+                if posts:   # a message's cycles join the batch together; the reader leads if none is awaited
+                    self.servicer.core.batcher.post_all(posts, lead=True)
         except Exception as e:  # the link broke (cancelled, reset): its sessions end with it
             log.debug("link ended: %s", e)
         finally:
@@ -265,7 +269,7 @@ class LinkServer:
                 raise BadRequest(f"link item: session {sid!r} already has a cycle in flight")
             self.servicer.check_cycle(req, session.spec)
             self.busy.add(sid)
-        self.servicer.core.batcher.post(session, req, lambda item: self._done(sid, item))
+        self._posts.append((session, req, lambda item: self._done(sid, item)))
 
     def _done(self, sid: str, item) -> None:
         if item.error is None:

@@ -114,6 +114,35 @@ def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_st
     assert got["a"][0] == 8 and got["a"][2] == "cycle-stepper"
 
 
+
+def test_a_poster_leads_only_a_step_that_awaits_no_one():
+    """``post_all(lead=True)`` (the link's reader) runs the step in the calling thread when every
+    expected session is queued; when one is still awaited, the stepper leads and waits for it."""
+    threads: list[tuple[list[str], str]] = []
+
+    def step(batch):
+        threads.append((sorted(b.session for b in batch), threading.current_thread().name))
+        for b in batch:
+            b.result = b.request + 1
+
+    batcher = CycleBatcher(step, window_s=5.0)
+    got: dict[str, int] = {}
+    callback = lambda item: got.__setitem__(item.session, item.result)  # noqa: E731
+    batcher.opened("a")
+    batcher.post_all([("a", 1, callback)], lead=True)       # a lone session: no hand-off
+    assert got == {"a": 2} and threads == [(["a"], threading.current_thread().name)]
+    batcher.opened("b")                                       # now a and b are expected
+    batcher.post_all([("a", 3, callback)], lead=True)        # b is awaited: returns at once
+    assert got == {"a": 2}
+    end = time.monotonic() + 5
+    while not batcher._running and time.monotonic() < end:   # the stepper is waiting for b
+        time.sleep(0.01)
+    batcher.post_all([("b", 5, callback)], lead=True)        # so it takes both
+    end = time.monotonic() + 5
+    while len(threads) < 2 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert threads[1] == (["a", "b"], "cycle-stepper") and got == {"a": 4, "b": 6}
+
 def test_a_session_that_missed_the_window_is_not_awaited_again():
     """After a step without ``b``, the next step does not wait for it; once back it is expected."""
     steps: list[list[str]] = []
