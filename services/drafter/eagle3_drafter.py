@@ -2,8 +2,7 @@
 
 Per request: ``feats`` holds fused target features f_i (3·H_t) for every position the
 target has verified (its KV-cache prefix); they arrive with ``observe(..., target_states)``
-— no extra target pass. The head runs over the prompt's positions as they arrive (its
-prefill); ``propose`` first runs it over positions it has not yet seen
+— no extra target pass. ``propose`` first runs the head over positions it has not yet seen
 with real features (overwriting its own earlier chain entries there: that is its rollback),
 then chains k−1 steps on its own hidden state. Position i pairs f_i with token i+1.
 """
@@ -77,16 +76,6 @@ class Eagle3Drafter:
         if target_states is not None and len(target_states):
             st.feats.append(target_states)
             st.n_feats += len(target_states)
-            if st.real_len == 0:
-                self._prefill(st)
-
-    @torch.inference_mode()
-    def _prefill(self, st: _State) -> None:
-        """The head runs over the prompt in the target's prefill cycle, as the draft model of
-        EAGLE does, so a later draft's cost does not depend on when it is first asked for (a
-        hybrid may ask only after many cache cycles)."""
-        h, tokens, start = self._catch_up(st)
-        self.head.step_ragged([h], [tokens], [start], [st.cache])
 
     def _pick(self, st: _State, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         """Draft-vocabulary logits → (target token, q over the target vocabulary for sampled

@@ -249,6 +249,7 @@ class _State:
     predicted: bool | None = None
     choice: str = CACHE
     started: float = 0.0
+    model_used: bool = False    # the model drafter has drafted for this request
 
 
 class HybridDrafter:
@@ -288,9 +289,12 @@ class HybridDrafter:
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
-        # A cycle this hybrid chose (a budget-0 cycle is not one), except a request's first:
-        # its seconds include the prompt's prefill, which no choice changes.
-        if self.costs and st.started and st.tracker.generated > 0:
+        # A cycle this hybrid chose (a budget-0 cycle is not one), except a request's first,
+        # whose seconds include the target's prefill, and its first model cycle, whose seconds
+        # include the model drafter's prefill over the prompt: no later cycle pays either.
+        first_model = st.choice == MODEL and not st.model_used
+        st.model_used |= st.choice == MODEL
+        if self.costs and st.started and st.tracker.generated > 0 and not first_model:
             self.costs.record(st.choice, len(tokens), time.perf_counter() - st.started,
                               len(st.cache_draft) if st.choice == CACHE else 0)
         st.started = 0.0

@@ -4,7 +4,7 @@ import torch
 from services.predictor.features import TokenFlags
 from services.predictor.mlp import YieldMLP
 from services.router.engine import GenerationRequest
-from services.router.hybrid import CACHE, MODEL, PLAIN, PredictorRule, ScoreRule
+from services.router.hybrid import CACHE, MODEL, PLAIN, Delegate, PredictorRule, ScoreRule
 
 TEXTS = ["def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n", "import os\nimport sys\nimport os\n",
          "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "for i in range(3):\n    print(i)\nfor i in range(3):\n"]
@@ -59,17 +59,32 @@ def test_cost_aware_hybrid_is_lossless_and_follows_measured_costs(tiny_eagle_eng
     assert model > costs.warmup and plain <= costs.warmup + model // 16 + 1
 
 
-def test_cost_aware_hybrid_does_not_charge_the_prefill_cycle_to_a_choice(tiny_eagle_engine):
+def test_cost_aware_hybrid_does_not_charge_a_prefill_to_a_choice(tiny_eagle_engine):
+    """Neither a request's first cycle (the target's prefill) nor its first model cycle (the
+    EAGLE-3 head's prefill over the prompt) is recorded as a cost."""
     eng = tiny_eagle_engine
     eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
     hybrid = eng.drafters["hybrid"]
-    chosen = []                                   # cycles the hybrid decided (budget > 0)
+    chosen = []                                   # (request, delegated) of cycles the hybrid decided
     propose = hybrid.propose
-    hybrid.propose = lambda req_id, budget: chosen.append(req_id) or propose(req_id, budget)
+
+    def spy(req_id, budget):
+        choice = propose(req_id, budget)
+        chosen.append((req_id, isinstance(choice, Delegate)))
+        return choice
+
+    hybrid.propose = spy
     for t in TEXTS:
         eng.generate(GenerationRequest(eng.encode(t), 24, method="hybrid")).result()
     recorded = sum(e.n for e in hybrid.costs.ema.values())
-    assert len(set(chosen)) == len(TEXTS) and recorded == len(chosen) - len(TEXTS)
+    started, drafted, unrecorded = set(), set(), 0
+    for r, delegated in chosen:
+        first_model = delegated and r not in drafted
+        unrecorded += r not in started or first_model
+        started.add(r)
+        drafted |= {r} if delegated else set()
+    assert len(started) == len(TEXTS) and drafted, "warm-up tries the model drafter"
+    assert recorded == len(chosen) - unrecorded > 0
     assert hybrid.costs.cache_cost.n == hybrid.costs.ema[CACHE].n
 
 
