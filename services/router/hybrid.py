@@ -11,7 +11,8 @@ verified when (1 + ŷ) / s(n) ≥ the best fallback's tokens / seconds, where s(
 a cache cycle's cost fitted online against draft length (verifying a short draft costs about
 a plain step; a long one more). The fallback is the model drafter or a plain step (no draft,
 one token), whichever yields more per second. When even ŷ = 0 would pass, the predictor is
-not consulted; nor is it where its answer is not worth its cost (``PredictionValue``). Where the model drafter's cycle costs more than its extra tokens are worth (a
+not consulted; nor is it where its answers have not been worth their cost (``PredictionValue``:
+what its declines gained, once shadow verification tells the declined drafts' true yields). Where the model drafter's cycle costs more than its extra tokens are worth (a
 CPU, where the EAGLE-3 head's steps are not cheap next to the target), the hybrid stops
 calling it.
 """
@@ -87,14 +88,17 @@ def length_bucket(n: int) -> int:
 
 
 class PredictionValue:
-    """Whether a yield prediction is worth its cost, per draft-length bucket.
+    """Whether a yield prediction is worth its cost, per draft-length bucket, judged by what
+    its declines actually gained.
 
-    A prediction can only change a decision into a decline, and a decline gains, by the
-    predictor's own estimate, need − ŷ tokens of the fallback's (``need`` being the least yield
-    that pays for the cache cycle, in tokens; a pass gains nothing). It costs its seconds × the fallback's rate, in tokens too. The
-    predictor is consulted where the mean gain per consultation covers that cost; elsewhere
-    the draft is verified unpredicted, except every ``explore_every``-th time, which keeps the
-    gain measured. A bucket is always consulted until ``warmup`` gains are seen."""
+    A prediction can only change a decision into a decline. Declining an n-token draft gains
+    need − y tokens of the fallback's, ``need`` being the least yield that pays for the cache
+    cycle and y the draft's true yield, known later by shadow verification (``YieldTracker``):
+    negative when the draft would have paid. A pass gains nothing. A prediction costs its
+    seconds × the fallback's rate, in tokens too. The predictor is consulted where the mean
+    realized gain per consultation covers that cost; elsewhere the draft is verified
+    unpredicted, except every ``explore_every``-th time, which keeps the gain measured. A
+    bucket is always consulted until ``warmup`` gains are known."""
 
     def __init__(self, warmup: int = 16, explore_every: int = 16, alpha: float = 0.05):
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
@@ -116,9 +120,13 @@ class PredictionValue:
             return True
         return False
 
-    def record(self, length: int, need: float, y_hat: float, seconds: float) -> None:
-        self.gain.setdefault(length_bucket(length), _Means()).add(self.alpha, gain=max(0.0, need - max(0.0, y_hat)))
+    def record_cost(self, seconds: float) -> None:
         self.cost.add(self.alpha, s=seconds)
+
+    def realize(self, length: int, need: float, y_hat: float, y: int) -> None:
+        """A consulted draft's true yield ``y`` is known: book what the prediction gained."""
+        declined = max(0.0, y_hat) < need
+        self.gain.setdefault(length_bucket(length), _Means()).add(self.alpha, gain=need - y if declined else 0.0)
 
 
 class CycleCosts:
@@ -179,9 +187,13 @@ class CycleCosts:
                 return None, True
             return need, need > 0.0 and self.prediction.worth(length, self.ema[fallback].rate())
 
-    def record_prediction(self, length: int, need: float, y_hat: float, seconds: float) -> None:
+    def record_prediction_cost(self, seconds: float) -> None:
         with self._lock:
-            self.prediction.record(length, need, y_hat, seconds)
+            self.prediction.record_cost(seconds)
+
+    def realize_prediction(self, length: int, need: float, y_hat: float, y: int) -> None:
+        with self._lock:
+            self.prediction.realize(length, need, y_hat, y)
 
     def cache_pays(self, y_hat: float, fallback: str, tau: float, length: int = 0) -> bool:
         """(1 + ŷ) tokens per second of an n-token cache cycle beat the fallback's measured
@@ -216,7 +228,8 @@ class PredictorRule:
         t0 = time.perf_counter()
         y_hat = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
         if need is not None:
-            costs.record_prediction(n, need, y_hat, time.perf_counter() - t0)
+            costs.record_prediction_cost(time.perf_counter() - t0)
+            draft.features["yield_needed"] = need
         draft.features["predicted_yield"] = y_hat
         return passes(y_hat, need, self.tau)
 
@@ -241,12 +254,22 @@ class Delegate:
     budget: int
 
 
+@dataclass(frozen=True)
+class _Prediction:
+    """What a consulted prediction said of a cache draft, kept until its true yield is known."""
+
+    high: bool                     # ŷ ≥ HIGH_YIELD (precision / recall metrics)
+    length: int
+    y_hat: float
+    need: float | None             # None: decided by τ, not by measured costs
+
+
 @dataclass
 class _State:
     tracker: YieldTracker
     cache_draft: list[int]
     chose_cache: bool = False
-    predicted: bool | None = None
+    predicted: _Prediction | None = None
     choice: str = CACHE
     started: float = 0.0
     model_used: bool = False    # the model drafter has drafted for this request
@@ -278,7 +301,8 @@ class HybridDrafter:
         st.chose_cache = bool(draft.token_ids) and self.rule.verify_cache(draft, st.tracker, budget, fallback,
                                                                         self.costs)
         y_hat = draft.features.get("predicted_yield")
-        st.predicted = None if y_hat is None else y_hat >= HIGH_YIELD
+        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, len(draft.token_ids), y_hat,
+                                                              draft.features.get("yield_needed"))
         st.choice = CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL
         HYBRID_DECISIONS.labels(self.name, st.choice).inc()
         if st.choice == CACHE:
@@ -299,10 +323,13 @@ class HybridDrafter:
                               len(st.cache_draft) if st.choice == CACHE else 0)
         st.started = 0.0
         self.cache.observe(req_id, tokens)
-        # predicted vs observed high yield, for precision / recall, once a draft's yield is known
-        for predicted, y in st.tracker.update(st.cache_draft, tokens, st.chose_cache, st.predicted):
-            if predicted is not None:
-                PREDICTED_VS_ACTUAL.labels(self.name, str(predicted).lower(), str(y >= HIGH_YIELD).lower()).inc()
+        # once a predicted draft's yield is known: precision / recall, and what the prediction gained
+        for p, y in st.tracker.update(st.cache_draft, tokens, st.chose_cache, st.predicted):
+            if p is None:
+                continue
+            PREDICTED_VS_ACTUAL.labels(self.name, str(p.high).lower(), str(y >= HIGH_YIELD).lower()).inc()
+            if p.need is not None and self.costs:
+                self.costs.realize_prediction(p.length, p.need, p.y_hat, y)
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

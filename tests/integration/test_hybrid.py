@@ -88,6 +88,23 @@ def test_cost_aware_hybrid_does_not_charge_a_prefill_to_a_choice(tiny_eagle_engi
     assert hybrid.costs.cache_cost.n == hybrid.costs.ema[CACHE].n
 
 
+
+def test_consulted_predictions_are_booked_with_their_true_yields(tiny_eagle_engine):
+    """Each prediction that weighed a draft against measured costs is booked once its draft's
+    true yield is known (declined drafts: by shadow verification), and only then."""
+    eng = tiny_eagle_engine
+    eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
+    costs = eng.drafters["hybrid"].costs
+    booked = []
+    realize = costs.realize_prediction
+    costs.realize_prediction = lambda n, need, y_hat, y: booked.append((n, need, y_hat, y)) or realize(n, need, y_hat, y)
+    run_all(eng, "hybrid")
+    run_all(eng, "hybrid")
+    consulted = costs.prediction.cost.n
+    assert 0 < len(booked) <= consulted
+    assert sum(g.n for g in costs.prediction.gain.values()) == len(booked)
+    assert all(0 <= y <= n and need > 0 for n, need, _, y in booked)
+
 def test_hybrid_score_rule_extremes(tiny_eagle_engine):
     eng = tiny_eagle_engine
     eng.add_hybrid("hybrid-rule", ScoreRule(1e9))   # never trust the cache

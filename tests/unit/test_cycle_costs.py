@@ -118,22 +118,37 @@ def test_length_buckets():
 
 
 def test_prediction_skipped_where_declines_do_not_repay_it():
-    """Consult the predictor only where the mean gain of its declines (tokens) covers its
-    cost (seconds × the fallback's tokens/s); elsewhere verify, re-consulting now and then."""
+    """Consult the predictor only where the mean realized gain of its declines (tokens, from
+    the declined drafts' true yields) covers its cost (seconds × the fallback's tokens/s);
+    elsewhere verify, re-consulting now and then."""
     from services.router.hybrid import PredictionValue
 
     v = PredictionValue(warmup=4, explore_every=8)
     rate = 100.0                                   # fallback tokens/s: a 1 ms prediction costs 0.1 token
     assert v.worth(3, rate)                        # unmeasured: consult
+    v.record_cost(0.001)
     for _ in range(4):
-        v.record(3, need=0.5, y_hat=2.0, seconds=0.001)      # short drafts always pass: no gain
-        v.record(16, need=3.0, y_hat=0.0, seconds=0.001)     # long ones get declined: 3 tokens each
+        v.realize(3, need=0.5, y_hat=2.0, y=2)    # short drafts pass: no gain
+        v.realize(16, need=3.0, y_hat=0.0, y=0)   # long ones are declined, rightly: 3 tokens each
     assert v.worth(16, rate)
     consulted = [v.worth(3, rate) for _ in range(16)]
     assert consulted.count(True) == 2 and consulted[7] and consulted[15]   # every 8th re-measures
-    for _ in range(60):                            # short drafts start failing: the gain returns
-        v.record(3, need=0.5, y_hat=0.0, seconds=0.001)
+    for _ in range(60):                            # short drafts start failing: declines gain again
+        v.realize(3, need=0.5, y_hat=0.0, y=0)
     assert v.worth(3, rate)
+
+
+def test_wrong_declines_turn_the_predictor_off():
+    """Declines of drafts that would have yielded more than they needed lose tokens: however
+    confident ŷ was, the predictor is then skipped there (and such drafts verified)."""
+    from services.router.hybrid import PredictionValue
+
+    v = PredictionValue(warmup=4, explore_every=100)
+    v.record_cost(1e-6)                           # nearly free
+    for _ in range(20):
+        v.realize(8, need=2.0, y_hat=0.5, y=6)    # declined, but it would have yielded 6
+    assert not v.worth(8, 100.0)
+    assert v.worth(3, 100.0)                       # another bucket is not judged by this one
 
 
 def test_rule_skips_the_predictor_where_it_does_not_pay():
@@ -144,20 +159,12 @@ def test_rule_skips_the_predictor_where_it_does_not_pay():
     mlp = CountingMLP(y=5.0)                       # always passes: a decline never happens
     rule = PredictorRule(mlp, NoFlags(), tau=6)
     c = measured(plain=(1.0, 0.004), cache=(3.0, 0.008))   # ŷ must reach 1: the predictor is asked
-    c.prediction.cost.add(1.0, s=0.001)            # at 250 tok/s, a prediction costs 0.25 token
-    draft = Draft(token_ids=[1, 2, 3], source="suffix")
-    verdicts = [rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c) for _ in range(64)]
+    c.prediction.record_cost(0.001)                # at 250 tok/s, a prediction costs 0.25 token
+    verdicts = []
+    for _ in range(64):
+        draft = Draft(token_ids=[1, 2, 3], source="suffix")
+        verdicts.append(rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c))
+        if "yield_needed" in draft.features:       # the draft's true yield, as the hybrid books it
+            c.realize_prediction(3, draft.features["yield_needed"], draft.features["predicted_yield"], 3)
     assert all(verdicts)
     assert 16 <= mlp.calls < 24                    # warm-up (16), then one in 16
-
-
-
-def test_a_cold_first_cycle_does_not_outweigh_the_next():
-    """The first model cycle may carry a one-off cost; it counts as one sample of a mean, not as
-    the estimate that later cycles move by a few percent each."""
-    c = measured(model=(2.0, 0.080), n=1)      # one slow cycle: 25 tok/s
-    for _ in range(15):
-        c.record(MODEL, 2.0, 0.010)            # then 200 tok/s
-        c.record(PLAIN, 1.0, 0.008)            # plain: 125 tok/s
-    assert abs(c.ema[MODEL].seconds - (0.080 + 15 * 0.010) / 16) < 1e-9
-    assert c.fallback() == MODEL               # 139 tok/s; an EMA seeded at 0.080 s would say 47
