@@ -50,9 +50,9 @@ class HybridConfig:
 class EngineConfig:
     target: Path = MODELS_DIR / "target"
     draft: Path | None = MODELS_DIR / "draft"
-    # EAGLE-3: the TTT head; 4-token chains, the stage-2 head's best on both sweeps
-    # (bench/results/eagle3_sweep*.md: 1.41× against k = 3's 1.38× on humaneval, 1.31× against
-    # 1.29× on stdlib-heldout; the stage-1 head's best was k = 3), as on a GPU.
+    # EAGLE-3: the TTT head; 4-token chains. For the stage-2 head k = 3 and k = 4 tie by speed on
+    # CPU (bench/results/eagle3_sweep*.md, eagle3_k_*.md) and k = 4 has the higher τ (2.62
+    # against 2.42 on humaneval); it is also the GPU's choice. The stage-1 head's best was k = 3.
     eagle3: Path | None = MODELS_DIR / "eagle3"          # loaded when the directory holds a head
     eagle3_k: int = 4                                   # EAGLE-3 chain length
     eagle3_confidence: float = 0.1                    # EAGLE-3 chains stop after a token with max q below this (tuned)

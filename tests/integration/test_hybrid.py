@@ -88,7 +88,6 @@ def test_cost_aware_hybrid_does_not_charge_a_prefill_to_a_choice(tiny_eagle_engi
     assert hybrid.costs.cache_cost.n == hybrid.costs.ema[CACHE].n
 
 
-
 def test_consulted_predictions_are_booked_with_their_true_yields(tiny_eagle_engine):
     """Each prediction that weighed a draft against measured costs is booked once its draft's
     true yield is known (declined drafts: by shadow verification), and only then."""
@@ -104,6 +103,7 @@ def test_consulted_predictions_are_booked_with_their_true_yields(tiny_eagle_engi
     assert 0 < len(booked) <= consulted
     assert sum(g.n for g in costs.prediction.gain.values()) == len(booked)
     assert all(0 <= y <= n and need > 0 for n, need, _, y in booked)
+
 
 def test_hybrid_score_rule_extremes(tiny_eagle_engine):
     eng = tiny_eagle_engine

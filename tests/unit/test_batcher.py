@@ -114,7 +114,6 @@ def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_st
     assert got["a"][0] == 8 and got["a"][2] == "cycle-stepper"
 
 
-
 def test_a_poster_leads_only_a_step_that_awaits_no_one():
     """``post_all(lead=True)`` (the link's reader) runs the step in the calling thread when every
     expected session is queued; when one is still awaited, the stepper leads and waits for it."""
@@ -142,6 +141,7 @@ def test_a_poster_leads_only_a_step_that_awaits_no_one():
     while len(threads) < 2 and time.monotonic() < end:
         time.sleep(0.01)
     assert threads[1] == (["a", "b"], "cycle-stepper") and got == {"a": 4, "b": 6}
+
 
 def test_a_session_that_missed_the_window_is_not_awaited_again():
     """After a step without ``b``, the next step does not wait for it; once back it is expected."""
