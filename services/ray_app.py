@@ -47,10 +47,9 @@ class SessionMissing(RuntimeError):
 def engine_config(args: dict) -> EngineConfig:
     models = Path(args.get("models_dir") or os.environ.get("SPECMESH_MODELS", MODELS_DIR))
     gpus = float(args.get("verifier_gpus", 0))
-    cuda = gpus > 0  # where verification is flat in tokens: the TTT head, 4-token chains (README)
     return EngineConfig(
         target=models / "target", draft=models / "draft", predictor=models / "predictor",
-        eagle3=models / "eagle3", eagle3_k=4 if cuda else EngineConfig.eagle3_k,
+        eagle3=models / "eagle3",
         device="cuda" if gpus > 0 else "cpu", dtype=args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32",
         redis_url=args.get("redis_url") or os.environ.get("SPECMESH_REDIS_URL") or None,
         max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)),
