@@ -94,6 +94,10 @@ def test_consulted_predictions_are_booked_with_their_true_yields(tiny_eagle_engi
     eng = tiny_eagle_engine
     eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
     costs = eng.drafters["hybrid"].costs
+    for _ in range(costs.warmup):                  # a cache cycle costs 100 plain steps: every draft needs a yield
+        costs.record(PLAIN, 1, 1e-4)
+        costs.record(CACHE, 1, 1e-2, drafted=4)
+    eng.suffix_cache.clear()                       # no earlier test's outputs to draft from
     booked = []
     realize = costs.realize_prediction
     costs.realize_prediction = lambda n, need, y_hat, y: booked.append((n, need, y_hat, y)) or realize(n, need, y_hat, y)
