@@ -77,23 +77,28 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
         self.qkv: nn.Module | None = None   # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v projections of x [..., hidden], flat over heads."""
-        if self.qkv is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., T, hidden] → rotated q [..., heads, T, d], rotated k and v [..., kv_heads, T, d].
+        With the fused q|k|v GEMM, q and k are rotated in one pass over their adjacent columns
+        (the same elementwise ops per value, so the same values)."""
         s = self.s
-        return self.qkv(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
+        *lead, t, _ = x.shape
+        heads = lambda y, n: y.view(*lead, t, n, s.head_dim).transpose(-3, -2)  # noqa: E731
+        if self.qkv is None:
+            q, k = heads(self.q_proj(x), s.heads), heads(self.k_proj(x), s.kv_heads)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, heads(self.v_proj(x), s.kv_heads)
+        qkv = self.qkv(x)
+        n_qk = (s.heads + s.kv_heads) * s.head_dim
+        qk = heads(qkv[..., :n_qk], s.heads + s.kv_heads)
+        qk = qk * cos + rotate_half(qk) * sin
+        return qk[..., :s.heads, :, :], qk[..., s.heads:, :, :], heads(qkv[..., n_qk:], s.kv_heads)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None, start: int, mask):
         """x: [B, T, H]; cos/sin: [T, D]; kv: this layer's cache ([B, kvh, S, D] each) or None."""
         b, t, _ = x.shape
         s = self.s
-        q, k, v = self.project(x)
-        q = q.view(b, t, s.heads, s.head_dim).transpose(1, 2)
-        k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)
         if kv is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
         else:
@@ -112,12 +117,7 @@ def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin:
     Projections run once over all N tokens; each row attends to its own cache (batch 1)."""
     s = attn.s
     n = x.shape[0]
-    q, k, v = attn.project(x)
-    q = q.view(n, s.heads, s.head_dim).transpose(0, 1)
-    k = k.view(n, s.kv_heads, s.head_dim).transpose(0, 1)
-    v = v.view(n, s.kv_heads, s.head_dim).transpose(0, 1)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    q, k, v = attn.project(x, cos, sin)                        # [heads, N, d]
     o = attend_rows(q, k, v, rows, s.kv_heads != s.heads)     # [heads, N, d]
     return attn.o_proj(o.transpose(0, 1).reshape(n, s.heads * s.head_dim))
 
