@@ -123,9 +123,8 @@ class PredictionValue:
     def record_cost(self, seconds: float) -> None:
         self.cost.add(self.alpha, s=seconds)
 
-    def realize(self, length: int, need: float, y_hat: float, y: int) -> None:
+    def realize(self, length: int, need: float, declined: bool, y: int) -> None:
         """A consulted draft's true yield ``y`` is known: book what the prediction gained."""
-        declined = max(0.0, y_hat) < need
         self.gain.setdefault(length_bucket(length), _Means()).add(self.alpha, gain=need - y if declined else 0.0)
 
 
@@ -191,9 +190,9 @@ class CycleCosts:
         with self._lock:
             self.prediction.record_cost(seconds)
 
-    def realize_prediction(self, length: int, need: float, y_hat: float, y: int) -> None:
+    def realize_prediction(self, length: int, need: float, declined: bool, y: int) -> None:
         with self._lock:
-            self.prediction.realize(length, need, y_hat, y)
+            self.prediction.realize(length, need, declined, y)
 
     def cache_pays(self, y_hat: float, fallback: str, tau: float, length: int = 0) -> bool:
         """(1 + ŷ) tokens per second of an n-token cache cycle beat the fallback's measured
@@ -260,8 +259,8 @@ class _Prediction:
 
     high: bool                     # ŷ ≥ HIGH_YIELD (precision / recall metrics)
     length: int
-    y_hat: float
     need: float | None             # None: decided by τ, not by measured costs
+    declined: bool                 # the draft was not verified
 
 
 @dataclass
@@ -301,8 +300,8 @@ class HybridDrafter:
         st.chose_cache = bool(draft.token_ids) and self.rule.verify_cache(draft, st.tracker, budget, fallback,
                                                                         self.costs)
         y_hat = draft.features.get("predicted_yield")
-        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, len(draft.token_ids), y_hat,
-                                                              draft.features.get("yield_needed"))
+        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, len(draft.token_ids),
+                                                              draft.features.get("yield_needed"), not st.chose_cache)
         st.choice = CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL
         HYBRID_DECISIONS.labels(self.name, st.choice).inc()
         if st.choice == CACHE:
@@ -329,7 +328,7 @@ class HybridDrafter:
                 continue
             PREDICTED_VS_ACTUAL.labels(self.name, str(p.high).lower(), str(y >= HIGH_YIELD).lower()).inc()
             if p.need is not None and self.costs:
-                self.costs.realize_prediction(p.length, p.need, p.y_hat, y)
+                self.costs.realize_prediction(p.length, p.need, p.declined, y)
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

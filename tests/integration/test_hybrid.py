@@ -100,7 +100,7 @@ def test_consulted_predictions_are_booked_with_their_true_yields(tiny_eagle_engi
     eng.suffix_cache.clear()                       # no earlier test's outputs to draft from
     booked = []
     realize = costs.realize_prediction
-    costs.realize_prediction = lambda n, need, y_hat, y: booked.append((n, need, y_hat, y)) or realize(n, need, y_hat, y)
+    costs.realize_prediction = lambda n, need, declined, y: booked.append((n, need, declined, y)) or realize(n, need, declined, y)
     run_all(eng, "hybrid")
     run_all(eng, "hybrid")
     consulted = costs.prediction.cost.n

@@ -128,13 +128,13 @@ def test_prediction_skipped_where_declines_do_not_repay_it():
     assert v.worth(3, rate)                        # unmeasured: consult
     v.record_cost(0.001)
     for _ in range(4):
-        v.realize(3, need=0.5, y_hat=2.0, y=2)    # short drafts pass: no gain
-        v.realize(16, need=3.0, y_hat=0.0, y=0)   # long ones are declined, rightly: 3 tokens each
+        v.realize(3, need=0.5, declined=False, y=2)   # short drafts pass: no gain
+        v.realize(16, need=3.0, declined=True, y=0)   # long ones are declined, rightly: 3 tokens each
     assert v.worth(16, rate)
     consulted = [v.worth(3, rate) for _ in range(16)]
     assert consulted.count(True) == 2 and consulted[7] and consulted[15]   # every 8th re-measures
     for _ in range(60):                            # short drafts start failing: declines gain again
-        v.realize(3, need=0.5, y_hat=0.0, y=0)
+        v.realize(3, need=0.5, declined=True, y=0)
     assert v.worth(3, rate)
 
 
@@ -146,7 +146,7 @@ def test_wrong_declines_turn_the_predictor_off():
     v = PredictionValue(warmup=4, explore_every=100)
     v.record_cost(1e-6)                           # nearly free
     for _ in range(20):
-        v.realize(8, need=2.0, y_hat=0.5, y=6)    # declined, but it would have yielded 6
+        v.realize(8, need=2.0, declined=True, y=6)    # declined, but it would have yielded 6
     assert not v.worth(8, 100.0)
     assert v.worth(3, 100.0)                       # another bucket is not judged by this one
 
@@ -165,6 +165,6 @@ def test_rule_skips_the_predictor_where_it_does_not_pay():
         draft = Draft(token_ids=[1, 2, 3], source="suffix")
         verdicts.append(rule.verify_cache(draft, YieldTracker(10, 100), 8, PLAIN, c))
         if "yield_needed" in draft.features:       # the draft's true yield, as the hybrid books it
-            c.realize_prediction(3, draft.features["yield_needed"], draft.features["predicted_yield"], 3)
+            c.realize_prediction(3, draft.features["yield_needed"], not verdicts[-1], 3)
     assert all(verdicts)
     assert 16 <= mlp.calls < 24                    # warm-up (16), then one in 16
