@@ -58,7 +58,7 @@ def ttt_unroll(head: Eagle3Head, feats: torch.Tensor, ids: torch.Tensor, steps: 
     for j in range(steps):
         tok = torch.roll(ids, -(1 + j), dims=1)                 # x_{i+1+j}; the wrapped tail is masked
         cos, sin = head.rope((idx + j).clamp_max(head.rope_cos.shape[0] - 1), h.dtype)
-        q, k, v = head.midlayer.qkv(head.embed_tokens(tok), h, cos, sin)
+        q, k, v = head.midlayer.qkv(head.midlayer.input_layernorm(head.embed_tokens(tok)), h, cos, sin)
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         if j == 0:
             k0, v0 = k, v

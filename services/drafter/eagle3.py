@@ -42,21 +42,25 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
         self.mlp = MLP(s)
 
-    def qkv(self, emb, h, cos, sin, q_index: torch.Tensor | None = None):
-        """[B, T, H] embeddings and hidden → rotated q [B, nh, T, d], k/v [B, nkv, T, d];
-        q only at positions ``q_index`` when given (inference attends from the last ones only)."""
+    def qkv(self, e, h, cos, sin, q_index: torch.Tensor | slice | None = None):
+        """[B, T, H] normed embeddings (``Eagle3Head.embed_in``) and hidden → rotated q [B, nh, T, d],
+        k/v [B, nkv, T, d]; q only at positions ``q_index`` when given (inference attends from the
+        last ones only). With the fused q|k|v GEMM, q and k rotate in one pass over their
+        adjacent columns (the same elementwise ops per value, so the same values)."""
         b, t, _ = h.shape
         s, a = self.s, self.self_attn
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
-        qcos, qsin = cos, sin
-        if q_index is not None:
-            qcos, qsin = cos[q_index], sin[q_index]
-        if a.qkv is not None:   # fused: q of every position, kept at ``q_index`` (a catch-up's few extra rows)
-            q, k, v = a.qkv(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
-            q = q if q_index is None else q[:, q_index]
-        else:
-            q = a.q_proj(x if q_index is None else x[:, q_index])
-            k, v = a.k_proj(x), a.v_proj(x)
+        x = torch.cat([e, self.hidden_norm(h)], dim=-1)
+        if a.qkv is not None:
+            n_qk = (s.heads + s.kv_heads) * s.head_dim
+            qkv = a.qkv(x)
+            qk = qkv[..., :n_qk].view(b, t, s.heads + s.kv_heads, s.head_dim).transpose(1, 2)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk[:, :s.heads], qk[:, s.heads:]
+            v = qkv[..., n_qk:].view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+            return (q if q_index is None else q[:, :, q_index]), k, v
+        qcos, qsin = (cos, sin) if q_index is None else (cos[q_index], sin[q_index])
+        q = a.q_proj(x if q_index is None else x[:, q_index])
+        k, v = a.k_proj(x), a.v_proj(x)
         q = q.view(b, -1, s.heads, s.head_dim).transpose(1, 2)
         k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
@@ -86,20 +90,43 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(s.vocab, dtype=torch.bool))
         self.remaps_vocab = self.draft_vocab != s.vocab   # set from d2t on load; training keeps d2t = 0
+        self._embed_in, self._embed_in_key = None, None   # inference: see embed_in
+        self._d2t, self._d2t_key = None, None
         cos, sin = _rope_tables(cfg, s.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor | slice, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at ``positions``; a slice (consecutive positions) takes a view, no gather."""
         return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
+
+    def embed_in(self, tokens: torch.Tensor) -> torch.Tensor:
+        """input_layernorm(embed(tokens)), looked up in a table of every token's, re-made when
+        either weight changes. A row's norm depends on that row alone: the same values as
+        computing it per step, one gather instead of a gather and a norm."""
+        w, g = self.embed_tokens.weight, self.midlayer.input_layernorm.weight
+        key = (w.data_ptr(), w._version, g.data_ptr(), g._version)
+        if self._embed_in_key != key:
+            with torch.no_grad():
+                self._embed_in = self.midlayer.input_layernorm(w)
+            self._embed_in_key = key
+        return self._embed_in[tokens]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     def greedy(self, logits: torch.Tensor) -> int:
         """Target id of the draft vocabulary's argmax (no scatter into the target vocabulary)."""
-        d = int(logits.argmax())
-        return d + int(self.d2t[d]) if self.remaps_vocab else d
+        cpu32 = logits.device.type == "cpu" and logits.dtype == torch.float32   # numpy's argmax: ~2 µs
+        d = int(logits.numpy().argmax()) if cpu32 else int(logits.argmax())
+        return d + self._d2t_list()[d] if self.remaps_vocab else d
+
+    def _d2t_list(self) -> list[int]:
+        """d2t as a Python list (a list read, not a tensor index and a sync), re-made when d2t changes."""
+        key = (self.d2t.data_ptr(), self.d2t._version)
+        if self._d2t_key != key:
+            self._d2t, self._d2t_key = self.d2t.tolist(), key
+        return self._d2t
 
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits → target-vocabulary logits (-inf outside the draft vocabulary)."""
@@ -115,9 +142,8 @@ class Eagle3Head(nn.Module):
         positions costs little more than their K/V) → (draft-vocab logits [B, 1, V_d], prenorm [B, 1, H]).
         ``greedy`` and ``target_logits`` map them to target ids."""
         t = tokens.shape[1]
-        cos, sin = self.rope(torch.arange(start, start + t, device=tokens.device), h.dtype)
-        last = torch.tensor([t - 1], device=tokens.device)
-        q, k, v = self.midlayer.qkv(self.embed_tokens(tokens), h, cos, sin, last)
+        cos, sin = self.rope(slice(start, start + t), h.dtype)
+        q, k, v = self.midlayer.qkv(self.embed_in(tokens), h, cos, sin, slice(t - 1, t))
         kc, vc = cache.layers[0]
         kc[:, :, start:start + t] = k
         vc[:, :, start:start + t] = v
@@ -143,7 +169,7 @@ class Eagle3Head(nn.Module):
         ends = list(itertools.accumulate(lens))
         last = torch.tensor(ends, device=dev) - 1
         cos, sin = self.rope(pos, h.dtype)
-        q, k, v = self.midlayer.qkv(self.embed_tokens(ids), h, cos, sin, last)
+        q, k, v = self.midlayer.qkv(self.embed_in(ids), h, cos, sin, last)
         offsets = [end - n for end, n in zip(ends, lens)]
         rows = [(off, st, c.layers[0], None) for off, st, c in zip(offsets, starts, caches)]
         o = attend_rows(q[0], k[0], v[0], rows, self.s.kv_heads != self.s.heads, last_only=True)
