@@ -351,3 +351,19 @@ def test_fused_rms_norm_equals_the_formula():
     x = torch.randn(3, 7, 64) * 5
     h = x.float()
     assert torch.equal(n(x), n.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)))
+
+
+def test_embedding_table_follows_the_weights(tiny_dirs, tiny_eagle3):
+    """The step's normed-embedding table equals input_layernorm(embed(tokens)) exactly and is
+    re-made when the norm's weight changes in place (as an optimizer step changes it)."""
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    toks = torch.tensor([[3, 900, 8191]])
+    with torch.no_grad():
+        assert torch.equal(head.embed_in(toks), head.midlayer.input_layernorm(head.embed_tokens(toks)))
+        h = torch.randn(1, 3, 64)
+        before, _ = head.step(h, toks, 0, head.new_cache(16))
+        head.midlayer.input_layernorm.weight.mul_(3.0)
+        assert torch.equal(head.embed_in(toks), head.midlayer.input_layernorm(head.embed_tokens(toks)))
+        after, _ = head.step(h, toks, 0, head.new_cache(16))
+    assert not torch.allclose(before, after)
