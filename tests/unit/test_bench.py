@@ -32,3 +32,34 @@ def test_serving_overhead_is_each_distributed_variant_minus_embedded_per_method(
     md = (tmp_path / "s.md").read_text()
     assert "distributed-stream − embedded, ms per cycle outside model work: sd +1.1" in md
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_csd_quality_pools_prompts_and_splits_by_first_divergence(tmp_path):
+    """Pooled NLL and τ ratios, intervals that shrink to the point when every prompt agrees,
+    and the early / later split by where an output first leaves vanilla's."""
+    from bench.csd_quality import compare, first_divergence, interval, markdown, plot
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 9, 3], [1, 2, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
+    assert interval(lambda idx: 0.25, 5) == [0.25, 0.25]
+
+    def run(ids, nll, cycles, rescued=0):
+        return {"ids": ids, "nll": nll, "n": len(ids), "cycles": cycles, "gen": len(ids), "rescued": rescued}
+
+    vanilla = [run([1, 2, 3, 4], 4.0, 4), run([5, 6, 7, 8], 8.0, 4)]
+    sd = [run([1, 2, 3, 4], 4.0, 2), run([5, 6, 7, 8], 8.0, 2)]
+    csd = [run([1, 9, 3, 4], 6.0, 2, rescued=1), run([5, 6, 7, 0], 12.0, 1, rescued=1)]
+    got = compare(csd, vanilla, sd, ["a", "b"], ["a", "b"], ["x = 1\n", "y = (\n"])
+    assert got["nll_vs_vanilla"] == 0.5                  # (18 / 8) / (12 / 8) − 1
+    assert got["tau_vs_sd"] == 1.3333                    # (8 / 3) / (8 / 4)
+    assert got["early_divergence"] == {"prompts": 1, "nll_vs_vanilla": 0.5}
+    assert got["late_divergence"] == {"prompts": 1, "nll_vs_vanilla": 0.5}
+    assert got["exact_match_vs_vanilla"] == 0.0 and got["rescues_per_1k"] == 250.0
+    lo, hi = got["tau_vs_sd_ci95"]
+    assert lo <= got["tau_vs_sd"] <= hi and lo < hi     # the two prompts disagree: a real interval
+    assert got["parse_rate"] == got["parse_rate_vanilla"] == 0.5   # "y = (" never closes
+    result = {"workload": "w", "limit": 2, "max_new_tokens": 4, "command": "c", "sd_tau": 2.0,
+              "vanilla_nll": 1.5, "rows": [{"method": "csd", "gate": "0.5:2:3", **got}]}
+    assert "| csd | 0.5:2:3 | +50.0 % [" in markdown(result)
+    plot(result, tmp_path / "q.png")
+    assert (tmp_path / "q.png").stat().st_size > 0
