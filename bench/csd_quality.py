@@ -7,7 +7,7 @@ move a 20-prompt NLL figure by several percent either way, so each figure here c
 interval from resampling the prompts (vanilla's, sd's and the method's outputs of a prompt
 are resampled together).
 
-Per gate ``tau:top_k:min_count`` it runs ``csd`` (and ``scg``, the same gate without the
+Per gate ``tau:top_k:min_count[:confirm]`` it runs ``csd`` (and ``scg``, the same gate without the
 memory) and reports: pooled target NLL per token relative to vanilla's; τ (tokens per cycle,
 pooled) relative to sd's; parse rate against vanilla's; the share of outputs equal to
 vanilla's; rescues per 1,000 tokens; and the NLL change split by where the output first leaves
@@ -89,14 +89,15 @@ def compare(runs: list[dict], vanilla: list[dict], sd: list[dict], texts: list[s
 
 
 def parse_gate(spec: str) -> GateConfig:
-    tau, top_k, min_count = spec.split(":")
-    return GateConfig(min_count=float(min_count), top_k=int(top_k), tau=float(tau))
+    """``tau:top_k:min_count[:confirm]``."""
+    tau, top_k, min_count, *confirm = spec.split(":")
+    return GateConfig(min_count=float(min_count), top_k=int(top_k), tau=float(tau), confirm=int(confirm[0]) if confirm else 0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_args(ap, "humaneval", 100, 128)
-    ap.add_argument("--gates", default="0.5:2:3", help="comma-separated tau:top_k:min_count (default: the shipped gate)")
+    ap.add_argument("--gates", default="0.5:2:3", help="comma-separated tau:top_k:min_count[:confirm] (default: the shipped gate)")
     ap.add_argument("--scg", action="store_true", help="also run each gate without the memory (scg)")
     args = ap.parse_args()
     import torch
@@ -120,7 +121,8 @@ def main() -> None:
         fresh.restore(prior)
         engine.verifier.set_memory(fresh)
         engine.policies["csd"] = CalibratedGreedy(gate, engine.memory)
-        engine.policies["scg"] = CalibratedGreedy(GateConfig(top_k=gate.top_k, tau=gate.tau, use_memory=False))
+        engine.policies["scg"] = CalibratedGreedy(GateConfig(top_k=gate.top_k, tau=gate.tau, use_memory=False,
+                                                               confirm=gate.confirm))
         for method in ("csd", "scg") if args.scg else ("csd",):
             runs = score(engine, method, prompts, args.max_new_tokens, f"{method} {spec}")
             rows.append({"method": method, "gate": spec, **compare(runs, vanilla, sd, decode(runs), v_texts, prompt_texts)})
@@ -138,7 +140,7 @@ def markdown(result: dict) -> str:
              f"new tokens, greedy (95 % bootstrap intervals over prompts)", "",
              f"vanilla NLL {result['vanilla_nll']} per token; sd τ {result['sd_tau']}. Goals: τ ≥ 1.15× sd's, "
              "NLL within 3 % of vanilla's, parse rate at most 1 point below vanilla's.", "",
-             "| method | gate τ:top-k:min-count | NLL vs vanilla | τ vs sd | parse (vanilla) | exact | rescues/1k "
+             "| method | gate τ:top-k:min-count[:confirm] | NLL vs vanilla | τ vs sd | parse (vanilla) | exact | rescues/1k "
              "| early div: prompts, NLL | later div: prompts, NLL |", "|---|---|---|---|---|---|---|---|---|"]
     pct = lambda x: f"{100 * x:+.1f} %"   # noqa: E731
     for r in result["rows"]:

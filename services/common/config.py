@@ -30,13 +30,16 @@ class SuffixConfig:
 class GateConfig:
     """Semantic Consistency Gating: a rejected draft token d (target prefers t) is rescued when
     count(d, t) ≥ min_count in the correction memory (skipped when use_memory is False: the
-    `scg` ablation), d is in the target's top_k, and logit(d) − logit(t) ≥ log(tau).
-    Defaults: see bench/results/csd_sweep.*"""
+    `scg` ablation), d is in the target's top_k, logit(d) − logit(t) ≥ log(tau), and the
+    target, given d, takes the next ``confirm`` draft tokens as they are (0: no such check; a
+    draft token with fewer than ``confirm`` after it is then never rescued).
+    Defaults: see bench/results/csd_sweep.* and csd_quality_*."""
 
     min_count: float = 3.0
     top_k: int = 2
     tau: float = 0.5
     use_memory: bool = True
+    confirm: int = 0
 
 
 @dataclass(frozen=True)

@@ -77,9 +77,11 @@ class CalibratedGreedy:
 
     Walk the draft: d_i == argmax p_i is accepted; a mismatch is *rescued* when the gate
     passes (``GateConfig``), which emits the draft token and keeps verifying — the target's
-    later logits were computed on the draft prefix, so they stay valid. The first mismatch
-    that is not rescued is the true rejection: emit the target's token there and report the
-    pair for the memory. Sampled requests fall back to lossless rejection sampling.
+    later logits were computed on the draft prefix, so they stay valid. The same holds for
+    ``confirm``: whether the target, given d_i, takes d_{i+1}.. as they are is read from the
+    rows already computed. The first mismatch that is not rescued is the true rejection:
+    emit the target's token there and report the pair for the memory. Sampled requests fall
+    back to lossless rejection sampling.
     """
 
     def __init__(self, gate, memory=None):
@@ -97,12 +99,17 @@ class CalibratedGreedy:
         rescued: list[tuple[int, int]] = []
         while m < len(d):
             if d[m] != target[m]:
-                if not self._rescue(d[m], target[m], logits[m]):
+                if not (self._confirmed(d, target, m) and self._rescue(d[m], target[m], logits[m])):
                     break
                 rescued.append((d[m], target[m]))
             m += 1
         first = (d[m], target[m]) if m < len(d) else None
         return Verdict(accepted=m, tokens=d[:m] + [target[m]], rescued_pairs=tuple(rescued), first_rejection=first)
+
+    def _confirmed(self, d: list[int], target: list[int], m: int) -> bool:
+        """The target, given d_m, takes the next ``confirm`` draft tokens exactly."""
+        c = self.gate.confirm
+        return m + c < len(d) and d[m + 1:m + 1 + c] == target[m + 1:m + 1 + c]
 
     def _rescue(self, d: int, t: int, row: torch.Tensor) -> bool:
         if self.memory is not None and self.memory.lookup(d, t) < self.gate.min_count:

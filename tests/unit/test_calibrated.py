@@ -67,3 +67,17 @@ def test_sampling_stays_lossless_rejection_sampling():
     v = pol(Draft([3]), rows, sp, torch.Generator().manual_seed(0))
     assert v.rescued == 0 and v.tokens == [0]  # p(3) ≈ 0: rejected, never rescued
     assert math.isclose(pol.log_tau, math.log(1e-9))
+
+
+def test_confirm_rescues_only_where_the_target_then_takes_the_draft():
+    """confirm = c: d_i is rescued only when the target, given it, takes the next c draft
+    tokens exactly (read from rows already computed); too near the draft's end, never."""
+    gate = lambda c: GateConfig(min_count=3, top_k=2, tau=0.5, confirm=c)  # noqa: E731
+    mem = memory_with([(1, 0)])
+    v = CalibratedGreedy(gate(1), mem)(Draft([1, 2, 3]), ROWS, GREEDY, torch.Generator())
+    assert v.accepted == 3 and v.rescued == 1 and v.tokens == [1, 2, 3, 4]
+    v = CalibratedGreedy(gate(1), mem)(Draft([1, 5, 3]), ROWS, GREEDY, torch.Generator())
+    assert v.accepted == 0 and v.rescued == 0 and v.tokens == [0] and v.first_rejection == (1, 0)
+    assert CalibratedGreedy(gate(2), mem)(Draft([1, 2, 3]), ROWS, GREEDY, torch.Generator()).rescued == 1
+    assert CalibratedGreedy(gate(3), mem)(Draft([1, 2, 3]), ROWS, GREEDY, torch.Generator()).accepted == 0
+    assert CalibratedGreedy(gate(0), mem)(Draft([1, 5, 3]), ROWS, GREEDY, torch.Generator()).rescued == 1
