@@ -21,8 +21,9 @@ KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptanc
         "exact_match_vs_vanilla", "draft_ms_per_cycle", "verify_ms_per_cycle")
 
 
-def use_head(engine, head_dir: Path, k: int) -> None:
-    """Serve ``head_dir`` as the engine's `eagle3` drafter with chains of at most ``k``."""
+def use_head(engine, head_dir: Path, k: int, confidence: float | None = None) -> None:
+    """Serve ``head_dir`` as the engine's `eagle3` drafter with chains of at most ``k`` that
+    stop after a token whose max q is below ``confidence`` (default: the engine's)."""
     from services.drafter.eagle3 import Eagle3Head
     from services.drafter.eagle3_drafter import Eagle3Drafter
     from services.common.packed_linear import pack_linears
@@ -32,21 +33,22 @@ def use_head(engine, head_dir: Path, k: int) -> None:
     if cfg.packed_gemm:
         pack_linears(head)
     core.runner.capture_layers = head.aux_layers
-    core.drafters["eagle3"] = Eagle3Drafter(head, cfg.eagle3_confidence)
+    core.drafters["eagle3"] = Eagle3Drafter(head, cfg.eagle3_confidence if confidence is None else confidence)
     core.max_draft["eagle3"] = engine.max_draft["eagle3"] = k
 
 
-def sweep(engine, prompts, max_new: int, heads: list[Path], ks: list[int]) -> list[dict]:
+def sweep(engine, prompts, max_new: int, heads: list[Path], ks: list[int],
+          confidences: list[float] | None = None) -> list[dict]:
     rows = []
     for r in benchmark(engine, prompts, ["vanilla", "sd"], max_new, 1, None):
         if r["method"] == "sd":
             rows.append({"method": "sd", "head": None, "k": engine.max_draft["draft-lm"], **{x: r[x] for x in KEYS}})
-    todo = [(h, k) for h in heads for k in ks]
-    for i, (h, k) in enumerate(todo):
-        use_head(engine, h, k)
+    todo = [(h, k, c) for h in heads for k in ks for c in confidences or [engine.cfg.eagle3_confidence]]
+    for i, (h, k, c) in enumerate(todo):
+        use_head(engine, h, k, c)
         for r in benchmark(engine, prompts, ["vanilla", "eagle3"], max_new, 1, None):
             if r["method"] == "eagle3":
-                rows.append({"method": "eagle3", "head": str(h), "k": k, **{x: r[x] for x in KEYS}})
+                rows.append({"method": "eagle3", "head": str(h), "k": k, "confidence": c, **{x: r[x] for x in KEYS}})
         print(f"[eagle3-sweep] {i + 1}/{len(todo)} settings", file=sys.stderr, flush=True)
     return rows
 
@@ -54,11 +56,11 @@ def sweep(engine, prompts, max_new: int, heads: list[Path], ks: list[int]) -> li
 def markdown(result: dict) -> str:
     lines = [f"### EAGLE-3 chain-length sweep — {result['workload']}, {result['limit']} prompts, "
              f"{result['max_new_tokens']} new tokens", "",
-             "| method | head | k | tok/s | speedup | τ | cycles / 1k | draft ms / cycle | accepted at position 1.. (per cycle) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| method | head | k | confidence | tok/s | speedup | τ | cycles / 1k | draft ms / cycle | accepted at position 1.. (per cycle) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         pos = ", ".join(f"{a:.2f}" for a in (r["acceptance_per_position"] or []))
-        lines.append(f"| {r['method']} | {r['head'] or '—'} | {r['k']} | {r['tokens_per_s']} | "
+        lines.append(f"| {r['method']} | {r['head'] or '—'} | {r['k']} | {r.get('confidence', '—')} | {r['tokens_per_s']} | "
                      f"{r['speedup_vs_vanilla']} | {r['tau']} | {r['cycles_per_1k']} | {r.get('draft_ms_per_cycle', '—')} | {pos} |")
     return "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
 
@@ -73,9 +75,10 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     sd = next((r for r in result["rows"] if r["method"] == "sd"), None)
     for ax, key, label in ((axes[0], "speedup_vs_vanilla", "speedup over vanilla"), (axes[1], "tau", "τ (tokens / target forward)")):
-        for head in dict.fromkeys(r["head"] for r in result["rows"] if r["method"] == "eagle3"):
-            rows = [r for r in result["rows"] if r["head"] == head]
-            ax.plot([r["k"] for r in rows], [r[key] for r in rows], marker="o", label=f"eagle3 {Path(head).name}")
+        for head, c in dict.fromkeys((r["head"], r.get("confidence")) for r in result["rows"] if r["method"] == "eagle3"):
+            rows = [r for r in result["rows"] if r["head"] == head and r.get("confidence") == c]
+            ax.plot([r["k"] for r in rows], [r[key] for r in rows], marker="o",
+                    label=f"eagle3 {Path(head).name}" + ("" if c is None else f", confidence {c}"))
         if sd is not None:
             ax.axhline(sd[key], color="grey", linestyle="--", label=f"sd (k={sd['k']})")
         ax.set_xlabel("chain length k")
@@ -93,13 +96,15 @@ def main() -> None:
     workload_args(ap, "humaneval", 20, 128)
     ap.add_argument("--heads", default="models/eagle3", help="comma-separated EAGLE-3 head directories")
     ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--confidences", default=None, help="comma-separated chain-stop confidences (default: the engine's)")
     args = ap.parse_args()
     engine = Engine(EngineConfig(threads=args.threads))
     if "eagle3" not in engine.verifier.drafters or "draft-lm" not in engine.verifier.drafters:
         sys.exit("error: the sweep needs models/eagle3 and models/draft")
     prompts = load(args.workload, args.limit)
     rows = sweep(engine, prompts, args.max_new_tokens, [Path(h) for h in args.heads.split(",")],
-                 [int(k) for k in args.ks.split(",")])
+                 [int(k) for k in args.ks.split(",")],
+                 [float(c) for c in args.confidences.split(",")] if args.confidences else None)
     result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
               "command": "python -m bench.eagle3_sweep " + " ".join(sys.argv[1:]), "rows": rows}
     print(markdown(result))

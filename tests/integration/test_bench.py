@@ -32,8 +32,8 @@ def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(t
 
 
 def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_path):
-    """bench.eagle3_sweep: one `sd` reference row, then one lossless `eagle3` row per (head, k)
-    whose chains never pass k."""
+    """bench.eagle3_sweep: one `sd` reference row, then one lossless `eagle3` row per (head, k,
+    confidence) whose chains never pass k; a confidence no token reaches stops chains at one."""
     from bench.eagle3_sweep import markdown as sweep_md, plot, sweep
     from bench.harness import save
     from services.common.config import EngineConfig
@@ -42,10 +42,12 @@ def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_p
     eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, draft_confidence=0.0,
                               eagle3_confidence=0.0, predictor=None, ocm_snapshot=None))
     prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "x = [1, 2, 3]\ny = [1, 2, 3]\n")]
-    rows = sweep(eng, prompts, 20, [tiny_eagle3], [1, 3])
-    assert [(r["method"], r["k"]) for r in rows] == [("sd", 4), ("eagle3", 1), ("eagle3", 3)]
+    rows = sweep(eng, prompts, 20, [tiny_eagle3], [1, 3], [0.0, 1.01])
+    assert [(r["method"], r["k"], r.get("confidence")) for r in rows] == [
+        ("sd", 4, None), ("eagle3", 1, 0.0), ("eagle3", 1, 1.01), ("eagle3", 3, 0.0), ("eagle3", 3, 1.01)]
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
-    assert len(rows[1]["acceptance_per_position"]) <= 1 and len(rows[2]["acceptance_per_position"]) <= 3
+    assert len(rows[1]["acceptance_per_position"]) <= 1 and len(rows[3]["acceptance_per_position"]) <= 3
+    assert len(rows[4]["acceptance_per_position"]) <= 1
     result = {"workload": "t", "limit": 2, "max_new_tokens": 20, "command": "c", "rows": rows}
     assert "| eagle3 |" in sweep_md(result)
     save(tmp_path / "sweep.json", result, sweep_md, plot)
