@@ -181,10 +181,8 @@ def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, r
             for _ in range(repeats):
                 for m in order:
                     per[m].append(once(m, ids, max_new))
-        for m in methods:
-            walls = sorted(r.wall for r in per[m])
-            best = per[m][0]
-            runs[m].append(Run(best.ids, walls[len(walls) // 2], best.stats))
+        for m in methods:   # the repeat with the median wall, with its own stats (they share tokens)
+            runs[m].append(sorted(per[m], key=lambda r: r.wall)[len(per[m]) // 2])
         done = i + 1
         rate = (time.time() - t0) / done
         print(f"[bench] {done}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - done):.0f} s",

@@ -75,3 +75,12 @@ def test_draft_vocab_bench_rows(tiny_dirs, tmp_path):
     assert [r["draft_vocab"] for r in rows] == ["all", 4096]
     assert all(r["same_output_as_first"] == 1.0 and r["tau"] >= 1.0 for r in rows)
     assert "| all |" in vocab_md({"workload": "t", "limit": 2, "max_new_tokens": 16, "command": "c", "rows": rows})
+
+
+def test_repeats_keep_the_median_run_whole(tiny_engine):
+    """With repeats, each prompt's row is the repeat with the median wall, its stats with it:
+    the time outside drafting and verifying is never negative."""
+    prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "import os\n\nclass Config:\n")]
+    rows = {r["method"]: r for r in benchmark(tiny_engine, prompts, ["vanilla", "sd"], 16, 3, None)}
+    assert all(r["other_ms_per_cycle"] >= 0 for r in rows.values())
+    assert rows["sd"]["exact_match_vs_vanilla"] == 1.0
