@@ -7,9 +7,10 @@ ArcticInference's hybrid, the baseline).
 
 Cost-aware variant (``CycleCosts``): τ compares a yield with a constant, but what a cycle is
 worth depends on what it costs here. With measured costs, a cache draft of n tokens is
-verified when (1 + ŷ) / s(n) ≥ the best fallback's tokens / seconds, where s(n) = a + b·n is
-a cache cycle's cost fitted online against draft length (verifying a short draft costs about
-a plain step; a long one more). The fallback is the model drafter or a plain step (no draft,
+verified when (1 + ŷ) / s(n, 1 + ŷ) ≥ the best fallback's tokens / seconds, where
+s(n, k) = a + b·n + c·k is a cache cycle's cost fitted online against its draft length and
+the tokens it commits (verifying a short draft costs about a plain step; a long one more;
+each committed token its share of bookkeeping). The fallback is the model drafter or a plain step (no draft,
 one token), whichever yields more per second. When even ŷ = 0 would pass, the predictor is
 not consulted; nor is it where its answers have not been worth their cost (``PredictionValue``:
 what its declines gained, once shadow verification tells the declined drafts' true yields). Where the model drafter's cycle costs more than its extra tokens are worth (a
@@ -66,20 +67,40 @@ class _Ema(_Means):
         return (self.tokens if tokens is None else tokens) / max(self.seconds, 1e-9)
 
 
-class _LengthCost(_Means):
-    """Seconds of a cycle as a + b·n over its draft length n, from running means of n, s, n², n·s."""
+class _CycleCost(_Means):
+    """Seconds of a cache cycle as a + b·n + c·k over its draft length n and the tokens k it
+    commits, least squares on running means. Verification grows with n; the work per committed
+    token (commit, observing drafters, detokenizing, streaming) grows with k, and every choice
+    pays it. Long drafts are accepted more, so a fit on n alone charges them for the tokens
+    they commit and asks long drafts for yields they need not reach. While n and k do not
+    vary apart, c is 0 (the fit on n alone); a slope measured negative (noise) counts as 0."""
 
-    def add_cycle(self, length: int, seconds: float, alpha: float) -> None:
-        self.add(alpha, n=length, s=seconds, nn=length * length, ns=length * seconds)
+    def add_cycle(self, length: int, tokens: int, seconds: float, alpha: float) -> None:
+        n, k = length, tokens
+        self.add(alpha, n=n, k=k, s=seconds, nn=n * n, kk=k * k, nk=n * k, ns=n * seconds, ks=k * seconds)
 
-    def seconds(self, length: int) -> float:
-        """Fitted cost of an n-token draft's cycle; the slope is 0 until lengths vary, never negative."""
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c); (1e-9, 0, 0) before any cycle."""
         m = self.mean
         if not m:
-            return 1e-9
-        var = m["nn"] - m["n"] ** 2
-        slope = max(0.0, (m["ns"] - m["n"] * m["s"]) / var) if var > 0.25 else 0.0
-        return max(1e-9, m["s"] + slope * (length - m["n"]))
+            return 1e-9, 0.0, 0.0
+        vn, vk = m["nn"] - m["n"] ** 2, m["kk"] - m["k"] ** 2
+        cnk, cns, cks = m["nk"] - m["n"] * m["k"], m["ns"] - m["n"] * m["s"], m["ks"] - m["k"] * m["s"]
+        det = vn * vk - cnk * cnk
+        b = c = 0.0
+        if vn > 0.25 and vk > 0.25 and det > 0.05 * vn * vk:   # both vary, and not in lockstep
+            b, c = (cns * vk - cks * cnk) / det, (cks * vn - cns * cnk) / det
+            if b < 0 or c < 0:   # refit on the other alone
+                b, c = (0.0, max(0.0, cks / vk)) if b < 0 else (max(0.0, cns / vn), 0.0)
+        elif vn > 0.25:
+            b = max(0.0, cns / vn)
+        return m["s"] - b * m["n"] - c * m["k"], b, c
+
+    def seconds(self, length: int, tokens: float | None = None) -> float:
+        """Fitted cost of an n-token draft's cycle that commits ``tokens`` (default: the mean)."""
+        a, b, c = self.coefficients()
+        k = self.mean.get("k", 0.0) if tokens is None else tokens
+        return max(1e-9, a + b * length + c * k)
 
 
 def length_bucket(n: int) -> int:
@@ -137,7 +158,7 @@ class CycleCosts:
     def __init__(self, warmup: int = 4, explore_every: int = 32, alpha: float = 0.05):
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
         self.ema = {c: _Ema() for c in (CACHE, MODEL, PLAIN)}
-        self.cache_cost = _LengthCost()
+        self.cache_cost = _CycleCost()
         self.prediction = PredictionValue()
         self._fallbacks = 0
         self._lock = threading.Lock()
@@ -147,7 +168,7 @@ class CycleCosts:
         with self._lock:
             self.ema[choice].add(self.alpha, tokens=tokens, seconds=seconds)
             if choice == CACHE:
-                self.cache_cost.add_cycle(drafted, seconds, self.alpha)
+                self.cache_cost.add_cycle(drafted, tokens, seconds, self.alpha)
 
     def fallback(self) -> str:
         """The model drafter or a plain step: whichever yields more tokens per second."""
@@ -167,15 +188,18 @@ class CycleCosts:
 
     def yield_needed(self, length: int, fallback: str) -> float | None:
         """The least ŷ for which verifying an n-token cache draft beats the fallback:
-        (1 + ŷ) / s(n) ≥ the fallback's rate. None until both are measured."""
+        (1 + ŷ) / s(n, 1 + ŷ) ≥ the fallback's rate. None until both are measured."""
         with self._lock:
             return self._need(length, fallback)
 
     def _need(self, length: int, fallback: str) -> float | None:
+        """(1 + y) / (a + b·n + c·(1 + y)) ≥ r  ⟺  1 + y ≥ r·(a + b·n) / (1 − r·c)."""
         f = self.ema[fallback]
         if min(self.cache_cost.n, f.n) < self.warmup:
             return None
-        return f.rate() * self.cache_cost.seconds(length) - 1.0
+        a, b, c = self.cache_cost.coefficients()
+        r = f.rate()
+        return r * max(1e-9, a + b * length) / max(1e-3, 1.0 - r * c) - 1.0
 
     def plan(self, length: int, fallback: str) -> tuple[float | None, bool]:
         """(the least ŷ the draft needs, whether predicting it repays its cost), under one lock:

@@ -75,6 +75,21 @@ def test_cost_slope_is_flat_until_lengths_vary_and_never_negative():
     assert c.cache_cost.seconds(30) == c.cache_cost.seconds(1)
 
 
+def test_cost_per_committed_token_is_not_charged_to_draft_length():
+    """A cycle costs 4 ms plus 1 ms per committed token whatever its draft length; long drafts
+    commit more. The fit finds no cost per draft token, so a 16-token draft needs no more
+    yield than a 2-token one (a fit on length alone asks it for one more token)."""
+    c = CycleCosts()
+    for _ in range(8):
+        c.record(PLAIN, 1, 0.005)
+        for n, k in [(2, 1), (2, 3), (16, 3), (16, 9)]:
+            c.record(CACHE, k, 0.004 + 0.001 * k, drafted=n)
+    a, b, per_token = c.cache_cost.coefficients()
+    assert abs(a - 0.004) < 1e-6 and abs(b) < 1e-6 and abs(per_token - 0.001) < 1e-6
+    assert abs(c.yield_needed(2, PLAIN)) < 1e-6 and abs(c.yield_needed(16, PLAIN)) < 1e-6
+    assert abs(c.cache_cost.seconds(16, 3) - 0.007) < 1e-6
+
+
 class CountingMLP:
     """A predictor that answers ``y`` and counts its calls."""
 
