@@ -37,7 +37,7 @@ def test_rescue_emits_draft_token_and_keeps_verifying():
 
 
 def test_first_true_rejection_is_reported_after_a_rescue():
-    pol = CalibratedGreedy(GateConfig(min_count=3, top_k=2, tau=0.5), memory_with([(1, 0)]))
+    pol = CalibratedGreedy(GateConfig(min_count=3, top_k=2, tau=0.5, confirm=0), memory_with([(1, 0)]))
     v = pol(Draft([1, 5, 3]), ROWS, GREEDY, torch.Generator())
     assert v.accepted == 1 and v.rescued == 1 and v.tokens == [1, 2] and v.first_rejection == (5, 2)
 
