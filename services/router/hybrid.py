@@ -10,12 +10,13 @@ worth depends on what it costs here. With measured costs, a cache draft of n tok
 verified when (1 + ŷ) / s(n, 1 + ŷ) ≥ the best fallback's tokens / seconds, where
 s(n, k) = a + b·n + c·k is a cache cycle's cost fitted online against its draft length and
 the tokens it commits (verifying a short draft costs about a plain step; a long one more;
-each committed token its share of bookkeeping). The fallback is the model drafter or a plain step (no draft,
-one token), whichever yields more per second. When even ŷ = 0 would pass, the predictor is
-not consulted; nor is it where its answers have not been worth their cost (``PredictionValue``:
-what its declines gained, once shadow verification tells the declined drafts' true yields). Where the model drafter's cycle costs more than its extra tokens are worth (a
-CPU, where the EAGLE-3 head's steps are not cheap next to the target), the hybrid stops
-calling it.
+each committed token its share of bookkeeping). The fallback is the model drafter or a
+plain step (no draft, one token), whichever yields more per second. When even ŷ = 0 would
+pass, the predictor is not consulted; nor is it where its answers have not been worth their
+cost (``PredictionValue``: what its declines gained, once shadow verification tells the
+declined drafts' true yields). Where the model drafter's cycle costs more than its extra
+tokens are worth (a CPU, where the EAGLE-3 head's steps are not cheap next to the target),
+the hybrid stops calling it.
 """
 from __future__ import annotations
 
