@@ -84,3 +84,21 @@ def test_repeats_keep_the_median_run_whole(tiny_engine):
     rows = {r["method"]: r for r in benchmark(tiny_engine, prompts, ["vanilla", "sd"], 16, 3, None)}
     assert all(r["other_ms_per_cycle"] >= 0 for r in rows.values())
     assert rows["sd"]["exact_match_vs_vanilla"] == 1.0
+
+
+def test_step_profile_times_per_session_attention_only_when_batched(tiny_dirs, tmp_path):
+    """bench.step_profile: one session takes the plain path (no per-session attention), two
+    sessions spend part of their ragged target forward in attend_rows."""
+    from bench.harness import save
+    from bench.step_profile import markdown, plot, profile
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None))
+    prompts = [eng.encode("def add(a, b):\n"), eng.encode("import os\n")]
+    one, two = profile(eng.verifier, prompts[:1], 1, 3), profile(eng.verifier, prompts, 2, 3)
+    assert one["attend_rows_ms"] == 0.0 and 0 < two["attend_rows_ms"] <= two["verify_ms"]
+    assert one["draft_ms"] > 0 and two["finish_ms"] > 0
+    result = {"workload": "t", "cycles": 3, "command": "c", "rows": [one, two]}
+    save(tmp_path / "p.json", result, markdown, plot)
+    assert "| 2 |" in (tmp_path / "p.md").read_text() and (tmp_path / "p.png").stat().st_size > 0

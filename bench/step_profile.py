@@ -1,0 +1,153 @@
+"""Where a batched verifier step's time goes: drafting, the ragged target forward, and inside it
+the per-session attention (``attend_rows``), at each batch size.
+
+Runs in one process on the verifier core (no servers): ``B`` sessions on humaneval prompts,
+each cycle drafts with the draft LM for all of them (one batched ``propose_batch``), verifies
+all drafts in one ``verify_batch`` and applies the lossless policy. Medians over cycles.
+A single session takes the target's plain batched path, which has no per-session attention.
+
+    python -m bench.step_profile --batches 1,4,8 --out bench/results/step_profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.harness import save, write_figure
+from bench.workloads import load
+
+PARTS = ("draft", "verify", "attend_rows", "finish")
+
+
+@contextmanager
+def timed_attention(sink: list[float]):
+    """Adds the seconds of every ``attend_rows`` call (the ragged forward's per-session
+    attention) to ``sink[-1]`` while active."""
+    import services.common.llama as llama
+
+    original = llama.attend_rows
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        sink[-1] += time.perf_counter() - t0
+        return out
+
+    llama.attend_rows = timed
+    try:
+        yield
+    finally:
+        llama.attend_rows = original
+
+
+def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict:
+    """Median ms per step of each part with ``batch`` sessions cycling together."""
+    from services.common.types import SamplingParams, Verdict
+
+    runner, drafter, policy = core.runner, core.drafters["draft-lm"], core.policies["lossless"]
+    greedy = SamplingParams()
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    sessions = []
+    for sid, p in zip(ids, prompts):
+        st = runner.open(p, len(p) + 8 * cycles)
+        runner.verify(st, [])                                   # prefill
+        runner.commit(st, Verdict(accepted=0, tokens=[p[-1]]))
+        drafter.start(sid, p + [p[-1]], greedy, None, 8 * cycles)
+        sessions.append(st)
+    times = {k: [] for k in PARTS}
+    attention: list[float] = []
+    with timed_attention(attention):
+        for _ in range(cycles):
+            attention.append(0.0)
+            t0 = time.perf_counter()
+            drafts = drafter.propose_batch([(sid, 4) for sid in ids])
+            t1 = time.perf_counter()
+            outs = runner.verify_batch([(st, d.token_ids) for st, d in zip(sessions, drafts)])
+            t2 = time.perf_counter()
+            for sid, st, d, (logits, _) in zip(ids, sessions, drafts, outs):
+                verdict = policy(d, logits, greedy, None)
+                runner.commit(st, verdict)
+                drafter.observe(sid, verdict.tokens)
+            t3 = time.perf_counter()
+            for k, v in zip(PARTS, (t1 - t0, t2 - t1, attention[-1], t3 - t2)):
+                times[k].append(v)
+    for sid in ids:
+        drafter.stop(sid)
+    row = {"batch": batch, **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}}
+    row["attend_share_of_verify"] = round(row["attend_rows_ms"] / row["verify_ms"], 3) if row["verify_ms"] else 0.0
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over "
+             f"{result['cycles']} cycles", "",
+             "| sessions | draft | target forward | of which per-session attention | share | policy + commit |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['batch']} | {r['draft_ms']} | {r['verify_ms']} | {r['attend_rows_ms']} | "
+                     f"{r['attend_share_of_verify']:.0%} | {r['finish_ms']} |")
+    return "\n".join(lines + ["", "One session takes the plain batched path (no per-session attention calls).",
+                              "", f"Command: `{result['command']}`", ""])
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    labels = [str(r["batch"]) for r in rows]
+    bottom = [0.0] * len(rows)
+    parts = (("draft_ms", "draft"), ("attend_rows_ms", "per-session attention"),
+             ("other_forward_ms", "rest of the target forward"), ("finish_ms", "policy + commit"))
+    for r in rows:
+        r["other_forward_ms"] = r["verify_ms"] - r["attend_rows_ms"]
+    for key, label in parts:
+        values = [r[key] for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for r in rows:
+        r.pop("other_forward_ms")
+    ax.set_xlabel("sessions in the step")
+    ax.set_ylabel("ms per step (median)")
+    ax.legend(fontsize=8)
+    ax.set_title("Verifier step, sd")
+    write_figure(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="humaneval")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--cycles", type=int, default=30)
+    args = ap.parse_args()
+    import torch
+
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(eagle3=None, threads=args.threads))
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = [engine.encode_fit(p.text, 8 * args.cycles) for p in load(args.workload, max(batches))]
+    rows = []
+    for i, b in enumerate(batches):
+        rows.append(profile(engine.verifier, prompts[:b], b, args.cycles))
+        print(f"[step-profile] {i + 1}/{len(batches)} batch sizes", file=sys.stderr, flush=True)
+    result = {"workload": args.workload, "cycles": args.cycles,
+              "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]), "rows": rows}
+    print(markdown(result))
+    if args.out:
+        save(args.out, result, markdown, plot)
+
+
+if __name__ == "__main__":
+    main()
