@@ -23,7 +23,7 @@ import random
 import sys
 import time
 
-from bench.harness import run_ours, save, target_nll, workload_args, write_figure
+from bench.harness import pyplot, report, run_ours, target_nll, workload_args, write_figure
 from bench.quality import parses
 from bench.workloads import load
 from services.common.config import EngineConfig, GateConfig
@@ -130,9 +130,7 @@ def main() -> None:
               "command": "python -m bench.csd_quality " + " ".join(sys.argv[1:]),
               "sd_tau": round(sum(r["gen"] for r in sd) / sum(r["cycles"] for r in sd), 3),
               "vanilla_nll": round(sum(r["nll"] for r in vanilla) / sum(r["n"] for r in vanilla), 4), "rows": rows}
-    print(markdown(result))
-    if args.out:
-        save(args.out, result, markdown, plot)
+    report(result, args.out, markdown, plot)
 
 
 def markdown(result: dict) -> str:
@@ -156,12 +154,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.4))
     for r in result["rows"]:
         x, y = r["tau_vs_sd"], 100 * r["nll_vs_vanilla"]
         (xl, xh), (yl, yh) = r["tau_vs_sd_ci95"], r["nll_vs_vanilla_ci95"]

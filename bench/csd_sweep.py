@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import benchmark, workload_args, write_figure
+from bench.harness import benchmark, pyplot, workload_args, write_figure
 from bench.workloads import load
 from services.common.config import MODELS_DIR, EngineConfig, GateConfig
 from services.verifier.policies import CalibratedGreedy
@@ -60,10 +60,7 @@ def main() -> None:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for method, marker in (("csd", "o"), ("scg", "s")):

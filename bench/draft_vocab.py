@@ -13,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.harness import run_ours, save, workload_args, write_figure
+from bench.harness import pyplot, run_ours, save, workload_args, write_figure
 from bench.workloads import load
 
 
@@ -51,10 +51,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     names = [str(r["draft_vocab"]) for r in rows]

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.harness import benchmark, save, workload_args, write_figure
+from bench.harness import benchmark, pyplot, report, table_markdown, workload_args, write_figure
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_per_position",
@@ -54,25 +54,20 @@ def sweep(engine, prompts, max_new: int, heads: list[Path], ks: list[int],
 
 
 def markdown(result: dict) -> str:
-    lines = [f"### EAGLE-3 chain-length sweep — {result['workload']}, {result['limit']} prompts, "
-             f"{result['max_new_tokens']} new tokens", "",
-             "| method | head | k | confidence | tok/s | speedup | τ | cycles / 1k | draft ms / cycle | accepted at position 1.. (per cycle) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        pos = ", ".join(f"{a:.2f}" for a in (r["acceptance_per_position"] or []))
-        lines.append(f"| {r['method']} | {r['head'] or '—'} | {r['k']} | {r.get('confidence', '—')} | {r['tokens_per_s']} | "
-                     f"{r['speedup_vs_vanilla']} | {r['tau']} | {r['cycles_per_1k']} | {r.get('draft_ms_per_cycle', '—')} | {pos} |")
-    return "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
+    return table_markdown(
+        f"### EAGLE-3 chain-length sweep — {result['workload']}, {result['limit']} prompts, "
+        f"{result['max_new_tokens']} new tokens",
+        ["method", "head", "k", "confidence", "tok/s", "speedup", "τ", "cycles / 1k", "draft ms / cycle",
+         "accepted at position 1.. (per cycle)"],
+        [[r["method"], r["head"] or "—", r["k"], r.get("confidence", "—"), r["tokens_per_s"], r["speedup_vs_vanilla"],
+          r["tau"], r["cycles_per_1k"], r.get("draft_ms_per_cycle", "—"),
+          ", ".join(f"{a:.2f}" for a in (r["acceptance_per_position"] or []))] for r in result["rows"]],
+        result["command"])
 
 
 def plot(result: dict, path: Path) -> None:
     """Speedup and τ against chain length k, one line per head; `sd` as a dashed reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.6))
     sd = next((r for r in result["rows"] if r["method"] == "sd"), None)
     for ax, key, label in ((axes[0], "speedup_vs_vanilla", "speedup over vanilla"), (axes[1], "tau", "τ (tokens / target forward)")):
         for head, c in dict.fromkeys((r["head"], r.get("confidence")) for r in result["rows"] if r["method"] == "eagle3"):
@@ -107,9 +102,7 @@ def main() -> None:
                  [float(c) for c in args.confidences.split(",")] if args.confidences else None)
     result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
               "command": "python -m bench.eagle3_sweep " + " ".join(sys.argv[1:]), "rows": rows}
-    print(markdown(result))
-    if args.out:
-        save(args.out, result, markdown, plot)
+    report(result, args.out, markdown, plot)
 
 
 if __name__ == "__main__":

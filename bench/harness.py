@@ -218,10 +218,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -267,12 +264,38 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend: benchmarks write PNGs and need no display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def table_markdown(title: str, columns: list[str], rows: list[list], command: str, notes: tuple[str, ...] = ()) -> str:
+    """A result as markdown: title, one table row per ``rows`` item, notes, the command that made it."""
+    lines = [title, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    for note in notes:
+        lines += ["", note]
+    return "\n".join(lines + ["", f"Command: `{command}`", ""])
+
+
 def write_figure(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report(result: dict, out: Path | None, markdown_fn, plot_fn=None) -> None:
+    """Print a result's markdown; with ``out``, save it there too (``save``)."""
+    print(markdown_fn(result))
+    if out:
+        save(out, result, markdown_fn, plot_fn)
 
 
 def save(out: Path, result: dict, markdown_fn, plot_fn=None) -> None:

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import benchmark, workload_args, write_figure
+from bench.harness import benchmark, pyplot, workload_args, write_figure
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "exact_match_vs_vanilla")
@@ -67,10 +67,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6.5, 4.0))

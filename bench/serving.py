@@ -210,10 +210,9 @@ def write(result: dict, out: Path) -> None:
                   + ", ".join(f"{m} {v:+}" for m, v in by_method.items())]
     lines += ["", f"Command: `{result['command']}`", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
-    import matplotlib
+    from bench.harness import pyplot   # lazily: the harness imports torch, which client processes need not
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in result["rows"]:

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.harness import save, write_figure
+from bench.harness import pyplot, report, table_markdown, write_figure
 from bench.workloads import load
 
 PARTS = ("draft", "verify", "attend_rows", "finish")
@@ -83,37 +83,26 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over "
-             f"{result['cycles']} cycles", "",
-             "| sessions | draft | target forward | of which per-session attention | share | policy + commit |",
-             "|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['batch']} | {r['draft_ms']} | {r['verify_ms']} | {r['attend_rows_ms']} | "
-                     f"{r['attend_share_of_verify']:.0%} | {r['finish_ms']} |")
-    return "\n".join(lines + ["", "One session takes the plain batched path (no per-session attention calls).",
-                              "", f"Command: `{result['command']}`", ""])
+    return table_markdown(
+        f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over {result['cycles']} cycles",
+        ["sessions", "draft", "target forward", "of which per-session attention", "share", "policy + commit"],
+        [[r["batch"], r["draft_ms"], r["verify_ms"], r["attend_rows_ms"], f"{r['attend_share_of_verify']:.0%}",
+          r["finish_ms"]] for r in result["rows"]],
+        result["command"], ("One session takes the plain batched path (no per-session attention calls).",))
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Stacked ms per step by part, one bar per batch size."""
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    labels = [str(r["batch"]) for r in rows]
-    bottom = [0.0] * len(rows)
-    parts = (("draft_ms", "draft"), ("attend_rows_ms", "per-session attention"),
-             ("other_forward_ms", "rest of the target forward"), ("finish_ms", "policy + commit"))
-    for r in rows:
-        r["other_forward_ms"] = r["verify_ms"] - r["attend_rows_ms"]
-    for key, label in parts:
-        values = [r[key] for r in rows]
+    fig, ax = pyplot().subplots(figsize=(6, 3.6))
+    parts = (("draft", [r["draft_ms"] for r in rows]),
+             ("per-session attention", [r["attend_rows_ms"] for r in rows]),
+             ("rest of the target forward", [r["verify_ms"] - r["attend_rows_ms"] for r in rows]),
+             ("policy + commit", [r["finish_ms"] for r in rows]))
+    labels, bottom = [str(r["batch"]) for r in rows], [0.0] * len(rows)
+    for label, values in parts:
         ax.bar(labels, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
-    for r in rows:
-        r.pop("other_forward_ms")
     ax.set_xlabel("sessions in the step")
     ax.set_ylabel("ms per step (median)")
     ax.legend(fontsize=8)
@@ -144,9 +133,7 @@ def main() -> None:
         print(f"[step-profile] {i + 1}/{len(batches)} batch sizes", file=sys.stderr, flush=True)
     result = {"workload": args.workload, "cycles": args.cycles,
               "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]), "rows": rows}
-    print(markdown(result))
-    if args.out:
-        save(args.out, result, markdown, plot)
+    report(result, args.out, markdown, plot)
 
 
 if __name__ == "__main__":
