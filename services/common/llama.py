@@ -68,12 +68,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, s: LlamaShape):
+    """Llama attention; ``in_features`` and ``bias`` default to the shape's (EAGLE-3's layer
+    projects a 2H-wide input without biases)."""
+
+    def __init__(self, s: LlamaShape, in_features: int | None = None, bias: bool | None = None):
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.attention_bias)
-        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.attention_bias)
-        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.attention_bias)
+        d_in, bias = in_features or s.hidden, s.attention_bias if bias is None else bias
+        self.q_proj = nn.Linear(d_in, s.heads * s.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_in, s.kv_heads * s.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_in, s.kv_heads * s.head_dim, bias=bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
         self.qkv: nn.Module | None = None   # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
 

@@ -69,8 +69,7 @@ def pack_linears(model: nn.Module) -> int:
     if not fp16_gemm_available():
         return 0
     for m in list(model.modules()):
-        fusable_attention = isinstance(m, Attention) or getattr(m, "qkv", False) is None   # EAGLE-3's too
-        if fusable_attention and all(map(_packable, (m.q_proj, m.k_proj, m.v_proj))):
+        if isinstance(m, Attention) and all(map(_packable, (m.q_proj, m.k_proj, m.v_proj))):
             m.qkv = _fused(m.q_proj, m.k_proj, m.v_proj)
         elif isinstance(m, MLP) and all(map(_packable, (m.gate_proj, m.up_proj))):
             m.gate_up = _fused(m.gate_proj, m.up_proj)

@@ -37,3 +37,11 @@ def make_rng(seed: int | None) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """argmax of each row (the first maximum, as torch's). On CPU through numpy: torch's
+    argmax costs ~50 µs on [5, 8192] here, numpy's ~2 µs, and it runs every cycle."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.llama import MLP, KVCache, LlamaShape, RMSNorm, _rope_tables, attend_rows, rotate_half
+from services.common.llama import MLP, Attention, KVCache, LlamaShape, RMSNorm, _rope_tables, attend_rows
+from services.common.sampling import greedy_ids
 
 
 class MidLayer(nn.Module):
@@ -32,39 +33,16 @@ class MidLayer(nn.Module):
         self.s = s
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.hidden_norm = RMSNorm(s.hidden, s.eps)
-        attn = nn.Module()
-        attn.q_proj = nn.Linear(2 * s.hidden, s.heads * s.head_dim, bias=False)
-        attn.k_proj = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
-        attn.v_proj = nn.Linear(2 * s.hidden, s.kv_heads * s.head_dim, bias=False)
-        attn.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
-        attn.qkv = None   # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
-        self.self_attn = attn
+        self.self_attn = Attention(s, in_features=2 * s.hidden, bias=False)   # its projections and RoPE
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
         self.mlp = MLP(s)
 
     def qkv(self, e, h, cos, sin, q_index: torch.Tensor | slice | None = None):
         """[B, T, H] normed embeddings (``Eagle3Head.embed_in``) and hidden → rotated q [B, nh, T, d],
-        k/v [B, nkv, T, d]; q only at positions ``q_index`` when given (inference attends from the
-        last ones only). With the fused q|k|v GEMM, q and k rotate in one pass over their
-        adjacent columns (the same elementwise ops per value, so the same values)."""
-        b, t, _ = h.shape
-        s, a = self.s, self.self_attn
-        x = torch.cat([e, self.hidden_norm(h)], dim=-1)
-        if a.qkv is not None:
-            n_qk = (s.heads + s.kv_heads) * s.head_dim
-            qkv = a.qkv(x)
-            qk = qkv[..., :n_qk].view(b, t, s.heads + s.kv_heads, s.head_dim).transpose(1, 2)
-            qk = qk * cos + rotate_half(qk) * sin
-            q, k = qk[:, :s.heads], qk[:, s.heads:]
-            v = qkv[..., n_qk:].view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-            return (q if q_index is None else q[:, :, q_index]), k, v
-        qcos, qsin = (cos, sin) if q_index is None else (cos[q_index], sin[q_index])
-        q = a.q_proj(x if q_index is None else x[:, q_index])
-        k, v = a.k_proj(x), a.v_proj(x)
-        q = q.view(b, -1, s.heads, s.head_dim).transpose(1, 2)
-        k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        return q * qcos + rotate_half(q) * qsin, k * cos + rotate_half(k) * sin, v
+        k/v [B, nkv, T, d] (``Attention.project``); q only at positions ``q_index`` when given
+        (inference attends from the last ones only)."""
+        q, k, v = self.self_attn.project(torch.cat([e, self.hidden_norm(h)], dim=-1), cos, sin)
+        return (q if q_index is None else q[:, :, q_index]), k, v
 
     def finish(self, attn_out, h):
         """attn_out [B, nh, T, d], residual h [B, T, H] → prenorm output [B, T, H]."""
@@ -117,8 +95,7 @@ class Eagle3Head(nn.Module):
 
     def greedy(self, logits: torch.Tensor) -> int:
         """Target id of the draft vocabulary's argmax (no scatter into the target vocabulary)."""
-        cpu32 = logits.device.type == "cpu" and logits.dtype == torch.float32   # numpy's argmax: ~2 µs
-        d = int(logits.numpy().argmax()) if cpu32 else int(logits.argmax())
+        d = greedy_ids(logits[None])[0]
         return d + self._d2t_list()[d] if self.remaps_vocab else d
 
     def _d2t_list(self) -> list[int]:
