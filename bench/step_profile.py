@@ -1,12 +1,15 @@
-"""Where a batched verifier step's time goes: drafting, the ragged target forward, and inside it
-the per-session attention (``attend_rows``), at each batch size.
+"""Where a batched verifier step's time goes: drafting, the ragged target forward, and inside
+each the attention calls, at each batch size.
 
 Runs in one process on the verifier core (no servers): ``B`` sessions on humaneval prompts,
 each cycle drafts with the draft LM for all of them (one batched ``propose_batch``), verifies
 all drafts in one ``verify_batch`` and applies the lossless policy. Medians over cycles.
-A single session takes the target's plain batched path, which has no per-session attention.
+Sessions hold slots of one K/V pool, so a batched forward attends in one call per layer
+(``attend_pool``); ``--caches pool,rows`` also runs each batch size with a batch-1 cache per
+session (one attention call per session and layer, ``attend_rows``), interleaved with the pool
+over ``--repeats`` rounds. A single session takes the plain path, whose attention is not timed apart.
 
-    python -m bench.step_profile --batches 1,4,8 --out bench/results/step_profile.json
+    python -m bench.step_profile --batches 1,4,8 --caches pool,rows --repeats 2 --out bench/results/step_profile.json
 """
 from __future__ import annotations
 
@@ -20,32 +23,39 @@ from pathlib import Path
 from bench.harness import pyplot, report, table_markdown, write_figure
 from bench.workloads import load
 
-PARTS = ("draft", "verify", "attend_rows", "finish")
+PARTS = ("draft", "draft_attention", "verify", "verify_attention", "finish")
+ATTENTION = ("attend_pool", "attend_rows")
 
 
 @contextmanager
 def timed_attention(sink: list[float]):
-    """Adds the seconds of every ``attend_rows`` call (the ragged forward's per-session
-    attention) to ``sink[-1]`` while active."""
+    """Adds the seconds of the ragged forward's attention calls (``attend_pool``: one per layer
+    over the pooled slots; ``attend_rows``: one per session, for caches outside a pool) to
+    ``sink[-1]`` while active."""
     import services.common.llama as llama
 
-    original = llama.attend_rows
+    originals = {name: getattr(llama, name) for name in ATTENTION}
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = original(*args, **kwargs)
-        sink[-1] += time.perf_counter() - t0
-        return out
+    def timer(original):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            sink[-1] += time.perf_counter() - t0
+            return out
+        return timed
 
-    llama.attend_rows = timed
+    for name, original in originals.items():
+        setattr(llama, name, timer(original))
     try:
         yield
     finally:
-        llama.attend_rows = original
+        for name, original in originals.items():
+            setattr(llama, name, original)
 
 
-def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict:
-    """Median ms per step of each part with ``batch`` sessions cycling together."""
+def profile(core, prompts: list[list[int]], batch: int, cycles: int, caches: str = "pool") -> dict[str, list[float]]:
+    """Seconds per step of each part, per cycle, with ``batch`` sessions cycling together;
+    ``caches``: ``pool`` (the runner's and drafter's slots) or ``rows`` (a batch-1 cache each)."""
     from services.common.types import SamplingParams, Verdict
 
     runner, drafter, policy = core.runner, core.drafters["draft-lm"], core.policies["lossless"]
@@ -53,10 +63,15 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict:
     ids = [f"b{batch}-{i}" for i in range(batch)]
     sessions = []
     for sid, p in zip(ids, prompts):
-        st = runner.open(p, len(p) + 8 * cycles)
+        st = runner.open(p)
+        drafter.start(sid, p + [p[-1]], greedy, None, 8 * cycles)
+        if caches == "rows":
+            st.cache.release()
+            st.cache = runner.model.new_cache(1)
+            drafter.states[sid].cache.release()
+            drafter.states[sid].cache = drafter.model.new_cache(1)
         runner.verify(st, [])                                   # prefill
         runner.commit(st, Verdict(accepted=0, tokens=[p[-1]]))
-        drafter.start(sid, p + [p[-1]], greedy, None, 8 * cycles)
         sessions.append(st)
     times = {k: [] for k in PARTS}
     attention: list[float] = []
@@ -65,6 +80,7 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict:
             attention.append(0.0)
             t0 = time.perf_counter()
             drafts = drafter.propose_batch([(sid, 4) for sid in ids])
+            attention.append(0.0)
             t1 = time.perf_counter()
             outs = runner.verify_batch([(st, d.token_ids) for st, d in zip(sessions, drafts)])
             t2 = time.perf_counter()
@@ -73,22 +89,30 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict:
                 runner.commit(st, verdict)
                 drafter.observe(sid, verdict.tokens)
             t3 = time.perf_counter()
-            for k, v in zip(PARTS, (t1 - t0, t2 - t1, attention[-1], t3 - t2)):
+            for k, v in zip(PARTS, (t1 - t0, attention[-2], t2 - t1, attention[-1], t3 - t2)):
                 times[k].append(v)
-    for sid in ids:
+    for sid, st in zip(ids, sessions):
         drafter.stop(sid)
-    row = {"batch": batch, **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}}
-    row["attend_share_of_verify"] = round(row["attend_rows_ms"] / row["verify_ms"], 3) if row["verify_ms"] else 0.0
+        runner.close(st)
+    return times
+
+
+def summary(batch: int, caches: str, times: dict[str, list[float]]) -> dict:
+    """Median ms per step of each part."""
+    row = {"batch": batch, "caches": caches, **{f"{k}_ms": round(1e3 * statistics.median(v), 3)
+                                                for k, v in times.items()}}
+    row["attend_share_of_verify"] = round(row["verify_attention_ms"] / row["verify_ms"], 3) if row["verify_ms"] else 0.0
     return row
 
 
 def markdown(result: dict) -> str:
     return table_markdown(
         f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over {result['cycles']} cycles",
-        ["sessions", "draft", "target forward", "of which per-session attention", "share", "policy + commit"],
-        [[r["batch"], r["draft_ms"], r["verify_ms"], r["attend_rows_ms"], f"{r['attend_share_of_verify']:.0%}",
-          r["finish_ms"]] for r in result["rows"]],
-        result["command"], ("One session takes the plain batched path (no per-session attention calls).",))
+        ["sessions", "K/V", "draft", "of which attention", "target forward", "of which attention", "share",
+         "policy + commit"],
+        [[r["batch"], r["caches"], r["draft_ms"], r["draft_attention_ms"], r["verify_ms"], r["verify_attention_ms"],
+          f"{r['attend_share_of_verify']:.0%}", r["finish_ms"]] for r in result["rows"]],
+        result["command"], ("One session takes the plain path; its attention is not timed apart (0).",))
 
 
 def plot(result: dict, path) -> None:
@@ -96,10 +120,10 @@ def plot(result: dict, path) -> None:
     rows = result["rows"]
     fig, ax = pyplot().subplots(figsize=(6, 3.6))
     parts = (("draft", [r["draft_ms"] for r in rows]),
-             ("per-session attention", [r["attend_rows_ms"] for r in rows]),
-             ("rest of the target forward", [r["verify_ms"] - r["attend_rows_ms"] for r in rows]),
+             ("target attention", [r["verify_attention_ms"] for r in rows]),
+             ("rest of the target forward", [r["verify_ms"] - r["verify_attention_ms"] for r in rows]),
              ("policy + commit", [r["finish_ms"] for r in rows]))
-    labels, bottom = [str(r["batch"]) for r in rows], [0.0] * len(rows)
+    labels, bottom = [f"{r['batch']} {r['caches']}" for r in rows], [0.0] * len(rows)
     for label, values in parts:
         ax.bar(labels, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -117,6 +141,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--cycles", type=int, default=30)
+    ap.add_argument("--caches", default="pool", help="pool (slots, one attention call per layer), rows (a batch-1 "
+                                                     "cache per session), or both: pool,rows")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds; each adds its cycles to the medians")
     args = ap.parse_args()
     import torch
 
@@ -127,9 +154,14 @@ def main() -> None:
     engine = Engine(EngineConfig(eagle3=None, threads=args.threads))
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [engine.encode_fit(p.text, 8 * args.cycles) for p in load(args.workload, max(batches))]
-    rows = []
+    modes, rows = args.caches.split(","), []
     for i, b in enumerate(batches):
-        rows.append(profile(engine.verifier, prompts[:b], b, args.cycles))
+        times = {m: {k: [] for k in PARTS} for m in modes}
+        for r in range(args.repeats):
+            for m in modes if r % 2 == 0 else modes[::-1]:
+                for k, v in profile(engine.verifier, prompts[:b], b, args.cycles, m).items():
+                    times[m][k].extend(v)
+        rows.extend(summary(b, m, times[m]) for m in modes)
         print(f"[step-profile] {i + 1}/{len(batches)} batch sizes", file=sys.stderr, flush=True)
     result = {"workload": args.workload, "cycles": args.cycles,
               "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]), "rows": rows}

@@ -86,19 +86,24 @@ def test_repeats_keep_the_median_run_whole(tiny_engine):
     assert rows["sd"]["exact_match_vs_vanilla"] == 1.0
 
 
-def test_step_profile_times_per_session_attention_only_when_batched(tiny_dirs, tmp_path):
-    """bench.step_profile: one session takes the plain path (no per-session attention), two
-    sessions spend part of their ragged target forward in attend_rows."""
+def test_step_profile_times_attention_only_when_batched(tiny_dirs, tmp_path):
+    """bench.step_profile: one session takes the plain path (attention not timed apart); two
+    sessions spend part of their ragged draft and target forwards in the pooled attention."""
     from bench.harness import save
-    from bench.step_profile import markdown, plot, profile
+    from bench.step_profile import markdown, plot, profile, summary
     from services.common.config import EngineConfig
     from services.router.engine import Engine
 
     eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None))
     prompts = [eng.encode("def add(a, b):\n"), eng.encode("import os\n")]
-    one, two = profile(eng.verifier, prompts[:1], 1, 3), profile(eng.verifier, prompts, 2, 3)
-    assert one["attend_rows_ms"] == 0.0 and 0 < two["attend_rows_ms"] <= two["verify_ms"]
+    one = summary(1, "pool", profile(eng.verifier, prompts[:1], 1, 3))
+    two = summary(2, "pool", profile(eng.verifier, prompts, 2, 3))
+    rows = summary(2, "rows", profile(eng.verifier, prompts, 2, 3, caches="rows"))
+    assert one["verify_attention_ms"] == one["draft_attention_ms"] == 0.0
+    for r in (two, rows):
+        assert 0 < r["verify_attention_ms"] <= r["verify_ms"] and 0 < r["draft_attention_ms"] <= r["draft_ms"]
     assert one["draft_ms"] > 0 and two["finish_ms"] > 0
-    result = {"workload": "t", "cycles": 3, "command": "c", "rows": [one, two]}
+    assert eng.verifier.runner.pool.in_use() == 0          # every session's slot came back
+    result = {"workload": "t", "cycles": 3, "command": "c", "rows": [one, two, rows]}
     save(tmp_path / "p.json", result, markdown, plot)
     assert "| 2 |" in (tmp_path / "p.md").read_text() and (tmp_path / "p.png").stat().st_size > 0

@@ -150,3 +150,46 @@ def test_packed_gemm_equals_fp32_path(tiny_dirs):
     # A layer whose weights are not fp16 values would change results: it stays nn.Linear.
     plain = nn.Sequential(nn.Linear(8, 8))
     assert pack_linears(plain) == 0 and isinstance(plain[0], nn.Linear)
+
+
+def test_pooled_rows_equal_separate_forwards(tmp_path):
+    """Rows holding slots of one pool attend in one call per layer over the window of slots
+    they span (here with a gap: slot 1 is idle) and give each row's own logits and K/V."""
+    m = Llama.from_pretrained(make_tiny(tmp_path / "m", seed=8, layers=2))
+    seqs = [torch.randint(0, 8192, (n,)).tolist() for n in (30, 7, 19)]
+    split = [(25, 5), (3, 4), (18, 1)]
+    pool = m.new_pool(slots=1, capacity=64)
+    slots = [pool.acquire() for _ in range(4)]               # grows 1 → 2 → 4
+    assert pool.slots == 4 and [s.index for s in slots] == [0, 1, 2, 3]
+    slots[1].release()
+    rows = [slots[0], slots[2], slots[3]]
+    caches = [m.new_cache(capacity=64) for _ in seqs]
+    with torch.no_grad():
+        for s, (p, _), c, sl in zip(seqs, split, caches, rows):
+            m(torch.tensor([s[:p]]), 0, c)
+            m.forward_ragged([s[:p]], [0], [sl])             # single row: the plain path on the slot's view
+        ref = [m(torch.tensor([s[p:p + n]]), p, c, capture=(1,)) for s, (p, n), c in zip(seqs, split, caches)]
+        got, hidden = m.forward_ragged([s[p:p + n] for s, (p, n) in zip(seqs, split)], [p for p, _ in split],
+                                       rows, capture=(1,))
+    for (lr, hr), lg, hg in zip(ref, got, hidden):
+        assert torch.allclose(lr[0], lg, atol=1e-4)
+        assert torch.allclose(hr[0][0], hg[0], atol=1e-5)
+    for c, sl, (p, n) in zip(caches, rows, split):
+        assert torch.allclose(c.layers[1][0][:, :, :p + n], sl.layers[1][0][:, :, :p + n], atol=1e-5)
+
+
+def test_pool_slots_come_back():
+    """A released or dropped slot is handed out again, lowest first; a released one refuses use."""
+    from services.common.llama import KVPool, LlamaShape
+
+    s = LlamaShape(vocab=8, hidden=8, layers=1, heads=2, kv_heads=2, head_dim=4, intermediate=8, eps=1e-6,
+                   max_positions=16, tie_embeddings=False, attention_bias=False)
+    pool = KVPool(s, 16, torch.float32, "cpu", slots=2)
+    a, b = pool.acquire(), pool.acquire()
+    assert (a.index, b.index, pool.in_use()) == (0, 1, 2)
+    a.release()
+    a.release()                                               # idempotent
+    with pytest.raises(RuntimeError, match="after release"):
+        a.layers
+    del b
+    assert pool.in_use() == 0 and pool.acquire().index == 0
