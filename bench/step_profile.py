@@ -4,12 +4,14 @@ each the attention calls, at each batch size.
 Runs in one process on the verifier core (no servers): ``B`` sessions on humaneval prompts,
 each cycle drafts with the draft LM for all of them (one batched ``propose_batch``), verifies
 all drafts in one ``verify_batch`` and applies the lossless policy. Medians over cycles.
-Sessions hold slots of one K/V pool, so a batched forward attends in one call per layer
-(``attend_pool``); ``--caches pool,rows`` also runs each batch size with a batch-1 cache per
-session (one attention call per session and layer, ``attend_rows``), interleaved with the pool
-over ``--repeats`` rounds. A single session takes the plain path, whose attention is not timed apart.
+Sessions hold slots of one K/V pool. ``--caches`` runs each batch size, interleaved over
+``--repeats`` rounds, with: ``pool`` (as served: one attention call per layer over the slots'
+window where ``window_pays``, else one per session and layer on the slots' views), ``window``
+(the window forced wherever rows decode), ``rows`` (a batch-1 cache per session, one call per
+session and layer, as before the pool). A single session takes the plain path, whose attention
+is not timed apart.
 
-    python -m bench.step_profile --batches 1,4,8 --caches pool,rows --repeats 2 --out bench/results/step_profile.json
+    python -m bench.step_profile --batches 1,4,8 --caches pool,window,rows --repeats 4 --out bench/results/step_profile.json
 """
 from __future__ import annotations
 
@@ -53,9 +55,25 @@ def timed_attention(sink: list[float]):
             setattr(llama, name, original)
 
 
+@contextmanager
+def forced_window(on: bool):
+    """While active (and ``on``), a pooled forward of decoding rows always takes the window."""
+    import services.common.llama as llama
+
+    saved = dict(llama.CALL_KEYS)
+    if on:
+        llama.CALL_KEYS.update({device: 10 ** 9 for device in ("cpu", "cuda")})
+    try:
+        yield
+    finally:
+        llama.CALL_KEYS.clear()
+        llama.CALL_KEYS.update(saved)
+
+
 def profile(core, prompts: list[list[int]], batch: int, cycles: int, caches: str = "pool") -> dict[str, list[float]]:
     """Seconds per step of each part, per cycle, with ``batch`` sessions cycling together;
-    ``caches``: ``pool`` (the runner's and drafter's slots) or ``rows`` (a batch-1 cache each)."""
+    ``caches``: ``pool`` (the runner's and drafter's slots), ``window`` (the same, one attention
+    call per layer forced) or ``rows`` (a batch-1 cache each)."""
     from services.common.types import SamplingParams, Verdict
 
     runner, drafter, policy = core.runner, core.drafters["draft-lm"], core.policies["lossless"]
@@ -75,7 +93,7 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int, caches: str
         sessions.append(st)
     times = {k: [] for k in PARTS}
     attention: list[float] = []
-    with timed_attention(attention):
+    with timed_attention(attention), forced_window(caches == "window"):
         for _ in range(cycles):
             attention.append(0.0)
             t0 = time.perf_counter()
@@ -141,8 +159,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--cycles", type=int, default=30)
-    ap.add_argument("--caches", default="pool", help="pool (slots, one attention call per layer), rows (a batch-1 "
-                                                     "cache per session), or both: pool,rows")
+    ap.add_argument("--caches", default="pool", help="comma-separated: pool (slots, as served), window (slots, one "
+                                                     "attention call per layer forced), rows (a batch-1 cache each)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds; each adds its cycles to the medians")
     args = ap.parse_args()
     import torch

@@ -170,6 +170,32 @@ class PoolPlan:
         self.mask = (torch.arange(self.keys, device=device) <= limit[..., None])[:, None]  # [rows, 1, t, keys]
 
 
+# What one attention call costs beyond its work, in keys' worth of attention per row. On the
+# CPU too little to count: in lockstep steps of 8 sessions the forced window took 5 % off the
+# target forward (bench/results/step_profile.md), but served with requests coming and going
+# it gave 533 and 541 tokens/s against 554 and 549 for a call per row (an uncommitted A/B,
+# 8 sd streams). On a GPU each call is kernel launches that outweigh far more keys (not
+# measured here).
+CALL_KEYS = {"cpu": 0}
+CALL_KEYS_DEFAULT = 2048
+
+
+WINDOW_MAX_QUERIES = 16
+
+
+def window_pays(slots: list[int], starts: list[int], lens: list[int], device) -> bool:
+    """One call over the window of slots the rows span attends every window row over the
+    longest row's keys, idle slots and shorter rows included; one call per row attends each
+    row over its own keys and pays a call each. Take the window when it costs no more, and
+    only for decoding rows: every row is padded to the longest row's queries, so a prompt's
+    prefill among them would multiply every row's work."""
+    if max(lens) > WINDOW_MAX_QUERIES:
+        return False
+    keys = [st + n for st, n in zip(starts, lens)]
+    call = CALL_KEYS.get(torch.device(device).type, CALL_KEYS_DEFAULT)
+    return (max(slots) - min(slots) + 1) * max(keys) <= sum(keys) + call * len(keys)
+
+
 def attend_pool(plan: PoolPlan, kv: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, gqa: bool) -> torch.Tensor:
     """One layer of a pooled ragged forward: write every token's K/V into its slot, then one
@@ -240,7 +266,8 @@ class KVPool:
 
     A session holds one slot (``acquire``; back on ``release`` or when its handle is
     collected). A ragged forward whose rows all hold slots of one pool attends in one SDPA
-    call per layer (``PoolPlan``) instead of one per row. Slots go lowest first, so the
+    call per layer (``PoolPlan``) instead of one per row, where that costs no more
+    (``window_pays``). Slots go lowest first, so the
     sessions of a step span a compact window. A full pool doubles; ``lock`` is held by every
     forward over the pool and by growth, so no forward sees buffers being moved."""
 
@@ -393,13 +420,14 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         offsets = [sum(lens[:r]) for r in range(len(lens))]
         gqa = self.s.kv_heads != self.s.heads
-        if pool is not None:
+        if pool is not None and window_pays([c.index for c in caches], starts, lens, dev):
             plan = PoolPlan([c.index for c in caches], starts, lens, dev)
             attenders = [lambda q, k, v, kv=kv: attend_pool(plan, kv, q, k, v, gqa) for kv in pool.layers]
         else:
             masks = causal_masks(starts, lens, dev)  # built once, shared by every layer
-            attenders = [lambda q, k, v, i=i: attend_rows(q, k, v, [(off, st, c.layers[i], mk) for off, st, c, mk
-                                                                    in zip(offsets, starts, caches, masks)], gqa)
+            kvs = [c.layers for c in caches]
+            attenders = [lambda q, k, v, i=i: attend_rows(q, k, v, [(off, st, kv[i], mk) for off, st, kv, mk
+                                                                    in zip(offsets, starts, kvs, masks)], gqa)
                          for i in range(self.s.layers)]
         seen = {}
         for i, layer in enumerate(self.layers):

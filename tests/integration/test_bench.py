@@ -99,11 +99,12 @@ def test_step_profile_times_attention_only_when_batched(tiny_dirs, tmp_path):
     one = summary(1, "pool", profile(eng.verifier, prompts[:1], 1, 3))
     two = summary(2, "pool", profile(eng.verifier, prompts, 2, 3))
     rows = summary(2, "rows", profile(eng.verifier, prompts, 2, 3, caches="rows"))
+    window = summary(2, "window", profile(eng.verifier, prompts, 2, 3, caches="window"))
     assert one["verify_attention_ms"] == one["draft_attention_ms"] == 0.0
-    for r in (two, rows):
+    for r in (two, rows, window):
         assert 0 < r["verify_attention_ms"] <= r["verify_ms"] and 0 < r["draft_attention_ms"] <= r["draft_ms"]
     assert one["draft_ms"] > 0 and two["finish_ms"] > 0
     assert eng.verifier.runner.pool.in_use() == 0          # every session's slot came back
-    result = {"workload": "t", "cycles": 3, "command": "c", "rows": [one, two, rows]}
+    result = {"workload": "t", "cycles": 3, "command": "c", "rows": [one, two, rows, window]}
     save(tmp_path / "p.json", result, markdown, plot)
     assert "| 2 |" in (tmp_path / "p.md").read_text() and (tmp_path / "p.png").stat().st_size > 0

@@ -152,9 +152,16 @@ def test_packed_gemm_equals_fp32_path(tiny_dirs):
     assert pack_linears(plain) == 0 and isinstance(plain[0], nn.Linear)
 
 
-def test_pooled_rows_equal_separate_forwards(tmp_path):
+def test_pooled_rows_equal_separate_forwards(tmp_path, monkeypatch):
     """Rows holding slots of one pool attend in one call per layer over the window of slots
-    they span (here with a gap: slot 1 is idle) and give each row's own logits and K/V."""
+    they span (here with a gap: slot 1 is idle; the window forced, as on a GPU) and give each
+    row's own logits and K/V."""
+    import services.common.llama as llama
+
+    monkeypatch.setitem(llama.CALL_KEYS, "cpu", 10 ** 9)
+    calls = []
+    original = llama.attend_pool
+    monkeypatch.setattr(llama, "attend_pool", lambda *a, **k: calls.append(1) or original(*a, **k))
     m = Llama.from_pretrained(make_tiny(tmp_path / "m", seed=8, layers=2))
     seqs = [torch.randint(0, 8192, (n,)).tolist() for n in (30, 7, 19)]
     split = [(25, 5), (3, 4), (18, 1)]
@@ -171,6 +178,7 @@ def test_pooled_rows_equal_separate_forwards(tmp_path):
         ref = [m(torch.tensor([s[p:p + n]]), p, c, capture=(1,)) for s, (p, n), c in zip(seqs, split, caches)]
         got, hidden = m.forward_ragged([s[p:p + n] for s, (p, n) in zip(seqs, split)], [p for p, _ in split],
                                        rows, capture=(1,))
+    assert len(calls) == 2                                  # one call per layer
     for (lr, hr), lg, hg in zip(ref, got, hidden):
         assert torch.allclose(lr[0], lg, atol=1e-4)
         assert torch.allclose(hr[0][0], hg[0], atol=1e-5)
@@ -193,3 +201,28 @@ def test_pool_slots_come_back():
         a.layers
     del b
     assert pool.in_use() == 0 and pool.acquire().index == 0
+
+
+def test_window_only_where_it_costs_no_more(tmp_path):
+    """The window is taken only where it costs no more than a call per row: not over idle
+    slots, nor for a prefill (every row would be padded to its queries); on the CPU a call
+    costs nothing extra, so unequal rows go one by one too. Then the forward attends row by
+    row on the slots' own views, with the same results."""
+    from services.common.llama import window_pays
+
+    assert window_pays([0, 1], [10, 10], [3, 3], "cpu") and window_pays([3, 1, 2], [10, 10, 10], [3, 3, 3], "cpu")
+    assert not window_pays([0, 31], [10, 10], [3, 3], "cpu") and window_pays([0, 31], [10, 10], [3, 3], "cuda")
+    assert not window_pays([0, 1], [0, 10], [30, 3], "cuda")          # a prefill among decoding rows
+    assert not window_pays([0, 1], [10, 50], [3, 3], "cpu") and window_pays([0, 1], [10, 50], [3, 3], "cuda")
+    m = Llama.from_pretrained(make_tiny(tmp_path / "m", seed=8, layers=2))
+    seqs = [torch.randint(0, 8192, (n,)).tolist() for n in (30, 20)]
+    pool = m.new_pool(slots=32, capacity=64)
+    held = [pool.acquire() for _ in range(32)]
+    rows = [held[0], held[31]]
+    caches = [m.new_cache(capacity=64) for _ in seqs]
+    with torch.no_grad():
+        ref = [m(torch.tensor([s]), 0, c)[0][0] for s, c in zip(seqs, caches)]
+        got, _ = m.forward_ragged(seqs, [0, 0], rows)
+    for r, g in zip(ref, got):
+        assert torch.allclose(r, g, atol=1e-4)
+    assert torch.allclose(caches[1].layers[1][0][:, :, :20], rows[1].layers[1][0][:, :, :20], atol=1e-5)
