@@ -125,7 +125,8 @@ def summary(batch: int, caches: str, times: dict[str, list[float]]) -> dict:
 
 def markdown(result: dict) -> str:
     return table_markdown(
-        f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over {result['cycles']} cycles",
+        f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over {result['cycles']} cycles"
+        f" × {result.get('repeats', 1)} rounds",
         ["sessions", "K/V", "draft", "of which attention", "target forward", "of which attention", "share",
          "policy + commit"],
         [[r["batch"], r["caches"], r["draft_ms"], r["draft_attention_ms"], r["verify_ms"], r["verify_attention_ms"],
@@ -181,7 +182,7 @@ def main() -> None:
                     times[m][k].extend(v)
         rows.extend(summary(b, m, times[m]) for m in modes)
         print(f"[step-profile] {i + 1}/{len(batches)} batch sizes", file=sys.stderr, flush=True)
-    result = {"workload": args.workload, "cycles": args.cycles,
+    result = {"workload": args.workload, "cycles": args.cycles, "repeats": args.repeats,
               "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]), "rows": rows}
     report(result, args.out, markdown, plot)
 
