@@ -4,14 +4,11 @@ each the attention calls, at each batch size.
 Runs in one process on the verifier core (no servers): ``B`` sessions on humaneval prompts,
 each cycle drafts with the draft LM for all of them (one batched ``propose_batch``), verifies
 all drafts in one ``verify_batch`` and applies the lossless policy. Medians over cycles.
-Sessions hold slots of one K/V pool. ``--caches`` runs each batch size, interleaved over
-``--repeats`` rounds, with: ``pool`` (as served: one attention call per layer over the slots'
-window where ``window_pays``, else one per session and layer on the slots' views), ``window``
-(the window forced wherever rows decode), ``rows`` (a batch-1 cache per session, one call per
-session and layer, as before the pool). A single session takes the plain path, whose attention
-is not timed apart.
+Each session attends over its own batch-1 K/V cache (``attend_rows``: one call per session and
+layer); drafting's attention and the target's are timed apart. ``--repeats`` rounds add their
+cycles to the medians. A single session takes the plain path, whose attention is not timed apart.
 
-    python -m bench.step_profile --batches 1,4,8 --caches pool,window,rows --repeats 4 --out bench/results/step_profile.json
+    python -m bench.step_profile --batches 1,4,8 --repeats 4 --out bench/results/step_profile.json
 """
 from __future__ import annotations
 
@@ -26,54 +23,31 @@ from bench.harness import pyplot, report, table_markdown, write_figure
 from bench.workloads import load
 
 PARTS = ("draft", "draft_attention", "verify", "verify_attention", "finish")
-ATTENTION = ("attend_pool", "attend_rows")
 
 
 @contextmanager
 def timed_attention(sink: list[float]):
-    """Adds the seconds of the ragged forward's attention calls (``attend_pool``: one per layer
-    over the pooled slots; ``attend_rows``: one per session, for caches outside a pool) to
-    ``sink[-1]`` while active."""
+    """Adds the seconds of every ``attend_rows`` call (the ragged forward's per-session
+    attention, one per session and layer) to ``sink[-1]`` while active."""
     import services.common.llama as llama
 
-    originals = {name: getattr(llama, name) for name in ATTENTION}
+    original = llama.attend_rows
 
-    def timer(original):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            sink[-1] += time.perf_counter() - t0
-            return out
-        return timed
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        sink[-1] += time.perf_counter() - t0
+        return out
 
-    for name, original in originals.items():
-        setattr(llama, name, timer(original))
+    llama.attend_rows = timed
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(llama, name, original)
+        llama.attend_rows = original
 
 
-@contextmanager
-def forced_window(on: bool):
-    """While active (and ``on``), a pooled forward of decoding rows always takes the window."""
-    import services.common.llama as llama
-
-    saved = dict(llama.CALL_KEYS)
-    if on:
-        llama.CALL_KEYS.update({device: 10 ** 9 for device in ("cpu", "cuda")})
-    try:
-        yield
-    finally:
-        llama.CALL_KEYS.clear()
-        llama.CALL_KEYS.update(saved)
-
-
-def profile(core, prompts: list[list[int]], batch: int, cycles: int, caches: str = "pool") -> dict[str, list[float]]:
-    """Seconds per step of each part, per cycle, with ``batch`` sessions cycling together;
-    ``caches``: ``pool`` (the runner's and drafter's slots), ``window`` (the same, one attention
-    call per layer forced) or ``rows`` (a batch-1 cache each)."""
+def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict[str, list[float]]:
+    """Seconds per step of each part, per cycle, with ``batch`` sessions cycling together."""
     from services.common.types import SamplingParams, Verdict
 
     runner, drafter, policy = core.runner, core.drafters["draft-lm"], core.policies["lossless"]
@@ -81,19 +55,14 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int, caches: str
     ids = [f"b{batch}-{i}" for i in range(batch)]
     sessions = []
     for sid, p in zip(ids, prompts):
-        st = runner.open(p)
-        drafter.start(sid, p + [p[-1]], greedy, None, 8 * cycles)
-        if caches == "rows":
-            st.cache.release()
-            st.cache = runner.model.new_cache(1)
-            drafter.states[sid].cache.release()
-            drafter.states[sid].cache = drafter.model.new_cache(1)
+        st = runner.open(p, len(p) + 8 * cycles)
         runner.verify(st, [])                                   # prefill
         runner.commit(st, Verdict(accepted=0, tokens=[p[-1]]))
+        drafter.start(sid, p + [p[-1]], greedy, None, 8 * cycles)
         sessions.append(st)
     times = {k: [] for k in PARTS}
     attention: list[float] = []
-    with timed_attention(attention), forced_window(caches == "window"):
+    with timed_attention(attention):
         for _ in range(cycles):
             attention.append(0.0)
             t0 = time.perf_counter()
@@ -109,16 +78,14 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int, caches: str
             t3 = time.perf_counter()
             for k, v in zip(PARTS, (t1 - t0, attention[-2], t2 - t1, attention[-1], t3 - t2)):
                 times[k].append(v)
-    for sid, st in zip(ids, sessions):
+    for sid in ids:
         drafter.stop(sid)
-        runner.close(st)
     return times
 
 
-def summary(batch: int, caches: str, times: dict[str, list[float]]) -> dict:
+def summary(batch: int, times: dict[str, list[float]]) -> dict:
     """Median ms per step of each part."""
-    row = {"batch": batch, "caches": caches, **{f"{k}_ms": round(1e3 * statistics.median(v), 3)
-                                                for k, v in times.items()}}
+    row = {"batch": batch, **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}}
     row["attend_share_of_verify"] = round(row["verify_attention_ms"] / row["verify_ms"], 3) if row["verify_ms"] else 0.0
     return row
 
@@ -127,9 +94,9 @@ def markdown(result: dict) -> str:
     return table_markdown(
         f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over {result['cycles']} cycles"
         f" × {result.get('repeats', 1)} rounds",
-        ["sessions", "K/V", "draft", "of which attention", "target forward", "of which attention", "share",
+        ["sessions", "draft", "of which attention", "target forward", "of which attention", "share",
          "policy + commit"],
-        [[r["batch"], r["caches"], r["draft_ms"], r["draft_attention_ms"], r["verify_ms"], r["verify_attention_ms"],
+        [[r["batch"], r["draft_ms"], r["draft_attention_ms"], r["verify_ms"], r["verify_attention_ms"],
           f"{r['attend_share_of_verify']:.0%}", r["finish_ms"]] for r in result["rows"]],
         result["command"], ("One session takes the plain path; its attention is not timed apart (0).",))
 
@@ -142,7 +109,7 @@ def plot(result: dict, path) -> None:
              ("target attention", [r["verify_attention_ms"] for r in rows]),
              ("rest of the target forward", [r["verify_ms"] - r["verify_attention_ms"] for r in rows]),
              ("policy + commit", [r["finish_ms"] for r in rows]))
-    labels, bottom = [f"{r['batch']} {r['caches']}" for r in rows], [0.0] * len(rows)
+    labels, bottom = [str(r["batch"]) for r in rows], [0.0] * len(rows)
     for label, values in parts:
         ax.bar(labels, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -160,9 +127,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--cycles", type=int, default=30)
-    ap.add_argument("--caches", default="pool", help="comma-separated: pool (slots, as served), window (slots, one "
-                                                     "attention call per layer forced), rows (a batch-1 cache each)")
-    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds; each adds its cycles to the medians")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds; each adds its cycles to the medians")
     args = ap.parse_args()
     import torch
 
@@ -173,14 +138,13 @@ def main() -> None:
     engine = Engine(EngineConfig(eagle3=None, threads=args.threads))
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [engine.encode_fit(p.text, 8 * args.cycles) for p in load(args.workload, max(batches))]
-    modes, rows = args.caches.split(","), []
+    rows = []
     for i, b in enumerate(batches):
-        times = {m: {k: [] for k in PARTS} for m in modes}
-        for r in range(args.repeats):
-            for m in modes if r % 2 == 0 else modes[::-1]:
-                for k, v in profile(engine.verifier, prompts[:b], b, args.cycles, m).items():
-                    times[m][k].extend(v)
-        rows.extend(summary(b, m, times[m]) for m in modes)
+        times = {k: [] for k in PARTS}
+        for _ in range(args.repeats):
+            for k, v in profile(engine.verifier, prompts[:b], b, args.cycles).items():
+                times[k].extend(v)
+        rows.append(summary(b, times))
         print(f"[step-profile] {i + 1}/{len(batches)} batch sizes", file=sys.stderr, flush=True)
     result = {"workload": args.workload, "cycles": args.cycles, "repeats": args.repeats,
               "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]), "rows": rows}

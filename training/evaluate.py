@@ -62,7 +62,7 @@ def greedy(model: Llama, prompt: list[int], n: int, eos: int) -> list[int]:
     prompt = prompt[-(model.s.max_positions - 1):]
     n = min(n, model.s.max_positions - len(prompt))
     runner = TargetRunner(model)
-    st = runner.open(prompt)
+    st = runner.open(prompt, len(prompt) + n + 1)
     out: list[int] = []
     while len(out) < n:
         logits, _ = runner.verify(st, [])

@@ -9,12 +9,8 @@ rollback (a length reset), ragged batching and capturing EAGLE-3's hidden states
 """
 from __future__ import annotations
 
-import heapq
 import json
 import os
-import threading
-import weakref
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,14 +114,15 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
 
 
-def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
-    """Attention for concatenated rows, x [N, H]: projections run once over all N tokens;
-    ``attend(q, k, v)`` ([heads, N, d], [kv_heads, N, d] ×2 → [heads, N, d]) stores each row's
-    K/V in its cache and attends over it."""
+def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]]) -> torch.Tensor:
+    """Attention for concatenated rows: x [N, H]; rows = (offset, start, (k_cache, v_cache), mask).
+
+    Projections run once over all N tokens; each row attends to its own cache (batch 1)."""
     s = attn.s
     n = x.shape[0]
-    q, k, v = attn.project(x, cos, sin)
-    o = attend(q, k, v)
+    q, k, v = attn.project(x, cos, sin)                        # [heads, N, d]
+    o = attend_rows(q, k, v, rows, s.kv_heads != s.heads)     # [heads, N, d]
     return attn.o_proj(o.transpose(0, 1).reshape(n, s.heads * s.head_dim))
 
 
@@ -147,67 +144,6 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(F.scaled_dot_product_attention(qr, kc[:, :, :start + t], vc[:, :, :start + t],
                                                    attn_mask=mask, enable_gqa=gqa)[0])
     return torch.cat(outs, dim=1)
-
-
-class PoolPlan:
-    """Where the tokens of one ragged forward over slots of one ``KVPool`` go, built once and
-    used by every layer: token n of row r is query ``local[n]`` of padded row ``row[n]`` and
-    its K/V land at position ``pos[n]`` of slot ``slot[n]``. Attention runs over the window of
-    slots the rows span, padded to the longest row; query i of a row sees keys ≤ start + i.
-    Window slots no row uses (and padding queries) see key 0 only: their outputs are dropped."""
-
-    def __init__(self, slots: list[int], starts: list[int], lens: list[int], device):
-        lo, hi = min(slots), max(slots)
-        self.window = slice(lo, hi + 1)
-        self.t, self.keys = max(lens), max(st + n for st, n in zip(starts, lens))
-        rows = [(sl - lo, i, st + i) for sl, st, n in zip(slots, starts, lens) for i in range(n)]
-        self.row, self.local, self.pos = torch.tensor(rows, dtype=torch.long, device=device).unbind(1)
-        self.slot = self.row + lo
-        limit = [[0] * self.t for _ in range(hi - lo + 1)]
-        for sl, st in zip(slots, starts):
-            limit[sl - lo] = list(range(st, st + self.t))
-        limit = torch.tensor(limit, dtype=torch.long, device=device)
-        self.mask = (torch.arange(self.keys, device=device) <= limit[..., None])[:, None]  # [rows, 1, t, keys]
-
-
-# What one attention call costs beyond its work, in keys' worth of attention per row. On the
-# CPU too little to count: in lockstep steps of 8 sessions the forced window took 5 % off the
-# target forward (bench/results/step_profile.md), but served with requests coming and going
-# it gave 533 and 541 tokens/s against 554 and 549 for a call per row (an uncommitted A/B,
-# 8 sd streams). On a GPU each call is kernel launches that outweigh far more keys (not
-# measured here).
-CALL_KEYS = {"cpu": 0}
-CALL_KEYS_DEFAULT = 2048
-
-
-WINDOW_MAX_QUERIES = 16
-
-
-def window_pays(slots: list[int], starts: list[int], lens: list[int], device) -> bool:
-    """One call over the window of slots the rows span attends every window row over the
-    longest row's keys, idle slots and shorter rows included; one call per row attends each
-    row over its own keys and pays a call each. Take the window when it costs no more, and
-    only for decoding rows: every row is padded to the longest row's queries, so a prompt's
-    prefill among them would multiply every row's work."""
-    if max(lens) > WINDOW_MAX_QUERIES:
-        return False
-    keys = [st + n for st, n in zip(starts, lens)]
-    call = CALL_KEYS.get(torch.device(device).type, CALL_KEYS_DEFAULT)
-    return (max(slots) - min(slots) + 1) * max(keys) <= sum(keys) + call * len(keys)
-
-
-def attend_pool(plan: PoolPlan, kv: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """One layer of a pooled ragged forward: write every token's K/V into its slot, then one
-    SDPA call over the window ([heads, N, d] in and out, as ``attend_rows``)."""
-    kc, vc = kv
-    kc[plan.slot, :, plan.pos] = k.transpose(0, 1)
-    vc[plan.slot, :, plan.pos] = v.transpose(0, 1)
-    qp = q.new_zeros(plan.mask.shape[0], plan.t, q.shape[0], q.shape[2])
-    qp[plan.row, plan.local] = q.transpose(0, 1)
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc[plan.window, :, :plan.keys],
-                                       vc[plan.window, :, :plan.keys], attn_mask=plan.mask, enable_gqa=gqa)
-    return o.transpose(1, 2)[plan.row, plan.local].transpose(0, 1)
 
 
 def causal_masks(starts: list[int], lens: list[int], device) -> list[torch.Tensor | None]:
@@ -257,87 +193,6 @@ class KVCache:
                         torch.zeros(shape, dtype=dtype, device=device)) for _ in range(s.layers)]
         self.capacity = capacity
 
-    def release(self) -> None:
-        """Nothing to give back: the buffers are this cache's own (``KVSlot.release``'s twin)."""
-
-
-class KVPool:
-    """K/V slots shared by sessions: per layer ``[slots, kv_heads, capacity, head_dim]``.
-
-    A session holds one slot (``acquire``; back on ``release`` or when its handle is
-    collected). A ragged forward whose rows all hold slots of one pool attends in one SDPA
-    call per layer (``PoolPlan``) instead of one per row, where that costs no more
-    (``window_pays``). Slots go lowest first, so the
-    sessions of a step span a compact window. A full pool doubles; ``lock`` is held by every
-    forward over the pool and by growth, so no forward sees buffers being moved."""
-
-    def __init__(self, s: LlamaShape, capacity: int, dtype, device, slots: int = 1):
-        self.s, self.capacity, self.dtype, self.device = s, capacity, dtype, device
-        self.layers = self._buffers(slots)
-        self.lock = threading.Lock()
-        self._free_lock = threading.Lock()
-        self._free = list(range(slots))
-
-    def _buffers(self, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (slots, self.s.kv_heads, self.capacity, self.s.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.s.layers)]
-
-    @property
-    def slots(self) -> int:
-        return self.layers[0][0].shape[0]
-
-    def in_use(self) -> int:
-        with self._free_lock:
-            return self.slots - len(self._free)
-
-    def acquire(self) -> "KVSlot":
-        with self._free_lock:
-            if self._free:
-                return KVSlot(self, heapq.heappop(self._free))
-        with self.lock, self._free_lock:
-            if not self._free:
-                n = self.slots
-                grown = self._buffers(2 * n)
-                for (k, v), (k2, v2) in zip(self.layers, grown):
-                    k2[:n], v2[:n] = k, v
-                self.layers = grown
-                self._free = list(range(n, 2 * n))
-            return KVSlot(self, heapq.heappop(self._free))
-
-    def _release(self, index: int) -> None:
-        with self._free_lock:
-            heapq.heappush(self._free, index)
-
-
-class KVSlot:
-    """One session's slot of a ``KVPool``; ``layers`` are batch-1 views, as a ``KVCache``'s."""
-
-    def __init__(self, pool: KVPool, index: int):
-        self.pool, self.index = pool, index
-        self._finalizer = weakref.finalize(self, pool._release, index)
-
-    @property
-    def capacity(self) -> int:
-        return self.pool.capacity
-
-    @property
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if not self._finalizer.alive:
-            raise RuntimeError("KV slot used after release")
-        i = self.index
-        return [(k[i:i + 1], v[i:i + 1]) for k, v in self.pool.layers]
-
-    def release(self) -> None:
-        """Give the slot back (idempotent)."""
-        self._finalizer()
-
-
-def shared_pool(caches: list) -> KVPool | None:
-    """The pool every cache is a slot of, if there is one."""
-    pool = getattr(caches[0], "pool", None)
-    return pool if pool is not None and all(getattr(c, "pool", None) is pool for c in caches) else None
-
 
 class Llama(nn.Module):
     """Llama-architecture causal LM. Parameter names mirror HF's minus the ``model.`` prefix."""
@@ -385,55 +240,40 @@ class Llama(nn.Module):
         mask = None
         if t > 1:  # new token i sees the cache plus new tokens 0..i
             mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
-        seen, kv = {}, cache.layers
+        seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 seen[i] = x
-            x = layer(x, cos, sin, kv[i], start, mask)
+            x = layer(x, cos, sin, cache.layers[i], start, mask)
         if last_only:
             x = x[:, -1:]
         return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
-    def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list,
+    def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
                        capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None
                        ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
-        ``caches[r]`` (batch-1 caches or slots of one ``KVPool``). Returns per-row logits [T_r, V]
-        ([1, V] of each row's last position with ``last_only``: a drafter's LM head runs once
-        per row) and captured states [T_r, H]. A single row takes the plain batched path (no
-        per-row bookkeeping); rows of one pool attend together, other rows one by one."""
-        pool = shared_pool(caches)
-        with pool.lock if pool is not None else nullcontext():
-            dev = self.embed_tokens.weight.device
-            if len(seqs) == 1:
-                logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0],
-                                      capture, last_only, head)
-                return [logits[0]], [[h[0] for h in hidden]]
-            return self._ragged(seqs, starts, caches, pool, capture, last_only, head)
-
-    def _ragged(self, seqs, starts, caches, pool: KVPool | None, capture, last_only, head):
+        ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] ([1, V] of each row's
+        last position with ``last_only``: a drafter's LM head runs once per row) and captured
+        states [T_r, H]. A single row takes the plain batched path (no per-row bookkeeping)."""
         dev = self.embed_tokens.weight.device
+        if len(seqs) == 1:
+            logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture,
+                                  last_only, head)
+            return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
         pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         offsets = [sum(lens[:r]) for r in range(len(lens))]
-        gqa = self.s.kv_heads != self.s.heads
-        if pool is not None and window_pays([c.index for c in caches], starts, lens, dev):
-            plan = PoolPlan([c.index for c in caches], starts, lens, dev)
-            attenders = [lambda q, k, v, kv=kv: attend_pool(plan, kv, q, k, v, gqa) for kv in pool.layers]
-        else:
-            masks = causal_masks(starts, lens, dev)  # built once, shared by every layer
-            kvs = [c.layers for c in caches]
-            attenders = [lambda q, k, v, i=i: attend_rows(q, k, v, [(off, st, kv[i], mk) for off, st, kv, mk
-                                                                    in zip(offsets, starts, kvs, masks)], gqa)
-                         for i in range(self.s.layers)]
+        masks = causal_masks(starts, lens, dev)  # built once, shared by every layer
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 seen[i] = x
-            x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, attenders[i])
+            rows = [(off, st, c.layers[i], mk) for off, st, c, mk in zip(offsets, starts, caches, masks)]
+            x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         split = lambda t: list(torch.split(t, lens))  # noqa: E731
         hidden = [split(seen[i]) for i in capture]
@@ -446,10 +286,6 @@ class Llama(nn.Module):
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
         p = next(self.parameters())
         return KVCache(self.s, batch, capacity or self.s.max_positions, p.dtype, p.device)
-
-    def new_pool(self, slots: int = 1, capacity: int | None = None) -> KVPool:
-        p = next(self.parameters())
-        return KVPool(self.s, capacity or self.s.max_positions, p.dtype, p.device, slots)
 
     # -- Hugging Face directory I/O --------------------------------------------------------
     @classmethod

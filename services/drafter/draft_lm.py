@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.llama import KVSlot, Llama
+from services.common.llama import KVCache, Llama
 from services.common.sampling import probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import common_prefix, register
@@ -14,7 +14,7 @@ from services.drafter.base import common_prefix, register
 @dataclass
 class _State:
     tokens: list[int]
-    cache: KVSlot
+    cache: KVCache
     sp: SamplingParams
     rng: torch.Generator
     vocab_size: int
@@ -91,12 +91,11 @@ class DraftLMDrafter:
         self.head = None
         if vocab is not None:
             self.head = restricted_head(model.lm_head, vocab)
-        self.pool = model.new_pool()
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
               max_new_tokens: int = 0) -> None:
-        self.states[req_id] = _State(list(prompt), self.pool.acquire(), sp, rng, self.model.s.vocab)
+        self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
@@ -132,9 +131,7 @@ class DraftLMDrafter:
         st.drafted = []
 
     def stop(self, req_id: str) -> None:
-        st = self.states.pop(req_id, None)
-        if st is not None:
-            st.cache.release()
+        self.states.pop(req_id, None)
 
 
 def restricted_head(lm_head: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.Module:

@@ -40,7 +40,7 @@ class SessionSpec:
     sampling: SamplingParams = SamplingParams()
     policy: str = "lossless"
     model_drafter: str | None = None     # verifier-side drafter this session may use
-    max_draft: int = 0                   # longest draft the session will see (checked against the context)
+    max_draft: int = 0                   # longest draft the session will see (KV capacity)
     session_id: str = ""
     deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
 
@@ -227,7 +227,7 @@ class VerifierSession:
         s = self.spec
         self.rng = make_rng(s.sampling.seed)
         self.policy = self.core.policies[s.policy]
-        self.target = self.core.runner.open(s.prompt_ids)
+        self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1)
         self.core.batcher.opened(self)
         self._closed = False
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
@@ -267,6 +267,5 @@ class VerifierSession:
             return
         self._closed = True
         self.core.batcher.closed(self)
-        self.core.runner.close(self.target)
         if self.drafter:
             self.drafter.stop(self.session_id)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.llama import KVSlot, Llama
+from services.common.llama import KVCache, Llama
 from services.common.metrics import VERIFY_BATCH
 from services.common.types import Verdict
 
@@ -21,7 +21,7 @@ from services.common.types import Verdict
 @dataclass
 class TargetSession:
     tokens: list[int]
-    cache: KVSlot
+    cache: KVCache
     cache_len: int = 0
 
     @property
@@ -30,26 +30,20 @@ class TargetSession:
 
 
 class TargetRunner:
-    """Verification forwards: many sessions' drafts in one ragged pass (shared weight reads;
-    each session's K/V in its slot of one pool, attended together)."""
+    """Verification forwards: many sessions' drafts in one ragged pass (shared weight reads,
+    per-session attention and KV cache)."""
 
     def __init__(self, model: Llama, capture_layers: tuple[int, ...] = ()):
         self.model = model
         self.capture_layers = capture_layers
         self.device = next(model.parameters()).device
-        self.pool = model.new_pool()
 
     @property
     def max_positions(self) -> int:
         return self.model.s.max_positions
 
-    def open(self, prompt: list[int]) -> TargetSession:
-        """A session whose K/V live in a slot of the pool (every slot holds ``max_positions``)."""
-        return TargetSession(tokens=list(prompt), cache=self.pool.acquire())
-
-    @staticmethod
-    def close(st: TargetSession) -> None:
-        st.cache.release()
+    def open(self, prompt: list[int], capacity: int) -> TargetSession:
+        return TargetSession(tokens=list(prompt), cache=self.model.new_cache(1, min(capacity, self.max_positions)))
 
     def verify(self, st: TargetSession, draft: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Target logits [k+1, V] for the draft positions (row k = bonus) and the captured

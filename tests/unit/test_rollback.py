@@ -16,7 +16,7 @@ def test_target_rollback_matches_fresh_forward(tiny_dirs):
     model = Llama.from_pretrained(tiny_dirs[0])
     runner = TargetRunner(model)
     prompt = [5, 17, 300, 42, 9]
-    st = runner.open(prompt)
+    st = runner.open(prompt, capacity=64)
     runner.verify(st, [11, 12, 13, 14])
     # Keep 2 of 4 draft tokens and a correction: K/V of 13, 14 must be discarded.
     runner.commit(st, Verdict(accepted=2, tokens=[11, 12, 99]))
