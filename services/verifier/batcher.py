@@ -9,10 +9,10 @@ of a step is done by one thread instead of contending for the interpreter across
 threads. A session that misses the window is not waited for again until it is back, so an
 idle client costs at most one window; a lone session never waits.
 
-``post``/``post_all`` are the non-blocking entries (the multiplexed link, where one reader
-thread carries many sessions): each finished item is handed to its callback. Their cycles are
-led by the batcher's own stepper thread, or by the posting thread itself when it asks to and
-the step would not wait for anyone.
+``post_all`` is the non-blocking entry (the multiplexed link, where one reader thread carries
+many sessions): each finished item is handed to its callback. Its cycles are led by the
+batcher's own stepper thread, or by the posting thread itself when it asks to and the step
+would not wait for anyone.
 """
 from __future__ import annotations
 
@@ -74,15 +74,11 @@ class CycleBatcher:
             raise item.error
         return item.result
 
-    def post(self, session, request, on_done: Callable[[Pending], None]) -> None:
-        """Queue a cycle without waiting; ``on_done(item)`` runs once it has a result or error."""
-        self.post_all([(session, request, on_done)])
-
     def post_all(self, cycles: list[tuple[Any, Any, Callable[[Pending], None]]], lead: bool = False) -> None:
-        """Queue several cycles at once. With ``lead``, the calling thread runs the step itself
-        when no step is running and every expected session is queued (the window would not
-        wait): a lone session's cycle then skips the hand-off to the stepper thread. Otherwise
-        the stepper leads."""
+        """Queue cycles without waiting; each item's ``on_done(item)`` runs once it has a result
+        or error. With ``lead``, the calling thread runs the step itself when no step is running
+        and every expected session is queued (the window would not wait): a lone session's
+        cycle then skips the hand-off to the stepper thread. Otherwise the stepper leads."""
         with self._cond:
             self._queue.extend(Pending(s, r, on_done=cb) for s, r, cb in cycles)
             if lead and not self._running and self._queue and self._ready():

@@ -99,15 +99,15 @@ def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_st
         if len(got) == 2:
             done.set()
 
-    batcher.post("a", 1, callback)
-    batcher.post("b", -1, callback)
+    batcher.post_all([("a", 1, callback)])
+    batcher.post_all([("b", -1, callback)])
     assert batcher.submit("c", 5) == 6          # the step waited for c, then ran all three
     assert done.wait(5)
     assert steps == [["a", "b", "c"]]
     assert got["a"][:2] == (2, None) and isinstance(got["b"][1], ValueError)
     batcher.closed("b")
     batcher.closed("c")
-    batcher.post("a", 7, callback)               # a posted cycle alone: the stepper leads it
+    batcher.post_all([("a", 7, callback)])     # a posted cycle alone: the stepper leads it
     end = time.monotonic() + 5
     while got["a"][0] != 8 and time.monotonic() < end:
         time.sleep(0.01)
