@@ -210,11 +210,9 @@ def write(result: dict, out: Path) -> None:
                   + ", ".join(f"{m} {v:+}" for m, v in by_method.items())]
     lines += ["", f"Command: `{result['command']}`", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
-    from bench.harness import pyplot   # lazily: the harness imports torch, which client processes need not
+    from bench.harness import pyplot, write_figure   # lazily: the harness imports torch, which clients need not
 
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4))
     for r in result["rows"]:
         ax.plot([int(c) for c in concs], [r["tokens_per_s"][c] for c in concs], marker="o",
                 label=f"{r['topology']} {r['method']}" + (f" (no drafts > {r['spec_disable_batch']})"
@@ -224,9 +222,7 @@ def write(result: dict, out: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=8)
     ax.set_title("specmesh serving throughput")
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
-    plt.close(fig)
+    write_figure(fig, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
