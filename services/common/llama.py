@@ -228,11 +228,11 @@ class Llama(nn.Module):
 
     # -- inference: T new tokens at positions start..start+T-1 of every row ---------------
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache,
-                capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits ``[B, T, V]`` (``[B, 1, V]`` of the last position with ``last_only``; from
-        ``head`` instead of the LM head when given) and the residual stream entering each
-        layer in ``capture``."""
+                capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None,
+                tail: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits ``[B, T, V]`` (of the last ``tail`` positions only when given, ``[B, 1, V]``
+        with ``last_only``; from ``head`` instead of the LM head when given) and the residual
+        stream entering each layer in ``capture``."""
         t = ids.shape[1]
         x = self.embed_tokens(ids)
         cos = self.rope_cos[start:start + t].to(x.dtype)
@@ -245,21 +245,26 @@ class Llama(nn.Module):
             if i in capture:
                 seen[i] = x
             x = layer(x, cos, sin, cache.layers[i], start, mask)
-        if last_only:
-            x = x[:, -1:]
+        tail = 1 if last_only else tail
+        if tail:
+            x = x[:, -tail:]
         return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
     def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
-                       capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None
-                       ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+                       capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None,
+                       tails: list[int] | None = None) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
-        ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] ([1, V] of each row's
-        last position with ``last_only``: a drafter's LM head runs once per row) and captured
-        states [T_r, H]. A single row takes the plain batched path (no per-row bookkeeping)."""
+        ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] and captured states
+        [T_r, H]. The LM head runs only where logits are wanted: on each row's last ``tails[r]``
+        positions when given (a verification needs the draft's and the bonus position's, not
+        a prompt's), on its last one with ``last_only`` (a drafter). A single row takes the
+        plain batched path (no per-row bookkeeping)."""
         dev = self.embed_tokens.weight.device
+        if last_only:
+            tails = [1] * len(seqs)
         if len(seqs) == 1:
             logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture,
-                                  last_only, head)
+                                  head=head, tail=tails[0] if tails else 0)
             return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
@@ -276,12 +281,14 @@ class Llama(nn.Module):
             x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         split = lambda t: list(torch.split(t, lens))  # noqa: E731
-        hidden = [split(seen[i]) for i in capture]
+        per_layer = [split(seen[i]) for i in capture]
+        hidden = [[h[r] for h in per_layer] for r in range(len(lens))]
         head = head or self.lm_head
-        if last_only:
-            ends = torch.tensor(offsets, device=dev) + torch.tensor(lens, device=dev) - 1
-            return list(head(self.norm(x[ends]))[:, None]), [[h[r] for h in hidden] for r in range(len(lens))]
-        return split(head(self.norm(x))), [[h[r] for h in hidden] for r in range(len(lens))]
+        if tails is None:
+            return split(head(self.norm(x))), hidden
+        keep = torch.tensor([j for off, n, t in zip(offsets, lens, tails) for j in range(off + n - t, off + n)],
+                            device=dev)
+        return list(torch.split(head(self.norm(x[keep])), tails)), hidden
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
         p = next(self.parameters())

@@ -57,8 +57,8 @@ class TargetRunner:
         pending = [st.pending for st, _ in items]
         logits, hidden = self.model.forward_ragged(
             [p + draft for p, (_, draft) in zip(pending, items)], [st.cache_len for st, _ in items],
-            [st.cache for st, _ in items], self.capture_layers)
-        return [(lg[len(p) - 1:].float().cpu(), [h[None] for h in hs]) for p, lg, hs in zip(pending, logits, hidden)]
+            [st.cache for st, _ in items], self.capture_layers, tails=[len(draft) + 1 for _, draft in items])
+        return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits, hidden)]
 
     @staticmethod
     def commit(st: TargetSession, verdict: Verdict) -> None:

@@ -94,18 +94,28 @@ def test_ragged_batch_equals_separate_forwards(tmp_path):
         assert torch.allclose(ca.layers[1][0], cb.layers[1][0], atol=1e-5)
 
 
-def test_last_only_logits_are_the_last_rows(tmp_path):
-    """``last_only`` runs the LM head on each row's last position only: the same logits."""
+def test_last_only_and_tails_logits_are_the_last_rows(tmp_path):
+    """``last_only`` runs the LM head on each row's last position only, ``tails`` on each row's
+    last few (a verification's draft and bonus positions, not the prompt's): the same logits,
+    and the same captured states."""
     m = Llama.from_pretrained(make_tiny(tmp_path / "m", seed=8, layers=2))
     seqs = [torch.randint(0, 8192, (n,)).tolist() for n in (6, 1, 4)]
     with torch.no_grad():
-        full, _ = m.forward_ragged(seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs])
+        full, hf = m.forward_ragged(seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs], capture=(1,))
         last, _ = m.forward_ragged(seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs], last_only=True)
         one, _ = m.forward_ragged(seqs[:1], [0], [m.new_cache(capacity=16)], last_only=True)
+        tails, ht = m.forward_ragged(seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs], capture=(1,),
+                                     tails=[3, 1, 4])
+        one_tail, h1 = m.forward_ragged(seqs[:1], [0], [m.new_cache(capacity=16)], capture=(1,), tails=[2])
     assert [tuple(x.shape) for x in last] == [(1, 8192)] * 3 and one[0].shape == (1, 8192)
     for f, lg in zip(full, last):
         assert torch.allclose(f[-1:], lg, atol=1e-5)
     assert torch.allclose(full[0][-1:], one[0], atol=1e-5)
+    assert [x.shape[0] for x in tails] == [3, 1, 4] and one_tail[0].shape[0] == 2
+    for f, lg, n in zip(full, tails, (3, 1, 4)):
+        assert torch.allclose(f[-n:], lg, atol=1e-5)
+    assert torch.allclose(full[0][-2:], one_tail[0], atol=1e-5)
+    assert all(torch.allclose(a[0], b[0], atol=1e-6) for a, b in zip(hf, ht)) and h1[0][0].shape == (6, 64)
 
 
 def test_sharded_save_loads_in_ours_and_transformers(tmp_path):
