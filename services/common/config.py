@@ -82,6 +82,8 @@ class EngineConfig:
     spec_disable_batch: int = int(os.environ.get("SPECMESH_SPEC_DISABLE_BATCH", "0"))  # no drafts while a
     #                                       verifier step batches more sessions than this; 0 = never (bench.serving)
     batch_window_ms: float = 5.0          # a step waits at most this long for the sessions it expects
+    prefill_chunk: int = int(os.environ.get("SPECMESH_PREFILL_CHUNK", "128"))   # beside decoding sessions, a
+    #                                       prompt prefills at most this many tokens per step; 0 = whole (bench.prefill)
     suffix: SuffixConfig = SuffixConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only
     gate: GateConfig = GateConfig()

@@ -229,7 +229,7 @@ class Llama(nn.Module):
     # -- inference: T new tokens at positions start..start+T-1 of every row ---------------
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache,
                 capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None,
-                tail: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                tail: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits ``[B, T, V]`` (of the last ``tail`` positions only when given, ``[B, 1, V]``
         with ``last_only``; from ``head`` instead of the LM head when given) and the residual
         stream entering each layer in ``capture``."""
@@ -246,8 +246,8 @@ class Llama(nn.Module):
                 seen[i] = x
             x = layer(x, cos, sin, cache.layers[i], start, mask)
         tail = 1 if last_only else tail
-        if tail:
-            x = x[:, -tail:]
+        if tail is not None:
+            x = x[:, t - tail:]
         return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
     def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
@@ -264,7 +264,7 @@ class Llama(nn.Module):
             tails = [1] * len(seqs)
         if len(seqs) == 1:
             logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture,
-                                  head=head, tail=tails[0] if tails else 0)
+                                  head=head, tail=tails[0] if tails else None)
             return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
@@ -287,7 +287,7 @@ class Llama(nn.Module):
         if tails is None:
             return split(head(self.norm(x))), hidden
         keep = torch.tensor([j for off, n, t in zip(offsets, lens, tails) for j in range(off + n - t, off + n)],
-                            device=dev)
+                            dtype=torch.long, device=dev)
         return list(torch.split(head(self.norm(x[keep])), tails)), hidden
 
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:

@@ -104,6 +104,8 @@ class MethodMetrics:
             self._per_pos[i].inc()
 VERIFY_BATCH = Histogram("specmesh_verify_batch_size", "Sessions verified together in one target forward",
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+PREFILL_CHUNKS = Counter("specmesh_prefill_chunks_total",
+                         "Prompt chunks fed beside decoding sessions' cycles (chunked prefill), not finishing a cycle")
 
 
 def start_node_exporter(port: int, host: str = "0.0.0.0", retry_s: float = 10.0) -> bool:

@@ -91,6 +91,16 @@ class Eagle3Drafter:
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
 
+    @torch.inference_mode()
+    def absorb(self, req_id: str) -> None:
+        """Run the head over the positions observed since it last ran (their K/V into its
+        cache) without drafting. A chunked prefill calls it per chunk, so the first draft does
+        not catch up over a whole prompt inside one step."""
+        st = self.states[req_id]
+        if st.feats:
+            h, tokens, start = self._catch_up(st)
+            self.head.step_ragged([h], [tokens], [start], [st.cache])
+
     def _catch_up(self, st: _State) -> tuple[torch.Tensor, list[int], int]:
         """Head inputs for the positions not yet run on real features: fc(f), tokens, start."""
         head = self.head

@@ -13,6 +13,9 @@ idle client costs at most one window; a lone session never waits.
 many sessions): each finished item is handed to its callback. Its cycles are led by the
 batcher's own stepper thread, or by the posting thread itself when it asks to and the step
 would not wait for anyone.
+
+A step may leave an item unfinished (``again``: its prompt is being prefilled in chunks); the
+item goes back to the head of the queue for the next step, and its caller keeps waiting.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class Pending:
     error: BaseException | None = None
     done: bool = False
     on_done: Callable[["Pending"], None] | None = None
+    again: bool = False       # set by a step that advanced the cycle without finishing it (a prefill chunk)
 
 
 class CycleBatcher:
@@ -116,6 +120,11 @@ class CycleBatcher:
         finally:
             self._cond.acquire()
             self._running = False
+            again = [b for b in batch if b.again and b.result is None and b.error is None]
+            batch = [b for b in batch if not (b.again and b.result is None and b.error is None)]
+            for b in again:
+                b.again = False
+            self._queue[:0] = again
             for b in batch:
                 b.done = True
             self._cond.notify_all()

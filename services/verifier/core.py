@@ -75,11 +75,14 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
 
 class VerifierCore:
     def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
-                 policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0):
+                 policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0,
+                 prefill_chunk: int = 0):
         self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
+        self.prefill_chunk = prefill_chunk
         self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000)
         self._ids = itertools.count()
+        self.sessions: set[str] = set()   # open sessions' ids (set add/discard are atomic)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, eos_id: int) -> "VerifierCore":
@@ -110,7 +113,8 @@ class VerifierCore:
         memory = open_memory(cfg)
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
-        return cls(runner, drafters, max_draft, policies, memory, eos_id, cfg.max_batch, cfg.batch_window_ms)
+        return cls(runner, drafters, max_draft, policies, memory, eos_id, cfg.max_batch, cfg.batch_window_ms,
+                   cfg.prefill_chunk)
 
     def set_memory(self, memory) -> None:
         """Swap the correction memory; the calibrated policy gates from the new one."""
@@ -133,19 +137,53 @@ class VerifierCore:
         self.memory.close()
 
     def _step(self, batch: list[Pending]) -> None:
-        """One step for a batch of sessions' cycles: draft, one target forward, finish each."""
+        """One step for a batch of sessions' cycles: draft, one target forward, finish each.
+        Long prompts beside other sessions' cycles advance by a chunk instead (``_chunks``)."""
         t0 = time.perf_counter()
-        drafts = self._drafts(batch)
+        chunks = self._chunks(batch)
+        cycles = [b for b in batch if id(b) not in chunks]
+        drafts = self._drafts(cycles)
         t1 = time.perf_counter()
-        live = [b for b in batch if b.error is None]
-        if not live:
-            return
-        outs = self.runner.verify_batch([(b.session.target, drafts[id(b)].token_ids) for b in live])
-        for b, (logits, hidden) in zip(live, outs):
+        live = [b for b in cycles if b.error is None]
+        for b in batch:   # out of this step's prefill budget: next time
+            if chunks.get(id(b)) == 0:
+                b.again = True
+        filling = [b for b in batch if chunks.get(id(b))]
+        outs, states = self.runner.step([(b.session.target, drafts[id(b)].token_ids) for b in live],
+                                        [(b.session.target, chunks[id(b)]) for b in filling])
+        for b, hidden in zip(filling, states):
             try:
-                b.result = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1, len(live))
+                b.session.prefilled(chunks[id(b)], hidden)
+                b.again = True
             except Exception as e:  # one session's failure is its own
                 b.error = e
+        for b, (logits, hidden) in zip(live, outs):
+            try:
+                b.result = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1, len(live) + len(filling))
+            except Exception as e:
+                b.error = e
+
+    def _chunks(self, batch: list[Pending]) -> dict[int, int]:
+        """Chunked prefill. While other sessions are open on this replica (decoding, or about to
+        be), the prompts a step feeds (their pending tokens) total at most ``prefill_chunk``
+        tokens, so a new long prompt does not stall the sessions already decoding: each step's
+        time stays bounded. Prompts take the budget in queue order (a prefill in progress is
+        first); a prompt that fits finishes its cycle, one that does not feeds what is left of
+        the budget (maybe none) and its cycle goes on in the next step. When the prompts' own
+        sessions are all that is open, they prefill whole: no one waits on them (a session
+        that merely missed this step's window does count as waiting).
+        {id(item): tokens to feed} of the unfinished ones."""
+        n = self.prefill_chunk
+        prompts = [b for b in batch if len(b.session.target.pending) > 1 and not b.session.closed]
+        if n <= 0 or not prompts or self.sessions <= {b.session.session_id for b in prompts}:
+            return {}
+        chunks = {}
+        for b in prompts:
+            p = len(b.session.target.pending)
+            if p > n:
+                chunks[id(b)] = n
+            n -= min(p, n)
+        return chunks
 
     def _drafts(self, batch: list[Pending]) -> dict[int, Draft]:
         """Each cycle's draft: the router's, or one drafted here — batched per drafter where
@@ -155,7 +193,10 @@ class VerifierCore:
         for b in batch:
             r = b.request
             if r.draft_with and r.budget > 0:
-                groups.setdefault(r.draft_with, []).append(b)
+                if self._can_draft(b.session, r.draft_with):
+                    groups.setdefault(r.draft_with, []).append(b)
+                else:
+                    drafts[id(b)] = Draft.empty()
             else:
                 drafts[id(b)] = Draft(list(r.draft_ids), source=r.draft_source)
         for name, group in groups.items():
@@ -171,6 +212,13 @@ class VerifierCore:
                 for b in group:
                     b.error = e
         return drafts
+
+    def _can_draft(self, session: "VerifierSession", name: str) -> bool:
+        """A drafter fed by the target's states (EAGLE-3) drafts from the newest verified
+        position, so only once no more than the newest token is pending: not on a prompt's
+        cycle, whose features it has not yet been given (they come with that cycle)."""
+        drafter = self.drafters.get(name)
+        return not getattr(drafter, "needs_target_states", False) or len(session.target.pending) <= 1
 
 
 AUTO_DRAFT_VOCAB = 4096   # FR-Spec on the bundled draft: drafting −4–7 %, τ within 1 % (bench.draft_vocab)
@@ -229,6 +277,7 @@ class VerifierSession:
         self.policy = self.core.policies[s.policy]
         self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1)
         self.core.batcher.opened(self)
+        self.core.sessions.add(self.session_id)
         self._closed = False
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
@@ -262,10 +311,24 @@ class VerifierSession:
             rejected=verdict.first_rejection is not None and accepted < len(committed),
             draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size)
 
+    def prefilled(self, n: int, hidden: list[torch.Tensor]) -> None:
+        """A chunk of n prompt tokens was fed and kept (``TargetRunner.step``): a drafter fed by
+        the target's states gets theirs, and takes them in now if it can (``absorb``), a
+        chunk at a time."""
+        if self.drafter and getattr(self.drafter, "needs_target_states", False):
+            self.drafter.observe(self.session_id, [], torch.cat(hidden, dim=-1)[:n])
+            if hasattr(self.drafter, "absorb"):
+                self.drafter.absorb(self.session_id)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.core.batcher.closed(self)
+        self.core.sessions.discard(self.session_id)
         if self.drafter:
             self.drafter.stop(self.session_id)

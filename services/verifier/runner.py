@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.llama import KVCache, Llama
-from services.common.metrics import VERIFY_BATCH
+from services.common.metrics import PREFILL_CHUNKS, VERIFY_BATCH
 from services.common.types import Verdict
 
 
@@ -50,15 +50,29 @@ class TargetRunner:
         hidden states [1, len(pending) + k, H] of the fed positions, one per capture layer."""
         return self.verify_batch([(st, draft)])[0]
 
-    @torch.inference_mode()
     def verify_batch(self, items: list[tuple[TargetSession, list[int]]]
                      ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-        VERIFY_BATCH.observe(len(items))
-        pending = [st.pending for st, _ in items]
+        return self.step(items, [])[0]
+
+    @torch.inference_mode()
+    def step(self, verify: list[tuple[TargetSession, list[int]]], prefill: list[tuple[TargetSession, int]]
+             ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], list[list[torch.Tensor]]]:
+        """One ragged forward over every session. ``verify`` sessions feed their pending tokens
+        plus a draft → per session target logits [k+1, V] (the draft positions and the bonus)
+        and captured states [1, len(pending) + k, H] per capture layer. ``prefill`` sessions feed
+        the next n of their pending (prompt) tokens only and keep them (chunked prefill: no
+        logits, no verdict) → their captured states [n, H] per capture layer."""
+        VERIFY_BATCH.observe(len(verify) + len(prefill))
+        seqs = [st.pending + draft for st, draft in verify] + [st.pending[:n] for st, n in prefill]
+        sessions = [st for st, _ in verify] + [st for st, _ in prefill]
         logits, hidden = self.model.forward_ragged(
-            [p + draft for p, (_, draft) in zip(pending, items)], [st.cache_len for st, _ in items],
-            [st.cache for st, _ in items], self.capture_layers, tails=[len(draft) + 1 for _, draft in items])
-        return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits, hidden)]
+            seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
+            tails=[len(draft) + 1 for _, draft in verify] + [0] * len(prefill))
+        for st, n in prefill:
+            st.cache_len += n
+        PREFILL_CHUNKS.inc(len(prefill))
+        v = len(verify)
+        return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], hidden[v:]
 
     @staticmethod
     def commit(st: TargetSession, verdict: Verdict) -> None:

@@ -61,3 +61,51 @@ def test_speculation_stops_while_the_verifier_step_is_loaded(tiny_dirs, tiny_eng
     assert busy["stats"]["draft_tokens"] <= 4      # only the first cycle, before any batch was seen
     calm = loaded(Engine(cfg), batch=4).generate(GenerationRequest(ids, 40, method="sd")).result()
     assert calm["token_ids"] == ref and calm["stats"]["draft_tokens"] > 4
+
+
+def test_chunked_prefill_beside_decoding_sessions_keeps_every_output(tiny_dirs, tiny_eagle3):
+    """prefill_chunk 3: prompts that arrive while other sessions decode are fed at most 3 tokens
+    per step, all together, beside those sessions' cycles (never a whole prompt in a step that
+    carries a decoding cycle), and every output, for each method (EAGLE-3 takes each chunk's
+    features in as it comes), still equals its single-request greedy output."""
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, num_speculative_tokens=4,
+                              draft_confidence=0.0, max_new_tokens_limit=200, predictor=None, ocm_snapshot=None,
+                              prefill_chunk=3))
+    runner = eng.verifier.runner
+    steps: list[tuple[list[int], list[int]]] = []      # per forward: cycles' pending tokens, prefill chunks
+    decoding = threading.Event()
+    step = runner.step
+
+    def logged(verify, prefill):
+        steps.append(([len(st.pending) for st, _ in verify], [n for _, n in prefill]))
+        if verify and all(len(st.pending) == 1 for st, _ in verify):
+            decoding.set()
+        return step(verify, prefill)
+
+    long_prompts = [p * 4 for p in PROMPTS[:4]]
+    methods = ("vanilla", "sd", "suffix", "eagle3")
+    refs = {(p, m): eng.generate(GenerationRequest(eng.encode(p), 40, method=m)).result()["token_ids"]
+            for p in PROMPTS[:2] + long_prompts for m in methods}
+    runner.step = logged
+    out = {}
+
+    def run(p, m, wait):
+        if wait:
+            decoding.wait(30)
+        out[p, m] = eng.generate(GenerationRequest(eng.encode(p), 40, method=m)).result()["token_ids"]
+
+    jobs = [(p, m, False) for p in PROMPTS[:2] for m in methods] + [(p, m, True) for p in long_prompts for m in methods]
+    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    runner.step = step
+    assert out == {(p, m): refs[p, m] for p, m, _ in jobs}
+    chunked = [(v, c) for v, c in steps if c]
+    assert any(1 in v for v, _ in chunked)               # chunks rode beside other sessions' cycles
+    # a step that carries a decoding cycle (one pending token) feeds at most 3 prompt tokens in all
+    assert all(sum(x for x in v if x > 1) + sum(c) <= 3 for v, c in steps if 1 in v)

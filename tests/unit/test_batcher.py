@@ -203,3 +203,33 @@ def test_batched_sampled_drafts_return_q_per_position(tiny_dirs):
     assert s.probs is not None and s.probs.shape == (3, model.s.vocab)
     assert torch.allclose(s.probs.sum(-1), torch.ones(3), atol=1e-4)
     assert g.probs is None and len(g.token_ids) == 3
+
+
+def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
+    """A step may advance a cycle without finishing it (``again``: a prompt prefilled in chunks).
+    That item goes first in the next step; its waiter and its callback see only the final result,
+    once; the other sessions' cycles finish in the steps it takes."""
+    steps: list[list[str]] = []
+    left = {"long": 2}    # steps before the long prompt's cycle can finish
+
+    def step(batch):
+        steps.append([b.session for b in batch])
+        for b in batch:
+            if b.session == "long" and left["long"] > 0:
+                left["long"] -= 1
+                b.again = True
+            else:
+                b.result = (b.session, len(steps))
+
+    batcher = CycleBatcher(step, window_s=5.0)
+    got: list[tuple] = []
+    batcher.opened("short")
+    batcher.opened("long")
+    batcher.post_all([("long", 0, lambda item: got.append(item.result))])
+    assert batcher.submit("short", 0) == ("short", 1)      # the first step: long advanced, short done
+    assert batcher.submit("short", 0) == ("short", 2)      # long again, first in the step
+    batcher.closed("short")                                 # the next step awaits no one else
+    end = time.monotonic() + 5
+    while not got and time.monotonic() < end:
+        time.sleep(0.01)
+    assert got == [("long", 3)] and steps[:2] == [["long", "short"], ["long", "short"]]

@@ -64,6 +64,28 @@ def test_incremental_features_equal_one_shot(tiny_dirs, tiny_eagle3):
     assert a.propose("r", 5).token_ids == b.propose("r", 5).token_ids
 
 
+def test_absorbing_prompt_chunks_drafts_what_the_whole_prompt_drafts(tiny_dirs, tiny_eagle3):
+    """A chunked prefill hands the head a prompt's features a chunk at a time and ``absorb``
+    runs the head over each; the drafts that follow are those of the prompt given at once."""
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seq = list(range(300, 340))
+    f = features(target, seq, head.aux_layers)
+    a, b = Eagle3Drafter(head), Eagle3Drafter(head)
+    for d in (a, b):
+        d.start("r", seq[:30], SamplingParams(), None)
+    for lo, hi in ((0, 8), (8, 16), (16, 27)):          # three chunks; 3 prompt tokens still pending
+        a.observe("r", [], f[lo:hi])
+        a.absorb("r")
+        assert a.states["r"].real_len == hi and not a.states["r"].feats   # taken in now, not at the draft
+    a.observe("r", [], f[27:29])                        # the prompt's last cycle
+    b.observe("r", [], f[:29])
+    assert a.propose("r", 4).token_ids == b.propose("r", 4).token_ids
+    for d in (a, b):                                    # and the next cycle
+        d.observe("r", seq[30:32], f[29:31])
+    assert a.propose("r", 4).token_ids == b.propose("r", 4).token_ids
+
+
 def test_eagle3_equals_vanilla(tiny_eagle_engine):
     eng = tiny_eagle_engine
     for text in ["def add(a, b):\n", "import os\nimport sys\n", "class A:\n    def f(self", "x = [1, 2"]:
