@@ -12,6 +12,17 @@ from pathlib import Path
 from services.common.config import MODELS_DIR, EngineConfig, HybridConfig, ServerConfig
 
 
+def _off_or_count(text: str) -> int:
+    """An argparse type: a whole number ≥ 0, where 0 turns the feature off."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 (0 = off), got {text!r}")
+    return n
+
+
 def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", type=Path, default=MODELS_DIR / "target", help="HF model directory of the target")
     ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft", help="HF model directory of the draft LM")
@@ -40,10 +51,10 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
     ap.add_argument("--batch-window-ms", type=float, default=EngineConfig.batch_window_ms,
                     help="verifier: how long a step waits for the other open sessions' cycles")
-    ap.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+    ap.add_argument("--prefill-chunk", type=_off_or_count, default=EngineConfig.prefill_chunk,
                     help="verifier: while other sessions are decoding, a new prompt is prefilled at most this "
                          "many tokens per step (env SPECMESH_PREFILL_CHUNK); 0 = whole prompts in one step")
-    ap.add_argument("--spec-disable-batch", type=int, default=EngineConfig.spec_disable_batch,
+    ap.add_argument("--spec-disable-batch", type=_off_or_count, default=EngineConfig.spec_disable_batch,
                     help="router: draft nothing while the verifier batches more sessions than this per step "
                          "(env SPECMESH_SPEC_DISABLE_BATCH); 0 = always speculate")
     ap.add_argument("--redis-url", default=os.environ.get("SPECMESH_REDIS_URL"),
