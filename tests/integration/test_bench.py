@@ -104,3 +104,42 @@ def test_step_profile_times_attention_only_when_batched(tiny_dirs, tmp_path):
     result = {"workload": "t", "cycles": 3, "command": "c", "rows": [one, two]}
     save(tmp_path / "p.json", result, markdown, plot)
     assert "| 2 |" in (tmp_path / "p.md").read_text() and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_prefill_bench_runs_every_chunk_setting_on_the_same_outputs(tiny_dirs, tmp_path):
+    """bench.prefill: each chunk setting runs the same scenario (streams decoding, long prompts
+    arriving); outputs are checked against single requests, and a nonzero chunk really chunks."""
+    import argparse
+
+    from bench.harness import save
+    from bench.prefill import markdown, plot, run
+    from services.common.config import EngineConfig
+    from services.common.metrics import PREFILL_CHUNKS
+    from services.router.engine import Engine
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None,
+                              max_new_tokens_limit=200))
+    args = argparse.Namespace(method="sd", chunks="0,8", streams=2, stream_tokens=40, arrivals=2, arrival_tokens=4,
+                              prompt_chars=600, gap_ms=10.0, repeats=1)
+    before = PREFILL_CHUNKS._value.get()
+    rows = run(eng, args)
+    assert [r["prefill_chunk"] for r in rows] == [0, 8] and all(r["identical_outputs"] for r in rows)
+    assert PREFILL_CHUNKS._value.get() > before
+    assert all(r["gap_p99_ms"] <= r["gap_max_ms"] and r["arrival_ttft_ms"] > 0 for r in rows)
+    result = {"args": vars(args), "arrival_prompt_tokens": 100, "machine": "m", "command": "c", "rows": rows}
+    save(tmp_path / "p.json", result, markdown, plot)
+    assert "| whole prompt |" in (tmp_path / "p.md").read_text() and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_op_profile_counts_operators_per_cycle(tiny_dirs):
+    from bench.op_profile import markdown, profile_method
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None))
+    row = profile_method(eng, "sd", [eng.encode("def add(a, b):\n")], 12, 5)
+    assert row["cycles"] > 0 and len(row["top_cpu"]) == 5 and row["top_device"] == []
+    assert any(r["op"].startswith("aten::") and r["calls_per_cycle"] > 0 for r in row["top_cpu"])
+    text = markdown({"workload": "w", "prompts": 1, "max_new_tokens": 12, "device": "cpu", "dtype": "float32",
+                     "threads": 1, "command": "c", "methods": [row]})
+    assert "**sd**" in text and "self CPU" in text
