@@ -122,6 +122,17 @@ class DraftLMDrafter:
             active = [r for r in active if r.drafting]
         return [r.finish(self.name) for r in rows]
 
+    @torch.inference_mode()
+    def absorb(self, req_id: str, upto: int) -> None:
+        """Feed the request's tokens before position ``upto`` (their K/V into the cache) without
+        drafting. A chunked prefill calls it per chunk, so the first draft does not prefill a
+        whole prompt inside one step; the newest token always stays pending."""
+        st = self.states[req_id]
+        upto = min(upto, len(st.tokens) - 1)
+        if upto > st.cache_len:
+            self.model.forward_ragged([st.tokens[st.cache_len:upto]], [st.cache_len], [st.cache], tails=[0])
+            st.cache_len = upto
+
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
         # K/V stay valid for the committed prefix of what was fed: old tokens + drafts that survived.

@@ -92,10 +92,11 @@ class Eagle3Drafter:
         return self.propose_batch([(req_id, budget)])[0]
 
     @torch.inference_mode()
-    def absorb(self, req_id: str) -> None:
+    def absorb(self, req_id: str, upto: int) -> None:
         """Run the head over the positions observed since it last ran (their K/V into its
-        cache) without drafting. A chunked prefill calls it per chunk, so the first draft does
-        not catch up over a whole prompt inside one step."""
+        cache) without drafting; they are those before ``upto``, whose features the target
+        has given. A chunked prefill calls it per chunk, so the first draft does not catch up
+        over a whole prompt inside one step."""
         st = self.states[req_id]
         if st.feats:
             h, tokens, start = self._catch_up(st)

@@ -313,12 +313,14 @@ class VerifierSession:
 
     def prefilled(self, n: int, hidden: list[torch.Tensor]) -> None:
         """A chunk of n prompt tokens was fed and kept (``TargetRunner.step``): a drafter fed by
-        the target's states gets theirs, and takes them in now if it can (``absorb``), a
-        chunk at a time."""
-        if self.drafter and getattr(self.drafter, "needs_target_states", False):
+        the target's states gets theirs, and a drafter that can (``absorb``) takes the prompt
+        in up to where the target is, a chunk at a time."""
+        if not self.drafter:
+            return
+        if getattr(self.drafter, "needs_target_states", False):
             self.drafter.observe(self.session_id, [], torch.cat(hidden, dim=-1)[:n])
-            if hasattr(self.drafter, "absorb"):
-                self.drafter.absorb(self.session_id)
+        if hasattr(self.drafter, "absorb"):
+            self.drafter.absorb(self.session_id, self.target.cache_len)
 
     @property
     def closed(self) -> bool:

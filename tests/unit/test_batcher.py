@@ -194,6 +194,23 @@ def test_batched_draft_lm_proposals_equal_one_at_a_time(tiny_dirs):
             many.observe(k, kept)
 
 
+def test_absorbed_prompt_chunks_draft_what_the_whole_prompt_drafts(tiny_dirs):
+    """A chunked prefill feeds the draft LM the prompt a chunk at a time (``absorb``); the
+    drafts that follow are those of the prompt fed at once, and the newest token stays pending."""
+    model = Llama.from_pretrained(tiny_dirs[1])
+    prompt = list(range(100, 130))
+    a, b = DraftLMDrafter(model), DraftLMDrafter(model)
+    for d in (a, b):
+        d.start("r", prompt, SamplingParams(), make_rng(0))
+    for upto in (8, 16, 27, 40):                       # the last asks past the prompt: capped
+        a.absorb("r", upto)
+        assert a.states["r"].cache_len == min(upto, len(prompt) - 1)
+    assert a.propose("r", 4).token_ids == b.propose("r", 4).token_ids
+    for d in (a, b):
+        d.observe("r", [1, 2])
+    assert a.propose("r", 4).token_ids == b.propose("r", 4).token_ids
+
+
 def test_batched_sampled_drafts_return_q_per_position(tiny_dirs):
     model = Llama.from_pretrained(tiny_dirs[1])
     d = DraftLMDrafter(model)

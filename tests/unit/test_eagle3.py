@@ -76,7 +76,7 @@ def test_absorbing_prompt_chunks_drafts_what_the_whole_prompt_drafts(tiny_dirs, 
         d.start("r", seq[:30], SamplingParams(), None)
     for lo, hi in ((0, 8), (8, 16), (16, 27)):          # three chunks; 3 prompt tokens still pending
         a.observe("r", [], f[lo:hi])
-        a.absorb("r")
+        a.absorb("r", hi)
         assert a.states["r"].real_len == hi and not a.states["r"].feats   # taken in now, not at the draft
     a.observe("r", [], f[27:29])                        # the prompt's last cycle
     b.observe("r", [], f[:29])
