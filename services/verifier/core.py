@@ -149,6 +149,8 @@ class VerifierCore:
             if chunks.get(id(b)) == 0:
                 b.again = True
         filling = [b for b in batch if chunks.get(id(b))]
+        if not live and not filling:
+            return
         outs, states = self.runner.step([(b.session.target, drafts[id(b)].token_ids) for b in live],
                                         [(b.session.target, chunks[id(b)]) for b in filling])
         for b, hidden in zip(filling, states):

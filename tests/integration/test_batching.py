@@ -109,3 +109,30 @@ def test_chunked_prefill_beside_decoding_sessions_keeps_every_output(tiny_dirs, 
     assert any(1 in v for v, _ in chunked)               # chunks rode beside other sessions' cycles
     # a step that carries a decoding cycle (one pending token) feeds at most 3 prompt tokens in all
     assert all(sum(x for x in v if x > 1) + sum(c) <= 3 for v, c in steps if 1 in v)
+
+
+def test_a_drafter_failure_fails_only_its_cycles_and_runs_no_empty_forward(tiny_dirs):
+    """When every cycle of a step fails in drafting, the step ends there (no forward over
+    nothing); the session's next cycle runs normally."""
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None))
+    core = eng.verifier
+    drafter = core.drafters["draft-lm"]
+    session = core.open(SessionSpec(eng.encode("def add(a, b):\n"), 8, model_drafter="draft-lm", max_draft=4))
+    forwards = []
+    step = core.runner.step
+    core.runner.step = lambda v, p: forwards.append((v, p)) or step(v, p)
+    propose = drafter.propose_batch
+    drafter.propose_batch = lambda asks: (_ for _ in ()).throw(RuntimeError("draft failed"))
+    try:
+        session.cycle(CycleRequest(draft_with="draft-lm", budget=4))
+        raise AssertionError("the cycle should have failed")
+    except RuntimeError as e:
+        assert "draft failed" in str(e)
+    assert forwards == []
+    drafter.propose_batch = propose
+    assert session.cycle(CycleRequest(draft_with="draft-lm", budget=4)).committed and len(forwards) == 1
+    session.close()
