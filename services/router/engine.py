@@ -248,13 +248,25 @@ class Generation:
         self._raw = ""  # all detokenized output; ``text`` is the part already streamed
         self._stop_window = max((len(s) for s in req.stop), default=1)
         self._batch = 1  # sessions in the verifier step of the last cycle
+        self._session = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """The client went away (any thread): a cycle in flight on an in-process verifier stops
+        at its next step (``VerifierSession.cancel``), a prompt mid-prefill included; a remote
+        session ends after its cycle, when the stream sees the client gone."""
+        self._cancelled = True
+        if hasattr(self._session, "cancel"):
+            self._session.cancel()
 
     def __iter__(self) -> Iterator[StepOutput]:
         req = self.req
-        session = self.engine.verifier.open(SessionSpec(
+        session = self._session = self.engine.verifier.open(SessionSpec(
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
             session_id=self.req_id, deadline_s=req.deadline_s))
+        if self._cancelled:
+            self.cancel()
         if self.drafter:
             self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
         try:

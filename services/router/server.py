@@ -15,6 +15,7 @@ from services.common.security import TLSConfig
 from services.common.metrics import ACTIVE_SESSIONS, QUEUE_DEPTH, REQUESTS_REJECTED
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
+from services.verifier.core import SessionCancelled
 from services.verifier.server import NoReplica
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
@@ -120,6 +121,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         with self._lock:
             self.active[gen.req_id] = gen
             ACTIVE_SESSIONS.set(len(self.active))
+        context.add_callback(gen.cancel)   # a cancelled stream stops its cycle in flight (in-process verifier)
         steps = iter(gen)
         try:
             for step in steps:
@@ -128,6 +130,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     return
                 yield pb.GenerateResponse(token_ids=step.token_ids, text=step.text)
             yield final_to_pb(gen)
+        except SessionCancelled:
+            log.info("request %s cancelled by the client during a cycle", gen.req_id)
+            return
         except NoReplica as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except grpc.RpcError as e:  # the verifier's status (e.g. the propagated deadline) reaches the client

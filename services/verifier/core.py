@@ -33,6 +33,10 @@ from services.verifier.runner import TargetRunner
 log = logging.getLogger(__name__)
 
 
+class SessionCancelled(RuntimeError):
+    """The session was cancelled (its client went away) while a cycle was queued or prefilling."""
+
+
 @dataclass(frozen=True)
 class SessionSpec:
     prompt_ids: list[int]
@@ -140,6 +144,10 @@ class VerifierCore:
         """One step for a batch of sessions' cycles: draft, one target forward, finish each.
         Long prompts beside other sessions' cycles advance by a chunk instead (``_chunks``)."""
         t0 = time.perf_counter()
+        for b in batch:   # a cancelled session's cycle (a prompt mid-prefill, say) stops here
+            if b.session.cancelled:
+                b.error = SessionCancelled(f"session {b.session.session_id} was cancelled")
+        batch = [b for b in batch if b.error is None]
         chunks = self._chunks(batch)
         cycles = [b for b in batch if id(b) not in chunks]
         drafts = self._drafts(cycles)
@@ -281,6 +289,7 @@ class VerifierSession:
         self.core.batcher.opened(self)
         self.core.sessions.add(self.session_id)
         self._closed = False
+        self.cancelled = False
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
             self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens)
@@ -327,6 +336,11 @@ class VerifierSession:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def cancel(self) -> None:
+        """The client went away: a cycle of this session still queued or prefilling fails with
+        ``SessionCancelled`` at the next step instead of running on. Any thread may call it."""
+        self.cancelled = True
 
     def close(self) -> None:
         if self._closed:

@@ -20,7 +20,7 @@ import grpc
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
-from services.verifier.core import CycleRequest, CycleResult, SessionSpec, VerifierCore
+from services.verifier.core import CycleRequest, CycleResult, SessionCancelled, SessionSpec, VerifierCore
 from specmesh.v1 import verifier_pb2 as pb
 from specmesh.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -167,6 +167,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Draining as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        context.add_callback(session.cancel)   # the router went away: a cycle in flight stops at the next step
         try:
             yield pb.SessionResponse(opened=pb.Opened(session_id=session.session_id, replica=self.replica))
             for msg in request_iterator:
@@ -274,6 +275,10 @@ class LinkServer:
     def _done(self, sid: str, item) -> None:
         if item.error is None:
             self._out.put(pb.LinkReply(session_id=sid, result=result_to_pb(item.result)))
+        elif isinstance(item.error, SessionCancelled):
+            log.info("session %s: %s", sid, item.error)
+            self._out.put(pb.LinkReply(session_id=sid, error=pb.SessionError(
+                code=grpc.StatusCode.CANCELLED.value[0], message=str(item.error))))
         else:
             log.error("session %s failed: %s", sid, item.error)
             self._out.put(pb.LinkReply(session_id=sid, error=pb.SessionError(
@@ -292,7 +297,8 @@ class LinkServer:
     def _close(self, sid: str) -> None:
         with self._lock:
             if sid in self.busy:
-                self.closing.add(sid)   # closed by _done once its cycle is through
+                self.closing.add(sid)   # closed by _done once its cycle is through,
+                self.sessions[sid].cancel()   # which stops at the next step
                 return
             self.closing.discard(sid)
             session = self.sessions.pop(sid, None)

@@ -180,3 +180,42 @@ def test_generated_code_is_up_to_date(tmp_path):
         for name in (f"{proto.stem}_pb2.py", f"{proto.stem}_pb2_grpc.py"):
             assert (tmp_path / "specmesh/v1" / name).read_text() == (root / "specmesh/v1" / name).read_text(), \
                 f"specmesh/v1/{name} is stale: run `make protos`"
+
+
+def test_cancelled_stream_stops_its_prompt_prefill_at_the_next_step(served, tiny_engine):
+    """A client that cancels while its long prompt is prefilling in chunks (another stream is
+    decoding): the server stops feeding that prompt at the next step and frees the session;
+    the other stream carries on."""
+    stub, servicer, _ = served
+    core = tiny_engine.verifier
+    chunks: list[int] = []
+    step = core.runner.step
+
+    def logged(verify, prefill):
+        chunks.extend(n for _, n in prefill)
+        return step(verify, prefill)
+
+    core.runner.step, core.prefill_chunk = logged, 2
+    try:
+        other = stub.Generate(pb.GenerateRequest(prompt="#", max_new_tokens=150, method="vanilla"), timeout=60)
+        next(other)
+        call = stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(300, 500)), max_new_tokens=4,
+                                                method="vanilla"), timeout=60)
+        end = time.time() + 30
+        while len(chunks) < 3 and time.time() < end:
+            time.sleep(0.001)
+        assert len(chunks) >= 3, "the long prompt never prefilled in chunks"
+        call.cancel()
+        at_cancel = len(chunks)
+        end = time.time() + 10
+        while len(servicer.active) > 1 and time.time() < end:
+            time.sleep(0.005)
+        assert len(servicer.active) == 1                     # the cancelled request is gone
+        fed = len(chunks)
+        time.sleep(0.2)
+        assert len(chunks) == fed <= at_cancel + 10           # it stopped (the cancel reaches the server
+        assert sum(chunks) < 150                              # within a few steps): never fed whole
+        assert sum(len(m.token_ids) for m in other) > 0      # the other stream finishes
+    finally:
+        core.runner.step, core.prefill_chunk = step, tiny_engine.cfg.prefill_chunk
+    assert wait_idle(servicer)

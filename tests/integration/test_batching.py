@@ -136,3 +136,115 @@ def test_a_drafter_failure_fails_only_its_cycles_and_runs_no_empty_forward(tiny_
     drafter.propose_batch = propose
     assert session.cycle(CycleRequest(draft_with="draft-lm", budget=4)).committed and len(forwards) == 1
     session.close()
+
+
+def test_a_cancelled_prompt_stops_prefilling_at_the_next_step(tiny_dirs):
+    """A client that goes away while its long prompt is prefilling in chunks: the cycle fails
+    with SessionCancelled at the next step, no more of the prompt is fed, the session is freed,
+    and the stream decoding beside it finishes with its own output."""
+    import time
+
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+    from services.verifier.core import SessionCancelled
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None,
+                              max_new_tokens_limit=200, prefill_chunk=4))
+    runner = eng.verifier.runner
+    short = eng.encode(PROMPTS[0])
+    ref = eng.generate(GenerationRequest(short, 120, method="sd")).result()["token_ids"]
+    long_ids = eng.encode(" ".join(PROMPTS * 12))[:200]
+    fed: list[int] = []                                   # prompt chunks fed for the long request's session
+    step = runner.step
+    long_gen = eng.generate(GenerationRequest(long_ids, 8, method="sd"))
+
+    def logged(verify, prefill):
+        target = long_gen._session.target if long_gen._session is not None else None
+        fed.extend(n for st, n in prefill if st is target)
+        return step(verify, prefill)
+
+    runner.step = logged
+    out, err = {}, {}
+
+    def decode():
+        out["short"] = eng.generate(GenerationRequest(short, 120, method="sd")).result()["token_ids"]
+
+    def prefill_long():
+        try:
+            long_gen.result()
+        except SessionCancelled as e:
+            err["long"] = (e, time.monotonic())
+
+    t_short = threading.Thread(target=decode)
+    t_short.start()
+    time.sleep(0.05)
+    t_long = threading.Thread(target=prefill_long)
+    t_long.start()
+    end = time.monotonic() + 30
+    while len(fed) < 3 and time.monotonic() < end:
+        time.sleep(0.001)
+    assert len(fed) >= 3, "the long prompt never prefilled in chunks"
+    long_gen.cancel()
+    at_cancel = len(fed)
+    t_long.join(30)
+    t_short.join(60)
+    runner.step = step
+    assert "long" in err and len(fed) <= at_cancel + 1      # at most the step already running
+    assert sum(fed) < len(long_ids) - 1                      # the prompt was never fed whole
+    assert long_gen._session.closed and long_gen._session.session_id not in eng.verifier.sessions
+    assert out["short"] == ref
+
+
+def test_closing_a_busy_session_on_the_link_cancels_its_prefill(tiny_dirs):
+    """Over the Link, a close for a session whose cycle is in flight (a router whose deadline
+    passed) stops that cycle at the next step: a CANCELLED reply, no more prompt fed, and the
+    session closes."""
+    import queue
+    import time
+
+    import grpc
+
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+    from services.verifier.server import build_verifier_server
+    from specmesh.v1 import verifier_pb2 as vpb
+    from specmesh.v1 import verifier_pb2_grpc as vgrpc
+
+    core = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
+                               max_new_tokens_limit=200, prefill_chunk=2)).verifier
+    server, servicer, port = build_verifier_server(core, "127.0.0.1", 0)
+    server.start()
+    chunks: list[int] = []
+    step = core.runner.step
+    core.runner.step = lambda v, p: chunks.extend(n for _, n in p) or step(v, p)
+    items: queue.Queue = queue.Queue()
+
+    def requests():
+        while (item := items.get()) is not None:
+            yield vpb.LinkRequest(items=[item])
+
+    try:
+        replies = vgrpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{port}")).Link(requests(), timeout=60)
+        items.put(vpb.LinkItem(session_id="idle", open=vpb.Open(prompt_ids=[5], max_new_tokens=4)))
+        items.put(vpb.LinkItem(session_id="long", open=vpb.Open(prompt_ids=list(range(300, 500)), max_new_tokens=4)))
+        items.put(vpb.LinkItem(session_id="long", cycle=vpb.Cycle()))
+        end = time.time() + 30
+        while len(chunks) < 3 and time.time() < end:      # the open idle session makes "long" prefill in chunks
+            time.sleep(0.001)
+        assert len(chunks) >= 3
+        items.put(vpb.LinkItem(session_id="long", close=vpb.Close()))
+        got = []
+        for msg in replies:
+            got += [r for r in msg.replies if r.session_id == "long"]
+            if any(r.WhichOneof("kind") != "opened" for r in got):
+                break
+        assert got[-1].error.code == grpc.StatusCode.CANCELLED.value[0], got[-1]
+        assert sum(chunks) < 150                          # stopped long before the whole prompt
+        end = time.time() + 5
+        while len(servicer.active) > 1 and time.time() < end:
+            time.sleep(0.01)
+        assert len(servicer.active) == 1                  # "long" is closed, "idle" is still open
+        items.put(None)
+    finally:
+        core.runner.step = step
+        server.stop(0)
