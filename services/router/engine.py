@@ -252,9 +252,9 @@ class Generation:
         self._cancelled = False
 
     def cancel(self) -> None:
-        """The client went away (any thread): a cycle in flight on an in-process verifier stops
-        at its next step (``VerifierSession.cancel``), a prompt mid-prefill included; a remote
-        session ends after its cycle, when the stream sees the client gone."""
+        """The client went away (any thread): the cycle in flight ends with ``SessionCancelled``
+        and the verifier stops it at its next step, a prompt mid-prefill included
+        (``VerifierSession.cancel`` in process, ``RemoteSession.cancel`` over the network)."""
         self._cancelled = True
         if hasattr(self._session, "cancel"):
             self._session.cancel()

@@ -383,6 +383,8 @@ class SessionStream:
         self._q.put(None)
         self._call.cancel()
 
+    abort = close   # ends the stream: a cycle awaiting its reply fails now, the verifier's stops at its next step
+
 
 class RemoteSession:
     """A verifier session on some replica; on replica failure it re-opens elsewhere with the
@@ -392,6 +394,7 @@ class RemoteSession:
         self.pool, self.spec = pool, spec
         self.tokens = list(spec.prompt_ids)
         self.generated = 0
+        self.cancelled = False
         self._t0 = time.monotonic()
         self._connect(exclude=set())
 
@@ -426,6 +429,8 @@ class RemoteSession:
                 res = self._t.cycle(req, self._timeout())
                 break
             except grpc.RpcError as e:
+                if self.cancelled:
+                    raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
                 if e.code() not in _RETRYABLE or self._timeout() == 0.001:
                     raise
                 log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, e.code().name)
@@ -435,6 +440,12 @@ class RemoteSession:
         self.tokens.extend(res.committed)
         self.generated += len(res.committed)
         return res
+
+    def cancel(self) -> None:
+        """The client went away (any thread): the cycle in flight ends now with
+        ``SessionCancelled`` (no failover), and the verifier stops it at its next step."""
+        self.cancelled = True
+        self._t.abort()
 
     def _release(self) -> None:
         self._t.close()
@@ -523,6 +534,7 @@ class LinkError(grpc.RpcError):
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _BROKEN = object()
+_CLOSED = object()   # put in a session's inbox when the router closes it: a waiting cycle ends
 
 
 class ReplicaLink:
@@ -581,6 +593,8 @@ class ReplicaLink:
             raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
         if r is _BROKEN:
             raise self.broken
+        if r is _CLOSED:
+            raise LinkError(grpc.StatusCode.CANCELLED, "the session was closed by the router")
         if r.WhichOneof("kind") == "error":
             self._inbox.pop(sid, None)   # the verifier closed the session
             raise LinkError(_CODES.get(r.error.code, grpc.StatusCode.UNKNOWN), r.error.message)
@@ -595,8 +609,11 @@ class ReplicaLink:
         return LinkedSession(self, sid, self._await(sid, timeout).opened.replica)
 
     def release(self, sid: str) -> None:
-        if self._inbox.pop(sid, None) is not None and self.broken is None:
-            self._send(pb.LinkItem(session_id=sid, close=pb.Close()))
+        box = self._inbox.pop(sid, None)
+        if box is not None:
+            box.put(_CLOSED)
+            if self.broken is None:
+                self._send(pb.LinkItem(session_id=sid, close=pb.Close()))
 
     def shut(self) -> None:
         with self._cond:
@@ -619,3 +636,5 @@ class LinkedSession:
 
     def close(self) -> None:
         self.link.release(self.sid)
+
+    abort = close   # the close reaches the verifier, which stops a busy session's cycle at its next step

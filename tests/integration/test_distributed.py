@@ -259,3 +259,52 @@ def test_sigterm_drains_in_flight_sessions(tiny_dirs, tiny_engine):
     finally:
         server.stop(0)
         stop([proc])
+
+
+@pytest.mark.parametrize("link", [True, False], ids=["link", "stream"])
+def test_cancel_stops_a_remote_prefill_at_the_next_step(tiny_dirs, link):
+    """A router whose client cancels while its prompt prefills in chunks on a remote verifier
+    (over the Link or a per-session stream): the cycle ends at once with SessionCancelled (no
+    failover), the verifier feeds no more of the prompt and closes the session."""
+    from services.verifier.core import SessionCancelled, SessionSpec
+    from services.verifier.server import build_verifier_server
+
+    core = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
+                               max_new_tokens_limit=200, prefill_chunk=2)).verifier
+    server, servicer, port = build_verifier_server(core, "127.0.0.1", 0)
+    server.start()
+    idle = core.open(SessionSpec([5], 4))        # another open session: prompts prefill in chunks
+    chunks: list[int] = []
+    step = core.runner.step
+    core.runner.step = lambda v, p: chunks.extend(n for _, n in p) or step(v, p)
+    remote = RemoteVerifier([f"127.0.0.1:{port}"], link=link)
+    engine = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, max_new_tokens_limit=200),
+                    verifier=remote)
+    gen = engine.generate(GenerationRequest(list(range(300, 500)), 4, method="vanilla"))
+    err = {}
+
+    def run():
+        try:
+            gen.result()
+        except SessionCancelled as e:
+            err["e"] = e
+
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        end = time.time() + 30
+        while len(chunks) < 3 and time.time() < end:
+            time.sleep(0.001)
+        assert len(chunks) >= 3
+        gen.cancel()
+        t.join(10)
+        assert not t.is_alive() and "e" in err
+        end = time.time() + 10
+        while len(servicer.active) and time.time() < end:
+            time.sleep(0.01)
+        assert not servicer.active and sum(chunks) < 150     # closed; the prompt was never fed whole
+    finally:
+        core.runner.step = step
+        idle.close()
+        remote.close()
+        server.stop(0)
