@@ -121,7 +121,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         with self._lock:
             self.active[gen.req_id] = gen
             ACTIVE_SESSIONS.set(len(self.active))
-        context.add_callback(gen.cancel)   # a cancelled stream stops its cycle in flight (in-process verifier)
+        context.add_callback(gen.cancel)   # a cancelled stream stops its cycle in flight (after an end: no-op)
         steps = iter(gen)
         try:
             for step in steps:
