@@ -181,6 +181,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if FAULT_CYCLE_DELAY_S:
                     time.sleep(FAULT_CYCLE_DELAY_S)
                 yield pb.SessionResponse(result=result_to_pb(session.cycle(req)))
+        except SessionCancelled:   # the router's stream ended mid-cycle: no one to answer
+            log.info("session %s: cancelled mid-cycle", session.session_id)
         finally:
             self.release(session)
 
