@@ -153,10 +153,9 @@ class VerifierCore:
         drafts = self._drafts(cycles)
         t1 = time.perf_counter()
         live = [b for b in cycles if b.error is None]
-        for b in batch:   # out of this step's prefill budget: next time
-            if chunks.get(id(b)) == 0:
-                b.again = True
         filling = [b for b in batch if chunks.get(id(b))]
+        for b in batch:   # a prompt fed a chunk, or none (out of budget), goes on next step
+            b.again = id(b) in chunks
         if not live and not filling:
             return
         outs, states = self.runner.step([(b.session.target, drafts[id(b)].token_ids) for b in live],
@@ -164,8 +163,7 @@ class VerifierCore:
         for b, hidden in zip(filling, states):
             try:
                 b.session.prefilled(chunks[id(b)], hidden)
-                b.again = True
-            except Exception as e:  # one session's failure is its own
+            except Exception as e:  # one session's failure is its own (an item with an error ends)
                 b.error = e
         for b, (logits, hidden) in zip(live, outs):
             try:
