@@ -120,11 +120,12 @@ class CycleBatcher:
         finally:
             self._cond.acquire()
             self._running = False
-            again = [b for b in batch if b.again and b.result is None and b.error is None]
-            batch = [b for b in batch if not (b.again and b.result is None and b.error is None)]
-            for b in again:
+            again, finished = [], []
+            for b in batch:   # an unfinished item without an error goes first in the next step
+                (again if b.again and b.result is None and b.error is None else finished).append(b)
                 b.again = False
             self._queue[:0] = again
+            batch = finished
             for b in batch:
                 b.done = True
             self._cond.notify_all()

@@ -182,8 +182,10 @@ class VerifierCore:
         that merely missed this step's window does count as waiting).
         {id(item): tokens to feed} of the unfinished ones."""
         n = self.prefill_chunk
+        if n <= 0:
+            return {}
         prompts = [b for b in batch if len(b.session.target.pending) > 1 and not b.session.closed]
-        if n <= 0 or not prompts or self.sessions <= {b.session.session_id for b in prompts}:
+        if not prompts or self.sessions <= {b.session.session_id for b in prompts}:
             return {}
         chunks = {}
         for b in prompts:

@@ -68,9 +68,10 @@ class TargetRunner:
         logits, hidden = self.model.forward_ragged(
             seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
             tails=[len(draft) + 1 for _, draft in verify] + [0] * len(prefill))
-        for st, n in prefill:
-            st.cache_len += n
-        PREFILL_CHUNKS.inc(len(prefill))
+        if prefill:
+            for st, n in prefill:
+                st.cache_len += n
+            PREFILL_CHUNKS.inc(len(prefill))
         v = len(verify)
         return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], hidden[v:]
 

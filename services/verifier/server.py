@@ -385,8 +385,6 @@ class SessionStream:
         self._q.put(None)
         self._call.cancel()
 
-    abort = close   # ends the stream: a cycle awaiting its reply fails now, the verifier's stops at its next step
-
 
 class RemoteSession:
     """A verifier session on some replica; on replica failure it re-opens elsewhere with the
@@ -445,9 +443,10 @@ class RemoteSession:
 
     def cancel(self) -> None:
         """The client went away (any thread): the cycle in flight ends now with
-        ``SessionCancelled`` (no failover), and the verifier stops it at its next step."""
+        ``SessionCancelled`` (no failover), and the verifier stops it at its next step: closing
+        the transport ends the stream, or sends the Link's close and wakes the waiting cycle."""
         self.cancelled = True
-        self._t.abort()
+        self._t.close()
 
     def _release(self) -> None:
         self._t.close()
@@ -638,5 +637,3 @@ class LinkedSession:
 
     def close(self) -> None:
         self.link.release(self.sid)
-
-    abort = close   # the close reaches the verifier, which stops a busy session's cycle at its next step
