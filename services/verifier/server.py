@@ -60,13 +60,15 @@ def cycle_from_pb(c: pb.Cycle) -> CycleRequest:
 def result_to_pb(r: CycleResult) -> pb.CycleResult:
     return pb.CycleResult(committed=r.committed, drafted=r.drafted, accepted=r.accepted, source=r.source,
                           rescued=[pb.RescuedPair(draft=d, target=t) for d, t in r.rescued_pairs],
-                          rejected=r.rejected, draft_s=r.draft_s, verify_s=r.verify_s, batch_size=r.batch_size)
+                          rejected=r.rejected, draft_s=r.draft_s, verify_s=r.verify_s, batch_size=r.batch_size,
+                          cached_tokens=r.cached_tokens)
 
 
 def result_from_pb(r: pb.CycleResult) -> CycleResult:
     return CycleResult(committed=list(r.committed), drafted=r.drafted, accepted=r.accepted, source=r.source,
                        rescued_pairs=tuple((p.draft, p.target) for p in r.rescued), rejected=r.rejected,
-                       draft_s=r.draft_s, verify_s=r.verify_s, batch_size=max(1, r.batch_size))
+                       draft_s=r.draft_s, verify_s=r.verify_s, batch_size=max(1, r.batch_size),
+                       cached_tokens=r.cached_tokens)
 
 
 # -- server ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa9\x01\n\x04Open\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.specmesh.v1.Sampling\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x15\n\rmodel_drafter\x18\x06 \x01(\t\x12\x11\n\tmax_draft\x18\x07 \x01(\r\"T\n\x05\x43ycle\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x64raft_source\x18\x02 \x01(\t\x12\x12\n\ndraft_with\x18\x03 \x01(\t\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\"`\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x42\x06\n\x04kind\"-\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\",\n\x0bRescuedPair\x12\r\n\x05\x64raft\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xc7\x01\n\x0b\x43ycleResult\x12\x11\n\tcommitted\x18\x01 \x03(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\t\x12)\n\x07rescued\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RescuedPair\x12\x10\n\x08rejected\x18\x06 \x01(\x08\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\r\"l\n\x0fSessionResponse\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\xe4\x01\n\x0cInfoResponse\x12\x13\n\x0b\x63ontext_len\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12:\n\tmax_draft\x18\x03 \x03(\x0b\x32\'.specmesh.v1.InfoResponse.MaxDraftEntry\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x0f\n\x07replica\x18\x06 \x01(\t\x1a/\n\rMaxDraftEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x07\n\x05\x43lose\"\x93\x01\n\x08LinkItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04open\x18\x02 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x03 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x12#\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.CloseH\x00\x42\x06\n\x04kind\"3\n\x0bLinkRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specmesh.v1.LinkItem\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa6\x01\n\tLinkReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x06opened\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.specmesh.v1.SessionErrorH\x00\x42\x06\n\x04kind\"7\n\x0cLinkResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.LinkReply2\xd2\x01\n\x08Verifier\x12H\n\x07Session\x12\x1b.specmesh.v1.SessionRequest\x1a\x1c.specmesh.v1.SessionResponse(\x01\x30\x01\x12?\n\x04Link\x12\x18.specmesh.v1.LinkRequest\x1a\x19.specmesh.v1.LinkResponse(\x01\x30\x01\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa9\x01\n\x04Open\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.specmesh.v1.Sampling\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x15\n\rmodel_drafter\x18\x06 \x01(\t\x12\x11\n\tmax_draft\x18\x07 \x01(\r\"T\n\x05\x43ycle\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x64raft_source\x18\x02 \x01(\t\x12\x12\n\ndraft_with\x18\x03 \x01(\t\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\"`\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x42\x06\n\x04kind\"-\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\",\n\x0bRescuedPair\x12\r\n\x05\x64raft\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xde\x01\n\x0b\x43ycleResult\x12\x11\n\tcommitted\x18\x01 \x03(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\t\x12)\n\x07rescued\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RescuedPair\x12\x10\n\x08rejected\x18\x06 \x01(\x08\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\"l\n\x0fSessionResponse\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\xe4\x01\n\x0cInfoResponse\x12\x13\n\x0b\x63ontext_len\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12:\n\tmax_draft\x18\x03 \x03(\x0b\x32\'.specmesh.v1.InfoResponse.MaxDraftEntry\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x0f\n\x07replica\x18\x06 \x01(\t\x1a/\n\rMaxDraftEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x07\n\x05\x43lose\"\x93\x01\n\x08LinkItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04open\x18\x02 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x03 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x12#\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.CloseH\x00\x42\x06\n\x04kind\"3\n\x0bLinkRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specmesh.v1.LinkItem\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa6\x01\n\tLinkReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x06opened\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.specmesh.v1.SessionErrorH\x00\x42\x06\n\x04kind\"7\n\x0cLinkResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.LinkReply2\xd2\x01\n\x08Verifier\x12H\n\x07Session\x12\x1b.specmesh.v1.SessionRequest\x1a\x1c.specmesh.v1.SessionResponse(\x01\x30\x01\x12?\n\x04Link\x12\x18.specmesh.v1.LinkRequest\x1a\x19.specmesh.v1.LinkResponse(\x01\x30\x01\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,27 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESCUEDPAIR']._serialized_start=537
   _globals['_RESCUEDPAIR']._serialized_end=581
   _globals['_CYCLERESULT']._serialized_start=584
-  _globals['_CYCLERESULT']._serialized_end=783
-  _globals['_SESSIONRESPONSE']._serialized_start=785
-  _globals['_SESSIONRESPONSE']._serialized_end=893
-  _globals['_INFOREQUEST']._serialized_start=895
-  _globals['_INFOREQUEST']._serialized_end=908
-  _globals['_INFORESPONSE']._serialized_start=911
-  _globals['_INFORESPONSE']._serialized_end=1139
-  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_start=1092
-  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_end=1139
-  _globals['_CLOSE']._serialized_start=1141
-  _globals['_CLOSE']._serialized_end=1148
-  _globals['_LINKITEM']._serialized_start=1151
-  _globals['_LINKITEM']._serialized_end=1298
-  _globals['_LINKREQUEST']._serialized_start=1300
-  _globals['_LINKREQUEST']._serialized_end=1351
-  _globals['_SESSIONERROR']._serialized_start=1353
-  _globals['_SESSIONERROR']._serialized_end=1398
-  _globals['_LINKREPLY']._serialized_start=1401
-  _globals['_LINKREPLY']._serialized_end=1567
-  _globals['_LINKRESPONSE']._serialized_start=1569
-  _globals['_LINKRESPONSE']._serialized_end=1624
-  _globals['_VERIFIER']._serialized_start=1627
-  _globals['_VERIFIER']._serialized_end=1837
+  _globals['_CYCLERESULT']._serialized_end=806
+  _globals['_SESSIONRESPONSE']._serialized_start=808
+  _globals['_SESSIONRESPONSE']._serialized_end=916
+  _globals['_INFOREQUEST']._serialized_start=918
+  _globals['_INFOREQUEST']._serialized_end=931
+  _globals['_INFORESPONSE']._serialized_start=934
+  _globals['_INFORESPONSE']._serialized_end=1162
+  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_start=1115
+  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_end=1162
+  _globals['_CLOSE']._serialized_start=1164
+  _globals['_CLOSE']._serialized_end=1171
+  _globals['_LINKITEM']._serialized_start=1174
+  _globals['_LINKITEM']._serialized_end=1321
+  _globals['_LINKREQUEST']._serialized_start=1323
+  _globals['_LINKREQUEST']._serialized_end=1374
+  _globals['_SESSIONERROR']._serialized_start=1376
+  _globals['_SESSIONERROR']._serialized_end=1421
+  _globals['_LINKREPLY']._serialized_start=1424
+  _globals['_LINKREPLY']._serialized_end=1590
+  _globals['_LINKRESPONSE']._serialized_start=1592
+  _globals['_LINKRESPONSE']._serialized_end=1647
+  _globals['_VERIFIER']._serialized_start=1650
+  _globals['_VERIFIER']._serialized_end=1860
 # @@protoc_insertion_point(module_scope)

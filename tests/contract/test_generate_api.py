@@ -51,6 +51,15 @@ def test_stream_matches_engine_and_ends_with_final(served, tiny_engine):
     assert wait_idle(servicer)
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_gave(served, tiny_engine):
+    stub, _, _ = served
+    prompt = "".join(f"def usage_{i}(x):\n    return x + {i}\n\n" for i in range(6))
+    n = len(tiny_engine.encode(prompt))
+    first, again = (collect(stub, prompt=prompt, max_new_tokens=4, method="vanilla")[-1].usage for _ in range(2))
+    assert first.cached_prompt_tokens == 0 and first.prompt_tokens == n
+    assert again.cached_prompt_tokens == (n - 1) // 32 * 32 >= 32
+
+
 def test_prompt_token_ids_and_default_method(served, tiny_engine):
     stub, _, _ = served
     ids = tiny_engine.encode("import os\n")

@@ -53,7 +53,7 @@ def test_schema_rejects_bad_values():
     chart = helm.Chart.load(str(CHART))
     for bad in ({"mode": "swarm"}, {"verifier": {"gpus": -1}}, {"redis": {"bundled": False, "externalUrl": ""}},
                 {"models": {"source": "s3"}}, {"router": {"port": 70000}}, {"router": {"verifierLink": "udp"}},
-                {"verifier": {"prefillChunk": -1}}):
+                {"verifier": {"prefillChunk": -1}}, {"verifier": {"prefixCacheMb": -1}}):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
 
@@ -65,7 +65,7 @@ def test_services_mode_gpu_workloads():
     assert ver["spec"]["replicas"] == 2
     c = container(ver)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and "--device=cuda" in c["args"]
-    assert "--prefill-chunk=128" in c["args"]
+    assert "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"]
     spec = ver["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
@@ -110,6 +110,7 @@ def test_ray_mode_rayservice():
     assert serve["applications"][0]["args"]["verifier_gpus"] == 4
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFILL_CHUNK"] == "128"
+    assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFIX_CACHE_MB"] == "256"
     worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     assert worker["replicas"] == 3 and worker["rayStartParams"]["num-gpus"] == "4"
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4

@@ -1,0 +1,148 @@
+"""Prefix cache: what reusing a shared prompt prefix's verified state saves.
+
+In one process on the embedded engine, requests arrive one after another, each a HumanEval
+prompt after the same few solved HumanEval problems (``humaneval-fewshot``: few-shot
+prompting, whose examples every request shares). Per method, the same requests run with the
+verifier's prefix cache off and on (``--prefix-cache-mb``); the cache starts empty for each
+pass, so the first request of a pass prefills everything and later ones reuse the examples'
+blocks. Methods and settings run interleaved, in rotated order, ``--repeats`` times.
+
+Reported per method and setting: time to first token and request latency (medians over the
+requests of a pass, then over passes), the share of prompt tokens the cache gave, and whether
+every output equals the cache-off output of the same request.
+
+    python -m bench.prefix_cache --methods vanilla,sd,eagle3,hybrid --limit 16 --repeats 3 \
+        --out bench/results/prefix_cache.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.harness import past_outputs, pyplot, report, table_markdown, write_figure
+from bench.workloads import humaneval_fewshot
+
+
+def one_pass(engine, method: str, encoded: list[list[int]], max_new: int) -> dict:
+    """Every request in order, from an empty prefix cache; no output enters the suffix cache."""
+    from services.router.engine import GenerationRequest
+
+    engine.verifier.clear_prefix_cache()
+    ttft, wall, cached, outputs = [], [], 0, []
+    with past_outputs(engine, keep=False):
+        for ids in encoded:
+            r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
+            ttft.append(r["stats"]["ttft_s"])
+            wall.append(r["stats"]["wall_s"])
+            cached += r["cached_prompt_tokens"]
+            outputs.append(r["token_ids"])
+    return {"ttft": statistics.median(ttft), "wall": statistics.median(wall),
+            "cached_share": cached / sum(map(len, encoded)), "outputs": outputs}
+
+
+def run(engine, args) -> list[dict]:
+    core = engine.verifier
+    caches = {o: o.prefix for o in (core.runner, *core.drafters.values()) if getattr(o, "prefix", None) is not None}
+    if core.runner not in caches:
+        raise SystemExit("bench.prefix_cache needs the prefix cache: --prefix-cache-mb > 0")
+    encoded = [engine.encode_fit(p.text, args.max_new_tokens) for p in humaneval_fewshot(args.limit, args.shots)]
+    methods = args.methods.split(",")
+    cells = [(m, on) for m in methods for on in (False, True)]
+    per: dict[tuple[str, bool], list[dict]] = {c: [] for c in cells}
+    t0, total = time.time(), args.repeats * len(cells)
+    for rep in range(args.repeats):
+        for m, on in cells[rep % len(cells):] + cells[:rep % len(cells)]:
+            for owner, cache in caches.items():
+                owner.prefix = cache if on else None
+            per[(m, on)].append(one_pass(engine, m, encoded, args.max_new_tokens))
+            done = sum(map(len, per.values()))
+            rate = (time.time() - t0) / done
+            print(f"[prefix-cache] {done}/{total} passes  {rate:.1f} s/pass  eta {rate * (total - done):.0f} s",
+                  file=sys.stderr, flush=True)
+    for owner, cache in caches.items():
+        owner.prefix = cache
+    med = statistics.median
+    rows = []
+    for m in methods:
+        off, on = per[(m, False)], per[(m, True)]
+        ref = off[0]["outputs"]
+        for setting, runs in (("off", off), ("on", on)):
+            rows.append({"method": m, "prefix_cache": setting,
+                         "ttft_ms": round(1e3 * med(r["ttft"] for r in runs), 1),
+                         "latency_ms": round(1e3 * med(r["wall"] for r in runs), 1),
+                         "cached_share": round(med(r["cached_share"] for r in runs), 3),
+                         "identical_outputs": all(r["outputs"] == ref for r in runs)})
+        rows[-1]["ttft_ratio"] = round(rows[-1]["ttft_ms"] / rows[-2]["ttft_ms"], 3)
+        rows[-1]["latency_ratio"] = round(rows[-1]["latency_ms"] / rows[-2]["latency_ms"], 3)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    a = result["args"]
+    cols = ["method", "prefix cache", "TTFT ms", "on / off", "latency ms", "on / off", "prompt tokens cached",
+            "outputs = cache off"]
+    rows = [[r["method"], r["prefix_cache"], r["ttft_ms"], r.get("ttft_ratio", ""), r["latency_ms"],
+             r.get("latency_ratio", ""), f"{100 * r['cached_share']:.0f} %", "yes" if r["identical_outputs"] else "NO"]
+            for r in result["rows"]]
+    title = (f"### Prefix cache — {a['limit']} `humaneval-fewshot` requests one after another ({a['shots']} shared "
+             f"solved problems, ~{result['prompt_tokens']} prompt tokens), {a['max_new_tokens']} new tokens "
+             f"(medians over requests, then over {a['repeats']} passes)")
+    return table_markdown(title, cols, rows, result["command"], (f"Machine: {result['machine']}",))
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    rows = result["rows"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    x = range(len(methods))
+    for ax, key, label in ((a, "ttft_ms", "time to first token, ms"), (b, "latency_ms", "request latency, ms")):
+        for j, setting in enumerate(("off", "on")):
+            ax.bar([i + (j - 0.5) * 0.4 for i in x],
+                   [next(r[key] for r in rows if r["method"] == m and r["prefix_cache"] == setting) for m in methods],
+                   0.4, label=f"prefix cache {setting}")
+        ax.set_xticks(list(x), methods)
+        ax.set(ylabel=label)
+        ax.legend()
+    write_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import platform
+
+    import torch
+
+    from services.cli import _engine_args, engine_config
+    from services.common.runtime import freeze_startup_heap
+    from services.router.engine import Engine
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    _engine_args(p)
+    p.add_argument("--methods", default="vanilla,sd,eagle3,hybrid")
+    p.add_argument("--limit", type=int, default=16)
+    p.add_argument("--shots", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not args.threads:
+        args.threads = 1
+    engine = Engine(engine_config(args))
+    freeze_startup_heap()
+    rows = run(engine, args)
+    prompts = [engine.encode_fit(q.text, args.max_new_tokens) for q in humaneval_fewshot(args.limit, args.shots)]
+    keys = ("methods", "limit", "shots", "max_new_tokens", "repeats")
+    result = {"args": {k: getattr(args, k) for k in keys},
+              "prompt_tokens": int(statistics.median(map(len, prompts))),
+              "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+              "command": "python -m bench.prefix_cache " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "rows": rows}
+    report(result, args.out, markdown, plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()
