@@ -123,7 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if args.topology == "distributed" and not addrs:
             children, addrs = _spawn_verifiers(args)
         try:
-            serve(Engine(cfg, verifier=RemoteVerifier(addrs, link=args.verifier_link == "multiplex")), scfg)
+            pool = RemoteVerifier(addrs, link=args.verifier_link == "multiplex", affinity_slack=args.affinity_slack)
+            serve(Engine(cfg, verifier=pool), scfg)
         finally:
             for c in children:
                 c.terminate()
@@ -375,6 +376,10 @@ def main(argv: list[str] | None = None) -> None:
                    default=os.environ.get("SPECMESH_VERIFIER_LINK", "multiplex"),
                    help="router: one multiplexed Link per verifier replica carrying every session (one message "
                         "per step each way), or one Session stream per request (env SPECMESH_VERIFIER_LINK)")
+    p.add_argument("--affinity-slack", type=_off_or_count, default=int(os.environ.get("SPECMESH_AFFINITY_SLACK", "2")),
+                   help="router: a new session may go to a verifier replica with up to this many more sessions than "
+                        "the least loaded when it holds the longest start of the prompt in its prefix cache "
+                        "(env SPECMESH_AFFINITY_SLACK); 0 = only among the least loaded")
     p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)

@@ -20,6 +20,7 @@ import grpc
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.types import SamplingParams
+from services.router.affinity import PrefixAffinity, choose
 from services.verifier.core import CycleRequest, CycleResult, SessionCancelled, SessionSpec, VerifierCore
 from specmesh.v1 import verifier_pb2 as pb
 from specmesh.v1 import verifier_pb2_grpc as pb_grpc
@@ -401,11 +402,12 @@ class RemoteSession:
         self._connect(exclude=set())
 
     def _connect(self, exclude: set[str]) -> None:
-        """Open the session (prompt + committed so far) on the least-loaded live replica."""
+        """Open the session (prompt + committed so far) on a live replica: the least loaded, or
+        one nearly as loaded that holds the prompt's start in its prefix cache."""
         spec = SessionSpec(**{**self.spec.__dict__, "prompt_ids": list(self.tokens),
                               "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated)})
         while True:
-            addr = self.pool.pick(exclude)
+            addr = self.pool.pick(exclude, self.tokens)
             try:
                 self._t = self.pool.transport(addr, spec, self._timeout())
             except grpc.RpcError as e:
@@ -416,6 +418,7 @@ class RemoteSession:
                 continue
             self.addr, self.replica = addr, self._t.replica
             self.pool.load[addr] += 1
+            self.pool.affinity.placed(self.tokens, addr)
             return
 
     def _timeout(self) -> float | None:
@@ -436,6 +439,7 @@ class RemoteSession:
                 if e.code() not in _RETRYABLE or self._timeout() == 0.001:
                     raise
                 log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, e.code().name)
+                self.pool.affinity.forget(self.addr)
                 self._release()
                 tried.add(self.addr)
                 self._connect(exclude=tried)  # same context, so the same request is valid there
@@ -459,17 +463,22 @@ class RemoteSession:
 
 
 class RemoteVerifier:
-    """Router-side view of verifier replicas: least-loaded placement, session affinity."""
+    """Router-side view of verifier replicas: least-loaded placement with prefix affinity,
+    session affinity."""
 
     def __init__(self, addresses: list[str], timeout_s: float | None = None, max_message_bytes: int = 4 << 20,
-                 link: bool = True):
+                 link: bool = True, affinity_slack: int = 2):
         """``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
-        message per step each way); else each session has its own ``Session`` stream."""
+        message per step each way); else each session has its own ``Session`` stream.
+        ``affinity_slack``: a new session may go to a replica with up to this many sessions
+        more than the least loaded when that replica holds the longest start of its prompt
+        (``services/router/affinity.py``); 0 = only among the least loaded."""
         if not addresses:
             raise ValueError("at least one verifier address is required")
         self.channels = {a: channel(a, max_message_bytes) for a in addresses}
         self._stubs = {a: pb_grpc.VerifierStub(ch) for a, ch in self.channels.items()}
         self.load = {a: 0 for a in addresses}
+        self.affinity, self.affinity_slack = PrefixAffinity(), affinity_slack
         self.timeout_s = timeout_s
         self.link = link
         self._links: dict[str, ReplicaLink] = {}
@@ -490,11 +499,11 @@ class RemoteVerifier:
     def stub(self, addr: str) -> pb_grpc.VerifierStub:
         return self._stubs[addr]
 
-    def pick(self, exclude: set[str]) -> str:
+    def pick(self, exclude: set[str], tokens: list[int] = ()) -> str:
         live = [a for a in self.load if a not in exclude]
         if not live:
             raise NoReplica(f"no live verifier replica among {sorted(self.load)}")
-        return min(live, key=lambda a: self.load[a])
+        return choose(live, self.load, self.affinity.holders(list(tokens)), self.affinity_slack)
 
     def open(self, spec: SessionSpec) -> RemoteSession:
         return RemoteSession(self, spec)

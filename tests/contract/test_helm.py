@@ -53,7 +53,8 @@ def test_schema_rejects_bad_values():
     chart = helm.Chart.load(str(CHART))
     for bad in ({"mode": "swarm"}, {"verifier": {"gpus": -1}}, {"redis": {"bundled": False, "externalUrl": ""}},
                 {"models": {"source": "s3"}}, {"router": {"port": 70000}}, {"router": {"verifierLink": "udp"}},
-                {"verifier": {"prefillChunk": -1}}, {"verifier": {"prefixCacheMb": -1}}):
+                {"verifier": {"prefillChunk": -1}}, {"verifier": {"prefixCacheMb": -1}},
+                {"router": {"affinitySlack": -1}}):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
 
@@ -74,6 +75,7 @@ def test_services_mode_gpu_workloads():
     assert verifiers == ["demo-specmesh-verifier-0.demo-specmesh-verifier:50052",
                          "demo-specmesh-verifier-1.demo-specmesh-verifier:50052"]
     assert {"name": "SPECMESH_VERIFIER_LINK", "value": "multiplex"} in router["env"]
+    assert {"name": "SPECMESH_AFFINITY_SLACK", "value": "2"} in router["env"]
     assert {d["metadata"]["name"] for d in kinds(docs, "Deployment")} == {
         "demo-specmesh-router", "demo-specmesh-drafter", "demo-specmesh-predictor", "demo-specmesh-memory"}
     sm = kinds(docs, "ServiceMonitor")[0]

@@ -33,6 +33,9 @@ def test_generate_reports_invalid_input(tiny_dirs):
         out = subprocess.run(CLI + ["generate", "--prompt", "x", flag, "-1"], capture_output=True, text=True, env=ENV,
                              timeout=120)
         assert out.returncode == 2 and f"{flag}: expected a whole number >= 0" in out.stderr
+    out = subprocess.run(CLI + ["serve", "--role", "router", "--affinity-slack", "-1"], capture_output=True, text=True,
+                         env=ENV, timeout=120)
+    assert out.returncode == 2 and "--affinity-slack: expected a whole number >= 0" in out.stderr
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -91,6 +91,32 @@ def test_distributed_equals_embedded(cluster, tiny_engine):
                 assert got == ref["token_ids"], (method, p)
 
 
+def test_a_new_session_goes_where_its_prompt_start_is_cached(cluster):
+    """Prefix affinity: with one session open on the replica that verified a prompt, the same
+    prompt goes there again (within the slack) and starts from its prefix cache; with no
+    slack it goes to the idle replica and is prefilled there."""
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    engine, _, addrs, _ = cluster
+    pool = engine.verifier
+    ids = engine.encode("".join(f"def affinity_{i}(x):\n    return x - {i}\n\n" for i in range(6)))
+    first = pool.open(SessionSpec(ids, 4))
+    sessions = [first]
+    try:
+        assert first.cycle(CycleRequest()).cached_tokens == 0
+        again = pool.open(SessionSpec(ids, 4))
+        sessions.append(again)
+        assert again.addr == first.addr and again.cycle(CycleRequest()).cached_tokens == (len(ids) - 1) // 32 * 32 > 0
+        pool.affinity_slack = 0
+        elsewhere = pool.open(SessionSpec(ids, 4))
+        sessions.append(elsewhere)
+        assert elsewhere.addr != first.addr and elsewhere.cycle(CycleRequest()).cached_tokens == 0
+    finally:
+        pool.affinity_slack = 2
+        for s in sessions:
+            s.close()
+
+
 def test_bounded_load_all_streams_complete_no_session_left(cluster, tiny_engine):
     _, stub, addrs, servicer = cluster
     jobs = [(PROMPTS[i % 4], ["sd", "suffix", "vanilla"][i % 3]) for i in range(16)]

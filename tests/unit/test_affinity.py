@@ -1,0 +1,33 @@
+"""Prefix affinity: where a prompt's start was placed, and the placement rule that uses it."""
+from services.router.affinity import PrefixAffinity, choose
+
+A, B = "a:1", "b:1"
+
+
+def test_holders_are_the_replicas_last_given_each_leading_block():
+    aff = PrefixAffinity(block=4)
+    long = list(range(20))
+    aff.placed(long, A)
+    assert aff.holders(long) == {A: 4}                     # 5 blocks, but the newest token is never cached
+    assert aff.holders(list(range(9)) + [99] * 8) == {A: 2}
+    assert aff.holders([99] + list(range(1, 20))) == {}
+    aff.placed(list(range(9)), B)                          # a shorter prompt with the same start, later
+    assert aff.holders(long) == {B: 2, A: 4}
+    aff.forget(A)
+    assert aff.holders(long) == {B: 2}
+
+
+def test_the_map_is_bounded():
+    aff = PrefixAffinity(block=2, capacity=3)
+    aff.placed(list(range(9)), A)                          # 4 blocks: the oldest one goes
+    assert len(aff._where) == 3 and aff.holders(list(range(9))) == {}
+
+
+def test_choose_prefers_the_holder_within_the_slack_else_the_least_loaded():
+    live = [A, B]
+    assert choose(live, {A: 1, B: 0}, {A: 3}, slack=2) == A
+    assert choose(live, {A: 1, B: 0}, {A: 3}, slack=0) == B
+    assert choose(live, {A: 3, B: 0}, {A: 3}, slack=2) == B
+    assert choose(live, {A: 0, B: 0}, {A: 1, B: 3}, slack=0) == B
+    assert choose(live, {A: 0, B: 0}, {}, slack=2) == A      # no holder: least loaded, first on ties
+    assert choose(live, {A: 2, B: 1}, {}, slack=2) == B
