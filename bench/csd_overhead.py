@@ -62,6 +62,7 @@ def measure(engine, prompts, max_new: int) -> dict:
     t = Timed(engine.verifier)
     wall = cycles = 0.0
     for p in prompts:
+        engine.verifier.clear_prefix_cache()   # every run prefills cold
         out = engine.generate(GenerationRequest(engine.encode(p.text), max_new, method="csd")).result()
         wall += out["stats"]["wall_s"]
         cycles += out["stats"]["cycles"]

@@ -64,6 +64,7 @@ def run(engine, ids: list[int], n: int, method: str, clock: PauseClock) -> tuple
     """(tokens/s, GC ms per 1,000 tokens, token ids)."""
     from services.router.engine import GenerationRequest
 
+    engine.verifier.clear_prefix_cache()   # every run prefills cold
     before = clock.seconds()
     out = engine.generate(GenerationRequest(ids, n, method=method)).result()
     k = max(1, len(out["token_ids"]))

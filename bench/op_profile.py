@@ -37,6 +37,7 @@ def profile_method(engine, method: str, prompts: list[list[int]], max_new: int, 
     cycles, t0 = 0, time.perf_counter()
     with profile(activities=acts) as prof:
         for ids in prompts:
+            engine.verifier.clear_prefix_cache()   # every run prefills cold
             cycles += engine.generate(GenerationRequest(ids, max_new, method=method)).result()["stats"]["cycles"]
     wall = time.perf_counter() - t0
     events = prof.key_averages()

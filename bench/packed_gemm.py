@@ -22,6 +22,7 @@ from bench.workloads import load
 def run(engine, ids: list[int], n: int, method: str) -> tuple[float, list[int]]:
     from services.router.engine import GenerationRequest
 
+    engine.verifier.clear_prefix_cache()   # every run prefills cold
     out = engine.generate(GenerationRequest(ids, n, method=method)).result()
     return len(out["token_ids"]) / out["stats"]["wall_s"], out["token_ids"]
 

@@ -46,6 +46,7 @@ def stream(engine, ids: list[int], max_new: int, method: str, rec: dict) -> None
 
 def scenario(engine, method: str, streams: list[list[int]], arrivals: list[list[int]], args) -> dict:
     """One run: the streams decode, the arrivals come in while they do."""
+    engine.verifier.clear_prefix_cache()   # every run prefills cold
     recs = [{"times": [], "tokens": []} for _ in streams]
     threads = [threading.Thread(target=stream, args=(engine, ids, args.stream_tokens, method, r))
                for ids, r in zip(streams, recs)]

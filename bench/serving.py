@@ -49,7 +49,8 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
            "--verifier-link", link or "multiplex",
            "--port", str(port), "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft),
            "--eagle3", "none", "--max-sessions", "64", "--batch-window-ms", str(args.batch_window_ms),
-           "--threads", str(args.server_threads), "--spec-disable-batch", str(spec_disable_batch)]
+           "--threads", str(args.server_threads), "--spec-disable-batch", str(spec_disable_batch),
+           "--prefix-cache-mb", str(args.prefix_cache_mb)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
@@ -120,6 +121,9 @@ def main() -> None:
                          "clients sharing the cores, intra-op threads must not spin (OMP_WAIT_POLICY=PASSIVE), and "
                          "then waking them for every small decode GEMM costs more than they gain: on 2 cores, 1 "
                          "thread served vanilla at 120 tok/s and 2 threads at 56 (one stream)")
+    ap.add_argument("--prefix-cache-mb", type=int, default=0,
+                    help="the servers' prefix cache; off by default: every cell repeats the same prompts, which "
+                         "would then skip their prefill after the first round (bench.prefix_cache measures it)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
