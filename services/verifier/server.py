@@ -467,12 +467,12 @@ class RemoteVerifier:
     session affinity."""
 
     def __init__(self, addresses: list[str], timeout_s: float | None = None, max_message_bytes: int = 4 << 20,
-                 link: bool = True, affinity_slack: int = 2):
+                 link: bool = True, affinity_slack: int | None = 2):
         """``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
         message per step each way); else each session has its own ``Session`` stream.
         ``affinity_slack``: a new session may go to a replica with up to this many sessions
         more than the least loaded when that replica holds the longest start of its prompt
-        (``services/router/affinity.py``); 0 = only among the least loaded."""
+        (``services/router/affinity.py``); 0 = only among the least loaded; None = off."""
         if not addresses:
             raise ValueError("at least one verifier address is required")
         self.channels = {a: channel(a, max_message_bytes) for a in addresses}
@@ -503,6 +503,8 @@ class RemoteVerifier:
         live = [a for a in self.load if a not in exclude]
         if not live:
             raise NoReplica(f"no live verifier replica among {sorted(self.load)}")
+        if self.affinity_slack is None:
+            return min(live, key=lambda a: self.load[a])
         return choose(live, self.load, self.affinity.holders(list(tokens)), self.affinity_slack)
 
     def open(self, spec: SessionSpec) -> RemoteSession:

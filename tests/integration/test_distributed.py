@@ -94,7 +94,7 @@ def test_distributed_equals_embedded(cluster, tiny_engine):
 def test_a_new_session_goes_where_its_prompt_start_is_cached(cluster):
     """Prefix affinity: with one session open on the replica that verified a prompt, the same
     prompt goes there again (within the slack) and starts from its prefix cache; with no
-    slack it goes to the idle replica and is prefilled there."""
+    slack, or affinity off, it goes to the idle replica (prefilled there the first time)."""
     from services.verifier.core import CycleRequest, SessionSpec
 
     engine, _, addrs, _ = cluster
@@ -107,10 +107,12 @@ def test_a_new_session_goes_where_its_prompt_start_is_cached(cluster):
         again = pool.open(SessionSpec(ids, 4))
         sessions.append(again)
         assert again.addr == first.addr and again.cycle(CycleRequest()).cached_tokens == (len(ids) - 1) // 32 * 32 > 0
-        pool.affinity_slack = 0
-        elsewhere = pool.open(SessionSpec(ids, 4))
-        sessions.append(elsewhere)
-        assert elsewhere.addr != first.addr and elsewhere.cycle(CycleRequest()).cached_tokens == 0
+        for slack in (0, None):   # no slack, or affinity off: the idle replica
+            pool.affinity_slack = slack
+            elsewhere = pool.open(SessionSpec(ids, 4))
+            assert elsewhere.addr != first.addr and elsewhere.cycle(CycleRequest()).cached_tokens == (
+                0 if slack == 0 else (len(ids) - 1) // 32 * 32)
+            elsewhere.close()
     finally:
         pool.affinity_slack = 2
         for s in sessions:
