@@ -3,7 +3,9 @@
 - ``GenerationIngress``: the router, serving `specmesh.v1.Generation/Generate` and
   `grpc.health.v1.Health/Check` through Serve's gRPC proxy.
 - ``VerifierDeployment``: verifier replicas (target + EAGLE-3 + draft LM + gate), with
-  ``ray_actor_options.num_gpus`` from the app args and autoscaling. A session's cycles carry
+  ``ray_actor_options.num_gpus`` from the app args and autoscaling. A session opens on the
+  replica holding its prompt's start in its prefix cache (``services/ray_router.py``, within
+  ``affinity_slack`` sessions of the least loaded), else where Serve routes. Its cycles carry
   ``multiplexed_model_id = session id`` so Serve routes them to the replica holding its KV
   cache; a cycle that lands elsewhere (scale-down, replica death) re-opens the session there
   from the prompt plus the committed tokens, as the distributed router's failover does.
@@ -27,6 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from services.common.config import MODELS_DIR, EngineConfig
 from services.common.metrics import start_node_exporter
@@ -360,7 +363,8 @@ def app(args: dict):
     """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config:
     verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
     models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port, metrics_host,
-    max_streams (64 per ingress replica), max_queue (32).
+    max_streams (64 per ingress replica), max_queue (32), affinity_slack (2: prefix affinity's allowance
+    when placing a session on a verifier replica, ``services/ray_router.py``).
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
@@ -380,9 +384,13 @@ def app(args: dict):
     small = {"ray_actor_options": actor(min(cpus, 0.5))}
     memory = MemoryDeployment.options(**small).bind(args) if args.get("shared_memory") else None
     drafter = DrafterDeployment.options(**small).bind(args) if args.get("remote_drafter") else None
+    # A session's open goes to the replica holding its prompt's start (services/ray_router.py).
+    routing = RequestRouterConfig(request_router_class="services.ray_router:PrefixAffinityRequestRouter",
+                                  request_router_kwargs={"slack": int(args.get("affinity_slack", 2))})
     verifier = VerifierDeployment.options(
         ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
-        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, **scaling).bind(args, memory)
+        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, request_router_config=routing,
+        **scaling).bind(args, memory)
     cfg = engine_config(args)
     predictor = None
     if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():

@@ -111,6 +111,7 @@ def test_ray_mode_rayservice():
     assert "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     assert serve["applications"][0]["args"]["verifier_gpus"] == 4
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
+    assert serve["applications"][0]["args"]["affinity_slack"] == 2
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFILL_CHUNK"] == "128"
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFIX_CACHE_MB"] == "256"
     worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]

@@ -1,4 +1,5 @@
-"""The Ray Serve application, in-process on 2 CPUs: Generate through Serve's gRPC proxy."""
+"""The Ray Serve application, in-process on 2 CPUs: Generate through Serve's gRPC proxy, two
+verifier replicas behind the prefix-affinity request router."""
 
 import grpc
 import pytest
@@ -43,7 +44,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
                 grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[
                     "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
-    serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.25,
+    serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 2, "cpus_per_replica": 0.25,
                    "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True,
                    "metrics_port": metrics_port, "metrics_host": "127.0.0.1", "max_streams": 2, "max_queue": 1}),
               name="specmesh", route_prefix="/")
@@ -169,3 +170,26 @@ def test_streams_beyond_admission_get_resource_exhausted(serve_app):
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
     assert codes.count(grpc.StatusCode.OK) >= 2 and set(codes) <= {grpc.StatusCode.OK,
                                                                     grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+
+
+def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine):
+    """The verifier deployment's request router: with its first session still open, a second
+    session on the same prompt opens on the same replica (of two) and starts from its prefix
+    cache. Four prompts: Serve's own routing would pick that replica each time by chance
+    with probability 1/16."""
+    from ray import serve
+
+    from services.ray_app import RaySession
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    for p in range(4):
+        ids = tiny_engine.encode("".join(f"def ray_{p}_{i}(x):\n    return x * {i} - {p}\n\n" for i in range(5)))
+        first = RaySession(handle, SessionSpec(ids, 4))
+        try:
+            assert first.cycle(CycleRequest()).cached_tokens == 0
+            again = RaySession(handle, SessionSpec(ids, 4))
+            assert again.cycle(CycleRequest()).cached_tokens == (len(ids) - 1) // 32 * 32 > 0
+            again.close()
+        finally:
+            first.close()
