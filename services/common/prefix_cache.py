@@ -52,10 +52,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: list[int], limit: int) -> tuple[list[int], list[tuple[torch.Tensor, ...]]]:
+    def match(self, tokens: list[int], limit: int, root: int = ROOT
+              ) -> tuple[list[int], list[tuple[torch.Tensor, ...]]]:
         """The longest run of cached blocks that starts ``tokens`` and ends by ``limit``:
-        (their keys, their payloads), first block first."""
-        keys, payloads, parent = [], [], ROOT
+        (their keys, their payloads), first block first. ``root``: the first block's parent."""
+        keys, payloads, parent = [], [], root
         with self._lock:
             for b0 in range(0, limit - self.block + 1, self.block):
                 block = tuple(tokens[b0:b0 + self.block])
@@ -100,13 +101,14 @@ class PrefixCache:
             self._entries.clear()
             self.bytes = 0
 
-    def store(self, keys: list[int], tokens: list[int], upto: int, payload: Callable[[int], tuple]) -> None:
+    def store(self, keys: list[int], tokens: list[int], upto: int, payload: Callable[[int], tuple],
+              root: int = ROOT) -> None:
         """Insert each full block of ``tokens[:upto]`` after the ``len(keys)`` blocks already
         stored, appending its key to ``keys``; ``payload(b0)`` makes the block starting at b0."""
         n = self.block
         while (len(keys) + 1) * n <= upto:
             b0 = len(keys) * n
-            keys.append(self.insert(keys[-1] if keys else ROOT, tuple(tokens[b0:b0 + n]), payload(b0)))
+            keys.append(self.insert(keys[-1] if keys else root, tuple(tokens[b0:b0 + n]), payload(b0)))
 
 
 def kv_block(cache: KVCache, b0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +128,6 @@ def load_kv(cache: KVCache, blocks: list[tuple[torch.Tensor, ...]]) -> int:
     return m
 
 
-def kv_bytes_per_token(model) -> int:
-    """K/V bytes one position takes in a ``Llama``'s cache."""
-    s = model.s
-    return 2 * s.layers * s.kv_heads * s.head_dim * next(model.parameters()).element_size()
+def kv_bytes_per_position(cache: KVCache) -> int:
+    """K/V bytes one position takes in a cache like ``cache``."""
+    return sum(k.element_size() * k.numel() + v.element_size() * v.numel() for k, v in cache.layers) // cache.capacity

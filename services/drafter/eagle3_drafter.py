@@ -5,6 +5,10 @@ target has verified (its KV-cache prefix); they arrive with ``observe(..., targe
 — no extra target pass. ``propose`` first runs the head over positions it has not yet seen
 with real features (overwriting its own earlier chain entries there: that is its rollback),
 then chains k−1 steps on its own hidden state. Position i pairs f_i with token i+1.
+
+With ``prefix`` (a ``PrefixCache`` of its own), a request's first catch-up starts after the
+longest cached run of the head's blocks. Head position i depends on the tokens up to i + 1,
+so its blocks are keyed by the tokens one position on (the first token is the chain's root).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.llama import KVCache
+from services.common.prefix_cache import PrefixCache, kv_block, load_kv
 from services.common.sampling import probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import register
@@ -29,6 +34,7 @@ class _State:
     n_feats: int = 0          # target positions with features (processed or not)
     real_len: int = 0         # head cache positions computed from real features
     last_feat: torch.Tensor | None = None
+    keys: list[int] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
 
 
 @dataclass
@@ -61,9 +67,10 @@ class Eagle3Drafter:
     name = "eagle3"
     needs_target_states = True
 
-    def __init__(self, head: Eagle3Head, min_confidence: float = 0.0):
+    def __init__(self, head: Eagle3Head, min_confidence: float = 0.0, prefix: PrefixCache | None = None):
         self.head = head
         self.min_confidence = min_confidence
+        self.prefix = prefix
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
@@ -101,10 +108,35 @@ class Eagle3Drafter:
         if st.feats:
             h, tokens, start = self._catch_up(st)
             self.head.step_ragged([h], [tokens], [start], [st.cache])
+            self._keep(st)
+
+    @staticmethod
+    def _root(st: _State) -> int:
+        return hash(("eagle3", st.tokens[0]))
+
+    def _attach(self, st: _State) -> None:
+        """Before the first catch-up: take the cached head blocks of the positions whose
+        features have come (all but the newest, which the catch-up runs)."""
+        st.keys = []
+        if self.prefix is None or st.real_len or not st.feats:
+            return
+        keys, blocks = self.prefix.match(st.tokens[1:], st.n_feats - 1, self._root(st))
+        if blocks:
+            m = load_kv(st.cache, blocks)
+            f = torch.cat(st.feats)
+            st.feats, st.real_len, st.keys = [f[m:]], m, keys
+
+    def _keep(self, st: _State) -> None:
+        """Store the head blocks computed from real features (positions before ``real_len``)."""
+        if self.prefix is not None and st.keys is not None:
+            self.prefix.store(st.keys, st.tokens[1:], st.real_len,
+                              lambda b0: kv_block(st.cache, b0, self.prefix.block), self._root(st))
 
     def _catch_up(self, st: _State) -> tuple[torch.Tensor, list[int], int]:
         """Head inputs for the positions not yet run on real features: fc(f), tokens, start."""
         head = self.head
+        if st.keys is None:
+            self._attach(st)
         if st.feats:  # positions real_len .. n_feats-1
             st.last_feat = st.feats[-1][-1:]
             f, start = torch.cat(st.feats), st.real_len
@@ -129,6 +161,8 @@ class Eagle3Drafter:
             inputs = [self._catch_up(r.st) for r in active]
             logits, outs = self.head.step_ragged([i[0] for i in inputs], [i[1] for i in inputs],
                                                  [i[2] for i in inputs], [r.st.cache for r in active])
+            for r in active:
+                self._keep(r.st)
         while active:
             for r, lg, out in zip(active, logits, outs):
                 r.take(self._pick(r.st, lg[-1]), out[-1:], self.min_confidence)

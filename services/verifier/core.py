@@ -28,7 +28,7 @@ from services.memory.correction_memory import LocalCorrectionMemory
 from services.memory.snapshot import load_snapshot
 from services.verifier.batcher import CycleBatcher, Pending
 from services.verifier.policies import POLICIES, CalibratedGreedy
-from services.common.prefix_cache import PrefixCache, kv_bytes_per_token
+from services.common.prefix_cache import PrefixCache, kv_bytes_per_position
 from services.verifier.runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class VerifierCore:
                 drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
                 max_draft["eagle3"] = cfg.eagle3_k
         if cfg.prefix_cache_mb > 0:
-            share_prefix_cache(cfg, runner, drafters.get("draft-lm"))
+            share_prefix_cache(cfg, runner, [drafters[d] for d in ("draft-lm", "eagle3") if d in drafters])
         memory = open_memory(cfg)
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
@@ -256,17 +256,17 @@ class VerifierCore:
         return not getattr(drafter, "needs_target_states", False) or len(session.target.pending) <= 1
 
 
-def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, draft_lm: Drafter | None) -> None:
-    """Prefix caches for the target (K/V and EAGLE-3 features) and the draft LM (K/V), the
-    budget split by their bytes per position, so that both keep about the same positions."""
+def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, drafters: list[Drafter]) -> None:
+    """Prefix caches for the target (K/V and EAGLE-3 features) and each drafter beside it (the
+    draft LM's K/V, the EAGLE-3 head's), the budget split by their bytes per position, so
+    that all keep about the same positions."""
     model = runner.model
-    per_target = kv_bytes_per_token(model) * (1 + len(runner.capture_layers) / (2 * model.s.layers))
-    per_draft = kv_bytes_per_token(draft_lm.model) if draft_lm is not None else 0
-    share = per_target / (per_target + per_draft)
+    sizes = [kv_bytes_per_position(model.new_cache(1, 1)) * (1 + len(runner.capture_layers) / (2 * model.s.layers))]
+    sizes += [kv_bytes_per_position(d.model.new_cache(1, 1) if hasattr(d, "model") else d.head.new_cache(1))
+              for d in drafters]
     budget = cfg.prefix_cache_mb << 20
-    runner.prefix = PrefixCache(cfg.prefix_block, int(budget * share))
-    if draft_lm is not None:
-        draft_lm.prefix = PrefixCache(cfg.prefix_block, budget - int(budget * share))
+    for owner, size in zip([runner, *drafters], sizes):
+        owner.prefix = PrefixCache(cfg.prefix_block, int(budget * size / sum(sizes)))
 
 
 AUTO_DRAFT_VOCAB = 4096   # FR-Spec on the bundled draft: drafting −4–7 %, τ within 1 % (bench.draft_vocab)

@@ -169,3 +169,40 @@ def test_the_draft_lm_starts_from_the_cached_blocks_kv(engine):
     for (k, v), (rk, rv) in zip(st.cache.layers, ref.cache.layers):
         torch.testing.assert_close(k[0, :, :m], rk[0, :, :m], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v[0, :, :m], rv[0, :, :m], rtol=1e-4, atol=1e-5)
+
+
+def test_the_eagle3_head_starts_from_the_cached_blocks_kv(engine):
+    """The EAGLE-3 head's own cache: head position i pairs the target's features at i with
+    token i + 1, so its blocks are keyed one token on. A request that shares a start with an
+    earlier one begins with that start's head K/V, equal to a cold catch-up's, and drafts the
+    same tokens."""
+    import torch
+
+    from services.common.prefix_cache import PrefixCache
+    from services.common.types import SamplingParams
+    from services.drafter.eagle3_drafter import Eagle3Drafter
+
+    head = engine.verifier.drafters["eagle3"].head
+    width = head.fc.weight.shape[1]
+    table = torch.randn(8192, width, generator=torch.Generator().manual_seed(3))
+
+    def features(ids):   # stand-in target features: any function of the prefix up to each position
+        return table[torch.tensor(ids)]
+
+    cached = Eagle3Drafter(head, prefix=PrefixCache(16, 1 << 24))
+    cold = Eagle3Drafter(head)
+    a, b = (engine.encode(p) for p in PROMPTS[:2])
+    cached.start("a", a, SamplingParams(), None)
+    cached.observe("a", [], features(a[:-1]))      # the target verified all but the newest token
+    cached.propose("a", 4)
+    for d in (cached, cold):
+        d.start("b", b, SamplingParams(), None)
+        d.observe("b", [], features(b[:-1]))
+    drafts = [d.propose("b", 4).token_ids for d in (cached, cold)]
+    assert drafts[0] == drafts[1]
+    st, ref = cached.states["b"], cold.states["b"]
+    m = min(common_prefix(a, b) - 1, len(b) - 2) // 16 * 16
+    assert m >= 32 and len(st.keys) * 16 >= m
+    for (k, v), (rk, rv) in zip(st.cache.layers, ref.cache.layers):
+        torch.testing.assert_close(k[0, :, :m], rk[0, :, :m], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v[0, :, :m], rv[0, :, :m], rtol=1e-4, atol=1e-5)
