@@ -214,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     req = GenerationRequest(
         prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
-        stop=tuple(args.stop or ()), method=args.method)
+        stop=tuple(args.stop or ()), method=args.method, logprobs=args.logprobs)
     try:
         gen = engine.generate(req)
     except InvalidRequest as e:
@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="with --json: each token's target log-probability and this many alternatives (0-20)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     p.set_defaults(func=cmd_generate)
 

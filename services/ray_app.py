@@ -334,7 +334,7 @@ class GenerationIngress:
         """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""
         from services.common.security import DENIED, bearer_ok
         from services.router.engine import InvalidRequest
-        from services.router.server import final_to_pb, request_from_pb
+        from services.router.server import final_to_pb, request_from_pb, step_to_pb
         from specmesh.v1 import generate_pb2 as pb
 
         token = os.environ.get("SPECMESH_AUTH_TOKEN")  # Serve's proxy runs no interceptors: check here
@@ -350,7 +350,7 @@ class GenerationIngress:
             grpc_context.set_details(str(e))
             raise
         for step in gen:
-            yield pb.GenerateResponse(token_ids=step.token_ids, text=step.text)
+            yield step_to_pb(step)
         yield final_to_pb(gen)
 
     def Check(self, request):

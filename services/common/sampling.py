@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from services.common.types import SamplingParams
+from services.common.types import SamplingParams, TokenLogprob
 
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -45,3 +45,19 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
+
+
+MAX_LOGPROBS = 20   # alternatives a request may ask for per token
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
+    """Token j of ``tokens`` was chosen at row j of ``logits`` [≥ len(tokens), V]: its
+    log-probability under the raw logits, and the ``top`` most likely tokens there."""
+    if not tokens:
+        return ()
+    lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top <= 0:
+        return tuple(TokenLogprob(t, c) for t, c in zip(tokens, chosen))
+    vals, ids = lp.topk(top, dim=-1)
+    return tuple(TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist()))

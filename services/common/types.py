@@ -134,3 +134,13 @@ class SpecStats:
             "accepted_per_position": list(self.accepted_per_position),
             "drafts_by_source": dict(self.drafts_by_source),
         }
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target (raw logits) and the most likely
+    alternatives at its position, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

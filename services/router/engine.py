@@ -17,7 +17,8 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
-from services.common.types import SamplingParams, SpecStats
+from services.common.sampling import MAX_LOGPROBS
+from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
 from services.router.hybrid import Delegate
@@ -62,12 +63,14 @@ class GenerationRequest:
     method: str = "sd"
     request_id: str = ""
     deadline_s: float | None = None   # time the client allows, from the request's arrival
+    logprobs: int | None = None       # per generated token: its target log-probability and this many alternatives
 
 
 @dataclass
 class StepOutput:
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, when the request asked
 
 
 @dataclass
@@ -220,6 +223,8 @@ class Engine:
             raise InvalidRequest(f"top_p: must be in (0, 1], got {sp.top_p}")
         if sp.top_k < 0:
             raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {sp.top_k}")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {req.logprobs}")
         if req.method not in self.methods():
             raise InvalidRequest(f"method: unknown method {req.method!r}; choose one of {', '.join(self.methods())}")
 
@@ -249,6 +254,7 @@ class Generation:
         self._stop_window = max((len(s) for s in req.stop), default=1)
         self._batch = 1  # sessions in the verifier step of the last cycle
         self.cached_tokens = 0  # prompt tokens the verifier's prefix cache gave
+        self.logprobs: list[TokenLogprob] = []   # per output token, when the request asked
         self._session = None
         self._cancelled = False
 
@@ -265,7 +271,7 @@ class Generation:
         session = self._session = self.engine.verifier.open(SessionSpec(
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
-            session_id=self.req_id, deadline_s=req.deadline_s))
+            session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs))
         if self._cancelled:
             self.cancel()
         if self.drafter:
@@ -319,6 +325,9 @@ class Generation:
         self.timings.verify_s += res.verify_s
         self.stats.add(res.drafted, res.accepted, res.source, res.rescued_pairs, res.rejected)
         out = self._emit(res.committed)
+        if self.req.logprobs is not None:   # the emitted tokens are a prefix of the committed ones
+            out.logprobs = list(res.logprobs[:len(out.token_ids)])
+            self.logprobs += out.logprobs
         self.metrics.cycle(res.source, res.drafted, res.accepted, len(out.token_ids), len(res.rescued_pairs),
                            res.rejected, t2 - t0)
         return out
@@ -372,6 +381,10 @@ class Generation:
         stats = self.stats.to_dict()
         stats.update(wall_s=round(t.wall_s, 4), ttft_s=round(t.ttft_s or 0.0, 4),
                      verify_s=round(t.verify_s, 4), draft_s=round(t.draft_s, 4))
-        return {"text": self.text, "token_ids": list(self.output_ids), "finish_reason": self.finish_reason,
-                "method": self.req.method, "prompt_tokens": len(self.req.prompt_ids),
-                "cached_prompt_tokens": self.cached_tokens, "stats": stats}
+        out = {"text": self.text, "token_ids": list(self.output_ids), "finish_reason": self.finish_reason,
+               "method": self.req.method, "prompt_tokens": len(self.req.prompt_ids),
+               "cached_prompt_tokens": self.cached_tokens, "stats": stats}
+        if self.req.logprobs is not None:
+            out["logprobs"] = [{"token_id": x.token_id, "logprob": round(x.logprob, 6),
+                                "top": [[i, round(v, 6)] for i, v in x.top]} for x in self.logprobs]
+        return out

@@ -39,7 +39,15 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         stop=tuple(s for s in r.stop if s),
         method=r.method or engine.default_method,
         request_id=r.request_id,
+        logprobs=r.logprobs if r.HasField("logprobs") else None,
     )
+
+
+def step_to_pb(step) -> pb.GenerateResponse:
+    """One cycle's output: new tokens, new text and, when asked, the tokens' log-probabilities."""
+    return pb.GenerateResponse(token_ids=step.token_ids, text=step.text, logprobs=[
+        pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_ids=[i for i, _ in x.top],
+                        top_logprobs=[v for _, v in x.top]) for x in step.logprobs])
 
 
 def final_to_pb(gen: Generation) -> pb.GenerateResponse:
@@ -129,7 +137,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if not context.is_active():  # cancelled or past its deadline
                     log.info("request %s ended by the client after %d tokens", gen.req_id, len(gen.output_ids))
                     return
-                yield pb.GenerateResponse(token_ids=step.token_ids, text=step.text)
+                yield step_to_pb(step)
             yield final_to_pb(gen)
         except SessionCancelled:
             log.info("request %s cancelled by the client during a cycle", gen.req_id)

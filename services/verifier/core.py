@@ -21,8 +21,8 @@ import torch
 from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
-from services.common.sampling import make_rng
-from services.common.types import Draft, SamplingParams, Verdict
+from services.common.sampling import make_rng, token_logprobs
+from services.common.types import Draft, SamplingParams, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter
 from services.memory.correction_memory import LocalCorrectionMemory
 from services.memory.snapshot import load_snapshot
@@ -48,6 +48,7 @@ class SessionSpec:
     max_draft: int = 0                   # longest draft the session will see (KV capacity)
     session_id: str = ""
     deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
+    logprobs: int | None = None          # per committed token: its target log-probability and this many alternatives
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class CycleResult:
     verify_s: float = 0.0
     batch_size: int = 1                  # sessions verified in the same target forward
     cached_tokens: int = 0               # prompt positions the prefix cache gave (a session's first cycle)
+    logprobs: tuple[TokenLogprob, ...] = ()   # one per committed token, when the session asked
 
 
 def _load(path: Path, cfg: EngineConfig) -> Llama:
@@ -359,7 +361,8 @@ class VerifierSession:
             rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
             rejected=verdict.first_rejection is not None and accepted < len(committed),
             draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size,
-            cached_tokens=self._report_cached())
+            cached_tokens=self._report_cached(),
+            logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else ())
 
     def _report_cached(self) -> int:
         """The prefix cache's share of the prompt, reported once (with the first cycle)."""

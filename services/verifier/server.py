@@ -19,7 +19,8 @@ import grpc
 
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
-from services.common.types import SamplingParams
+from services.common.sampling import MAX_LOGPROBS
+from services.common.types import SamplingParams, TokenLogprob
 from services.router.affinity import PrefixAffinity, choose
 from services.verifier.core import CycleRequest, CycleResult, SessionCancelled, SessionSpec, VerifierCore
 from specmesh.v1 import verifier_pb2 as pb
@@ -36,7 +37,8 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
     sp = s.sampling
     return pb.Open(session_id=s.session_id, prompt_ids=s.prompt_ids, max_new_tokens=s.max_new_tokens,
                    sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed),
-                   policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft)
+                   policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
+                   logprobs=s.logprobs)
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
@@ -45,7 +47,8 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                        sampling=SamplingParams(sp.temperature, sp.top_p or 1.0, sp.top_k,
                                                sp.seed if sp.HasField("seed") else None),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
-                       max_draft=o.max_draft, session_id=o.session_id)
+                       max_draft=o.max_draft, session_id=o.session_id,
+                       logprobs=o.logprobs if o.HasField("logprobs") else None)
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
@@ -62,14 +65,24 @@ def result_to_pb(r: CycleResult) -> pb.CycleResult:
     return pb.CycleResult(committed=r.committed, drafted=r.drafted, accepted=r.accepted, source=r.source,
                           rescued=[pb.RescuedPair(draft=d, target=t) for d, t in r.rescued_pairs],
                           rejected=r.rejected, draft_s=r.draft_s, verify_s=r.verify_s, batch_size=r.batch_size,
-                          cached_tokens=r.cached_tokens)
+                          cached_tokens=r.cached_tokens, logprobs=[x.logprob for x in r.logprobs],
+                          top_ids=[i for x in r.logprobs for i, _ in x.top],
+                          top_logprobs=[v for x in r.logprobs for _, v in x.top])
 
 
 def result_from_pb(r: pb.CycleResult) -> CycleResult:
     return CycleResult(committed=list(r.committed), drafted=r.drafted, accepted=r.accepted, source=r.source,
                        rescued_pairs=tuple((p.draft, p.target) for p in r.rescued), rejected=r.rejected,
                        draft_s=r.draft_s, verify_s=r.verify_s, batch_size=max(1, r.batch_size),
-                       cached_tokens=r.cached_tokens)
+                       cached_tokens=r.cached_tokens, logprobs=logprobs_from_pb(r))
+
+
+def logprobs_from_pb(r: pb.CycleResult) -> tuple[TokenLogprob, ...]:
+    """Per committed token: its log-probability and an equal share of the flattened alternatives."""
+    n = len(r.logprobs)
+    k = len(r.top_ids) // n if n else 0
+    return tuple(TokenLogprob(t, lp, tuple(zip(r.top_ids[j * k:(j + 1) * k], r.top_logprobs[j * k:(j + 1) * k])))
+                 for j, (t, lp) in enumerate(zip(r.committed, r.logprobs)))
 
 
 # -- server ------------------------------------------------------------------------------------
@@ -118,6 +131,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"open.policy: unknown policy {s.policy!r}; known: {sorted(self.core.policies)}")
         if s.model_drafter and s.model_drafter not in self.core.drafters:
             raise BadRequest(f"open.model_drafter: {s.model_drafter!r} is not loaded on this replica")
+        if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"open.logprobs: at most {MAX_LOGPROBS} alternatives")
         if not (s.sampling.temperature >= 0 and 0 < s.sampling.top_p <= 1 and s.sampling.top_k >= 0):
             raise BadRequest("open.sampling: temperature >= 0, top_p in (0, 1], top_k >= 0")
 

@@ -19,7 +19,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "max_new_tokens", "sampling", "policy", "model_drafter", "max_draft")
+    __slots__ = ("session_id", "prompt_ids", "max_new_tokens", "sampling", "policy", "model_drafter", "max_draft", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class Open(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MODEL_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -34,7 +35,8 @@ class Open(_message.Message):
     policy: str
     model_drafter: str
     max_draft: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., model_drafter: _Optional[str] = ..., max_draft: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., model_drafter: _Optional[str] = ..., max_draft: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Cycle(_message.Message):
     __slots__ = ("draft_ids", "draft_source", "draft_with", "budget")
@@ -73,7 +75,7 @@ class RescuedPair(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class CycleResult(_message.Message):
-    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s", "batch_size", "cached_tokens")
+    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s", "batch_size", "cached_tokens", "logprobs", "top_ids", "top_logprobs")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,9 @@ class CycleResult(_message.Message):
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
     accepted: int
@@ -94,7 +99,10 @@ class CycleResult(_message.Message):
     verify_s: float
     batch_size: int
     cached_tokens: int
-    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("opened", "result")

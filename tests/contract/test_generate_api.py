@@ -60,6 +60,33 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_gave(served, tiny_engi
     assert again.cached_prompt_tokens == (n - 1) // 32 * 32 >= 32
 
 
+def test_logprobs_are_the_target_log_probabilities_of_each_streamed_token(served, tiny_engine):
+    """Aligned with token_ids in every message; equal to a full forward of the target over the
+    prompt and output (whatever drafted them); the alternatives best first; absent unless asked."""
+    import torch
+
+    stub, _, _ = served
+    prompt = "def mean(xs):\n"
+    ids = tiny_engine.encode(prompt)
+    model = tiny_engine.verifier.runner.model
+    for method in ("vanilla", "sd", "suffix"):
+        msgs = collect(stub, prompt=prompt, max_new_tokens=24, method=method, logprobs=4)
+        assert all(len(m.logprobs) == len(m.token_ids) for m in msgs)
+        out = [t for m in msgs for t in m.token_ids]
+        lps = [x for m in msgs for x in m.logprobs]
+        with torch.no_grad():
+            ref = torch.log_softmax(model.forward_train(torch.tensor([ids + out]))[0].float(), -1)
+        for j, (t, x) in enumerate(zip(out, lps)):
+            row = ref[len(ids) - 1 + j]
+            assert x.token_id == t and abs(x.logprob - float(row[t])) < 1e-4, (method, j)
+            assert len(x.top_ids) == 4 and x.top_ids[0] == t              # greedy: the token is the best
+            assert list(x.top_logprobs) == sorted(x.top_logprobs, reverse=True)
+            assert abs(x.top_logprobs[1] - float(row[x.top_ids[1]])) < 1e-4
+    assert not any(m.logprobs for m in collect(stub, prompt=prompt, max_new_tokens=4, method="sd"))
+    own = collect(stub, prompt=prompt, max_new_tokens=4, method="sd", logprobs=0)
+    assert all(len(x.top_ids) == 0 for m in own for x in m.logprobs) and sum(len(m.logprobs) for m in own) == 4
+
+
 def test_prompt_token_ids_and_default_method(served, tiny_engine):
     stub, _, _ = served
     ids = tiny_engine.encode("import os\n")
@@ -90,6 +117,7 @@ def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "top_p": 1.5}, "top_p"),
     ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),
     ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
+    ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
     ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
     ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
 ])

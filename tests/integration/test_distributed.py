@@ -119,6 +119,20 @@ def test_a_new_session_goes_where_its_prompt_start_is_cached(cluster):
             s.close()
 
 
+def test_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
+    _, stub, _, _ = cluster
+    for method in ("vanilla", "sd"):
+        req = gpb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=24, method=method, logprobs=3)
+        msgs = list(stub.Generate(req, timeout=60))
+        got = [x for m in msgs for x in m.logprobs]
+        ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPTS[0]), 24, method=method,
+                                                     logprobs=3)).result()["logprobs"]
+        assert [x.token_id for x in got] == [x["token_id"] for x in ref] and len(got) == 24
+        for x, r in zip(got, ref):
+            assert abs(x.logprob - r["logprob"]) < 1e-4 and list(x.top_ids) == [i for i, _ in r["top"]]
+            assert all(abs(a - b) < 1e-4 for a, (_, b) in zip(x.top_logprobs, r["top"]))
+
+
 def test_bounded_load_all_streams_complete_no_session_left(cluster, tiny_engine):
     _, stub, addrs, servicer = cluster
     jobs = [(PROMPTS[i % 4], ["sd", "suffix", "vanilla"][i % 3]) for i in range(16)]
@@ -198,6 +212,7 @@ def test_malformed_verifier_input_gets_clear_status(cluster):
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, policy="nope"))],    # unknown policy
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[99999], max_new_tokens=5))],               # id out of vocab
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=4_000_000))],           # huge
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, logprobs=21))],      # too many alternatives
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=2)),
          vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3, 4, 5]))],                        # draft too long
     ]
