@@ -108,7 +108,7 @@ PREFILL_CHUNKS = Counter("specmesh_prefill_chunks_total",
                          "Prompt chunks fed beside decoding sessions' cycles (chunked prefill), not finishing a cycle")
 PREFIX_CACHE = Counter("specmesh_prefix_cache_tokens_total",
                        "Prompt positions looked up in the prefix cache (queried) and taken from it (hit)", ["kind"])
-PREFIX_CACHE_BYTES = Gauge("specmesh_prefix_cache_bytes", "Bytes held by the verifier's prefix cache",
+PREFIX_CACHE_BYTES = Gauge("specmesh_prefix_cache_bytes", "Bytes held by the target's prefix cache (K/V, features)",
                            multiprocess_mode="livesum")
 
 

@@ -3,10 +3,11 @@ state of full token blocks, kept after their session and copied into later sessi
 tokens start the same way (a shared system prompt, few-shot examples, a conversation's
 earlier turns), so those positions are not prefilled again.
 
-A block is ``block`` consecutive tokens starting at a multiple of ``block``. Its key chains
-the key of the block before it with its own tokens, so a key names the whole prefix up to
-the block's end; each entry also keeps its parent key and tokens and a lookup compares them,
-so a hash collision costs a miss, never another prefix's state. Entries are evicted least
+A block is ``block`` consecutive tokens starting at a multiple of ``block``. Its key is a
+BLAKE2b digest of the key of the block before it and its own tokens, so a key names the whole
+prefix up to the block's end; no one can make two prefixes share a key, so no request is ever
+given another prefix's state (a plain 64-bit hash could be collided on purpose). Each entry
+also keeps its parent key and tokens, and a lookup compares them. Entries are evicted least
 recently used once their bytes pass the budget; a lookup refreshes a chain from its last
 block back to its first, so a prefix's start outlives its ends.
 
@@ -16,7 +17,9 @@ moves K/V between a model's cache and blocks. Calls from several threads are saf
 """
 from __future__ import annotations
 
+import hashlib
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -25,19 +28,24 @@ import torch
 
 from services.common.llama import KVCache
 
-ROOT = 0   # the parent key of a prompt's first block
+ROOT = b""   # the parent key of a prompt's first block
 
 
 @dataclass(frozen=True)
 class _Entry:
-    parent: int
+    parent: bytes
     tokens: tuple[int, ...]
     payload: tuple[torch.Tensor, ...]
     nbytes: int
 
 
-def block_key(parent: int, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+def block_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    return hashlib.blake2b(parent + array("I", tokens).tobytes(), digest_size=16).digest()
+
+
+def root_key(*parts) -> bytes:
+    """A chain's root other than ``ROOT`` (a cache keyed one token on starts from that token)."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
 
 class PrefixCache:
@@ -45,15 +53,15 @@ class PrefixCache:
         if block < 1 or budget_bytes < 0:
             raise ValueError(f"prefix cache: block must be ≥ 1 and budget ≥ 0 (got {block}, {budget_bytes})")
         self.block, self.budget = block, budget_bytes
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: list[int], limit: int, root: int = ROOT
-              ) -> tuple[list[int], list[tuple[torch.Tensor, ...]]]:
+    def match(self, tokens: list[int], limit: int, root: bytes = ROOT
+              ) -> tuple[list[bytes], list[tuple[torch.Tensor, ...]]]:
         """The longest run of cached blocks that starts ``tokens`` and ends by ``limit``:
         (their keys, their payloads), first block first. ``root``: the first block's parent."""
         keys, payloads, parent = [], [], root
@@ -71,7 +79,7 @@ class PrefixCache:
                 self._entries.move_to_end(key)
         return keys, payloads
 
-    def insert(self, parent: int, tokens: tuple[int, ...], payload: tuple[torch.Tensor, ...]) -> int:
+    def insert(self, parent: bytes, tokens: tuple[int, ...], payload: tuple[torch.Tensor, ...]) -> bytes:
         """Store one full block after the block keyed ``parent`` (``ROOT`` for the first);
         returns its key (the parent of the next block)."""
         if len(tokens) != self.block:
@@ -93,7 +101,7 @@ class PrefixCache:
                 self._drop(next(iter(self._entries)))
         return key
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: bytes) -> None:
         self.bytes -= self._entries.pop(key).nbytes
 
     def clear(self) -> None:
@@ -101,8 +109,8 @@ class PrefixCache:
             self._entries.clear()
             self.bytes = 0
 
-    def store(self, keys: list[int], tokens: list[int], upto: int, payload: Callable[[int], tuple],
-              root: int = ROOT) -> None:
+    def store(self, keys: list[bytes], tokens: list[int], upto: int, payload: Callable[[int], tuple],
+              root: bytes = ROOT) -> None:
         """Insert each full block of ``tokens[:upto]`` after the ``len(keys)`` blocks already
         stored, appending its key to ``keys``; ``payload(b0)`` makes the block starting at b0."""
         n = self.block

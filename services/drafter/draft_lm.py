@@ -21,7 +21,7 @@ class _State:
     vocab_size: int
     cache_len: int = 0
     drafted: list[int] = field(default_factory=list)
-    keys: list[int] | None = None        # prefix-cache keys of the blocks stored (None: not looked up yet)
+    keys: list[bytes] | None = None      # prefix-cache keys of the blocks stored (None: not looked up yet)
 
 
 @dataclass

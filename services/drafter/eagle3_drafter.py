@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.llama import KVCache
-from services.common.prefix_cache import PrefixCache, kv_block, load_kv
+from services.common.prefix_cache import PrefixCache, kv_block, load_kv, root_key
 from services.common.sampling import probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import register
@@ -34,7 +34,7 @@ class _State:
     n_feats: int = 0          # target positions with features (processed or not)
     real_len: int = 0         # head cache positions computed from real features
     last_feat: torch.Tensor | None = None
-    keys: list[int] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
+    keys: list[bytes] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Eagle3Drafter:
 
     @staticmethod
     def _root(st: _State) -> int:
-        return hash(("eagle3", st.tokens[0]))
+        return root_key("eagle3", st.tokens[0])
 
     def _attach(self, st: _State) -> None:
         """Before the first catch-up: take the cached head blocks of the positions whose

@@ -26,7 +26,7 @@ class TargetSession:
     cache_len: int = 0
     attached: bool = False                  # the prefix cache was looked up (first step)
     cached: int = 0                         # prompt positions taken from the prefix cache
-    keys: list[int] | None = field(default_factory=list)   # prefix-cache keys of blocks 0.. (None: stores none)
+    keys: list[bytes] | None = field(default_factory=list)   # prefix-cache keys of blocks 0.. (None: stores none)
     feats: list[torch.Tensor] = field(default_factory=list)   # fused features from block len(keys) on
 
     @property

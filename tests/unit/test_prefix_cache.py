@@ -50,7 +50,7 @@ def test_lru_eviction_keeps_the_budget_and_a_looked_up_prefix_start():
 
 
 def test_a_hash_collision_is_a_miss_never_another_prefix_state(monkeypatch):
-    monkeypatch.setattr(prefix_cache, "block_key", lambda parent, tokens: 7)   # every key collides
+    monkeypatch.setattr(prefix_cache, "block_key", lambda parent, tokens: b"7")   # every key collides
     cache = PrefixCache(block=2, budget_bytes=1 << 20)
     store(cache, [1, 2])
     assert cache.match([3, 4], limit=2) == ([], [])
