@@ -49,7 +49,7 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         if spec is None and self.placed.get(sid) in by_id:
             return [[by_id[self.placed[sid]]]]
         if spec is not None and candidate_replicas:
-            held = self.affinity.holders(spec.prompt_ids)
+            held = self.affinity.holders(spec.prompt_ids, spec.cache_salt)
             best = choose(list(by_id), {rid: self.sessions[rid] for rid in by_id}, held, self.slack)
             if held.get(best):
                 return [[by_id[best]], [r for rid, r in by_id.items() if rid != best]]
@@ -60,7 +60,7 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         meta, rid = pending_request.metadata, replica_id.unique_id
         spec = _opened(pending_request)
         if spec is not None:
-            self.affinity.placed(spec.prompt_ids, rid)
+            self.affinity.placed(spec.prompt_ids, rid, spec.cache_salt)
             old = self.placed.get(meta.multiplexed_model_id)   # a re-open moves the session
             if old is not None and self.sessions[old] > 0:
                 self.sessions[old] -= 1

@@ -29,6 +29,7 @@ import torch
 from services.common.llama import KVCache
 
 ROOT = b""   # the parent key of a prompt's first block
+MAX_CACHE_SALT = 256   # characters
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ def block_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 def root_key(*parts) -> bytes:
     """A chain's root other than ``ROOT`` (a cache keyed one token on starts from that token)."""
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def salt_root(salt: str) -> bytes:
+    """The root of a request's chains: requests share blocks only with requests of the same
+    cache salt (none: ``ROOT``), so one tenant cannot tell from its TTFT what another's prompts
+    start with."""
+    return root_key("salt", salt) if salt else ROOT
 
 
 class PrefixCache:

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.llama import KVCache, Llama
+from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
 from services.common.sampling import probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import common_prefix, register
-from services.common.prefix_cache import PrefixCache, kv_block, load_kv
 
 
 @dataclass
@@ -22,6 +22,7 @@ class _State:
     cache_len: int = 0
     drafted: list[int] = field(default_factory=list)
     keys: list[bytes] | None = None      # prefix-cache keys of the blocks stored (None: not looked up yet)
+    root: bytes = ROOT                   # the first block's parent: the request's cache salt
 
 
 @dataclass
@@ -101,8 +102,9 @@ class DraftLMDrafter:
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
-              max_new_tokens: int = 0) -> None:
-        self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab)
+              max_new_tokens: int = 0, cache_root: bytes = ROOT) -> None:
+        self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab,
+                                     root=cache_root)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
@@ -147,14 +149,15 @@ class DraftLMDrafter:
         if st.keys is None:
             st.keys = []
             if self.prefix is not None and st.cache_len == 0:
-                keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity))
+                keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity), st.root)
                 if blocks:
                     st.cache_len, st.keys = load_kv(st.cache, blocks), keys
         return st
 
     def _keep(self, st: _State) -> None:
         if self.prefix is not None and st.keys is not None:
-            self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, self.prefix.block))
+            self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, self.prefix.block),
+                              st.root)
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.llama import KVCache
-from services.common.prefix_cache import PrefixCache, kv_block, load_kv, root_key
+from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv, root_key
 from services.common.sampling import probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import register
@@ -35,6 +35,7 @@ class _State:
     real_len: int = 0         # head cache positions computed from real features
     last_feat: torch.Tensor | None = None
     keys: list[bytes] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
+    root: bytes = ROOT                # the request's cache salt
 
 
 @dataclass
@@ -74,8 +75,9 @@ class Eagle3Drafter:
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
-              max_new_tokens: int = 0) -> None:
-        self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng)
+              max_new_tokens: int = 0, cache_root: bytes = ROOT) -> None:
+        self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng,
+                                     root=cache_root)
 
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None:
         st = self.states[req_id]
@@ -111,8 +113,8 @@ class Eagle3Drafter:
             self._keep(st)
 
     @staticmethod
-    def _root(st: _State) -> int:
-        return root_key("eagle3", st.tokens[0])
+    def _root(st: _State) -> bytes:
+        return root_key("eagle3", st.root, st.tokens[0])
 
     def _attach(self, st: _State) -> None:
         """Before the first catch-up: take the cached head blocks of the positions whose

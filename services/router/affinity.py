@@ -19,28 +19,28 @@ class PrefixAffinity:
         self._where: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _keys(self, tokens: list[int]) -> list[int]:
-        keys, parent = [], 0
+    def _keys(self, tokens: list[int], salt: str) -> list[int]:
+        keys, parent = [], hash(salt)   # blocks are shared only within a cache salt
         for b0 in range(0, len(tokens) - self.block, self.block):   # a prompt's newest token is never cached
             parent = hash((parent, tuple(tokens[b0:b0 + self.block])))
             keys.append(parent)
         return keys
 
-    def holders(self, tokens: list[int]) -> dict[str, int]:
+    def holders(self, tokens: list[int], salt: str = "") -> dict[str, int]:
         """Replica → how many leading blocks of ``tokens`` it was last given."""
         held: dict[str, int] = {}
         with self._lock:
-            for j, key in enumerate(self._keys(tokens), 1):
+            for j, key in enumerate(self._keys(tokens, salt), 1):
                 addr = self._where.get(key)
                 if addr is None:
                     break
                 held[addr] = j
         return held
 
-    def placed(self, tokens: list[int], addr: str) -> None:
+    def placed(self, tokens: list[int], addr: str, salt: str = "") -> None:
         """A session with ``tokens`` opened on ``addr``: its blocks will be there."""
         with self._lock:
-            for key in self._keys(tokens):
+            for key in self._keys(tokens, salt):
                 self._where[key] = addr
                 self._where.move_to_end(key)
             while len(self._where) > self.capacity:

@@ -17,6 +17,7 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
+from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_LOGPROBS
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
@@ -64,6 +65,7 @@ class GenerationRequest:
     request_id: str = ""
     deadline_s: float | None = None   # time the client allows, from the request's arrival
     logprobs: int | None = None       # per generated token: its target log-probability and this many alternatives
+    cache_salt: str = ""              # prefix-cache blocks are shared only among requests of the same salt
 
 
 @dataclass
@@ -225,6 +227,8 @@ class Engine:
             raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {sp.top_k}")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {req.logprobs}")
+        if len(req.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequest(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
         if req.method not in self.methods():
             raise InvalidRequest(f"method: unknown method {req.method!r}; choose one of {', '.join(self.methods())}")
 
@@ -271,7 +275,7 @@ class Generation:
         session = self._session = self.engine.verifier.open(SessionSpec(
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
-            session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs))
+            session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt))
         if self._cancelled:
             self.cancel()
         if self.drafter:

@@ -40,6 +40,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         method=r.method or engine.default_method,
         request_id=r.request_id,
         logprobs=r.logprobs if r.HasField("logprobs") else None,
+        cache_salt=r.cache_salt,
     )
 
 

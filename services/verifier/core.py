@@ -21,6 +21,7 @@ import torch
 from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
+from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
 from services.common.sampling import make_rng, token_logprobs
 from services.common.types import Draft, SamplingParams, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter
@@ -28,7 +29,6 @@ from services.memory.correction_memory import LocalCorrectionMemory
 from services.memory.snapshot import load_snapshot
 from services.verifier.batcher import CycleBatcher, Pending
 from services.verifier.policies import POLICIES, CalibratedGreedy
-from services.common.prefix_cache import PrefixCache, kv_bytes_per_position
 from services.verifier.runner import TargetRunner
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class SessionSpec:
     session_id: str = ""
     deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
     logprobs: int | None = None          # per committed token: its target log-probability and this many alternatives
+    cache_salt: str = ""                 # prefix-cache blocks are shared only among sessions of the same salt
 
 
 @dataclass(frozen=True)
@@ -325,14 +326,15 @@ class VerifierSession:
         s = self.spec
         self.rng = make_rng(s.sampling.seed)
         self.policy = self.core.policies[s.policy]
-        self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1)
+        root = salt_root(s.cache_salt)
+        self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1, root)
         self.core.batcher.opened(self)
         self.core.sessions.add(self.session_id)
         self._closed = False
         self.cancelled = False
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
-            self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens)
+            self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens, cache_root=root)
 
     def cycle(self, req: CycleRequest) -> CycleResult:
         """Draft (or take the router's draft), verify, commit; batched with the replica's

@@ -15,8 +15,8 @@ import torch
 
 from services.common.llama import KVCache, Llama
 from services.common.metrics import PREFILL_CHUNKS, PREFIX_CACHE, PREFIX_CACHE_BYTES, VERIFY_BATCH
+from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
 from services.common.types import Verdict
-from services.common.prefix_cache import PrefixCache, kv_block, load_kv
 
 
 @dataclass
@@ -28,6 +28,7 @@ class TargetSession:
     cached: int = 0                         # prompt positions taken from the prefix cache
     keys: list[bytes] | None = field(default_factory=list)   # prefix-cache keys of blocks 0.. (None: stores none)
     feats: list[torch.Tensor] = field(default_factory=list)   # fused features from block len(keys) on
+    root: bytes = ROOT                      # the first block's parent: the request's cache salt
 
     @property
     def pending(self) -> list[int]:
@@ -48,8 +49,9 @@ class TargetRunner:
     def max_positions(self) -> int:
         return self.model.s.max_positions
 
-    def open(self, prompt: list[int], capacity: int) -> TargetSession:
-        return TargetSession(tokens=list(prompt), cache=self.model.new_cache(1, min(capacity, self.max_positions)))
+    def open(self, prompt: list[int], capacity: int, root: bytes = ROOT) -> TargetSession:
+        return TargetSession(tokens=list(prompt), cache=self.model.new_cache(1, min(capacity, self.max_positions)),
+                             root=root)
 
     def verify(self, st: TargetSession, draft: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Target logits [k+1, V] for the draft positions (row k = bonus) and the captured
@@ -101,7 +103,7 @@ class TargetRunner:
         if self.prefix is None:   # a session that started without the cache stores nothing
             st.keys = None
             return 0, None
-        keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity))
+        keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity), st.root)
         PREFIX_CACHE.labels("queried").inc(len(st.tokens) - 1)
         if not blocks:
             return 0, None
@@ -120,7 +122,7 @@ class TargetRunner:
                 st.keys = None
                 return
             st.feats.append(torch.cat(hidden, dim=-1))
-        self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: self._block(st, b0))
+        self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: self._block(st, b0), st.root)
         PREFIX_CACHE_BYTES.set(self.prefix.bytes)
 
     def _block(self, st: TargetSession, b0: int) -> tuple[torch.Tensor, ...]:

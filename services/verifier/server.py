@@ -19,6 +19,7 @@ import grpc
 
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
+from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_LOGPROBS
 from services.common.types import SamplingParams, TokenLogprob
 from services.router.affinity import PrefixAffinity, choose
@@ -38,7 +39,7 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
     return pb.Open(session_id=s.session_id, prompt_ids=s.prompt_ids, max_new_tokens=s.max_new_tokens,
                    sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
-                   logprobs=s.logprobs)
+                   logprobs=s.logprobs, cache_salt=s.cache_salt)
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
@@ -48,7 +49,7 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                                                sp.seed if sp.HasField("seed") else None),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
-                       logprobs=o.logprobs if o.HasField("logprobs") else None)
+                       logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt)
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
@@ -131,6 +132,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"open.policy: unknown policy {s.policy!r}; known: {sorted(self.core.policies)}")
         if s.model_drafter and s.model_drafter not in self.core.drafters:
             raise BadRequest(f"open.model_drafter: {s.model_drafter!r} is not loaded on this replica")
+        if len(s.cache_salt) > MAX_CACHE_SALT:
+            raise BadRequest(f"open.cache_salt: at most {MAX_CACHE_SALT} characters")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise BadRequest(f"open.logprobs: at most {MAX_LOGPROBS} alternatives")
         if not (s.sampling.temperature >= 0 and 0 < s.sampling.top_p <= 1 and s.sampling.top_k >= 0):
@@ -422,7 +425,7 @@ class RemoteSession:
         spec = SessionSpec(**{**self.spec.__dict__, "prompt_ids": list(self.tokens),
                               "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated)})
         while True:
-            addr = self.pool.pick(exclude, self.tokens)
+            addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
             try:
                 self._t = self.pool.transport(addr, spec, self._timeout())
             except grpc.RpcError as e:
@@ -433,7 +436,7 @@ class RemoteSession:
                 continue
             self.addr, self.replica = addr, self._t.replica
             self.pool.load[addr] += 1
-            self.pool.affinity.placed(self.tokens, addr)
+            self.pool.affinity.placed(self.tokens, addr, self.spec.cache_salt)
             return
 
     def _timeout(self) -> float | None:
@@ -514,13 +517,13 @@ class RemoteVerifier:
     def stub(self, addr: str) -> pb_grpc.VerifierStub:
         return self._stubs[addr]
 
-    def pick(self, exclude: set[str], tokens: list[int] = ()) -> str:
+    def pick(self, exclude: set[str], tokens: list[int] = (), salt: str = "") -> str:
         live = [a for a in self.load if a not in exclude]
         if not live:
             raise NoReplica(f"no live verifier replica among {sorted(self.load)}")
         if self.affinity_slack is None:
             return min(live, key=lambda a: self.load[a])
-        return choose(live, self.load, self.affinity.holders(list(tokens)), self.affinity_slack)
+        return choose(live, self.load, self.affinity.holders(list(tokens), salt), self.affinity_slack)
 
     def open(self, spec: SessionSpec) -> RemoteSession:
         return RemoteSession(self, spec)

@@ -60,6 +60,20 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_gave(served, tiny_engi
     assert again.cached_prompt_tokens == (n - 1) // 32 * 32 >= 32
 
 
+def test_cache_salt_keeps_prefix_cache_blocks_within_a_tenant(served, tiny_engine):
+    stub, _, _ = served
+    prompt = "".join(f"def salted_{i}(x):\n    return x % {i + 2}\n\n" for i in range(6))
+    n = len(tiny_engine.encode(prompt))
+
+    def cached(salt: str) -> int:
+        return collect(stub, prompt=prompt, max_new_tokens=4, method="sd", cache_salt=salt)[-1].usage.cached_prompt_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached("") == 0       # other salts, and none, do not see tenant a's blocks
+    assert cached("tenant-a") == (n - 1) // 32 * 32 > 0
+    assert cached("") == (n - 1) // 32 * 32                  # no salt shares with no salt
+
+
 def test_logprobs_are_the_target_log_probabilities_of_each_streamed_token(served, tiny_engine):
     """Aligned with token_ids in every message; equal to a full forward of the target over the
     prompt and output (whatever drafted them); the alternatives best first; absent unless asked."""
@@ -118,6 +132,7 @@ def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),
     ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
     ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "max_new_tokens": 5, "cache_salt": "s" * 257}, "cache_salt"),
     ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
     ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
 ])

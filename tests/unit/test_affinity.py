@@ -15,6 +15,9 @@ def test_holders_are_the_replicas_last_given_each_leading_block():
     assert aff.holders(long) == {B: 2, A: 4}
     aff.forget(A)
     assert aff.holders(long) == {B: 2}
+    assert aff.holders(long, salt="tenant") == {}          # blocks are shared only within a cache salt
+    aff.placed(long, A, salt="tenant")
+    assert aff.holders(long, salt="tenant") == {A: 4} and aff.holders(long) == {B: 2}
 
 
 def test_the_map_is_bounded():
