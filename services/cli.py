@@ -234,7 +234,7 @@ def cmd_client(args: argparse.Namespace) -> None:
     from specmesh.v1 import generate_pb2_grpc as pb_grpc
 
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             method=args.method, stop=args.stop or [])
+                             method=args.method, stop=args.stop or [], cache_salt=args.cache_salt)
     from services.common.security import TLSConfig, channel_credentials
 
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
@@ -249,7 +249,9 @@ def cmd_client(args: argparse.Namespace) -> None:
                 if msg.finish_reason:
                     s = msg.stats
                     print(f"\n[{pb.FinishReason.Name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
-                          f"{s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}", file=sys.stderr)
+                          f"{s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}, "
+                          f"{msg.usage.cached_prompt_tokens} of {msg.usage.prompt_tokens} prompt tokens cached",
+                          file=sys.stderr)
         except grpc.RpcError as e:
             sys.exit(f"\nerror: {e.code().name}: {e.details()}")
 
@@ -417,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")
     p.add_argument("--tls-cert", type=Path, default=None, help="client certificate for mTLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)

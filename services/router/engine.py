@@ -321,7 +321,8 @@ class Generation:
         t1 = time.perf_counter()
         res = session.cycle(creq)
         self._batch = res.batch_size
-        self.cached_tokens = min(len(self.req.prompt_ids), self.cached_tokens + res.cached_tokens)  # not a failover's
+        # usage counts the prompt's own tokens (a failover's re-open may hit on tokens generated since)
+        self.cached_tokens = min(len(self.req.prompt_ids), self.cached_tokens + res.cached_tokens)
         if self.drafter:
             self.drafter.observe(self.req_id, res.committed)
         t2 = time.perf_counter()

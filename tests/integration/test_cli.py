@@ -68,7 +68,9 @@ def test_serve_then_client_streams(tiny_dirs):
                              capture_output=True, text=True, env=ENV, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "FINISH_REASON_LENGTH" in out.stderr and "10 tokens" in out.stderr
+        assert "prompt tokens cached" in out.stderr
         m = scrape(mport)
+        assert m["specmesh_prefix_cache_tokens_total{kind=queried}"] >= 1
         drafted = m["specmesh_spec_decode_num_draft_tokens_total{method=sd,source=draft-lm}"]
         accepted = m["specmesh_spec_decode_num_accepted_tokens_total{method=sd,source=draft-lm}"]
         per_pos = sum(v for k, v in m.items() if k.startswith("specmesh_spec_decode_num_accepted_tokens_per_pos_total"))
