@@ -66,6 +66,7 @@ class GenerationRequest:
     deadline_s: float | None = None   # time the client allows, from the request's arrival
     logprobs: int | None = None       # per generated token: its target log-probability and this many alternatives
     cache_salt: str = ""              # prefix-cache blocks are shared only among requests of the same salt
+    ignore_eos: bool = False          # generate max_new_tokens tokens; EOS is a token like any other
 
 
 @dataclass
@@ -275,7 +276,8 @@ class Generation:
         session = self._session = self.engine.verifier.open(SessionSpec(
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
-            session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt))
+            session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt,
+            ignore_eos=req.ignore_eos))
         if self._cancelled:
             self.cancel()
         if self.drafter:
@@ -345,7 +347,7 @@ class Generation:
         """
         new_ids = []
         for tok in tokens:
-            if tok == self.engine.eos_id:
+            if tok == self.engine.eos_id and not self.req.ignore_eos:
                 self.finish_reason = "eos"
                 break
             new_ids.append(tok)

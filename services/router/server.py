@@ -41,6 +41,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         request_id=r.request_id,
         logprobs=r.logprobs if r.HasField("logprobs") else None,
         cache_salt=r.cache_salt,
+        ignore_eos=r.ignore_eos,
     )
 
 

@@ -50,6 +50,7 @@ class SessionSpec:
     deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
     logprobs: int | None = None          # per committed token: its target log-probability and this many alternatives
     cache_salt: str = ""                 # prefix-cache blocks are shared only among sessions of the same salt
+    ignore_eos: bool = False             # commit past the end-of-sequence token
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,8 @@ class VerifierSession:
         verdict: Verdict = self.policy(draft, logits, self.spec.sampling, self.rng)
         self.core.runner.commit(self.target, verdict, hidden)
         eos = self.core.eos_id
-        committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if eos in verdict.tokens else verdict.tokens
+        cut = eos in verdict.tokens and not self.spec.ignore_eos
+        committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if cut else verdict.tokens
         if self.drafter:
             states = None
             if getattr(self.drafter, "needs_target_states", False):  # fused features of the verified positions

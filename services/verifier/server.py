@@ -39,7 +39,7 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
     return pb.Open(session_id=s.session_id, prompt_ids=s.prompt_ids, max_new_tokens=s.max_new_tokens,
                    sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
-                   logprobs=s.logprobs, cache_salt=s.cache_salt)
+                   logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos)
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
@@ -49,7 +49,8 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                                                sp.seed if sp.HasField("seed") else None),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
-                       logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt)
+                       logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
+                       ignore_eos=o.ignore_eos)
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:

@@ -92,3 +92,23 @@ def test_seeded_sampling_is_reproducible(tiny_engine):
     req = GenerationRequest(ids, 30, SamplingParams(temperature=0.9, top_p=0.95, seed=11), method="sd")
     a = tiny_engine.generate(req).result()["token_ids"]
     assert a == tiny_engine.generate(req).result()["token_ids"]
+
+
+def test_ignore_eos_runs_to_the_length_limit_and_stays_lossless(tiny_engine):
+    """With the end-of-sequence id set to a token the greedy output holds, a request stops
+    there; with ignore_eos it streams that token like any other and runs to max_new_tokens,
+    each method equal to vanilla's output."""
+    eng = tiny_engine
+    ids = eng.encode(PROMPTS[1])
+    ref = eng.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
+    eos = ref[10]
+    old = eng.eos_id, eng.verifier.eos_id
+    eng.eos_id = eng.verifier.eos_id = eos
+    try:
+        for method in ("vanilla", "sd", "suffix"):
+            stopped = eng.generate(GenerationRequest(ids, 40, method=method)).result()
+            assert stopped["finish_reason"] == "eos" and stopped["token_ids"] == ref[:ref.index(eos)]
+            full = eng.generate(GenerationRequest(ids, 40, method=method, ignore_eos=True)).result()
+            assert full["finish_reason"] == "length" and full["token_ids"] == ref, method
+    finally:
+        eng.eos_id, eng.verifier.eos_id = old
