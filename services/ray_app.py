@@ -233,7 +233,8 @@ class RaySession:
     def _open(self) -> None:
         generated = len(self.tokens) - len(self.spec.prompt_ids)
         self.h.open.remote(replace(self.spec, prompt_ids=list(self.tokens),
-                                   max_new_tokens=max(1, self.spec.max_new_tokens - generated))).result()
+                                   max_new_tokens=max(1, self.spec.max_new_tokens - generated),
+                                   min_tokens=max(0, self.spec.min_tokens - generated))).result()
 
     def cycle(self, req: CycleRequest):
         try:

@@ -67,6 +67,7 @@ class GenerationRequest:
     logprobs: int | None = None       # per generated token: its target log-probability and this many alternatives
     cache_salt: str = ""              # prefix-cache blocks are shared only among requests of the same salt
     ignore_eos: bool = False          # generate max_new_tokens tokens; EOS is a token like any other
+    min_tokens: int = 0               # no end-of-sequence token before this many new tokens
 
 
 @dataclass
@@ -228,6 +229,8 @@ class Engine:
             raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {sp.top_k}")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {req.logprobs}")
+        if not 0 <= req.min_tokens <= req.max_new_tokens:
+            raise InvalidRequest(f"min_tokens: must be in [0, max_new_tokens={req.max_new_tokens}], got {req.min_tokens}")
         if len(req.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequest(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
         if req.method not in self.methods():
@@ -277,7 +280,7 @@ class Generation:
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
             session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt,
-            ignore_eos=req.ignore_eos))
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens))
         if self._cancelled:
             self.cancel()
         if self.drafter:

@@ -42,6 +42,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         logprobs=r.logprobs if r.HasField("logprobs") else None,
         cache_salt=r.cache_salt,
         ignore_eos=r.ignore_eos,
+        min_tokens=r.min_tokens,
     )
 
 

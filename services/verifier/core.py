@@ -51,6 +51,7 @@ class SessionSpec:
     logprobs: int | None = None          # per committed token: its target log-probability and this many alternatives
     cache_salt: str = ""                 # prefix-cache blocks are shared only among sessions of the same salt
     ignore_eos: bool = False             # commit past the end-of-sequence token
+    min_tokens: int = 0                  # no end-of-sequence token before this many new tokens
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,7 @@ class VerifierSession:
                verify_start: float, batch_size: int = 1) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
         n_pending = len(self.target.pending)
-        verdict: Verdict = self.policy(draft, logits, self.spec.sampling, self.rng)
+        verdict: Verdict = self.policy(draft, self._no_early_eos(logits), self.spec.sampling, self.rng)
         self.core.runner.commit(self.target, verdict, hidden)
         eos = self.core.eos_id
         cut = eos in verdict.tokens and not self.spec.ignore_eos
@@ -367,6 +368,16 @@ class VerifierSession:
             draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size,
             cached_tokens=self._report_cached(),
             logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else ())
+
+    def _no_early_eos(self, logits: torch.Tensor) -> torch.Tensor:
+        """``min_tokens``: rows of positions before it get no end-of-sequence token (its logit
+        is −inf), so every policy, greedy or sampling, verifies against that distribution."""
+        left = self.spec.min_tokens - (len(self.target.tokens) - len(self.spec.prompt_ids))
+        if left <= 0:
+            return logits
+        logits = logits.clone()
+        logits[:left, self.core.eos_id] = float("-inf")
+        return logits
 
     def _report_cached(self) -> int:
         """The prefix cache's share of the prompt, reported once (with the first cycle)."""

@@ -39,7 +39,7 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
     return pb.Open(session_id=s.session_id, prompt_ids=s.prompt_ids, max_new_tokens=s.max_new_tokens,
                    sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
-                   logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos)
+                   logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens)
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
@@ -50,7 +50,7 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
-                       ignore_eos=o.ignore_eos)
+                       ignore_eos=o.ignore_eos, min_tokens=o.min_tokens)
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
@@ -133,6 +133,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"open.policy: unknown policy {s.policy!r}; known: {sorted(self.core.policies)}")
         if s.model_drafter and s.model_drafter not in self.core.drafters:
             raise BadRequest(f"open.model_drafter: {s.model_drafter!r} is not loaded on this replica")
+        if s.min_tokens > s.max_new_tokens:
+            raise BadRequest("open.min_tokens: must not exceed max_new_tokens")
         if len(s.cache_salt) > MAX_CACHE_SALT:
             raise BadRequest(f"open.cache_salt: at most {MAX_CACHE_SALT} characters")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
@@ -424,7 +426,8 @@ class RemoteSession:
         """Open the session (prompt + committed so far) on a live replica: the least loaded, or
         one nearly as loaded that holds the prompt's start in its prefix cache."""
         spec = SessionSpec(**{**self.spec.__dict__, "prompt_ids": list(self.tokens),
-                              "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated)})
+                              "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated),
+                              "min_tokens": max(0, self.spec.min_tokens - self.generated)})
         while True:
             addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
             try:

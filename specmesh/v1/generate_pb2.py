@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/generate.proto\x12\x0bspecmesh.v1\"\xc7\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0e\n\x06method\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd1\x01\n\x10SpeculationStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x16\n\x0erescued_tokens\x18\x04 \x01(\r\x12\x0b\n\x03tau\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x0f\n\x07\x64raft_s\x18\x08 \x01(\x01\x12\x10\n\x08verify_s\x18\t \x01(\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12,\n\x05stats\x18\x05 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\x12\x0e\n\x06method\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32W\n\nGeneration\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/generate.proto\x12\x0bspecmesh.v1\"\xdb\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0e\n\x06method\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\rB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd1\x01\n\x10SpeculationStats\x12\x0e\n\x06\x63ycles\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x16\n\x0erescued_tokens\x18\x04 \x01(\r\x12\x0b\n\x03tau\x18\x05 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x0f\n\x07\x64raft_s\x18\x08 \x01(\x01\x12\x10\n\x08verify_s\x18\t \x01(\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xf3\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12,\n\x05stats\x18\x05 \x01(\x0b\x32\x1d.specmesh.v1.SpeculationStats\x12\x0e\n\x06method\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32W\n\nGeneration\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1010
-  _globals['_FINISHREASON']._serialized_end=1128
+  _globals['_FINISHREASON']._serialized_start=1030
+  _globals['_FINISHREASON']._serialized_end=1148
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=371
-  _globals['_USAGE']._serialized_start=373
-  _globals['_USAGE']._serialized_end=460
-  _globals['_SPECULATIONSTATS']._serialized_start=463
-  _globals['_SPECULATIONSTATS']._serialized_end=672
-  _globals['_TOKENLOGPROB']._serialized_start=674
-  _globals['_TOKENLOGPROB']._serialized_end=762
-  _globals['_GENERATERESPONSE']._serialized_start=765
-  _globals['_GENERATERESPONSE']._serialized_end=1008
-  _globals['_GENERATION']._serialized_start=1130
-  _globals['_GENERATION']._serialized_end=1217
+  _globals['_GENERATEREQUEST']._serialized_end=391
+  _globals['_USAGE']._serialized_start=393
+  _globals['_USAGE']._serialized_end=480
+  _globals['_SPECULATIONSTATS']._serialized_start=483
+  _globals['_SPECULATIONSTATS']._serialized_end=692
+  _globals['_TOKENLOGPROB']._serialized_start=694
+  _globals['_TOKENLOGPROB']._serialized_end=782
+  _globals['_GENERATERESPONSE']._serialized_start=785
+  _globals['_GENERATERESPONSE']._serialized_end=1028
+  _globals['_GENERATION']._serialized_start=1150
+  _globals['_GENERATION']._serialized_end=1237
 # @@protoc_insertion_point(module_scope)

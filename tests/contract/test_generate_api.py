@@ -133,6 +133,7 @@ def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
     ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "max_new_tokens": 5, "cache_salt": "s" * 257}, "cache_salt"),
+    ({"prompt": "a", "max_new_tokens": 5, "min_tokens": 6}, "min_tokens"),
     ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
     ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
 ])

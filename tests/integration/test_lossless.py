@@ -112,3 +112,26 @@ def test_ignore_eos_runs_to_the_length_limit_and_stays_lossless(tiny_engine):
             assert full["finish_reason"] == "length" and full["token_ids"] == ref, method
     finally:
         eng.eos_id, eng.verifier.eos_id = old
+
+
+def test_min_tokens_holds_eos_back_and_stays_lossless(tiny_engine):
+    """With the end-of-sequence id set to the greedy output's 11th token, min_tokens 20 makes
+    the target's second choice take that place (its EOS logit is −inf before token 20), and
+    every method verifies against that same distribution: equal outputs, no EOS before 20."""
+    eng = tiny_engine
+    ids = eng.encode(PROMPTS[1])
+    ref = eng.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
+    eos = ref[10]
+    old = eng.eos_id, eng.verifier.eos_id
+    eng.eos_id = eng.verifier.eos_id = eos
+    try:
+        outs = {m: eng.generate(GenerationRequest(ids, 40, method=m, min_tokens=20)).result()
+                for m in ("vanilla", "sd", "suffix")}
+        van = outs["vanilla"]["token_ids"]
+        assert len(van) >= 20 and eos not in van[:20] and van[:10] == ref[:10] and van[10] != eos
+        assert all(o["token_ids"] == van for o in outs.values())
+        sampled = [eng.generate(GenerationRequest(ids, 24, sampling=SamplingParams(1.0, seed=s), method="sd",
+                                                  min_tokens=24)).result() for s in range(4)]
+        assert all(len(r["token_ids"]) == 24 and eos not in r["token_ids"] for r in sampled)
+    finally:
+        eng.eos_id, eng.verifier.eos_id = old
