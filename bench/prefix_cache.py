@@ -3,9 +3,10 @@
 In one process on the embedded engine, requests arrive one after another, each a HumanEval
 prompt after the same few solved HumanEval problems (``humaneval-fewshot``: few-shot
 prompting, whose examples every request shares). Per method, the same requests run with the
-verifier's prefix cache off and on (``--prefix-cache-mb``); the cache starts empty for each
-pass, so the first request of a pass prefills everything and later ones reuse the examples'
-blocks. Methods and settings run interleaved, in rotated order, ``--repeats`` times.
+verifier's prefix cache off, on, and on but emptied before every request ("cold": what
+storing blocks costs when nothing is reused); "on" starts each pass empty, so its first
+request prefills everything and later ones reuse the examples' blocks. Methods and settings
+run interleaved, in rotated order, ``--repeats`` times.
 
 Reported per method and setting: time to first token and request latency (medians over the
 requests of a pass, then over passes), the share of prompt tokens the cache gave, and whether
@@ -25,15 +26,20 @@ from pathlib import Path
 from bench.harness import past_outputs, pyplot, report, table_markdown, write_figure
 from bench.workloads import humaneval_fewshot
 
+SETTINGS = ("off", "cold", "on")
 
-def one_pass(engine, method: str, encoded: list[list[int]], max_new: int) -> dict:
-    """Every request in order, from an empty prefix cache; no output enters the suffix cache."""
+
+def one_pass(engine, method: str, encoded: list[list[int]], max_new: int, cold: bool) -> dict:
+    """Every request in order, from an empty prefix cache (before each request when ``cold``);
+    no output enters the suffix cache."""
     from services.router.engine import GenerationRequest
 
     engine.verifier.clear_prefix_cache()
     ttft, wall, cached, outputs = [], [], 0, []
     with past_outputs(engine, keep=False):
         for ids in encoded:
+            if cold:
+                engine.verifier.clear_prefix_cache()
             r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
             ttft.append(r["stats"]["ttft_s"])
             wall.append(r["stats"]["wall_s"])
@@ -50,14 +56,14 @@ def run(engine, args) -> list[dict]:
         raise SystemExit("bench.prefix_cache needs the prefix cache: --prefix-cache-mb > 0")
     encoded = [engine.encode_fit(p.text, args.max_new_tokens) for p in humaneval_fewshot(args.limit, args.shots)]
     methods = args.methods.split(",")
-    cells = [(m, on) for m in methods for on in (False, True)]
-    per: dict[tuple[str, bool], list[dict]] = {c: [] for c in cells}
+    cells = [(m, s) for m in methods for s in SETTINGS]
+    per: dict[tuple[str, str], list[dict]] = {c: [] for c in cells}
     t0, total = time.time(), args.repeats * len(cells)
     for rep in range(args.repeats):
-        for m, on in cells[rep % len(cells):] + cells[:rep % len(cells)]:
+        for m, s in cells[rep % len(cells):] + cells[:rep % len(cells)]:
             for owner, cache in caches.items():
-                owner.prefix = cache if on else None
-            per[(m, on)].append(one_pass(engine, m, encoded, args.max_new_tokens))
+                owner.prefix = None if s == "off" else cache
+            per[(m, s)].append(one_pass(engine, m, encoded, args.max_new_tokens, cold=s == "cold"))
             done = sum(map(len, per.values()))
             rate = (time.time() - t0) / done
             print(f"[prefix-cache] {done}/{total} passes  {rate:.1f} s/pass  eta {rate * (total - done):.0f} s",
@@ -67,22 +73,24 @@ def run(engine, args) -> list[dict]:
     med = statistics.median
     rows = []
     for m in methods:
-        off, on = per[(m, False)], per[(m, True)]
-        ref = off[0]["outputs"]
-        for setting, runs in (("off", off), ("on", on)):
-            rows.append({"method": m, "prefix_cache": setting,
+        ref = per[(m, "off")][0]["outputs"]
+        for s in SETTINGS:
+            runs = per[(m, s)]
+            rows.append({"method": m, "prefix_cache": s,
                          "ttft_ms": round(1e3 * med(r["ttft"] for r in runs), 1),
                          "latency_ms": round(1e3 * med(r["wall"] for r in runs), 1),
                          "cached_share": round(med(r["cached_share"] for r in runs), 3),
                          "identical_outputs": all(r["outputs"] == ref for r in runs)})
-        rows[-1]["ttft_ratio"] = round(rows[-1]["ttft_ms"] / rows[-2]["ttft_ms"], 3)
-        rows[-1]["latency_ratio"] = round(rows[-1]["latency_ms"] / rows[-2]["latency_ms"], 3)
+            if s != "off":
+                off = rows[-1 - SETTINGS.index(s)]
+                rows[-1]["ttft_ratio"] = round(rows[-1]["ttft_ms"] / off["ttft_ms"], 3)
+                rows[-1]["latency_ratio"] = round(rows[-1]["latency_ms"] / off["latency_ms"], 3)
     return rows
 
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    cols = ["method", "prefix cache", "TTFT ms", "on / off", "latency ms", "on / off", "prompt tokens cached",
+    cols = ["method", "prefix cache", "TTFT ms", "/ off", "latency ms", "/ off", "prompt tokens cached",
             "outputs = cache off"]
     rows = [[r["method"], r["prefix_cache"], r["ttft_ms"], r.get("ttft_ratio", ""), r["latency_ms"],
              r.get("latency_ratio", ""), f"{100 * r['cached_share']:.0f} %", "yes" if r["identical_outputs"] else "NO"]
@@ -100,10 +108,10 @@ def plot(result: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
     x = range(len(methods))
     for ax, key, label in ((a, "ttft_ms", "time to first token, ms"), (b, "latency_ms", "request latency, ms")):
-        for j, setting in enumerate(("off", "on")):
-            ax.bar([i + (j - 0.5) * 0.4 for i in x],
+        for j, setting in enumerate(SETTINGS):
+            ax.bar([i + (j - 1) * 0.27 for i in x],
                    [next(r[key] for r in rows if r["method"] == m and r["prefix_cache"] == setting) for m in methods],
-                   0.4, label=f"prefix cache {setting}")
+                   0.27, label=f"prefix cache {setting}")
         ax.set_xticks(list(x), methods)
         ax.set(ylabel=label)
         ax.legend()

@@ -143,3 +143,28 @@ def test_op_profile_counts_operators_per_cycle(tiny_dirs):
     text = markdown({"workload": "w", "prompts": 1, "max_new_tokens": 12, "device": "cpu", "dtype": "float32",
                      "threads": 1, "command": "c", "methods": [row]})
     assert "**sd**" in text and "self CPU" in text
+
+
+def test_prefix_cache_bench_rows_off_cold_on(tmp_path):
+    """bench.prefix_cache: per method the settings off, cold (emptied before each request) and
+    on; only "on" reuses the shared examples, and every output equals the cache-off one."""
+    import argparse
+
+    from bench.harness import save
+    from bench.prefix_cache import markdown, plot, run
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+    from tests.conftest import make_tiny
+
+    target = make_tiny(tmp_path / "long-target", seed=0, max_pos=1024)
+    eng = Engine(EngineConfig(target=target, draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
+                              max_new_tokens_limit=200))
+    args = argparse.Namespace(methods="vanilla", limit=3, shots=1, max_new_tokens=4, repeats=1)
+    rows = run(eng, args)
+    assert [r["prefix_cache"] for r in rows] == ["off", "cold", "on"]
+    assert all(r["identical_outputs"] for r in rows)
+    assert rows[0]["cached_share"] == rows[1]["cached_share"] == 0 < rows[2]["cached_share"]
+    assert rows[2]["ttft_ratio"] == round(rows[2]["ttft_ms"] / rows[0]["ttft_ms"], 3)
+    result = {"args": vars(args), "prompt_tokens": 280, "machine": "m", "command": "c", "rows": rows}
+    save(tmp_path / "p.json", result, markdown, plot)
+    assert "| vanilla | cold |" in (tmp_path / "p.md").read_text() and (tmp_path / "p.png").stat().st_size > 0
