@@ -37,3 +37,10 @@ def test_dashboard_covers_the_acceptance_story():
     for needle in ("acceptance rate", "accepted length", "cycles per 1,000", "source mix", "rescue rate",
                    "precision", "first token", "throughput"):
         assert needle in titles, needle
+
+
+def test_each_panel_names_its_queries_once():
+    """Grafana keys a panel's queries by refId: a repeated one hides a query."""
+    for p in json.loads(DASHBOARD.read_text())["panels"]:
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), (p["title"], refs)
