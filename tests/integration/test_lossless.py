@@ -94,44 +94,40 @@ def test_seeded_sampling_is_reproducible(tiny_engine):
     assert a == tiny_engine.generate(req).result()["token_ids"]
 
 
-def test_ignore_eos_runs_to_the_length_limit_and_stays_lossless(tiny_engine):
-    """With the end-of-sequence id set to a token the greedy output holds, a request stops
-    there; with ignore_eos it streams that token like any other and runs to max_new_tokens,
-    each method equal to vanilla's output."""
+@pytest.fixture
+def eos_in_output(tiny_engine):
+    """The tiny engine with its end-of-sequence id set to the 11th token of a greedy output
+    (restored after): (engine, prompt ids, that 40-token greedy output, the new EOS id)."""
     eng = tiny_engine
     ids = eng.encode(PROMPTS[1])
     ref = eng.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
-    eos = ref[10]
     old = eng.eos_id, eng.verifier.eos_id
-    eng.eos_id = eng.verifier.eos_id = eos
-    try:
-        for method in ("vanilla", "sd", "suffix"):
-            stopped = eng.generate(GenerationRequest(ids, 40, method=method)).result()
-            assert stopped["finish_reason"] == "eos" and stopped["token_ids"] == ref[:ref.index(eos)]
-            full = eng.generate(GenerationRequest(ids, 40, method=method, ignore_eos=True)).result()
-            assert full["finish_reason"] == "length" and full["token_ids"] == ref, method
-    finally:
-        eng.eos_id, eng.verifier.eos_id = old
+    eng.eos_id = eng.verifier.eos_id = ref[10]
+    yield eng, ids, ref, ref[10]
+    eng.eos_id, eng.verifier.eos_id = old
 
 
-def test_min_tokens_holds_eos_back_and_stays_lossless(tiny_engine):
-    """With the end-of-sequence id set to the greedy output's 11th token, min_tokens 20 makes
-    the target's second choice take that place (its EOS logit is −inf before token 20), and
-    every method verifies against that same distribution: equal outputs, no EOS before 20."""
-    eng = tiny_engine
-    ids = eng.encode(PROMPTS[1])
-    ref = eng.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
-    eos = ref[10]
-    old = eng.eos_id, eng.verifier.eos_id
-    eng.eos_id = eng.verifier.eos_id = eos
-    try:
-        outs = {m: eng.generate(GenerationRequest(ids, 40, method=m, min_tokens=20)).result()
-                for m in ("vanilla", "sd", "suffix")}
-        van = outs["vanilla"]["token_ids"]
-        assert len(van) >= 20 and eos not in van[:20] and van[:10] == ref[:10] and van[10] != eos
-        assert all(o["token_ids"] == van for o in outs.values())
-        sampled = [eng.generate(GenerationRequest(ids, 24, sampling=SamplingParams(1.0, seed=s), method="sd",
-                                                  min_tokens=24)).result() for s in range(4)]
-        assert all(len(r["token_ids"]) == 24 and eos not in r["token_ids"] for r in sampled)
-    finally:
-        eng.eos_id, eng.verifier.eos_id = old
+def test_ignore_eos_runs_to_the_length_limit_and_stays_lossless(eos_in_output):
+    """A request stops at the end-of-sequence token; with ignore_eos it streams that token
+    like any other and runs to max_new_tokens, each method equal to vanilla's output."""
+    eng, ids, ref, eos = eos_in_output
+    for method in ("vanilla", "sd", "suffix"):
+        stopped = eng.generate(GenerationRequest(ids, 40, method=method)).result()
+        assert stopped["finish_reason"] == "eos" and stopped["token_ids"] == ref[:ref.index(eos)]
+        full = eng.generate(GenerationRequest(ids, 40, method=method, ignore_eos=True)).result()
+        assert full["finish_reason"] == "length" and full["token_ids"] == ref, method
+
+
+def test_min_tokens_holds_eos_back_and_stays_lossless(eos_in_output):
+    """min_tokens 20 makes the target's second choice take the 11th token's place (the EOS
+    logit is −inf before token 20), and every method verifies against that same
+    distribution: equal outputs, no EOS before 20, for sampling too."""
+    eng, ids, ref, eos = eos_in_output
+    outs = {m: eng.generate(GenerationRequest(ids, 40, method=m, min_tokens=20)).result()
+            for m in ("vanilla", "sd", "suffix")}
+    van = outs["vanilla"]["token_ids"]
+    assert len(van) >= 20 and eos not in van[:20] and van[:10] == ref[:10] and van[10] != eos
+    assert all(o["token_ids"] == van for o in outs.values())
+    sampled = [eng.generate(GenerationRequest(ids, 24, sampling=SamplingParams(1.0, seed=s), method="sd",
+                                              min_tokens=24)).result() for s in range(4)]
+    assert all(len(r["token_ids"]) == 24 and eos not in r["token_ids"] for r in sampled)
