@@ -6,9 +6,10 @@
   ``ray_actor_options.num_gpus`` from the app args and autoscaling. A session opens on the
   replica holding its prompt's start in its prefix cache (``services/ray_router.py``, within
   ``affinity_slack`` sessions of the least loaded), else where Serve routes. Its cycles carry
-  ``multiplexed_model_id = session id`` so Serve routes them to the replica holding its KV
-  cache; a cycle that lands elsewhere (scale-down, replica death) re-opens the session there
-  from the prompt plus the committed tokens, as the distributed router's failover does.
+  ``multiplexed_model_id = session id``, and the same request router sends them to the
+  replica its open went to, which holds its KV cache; a cycle that lands elsewhere
+  (scale-down, replica death) re-opens the session there from the prompt plus the committed
+  tokens, as the distributed router's failover does.
 - ``PredictorDeployment``: the yield predictor, batching concurrent calls (``@serve.batch``).
 - ``MemoryDeployment`` (``shared_memory: true``): the correction memory every verifier replica
   shares without Redis (write-behind through a handle-backed store).

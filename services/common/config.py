@@ -84,8 +84,8 @@ class EngineConfig:
     batch_window_ms: float = 5.0          # a step waits at most this long for the sessions it expects
     prefill_chunk: int = int(os.environ.get("SPECMESH_PREFILL_CHUNK", "128"))   # beside decoding sessions, a
     #                                       prompt prefills at most this many tokens per step; 0 = whole (bench.prefill)
-    prefix_cache_mb: int = int(os.environ.get("SPECMESH_PREFIX_CACHE_MB", "256"))   # verified K/V (+ EAGLE-3
-    #                                       features) of full prompt blocks kept for later prompts; 0 = off (bench.prefix_cache)
+    prefix_cache_mb: int = int(os.environ.get("SPECMESH_PREFIX_CACHE_MB", "256"))   # verified state of full
+    #                                       blocks (target, draft LM, EAGLE-3 head) kept for later prompts; 0 = off (bench.prefix_cache)
     prefix_block: int = 32                # tokens per prefix-cache block: a prompt reuses whole blocks only
     suffix: SuffixConfig = SuffixConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only
