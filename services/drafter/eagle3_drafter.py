@@ -35,7 +35,7 @@ class _State:
     real_len: int = 0         # head cache positions computed from real features
     last_feat: torch.Tensor | None = None
     keys: list[bytes] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
-    root: bytes = ROOT                # the request's cache salt
+    root: bytes = ROOT                # the head blocks' chain root: the cache salt and the first token
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Eagle3Drafter:
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
               max_new_tokens: int = 0, cache_root: bytes = ROOT) -> None:
         self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng,
-                                     root=cache_root)
+                                     root=root_key("eagle3", cache_root, prompt[0]))
 
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None:
         st = self.states[req_id]
@@ -112,17 +112,13 @@ class Eagle3Drafter:
             self.head.step_ragged([h], [tokens], [start], [st.cache])
             self._keep(st)
 
-    @staticmethod
-    def _root(st: _State) -> bytes:
-        return root_key("eagle3", st.root, st.tokens[0])
-
     def _attach(self, st: _State) -> None:
         """Before the first catch-up: take the cached head blocks of the positions whose
         features have come (all but the newest, which the catch-up runs)."""
         st.keys = []
         if self.prefix is None or st.real_len or not st.feats:
             return
-        keys, blocks = self.prefix.match(st.tokens[1:], st.n_feats - 1, self._root(st))
+        keys, blocks = self.prefix.match(st.tokens[1:], st.n_feats - 1, st.root)
         if blocks:
             m = load_kv(st.cache, blocks)
             f = torch.cat(st.feats)
@@ -130,9 +126,10 @@ class Eagle3Drafter:
 
     def _keep(self, st: _State) -> None:
         """Store the head blocks computed from real features (positions before ``real_len``)."""
-        if self.prefix is not None and st.keys is not None:
-            self.prefix.store(st.keys, st.tokens[1:], st.real_len,
-                              lambda b0: kv_block(st.cache, b0, self.prefix.block), self._root(st))
+        if self.prefix is None or st.keys is None or (len(st.keys) + 1) * self.prefix.block > st.real_len:
+            return   # no block completed (the usual cycle): no copy of the tokens
+        self.prefix.store(st.keys, st.tokens[1:], st.real_len, lambda b0: kv_block(st.cache, b0, self.prefix.block),
+                          st.root)
 
     def _catch_up(self, st: _State) -> tuple[torch.Tensor, list[int], int]:
         """Head inputs for the positions not yet run on real features: fc(f), tokens, start."""

@@ -176,9 +176,9 @@ class VerifierCore:
             return
         outs, states = self.runner.step([(b.session.target, drafts[id(b)].token_ids) for b in live],
                                         [(b.session.target, chunks[id(b)]) for b in filling])
-        for b, hidden in zip(filling, states):
+        for b, fused in zip(filling, states):
             try:
-                b.session.prefilled(chunks[id(b)], hidden)
+                b.session.prefilled(fused)
             except Exception as e:  # one session's failure is its own (an item with an error ends)
                 b.error = e
         for b, (logits, hidden) in zip(live, outs):
@@ -197,7 +197,7 @@ class VerifierCore:
             try:
                 n, feats = self.runner.attach(st)
                 if n:
-                    b.session.prefilled(n, [] if feats is None else [feats])
+                    b.session.prefilled(feats)
             except Exception as e:  # one session's failure is its own
                 b.error = e
 
@@ -346,17 +346,17 @@ class VerifierSession:
     def finish(self, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor], draft_s: float,
                verify_start: float, batch_size: int = 1) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
-        n_pending = len(self.target.pending)
         verdict: Verdict = self.policy(draft, self._no_early_eos(logits), self.spec.sampling, self.rng)
-        self.core.runner.commit(self.target, verdict, hidden)
+        kept = len(self.target.pending) + verdict.accepted
+        states = None   # the kept positions' fused target states, for EAGLE-3 and the prefix cache
+        if hidden and (self._needs_states or self.core.runner.prefix is not None):
+            states = torch.cat(hidden, dim=-1)[0, :kept]
+        self.core.runner.commit(self.target, verdict, states)
         eos = self.core.eos_id
         cut = eos in verdict.tokens and not self.spec.ignore_eos
         committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if cut else verdict.tokens
         if self.drafter:
-            states = None
-            if getattr(self.drafter, "needs_target_states", False):  # fused features of the verified positions
-                states = torch.cat(hidden, dim=-1)[0, :n_pending + verdict.accepted]
-            self.drafter.observe(self.session_id, committed, states)
+            self.drafter.observe(self.session_id, committed, states if self._needs_states else None)
         if verdict.first_rejection is not None and self.spec.sampling.greedy:
             self.core.memory.record([verdict.first_rejection])
         accepted = min(verdict.accepted, len(committed))
@@ -384,14 +384,18 @@ class VerifierSession:
         n, self.target.cached = self.target.cached, 0
         return n
 
-    def prefilled(self, n: int, hidden: list[torch.Tensor]) -> None:
-        """A chunk of n prompt tokens was fed and kept (``TargetRunner.step``): a drafter fed by
-        the target's states gets theirs, and a drafter that can (``absorb``) takes the prompt
-        in up to where the target is, a chunk at a time."""
+    @property
+    def _needs_states(self) -> bool:
+        return getattr(self.drafter, "needs_target_states", False)
+
+    def prefilled(self, states: torch.Tensor | None) -> None:
+        """Prompt positions were fed and kept (a chunk, ``TargetRunner.step``, or a prefix-cache
+        hit), with their fused target states: a drafter fed by the target's states gets them,
+        and a drafter that can (``absorb``) takes the prompt in up to where the target is."""
         if not self.drafter:
             return
-        if getattr(self.drafter, "needs_target_states", False):
-            self.drafter.observe(self.session_id, [], torch.cat(hidden, dim=-1)[:n])
+        if self._needs_states and states is not None:
+            self.drafter.observe(self.session_id, [], states)
         if hasattr(self.drafter, "absorb"):
             self.drafter.absorb(self.session_id, self.target.cache_len)
 

@@ -64,12 +64,13 @@ class TargetRunner:
 
     @torch.inference_mode()
     def step(self, verify: list[tuple[TargetSession, list[int]]], prefill: list[tuple[TargetSession, int]]
-             ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], list[list[torch.Tensor]]]:
+             ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], list[torch.Tensor | None]]:
         """One ragged forward over every session. ``verify`` sessions feed their pending tokens
         plus a draft → per session target logits [k+1, V] (the draft positions and the bonus)
         and captured states [1, len(pending) + k, H] per capture layer. ``prefill`` sessions feed
         the next n of their pending (prompt) tokens only and keep them (chunked prefill: no
-        logits, no verdict) → their captured states [n, H] per capture layer."""
+        logits, no verdict) → their captured states fused across capture layers, [n, ΣH]
+        (None without capture layers)."""
         VERIFY_BATCH.observe(len(verify) + len(prefill))
         seqs = [st.pending + draft for st, draft in verify] + [st.pending[:n] for st, n in prefill]
         sessions = [st for st, _ in verify] + [st for st, _ in prefill]
@@ -77,20 +78,20 @@ class TargetRunner:
             seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
             tails=[len(draft) + 1 for _, draft in verify] + [0] * len(prefill))
         v = len(verify)
+        fused = [torch.cat(hs, dim=-1) if hs else None for hs in hidden[v:]]
         if prefill:
-            for (st, n), hs in zip(prefill, hidden[v:]):
+            for (st, n), states in zip(prefill, fused):
                 st.cache_len += n
-                self._keep(st, hs)
+                self._keep(st, states)
             PREFILL_CHUNKS.inc(len(prefill))
-        return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], hidden[v:]
+        return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], fused
 
-    def commit(self, st: TargetSession, verdict: Verdict, hidden: list[torch.Tensor] | None = None) -> None:
-        """Keep the K/V of the pending tokens and the accepted draft prefix. ``hidden``: the
-        verification's captured states ([1, T, H] per capture layer), for the prefix cache."""
-        kept = len(st.pending) + verdict.accepted
-        st.cache_len += kept
+    def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
+        """Keep the K/V of the pending tokens and the accepted draft prefix. ``states``: their
+        captured states fused across capture layers ([kept, ΣH]), for the prefix cache."""
+        st.cache_len += len(st.pending) + verdict.accepted
         st.tokens.extend(verdict.tokens)
-        self._keep(st, [h[0, :kept] for h in hidden] if hidden is not None else None)
+        self._keep(st, states)
 
     # -- prefix cache: full blocks of verified positions outlive their session -------------
     def attach(self, st: TargetSession) -> tuple[int, torch.Tensor | None]:
@@ -112,18 +113,20 @@ class TargetRunner:
         PREFIX_CACHE.labels("hit").inc(st.cache_len)
         return st.cache_len, torch.cat([b[2] for b in blocks]) if self.capture_layers else None
 
-    def _keep(self, st: TargetSession, hidden: list[torch.Tensor] | None) -> None:
-        """Verified positions up to ``cache_len``: store each block they complete. ``hidden``
-        holds the newly verified positions' captured states (per capture layer)."""
+    def _keep(self, st: TargetSession, states: torch.Tensor | None) -> None:
+        """Verified positions up to ``cache_len``: store each block they complete. ``states``
+        holds the newly verified positions' fused captured states."""
         if self.prefix is None or st.keys is None:
             return
         if self.capture_layers:
-            if not hidden:   # no features for these positions: this session stores no more
+            if states is None:   # no features for these positions: this session stores no more
                 st.keys = None
                 return
-            st.feats.append(torch.cat(hidden, dim=-1))
+            st.feats.append(states)
+        stored = len(st.keys)
         self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: self._block(st, b0), st.root)
-        PREFIX_CACHE_BYTES.set(self.prefix.bytes)
+        if len(st.keys) > stored:
+            PREFIX_CACHE_BYTES.set(self.prefix.bytes)
 
     def _block(self, st: TargetSession, b0: int) -> tuple[torch.Tensor, ...]:
         """The payload of the block at b0: K, V and (with capture layers) its features, the
