@@ -28,9 +28,10 @@ from pathlib import Path
 
 import grpc
 
-from bench.harness import pyplot, report, table_markdown, write_figure
+from bench.harness import command, machine, pyplot, report, table_markdown, write_figure
 from bench.workloads import humaneval
 from services.common.grpc_server import free_port
+from services.common.runtime import stop_processes
 
 
 def start_verifiers(n: int) -> tuple[list[subprocess.Popen], list[str]]:
@@ -46,16 +47,6 @@ def start_verifiers(n: int) -> tuple[list[subprocess.Popen], list[str]]:
         with grpc.insecure_channel(a) as ch:
             grpc.channel_ready_future(ch).result(timeout=300)
     return procs, addrs
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def conversation(engine, turns: list[str], args, rec: list[dict]) -> None:
@@ -88,7 +79,7 @@ def one_pass(cfg, args, slack: int | None, texts: list[list[str]]) -> dict:
         wall = time.perf_counter() - t0
         pool.close()
     finally:
-        stop(procs)
+        stop_processes(procs)
     later = [x for r in recs for x in r if x["turn"] > 0]
     return {"ttft": statistics.median(x["ttft"] for x in later),
             "cached_share": sum(x["cached"] for x in later) / sum(x["prompt"] for x in later),
@@ -145,8 +136,6 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import platform
-
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -163,8 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = run(args)
     keys = ("method", "replicas", "conversations", "turns", "max_new_tokens", "affinity_slack", "repeats")
     result = {"args": {k: getattr(args, k) for k in keys},
-              "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
-              "command": "python -m bench.affinity " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": machine(), "command": command("bench.affinity", argv),
               "rows": rows}
     report(result, args.out, markdown, plot)
     return result

@@ -257,7 +257,7 @@ def main(args: argparse.Namespace) -> dict:
         "workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "num_speculative_tokens": cfg.num_speculative_tokens,
         "threads": torch.get_num_threads(), "device": cfg.device,
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": machine(),
         "command": "specmesh bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         "rows": rows,
     }
@@ -265,6 +265,29 @@ def main(args: argparse.Namespace) -> dict:
     if args.out:
         save(args.out, result, markdown, plot)
     return result
+
+
+def machine() -> str:
+    return f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line that made a result (``argv`` as main() got it; None = this process's)."""
+    return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def bench_engine(args: argparse.Namespace):
+    """An in-process engine from ``_engine_args`` flags, one torch thread unless set, its
+    start-up heap frozen as a serving process's is."""
+    from services.cli import engine_config
+    from services.common.runtime import freeze_startup_heap
+    from services.router.engine import Engine
+
+    if not args.threads:
+        args.threads = 1
+    engine = Engine(engine_config(args))
+    freeze_startup_heap()
+    return engine
 
 
 def pyplot():

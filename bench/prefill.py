@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import pyplot, report, table_markdown, write_figure
+from bench.harness import bench_engine, command, machine, pyplot, report, table_markdown, write_figure
 from bench.workloads import humaneval, stdlib_heldout
 
 
@@ -139,13 +139,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import platform
-
-    import torch
-
-    from services.cli import _engine_args, engine_config
-    from services.common.runtime import freeze_startup_heap
-    from services.router.engine import Engine
+    from services.cli import _engine_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _engine_args(p)
@@ -160,10 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if not args.threads:
-        args.threads = 1
-    engine = Engine(engine_config(args))
-    freeze_startup_heap()
+    engine = bench_engine(args)
     rows = run(engine, args)
     arrivals = [engine.encode_fit(q.text, args.arrival_tokens)
                 for q in stdlib_heldout(args.arrivals, prompt_chars=args.prompt_chars)]
@@ -171,9 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
             "repeats")
     result = {"args": {k: getattr(args, k) for k in keys},
               "arrival_prompt_tokens": int(statistics.median(map(len, arrivals))),
-              "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "command": "python -m bench.prefill " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "rows": rows}
+              "machine": machine(), "command": command("bench.prefill", argv), "rows": rows}
     report(result, args.out, markdown, plot)
     return result
 

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import past_outputs, pyplot, report, table_markdown, write_figure
+from bench.harness import bench_engine, command, machine, past_outputs, pyplot, report, table_markdown, write_figure
 from bench.workloads import humaneval_fewshot
 
 SETTINGS = ("off", "cold", "on")
@@ -119,13 +119,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import platform
-
-    import torch
-
-    from services.cli import _engine_args, engine_config
-    from services.common.runtime import freeze_startup_heap
-    from services.router.engine import Engine
+    from services.cli import _engine_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _engine_args(p)
@@ -136,18 +130,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if not args.threads:
-        args.threads = 1
-    engine = Engine(engine_config(args))
-    freeze_startup_heap()
+    engine = bench_engine(args)
     rows = run(engine, args)
     prompts = [engine.encode_fit(q.text, args.max_new_tokens) for q in humaneval_fewshot(args.limit, args.shots)]
     keys = ("methods", "limit", "shots", "max_new_tokens", "repeats")
     result = {"args": {k: getattr(args, k) for k in keys},
               "prompt_tokens": int(statistics.median(map(len, prompts))),
-              "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "command": "python -m bench.prefix_cache " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "rows": rows}
+              "machine": machine(), "command": command("bench.prefix_cache", argv), "rows": rows}
     report(result, args.out, markdown, plot)
     return result
 

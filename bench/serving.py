@@ -30,6 +30,7 @@ import grpc
 
 from bench.workloads import load
 from services.common.grpc_server import free_port
+from services.common.runtime import stop_processes
 from services.common.config import MODELS_DIR
 from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
@@ -163,9 +164,7 @@ def main() -> None:
                               f" — {done}/{total}, ETA {eta / 60:.1f} min", flush=True)
     finally:
         clients.shutdown()
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(60)
+        stop_processes([proc for proc, _ in servers.values()])
     for t in topologies:
         for m in methods:
             single = samples[(t, m, 0)]

@@ -32,3 +32,19 @@ def freeze_startup_heap() -> None:
         return
     gc.collect()
     gc.freeze()
+
+
+def stop_processes(procs, timeout_s: float = 60.0) -> None:
+    """Ask child processes (``subprocess.Popen``) to exit (SIGTERM: serving processes drain),
+    all at once; kill any still running ``timeout_s`` later."""
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)

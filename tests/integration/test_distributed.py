@@ -21,6 +21,7 @@ from specmesh.v1 import generate_pb2_grpc as ggrpc
 from specmesh.v1 import verifier_pb2 as vpb
 from specmesh.v1 import verifier_pb2_grpc as vgrpc
 from services.common.grpc_server import free_port
+from services.common.runtime import stop_processes
 
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\nimport os\n", "class A:\n    pass\n\nclass", "x = [1, 2"]
 
@@ -40,15 +41,7 @@ def start_verifier(tiny_dirs, delay_ms: int = 0) -> tuple[subprocess.Popen, str]
 
 def stop(procs):
     """Graceful exit is asserted in test_cli; here a slow exit on a loaded machine is not an error."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    stop_processes(procs)
 
 
 def router(tiny_dirs, addrs, link=True):
