@@ -57,7 +57,9 @@ def engine_config(args: dict) -> EngineConfig:
         device="cuda" if gpus > 0 else "cpu", dtype=args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32",
         redis_url=args.get("redis_url") or os.environ.get("SPECMESH_REDIS_URL") or None,
         max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)),
-        draft_vocab=int(args.get("draft_vocab", EngineConfig.draft_vocab)))
+        draft_vocab=int(args.get("draft_vocab", EngineConfig.draft_vocab)),
+        prefill_chunk=int(args.get("prefill_chunk", EngineConfig.prefill_chunk)),
+        prefix_cache_mb=int(args.get("prefix_cache_mb", EngineConfig.prefix_cache_mb)))
 
 
 class _Slot:
@@ -216,9 +218,21 @@ class VerifierDeployment:
 
     async def cycle(self, req: CycleRequest):
         slot = await self._slot(serve.get_multiplexed_model_id())
-        if slot.session is None:
+        session = slot.session
+        if session is None:
             raise SessionMissing(serve.get_multiplexed_model_id())
-        return await self._in_pool(slot.session.cycle, req)
+        try:
+            return await self._in_pool(session.cycle, req)
+        except asyncio.CancelledError:
+            # Its client went away: Ray cancels the stream's task and, recursively, this call.
+            # The cycle still running in the pool (a prompt prefilling in chunks, say) stops at
+            # the verifier's next step.
+            session.cancel()
+            raise
+
+    def record_routing_stats(self) -> dict:
+        """For the request routers of every ingress replica: the sessions open here."""
+        return {"sessions": list(self.core.sessions.copy())}
 
     async def close(self) -> None:
         (await self._slot(serve.get_multiplexed_model_id())).close()
@@ -366,7 +380,8 @@ def app(args: dict):
     verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
     models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port, metrics_host,
     max_streams (64 per ingress replica), max_queue (32), affinity_slack (2: prefix affinity's allowance
-    when placing a session on a verifier replica, ``services/ray_router.py``).
+    when placing a session on a verifier replica, ``services/ray_router.py``), prefill_chunk and
+    prefix_cache_mb (as ``specmesh serve``'s flags).
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
@@ -387,8 +402,10 @@ def app(args: dict):
     memory = MemoryDeployment.options(**small).bind(args) if args.get("shared_memory") else None
     drafter = DrafterDeployment.options(**small).bind(args) if args.get("remote_drafter") else None
     # A session's open goes to the replica holding its prompt's start (services/ray_router.py).
+    # Each replica reports its open sessions every second, for the routers of every ingress replica.
     routing = RequestRouterConfig(request_router_class="services.ray_router:PrefixAffinityRequestRouter",
-                                  request_router_kwargs={"slack": int(args.get("affinity_slack", 2))})
+                                  request_router_kwargs={"slack": int(args.get("affinity_slack", 2))},
+                                  request_routing_stats_period_s=1.0)
     verifier = VerifierDeployment.options(
         ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
         max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, request_router_config=routing,

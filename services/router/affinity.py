@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Container, Iterable, Mapping
 
 
 class PrefixAffinity:
@@ -59,3 +60,14 @@ def choose(live: list[str], load: dict[str, int], held: dict[str, int], slack: i
     lo = min(load[a] for a in live)
     near = [a for a in live if load[a] <= lo + slack]
     return max(near, key=lambda a: (held.get(a, 0), -load[a]))
+
+
+def session_loads(live: Iterable[str], reported: Mapping[str, Iterable[str]], placed: Mapping[str, str],
+                  closed: Container[str]) -> dict[str, int]:
+    """Open sessions per replica, as one of several routers sees them: those the replica's last
+    report lists (every router's), less those this router closed since, plus those it placed
+    there since (a report lags by its period)."""
+    mine: dict[str, set[str]] = {}
+    for sid, addr in placed.items():
+        mine.setdefault(addr, set()).add(sid)
+    return {a: len({s for s in reported.get(a, ()) if s not in closed} | mine.get(a, set())) for a in live}

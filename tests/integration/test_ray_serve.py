@@ -46,7 +46,8 @@ def serve_app(tiny_dirs, tmp_path_factory):
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
     serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 2, "cpus_per_replica": 0.25,
                    "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True,
-                   "metrics_port": metrics_port, "metrics_host": "127.0.0.1", "max_streams": 2, "max_queue": 1}),
+                   "metrics_port": metrics_port, "metrics_host": "127.0.0.1", "max_streams": 2, "max_queue": 1,
+                   "prefill_chunk": 2}),   # beside an open session, a new prompt prefills 2 tokens a step
               name="specmesh", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield pb_grpc.GenerationStub(channel), channel, metrics_port
@@ -193,3 +194,67 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
             again.close()
         finally:
             first.close()
+
+
+def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_engine):
+    """A client cancelling through Serve's proxy while its prompt prefills in chunks on a
+    verifier replica (a session is open on each): the ingress cancels the cycle in flight, and
+    the replica stops feeding the prompt at its next step instead of finishing it for nobody."""
+    import time
+
+    from ray import serve
+
+    from services.ray_app import RaySession
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    stub, _, port = serve_app
+    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    idle = [RaySession(handle, SessionSpec(tiny_engine.encode(f"idle_{i} = {i}\n"), 4)) for i in range(2)]
+
+    def fed() -> float:
+        return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
+
+    try:
+        for s in idle:   # one on each replica: the least loaded takes the second
+            s.cycle(CycleRequest())
+        before = fed()
+        call = stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(300, 500)), max_new_tokens=4,
+                                                method="vanilla"), timeout=120)
+        assert wait_for(lambda: fed() - before >= 3, timeout=30), "the prompt never prefilled in chunks"
+        call.cancel()
+        assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
+        assert fed() - before < 90   # ~100 chunks of 2 when fed whole
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_engine):
+    """The ingress's request router counts sessions that another router (this test's handle)
+    opened, from the verifier replicas' reports: with 3 of them open on the replica holding a
+    prompt's start (slack 2), a stream with that start goes to the other replica, where nothing
+    of it is cached. Both routers break load ties the same way, so without the reports the
+    stream would go where the 3 sessions are."""
+    import time
+
+    from ray import serve
+
+    from services.ray_app import RaySession
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    stub = serve_app[0]
+    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    start = tiny_engine.encode("".join(f"def loads_{i}(x):\n    return x - {i}\n\n" for i in range(4)))
+    sessions = [RaySession(handle, SessionSpec(start, 4)) for _ in range(3)]
+    try:
+        assert [s.cycle(CycleRequest()).cached_tokens > 0 for s in sessions] == [False, True, True]  # one replica
+        end, cached = time.time() + 30, []
+        while time.time() < end and (not cached or cached[-1] > 0):
+            msgs = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=start + [len(cached) + 7],
+                                                         max_new_tokens=1, method="vanilla"), timeout=60))
+            cached.append(msgs[-1].usage.cached_prompt_tokens)
+            time.sleep(0.5)
+        assert cached[-1] == 0, cached
+    finally:
+        for s in sessions:
+            s.close()

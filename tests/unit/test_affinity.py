@@ -1,5 +1,5 @@
 """Prefix affinity: where a prompt's start was placed, and the placement rule that uses it."""
-from services.router.affinity import PrefixAffinity, choose
+from services.router.affinity import PrefixAffinity, choose, session_loads
 
 A, B = "a:1", "b:1"
 
@@ -34,3 +34,12 @@ def test_choose_prefers_the_holder_within_the_slack_else_the_least_loaded():
     assert choose(live, {A: 0, B: 0}, {A: 1, B: 3}, slack=0) == B
     assert choose(live, {A: 0, B: 0}, {}, slack=2) == A      # no holder: least loaded, first on ties
     assert choose(live, {A: 2, B: 1}, {}, slack=2) == B
+
+
+def test_session_loads_merge_the_replicas_reports_with_this_routers_changes_since():
+    reported = {A: ["s1", "s2", "other-router"], B: []}
+    assert session_loads([A, B], reported, {}, set()) == {A: 3, B: 0}
+    # this router opened s3 on B and closed s2 since the reports; s1 is in both (counted once)
+    assert session_loads([A, B], reported, {"s1": A, "s3": B}, {"s2"}) == {A: 2, B: 1}
+    assert session_loads([A, B], {}, {"s1": A}, set()) == {A: 1, B: 0}      # no report yet
+    assert session_loads([B], reported, {"s1": A}, set()) == {B: 0}         # only live replicas
