@@ -206,6 +206,13 @@ def _run_until_signal(server, what: str, metrics_port: int, host: str, on_drain=
     run_until_signal(server, metrics_port, host, on_drain=on_drain)
 
 
+def _penalty_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the logits of tokens seen in the prompt or output by this (> 0; 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from services.common.types import SamplingParams
     from services.router.engine import Engine, GenerationRequest, InvalidRequest
@@ -213,7 +220,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     engine = Engine(engine_config(args))
     req = GenerationRequest(
         prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
+                                args.presence_penalty, args.frequency_penalty),
         stop=tuple(args.stop or ()), method=args.method, logprobs=args.logprobs)
     try:
         gen = engine.generate(req)
@@ -234,7 +242,9 @@ def cmd_client(args: argparse.Namespace) -> None:
     from specmesh.v1 import generate_pb2_grpc as pb_grpc
 
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             method=args.method, stop=args.stop or [], cache_salt=args.cache_salt)
+                             method=args.method, stop=args.stop or [], cache_salt=args.cache_salt,
+                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                             frequency_penalty=args.frequency_penalty)
     from services.common.security import TLSConfig, channel_credentials
 
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
@@ -406,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append")
+    _penalty_args(p)
     p.add_argument("--logprobs", type=int, default=None,
                    help="with --json: each token's target log-probability and this many alternatives (0-20)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
@@ -418,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append")
+    _penalty_args(p)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")

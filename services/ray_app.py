@@ -249,7 +249,8 @@ class RaySession:
         generated = len(self.tokens) - len(self.spec.prompt_ids)
         self.h.open.remote(replace(self.spec, prompt_ids=list(self.tokens),
                                    max_new_tokens=max(1, self.spec.max_new_tokens - generated),
-                                   min_tokens=max(0, self.spec.min_tokens - generated))).result()
+                                   min_tokens=max(0, self.spec.min_tokens - generated),
+                                   generated=self.spec.generated + generated)).result()
 
     def cycle(self, req: CycleRequest):
         try:

@@ -26,6 +26,24 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+def apply_penalties(logits: torch.Tensor, tokens: list[int], output_from: int, draft: list[int],
+                    sp: SamplingParams) -> torch.Tensor:
+    """``SamplingParams``' penalties on verification rows [k+1, V]. Row i predicts the token after
+    ``tokens`` (the prompt, then the output from ``output_from`` on) plus draft[:i], so it
+    counts those draft tokens too: every row is penalized as a plain decoding step there would be."""
+    (rows, vocab), dev = logits.shape, logits.device
+    counts = torch.zeros(rows, vocab, device=dev)
+    counts[:] = torch.bincount(torch.tensor(tokens[output_from:], dtype=torch.long, device=dev), minlength=vocab)
+    for i, d in enumerate(draft[:rows - 1], 1):
+        counts[i:, d] += 1
+    x = logits.float()
+    if sp.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, torch.tensor(tokens[:output_from], dtype=torch.long, device=dev)] = True
+        x = torch.where(seen, torch.where(x > 0, x / sp.repetition_penalty, x * sp.repetition_penalty), x)
+    return (x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()).to(logits.dtype)
+
+
 def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=rng).item())
 

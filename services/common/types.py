@@ -8,16 +8,27 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off."""
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off. Penalties (vLLM's, off at their
+    defaults) change the target's logits before greedy, sampling or the CSD gate read them:
+    repetition_penalty divides a positive logit (multiplies a negative one) of every token seen
+    in the prompt or the output; presence_penalty is subtracted from every token that occurs
+    in the output, and frequency_penalty once per occurrence."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass

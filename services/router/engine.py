@@ -227,6 +227,11 @@ class Engine:
             raise InvalidRequest(f"top_p: must be in (0, 1], got {sp.top_p}")
         if sp.top_k < 0:
             raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {sp.top_k}")
+        if not 0 < sp.repetition_penalty < float("inf"):
+            raise InvalidRequest(f"repetition_penalty: must be > 0 (1 disables it), got {sp.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(sp, name) <= 2:
+                raise InvalidRequest(f"{name}: must be in [-2, 2] (0 disables it), got {getattr(sp, name)}")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {req.logprobs}")
         if not 0 <= req.min_tokens <= req.max_new_tokens:

@@ -35,7 +35,9 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         max_new_tokens=r.max_new_tokens if r.HasField("max_new_tokens") else engine.cfg.default_max_new_tokens,
         sampling=SamplingParams(
             temperature=r.temperature, top_p=r.top_p if r.HasField("top_p") else 1.0,
-            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None),
+            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None,
+            repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
+            presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty),
         stop=tuple(s for s in r.stop if s),
         method=r.method or engine.default_method,
         request_id=r.request_id,

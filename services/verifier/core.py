@@ -22,7 +22,7 @@ from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
-from services.common.sampling import make_rng, token_logprobs
+from services.common.sampling import apply_penalties, make_rng, token_logprobs
 from services.common.types import Draft, SamplingParams, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter
 from services.memory.correction_memory import LocalCorrectionMemory
@@ -52,6 +52,7 @@ class SessionSpec:
     cache_salt: str = ""                 # prefix-cache blocks are shared only among sessions of the same salt
     ignore_eos: bool = False             # commit past the end-of-sequence token
     min_tokens: int = 0                  # no end-of-sequence token before this many new tokens
+    generated: int = 0                   # the last this many prompt_ids are output already (a re-open)
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,8 @@ class VerifierSession:
     def finish(self, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor], draft_s: float,
                verify_start: float, batch_size: int = 1) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
-        verdict: Verdict = self.policy(draft, self._no_early_eos(logits), self.spec.sampling, self.rng)
+        verdict: Verdict = self.policy(draft, self._no_early_eos(self._penalized(logits, draft)),
+                                       self.spec.sampling, self.rng)
         kept = len(self.target.pending) + verdict.accepted
         states = None   # the kept positions' fused target states, for EAGLE-3 and the prefix cache
         if hidden and (self._needs_states or self.core.runner.prefix is not None):
@@ -368,6 +370,15 @@ class VerifierSession:
             draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size,
             cached_tokens=self._report_cached(),
             logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else ())
+
+    def _penalized(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """The request's penalties (``SamplingParams``), over its output so far: the re-opened
+        part of the prompt (``generated``) counts as output."""
+        sp = self.spec.sampling
+        if not sp.penalized:
+            return logits
+        return apply_penalties(logits, self.target.tokens, len(self.spec.prompt_ids) - self.spec.generated,
+                               draft.token_ids, sp)
 
     def _no_early_eos(self, logits: torch.Tensor) -> torch.Tensor:
         """``min_tokens``: rows of positions before it get no end-of-sequence token (its logit

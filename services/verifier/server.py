@@ -37,20 +37,25 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 def spec_to_pb(s: SessionSpec) -> pb.Open:
     sp = s.sampling
     return pb.Open(session_id=s.session_id, prompt_ids=s.prompt_ids, max_new_tokens=s.max_new_tokens,
-                   sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed),
+                   sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
+                                        repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+                                        frequency_penalty=sp.frequency_penalty),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
-                   logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens)
+                   logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
+                   generated=s.generated)
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
     sp = o.sampling
     return SessionSpec(prompt_ids=list(o.prompt_ids), max_new_tokens=o.max_new_tokens,
                        sampling=SamplingParams(sp.temperature, sp.top_p or 1.0, sp.top_k,
-                                               sp.seed if sp.HasField("seed") else None),
+                                               sp.seed if sp.HasField("seed") else None,
+                                               sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+                                               sp.presence_penalty, sp.frequency_penalty),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
-                       ignore_eos=o.ignore_eos, min_tokens=o.min_tokens)
+                       ignore_eos=o.ignore_eos, min_tokens=o.min_tokens, generated=o.generated)
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
@@ -139,8 +144,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"open.cache_salt: at most {MAX_CACHE_SALT} characters")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise BadRequest(f"open.logprobs: at most {MAX_LOGPROBS} alternatives")
-        if not (s.sampling.temperature >= 0 and 0 < s.sampling.top_p <= 1 and s.sampling.top_k >= 0):
-            raise BadRequest("open.sampling: temperature >= 0, top_p in (0, 1], top_k >= 0")
+        sp = s.sampling
+        if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and sp.top_k >= 0 and 0 < sp.repetition_penalty
+                and -2 <= sp.presence_penalty <= 2 and -2 <= sp.frequency_penalty <= 2):
+            raise BadRequest("open.sampling: temperature >= 0, top_p in (0, 1], top_k >= 0, repetition_penalty > 0, "
+                             "presence_penalty and frequency_penalty in [-2, 2]")
+        if s.generated > len(s.prompt_ids):
+            raise BadRequest("open.generated: must not exceed the prompt's length")
 
     def check_cycle(self, c: CycleRequest, spec: SessionSpec) -> None:
         if c.draft_with and c.draft_with != spec.model_drafter:
@@ -427,7 +437,8 @@ class RemoteSession:
         one nearly as loaded that holds the prompt's start in its prefix cache."""
         spec = SessionSpec(**{**self.spec.__dict__, "prompt_ids": list(self.tokens),
                               "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated),
-                              "min_tokens": max(0, self.spec.min_tokens - self.generated)})
+                              "min_tokens": max(0, self.spec.min_tokens - self.generated),
+                              "generated": self.spec.generated + self.generated})
         while True:
             addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
             try:

@@ -134,6 +134,10 @@ def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "max_new_tokens": 5, "cache_salt": "s" * 257}, "cache_salt"),
     ({"prompt": "a", "max_new_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"prompt": "a", "max_new_tokens": 5, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "a", "max_new_tokens": 5, "frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
     ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
 ])

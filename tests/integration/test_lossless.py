@@ -131,3 +131,69 @@ def test_min_tokens_holds_eos_back_and_stays_lossless(eos_in_output):
     sampled = [eng.generate(GenerationRequest(ids, 24, sampling=SamplingParams(1.0, seed=s), method="sd",
                                               min_tokens=24)).result() for s in range(4)]
     assert all(len(r["token_ids"]) == 24 and eos not in r["token_ids"] for r in sampled)
+
+
+PENALTIES = SamplingParams(repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.4)
+
+
+def penalized_greedy(model, ids: list[int], n: int, sp: SamplingParams) -> list[int]:
+    """A plain decoding loop, apart from the verifier: the target's full forward, HF's
+    repetition-penalty processor over prompt and output, presence and frequency over the output."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    out: list[int] = []
+    for _ in range(n):
+        with torch.no_grad():
+            x = model.forward_train(torch.tensor([ids + out]))[0, -1:].float()
+        x = RepetitionPenaltyLogitsProcessor(sp.repetition_penalty)(torch.tensor([ids + out]), x)[0]
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[0]).float()
+        out.append(int((x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()).argmax()))
+    return out
+
+
+def test_penalties_stay_lossless_and_equal_a_plain_penalized_loop(tiny_engine):
+    """With repetition, presence and frequency penalties every lossless method's greedy output
+    equals a plain penalized decoding loop: each verification row is penalized for the draft
+    tokens before it."""
+    eng = tiny_engine
+    model = eng.verifier.runner.model
+    accepted = 0
+    for text in PROMPTS[:4]:
+        ids = eng.encode(text * 2)
+        ref = penalized_greedy(model, ids, 40, PENALTIES)
+        assert ref != eng.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"], text
+        for method in ("vanilla", "sd", "suffix"):
+            out = eng.generate(GenerationRequest(ids, 40, sampling=PENALTIES, method=method)).result()
+            got = out["token_ids"]
+            assert got == ref[:len(got)] and (len(got) == 40 or got[-1] == eng.eos_id), (text, method)
+            accepted += out["stats"]["accepted_tokens"] if method != "vanilla" else 0
+    assert accepted > 0   # drafts were verified under penalties, not only plain steps
+
+
+def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
+    """Failover re-opens a session with prompt + output so far as its prompt; ``generated``
+    tells the verifier which part is output, so presence and frequency penalties carry on."""
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    eng = tiny_engine
+    sp = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0)
+
+    def resume(ids: list[int], done: list[int], generated: int) -> list[int]:
+        s = eng.verifier.open(SessionSpec(ids + done, 15, sampling=sp, generated=generated))
+        out: list[int] = []
+        try:
+            while len(out) < 15 and eng.eos_id not in out:
+                out += s.cycle(CycleRequest()).committed
+        finally:
+            s.close()
+        return out
+
+    differs = 0
+    for text in PROMPTS:
+        ids = eng.encode(text)
+        whole = eng.generate(GenerationRequest(ids, 30, sampling=sp, method="vanilla")).result()["token_ids"]
+        if len(whole) < 30:
+            continue
+        assert resume(ids, whole[:15], 15) == whole[15:], text
+        differs += resume(ids, whole[:15], 0) != whole[15:]   # counted as prompt: not penalized
+    assert differs > 0

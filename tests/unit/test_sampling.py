@@ -17,3 +17,25 @@ def test_temperature_top_k_top_p():
     assert probs_from_logits(x, SamplingParams(temperature=1.0, top_p=1e-6))[0] == 1.0
     cold = probs_from_logits(x, SamplingParams(temperature=0.1))
     assert cold[0] > 0.99
+
+
+def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context():
+    """Row i of a verification is penalized as a decoding step after the output plus draft[:i]
+    would be: HF's repetition-penalty processor over prompt and output, then presence and
+    frequency (vLLM's, OpenAI's formula) over the output alone."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from services.common.sampling import apply_penalties
+
+    torch.manual_seed(0)
+    vocab, prompt, output, draft = 12, [1, 2, 2], [3, 3, 4], [4, 5, 1]
+    logits = torch.randn(len(draft) + 1, vocab) * 3
+    sp = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
+    got = apply_penalties(logits, prompt + output, len(prompt), draft, sp)
+    for i in range(len(draft) + 1):
+        out = output + draft[:i]
+        ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompt + out]), logits[i:i + 1].clone())[0]
+        counts = torch.bincount(torch.tensor(out), minlength=vocab).float()
+        ref = ref - 0.25 * counts - 0.5 * (counts > 0).float()
+        assert torch.allclose(got[i], ref), i
+    assert torch.equal(apply_penalties(logits, prompt + output, len(prompt), draft, SamplingParams()), logits)
