@@ -72,6 +72,11 @@ class _Slot:
             self.session.close()
             self.session = None
 
+    def drop(self, session) -> None:
+        """Close ``session`` if this slot still holds it (any thread)."""
+        if self.session is session:
+            self.close()
+
     def __del__(self):
         self.close()
 
@@ -221,18 +226,20 @@ class VerifierDeployment:
         session = slot.session
         if session is None:
             raise SessionMissing(serve.get_multiplexed_model_id())
+        running = self._pool.submit(session.cycle, req)
         try:
-            return await self._in_pool(session.cycle, req)
+            return await asyncio.wrap_future(running)
         except asyncio.CancelledError:
-            # Its client went away: Ray cancels the stream's task and, recursively, this call.
-            # The cycle still running in the pool (a prompt prefilling in chunks, say) stops at
-            # the verifier's next step.
+            # Its client went away: Ray cancels the stream's task and, recursively, this call,
+            # and may cancel the router's close as well. The cycle stops at the verifier's next
+            # step (a prompt prefilling in chunks included); then the session is closed here.
             session.cancel()
+            running.add_done_callback(lambda _: slot.drop(session))
             raise
 
     def record_routing_stats(self) -> dict:
         """For the request routers of every ingress replica: the sessions open here."""
-        return {"sessions": list(self.core.sessions.copy())}
+        return {"sessions": list(self.core.sessions.copy()), "replica": serve.get_replica_context().replica_id.unique_id}
 
     async def close(self) -> None:
         (await self._slot(serve.get_multiplexed_model_id())).close()

@@ -198,35 +198,45 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
 
 def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_engine):
     """A client cancelling through Serve's proxy while its prompt prefills in chunks on a
-    verifier replica (a session is open on each): the ingress cancels the cycle in flight, and
-    the replica stops feeding the prompt at its next step instead of finishing it for nobody."""
+    verifier replica (beside another stream, which its prompt's start sends it to): Ray cancels
+    the cycle in flight, and the replica stops feeding the prompt at its next step instead of
+    finishing it for nobody. The other stream carries on."""
     import time
 
-    from ray import serve
-
-    from services.ray_app import RaySession
-    from services.verifier.core import CycleRequest, SessionSpec
-
     stub, _, port = serve_app
-    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
-    idle = [RaySession(handle, SessionSpec(tiny_engine.encode(f"idle_{i} = {i}\n"), 4)) for i in range(2)]
+    start = tiny_engine.encode("".join(f"def chunked_{i}(x):\n    return x * {i}\n\n" for i in range(4)))
+    other = stub.Generate(pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=150, method="vanilla",
+                                             ignore_eos=True), timeout=120)
+    first = next(other)   # decoding on the replica that now holds the start
 
     def fed() -> float:
         return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
 
-    try:
-        for s in idle:   # one on each replica: the least loaded takes the second
-            s.cycle(CycleRequest())
-        before = fed()
-        call = stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(300, 500)), max_new_tokens=4,
-                                                method="vanilla"), timeout=120)
-        assert wait_for(lambda: fed() - before >= 3, timeout=30), "the prompt never prefilled in chunks"
-        call.cancel()
-        assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
-        assert fed() - before < 90   # ~100 chunks of 2 when fed whole
-    finally:
-        for s in idle:
-            s.close()
+    before = fed()
+    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=start + list(range(300, 440)), max_new_tokens=4,
+                                            method="vanilla"), timeout=120)
+    assert wait_for(lambda: fed() - before >= 3, timeout=30), "the prompt never prefilled in chunks"
+    call.cancel()
+    assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
+    assert fed() - before < 60   # ~84 chunks of 2 when fed whole (the start's first block is cached)
+    rest = list(other)
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 150
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()   # none left behind
+
+
+def open_sessions() -> dict[str, list[str]]:
+    """Each verifier replica's open sessions, as it reports them to the request routers."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    seen: dict[str, list[str]] = {}
+    for _ in range(40):   # the calls land on replicas by chance
+        stats = handle.record_routing_stats.remote().result()
+        seen[stats["replica"]] = stats["sessions"]
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2
+    return seen
 
 
 def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_engine):
@@ -243,6 +253,7 @@ def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_en
     from services.verifier.core import CycleRequest, SessionSpec
 
     stub = serve_app[0]
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)   # earlier tests' are closed
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
     start = tiny_engine.encode("".join(f"def loads_{i}(x):\n    return x - {i}\n\n" for i in range(4)))
     sessions = [RaySession(handle, SessionSpec(start, 4)) for _ in range(3)]
