@@ -206,6 +206,12 @@ def _run_until_signal(server, what: str, metrics_port: int, host: str, on_drain=
     run_until_signal(server, metrics_port, host, on_drain=on_drain)
 
 
+def _stop_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stop", action="append", help="end before this string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", help="end after this token (repeatable)")
+    p.add_argument("--include-stop-str", action="store_true", help="keep the stop string in the output")
+
+
 def _penalty_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide the logits of tokens seen in the prompt or output by this (> 0; 1 = off)")
@@ -222,7 +228,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
                                 args.presence_penalty, args.frequency_penalty),
-        stop=tuple(args.stop or ()), method=args.method, logprobs=args.logprobs)
+        stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
+        include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs)
     try:
         gen = engine.generate(req)
     except InvalidRequest as e:
@@ -242,7 +249,8 @@ def cmd_client(args: argparse.Namespace) -> None:
     from specmesh.v1 import generate_pb2_grpc as pb_grpc
 
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             method=args.method, stop=args.stop or [], cache_salt=args.cache_salt,
+                             method=args.method, stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
+                             include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty)
     from services.common.security import TLSConfig, channel_credentials
@@ -415,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append")
+    _stop_args(p)
     _penalty_args(p)
     p.add_argument("--logprobs", type=int, default=None,
                    help="with --json: each token's target log-probability and this many alternatives (0-20)")
@@ -428,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", default="")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--stop", action="append")
+    _stop_args(p)
     _penalty_args(p)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")

@@ -19,6 +19,8 @@ from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_LOGPROBS
+
+MAX_STOPS, MAX_STOP_CHARS = 16, 256   # stop strings (and stop token ids) per request; characters per string
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
@@ -61,6 +63,8 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()   # generation ends after any of these (kept in the output)
+    include_stop_str_in_output: bool = False
     method: str = "sd"
     request_id: str = ""
     deadline_s: float | None = None   # time the client allows, from the request's arrival
@@ -236,6 +240,10 @@ class Engine:
             raise InvalidRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {req.logprobs}")
         if not 0 <= req.min_tokens <= req.max_new_tokens:
             raise InvalidRequest(f"min_tokens: must be in [0, max_new_tokens={req.max_new_tokens}], got {req.min_tokens}")
+        if len(req.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in req.stop):
+            raise InvalidRequest(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+        if len(req.stop_token_ids) > MAX_STOPS or any(not 0 <= t < vocab for t in req.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids: at most {MAX_STOPS} ids, each in [0, {vocab})")
         if len(req.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequest(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
         if req.method not in self.methods():
@@ -348,10 +356,12 @@ class Generation:
         return out
 
     def _emit(self, tokens: list[int]) -> StepOutput:
-        """Append tokens one by one, stopping at EOS, the length limit or a stop string.
+        """Append tokens one by one, stopping at EOS, the length limit, a stop token (kept) or a
+        stop string.
 
         With stop strings, the last ``len(longest stop) - 1`` characters are held back until
-        the request ends, so a stop string is never partly streamed; it is never emitted.
+        the request ends, so a stop string is never partly streamed; it is emitted only with
+        ``include_stop_str_in_output``.
         """
         new_ids = []
         for tok in tokens:
@@ -362,7 +372,7 @@ class Generation:
             self.output_ids.append(tok)
             before = len(self._raw)
             self._raw += self._detok.push(tok)
-            if self._find_stop(before):
+            if self._find_stop(before) or tok in self.req.stop_token_ids:
                 self.finish_reason = "stop"
                 break
             if len(self.output_ids) >= self.req.max_new_tokens:
@@ -378,15 +388,16 @@ class Generation:
         return StepOutput(new_ids, delta)
 
     def _find_stop(self, before: int) -> bool:
-        """Truncate the raw text at the first stop string that ends in the new characters."""
-        cut = None
+        """Truncate the raw text at the first stop string that ends in the new characters (after
+        it, with ``include_stop_str_in_output``)."""
+        first = None
         for s in self.req.stop:
             i = self._raw.find(s, max(0, before - len(s) + 1))
-            if i != -1 and (cut is None or i < cut):
-                cut = i
-        if cut is not None:
-            self._raw = self._raw[:cut]
-        return cut is not None
+            if i != -1 and (first is None or i < first[0]):
+                first = (i, len(s))
+        if first is not None:
+            self._raw = self._raw[:first[0] + first[1] * self.req.include_stop_str_in_output]
+        return first is not None
 
     def result(self) -> dict:
         """Run to completion (if not yet) and return the `generate --json` object."""

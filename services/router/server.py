@@ -39,6 +39,8 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
             repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
             presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty),
         stop=tuple(s for s in r.stop if s),
+        stop_token_ids=tuple(r.stop_token_ids),
+        include_stop_str_in_output=r.include_stop_str_in_output,
         method=r.method or engine.default_method,
         request_id=r.request_id,
         logprobs=r.logprobs if r.HasField("logprobs") else None,

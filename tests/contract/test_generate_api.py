@@ -117,6 +117,21 @@ def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     text = "".join(m.text for m in msgs)
     assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
     assert text == full[:full.index(stop)] and stop not in text
+    msgs = collect(stub, prompt="x = [", max_new_tokens=60, stop=[stop], method="sd", include_stop_str_in_output=True)
+    assert "".join(m.text for m in msgs) == full[:full.index(stop) + len(stop)]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
+    """The first generated stop token ends the stream and is part of it, whichever method
+    committed tokens past it in the same cycle."""
+    stub, _, _ = served
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("x = ["), 40, method="vanilla")).result()["token_ids"]
+    stop = ref[9]
+    for method in ("vanilla", "sd"):
+        msgs = collect(stub, prompt="x = [", max_new_tokens=40, stop_token_ids=[stop, 8191], method=method)
+        assert [t for m in msgs for t in m.token_ids] == ref[:ref.index(stop) + 1], method
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -134,6 +149,9 @@ def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "max_new_tokens": 5, "cache_salt": "s" * 257}, "cache_salt"),
     ({"prompt": "a", "max_new_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    ({"prompt": "a", "max_new_tokens": 5, "stop": ["s"] * 17}, "stop"),
+    ({"prompt": "a", "max_new_tokens": 5, "stop": ["s" * 257]}, "stop"),
+    ({"prompt": "a", "max_new_tokens": 5, "stop_token_ids": [9000]}, "stop_token_ids"),
     ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": 0.0}, "repetition_penalty"),
     ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"prompt": "a", "max_new_tokens": 5, "presence_penalty": 2.5}, "presence_penalty"),
