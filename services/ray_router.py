@@ -26,12 +26,13 @@ import time
 # its public surface; it is the base every call but a placed `open` falls through to.
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from services.router.affinity import PrefixAffinity, choose, session_loads
+from services.router.affinity import PrefixAffinity, choose, session_loads, unreported
 from services.verifier.core import SessionSpec
 
-# A session this router closed is left out of its replica's reports for this long: longer than
-# a report takes to arrive (its period, 1 s, plus the controller's broadcast).
-CLOSED_TTL_S = 10.0
+# Longer than a replica's report takes to arrive (its period, 1 s, plus the controller's
+# broadcast): a session this router closed is left out of reports for this long, and one it
+# opened this long ago that its replica no longer reports is gone.
+REPORT_LAG_S = 10.0
 
 
 def _opened(pending_request) -> SessionSpec | None:
@@ -46,23 +47,26 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, slack: int = 2, **kwargs) -> None:
         self.slack = slack
         self.affinity = PrefixAffinity()
-        self.placed: dict[str, str] = {}      # session id → replica id, for sessions this router opened
-        self.closed: dict[str, float] = {}    # session id → when this router closed it
+        self.placed: dict[str, tuple[str, float]] = {}   # session id → (replica id, when), sessions this router opened
+        self.closed: dict[str, float] = {}                # session id → when this router closed it
 
     def loads(self, by_id: dict) -> dict[str, int]:
         """Open sessions per replica, every router's (``session_loads``)."""
         now = time.monotonic()
-        self.closed = {s: t for s, t in self.closed.items() if now - t < CLOSED_TTL_S}
-        reported = {rid: (r.routing_stats or {}).get("sessions", ()) for rid, r in by_id.items()}
-        return session_loads(by_id, reported, self.placed, self.closed)
+        self.closed = {s: t for s, t in self.closed.items() if now - t < REPORT_LAG_S}
+        reported = {rid: r.routing_stats["sessions"] for rid, r in by_id.items() if "sessions" in (r.routing_stats or {})}
+        for sid in unreported(self.placed, reported, now, REPORT_LAG_S):   # its close was cancelled with its stream
+            del self.placed[sid]
+        return session_loads(by_id, reported, {s: rid for s, (rid, _) in self.placed.items()}, self.closed)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         # Sorted, so that routers that see the same loads break ties the same way.
         by_id = {r.replica_id.unique_id: r for r in sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)}
         sid = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         spec = _opened(pending_request)
-        if spec is None and self.placed.get(sid) in by_id:
-            return [[by_id[self.placed[sid]]]]
+        home = self.placed.get(sid, ("", 0.0))[0]
+        if spec is None and home in by_id:
+            return [[by_id[home]]]
         if spec is None or not by_id:
             return await super().choose_replicas(candidate_replicas, pending_request)
         best = choose(list(by_id), self.loads(by_id), self.affinity.holders(spec.prompt_ids, spec.cache_salt),
@@ -75,7 +79,7 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         spec = _opened(pending_request)
         if spec is not None:
             self.affinity.placed(spec.prompt_ids, rid, spec.cache_salt)
-            self.placed[sid] = rid   # a re-open moves the session
+            self.placed[sid] = (rid, time.monotonic())   # a re-open moves the session
             self.closed.pop(sid, None)
         elif pending_request.metadata.call_method == "close" and self.placed.pop(sid, None) is not None:
             self.closed[sid] = time.monotonic()
@@ -84,4 +88,4 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         super().on_replica_actor_died(replica_id)
         rid = replica_id.unique_id
         self.affinity.forget(rid)
-        self.placed = {s: r for s, r in self.placed.items() if r != rid}
+        self.placed = {s: (r, t) for s, (r, t) in self.placed.items() if r != rid}

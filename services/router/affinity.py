@@ -62,6 +62,14 @@ def choose(live: list[str], load: dict[str, int], held: dict[str, int], slack: i
     return max(near, key=lambda a: (held.get(a, 0), -load[a]))
 
 
+def unreported(placed: Mapping[str, tuple[str, float]], reported: Mapping[str, Iterable[str]], now: float,
+               lag: float) -> list[str]:
+    """Sessions this router placed (session → (replica, when)) more than ``lag`` ago that their
+    replica's report no longer lists: closed without this router's close (a cancel)."""
+    listed = {a: set(s) for a, s in reported.items()}
+    return [s for s, (a, t) in placed.items() if now - t > lag and a in listed and s not in listed[a]]
+
+
 def session_loads(live: Iterable[str], reported: Mapping[str, Iterable[str]], placed: Mapping[str, str],
                   closed: Container[str]) -> dict[str, int]:
     """Open sessions per replica, as one of several routers sees them: those the replica's last

@@ -1,5 +1,5 @@
 """Prefix affinity: where a prompt's start was placed, and the placement rule that uses it."""
-from services.router.affinity import PrefixAffinity, choose, session_loads
+from services.router.affinity import PrefixAffinity, choose, session_loads, unreported
 
 A, B = "a:1", "b:1"
 
@@ -43,3 +43,9 @@ def test_session_loads_merge_the_replicas_reports_with_this_routers_changes_sinc
     assert session_loads([A, B], reported, {"s1": A, "s3": B}, {"s2"}) == {A: 2, B: 1}
     assert session_loads([A, B], {}, {"s1": A}, set()) == {A: 1, B: 0}      # no report yet
     assert session_loads([B], reported, {"s1": A}, set()) == {B: 0}         # only live replicas
+
+
+def test_unreported_sessions_are_those_placed_long_ago_that_their_replica_no_longer_lists():
+    placed = {"old-gone": (A, 0.0), "old-live": (A, 0.0), "new": (A, 9.0), "elsewhere": (B, 0.0)}
+    reported = {A: ["old-live"]}                       # B has not reported yet
+    assert unreported(placed, reported, now=10.0, lag=5.0) == ["old-gone"]
