@@ -78,13 +78,15 @@ class HFPeers:
         return Run(new, wall)
 
 
-def run_ours(engine, method: str, ids: list[int], max_new: int) -> Run:
-    """One generation, prefilled cold: the verifier's prefix cache would otherwise give a
-    method the prompt that the method before it prefilled (bench.prefix_cache measures it)."""
+def run_ours(engine, method: str, ids: list[int], max_new: int, sampling=None) -> Run:
+    """One generation (greedy unless ``sampling``), prefilled cold: the verifier's prefix cache
+    would otherwise give a method the prompt that the method before it prefilled
+    (bench.prefix_cache measures it)."""
+    from services.common.types import SamplingParams
     from services.router.engine import GenerationRequest
 
     getattr(engine.verifier, "clear_prefix_cache", lambda: None)()
-    gen = engine.generate(GenerationRequest(ids, max_new, method=method))
+    gen = engine.generate(GenerationRequest(ids, max_new, sampling=sampling or SamplingParams(), method=method))
     r = gen.result()
     return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"], list(gen.stats.rescued_pairs))
 
