@@ -126,6 +126,22 @@ def test_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
             assert all(abs(a - b) < 1e-4 for a, (_, b) in zip(x.top_logprobs, r["top"]))
 
 
+def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
+    """Penalties reach the remote verifier with the session: the same output as in process."""
+    from services.common.types import SamplingParams
+
+    _, stub, _, _ = cluster
+    sp = SamplingParams(repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.4)
+    ids = tiny_engine.encode(PROMPTS[1])
+    ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=sp, method="vanilla")).result()["token_ids"]
+    assert ref != tiny_engine.generate(GenerationRequest(ids, 32, method="vanilla")).result()["token_ids"]
+    for method in ("vanilla", "sd"):
+        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method,
+                                                      repetition_penalty=1.3, presence_penalty=0.3,
+                                                      frequency_penalty=0.4), timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == ref, method
+
+
 def test_bounded_load_all_streams_complete_no_session_left(cluster, tiny_engine):
     _, stub, addrs, servicer = cluster
     jobs = [(PROMPTS[i % 4], ["sd", "suffix", "vanilla"][i % 3]) for i in range(16)]
