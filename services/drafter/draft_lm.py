@@ -7,7 +7,7 @@ import torch
 
 from services.common.llama import KVCache, Llama
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
-from services.common.sampling import probs_from_logits, sample
+from services.common.sampling import apply_penalties, probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import common_prefix, register
 
@@ -23,6 +23,7 @@ class _State:
     drafted: list[int] = field(default_factory=list)
     keys: list[bytes] | None = None      # prefix-cache keys of the blocks stored (None: not looked up yet)
     root: bytes = ROOT                   # the first block's parent: the request's cache salt
+    prompt_len: int = 0                  # tokens after it are output (the penalties count them)
 
 
 @dataclass
@@ -104,7 +105,7 @@ class DraftLMDrafter:
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
               max_new_tokens: int = 0, cache_root: bytes = ROOT) -> None:
         self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab,
-                                     root=cache_root)
+                                     root=cache_root, prompt_len=len(prompt))
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
@@ -117,15 +118,18 @@ class DraftLMDrafter:
         while active:
             logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
                                                   [r.st.cache for r in active], last_only=True, head=self.head)
-            last = [lg[-1] for lg in logits]
-            stacked = torch.stack(last)
+            stacked = torch.stack([lg[-1] for lg in logits])
+            for j, r in enumerate(active):   # drafts follow the request's penalties, as the target will
+                if r.st.sp.penalized:
+                    stacked[j] = apply_penalties(stacked[j:j + 1], r.st.tokens + r.out, r.st.prompt_len, [], r.st.sp,
+                                                 self.vocab)[0]
             if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
                 p_max, greedy = torch.softmax(stacked.float(), -1).max(-1)
             else:
-                greedy, p_max = stacked.argmax(-1), torch.ones(len(last))
+                greedy, p_max = stacked.argmax(-1), torch.ones(len(active))
             if self.vocab is not None:
                 greedy = self.vocab[greedy]
-            for r, lg, g, p in zip(active, last, greedy.tolist(), p_max.tolist()):
+            for r, lg, g, p in zip(active, stacked, greedy.tolist(), p_max.tolist()):
                 r.pos += len(r.feed)
                 r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence, self.vocab)
             active = [r for r in active if r.drafting]

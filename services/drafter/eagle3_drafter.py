@@ -18,7 +18,7 @@ import torch
 
 from services.common.llama import KVCache
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv, root_key
-from services.common.sampling import probs_from_logits, sample
+from services.common.sampling import apply_penalties, probs_from_logits, sample
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import register
 from services.drafter.eagle3 import Eagle3Head
@@ -36,6 +36,7 @@ class _State:
     last_feat: torch.Tensor | None = None
     keys: list[bytes] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
     root: bytes = ROOT                # the head blocks' chain root: the cache salt and the first token
+    prompt_len: int = 0               # tokens after it are output (the penalties count them)
 
 
 @dataclass
@@ -73,11 +74,12 @@ class Eagle3Drafter:
         self.min_confidence = min_confidence
         self.prefix = prefix
         self.states: dict[str, _State] = {}
+        self._columns: torch.Tensor | None = None   # target ids of the draft vocabulary (penalties)
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
               max_new_tokens: int = 0, cache_root: bytes = ROOT) -> None:
         self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng,
-                                     root=root_key("eagle3", cache_root, prompt[0]))
+                                     root=root_key("eagle3", cache_root, prompt[0]), prompt_len=len(prompt))
 
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None:
         st = self.states[req_id]
@@ -86,9 +88,14 @@ class Eagle3Drafter:
             st.feats.append(target_states)
             st.n_feats += len(target_states)
 
-    def _pick(self, st: _State, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+    def _pick(self, st: _State, logits: torch.Tensor, drafted: list[int]) -> tuple[int, torch.Tensor | None, float]:
         """Draft-vocabulary logits → (target token, q over the target vocabulary for sampled
-        requests, max q; 1.0 when no confidence cut is set)."""
+        requests, max q; 1.0 when no confidence cut is set). Drafts follow the request's
+        penalties, as the target will, counting the chain's tokens so far as output."""
+        if st.sp.penalized:
+            if self._columns is None:
+                self._columns = self.head.to_target_ids(torch.arange(self.head.draft_vocab, device=logits.device))
+            logits = apply_penalties(logits[None], st.tokens + drafted, st.prompt_len, [], st.sp, self._columns)[0]
         if st.sp.greedy:   # on the draft vocabulary: its max q is the head's own confidence
             tok = self.head.greedy(logits)
             if self.min_confidence <= 0:
@@ -164,7 +171,7 @@ class Eagle3Drafter:
                 self._keep(r.st)
         while active:
             for r, lg, out in zip(active, logits, outs):
-                r.take(self._pick(r.st, lg[-1]), out[-1:], self.min_confidence)
+                r.take(self._pick(r.st, lg[-1], r.drafted), out[-1:], self.min_confidence)
             active = [r for r in active if r.drafting]
             if active:
                 logits, outs = self.head.step_ragged([r.h for r in active], [[r.drafted[-1]] for r in active],

@@ -39,3 +39,17 @@ def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context(
         ref = ref - 0.25 * counts - 0.5 * (counts > 0).float()
         assert torch.allclose(got[i], ref), i
     assert torch.equal(apply_penalties(logits, prompt + output, len(prompt), draft, SamplingParams()), logits)
+
+
+def test_penalties_on_a_draft_vocabulary_follow_its_columns():
+    """A drafter's logits cover a draft vocabulary (FR-Spec, EAGLE-3's d2t): each column is
+    penalized as its token's would be over the whole vocabulary."""
+    from services.common.sampling import apply_penalties
+
+    torch.manual_seed(1)
+    full = torch.randn(1, 12) * 3
+    columns = torch.tensor([1, 3, 4, 7, 11])
+    sp = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
+    tokens, prompt_len = [1, 2, 3, 3, 4, 11], 2
+    whole = apply_penalties(full, tokens, prompt_len, [], sp)
+    assert torch.allclose(apply_penalties(full[:, columns], tokens, prompt_len, [], sp, columns), whole[:, columns])
