@@ -229,7 +229,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
                                 args.presence_penalty, args.frequency_penalty),
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
-        include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs)
+        include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs)
     try:
         gen = engine.generate(req)
     except InvalidRequest as e:
@@ -427,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     _penalty_args(p)
     p.add_argument("--logprobs", type=int, default=None,
                    help="with --json: each token's target log-probability and this many alternatives (0-20)")
+    p.add_argument("--prompt-logprobs", type=int, default=None,
+                   help="with --json: each prompt token's target log-probability and this many alternatives (0-20)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     p.set_defaults(func=cmd_generate)
 

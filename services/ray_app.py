@@ -257,7 +257,8 @@ class RaySession:
         self.h.open.remote(replace(self.spec, prompt_ids=list(self.tokens),
                                    max_new_tokens=max(1, self.spec.max_new_tokens - generated),
                                    min_tokens=max(0, self.spec.min_tokens - generated),
-                                   generated=self.spec.generated + generated)).result()
+                                   generated=self.spec.generated + generated,
+                                   prompt_logprobs=None if generated else self.spec.prompt_logprobs)).result()
 
     def cycle(self, req: CycleRequest):
         try:

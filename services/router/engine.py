@@ -65,6 +65,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()   # generation ends after any of these (kept in the output)
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None    # per prompt token after the first: its log-probability and alternatives
     method: str = "sd"
     request_id: str = ""
     deadline_s: float | None = None   # time the client allows, from the request's arrival
@@ -236,8 +237,10 @@ class Engine:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(sp, name) <= 2:
                 raise InvalidRequest(f"{name}: must be in [-2, 2] (0 disables it), got {getattr(sp, name)}")
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {req.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(req, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise InvalidRequest(f"{name}: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {n}")
         if not 0 <= req.min_tokens <= req.max_new_tokens:
             raise InvalidRequest(f"min_tokens: must be in [0, max_new_tokens={req.max_new_tokens}], got {req.min_tokens}")
         if len(req.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in req.stop):
@@ -276,6 +279,7 @@ class Generation:
         self._batch = 1  # sessions in the verifier step of the last cycle
         self.cached_tokens = 0  # prompt tokens the verifier's prefix cache gave
         self.logprobs: list[TokenLogprob] = []   # per output token, when the request asked
+        self.prompt_logprobs: list[TokenLogprob] = []   # per prompt token after the first, when asked
         self._session = None
         self._cancelled = False
 
@@ -293,7 +297,7 @@ class Generation:
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
             session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt,
-            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens))
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, prompt_logprobs=req.prompt_logprobs))
         if self._cancelled:
             self.cancel()
         if self.drafter:
@@ -341,6 +345,7 @@ class Generation:
         self._batch = res.batch_size
         # usage counts the prompt's own tokens (a failover's re-open may hit on tokens generated since)
         self.cached_tokens = min(len(self.req.prompt_ids), self.cached_tokens + res.cached_tokens)
+        self.prompt_logprobs += res.prompt_logprobs
         if self.drafter:
             self.drafter.observe(self.req_id, res.committed)
         t2 = time.perf_counter()
@@ -410,7 +415,8 @@ class Generation:
         out = {"text": self.text, "token_ids": list(self.output_ids), "finish_reason": self.finish_reason,
                "method": self.req.method, "prompt_tokens": len(self.req.prompt_ids),
                "cached_prompt_tokens": self.cached_tokens, "stats": stats}
-        if self.req.logprobs is not None:
-            out["logprobs"] = [{"token_id": x.token_id, "logprob": round(x.logprob, 6),
-                                "top": [[i, round(v, 6)] for i, v in x.top]} for x in self.logprobs]
+        for name, lps in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if getattr(self.req, name) is not None:
+                out[name] = [{"token_id": x.token_id, "logprob": round(x.logprob, 6),
+                              "top": [[i, round(v, 6)] for i, v in x.top]} for x in lps]
         return out

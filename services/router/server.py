@@ -41,6 +41,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         stop=tuple(s for s in r.stop if s),
         stop_token_ids=tuple(r.stop_token_ids),
         include_stop_str_in_output=r.include_stop_str_in_output,
+        prompt_logprobs=r.prompt_logprobs if r.HasField("prompt_logprobs") else None,
         method=r.method or engine.default_method,
         request_id=r.request_id,
         logprobs=r.logprobs if r.HasField("logprobs") else None,
@@ -52,9 +53,12 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
 
 def step_to_pb(step) -> pb.GenerateResponse:
     """One cycle's output: new tokens, new text and, when asked, the tokens' log-probabilities."""
-    return pb.GenerateResponse(token_ids=step.token_ids, text=step.text, logprobs=[
-        pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_ids=[i for i, _ in x.top],
-                        top_logprobs=[v for _, v in x.top]) for x in step.logprobs])
+    return pb.GenerateResponse(token_ids=step.token_ids, text=step.text, logprobs=logprobs_to_pb(step.logprobs))
+
+
+def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_ids=[i for i, _ in x.top],
+                            top_logprobs=[v for _, v in x.top]) for x in lps]
 
 
 def final_to_pb(gen: Generation) -> pb.GenerateResponse:
@@ -69,6 +73,7 @@ def final_to_pb(gen: Generation) -> pb.GenerateResponse:
             accepted_per_position=s.accepted_per_position,
             draft_s=gen.timings.draft_s, verify_s=gen.timings.verify_s),
         method=gen.req.method,
+        prompt_logprobs=logprobs_to_pb(gen.prompt_logprobs),
     )
 
 

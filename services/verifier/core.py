@@ -53,6 +53,7 @@ class SessionSpec:
     ignore_eos: bool = False             # commit past the end-of-sequence token
     min_tokens: int = 0                  # no end-of-sequence token before this many new tokens
     generated: int = 0                   # the last this many prompt_ids are output already (a re-open)
+    prompt_logprobs: int | None = None   # per prompt token after the first: its log-probability and alternatives
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class CycleResult:
     verify_s: float = 0.0
     batch_size: int = 1                  # sessions verified in the same target forward
     cached_tokens: int = 0               # prompt positions the prefix cache gave (a session's first cycle)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # a session's first cycle, when it asked
     logprobs: tuple[TokenLogprob, ...] = ()   # one per committed token, when the session asked
 
 
@@ -330,7 +332,8 @@ class VerifierSession:
         self.rng = make_rng(s.sampling.seed)
         self.policy = self.core.policies[s.policy]
         root = salt_root(s.cache_salt)
-        self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1, root)
+        self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1, root,
+                                            s.prompt_logprobs)
         self.core.batcher.opened(self)
         self.core.sessions.add(self.session_id)
         self._closed = False
@@ -368,7 +371,7 @@ class VerifierSession:
             rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
             rejected=verdict.first_rejection is not None and accepted < len(committed),
             draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size,
-            cached_tokens=self._report_cached(),
+            cached_tokens=self._report_cached(), prompt_logprobs=self._report_prompt_logprobs(),
             logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else ())
 
     def _penalized(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
@@ -389,6 +392,11 @@ class VerifierSession:
         logits = logits.clone()
         logits[:left, self.core.eos_id] = float("-inf")
         return logits
+
+    def _report_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The prompt's log-probabilities, reported once (with the first cycle)."""
+        lps, self.target.prompt_lps = self.target.prompt_lps, []
+        return tuple(lps)
 
     def _report_cached(self) -> int:
         """The prefix cache's share of the prompt, reported once (with the first cycle)."""

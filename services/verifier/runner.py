@@ -16,6 +16,7 @@ import torch
 from services.common.llama import KVCache, Llama
 from services.common.metrics import PREFILL_CHUNKS, PREFIX_CACHE, PREFIX_CACHE_BYTES, VERIFY_BATCH
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
+from services.common.sampling import token_logprobs
 from services.common.types import Verdict
 
 
@@ -29,6 +30,9 @@ class TargetSession:
     keys: list[bytes] | None = field(default_factory=list)   # prefix-cache keys of blocks 0.. (None: stores none)
     feats: list[torch.Tensor] = field(default_factory=list)   # fused features from block len(keys) on
     root: bytes = ROOT                      # the first block's parent: the request's cache salt
+    prompt_top: int | None = None           # prompt logprobs wanted, with this many alternatives
+    prompt_len: int = 0
+    prompt_lps: list = field(default_factory=list)   # prompt logprobs computed, not yet reported
 
     @property
     def pending(self) -> list[int]:
@@ -49,9 +53,10 @@ class TargetRunner:
     def max_positions(self) -> int:
         return self.model.s.max_positions
 
-    def open(self, prompt: list[int], capacity: int, root: bytes = ROOT) -> TargetSession:
+    def open(self, prompt: list[int], capacity: int, root: bytes = ROOT, prompt_top: int | None = None
+             ) -> TargetSession:
         return TargetSession(tokens=list(prompt), cache=self.model.new_cache(1, min(capacity, self.max_positions)),
-                             root=root)
+                             root=root, prompt_top=prompt_top, prompt_len=len(prompt))
 
     def verify(self, st: TargetSession, draft: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Target logits [k+1, V] for the draft positions (row k = bonus) and the captured
@@ -74,9 +79,16 @@ class TargetRunner:
         VERIFY_BATCH.observe(len(verify) + len(prefill))
         seqs = [st.pending + draft for st, draft in verify] + [st.pending[:n] for st, n in prefill]
         sessions = [st for st, _ in verify] + [st for st, _ in prefill]
+        # Rows before a verification's (its pending prompt tokens but the newest) and a prefill
+        # chunk's get the LM head too when the session wants its prompt's logprobs.
+        extra = [self._prompt_rows(st, len(st.pending) - 1) for st, _ in verify] +                 [self._prompt_rows(st, n) for st, n in prefill]
         logits, hidden = self.model.forward_ragged(
             seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
-            tails=[len(draft) + 1 for _, draft in verify] + [0] * len(prefill))
+            tails=[len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify):])
+        for st, lg, e in zip(sessions, logits, extra):
+            if e:
+                self._prompt_logprobs(st, lg[:e])
+        logits = [lg[e:] for lg, e in zip(logits, extra)]
         v = len(verify)
         fused = [torch.cat(hs, dim=-1) if hs else None for hs in hidden[v:]]
         if prefill:
@@ -85,6 +97,20 @@ class TargetRunner:
                 self._keep(st, states)
             PREFILL_CHUNKS.inc(len(prefill))
         return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], fused
+
+    @staticmethod
+    def _prompt_rows(st: TargetSession, fed: int) -> int:
+        """How many of the ``fed`` positions before a session's verification rows predict a
+        prompt token: rows the LM head must run on for its prompt logprobs (else none)."""
+        if st.prompt_top is None:
+            return 0
+        return max(0, min(fed, st.prompt_len - 1 - st.cache_len))
+
+    @staticmethod
+    def _prompt_logprobs(st: TargetSession, logits: torch.Tensor) -> None:
+        """Logits of positions cache_len.. predict the prompt tokens after them."""
+        nxt = st.tokens[st.cache_len + 1:st.cache_len + 1 + len(logits)]
+        st.prompt_lps += token_logprobs(logits.float().cpu(), nxt, st.prompt_top)
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
         """Keep the K/V of the pending tokens and the accepted draft prefix. ``states``: their
@@ -103,6 +129,8 @@ class TargetRunner:
         st.attached = True
         if self.prefix is None:   # a session that started without the cache stores nothing
             st.keys = None
+            return 0, None
+        if st.prompt_top is not None:   # its prompt's logprobs need every position's logits
             return 0, None
         keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity), st.root)
         PREFIX_CACHE.labels("queried").inc(len(st.tokens) - 1)

@@ -42,7 +42,7 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
                                         frequency_penalty=sp.frequency_penalty),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
                    logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
-                   generated=s.generated)
+                   generated=s.generated, prompt_logprobs=s.prompt_logprobs)
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
@@ -55,7 +55,8 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
-                       ignore_eos=o.ignore_eos, min_tokens=o.min_tokens, generated=o.generated)
+                       ignore_eos=o.ignore_eos, min_tokens=o.min_tokens, generated=o.generated,
+                       prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None)
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
@@ -74,22 +75,29 @@ def result_to_pb(r: CycleResult) -> pb.CycleResult:
                           rejected=r.rejected, draft_s=r.draft_s, verify_s=r.verify_s, batch_size=r.batch_size,
                           cached_tokens=r.cached_tokens, logprobs=[x.logprob for x in r.logprobs],
                           top_ids=[i for x in r.logprobs for i, _ in x.top],
-                          top_logprobs=[v for x in r.logprobs for _, v in x.top])
+                          top_logprobs=[v for x in r.logprobs for _, v in x.top],
+                          prompt_ids=[x.token_id for x in r.prompt_logprobs],
+                          prompt_logprobs=[x.logprob for x in r.prompt_logprobs],
+                          prompt_top_ids=[i for x in r.prompt_logprobs for i, _ in x.top],
+                          prompt_top_logprobs=[v for x in r.prompt_logprobs for _, v in x.top])
 
 
 def result_from_pb(r: pb.CycleResult) -> CycleResult:
     return CycleResult(committed=list(r.committed), drafted=r.drafted, accepted=r.accepted, source=r.source,
                        rescued_pairs=tuple((p.draft, p.target) for p in r.rescued), rejected=r.rejected,
                        draft_s=r.draft_s, verify_s=r.verify_s, batch_size=max(1, r.batch_size),
-                       cached_tokens=r.cached_tokens, logprobs=logprobs_from_pb(r))
+                       cached_tokens=r.cached_tokens,
+                       logprobs=logprobs_from_pb(r.committed, r.logprobs, r.top_ids, r.top_logprobs),
+                       prompt_logprobs=logprobs_from_pb(r.prompt_ids, r.prompt_logprobs, r.prompt_top_ids,
+                                                        r.prompt_top_logprobs))
 
 
-def logprobs_from_pb(r: pb.CycleResult) -> tuple[TokenLogprob, ...]:
-    """Per committed token: its log-probability and an equal share of the flattened alternatives."""
-    n = len(r.logprobs)
-    k = len(r.top_ids) // n if n else 0
-    return tuple(TokenLogprob(t, lp, tuple(zip(r.top_ids[j * k:(j + 1) * k], r.top_logprobs[j * k:(j + 1) * k])))
-                 for j, (t, lp) in enumerate(zip(r.committed, r.logprobs)))
+def logprobs_from_pb(tokens, lps, top_ids, top_lps) -> tuple[TokenLogprob, ...]:
+    """Per token: its log-probability and an equal share of the flattened alternatives."""
+    n = len(lps)
+    k = len(top_ids) // n if n else 0
+    return tuple(TokenLogprob(t, lp, tuple(zip(top_ids[j * k:(j + 1) * k], top_lps[j * k:(j + 1) * k])))
+                 for j, (t, lp) in enumerate(zip(tokens, lps)))
 
 
 # -- server ------------------------------------------------------------------------------------
@@ -144,6 +152,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"open.cache_salt: at most {MAX_CACHE_SALT} characters")
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise BadRequest(f"open.logprobs: at most {MAX_LOGPROBS} alternatives")
+        if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"open.prompt_logprobs: at most {MAX_LOGPROBS} alternatives")
         sp = s.sampling
         if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and sp.top_k >= 0 and 0 < sp.repetition_penalty
                 and -2 <= sp.presence_penalty <= 2 and -2 <= sp.frequency_penalty <= 2):
@@ -438,7 +448,9 @@ class RemoteSession:
         spec = SessionSpec(**{**self.spec.__dict__, "prompt_ids": list(self.tokens),
                               "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated),
                               "min_tokens": max(0, self.spec.min_tokens - self.generated),
-                              "generated": self.spec.generated + self.generated})
+                              "generated": self.spec.generated + self.generated,
+                              # the prompt's logprobs came with the first cycle's result
+                              "prompt_logprobs": self.spec.prompt_logprobs if not self.generated else None})
         while True:
             addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
             try:

@@ -25,7 +25,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "max_new_tokens", "sampling", "policy", "model_drafter", "max_draft", "logprobs", "cache_salt", "ignore_eos", "min_tokens", "generated")
+    __slots__ = ("session_id", "prompt_ids", "max_new_tokens", "sampling", "policy", "model_drafter", "max_draft", "logprobs", "cache_salt", "ignore_eos", "min_tokens", "generated", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Open(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -50,7 +51,8 @@ class Open(_message.Message):
     ignore_eos: bool
     min_tokens: int
     generated: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., model_drafter: _Optional[str] = ..., max_draft: _Optional[int] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., generated: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., model_drafter: _Optional[str] = ..., max_draft: _Optional[int] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., generated: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class Cycle(_message.Message):
     __slots__ = ("draft_ids", "draft_source", "draft_with", "budget")
@@ -89,7 +91,7 @@ class RescuedPair(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class CycleResult(_message.Message):
-    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s", "batch_size", "cached_tokens", "logprobs", "top_ids", "top_logprobs")
+    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s", "batch_size", "cached_tokens", "logprobs", "top_ids", "top_logprobs", "prompt_ids", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,10 @@ class CycleResult(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
     accepted: int
@@ -116,7 +122,11 @@ class CycleResult(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("opened", "result")

@@ -101,6 +101,52 @@ def test_logprobs_are_the_target_log_probabilities_of_each_streamed_token(served
     assert all(len(x.top_ids) == 0 for m in own for x in m.logprobs) and sum(len(m.logprobs) for m in own) == 4
 
 
+def check_prompt_logprobs(lps, ids: list[int], model, top: int) -> None:
+    """One per prompt token after the first, equal to a full forward of the target."""
+    import torch
+
+    with torch.no_grad():
+        ref = torch.log_softmax(model.forward_train(torch.tensor([ids]))[0].float(), -1)
+    assert [x.token_id for x in lps] == ids[1:]
+    for j, x in enumerate(lps):
+        assert abs(x.logprob - float(ref[j, ids[j + 1]])) < 1e-4, j
+        assert len(x.top_ids) == top and list(x.top_logprobs) == sorted(x.top_logprobs, reverse=True)
+        assert not top or abs(x.top_logprobs[0] - float(ref[j].max())) < 1e-4
+
+
+def test_prompt_logprobs_are_the_targets_and_bypass_the_prefix_cache(served, tiny_engine):
+    """The last message carries every prompt token's log-probability after the first, for any
+    method; a prompt whose blocks are cached is still prefilled whole for them."""
+    stub, _, _ = served
+    prompt = "".join(f"def plp_{i}(x):\n    return x + {i}\n" for i in range(6))
+    ids = tiny_engine.encode(prompt)
+    assert len(ids) > 64
+    warm = collect(stub, prompt=prompt, max_new_tokens=4, method="sd")   # its blocks are now cached
+    assert not warm[-1].prompt_logprobs and collect(stub, prompt=prompt, max_new_tokens=4)[-1].usage.cached_prompt_tokens
+    for method in ("vanilla", "sd", "suffix"):
+        msgs = collect(stub, prompt=prompt, max_new_tokens=4, method=method, prompt_logprobs=3)
+        assert msgs[-1].usage.cached_prompt_tokens == 0
+        check_prompt_logprobs(msgs[-1].prompt_logprobs, ids, tiny_engine.verifier.runner.model, 3)
+
+
+def test_prompt_logprobs_with_chunked_prefill(served, tiny_engine):
+    """A prompt prefilled in chunks beside a decoding session gets the same prompt logprobs."""
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    stub, _, _ = served
+    core = tiny_engine.verifier
+    ids = list(range(300, 420))
+    other = core.open(SessionSpec(tiny_engine.encode("x = 1\n"), 8))
+    other.cycle(CycleRequest())
+    core.prefill_chunk = 16
+    try:
+        msgs = collect(stub, prompt_token_ids=ids, max_new_tokens=4, method="vanilla", prompt_logprobs=0)
+    finally:
+        core.prefill_chunk = tiny_engine.cfg.prefill_chunk
+        other.close()
+    check_prompt_logprobs(msgs[-1].prompt_logprobs, ids, core.runner.model, 0)
+
+
 def test_prompt_token_ids_and_default_method(served, tiny_engine):
     stub, _, _ = served
     ids = tiny_engine.encode("import os\n")
@@ -147,6 +193,7 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),
     ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
     ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "max_new_tokens": 5, "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "a", "max_new_tokens": 5, "cache_salt": "s" * 257}, "cache_salt"),
     ({"prompt": "a", "max_new_tokens": 5, "min_tokens": 6}, "min_tokens"),
     ({"prompt": "a", "max_new_tokens": 5, "stop": ["s"] * 17}, "stop"),

@@ -126,6 +126,18 @@ def test_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
             assert all(abs(a - b) < 1e-4 for a, (_, b) in zip(x.top_logprobs, r["top"]))
 
 
+def test_prompt_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
+    _, stub, _, _ = cluster
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPTS[0]), 8, method="sd",
+                                                 prompt_logprobs=2)).result()["prompt_logprobs"]
+    msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=8, method="sd",
+                                                  prompt_logprobs=2), timeout=60))
+    got = msgs[-1].prompt_logprobs
+    assert [x.token_id for x in got] == [x["token_id"] for x in ref] == tiny_engine.encode(PROMPTS[0])[1:]
+    for x, r in zip(got, ref):
+        assert abs(x.logprob - r["logprob"]) < 1e-4 and list(x.top_ids) == [i for i, _ in r["top"]]
+
+
 def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
     """Penalties reach the remote verifier with the session: the same output as in process."""
     from services.common.types import SamplingParams

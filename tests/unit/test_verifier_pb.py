@@ -7,7 +7,7 @@ from services.verifier.server import result_from_pb, result_to_pb, spec_from_pb,
 def test_session_spec_round_trip_keeps_every_field_but_the_deadline():
     spec = SessionSpec(prompt_ids=[5, 6, 7], max_new_tokens=9, sampling=SamplingParams(0.75, 0.5, 5, 11, 1.25, 0.5, -0.25),
                        policy="csd", model_drafter="eagle3", max_draft=4, session_id="s-1", logprobs=3,
-                       cache_salt="tenant", ignore_eos=True, min_tokens=4, generated=2)
+                       cache_salt="tenant", ignore_eos=True, min_tokens=4, generated=2, prompt_logprobs=0)
     assert spec_from_pb(spec_to_pb(spec)) == spec
     plain = SessionSpec(prompt_ids=[1], max_new_tokens=2)
     assert spec_from_pb(spec_to_pb(plain)) == plain            # logprobs stays None, not 0
@@ -16,7 +16,8 @@ def test_session_spec_round_trip_keeps_every_field_but_the_deadline():
 def test_cycle_result_round_trip_keeps_logprobs_and_the_cache_hit():
     lps = (TokenLogprob(4, -0.5, ((4, -0.5), (9, -1.25))), TokenLogprob(8, -2.0, ((3, -0.75), (8, -2.0))))
     res = CycleResult(committed=[4, 8], drafted=3, accepted=1, source="draft-lm", rescued_pairs=((4, 2),),
-                      rejected=True, draft_s=0.25, verify_s=0.5, batch_size=3, cached_tokens=64, logprobs=lps)
+                      rejected=True, draft_s=0.25, verify_s=0.5, batch_size=3, cached_tokens=64, logprobs=lps,
+                      prompt_logprobs=(TokenLogprob(6, -1.5, ((7, -0.25), (6, -1.5))),) + lps)
     assert result_from_pb(result_to_pb(res)) == res
     own = CycleResult(committed=[4], drafted=0, accepted=0, source="none",
                       logprobs=(TokenLogprob(4, -0.5),))
