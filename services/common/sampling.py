@@ -32,8 +32,9 @@ def apply_penalties(logits: torch.Tensor, tokens: list[int], output_from: int, d
     ``tokens`` (the prompt, then the output from ``output_from`` on) plus draft[:i], so it
     counts those draft tokens too: every row is penalized as a plain decoding step there would be.
     ``columns``: the token ids of the logits' columns when they cover a draft vocabulary."""
-    rows, dev = logits.shape[0], logits.device
-    vocab = max(logits.shape[1] if columns is None else int(columns.max()) + 1, max(tokens + draft, default=0) + 1)
+    (rows, width), dev = logits.shape, logits.device
+    cols = slice(0, width) if columns is None else columns
+    vocab = max(width if columns is None else int(columns.max()) + 1, max(tokens + draft, default=0) + 1)
     counts = torch.zeros(rows, vocab, device=dev)
     counts[:] = torch.bincount(torch.tensor(tokens[output_from:], dtype=torch.long, device=dev), minlength=vocab)
     for i, d in enumerate(draft[:rows - 1], 1):
@@ -42,14 +43,10 @@ def apply_penalties(logits: torch.Tensor, tokens: list[int], output_from: int, d
     if sp.repetition_penalty != 1.0:
         seen = counts > 0
         seen[:, torch.tensor(tokens[:output_from], dtype=torch.long, device=dev)] = True
-    if columns is not None:
-        counts = counts[:, columns]
-        seen = None if seen is None else seen[:, columns]
-    else:
-        counts, seen = counts[:, :logits.shape[1]], None if seen is None else seen[:, :logits.shape[1]]
+    counts = counts[:, cols]
     x = logits.float()
     if seen is not None:
-        x = torch.where(seen, torch.where(x > 0, x / sp.repetition_penalty, x * sp.repetition_penalty), x)
+        x = torch.where(seen[:, cols], torch.where(x > 0, x / sp.repetition_penalty, x * sp.repetition_penalty), x)
     return (x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()).to(logits.dtype)
 
 

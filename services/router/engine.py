@@ -19,8 +19,6 @@ from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_LOGPROBS
-
-MAX_STOPS, MAX_STOP_CHARS = 16, 256   # stop strings (and stop token ids) per request; characters per string
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
@@ -56,6 +54,22 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
 class InvalidRequest(ValueError):
     """A request field is out of range; the message names the field and what to fix."""
 
+
+MAX_STOPS, MAX_STOP_CHARS = 16, 256   # stop strings (and stop token ids) per request; characters per string
+
+
+def validate_sampling(sp: SamplingParams) -> None:
+    if not sp.temperature >= 0 or sp.temperature != sp.temperature:
+        raise InvalidRequest(f"temperature: must be >= 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        raise InvalidRequest(f"top_p: must be in (0, 1], got {sp.top_p}")
+    if sp.top_k < 0:
+        raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {sp.top_k}")
+    if not 0 < sp.repetition_penalty < float("inf"):
+        raise InvalidRequest(f"repetition_penalty: must be > 0 (1 disables it), got {sp.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(sp, name) <= 2:
+            raise InvalidRequest(f"{name}: must be in [-2, 2] (0 disables it), got {getattr(sp, name)}")
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -226,17 +240,7 @@ class Engine:
             raise InvalidRequest(
                 f"prompt: {len(req.prompt_ids)} prompt tokens + max_new_tokens {req.max_new_tokens} exceed "
                 f"the context of {self.context_len} tokens; shorten the prompt or lower max_new_tokens")
-        if not sp.temperature >= 0 or sp.temperature != sp.temperature:
-            raise InvalidRequest(f"temperature: must be >= 0, got {sp.temperature}")
-        if not 0 < sp.top_p <= 1:
-            raise InvalidRequest(f"top_p: must be in (0, 1], got {sp.top_p}")
-        if sp.top_k < 0:
-            raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {sp.top_k}")
-        if not 0 < sp.repetition_penalty < float("inf"):
-            raise InvalidRequest(f"repetition_penalty: must be > 0 (1 disables it), got {sp.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(sp, name) <= 2:
-                raise InvalidRequest(f"{name}: must be in [-2, 2] (0 disables it), got {getattr(sp, name)}")
+        validate_sampling(req.sampling)
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(req, name)
             if n is not None and not 0 <= n <= MAX_LOGPROBS:

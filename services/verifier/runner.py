@@ -81,14 +81,16 @@ class TargetRunner:
         sessions = [st for st, _ in verify] + [st for st, _ in prefill]
         # Rows before a verification's (its pending prompt tokens but the newest) and a prefill
         # chunk's get the LM head too when the session wants its prompt's logprobs.
-        extra = [self._prompt_rows(st, len(st.pending) - 1) for st, _ in verify] +                 [self._prompt_rows(st, n) for st, n in prefill]
+        extra = ([self._prompt_rows(st, len(st.pending) - 1) for st, _ in verify]
+                 + [self._prompt_rows(st, n) for st, n in prefill])
         logits, hidden = self.model.forward_ragged(
             seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
             tails=[len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify):])
-        for st, lg, e in zip(sessions, logits, extra):
-            if e:
-                self._prompt_logprobs(st, lg[:e])
-        logits = [lg[e:] for lg, e in zip(logits, extra)]
+        if any(extra):
+            for st, lg, e in zip(sessions, logits, extra):
+                if e:
+                    self._prompt_logprobs(st, lg[:e])
+            logits = [lg[e:] for lg, e in zip(logits, extra)]
         v = len(verify)
         fused = [torch.cat(hs, dim=-1) if hs else None for hs in hidden[v:]]
         if prefill:
