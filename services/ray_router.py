@@ -11,7 +11,7 @@ affinity, as the distributed router's placement does them (``services/router/aff
   its own): a verifier replica reports its open sessions (``record_routing_stats``, every
   ``request_routing_stats_period_s``), and this router adds the ones it opened and removes the
   ones it closed since (``session_loads``).
-- Everything else (a session whose replica is gone or full) is routed as Serve routes by
+- Everything else (a session whose replica is gone) is routed as Serve routes by
   default (power of two choices).
 
     VerifierDeployment.options(request_router_config=RequestRouterConfig(
