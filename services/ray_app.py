@@ -253,12 +253,7 @@ class RaySession:
         self._open()
 
     def _open(self) -> None:
-        generated = len(self.tokens) - len(self.spec.prompt_ids)
-        self.h.open.remote(replace(self.spec, prompt_ids=list(self.tokens),
-                                   max_new_tokens=max(1, self.spec.max_new_tokens - generated),
-                                   min_tokens=max(0, self.spec.min_tokens - generated),
-                                   generated=self.spec.generated + generated,
-                                   prompt_logprobs=None if generated else self.spec.prompt_logprobs)).result()
+        self.h.open.remote(self.spec.resumed(self.tokens[len(self.spec.prompt_ids):])).result()
 
     def cycle(self, req: CycleRequest):
         try:

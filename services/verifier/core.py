@@ -55,6 +55,17 @@ class SessionSpec:
     generated: int = 0                   # the last this many prompt_ids are output already (a re-open)
     prompt_logprobs: int | None = None   # per prompt token after the first: its log-probability and alternatives
 
+    def resumed(self, committed: list[int]) -> "SessionSpec":
+        """The spec that re-opens this session elsewhere after ``committed`` output tokens
+        (failover): they join the prompt and count as output; the limits shrink by them, and
+        the prompt's logprobs, which came with the first cycle, are not asked again."""
+        n = len(committed)
+        if not n:
+            return self
+        return replace(self, prompt_ids=self.prompt_ids + list(committed),
+                       max_new_tokens=max(1, self.max_new_tokens - n), min_tokens=max(0, self.min_tokens - n),
+                       generated=self.generated + n, prompt_logprobs=None)
+
 
 @dataclass(frozen=True)
 class CycleRequest:

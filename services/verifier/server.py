@@ -437,7 +437,6 @@ class RemoteSession:
     def __init__(self, pool: "RemoteVerifier", spec: SessionSpec):
         self.pool, self.spec = pool, spec
         self.tokens = list(spec.prompt_ids)
-        self.generated = 0
         self.cancelled = False
         self._t0 = time.monotonic()
         self._connect(exclude=set())
@@ -445,12 +444,7 @@ class RemoteSession:
     def _connect(self, exclude: set[str]) -> None:
         """Open the session (prompt + committed so far) on a live replica: the least loaded, or
         one nearly as loaded that holds the prompt's start in its prefix cache."""
-        spec = SessionSpec(**{**self.spec.__dict__, "prompt_ids": list(self.tokens),
-                              "max_new_tokens": max(1, self.spec.max_new_tokens - self.generated),
-                              "min_tokens": max(0, self.spec.min_tokens - self.generated),
-                              "generated": self.spec.generated + self.generated,
-                              # the prompt's logprobs came with the first cycle's result
-                              "prompt_logprobs": self.spec.prompt_logprobs if not self.generated else None})
+        spec = self.spec.resumed(self.tokens[len(self.spec.prompt_ids):])
         while True:
             addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
             try:
@@ -489,7 +483,6 @@ class RemoteSession:
                 tried.add(self.addr)
                 self._connect(exclude=tried)  # same context, so the same request is valid there
         self.tokens.extend(res.committed)
-        self.generated += len(res.committed)
         return res
 
     def cancel(self) -> None:

@@ -22,3 +22,12 @@ def test_cycle_result_round_trip_keeps_logprobs_and_the_cache_hit():
     own = CycleResult(committed=[4], drafted=0, accepted=0, source="none",
                       logprobs=(TokenLogprob(4, -0.5),))
     assert result_from_pb(result_to_pb(own)).logprobs == own.logprobs
+
+
+def test_a_resumed_spec_carries_the_output_so_far():
+    spec = SessionSpec(prompt_ids=[1, 2], max_new_tokens=9, min_tokens=4, prompt_logprobs=2)
+    assert spec.resumed([]) is spec
+    again = spec.resumed([7, 8, 9])
+    assert (again.prompt_ids, again.max_new_tokens, again.min_tokens, again.generated, again.prompt_logprobs) == \
+        ([1, 2, 7, 8, 9], 6, 1, 3, None)
+    assert spec.resumed([5] * 12).max_new_tokens == 1 and spec.resumed([5] * 12).min_tokens == 0
