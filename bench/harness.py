@@ -48,6 +48,7 @@ class Run:
     wall: float
     stats: dict = field(default_factory=dict)
     rescued_pairs: list = field(default_factory=list)
+    finish: str = ""
 
 
 class HFPeers:
@@ -78,7 +79,7 @@ class HFPeers:
         return Run(new, wall)
 
 
-def run_ours(engine, method: str, ids: list[int], max_new: int, sampling=None) -> Run:
+def run_ours(engine, method: str, ids: list[int], max_new: int, sampling=None, structured=None) -> Run:
     """One generation (greedy unless ``sampling``), prefilled cold: the verifier's prefix cache
     would otherwise give a method the prompt that the method before it prefilled
     (bench.prefix_cache measures it)."""
@@ -86,9 +87,10 @@ def run_ours(engine, method: str, ids: list[int], max_new: int, sampling=None) -
     from services.router.engine import GenerationRequest
 
     getattr(engine.verifier, "clear_prefix_cache", lambda: None)()
-    gen = engine.generate(GenerationRequest(ids, max_new, sampling=sampling or SamplingParams(), method=method))
+    gen = engine.generate(GenerationRequest(ids, max_new, sampling=sampling or SamplingParams(), method=method,
+                                            structured=structured))
     r = gen.result()
-    return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"], list(gen.stats.rescued_pairs))
+    return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"], list(gen.stats.rescued_pairs), r["finish_reason"])
 
 
 @torch.inference_mode()

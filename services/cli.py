@@ -219,7 +219,24 @@ def _penalty_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
 
 
+def _structured_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", help="the output is a JSON instance of this schema (a JSON string, or @FILE)")
+    g.add_argument("--regex", help="the output matches this regular expression as a whole")
+    g.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+
+
+def _structured(args: argparse.Namespace) -> dict:
+    """The structured-output fields the flags set: {} or one of json_schema / regex / choice."""
+    schema = args.json_schema
+    if schema and schema.startswith("@"):
+        schema = Path(schema[1:]).read_text()
+    found = {"json_schema": schema, "regex": args.regex, "choice": tuple(args.choice or ())}
+    return {k: v for k, v in found.items() if v}
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
+    from services.common.structured import StructuredOutput
     from services.common.types import SamplingParams
     from services.router.engine import Engine, GenerationRequest, InvalidRequest
 
@@ -230,7 +247,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                                 args.presence_penalty, args.frequency_penalty),
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
         include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs)
+        prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None)
     try:
         gen = engine.generate(req)
     except InvalidRequest as e:
@@ -254,6 +271,11 @@ def cmd_client(args: argparse.Namespace) -> None:
                              include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty)
+    structured = _structured(args)
+    if "choice" in structured:
+        req.structured_output.choice.values.extend(structured["choice"])
+    elif structured:
+        req.structured_output.MergeFrom(pb.StructuredOutput(**structured))
     from services.common.security import TLSConfig, channel_credentials
 
     tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
@@ -426,6 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=None)
     _stop_args(p)
     _penalty_args(p)
+    _structured_args(p)
     p.add_argument("--logprobs", type=int, default=None,
                    help="with --json: each token's target log-probability and this many alternatives (0-20)")
     p.add_argument("--prompt-logprobs", type=int, default=None,
@@ -441,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     _stop_args(p)
     _penalty_args(p)
+    _structured_args(p)
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")

@@ -8,6 +8,7 @@ import torch
 from services.common.llama import KVCache, Llama
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
 from services.common.sampling import apply_penalties, probs_from_logits, sample
+from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import common_prefix, register
 
@@ -24,6 +25,7 @@ class _State:
     keys: list[bytes] | None = None      # prefix-cache keys of the blocks stored (None: not looked up yet)
     root: bytes = ROOT                   # the first block's parent: the request's cache salt
     prompt_len: int = 0                  # tokens after it are output (the penalties count them)
+    grammar: GrammarCursor | None = None  # structured output: drafts stay inside the grammar
 
 
 @dataclass
@@ -36,13 +38,25 @@ class _Row:
     out: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
     confident: bool = True
+    state: int | None = None             # the grammar's state after the output and ``out``
 
     @classmethod
     def of(cls, st: _State, budget: int) -> "_Row":
         # K/V of an earlier draft that was never committed is stale; at least one token stays pending.
         st.cache_len = min(st.cache_len, len(st.tokens) - 1)
         budget = max(0, min(budget, st.cache.capacity - len(st.tokens)))
-        return cls(st, budget, st.tokens[st.cache_len:], st.cache_len)
+        return cls(st, budget, st.tokens[st.cache_len:], st.cache_len,
+                   state=st.grammar.state if st.grammar else None)
+
+    def constrain(self, logits: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor | None:
+        """The row's logits under its request's penalties and grammar (None: the grammar
+        allows none of the columns, so the chain ends)."""
+        st = self.st
+        if st.sp.penalized:   # drafts follow the request's penalties, as the target will
+            logits = apply_penalties(logits[None], st.tokens + self.out, st.prompt_len, [], st.sp, columns)[0]
+        if st.grammar is not None:
+            return st.grammar.grammar.mask_columns(logits, self.state, columns)
+        return logits
 
     def take(self, greedy_tok: int | None, logits: torch.Tensor, p_max: float, min_confidence: float,
              vocab: torch.Tensor | None = None) -> None:
@@ -60,10 +74,12 @@ class _Row:
         self.out.append(greedy_tok)
         self.feed = [greedy_tok]
         self.confident = p_max >= min_confidence
+        if self.st.grammar is not None:
+            self.state = self.st.grammar.grammar.next(self.state, greedy_tok)
 
     @property
     def drafting(self) -> bool:
-        return self.confident and len(self.out) < self.budget
+        return self.confident and len(self.out) < self.budget and (self.st.grammar is None or self.state is not None)
 
     def finish(self, source: str) -> Draft:
         if self.out:
@@ -103,9 +119,9 @@ class DraftLMDrafter:
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
-              max_new_tokens: int = 0, cache_root: bytes = ROOT) -> None:
+              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None) -> None:
         self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab,
-                                     root=cache_root, prompt_len=len(prompt))
+                                     root=cache_root, prompt_len=len(prompt), grammar=grammar)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
@@ -119,10 +135,14 @@ class DraftLMDrafter:
             logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
                                                   [r.st.cache for r in active], last_only=True, head=self.head)
             stacked = torch.stack([lg[-1] for lg in logits])
-            for j, r in enumerate(active):   # drafts follow the request's penalties, as the target will
-                if r.st.sp.penalized:
-                    stacked[j] = apply_penalties(stacked[j:j + 1], r.st.tokens + r.out, r.st.prompt_len, [], r.st.sp,
-                                                 self.vocab)[0]
+            for j, r in enumerate(active):
+                if r.st.sp.penalized or r.st.grammar is not None:
+                    row = r.constrain(stacked[j], self.vocab)
+                    if row is None:
+                        r.budget = len(r.out)   # nothing the grammar allows: the chain ends here
+                    else:
+                        stacked[j] = row
+            ended = {id(r) for r in active if not r.drafting}
             if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
                 p_max, greedy = torch.softmax(stacked.float(), -1).max(-1)
             else:
@@ -131,7 +151,8 @@ class DraftLMDrafter:
                 greedy = self.vocab[greedy]
             for r, lg, g, p in zip(active, stacked, greedy.tolist(), p_max.tolist()):
                 r.pos += len(r.feed)
-                r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence, self.vocab)
+                if id(r) not in ended:
+                    r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence, self.vocab)
             active = [r for r in active if r.drafting]
         return [r.finish(self.name) for r in rows]
 

@@ -19,6 +19,7 @@ import torch
 from services.common.llama import KVCache
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv, root_key
 from services.common.sampling import apply_penalties, probs_from_logits, sample
+from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import register
 from services.drafter.eagle3 import Eagle3Head
@@ -37,6 +38,7 @@ class _State:
     keys: list[bytes] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
     root: bytes = ROOT                # the head blocks' chain root: the cache salt and the first token
     prompt_len: int = 0               # tokens after it are output (the penalties count them)
+    grammar: GrammarCursor | None = None   # structured output: drafts stay inside the grammar
 
 
 @dataclass
@@ -47,18 +49,24 @@ class _Row:
     qs: list[torch.Tensor] = field(default_factory=list)
     h: torch.Tensor | None = None      # the head's last prenorm output, input of the next step
     confident: bool = True
+    state: int | None = None           # the grammar's state after the output and ``drafted``
 
-    def take(self, pick: tuple[int, torch.Tensor | None, float], h: torch.Tensor, min_confidence: float) -> None:
+    def take(self, pick: tuple[int, torch.Tensor | None, float] | None, h: torch.Tensor, min_confidence: float) -> None:
+        if pick is None:   # the grammar allows none of the head's tokens: the chain ends
+            self.budget = len(self.drafted)
+            return
         tok, q, p_max = pick
         self.drafted.append(tok)
         if q is not None:
             self.qs.append(q)
         self.h = h
         self.confident = p_max >= min_confidence
+        if self.st.grammar is not None:
+            self.state = self.st.grammar.grammar.next(self.state, tok)
 
     @property
     def drafting(self) -> bool:
-        return self.confident and len(self.drafted) < self.budget
+        return self.confident and len(self.drafted) < self.budget and (self.st.grammar is None or self.state is not None)
 
 
 @register("eagle3")
@@ -77,9 +85,10 @@ class Eagle3Drafter:
         self._columns: torch.Tensor | None = None   # target ids of the draft vocabulary (penalties)
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
-              max_new_tokens: int = 0, cache_root: bytes = ROOT) -> None:
+              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None) -> None:
         self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng,
-                                     root=root_key("eagle3", cache_root, prompt[0]), prompt_len=len(prompt))
+                                     root=root_key("eagle3", cache_root, prompt[0]), prompt_len=len(prompt),
+                                     grammar=grammar)
 
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None:
         st = self.states[req_id]
@@ -88,14 +97,19 @@ class Eagle3Drafter:
             st.feats.append(target_states)
             st.n_feats += len(target_states)
 
-    def _pick(self, st: _State, logits: torch.Tensor, drafted: list[int]) -> tuple[int, torch.Tensor | None, float]:
+    def _pick(self, st: _State, logits: torch.Tensor, drafted: list[int],
+              state: int | None = None) -> tuple[int, torch.Tensor | None, float] | None:
         """Draft-vocabulary logits → (target token, q over the target vocabulary for sampled
         requests, max q; 1.0 when no confidence cut is set). Drafts follow the request's
-        penalties, as the target will, counting the chain's tokens so far as output."""
+        penalties, as the target will, counting the chain's tokens so far as output, and its
+        grammar (at ``state``): None when the grammar allows none of the head's tokens."""
         if st.sp.penalized:
-            if self._columns is None:
-                self._columns = self.head.to_target_ids(torch.arange(self.head.draft_vocab, device=logits.device))
-            logits = apply_penalties(logits[None], st.tokens + drafted, st.prompt_len, [], st.sp, self._columns)[0]
+            logits = apply_penalties(logits[None], st.tokens + drafted, st.prompt_len, [], st.sp,
+                                     self._target_columns(logits.device))[0]
+        if st.grammar is not None:
+            logits = st.grammar.grammar.mask_columns(logits, state, self._target_columns(logits.device))
+            if logits is None:
+                return None
         if st.sp.greedy:   # on the draft vocabulary: its max q is the head's own confidence
             tok = self.head.greedy(logits)
             if self.min_confidence <= 0:
@@ -103,6 +117,12 @@ class Eagle3Drafter:
             return tok, None, float(torch.softmax(logits.float(), -1).max())
         q = probs_from_logits(self.head.target_logits(logits), st.sp).cpu()
         return sample(q, st.rng), q, float(q.max())
+
+    def _target_columns(self, device) -> torch.Tensor:
+        """The target ids of the draft vocabulary's columns."""
+        if self._columns is None:
+            self._columns = self.head.to_target_ids(torch.arange(self.head.draft_vocab, device=device))
+        return self._columns
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]
@@ -161,7 +181,8 @@ class Eagle3Drafter:
         for req_id, budget in asks:
             st = self.states[req_id]
             budget = min(budget, st.cache.capacity - st.n_feats)
-            rows.append(_Row(st, budget) if st.n_feats > 0 and budget > 0 else None)
+            rows.append(_Row(st, budget, state=st.grammar.state if st.grammar else None)
+                        if st.n_feats > 0 and budget > 0 else None)
         active = [r for r in rows if r is not None]
         if active:
             inputs = [self._catch_up(r.st) for r in active]
@@ -171,7 +192,7 @@ class Eagle3Drafter:
                 self._keep(r.st)
         while active:
             for r, lg, out in zip(active, logits, outs):
-                r.take(self._pick(r.st, lg[-1], r.drafted), out[-1:], self.min_confidence)
+                r.take(self._pick(r.st, lg[-1], r.drafted, r.state), out[-1:], self.min_confidence)
             active = [r for r in active if r.drafting]
             if active:
                 logits, outs = self.head.step_ragged([r.h for r in active], [[r.drafted[-1]] for r in active],

@@ -19,6 +19,7 @@ from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_LOGPROBS
+from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
@@ -87,6 +88,7 @@ class GenerationRequest:
     cache_salt: str = ""              # prefix-cache blocks are shared only among requests of the same salt
     ignore_eos: bool = False          # generate max_new_tokens tokens; EOS is a token like any other
     min_tokens: int = 0               # no end-of-sequence token before this many new tokens
+    structured: StructuredOutput | None = None   # the output must match this schema, regex or choice
 
 
 @dataclass
@@ -142,6 +144,16 @@ class Engine:
         self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
         self._ids = itertools.count()
+        self._grammars = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output patterns over the tokenizer: the in-process verifier's compiler, so
+        each pattern compiles once per process."""
+        if self._grammars is None:
+            self._grammars = (self.verifier.grammars if isinstance(self.verifier, VerifierCore)
+                              else GrammarCompiler(self.tokenizer, self.verifier.vocab_size))
+        return self._grammars
 
     def _add_hybrids(self, cfg: EngineConfig) -> None:
         """hybrid / hybrid-rule: the suffix cache + the verifier's model drafter as fallback."""
@@ -194,6 +206,8 @@ class Engine:
         if self.suffix_feed is not None:
             self.suffix_feed.close()
         self.verifier.close()
+        if self._grammars is not None:
+            self._grammars.worker.close()
 
     @property
     def context_len(self) -> int:
@@ -255,6 +269,18 @@ class Engine:
             raise InvalidRequest(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
         if req.method not in self.methods():
             raise InvalidRequest(f"method: unknown method {req.method!r}; choose one of {', '.join(self.methods())}")
+        if req.structured is not None:
+            self._validate_structured(req)
+
+    def _validate_structured(self, req: GenerationRequest) -> None:
+        """The pattern compiles, and nothing else decides where the output ends."""
+        if req.ignore_eos or req.min_tokens:
+            raise InvalidRequest("structured_output: cannot be combined with ignore_eos or min_tokens "
+                                 "(the grammar decides where the output may end)")
+        try:
+            self.grammars.compile(req.structured.pattern())
+        except GrammarError as e:
+            raise InvalidRequest(str(e)) from None
 
     def generate(self, req: GenerationRequest) -> "Generation":
         self.validate(req)
@@ -286,6 +312,8 @@ class Generation:
         self.prompt_logprobs: list[TokenLogprob] = []   # per prompt token after the first, when asked
         self._session = None
         self._cancelled = False
+        self.pattern = req.structured.pattern() if req.structured else None
+        self.grammar = GrammarCursor.after(engine.grammars.compile(self.pattern), []) if self.pattern else None
 
     def cancel(self) -> None:
         """The client went away (any thread): the cycle in flight ends with ``SessionCancelled``
@@ -301,7 +329,8 @@ class Generation:
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
             session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt,
-            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, prompt_logprobs=req.prompt_logprobs))
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, prompt_logprobs=req.prompt_logprobs,
+            grammar=self.pattern))
         if self._cancelled:
             self.cancel()
         if self.drafter:
@@ -328,7 +357,18 @@ class Generation:
         choice = self.drafter.propose(self.req_id, budget)
         if isinstance(choice, Delegate):
             return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
-        return CycleRequest(draft_ids=tuple(choice.token_ids), draft_source=choice.source)
+        return CycleRequest(draft_ids=tuple(self._grammatical(choice.token_ids)), draft_source=choice.source)
+
+    def _grammatical(self, draft: list[int]) -> list[int]:
+        """A router draft up to its first token the grammar forbids (it would be rejected)."""
+        if self.grammar is None:
+            return draft
+        state = self.grammar.state
+        for i, t in enumerate(draft):
+            state = self.grammar.grammar.next(state, t)
+            if state is None:
+                return draft[:i]
+        return draft
 
     def _budget(self) -> int:
         """Draft tokens this cycle may verify: none past the length limit, and none while the
@@ -352,6 +392,8 @@ class Generation:
         self.prompt_logprobs += res.prompt_logprobs
         if self.drafter:
             self.drafter.observe(self.req_id, res.committed)
+        if self.grammar is not None:
+            self.grammar.advance(res.committed)
         t2 = time.perf_counter()
         self.timings.draft_s += (t1 - t0) + res.draft_s
         self.timings.verify_s += res.verify_s

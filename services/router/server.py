@@ -13,6 +13,7 @@ from services.common.config import ServerConfig
 from services.common.grpc_server import build_grpc_server, run_until_signal
 from services.common.security import TLSConfig
 from services.common.metrics import ACTIVE_SESSIONS, QUEUE_DEPTH, REQUESTS_REJECTED
+from services.common.structured import StructuredOutput
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.verifier.core import SessionCancelled
@@ -48,7 +49,17 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         cache_salt=r.cache_salt,
         ignore_eos=r.ignore_eos,
         min_tokens=r.min_tokens,
+        structured=structured_from_pb(r.structured_output) if r.HasField("structured_output") else None,
     )
+
+
+def structured_from_pb(s: pb.StructuredOutput) -> StructuredOutput:
+    kind = s.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("structured_output: set one of json_schema, regex, choice")
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(s.choice.values))
+    return StructuredOutput(**{kind: getattr(s, kind)})
 
 
 def step_to_pb(step) -> pb.GenerateResponse:

@@ -23,6 +23,7 @@ from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
 from services.common.sampling import apply_penalties, make_rng, token_logprobs
+from services.common.structured import GrammarCompiler, GrammarCursor
 from services.common.types import Draft, SamplingParams, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter
 from services.memory.correction_memory import LocalCorrectionMemory
@@ -54,6 +55,7 @@ class SessionSpec:
     min_tokens: int = 0                  # no end-of-sequence token before this many new tokens
     generated: int = 0                   # the last this many prompt_ids are output already (a re-open)
     prompt_logprobs: int | None = None   # per prompt token after the first: its log-probability and alternatives
+    grammar: str | None = None           # structured output: the whole output matches this regex
 
     def resumed(self, committed: list[int]) -> "SessionSpec":
         """The spec that re-opens this session elsewhere after ``committed`` output tokens
@@ -101,8 +103,9 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
 class VerifierCore:
     def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
                  policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, tokenizer_dir: Path | None = None):
         self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
+        self.tokenizer_dir, self._grammars = tokenizer_dir, None
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
         self.prefill_chunk = prefill_chunk
         self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000)
@@ -141,7 +144,18 @@ class VerifierCore:
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
         return cls(runner, drafters, max_draft, policies, memory, eos_id, cfg.max_batch, cfg.batch_window_ms,
-                   cfg.prefill_chunk)
+                   cfg.prefill_chunk, Path(cfg.target))
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output patterns compiled over the target's tokenizer (loaded when first needed)."""
+        if self._grammars is None:
+            from transformers import AutoTokenizer
+
+            if self.tokenizer_dir is None:
+                raise ValueError("structured output needs the target's tokenizer (VerifierCore(tokenizer_dir=...))")
+            self._grammars = GrammarCompiler(AutoTokenizer.from_pretrained(str(self.tokenizer_dir)), self.vocab_size)
+        return self._grammars
 
     def set_memory(self, memory) -> None:
         """Swap the correction memory; the calibrated policy gates from the new one."""
@@ -162,6 +176,8 @@ class VerifierCore:
 
     def close(self) -> None:
         self.memory.close()
+        if self._grammars is not None:
+            self._grammars.worker.close()
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prompt block; call it while no step runs (benchmarks between runs)."""
@@ -349,9 +365,14 @@ class VerifierSession:
         self.core.sessions.add(self.session_id)
         self._closed = False
         self.cancelled = False
+        self.grammar = None   # structured output: where the output so far left the grammar
+        if s.grammar:
+            self.grammar = GrammarCursor.after(self.core.grammars.compile(s.grammar),
+                                               s.prompt_ids[len(s.prompt_ids) - s.generated:])
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
-            self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens, cache_root=root)
+            self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens, cache_root=root,
+                               grammar=self.grammar)
 
     def cycle(self, req: CycleRequest) -> CycleResult:
         """Draft (or take the router's draft), verify, commit; batched with the replica's
@@ -361,8 +382,8 @@ class VerifierSession:
     def finish(self, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor], draft_s: float,
                verify_start: float, batch_size: int = 1) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
-        verdict: Verdict = self.policy(draft, self._no_early_eos(self._penalized(logits, draft)),
-                                       self.spec.sampling, self.rng)
+        verdict: Verdict = self.policy(draft, self._constrained(self._no_early_eos(self._penalized(logits, draft)),
+                                                                draft), self.spec.sampling, self.rng)
         kept = len(self.target.pending) + verdict.accepted
         states = None   # the kept positions' fused target states, for EAGLE-3 and the prefix cache
         if hidden and (self._needs_states or self.core.runner.prefix is not None):
@@ -371,6 +392,8 @@ class VerifierSession:
         eos = self.core.eos_id
         cut = eos in verdict.tokens and not self.spec.ignore_eos
         committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if cut else verdict.tokens
+        if self.grammar is not None:
+            self.grammar.advance(committed)
         if self.drafter:
             self.drafter.observe(self.session_id, committed, states if self._needs_states else None)
         if verdict.first_rejection is not None and self.spec.sampling.greedy:
@@ -403,6 +426,13 @@ class VerifierSession:
         logits = logits.clone()
         logits[:left, self.core.eos_id] = float("-inf")
         return logits
+
+    def _constrained(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """Structured output: each row allows only the tokens the grammar allows after the
+        output and the draft tokens before the row (``TokenGrammar.mask_rows``)."""
+        if self.grammar is None:
+            return logits
+        return self.grammar.grammar.mask_rows(logits, self.grammar.state, draft.token_ids)
 
     def _report_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The prompt's log-probabilities, reported once (with the first cycle)."""

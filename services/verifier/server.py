@@ -21,6 +21,7 @@ from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_LOGPROBS
+from services.common.structured import MAX_REGEX_CHARS, GrammarError
 from services.common.types import SamplingParams, TokenLogprob
 from services.router.affinity import PrefixAffinity, choose
 from services.verifier.core import CycleRequest, CycleResult, SessionCancelled, SessionSpec, VerifierCore
@@ -42,7 +43,7 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
                                         frequency_penalty=sp.frequency_penalty),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
                    logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
-                   generated=s.generated, prompt_logprobs=s.prompt_logprobs)
+                   generated=s.generated, prompt_logprobs=s.prompt_logprobs, grammar=s.grammar or "")
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
@@ -56,7 +57,8 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                        max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
                        ignore_eos=o.ignore_eos, min_tokens=o.min_tokens, generated=o.generated,
-                       prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None)
+                       prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,
+                       grammar=o.grammar or None)
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
@@ -161,6 +163,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                              "presence_penalty and frequency_penalty in [-2, 2]")
         if s.generated > len(s.prompt_ids):
             raise BadRequest("open.generated: must not exceed the prompt's length")
+        if s.grammar is not None:
+            self._check_grammar(s)
+
+    def _check_grammar(self, s: SessionSpec) -> None:
+        if s.ignore_eos or s.min_tokens:
+            raise BadRequest("open.grammar: cannot be combined with ignore_eos or min_tokens")
+        if len(s.grammar) > MAX_REGEX_CHARS:
+            raise BadRequest(f"open.grammar: at most {MAX_REGEX_CHARS} characters")
+        try:
+            grammar = self.core.grammars.compile(s.grammar)
+        except GrammarError as e:
+            raise BadRequest(f"open.grammar: {e}") from None
+        if grammar.walk(grammar.initial, s.prompt_ids[len(s.prompt_ids) - s.generated:]) is None:
+            raise BadRequest("open.generated: the output so far does not follow open.grammar")
 
     def check_cycle(self, c: CycleRequest, spec: SessionSpec) -> None:
         if c.draft_with and c.draft_with != spec.model_drafter:

@@ -205,6 +205,10 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
     ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
+    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "(a"}}, "structured_output"),
+    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"json_schema": "{"}}, "structured_output.json_schema"),
+    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {}}, "structured_output"),
+    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "a+"}, "ignore_eos": True}, "structured_output"),
 ])
 def test_invalid_argument_names_the_field(served, kw, field):
     stub, servicer, _ = served
@@ -340,4 +344,28 @@ def test_cancelled_stream_stops_its_prompt_prefill_at_the_next_step(served, tiny
         assert sum(len(m.token_ids) for m in other) > 0      # the other stream finishes
     finally:
         core.runner.step, core.prefill_chunk = step, tiny_engine.cfg.prefill_chunk
+    assert wait_idle(servicer)
+
+
+def test_structured_output_streams_a_json_instance_of_the_schema(served, tiny_engine):
+    """A JSON schema over gRPC: the stream is the engine's constrained output, and it parses
+    into an instance of the schema."""
+    import json
+
+    from services.common.structured import StructuredOutput
+
+    stub, servicer, _ = served
+    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
+                         "required": ["ok", "tag"]})
+    msgs = collect(stub, prompt="def add(a, b):\n", max_new_tokens=60, method="sd",
+                   structured_output=pb.StructuredOutput(json_schema=schema))
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 60, method="vanilla",
+                                                 structured=StructuredOutput(json_schema=schema))).result()
+    assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_EOS
+    obj = json.loads("".join(m.text for m in msgs))
+    assert isinstance(obj["ok"], bool) and obj["tag"] in ("a", "b")
+    choice = collect(stub, prompt="x = ", max_new_tokens=20, method="sd",
+                     structured_output=pb.StructuredOutput(choice=pb.Choices(values=["None", "True", "[1, 2]"])))
+    assert "".join(m.text for m in choice) in ("None", "True", "[1, 2]")
     assert wait_idle(servicer)

@@ -154,6 +154,22 @@ def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
         assert [t for m in msgs for t in m.token_ids] == ref, method
 
 
+def test_structured_output_over_the_link_equals_embedded(cluster, tiny_engine):
+    """The grammar reaches the remote verifier with the session (and its draft LM): the same
+    constrained output as in process."""
+    from services.common.structured import StructuredOutput
+
+    _, stub, _, _ = cluster
+    regex = r"(def|class) [a-z_]{1,12}\([a-z, ]{0,16}\):\n    return [a-z0-9 +*]{1,20}\n"
+    ids = tiny_engine.encode(PROMPTS[0])
+    ref = tiny_engine.generate(GenerationRequest(ids, 48, method="vanilla",
+                                                 structured=StructuredOutput(regex=regex))).result()["token_ids"]
+    for method in ("vanilla", "sd"):
+        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, method=method,
+                                                      structured_output=gpb.StructuredOutput(regex=regex)), timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == ref, method
+
+
 def test_bounded_load_all_streams_complete_no_session_left(cluster, tiny_engine):
     _, stub, addrs, servicer = cluster
     jobs = [(PROMPTS[i % 4], ["sd", "suffix", "vanilla"][i % 3]) for i in range(16)]
@@ -236,6 +252,8 @@ def test_malformed_verifier_input_gets_clear_status(cluster):
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, logprobs=21))],      # too many alternatives
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=2)),
          vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3, 4, 5]))],                        # draft too long
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, grammar="(a"))],     # bad grammar
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1, 2], max_new_tokens=5, grammar="a+", generated=1))],  # output off it
     ]
     for msgs in bad:
         with pytest.raises(grpc.RpcError) as e:

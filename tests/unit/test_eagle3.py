@@ -165,7 +165,7 @@ def test_dynamic_chain_length_cuts_after_first_doubted_token(tiny_dirs, tiny_eag
 
     full, picks = drafter(1e-9), []   # a cut this low never fires; it makes _pick report max q
     pick = full._pick
-    full._pick = lambda st, lg, drafted: picks.append(pick(st, lg, drafted)) or picks[-1]
+    full._pick = lambda st, lg, drafted, state=None: picks.append(pick(st, lg, drafted, state)) or picks[-1]
     chain = full.propose("r", 8).token_ids
     p_max = [p for _, _, p in picks]
     threshold = sorted(p_max)[len(p_max) // 2]

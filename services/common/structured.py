@@ -1,0 +1,224 @@
+"""Structured output (vLLM's guided decoding): a JSON schema, a regular expression or a
+choice of strings becomes a token-level automaton over the target's vocabulary, and every
+verification row is masked to the tokens it allows after the draft prefix before it.
+
+Rule: a row's distribution is the target's restricted to the tokens that keep the output a
+prefix of some match (the end-of-sequence token only where the output is a whole match).
+Greedy, rejection sampling and the calibrated gate all read the masked rows, so a draft
+token the grammar forbids is simply rejected, and every lossless method still equals
+``vanilla`` under the same constraint. The automaton is outlines-core's ``Index`` (a regex
+DFA walked over each token's bytes); JSON schemas become regexes first.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from services.common.grammar_worker import CompileTimeout, IndexWorker
+
+MAX_SPEC_CHARS = 32768        # a schema, regex or all choices together
+MAX_CHOICES = 256
+MAX_REGEX_CHARS = 65536       # the regex a schema expands to
+
+
+class GrammarError(ValueError):
+    """A structured-output spec that cannot be compiled; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of: ``json_schema`` (a JSON Schema document), ``regex``, ``choice``."""
+
+    json_schema: str = ""
+    regex: str = ""
+    choice: tuple[str, ...] = ()
+
+    def pattern(self) -> str:
+        """The regular expression the output must match as a whole."""
+        kinds = [k for k in ("json_schema", "regex", "choice") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise GrammarError(f"structured_output: set exactly one of json_schema, regex, choice (got {kinds or 'none'})")
+        size = len(self.json_schema) + len(self.regex) + sum(len(c) for c in self.choice)
+        if size > MAX_SPEC_CHARS:
+            raise GrammarError(f"structured_output: at most {MAX_SPEC_CHARS} characters, got {size}")
+        if self.choice:
+            if len(self.choice) > MAX_CHOICES or not all(self.choice):
+                raise GrammarError(f"structured_output.choice: 1 to {MAX_CHOICES} non-empty strings")
+            return "(" + "|".join(escape(c) for c in self.choice) + ")"
+        if self.regex:
+            return self.regex
+        return schema_regex(self.json_schema)
+
+
+_META = re.compile(r"([\\.+*?()|\[\]{}^$#&\-~])")
+
+
+def escape(text: str) -> str:
+    """``text`` as a literal in the automaton's regex syntax (Rust ``regex``)."""
+    return _META.sub(r"\\\1", text)
+
+
+@functools.lru_cache(maxsize=64)
+def schema_regex(schema: str) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        json.loads(schema)
+        pattern = build_regex_from_schema(schema)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"structured_output.json_schema: not a usable JSON schema: {e}") from None
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise GrammarError(f"structured_output.json_schema: too complex (its regex has {len(pattern)} characters, "
+                           f"at most {MAX_REGEX_CHARS}); bound nesting or drop open-ended objects")
+    return pattern
+
+
+def token_bytes(tokenizer) -> dict[bytes, list[int]]:
+    """The bytes each ordinary token stands for: byte-level BPE (GPT-2, Llama 3, Qwen2) maps
+    its printable alphabet back to bytes; SentencePiece maps ▁ to a space and <0xNN> to the byte."""
+    special = set(tokenizer.all_special_ids)
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    byte_level = _byte_level_decoder() if "ByteLevel" in repr(decoder) else {}
+    out: dict[bytes, list[int]] = {}
+    for s, i in tokenizer.get_vocab().items():
+        if i in special:
+            continue
+        if byte_level and all(c in byte_level for c in s):
+            b = bytes(byte_level[c] for c in s)
+        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", s):
+            b = bytes([int(s[3:5], 16)])
+        else:
+            b = s.replace("\u2581", " ").encode()
+        out.setdefault(b, []).append(i)
+    return out
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-printable map, inverted: printable bytes map to themselves, the other
+    bytes to code points from 256 upward, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+class TokenGrammar:
+    """A compiled pattern: automaton states, and per state the tokens allowed (as a mask)."""
+
+    def __init__(self, index, vocab_size: int, eos_id: int):
+        self.index, self.vocab_size, self.eos_id = index, vocab_size, eos_id
+        self.initial = index.get_initial_state()
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def next(self, state: int | None, token: int) -> int | None:
+        """The state after ``token``; None where the grammar forbids it (or the match ended)."""
+        if state is None or token == self.eos_id:
+            return None
+        return self.index.get_next_state(state, token)
+
+    def walk(self, state: int | None, tokens) -> int | None:
+        for t in tokens:
+            state = self.next(state, t)
+        return state
+
+    def allowed(self, state: int) -> torch.Tensor:
+        """[V] bool: the tokens that keep the output a prefix of a match (EOS where it is whole)."""
+        mask = self._masks.get(state)
+        if mask is None:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[torch.tensor(self.index.get_allowed_tokens(state), dtype=torch.long)] = True
+            self._masks[state] = mask
+        return mask
+
+    def mask_columns(self, logits: torch.Tensor, state: int, columns: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A drafter's logits over ``columns`` (target ids; None: the whole
+        vocabulary) with what the grammar forbids at −inf; None where it allows none of them."""
+        allowed = self.allowed(state).to(logits.device)
+        if columns is not None:
+            allowed = allowed[columns]
+        if not bool(allowed.any()):
+            return None
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def mask_rows(self, logits: torch.Tensor, state: int | None, draft: list[int]) -> torch.Tensor:
+        """Row r of ``logits`` follows the output plus ``draft[:r]``: every token the grammar
+        forbids there gets −inf. Rows after a forbidden draft token are left as they are: the
+        token is rejected (its probability is 0), so no policy reads them."""
+        logits = logits.clone()
+        for r in range(min(len(draft) + 1, logits.shape[0])):
+            if state is None:
+                break
+            logits[r].masked_fill_(~self.allowed(state).to(logits.device), float("-inf"))
+            if r < len(draft):
+                state = self.next(state, draft[r])
+        return logits
+
+
+def _regex_detail(pattern: str) -> str:
+    """Python's account of a syntax error in ``pattern`` (it says where), if it finds one."""
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return str(e)
+    return ""
+
+
+class GrammarCompiler:
+    """Compiles patterns over one tokenizer's vocabulary in a worker process with a time
+    limit (``IndexWorker``: some small patterns have automata that take minutes to build);
+    the most recent ones stay cached (their requests usually repeat them)."""
+
+    def __init__(self, tokenizer, vocab_size: int, cached: int = 64, timeout_s: float = 10.0):
+        from outlines_core import Vocabulary
+
+        self.eos_id, self.vocab_size = tokenizer.eos_token_id, vocab_size
+        self.worker = IndexWorker(Vocabulary(self.eos_id, token_bytes(tokenizer)), timeout_s)
+        self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
+        self._cached, self._lock = cached, threading.Lock()
+
+    def compile(self, pattern: str) -> TokenGrammar:
+        with self._lock:
+            if pattern in self._cache:
+                self._cache.move_to_end(pattern)
+                return self._cache[pattern]
+        try:
+            grammar = TokenGrammar(self.worker.compile(pattern), self.vocab_size, self.eos_id)
+        except CompileTimeout as e:
+            raise GrammarError(f"structured_output: too complex: {e}; use fewer or smaller bounded repetitions "
+                               "(x{0,100}), e.g. an unbounded x* or a shorter maxLength") from None
+        except ValueError as e:
+            raise GrammarError(f"structured_output: the pattern cannot be compiled: {_regex_detail(pattern) or e}") from None
+        with self._lock:
+            self._cache[pattern] = grammar
+            while len(self._cache) > self._cached:
+                self._cache.popitem(last=False)
+        return grammar
+
+
+@dataclass
+class GrammarCursor:
+    """A session's place in its grammar: the automaton state after its output so far. The
+    verifier session advances it as tokens commit; the drafters beside the target read it."""
+
+    grammar: TokenGrammar
+    state: int
+
+    @classmethod
+    def after(cls, grammar: TokenGrammar, output: list[int]) -> "GrammarCursor":
+        cursor = cls(grammar, grammar.initial)
+        cursor.advance(output)
+        return cursor
+
+    def advance(self, tokens: list[int]) -> None:
+        """Walk committed tokens (a final end-of-sequence token ends the output: nothing to walk)."""
+        if tokens and tokens[-1] == self.grammar.eos_id:
+            tokens = tokens[:-1]
+        state = self.grammar.walk(self.state, tokens)
+        if state is None:
+            raise GrammarError("structured_output: the output does not follow the grammar")
+        self.state = state
