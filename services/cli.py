@@ -224,6 +224,7 @@ def _structured_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json-schema", help="the output is a JSON instance of this schema (a JSON string, or @FILE)")
     g.add_argument("--regex", help="the output matches this regular expression as a whole")
     g.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
 
 
 def _structured(args: argparse.Namespace) -> dict:
@@ -231,7 +232,8 @@ def _structured(args: argparse.Namespace) -> dict:
     schema = args.json_schema
     if schema and schema.startswith("@"):
         schema = Path(schema[1:]).read_text()
-    found = {"json_schema": schema, "regex": args.regex, "choice": tuple(args.choice or ())}
+    found = {"json_schema": schema, "regex": args.regex, "choice": tuple(args.choice or ()),
+             "json_object": args.json_object}
     return {k: v for k, v in found.items() if v}
 
 
@@ -247,11 +249,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
                                 args.presence_penalty, args.frequency_penalty),
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
         include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None)
+        prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
+        n=args.n)
     try:
-        gen = engine.generate(req)
+        completions = engine.generate_all(req)
     except InvalidRequest as e:
         sys.exit(f"error: {e}")
+    if args.n > 1:   # completions stream interleaved: print each whole, in order
+        for _ in completions:
+            pass
+        results = [g.result() for g in completions.gens]
+        if args.json:
+            print(json.dumps(results))
+            return
+        for i, r in enumerate(results):
+            print(f"--- completion {i} [{r['finish_reason']}]\n{r['text']}")
+        return
+    gen = completions.gens[0]
     if args.json:
         print(json.dumps(gen.result()))
         return
@@ -270,7 +284,7 @@ def cmd_client(args: argparse.Namespace) -> None:
                              method=args.method, stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
                              include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                             frequency_penalty=args.frequency_penalty)
+                             frequency_penalty=args.frequency_penalty, n=args.n)
     structured = _structured(args)
     if "choice" in structured:
         req.structured_output.choice.values.extend(structured["choice"])
@@ -284,9 +298,15 @@ def cmd_client(args: argparse.Namespace) -> None:
     metadata = [("authorization", f"Bearer {token}")] if token else None
     with ch:
         stub = pb_grpc.GenerationStub(ch)
+        texts: dict[int, str] = {}
         try:
             for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
-                print(msg.text, end="", flush=True)
+                if args.n > 1:   # completions arrive interleaved: each is printed whole when it ends
+                    texts[msg.index] = texts.get(msg.index, "") + msg.text
+                    if msg.finish_reason:
+                        print(f"--- completion {msg.index}\n{texts[msg.index]}", end="", flush=True)
+                else:
+                    print(msg.text, end="", flush=True)
                 if msg.finish_reason:
                     s = msg.stats
                     print(f"\n[{pb.FinishReason.Name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
@@ -449,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     _stop_args(p)
     _penalty_args(p)
     _structured_args(p)
+    p.add_argument("-n", "--n", type=int, default=1, help="completions of the prompt (1-16; --json prints a list)")
     p.add_argument("--logprobs", type=int, default=None,
                    help="with --json: each token's target log-probability and this many alternatives (0-20)")
     p.add_argument("--prompt-logprobs", type=int, default=None,
@@ -465,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     _stop_args(p)
     _penalty_args(p)
     _structured_args(p)
+    p.add_argument("-n", "--n", type=int, default=1, help="completions of the prompt (1-16)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")

@@ -364,14 +364,17 @@ class GenerationIngress:
             raise PermissionError(DENIED)
         engine = self.engine
         try:
-            gen = engine.generate(request_from_pb(request, engine))
+            completions = engine.generate_all(request_from_pb(request, engine))
         except InvalidRequest as e:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(e))
             raise
-        for step in gen:
-            yield step_to_pb(step)
-        yield final_to_pb(gen)
+        steps = iter(completions)
+        try:
+            for i, step in steps:
+                yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
+        finally:
+            steps.close()
 
     def Check(self, request):
         from grpc_health.v1 import health_pb2

@@ -8,8 +8,10 @@ verifier is in-process (embedded) or remote (distributed); the loop is the same.
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +26,7 @@ from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
 from services.router.hybrid import Delegate
-from services.verifier.core import CycleRequest, SessionSpec, VerifierCore
+from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec, VerifierCore
 
 MODEL = "model"  # a hybrid's fallback: the verifier's EAGLE-3 head, else its draft LM
 
@@ -57,6 +59,7 @@ class InvalidRequest(ValueError):
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256   # stop strings (and stop token ids) per request; characters per string
+MAX_N = 16                            # completions per request
 
 
 def validate_sampling(sp: SamplingParams) -> None:
@@ -89,6 +92,7 @@ class GenerationRequest:
     ignore_eos: bool = False          # generate max_new_tokens tokens; EOS is a token like any other
     min_tokens: int = 0               # no end-of-sequence token before this many new tokens
     structured: StructuredOutput | None = None   # the output must match this schema, regex or choice
+    n: int = 1                        # independent completions of the prompt (vLLM's n)
 
 
 @dataclass
@@ -269,6 +273,8 @@ class Engine:
             raise InvalidRequest(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
         if req.method not in self.methods():
             raise InvalidRequest(f"method: unknown method {req.method!r}; choose one of {', '.join(self.methods())}")
+        if not 1 <= req.n <= MAX_N:
+            raise InvalidRequest(f"n: must be in [1, {MAX_N}] (completions of the prompt), got {req.n}")
         if req.structured is not None:
             self._validate_structured(req)
 
@@ -284,7 +290,81 @@ class Engine:
 
     def generate(self, req: GenerationRequest) -> "Generation":
         self.validate(req)
+        if req.n != 1:
+            raise InvalidRequest("n: one Generation is one completion; use generate_all for n > 1")
         return Generation(self, req, req.request_id or f"req-{next(self._ids)}")
+
+    def generate_all(self, req: GenerationRequest) -> "Completions":
+        """The request's ``n`` completions, each its own session (vLLM's n): completion i of a
+        seeded request samples with seed + i, so each equals the single request with that seed."""
+        self.validate(req)
+        rid = req.request_id or f"req-{next(self._ids)}"
+        if req.n == 1:
+            return Completions([Generation(self, req, rid)])
+        sp = req.sampling
+        return Completions([Generation(self, replace(req, n=1, sampling=sp if sp.seed is None else replace(sp, seed=sp.seed + i)),
+                                       f"{rid}-{i}") for i in range(req.n)])
+
+
+class Completions:
+    """A request's completions, streamed together: iterate for ``(index, step)`` pairs and
+    ``(index, None)`` when completion ``index`` has finished. With more than one, each runs in
+    a thread of its own, so their cycles share the verifier's batched steps."""
+
+    def __init__(self, gens: list["Generation"]):
+        self.gens = gens
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def cancel(self) -> None:
+        self._stop.set()
+        for g in self.gens:
+            g.cancel()
+
+    def __iter__(self) -> Iterator[tuple[int, "StepOutput | None"]]:
+        if len(self.gens) == 1:
+            steps = iter(self.gens[0])
+            try:
+                for step in steps:
+                    yield 0, step
+            finally:
+                steps.close()   # frees the session even when the consumer stopped early
+            yield 0, None
+            return
+        out: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._run, args=(i, g, out), daemon=True, name=f"completion-{i}")
+                         for i, g in enumerate(self.gens)]
+        for t in self._threads:
+            t.start()
+        try:
+            left = len(self.gens)
+            while left:
+                i, item = out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                left -= item is None
+                yield i, item
+        finally:
+            self.close()
+
+    def _run(self, i: int, gen: "Generation", out: queue.Queue) -> None:
+        try:
+            steps = iter(gen)
+            for step in steps:
+                if self._stop.is_set():
+                    steps.close()   # frees the session now
+                    raise SessionCancelled(f"request {gen.req_id} was cancelled")
+                out.put((i, step))
+            out.put((i, None))
+        except BaseException as e:   # the consumer re-raises it
+            out.put((i, e))
+
+    def close(self) -> None:
+        """Stop every completion still running and wait for their sessions to close."""
+        if any(t.is_alive() for t in self._threads):
+            self.cancel()
+        for t in self._threads:
+            t.join(30)
 
 
 class Generation:

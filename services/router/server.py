@@ -50,21 +50,24 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         ignore_eos=r.ignore_eos,
         min_tokens=r.min_tokens,
         structured=structured_from_pb(r.structured_output) if r.HasField("structured_output") else None,
+        n=r.n if r.HasField("n") else 1,
     )
 
 
 def structured_from_pb(s: pb.StructuredOutput) -> StructuredOutput:
     kind = s.WhichOneof("kind")
     if kind is None:
-        raise InvalidRequest("structured_output: set one of json_schema, regex, choice")
+        raise InvalidRequest("structured_output: set one of json_schema, regex, choice, json_object")
     if kind == "choice":
         return StructuredOutput(choice=tuple(s.choice.values))
     return StructuredOutput(**{kind: getattr(s, kind)})
 
 
-def step_to_pb(step) -> pb.GenerateResponse:
-    """One cycle's output: new tokens, new text and, when asked, the tokens' log-probabilities."""
-    return pb.GenerateResponse(token_ids=step.token_ids, text=step.text, logprobs=logprobs_to_pb(step.logprobs))
+def step_to_pb(step, index: int = 0) -> pb.GenerateResponse:
+    """One cycle's output of completion ``index``: new tokens, new text and, when asked, the
+    tokens' log-probabilities."""
+    return pb.GenerateResponse(token_ids=step.token_ids, text=step.text, logprobs=logprobs_to_pb(step.logprobs),
+                               index=index)
 
 
 def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
@@ -72,9 +75,10 @@ def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
                             top_logprobs=[v for _, v in x.top]) for x in lps]
 
 
-def final_to_pb(gen: Generation) -> pb.GenerateResponse:
+def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
     s = gen.stats
     return pb.GenerateResponse(
+        index=index,
         finish_reason=FINISH.get(gen.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.output_ids),
                        cached_prompt_tokens=gen.cached_tokens),
@@ -98,35 +102,36 @@ class Admission:
         self.running = 0
         self.waiting = 0
 
-    def acquire(self, context: grpc.ServicerContext) -> grpc.StatusCode | None:
-        """None when a slot is taken; else why not: RESOURCE_EXHAUSTED (queue full),
-        DEADLINE_EXCEEDED (the deadline passed in the queue) or CANCELLED."""
+    def acquire(self, context: grpc.ServicerContext, n: int = 1) -> grpc.StatusCode | None:
+        """None when ``n`` slots (a request's completions) are taken; else why not:
+        RESOURCE_EXHAUSTED (queue full), DEADLINE_EXCEEDED (the deadline passed in the queue)
+        or CANCELLED."""
         with self._cond:
-            if self.running < self.max_sessions:
-                self.running += 1
+            if self.running + n <= self.max_sessions:
+                self.running += n
                 return None
             if self.waiting >= self.max_queue:
                 return grpc.StatusCode.RESOURCE_EXHAUSTED
             self.waiting += 1
             QUEUE_DEPTH.set(self.waiting)
             try:
-                while self.running >= self.max_sessions:
+                while self.running + n > self.max_sessions:
                     left = context.time_remaining()
                     if left is not None and left <= 0.005:
                         return grpc.StatusCode.DEADLINE_EXCEEDED
                     if not context.is_active():
                         return grpc.StatusCode.CANCELLED
                     self._cond.wait(timeout=min(0.5, left) if left is not None else 0.5)
-                self.running += 1
+                self.running += n
                 return None
             finally:
                 self.waiting -= 1
                 QUEUE_DEPTH.set(self.waiting)
 
-    def release(self) -> None:
+    def release(self, n: int = 1) -> None:
         with self._cond:
-            self.running -= 1
-            self._cond.notify()
+            self.running -= n
+            self._cond.notify_all()
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -139,11 +144,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
             req = replace(request_from_pb(request, self.engine), deadline_s=context.time_remaining())
-            gen = self.engine.generate(req)
+            if req.n > self.admission.max_sessions:
+                raise InvalidRequest(f"n: at most {self.admission.max_sessions} completions (this server's sessions)")
+            completions = self.engine.generate_all(req)
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        refused = self.admission.acquire(context)
+        refused = self.admission.acquire(context, req.n)
         if refused is not None:
             REQUESTS_REJECTED.labels(refused.name).inc()
             context.abort(refused, "deadline passed while queued for a session slot"
@@ -151,30 +158,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                           f"server is at its limit of {self.admission.max_sessions} concurrent sessions and "
                           f"{self.admission.max_queue} queued requests; retry later")
         with self._lock:
-            self.active[gen.req_id] = gen
+            self.active.update((g.req_id, g) for g in completions.gens)
             ACTIVE_SESSIONS.set(len(self.active))
-        context.add_callback(gen.cancel)   # a cancelled stream stops its cycle in flight (after an end: no-op)
-        steps = iter(gen)
+        context.add_callback(completions.cancel)   # a cancelled stream stops its cycles in flight (after an end: no-op)
+        steps = iter(completions)
         try:
-            for step in steps:
+            for i, step in steps:
                 if not context.is_active():  # cancelled or past its deadline
-                    log.info("request %s ended by the client after %d tokens", gen.req_id, len(gen.output_ids))
+                    log.info("request %s ended by the client", completions.gens[0].req_id)
                     return
-                yield step_to_pb(step)
-            yield final_to_pb(gen)
+                yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
         except SessionCancelled:
-            log.info("request %s cancelled by the client during a cycle", gen.req_id)
+            log.info("request %s cancelled by the client during a cycle", completions.gens[0].req_id)
             return
         except NoReplica as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except grpc.RpcError as e:  # the verifier's status (e.g. the propagated deadline) reaches the client
             context.abort(e.code(), f"verifier: {e.details()}")
         finally:
-            steps.close()  # frees the drafter state even when the client went away mid-stream
+            steps.close()  # frees the sessions and drafter state even when the client went away mid-stream
             with self._lock:
-                self.active.pop(gen.req_id, None)
+                for g in completions.gens:
+                    self.active.pop(g.req_id, None)
                 ACTIVE_SESSIONS.set(len(self.active))
-            self.admission.release()
+            self.admission.release(req.n)
 
 
 def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:

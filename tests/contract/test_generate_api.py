@@ -209,6 +209,8 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"json_schema": "{"}}, "structured_output.json_schema"),
     ({"prompt": "a", "max_new_tokens": 5, "structured_output": {}}, "structured_output"),
     ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "a+"}, "ignore_eos": True}, "structured_output"),
+    ({"prompt": "a", "max_new_tokens": 5, "n": 0}, "n"),
+    ({"prompt": "a", "max_new_tokens": 5, "n": 3}, "n"),   # more completions than the server's 2 sessions
 ])
 def test_invalid_argument_names_the_field(served, kw, field):
     stub, servicer, _ = served
@@ -368,4 +370,21 @@ def test_structured_output_streams_a_json_instance_of_the_schema(served, tiny_en
     choice = collect(stub, prompt="x = ", max_new_tokens=20, method="sd",
                      structured_output=pb.StructuredOutput(choice=pb.Choices(values=["None", "True", "[1, 2]"])))
     assert "".join(m.text for m in choice) in ("None", "True", "[1, 2]")
+    assert wait_idle(servicer)
+
+
+def test_n_completions_stream_with_their_index_and_a_final_each(served, tiny_engine):
+    """n = 2 sampled with seed 5: the messages of index i are the single request with seed
+    5 + i, and each completion ends with its own final message."""
+    from services.common.types import SamplingParams
+
+    stub, servicer, _ = served
+    msgs = collect(stub, prompt="def add(a, b):\n", max_new_tokens=24, method="sd", temperature=1.0, seed=5, n=2)
+    finals = [m for m in msgs if m.finish_reason]
+    assert sorted(m.index for m in finals) == [0, 1] and msgs[-1].finish_reason
+    for i in (0, 1):
+        single = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 24, method="sd",
+                                                        sampling=SamplingParams(temperature=1.0, seed=5 + i))).result()
+        assert [t for m in msgs if m.index == i for t in m.token_ids] == single["token_ids"]
+        assert next(m for m in finals if m.index == i).usage.completion_tokens == len(single["token_ids"])
     assert wait_idle(servicer)

@@ -107,3 +107,16 @@ def test_an_exploding_pattern_is_refused_in_time_and_the_worker_comes_back(tok):
         assert g.walk(g.initial, encode(tok, "    return x\n")) is not None
     finally:
         compiler.worker.close()
+
+
+@pytest.mark.parametrize("text,ok", [
+    ('{"a": [1, {"b": null}], "c": "x"}', False),   # an object inside an array: two levels
+    ('{"a": 1,\n    "b": [true, -2.5e3], "c": {"d": "e"}}', True),
+    ("{}", True), ('{"a": "q\\"x"}', True), ("[1]", False), ('{"a": 01}', False),
+])
+def test_json_object_accepts_objects_with_one_level_of_nesting(tok, compiler, text, ok):
+    g = compiler.compile(StructuredOutput(json_object=True).pattern())
+    state = g.walk(g.initial, encode(tok, text))
+    assert (state is not None and bool(g.allowed(state)[tok.eos_token_id])) == ok
+    if ok:
+        assert isinstance(json.loads(text), dict)
