@@ -335,3 +335,69 @@ def save(out: Path, result: dict, markdown_fn, plot_fn=None) -> None:
     out.with_suffix(".md").write_text(markdown_fn(result))
     if plot_fn is not None:
         plot_fn(result, out.with_suffix(".png"))
+
+
+def run_settings(engine, methods: list[str], prompts: dict[str, list[list[int]]], options: dict[str, dict],
+                 max_new: int, repeats: int, tag: str) -> dict[tuple[str, str], list[Run]]:
+    """Every (setting, method) cell on each prompt, ``repeats`` times in rotated order, in one
+    process: setting s runs its own encoding of the prompt, ``prompts[s][i]``, with
+    ``run_ours(**options[s])``. (setting, method) → per-prompt runs (each prompt's median-wall
+    repeat), with a progress line per prompt."""
+    cells = [(s, m) for s in prompts for m in methods]
+    with past_outputs(engine, keep=False):   # warm-up; its outputs would leak into prompt 0
+        for s, m in cells:
+            run_ours(engine, m, prompts[s][0], 16, **options[s])
+    runs: dict[tuple[str, str], list[Run]] = {c: [] for c in cells}
+    n = len(next(iter(prompts.values())))
+    t0 = time.time()
+    for i in range(n):
+        per: dict[tuple[str, str], list[Run]] = {c: [] for c in cells}
+        with past_outputs(engine):   # no cell drafts from another cell's output of this prompt
+            for _ in range(repeats):
+                for s, m in cells[i % len(cells):] + cells[:i % len(cells)]:
+                    per[(s, m)].append(run_ours(engine, m, prompts[s][i], max_new, **options[s]))
+        for c in cells:
+            runs[c].append(sorted(per[c], key=lambda r: r.wall)[len(per[c]) // 2])
+        rate = (time.time() - t0) / (i + 1)
+        print(f"[{tag}] {i + 1}/{n} prompts  {rate:.1f} s/prompt  eta {rate * (n - i - 1):.0f} s",
+              file=sys.stderr, flush=True)
+    return runs
+
+
+def setting_bars(result: dict, settings, ylabel: str, path: Path, label=str) -> None:
+    """Speedup bars: one group per method (`vanilla` left out), one bar per setting."""
+    plt = pyplot()
+    methods = [m for m in result["args"]["methods"].split(",") if m != "vanilla"]
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    width = 0.8 / len(settings)
+    for j, s in enumerate(settings):
+        ax.bar([i + (j - (len(settings) - 1) / 2) * width for i in range(len(methods))],
+               [next(r["speedup_vs_vanilla"] for r in result["rows"] if r["setting"] == s and r["method"] == m)
+                for m in methods], width, label=label(s))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(methods)), methods)
+    ax.set(ylabel=ylabel)
+    ax.legend(fontsize=8)
+    write_figure(fig, path)
+
+
+def settings_main(module: str, doc: str, argv: list[str] | None, settings: dict, run_fn, rows_fn, markdown_fn, plot_fn) -> dict:
+    """The command line of a benchmark of methods under settings (``bench.penalties``,
+    ``bench.structured``): `vanilla` first, the baseline of each setting."""
+    from services.cli import _engine_args
+
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    _engine_args(p)
+    workload_args(p, threads=False)   # --threads comes with the engine's arguments
+    p.add_argument("--methods", default="vanilla,sd,suffix,eagle3,hybrid")
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args(argv)
+    methods = args.methods.split(",")
+    if methods[0] != "vanilla":
+        raise SystemExit("--methods must start with vanilla (the baseline of each setting)")
+    engine = bench_engine(args)
+    result = {"args": {k: getattr(args, k) for k in ("workload", "limit", "max_new_tokens", "repeats", "methods")},
+              "settings": settings, "machine": machine(), "command": command(module, argv),
+              "rows": rows_fn(engine, run_fn(engine, args), methods)}
+    report(result, args.out, markdown_fn, plot_fn)
+    return result

@@ -12,14 +12,10 @@ that repeat an earlier one) of the `vanilla` outputs shows what the penalties di
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
 from pathlib import Path
 
-from bench.harness import (bench_engine, command, machine, past_outputs, pyplot, report, run_ours, table_markdown,
-                           workload_args, write_figure)
+from bench.harness import run_settings, setting_bars, settings_main, table_markdown
 from bench.workloads import load
 from services.common.types import SamplingParams
 from training.evaluate import seq_rep
@@ -32,30 +28,13 @@ SETTINGS = {
 
 
 def run(engine, args) -> dict:
-    """(setting, method) → per-prompt runs (the median-wall repeat of each prompt)."""
-    methods = args.methods.split(",")
-    cells = [(s, m) for s in SETTINGS for m in methods]
     encoded = [engine.encode_fit(p.text, args.max_new_tokens) for p in load(args.workload, args.limit)]
-    with past_outputs(engine, keep=False):   # warm-up; its outputs would leak into prompt 0
-        for s, m in cells:
-            run_ours(engine, m, encoded[0], 16, SETTINGS[s])
-    runs: dict[tuple[str, str], list] = {c: [] for c in cells}
-    t0 = time.time()
-    for i, ids in enumerate(encoded):
-        per: dict[tuple[str, str], list] = {c: [] for c in cells}
-        with past_outputs(engine):   # no cell drafts from another cell's output of this prompt
-            for _ in range(args.repeats):
-                for s, m in cells[i % len(cells):] + cells[:i % len(cells)]:
-                    per[(s, m)].append(run_ours(engine, m, ids, args.max_new_tokens, SETTINGS[s]))
-        for c in cells:
-            runs[c].append(sorted(per[c], key=lambda r: r.wall)[len(per[c]) // 2])
-        rate = (time.time() - t0) / (i + 1)
-        print(f"[penalties] {i + 1}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - i - 1):.0f} s",
-              file=sys.stderr, flush=True)
-    return runs
+    return run_settings(engine, args.methods.split(","), {s: encoded for s in SETTINGS},
+                        {s: {"sampling": sp} for s, sp in SETTINGS.items()}, args.max_new_tokens, args.repeats,
+                        "penalties")
 
 
-def rows(runs: dict, methods: list[str]) -> list[dict]:
+def rows(engine, runs: dict, methods: list[str]) -> list[dict]:
     out = []
     for s in SETTINGS:
         van = runs[(s, "vanilla")]
@@ -83,40 +62,12 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = pyplot()
-    methods = [m for m in result["args"]["methods"].split(",") if m != "vanilla"]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    width = 0.8 / len(SETTINGS)
-    for j, s in enumerate(SETTINGS):
-        ax.bar([i + (j - (len(SETTINGS) - 1) / 2) * width for i in range(len(methods))],
-               [next(r["speedup_vs_vanilla"] for r in result["rows"] if r["setting"] == s and r["method"] == m)
-                for m in methods], width, label=f"penalties: {s}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(len(methods)), methods)
-    ax.set(ylabel="speedup vs vanilla (same penalties)")
-    ax.legend(fontsize=8)
-    write_figure(fig, path)
+    setting_bars(result, SETTINGS, "speedup vs vanilla (same penalties)", path, lambda s: f"penalties: {s}")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from services.cli import _engine_args
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    _engine_args(p)
-    workload_args(p, threads=False)   # --threads comes with the engine's arguments
-    p.add_argument("--methods", default="vanilla,sd,suffix,eagle3,hybrid")
-    p.add_argument("--repeats", type=int, default=1)
-    args = p.parse_args(argv)
-    methods = args.methods.split(",")
-    if methods[0] != "vanilla":
-        raise SystemExit("--methods must start with vanilla (the baseline of each setting)")
-    engine = bench_engine(args)
-    result = {"args": {k: getattr(args, k) for k in ("workload", "limit", "max_new_tokens", "repeats", "methods")},
-              "settings": {s: vars(sp) for s, sp in SETTINGS.items()},
-              "machine": machine(), "command": command("bench.penalties", argv),
-              "rows": rows(run(engine, args), methods)}
-    report(result, args.out, markdown, plot)
-    return result
+    return settings_main("bench.penalties", __doc__, argv, {s: vars(sp) for s, sp in SETTINGS.items()}, run, rows,
+                         markdown, plot)
 
 
 if __name__ == "__main__":

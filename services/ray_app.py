@@ -355,7 +355,6 @@ class GenerationIngress:
         from services.common.security import DENIED, bearer_ok
         from services.router.engine import InvalidRequest
         from services.router.server import final_to_pb, request_from_pb, step_to_pb
-        from specmesh.v1 import generate_pb2 as pb
 
         token = os.environ.get("SPECMESH_AUTH_TOKEN")  # Serve's proxy runs no interceptors: check here
         if token and not bearer_ok(grpc_context.invocation_metadata(), token):

@@ -246,7 +246,6 @@ class Engine:
         return ids[-(self.context_len - max_new_tokens):]
 
     def validate(self, req: GenerationRequest) -> None:
-        sp = req.sampling
         if not req.prompt_ids:
             raise InvalidRequest("prompt: must not be empty (set `prompt` or `prompt_token_ids`)")
         vocab = self.verifier.vocab_size

@@ -72,6 +72,22 @@ def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].stats.cycles > 0
 
 
+def test_n_completions_under_a_grammar_through_the_proxy(serve_app, tiny_engine):
+    """n = 2 with a regex through Serve's proxy: each completion is the embedded constrained
+    greedy output, with its own index and final message."""
+    from services.common.structured import StructuredOutput
+
+    stub = serve_app[0]
+    regex = r"(def|class) [a-z_]{1,12}\([a-z, ]{0,16}\):\n    return [a-z0-9 +*]{1,20}\n"
+    msgs = list(stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n", max_new_tokens=40, method="sd", n=2,
+                                                 structured_output=pb.StructuredOutput(regex=regex)), timeout=120))
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 40, method="vanilla",
+                                                 structured=StructuredOutput(regex=regex))).result()["token_ids"]
+    assert sorted(m.index for m in msgs if m.finish_reason) == [0, 1]
+    for i in (0, 1):
+        assert [t for m in msgs if m.index == i for t in m.token_ids] == ref, i
+
+
 def test_invalid_request_status_survives_the_proxy(serve_app):
     stub = serve_app[0]
     with pytest.raises(grpc.RpcError) as e:
