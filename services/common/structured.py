@@ -204,6 +204,10 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
         self._cached, self._lock = cached, threading.Lock()
 
+    def cached(self, pattern: str) -> bool:
+        with self._lock:
+            return pattern in self._cache
+
     def compile(self, pattern: str) -> TokenGrammar:
         with self._lock:
             if pattern in self._cache:
@@ -228,20 +232,20 @@ class GrammarCursor:
     """A session's place in its grammar: the automaton state after its output so far. The
     verifier session advances it as tokens commit; the drafters beside the target read it."""
 
-    grammar: TokenGrammar
+    automaton: TokenGrammar
     state: int
 
     @classmethod
-    def after(cls, grammar: TokenGrammar, output: list[int]) -> "GrammarCursor":
-        cursor = cls(grammar, grammar.initial)
+    def after(cls, automaton: TokenGrammar, output: list[int]) -> "GrammarCursor":
+        cursor = cls(automaton, automaton.initial)
         cursor.advance(output)
         return cursor
 
     def advance(self, tokens: list[int]) -> None:
         """Walk committed tokens (a final end-of-sequence token ends the output: nothing to walk)."""
-        if tokens and tokens[-1] == self.grammar.eos_id:
+        if tokens and tokens[-1] == self.automaton.eos_id:
             tokens = tokens[:-1]
-        state = self.grammar.walk(self.state, tokens)
+        state = self.automaton.walk(self.state, tokens)
         if state is None:
             raise GrammarError("structured_output: the output does not follow the grammar")
         self.state = state

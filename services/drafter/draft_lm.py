@@ -55,7 +55,7 @@ class _Row:
         if st.sp.penalized:   # drafts follow the request's penalties, as the target will
             logits = apply_penalties(logits[None], st.tokens + self.out, st.prompt_len, [], st.sp, columns)[0]
         if st.grammar is not None:
-            return st.grammar.grammar.mask_columns(logits, self.state, columns)
+            return st.grammar.automaton.mask_columns(logits, self.state, columns)
         return logits
 
     def take(self, greedy_tok: int | None, logits: torch.Tensor, p_max: float, min_confidence: float,
@@ -75,7 +75,7 @@ class _Row:
         self.feed = [greedy_tok]
         self.confident = p_max >= min_confidence
         if self.st.grammar is not None:
-            self.state = self.st.grammar.grammar.next(self.state, greedy_tok)
+            self.state = self.st.grammar.automaton.next(self.state, greedy_tok)
 
     @property
     def drafting(self) -> bool:

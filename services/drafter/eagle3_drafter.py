@@ -62,7 +62,7 @@ class _Row:
         self.h = h
         self.confident = p_max >= min_confidence
         if self.st.grammar is not None:
-            self.state = self.st.grammar.grammar.next(self.state, tok)
+            self.state = self.st.grammar.automaton.next(self.state, tok)
 
     @property
     def drafting(self) -> bool:
@@ -107,7 +107,7 @@ class Eagle3Drafter:
             logits = apply_penalties(logits[None], st.tokens + drafted, st.prompt_len, [], st.sp,
                                      self._target_columns(logits.device))[0]
         if st.grammar is not None:
-            logits = st.grammar.grammar.mask_columns(logits, state, self._target_columns(logits.device))
+            logits = st.grammar.automaton.mask_columns(logits, state, self._target_columns(logits.device))
             if logits is None:
                 return None
         if st.sp.greedy:   # on the draft vocabulary: its max q is the head's own confidence

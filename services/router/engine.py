@@ -444,7 +444,7 @@ class Generation:
             return draft
         state = self.grammar.state
         for i, t in enumerate(draft):
-            state = self.grammar.grammar.next(state, t)
+            state = self.grammar.automaton.next(state, t)
             if state is None:
                 return draft[:i]
         return draft

@@ -432,7 +432,7 @@ class VerifierSession:
         output and the draft tokens before the row (``TokenGrammar.mask_rows``)."""
         if self.grammar is None:
             return logits
-        return self.grammar.grammar.mask_rows(logits, self.grammar.state, draft.token_ids)
+        return self.grammar.automaton.mask_rows(logits, self.grammar.state, draft.token_ids)
 
     def _report_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The prompt's log-probabilities, reported once (with the first cycle)."""

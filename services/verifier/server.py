@@ -269,6 +269,7 @@ class LinkServer:
         self.servicer = servicer
         self.sessions: dict[str, Any] = {}
         self.busy: set[str] = set()
+        self.opening: set[str] = set()   # sessions opening on a thread of their own (``_open``)
         self.closing: set[str] = set()
         self.ended = self._stopped = False
         self._lock = threading.Lock()
@@ -292,34 +293,63 @@ class LinkServer:
 
     def _handle(self, item: pb.LinkItem) -> None:
         sid, kind = item.session_id, item.WhichOneof("kind")
+        if kind == "open":
+            self._guarded(sid, kind, self._open, sid, spec_from_pb(item.open))
+        elif kind == "cycle":
+            self._guarded(sid, kind, self._cycle, sid, cycle_from_pb(item.cycle))
+        elif kind == "close":
+            self._guarded(sid, kind, self._close, sid)
+        else:
+            self._fail(sid, grpc.StatusCode.INVALID_ARGUMENT, "link item: set one of open, cycle, close")
+
+    def _guarded(self, sid: str, kind: str, handle, *args) -> None:
+        """One item's failure is its session's own (a status for it); the link carries on."""
         try:
-            if kind == "open":
-                self._open(sid, spec_from_pb(item.open))
-            elif kind == "cycle":
-                self._cycle(sid, cycle_from_pb(item.cycle))
-            elif kind == "close":
-                self._close(sid)
-            else:
-                raise BadRequest("link item: set one of open, cycle, close")
+            handle(*args)
         except BadRequest as e:
             self._fail(sid, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Exhausted as e:
             self._fail(sid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Draining as e:
             self._fail(sid, grpc.StatusCode.UNAVAILABLE, str(e))
-        except Exception as e:  # one session's failure is its own; the link carries on
+        except Exception as e:
             log.exception("link item for session %s failed", sid)
             self._fail(sid, grpc.StatusCode.INTERNAL, f"{kind} failed: {e}")
 
     def _open(self, sid: str, spec: SessionSpec) -> None:
+        """Open a session. One whose grammar this replica has not compiled yet opens on a
+        thread of its own (a compile may take seconds), so the link's other sessions keep
+        cycling; the router sends its cycles only once it is opened."""
         if not sid:
             raise BadRequest("link item: session_id must not be empty")
         with self._lock:
-            if sid in self.sessions:
+            if sid in self.sessions or sid in self.opening:
                 raise BadRequest(f"link item: session {sid!r} is already open on this link")
-        session = self.servicer.admit(spec)
+            later = bool(spec.grammar) and not self.servicer.core.grammars.cached(spec.grammar)
+            if later:
+                self.opening.add(sid)
+        if later:
+            threading.Thread(target=self._guarded, args=(sid, "open", self._admit, sid, spec), daemon=True,
+                             name=f"open-{sid}").start()
+        else:
+            self._admit(sid, spec)
+
+    def _admit(self, sid: str, spec: SessionSpec) -> None:
+        try:
+            session = self.servicer.admit(spec)
+        finally:
+            with self._lock:
+                self.opening.discard(sid)
         with self._lock:
-            self.sessions[sid] = session
+            gone = self.ended or sid in self.closing   # closed (or the link ended) while it opened
+            if not gone:
+                self.sessions[sid] = session
+        if gone:
+            self.servicer.release(session)
+            with self._lock:
+                self.closing.discard(sid)
+            self.end_if_drained()
+            return
         self._out.put(pb.LinkReply(session_id=sid, opened=pb.Opened(session_id=session.session_id,
                                                                    replica=self.servicer.replica)))
 
@@ -358,6 +388,9 @@ class LinkServer:
 
     def _close(self, sid: str) -> None:
         with self._lock:
+            if sid in self.opening:
+                self.closing.add(sid)   # released by _admit once it has opened
+                return
             if sid in self.busy:
                 self.closing.add(sid)   # closed by _done once its cycle is through,
                 self.sessions[sid].cancel()   # which stops at the next step

@@ -306,6 +306,44 @@ def test_link_answers_each_session_and_each_bad_item_alone(cluster):
     assert active(addrs[1]) == 0   # the half-closed link closed both sessions
 
 
+def test_a_grammar_compiling_on_the_verifier_does_not_stall_its_link(cluster):
+    """A session whose grammar the replica has not compiled opens on a thread of its own: the
+    other session on the same link keeps cycling while it compiles (here a pattern that hits
+    the 10 s compile limit), then the slow open alone gets INVALID_ARGUMENT."""
+    import queue
+
+    _, _, addrs, _ = cluster
+    stub = vgrpc.VerifierStub(grpc.insecure_channel(addrs[1]))
+    outbox: queue.Queue = queue.Queue()
+    call = stub.Link(iter(outbox.get, None), timeout=60)
+    inbox: dict[str, queue.Queue] = {"a": queue.Queue(), "slow": queue.Queue()}
+
+    def read():
+        for msg in call:
+            for r in msg.replies:
+                inbox[r.session_id].put((time.monotonic(), r))
+    threading.Thread(target=read, daemon=True).start()
+    outbox.put(vpb.LinkRequest(items=[
+        vpb.LinkItem(session_id="a", open=vpb.Open(prompt_ids=[5, 6, 7], max_new_tokens=60)),
+        vpb.LinkItem(session_id="slow", open=vpb.Open(prompt_ids=[5], max_new_tokens=8,
+                                                      grammar=r"(    [ -~]{0,100}\n){1,16}"))]))
+    t0, opened = inbox["a"].get(timeout=10)
+    assert opened.WhichOneof("kind") == "opened"
+    for _ in range(20):
+        outbox.put(vpb.LinkRequest(items=[vpb.LinkItem(session_id="a", cycle=vpb.Cycle())]))
+        t, r = inbox["a"].get(timeout=10)
+        assert r.WhichOneof("kind") == "result"
+    assert t - t0 < 5   # 20 cycles answered while the other open compiled (10 s)
+    t_slow, err = inbox["slow"].get(timeout=30)
+    assert err.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "too complex" in err.error.message
+    assert t_slow > t
+    outbox.put(None)
+    end = time.time() + 5
+    while active(addrs[1]) and time.time() < end:
+        time.sleep(0.05)
+    assert active(addrs[1]) == 0
+
+
 def test_client_deadline_reaches_the_verifier(tiny_dirs):
     slow, addr = start_verifier(tiny_dirs, delay_ms=50)
     engine, server, _, stub = router(tiny_dirs, [addr])
