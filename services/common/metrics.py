@@ -44,6 +44,12 @@ PREDICTED_VS_ACTUAL = Counter("specmesh_hybrid_high_yield_total",
                               "Cache drafts by predicted and actual high yield (≥ 6 tokens)",
                               ["method", "predicted", "actual"])
 
+# -- structured output ---------------------------------------------------------------------------
+GRAMMAR_COMPILES = Counter("specmesh_grammar_compiles_total", "Structured-output patterns looked up, by outcome "
+                           "(cached, compiled, invalid, too_complex)", ["outcome"])
+GRAMMAR_COMPILE_SECONDS = Histogram("specmesh_grammar_compile_seconds", "Time to compile a structured-output pattern "
+                                    "(cache misses)", buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
 # -- requests and latency --------------------------------------------------------------------------
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 REQUESTS = Counter("specmesh_requests_total", "Finished requests", ["method", "finish_reason"])

@@ -15,6 +15,7 @@ import functools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -209,17 +210,25 @@ class GrammarCompiler:
             return pattern in self._cache
 
     def compile(self, pattern: str) -> TokenGrammar:
+        from services.common.metrics import GRAMMAR_COMPILE_SECONDS, GRAMMAR_COMPILES
+
         with self._lock:
             if pattern in self._cache:
                 self._cache.move_to_end(pattern)
+                GRAMMAR_COMPILES.labels("cached").inc()
                 return self._cache[pattern]
+        t0 = time.perf_counter()
         try:
             grammar = TokenGrammar(self.worker.compile(pattern), self.vocab_size, self.eos_id)
         except CompileTimeout as e:
+            GRAMMAR_COMPILES.labels("too_complex").inc()
             raise GrammarError(f"structured_output: too complex: {e}; use fewer or smaller bounded repetitions "
                                "(x{0,100}), e.g. an unbounded x* or a shorter maxLength") from None
         except ValueError as e:
+            GRAMMAR_COMPILES.labels("invalid").inc()
             raise GrammarError(f"structured_output: the pattern cannot be compiled: {_regex_detail(pattern) or e}") from None
+        GRAMMAR_COMPILES.labels("compiled").inc()
+        GRAMMAR_COMPILE_SECONDS.observe(time.perf_counter() - t0)
         with self._lock:
             self._cache[pattern] = grammar
             while len(self._cache) > self._cached:

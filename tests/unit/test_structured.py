@@ -78,9 +78,16 @@ def test_bad_specs_say_what_to_fix(spec, word):
 
 
 def test_bad_regex_is_a_grammar_error_and_good_ones_are_cached(compiler):
+    from services.common.metrics import GRAMMAR_COMPILES
+
+    def count(outcome):
+        return GRAMMAR_COMPILES.labels(outcome)._value.get()
+
+    before = {k: count(k) for k in ("invalid", "compiled", "cached")}
     with pytest.raises(GrammarError, match="cannot be compiled"):
         compiler.compile("(unclosed")
-    assert compiler.compile("[a-z]+") is compiler.compile("[a-z]+")
+    assert compiler.compile("[a-z]{3}") is compiler.compile("[a-z]{3}")
+    assert {k: count(k) - v for k, v in before.items()} == {"invalid": 1, "compiled": 1, "cached": 1}
 
 
 def test_schema_pattern_accepts_instances_only(tok, compiler):
