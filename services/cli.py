@@ -217,6 +217,13 @@ def _penalty_args(p: argparse.ArgumentParser) -> None:
                    help="divide the logits of tokens seen in the prompt or output by this (> 0; 1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
+    p.add_argument("--logit-bias", action="append", metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
+    p.add_argument("--allowed-token-id", type=int, action="append", help="generate only these tokens (repeatable)")
+
+
+def _bias(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
+    pairs = [b.split("=", 1) for b in args.logit_bias or ()]
+    return tuple((int(i), float(v)) for i, v in pairs)
 
 
 def _structured_args(p: argparse.ArgumentParser) -> None:
@@ -246,7 +253,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     req = GenerationRequest(
         prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
-                                args.presence_penalty, args.frequency_penalty),
+                                args.presence_penalty, args.frequency_penalty, _bias(args),
+                                tuple(args.allowed_token_id or ())),
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
         include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
@@ -284,7 +292,8 @@ def cmd_client(args: argparse.Namespace) -> None:
                              method=args.method, stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
                              include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                             frequency_penalty=args.frequency_penalty, n=args.n)
+                             frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
+                             allowed_token_ids=args.allowed_token_id or [])
     structured = _structured(args)
     if "choice" in structured:
         req.structured_output.choice.values.extend(structured["choice"])

@@ -50,6 +50,27 @@ def apply_penalties(logits: torch.Tensor, tokens: list[int], output_from: int, d
     return (x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()).to(logits.dtype)
 
 
+def apply_bias(logits: torch.Tensor, sp: SamplingParams, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """``SamplingParams``' logit_bias (added to the listed tokens' logits) and allowed_token_ids
+    (every other token at −inf) on every row of ``logits`` [..., V]. ``columns``: the token ids
+    of the logits' columns when they cover a draft vocabulary."""
+    width, dev = logits.shape[-1], logits.device
+    ids = [i for i, _ in sp.logit_bias] + list(sp.allowed_token_ids)
+    vocab = max(width if columns is None else int(columns.max()) + 1, max(ids, default=0) + 1)
+    cols = slice(0, width) if columns is None else columns
+    x = logits.float()
+    if sp.logit_bias:
+        bias = torch.zeros(vocab, device=dev)
+        bias[torch.tensor([i for i, _ in sp.logit_bias], device=dev)] = torch.tensor([b for _, b in sp.logit_bias],
+                                                                                    device=dev)
+        x = x + bias[cols]
+    if sp.allowed_token_ids:
+        allowed = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        allowed[torch.tensor(sp.allowed_token_ids, device=dev)] = True
+        x = x.masked_fill(~allowed[cols], float("-inf"))
+    return x.to(logits.dtype)
+
+
 def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=rng).item())
 
@@ -72,6 +93,7 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
 
 
 MAX_LOGPROBS = 20   # alternatives a request may ask for per token
+MAX_LOGIT_BIAS = 300   # tokens a request may bias (OpenAI's limit)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:

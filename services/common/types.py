@@ -12,7 +12,9 @@ class SamplingParams:
     defaults) change the target's logits before greedy, sampling or the CSD gate read them:
     repetition_penalty divides a positive logit (multiplies a negative one) of every token seen
     in the prompt or the output; presence_penalty is subtracted from every token that occurs
-    in the output, and frequency_penalty once per occurrence."""
+    in the output, and frequency_penalty once per occurrence. logit_bias ((token id, bias)
+    pairs) is added to those tokens' logits, and with allowed_token_ids every other token's
+    logit is −inf, at every position (vLLM's and OpenAI's)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -21,6 +23,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -29,6 +33,10 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids)
 
 
 @dataclass

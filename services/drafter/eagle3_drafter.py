@@ -18,7 +18,7 @@ import torch
 
 from services.common.llama import KVCache
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv, root_key
-from services.common.sampling import apply_penalties, probs_from_logits, sample
+from services.common.sampling import apply_bias, apply_penalties, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import register
@@ -101,11 +101,15 @@ class Eagle3Drafter:
               state: int | None = None) -> tuple[int, torch.Tensor | None, float] | None:
         """Draft-vocabulary logits → (target token, q over the target vocabulary for sampled
         requests, max q; 1.0 when no confidence cut is set). Drafts follow the request's
-        penalties, as the target will, counting the chain's tokens so far as output, and its
-        grammar (at ``state``): None when the grammar allows none of the head's tokens."""
+        penalties, as the target will, counting the chain's tokens so far as output, its logit
+        bias and its grammar (at ``state``): None when they allow none of the head's tokens."""
         if st.sp.penalized:
             logits = apply_penalties(logits[None], st.tokens + drafted, st.prompt_len, [], st.sp,
                                      self._target_columns(logits.device))[0]
+        if st.sp.biased:
+            logits = apply_bias(logits, st.sp, self._target_columns(logits.device))
+            if not bool(torch.isfinite(logits).any()):   # none of the allowed tokens is in the draft vocabulary
+                return None
         if st.grammar is not None:
             logits = st.grammar.automaton.mask_columns(logits, state, self._target_columns(logits.device))
             if logits is None:

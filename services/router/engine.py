@@ -20,7 +20,7 @@ import torch
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
-from services.common.sampling import MAX_LOGPROBS
+from services.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
@@ -74,6 +74,14 @@ def validate_sampling(sp: SamplingParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(sp, name) <= 2:
             raise InvalidRequest(f"{name}: must be in [-2, 2] (0 disables it), got {getattr(sp, name)}")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS or not all(-100 <= b <= 100 for _, b in sp.logit_bias):
+        raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, each bias in [-100, 100]")
+
+
+def validate_token_ids(sp: SamplingParams, vocab: int) -> None:
+    for name, ids in (("logit_bias", [i for i, _ in sp.logit_bias]), ("allowed_token_ids", sp.allowed_token_ids)):
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"{name}: every token id must be in [0, {vocab})")
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -258,6 +266,7 @@ class Engine:
                 f"prompt: {len(req.prompt_ids)} prompt tokens + max_new_tokens {req.max_new_tokens} exceed "
                 f"the context of {self.context_len} tokens; shorten the prompt or lower max_new_tokens")
         validate_sampling(req.sampling)
+        validate_token_ids(req.sampling, vocab)
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(req, name)
             if n is not None and not 0 <= n <= MAX_LOGPROBS:

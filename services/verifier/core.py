@@ -22,7 +22,7 @@ from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
-from services.common.sampling import apply_penalties, make_rng, token_logprobs
+from services.common.sampling import apply_bias, apply_penalties, make_rng, token_logprobs
 from services.common.structured import GrammarCompiler, GrammarCursor
 from services.common.types import Draft, SamplingParams, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter
@@ -409,13 +409,13 @@ class VerifierSession:
             logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else ())
 
     def _penalized(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
-        """The request's penalties (``SamplingParams``), over its output so far: the re-opened
-        part of the prompt (``generated``) counts as output."""
+        """The request's penalties (``SamplingParams``), over its output so far (the re-opened
+        part of the prompt, ``generated``, counts as output), then its logit bias."""
         sp = self.spec.sampling
-        if not sp.penalized:
-            return logits
-        return apply_penalties(logits, self.target.tokens, len(self.spec.prompt_ids) - self.spec.generated,
-                               draft.token_ids, sp)
+        if sp.penalized:
+            logits = apply_penalties(logits, self.target.tokens, len(self.spec.prompt_ids) - self.spec.generated,
+                                     draft.token_ids, sp)
+        return apply_bias(logits, sp) if sp.biased else logits
 
     def _no_early_eos(self, logits: torch.Tensor) -> torch.Tensor:
         """``min_tokens``: rows of positions before it get no end-of-sequence token (its logit

@@ -20,7 +20,7 @@ import grpc
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.prefix_cache import MAX_CACHE_SALT
-from services.common.sampling import MAX_LOGPROBS
+from services.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from services.common.structured import MAX_REGEX_CHARS, GrammarError
 from services.common.types import SamplingParams, TokenLogprob
 from services.router.affinity import PrefixAffinity, choose
@@ -40,7 +40,8 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
     return pb.Open(session_id=s.session_id, prompt_ids=s.prompt_ids, max_new_tokens=s.max_new_tokens,
                    sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
                                         repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
-                                        frequency_penalty=sp.frequency_penalty),
+                                        frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias),
+                                        allowed_token_ids=sp.allowed_token_ids),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
                    logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
                    generated=s.generated, prompt_logprobs=s.prompt_logprobs, grammar=s.grammar or "")
@@ -52,7 +53,8 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                        sampling=SamplingParams(sp.temperature, sp.top_p or 1.0, sp.top_k,
                                                sp.seed if sp.HasField("seed") else None,
                                                sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-                                               sp.presence_penalty, sp.frequency_penalty),
+                                               sp.presence_penalty, sp.frequency_penalty,
+                                               tuple(sorted(sp.logit_bias.items())), tuple(sp.allowed_token_ids)),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
@@ -156,15 +158,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"open.logprobs: at most {MAX_LOGPROBS} alternatives")
         if s.prompt_logprobs is not None and not 0 <= s.prompt_logprobs <= MAX_LOGPROBS:
             raise BadRequest(f"open.prompt_logprobs: at most {MAX_LOGPROBS} alternatives")
-        sp = s.sampling
-        if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and sp.top_k >= 0 and 0 < sp.repetition_penalty
-                and -2 <= sp.presence_penalty <= 2 and -2 <= sp.frequency_penalty <= 2):
-            raise BadRequest("open.sampling: temperature >= 0, top_p in (0, 1], top_k >= 0, repetition_penalty > 0, "
-                             "presence_penalty and frequency_penalty in [-2, 2]")
+        self._check_sampling(s.sampling)
         if s.generated > len(s.prompt_ids):
             raise BadRequest("open.generated: must not exceed the prompt's length")
         if s.grammar is not None:
             self._check_grammar(s)
+
+    def _check_sampling(self, sp: SamplingParams) -> None:
+        if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and sp.top_k >= 0 and 0 < sp.repetition_penalty
+                and -2 <= sp.presence_penalty <= 2 and -2 <= sp.frequency_penalty <= 2):
+            raise BadRequest("open.sampling: temperature >= 0, top_p in (0, 1], top_k >= 0, repetition_penalty > 0, "
+                             "presence_penalty and frequency_penalty in [-2, 2]")
+        vocab = self.core.vocab_size
+        if len(sp.logit_bias) > MAX_LOGIT_BIAS or any(not (0 <= t < vocab and -100 <= b <= 100) for t, b in sp.logit_bias):
+            raise BadRequest(f"open.sampling.logit_bias: at most {MAX_LOGIT_BIAS} ids < {vocab}, biases in [-100, 100]")
+        if any(not 0 <= t < vocab for t in sp.allowed_token_ids):
+            raise BadRequest(f"open.sampling.allowed_token_ids: ids must be < {vocab}")
 
     def _check_grammar(self, s: SessionSpec) -> None:
         if s.ignore_eos or s.min_tokens:

@@ -210,6 +210,9 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "structured_output": {}}, "structured_output"),
     ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "a+"}, "ignore_eos": True}, "structured_output"),
     ({"prompt": "a", "max_new_tokens": 5, "n": 0}, "n"),
+    ({"prompt": "a", "max_new_tokens": 5, "logit_bias": {5: 101.0}}, "logit_bias"),
+    ({"prompt": "a", "max_new_tokens": 5, "logit_bias": {9000: 1.0}}, "logit_bias"),
+    ({"prompt": "a", "max_new_tokens": 5, "allowed_token_ids": [1, 9000]}, "allowed_token_ids"),
     ({"prompt": "a", "max_new_tokens": 5, "n": 3}, "n"),   # more completions than the server's 2 sessions
 ])
 def test_invalid_argument_names_the_field(served, kw, field):

@@ -152,6 +152,13 @@ def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
                                                       repetition_penalty=1.3, presence_penalty=0.3,
                                                       frequency_penalty=0.4), timeout=60))
         assert [t for m in msgs for t in m.token_ids] == ref, method
+    bias = SamplingParams(logit_bias=((ref[0], -8.0), (ref[1], 3.0)), allowed_token_ids=tuple(range(0, 4000)))
+    ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=bias, method="vanilla")).result()["token_ids"]
+    for method in ("vanilla", "sd"):   # and the logit bias
+        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method,
+                                                      logit_bias=dict(bias.logit_bias),
+                                                      allowed_token_ids=bias.allowed_token_ids), timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == ref, method
 
 
 def test_structured_output_over_the_link_equals_embedded(cluster, tiny_engine):

@@ -170,6 +170,40 @@ def test_penalties_stay_lossless_and_equal_a_plain_penalized_loop(tiny_engine):
     assert accepted > 0   # drafts were verified under penalties, not only plain steps
 
 
+def biased_greedy(model, ids: list[int], n: int, sp: SamplingParams, eos: int) -> list[int]:
+    """A plain loop: the target's full forward, the bias added, argmax over the allowed tokens."""
+    out: list[int] = []
+    bias = dict(sp.logit_bias)
+    for _ in range(n):
+        with torch.no_grad():
+            x = model.forward_train(torch.tensor([ids + out]))[0, -1].float()
+        pick = max(sp.allowed_token_ids or range(x.shape[0]), key=lambda t: float(x[t]) + bias.get(t, 0.0))
+        if pick == eos:
+            break
+        out.append(pick)
+    return out
+
+
+@pytest.mark.parametrize("engine", ["tiny_engine", "tiny_eagle_engine"])
+def test_logit_bias_and_allowed_tokens_stay_lossless(request, engine):
+    """logit_bias and allowed_token_ids shape every verification row (and the drafters' own
+    logits): each lossless method equals a plain biased loop, and only allowed tokens appear."""
+    eng = request.getfixturevalue(engine)
+    model = eng.verifier.runner.model
+    methods = [m for m in ("vanilla", "sd", "suffix", "eagle3") if m in eng.methods()]
+    ids = eng.encode(PROMPTS[0] * 2)
+    plain = eng.generate(GenerationRequest(ids, 30, method="vanilla")).result()["token_ids"]
+    allowed = tuple(sorted(set(plain[::2]) | set(range(200, 400)) | {eng.eos_id}))
+    for sp in (SamplingParams(logit_bias=tuple((t, -5.0) for t in plain[:6]) + ((77, 4.0),)),
+               SamplingParams(allowed_token_ids=allowed, logit_bias=((plain[0], -100.0),))):
+        ref = biased_greedy(model, ids, 30, sp, eng.eos_id)
+        assert ref != plain
+        for method in methods:
+            got = eng.generate(GenerationRequest(ids, 30, sampling=sp, method=method)).result()["token_ids"]
+            assert got == ref, (method, sp)
+            assert not sp.allowed_token_ids or set(got) <= set(sp.allowed_token_ids)
+
+
 def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
     """Failover re-opens a session with prompt + output so far as its prompt; ``generated``
     tells the verifier which part is output, so presence and frequency penalties carry on."""

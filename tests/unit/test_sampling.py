@@ -53,3 +53,14 @@ def test_penalties_on_a_draft_vocabulary_follow_its_columns():
     tokens, prompt_len = [1, 2, 3, 3, 4, 11], 2
     whole = apply_penalties(full, tokens, prompt_len, [], sp)
     assert torch.allclose(apply_penalties(full[:, columns], tokens, prompt_len, [], sp, columns), whole[:, columns])
+
+
+def test_apply_bias_adds_and_masks_by_token_id_also_over_draft_columns():
+    from services.common.sampling import apply_bias
+
+    sp = SamplingParams(logit_bias=((3, 2.0), (7, -1.0)), allowed_token_ids=(1, 3, 7))
+    x = apply_bias(torch.zeros(2, 8), sp)
+    assert x[0].tolist() == [float("-inf"), 0.0, float("-inf"), 2.0, float("-inf"), float("-inf"), float("-inf"), -1.0]
+    assert torch.equal(x[0], x[1])
+    cols = torch.tensor([3, 5, 7])   # a draft vocabulary: its columns are these token ids
+    assert apply_bias(torch.zeros(3), sp, cols).tolist() == [2.0, float("-inf"), -1.0]
