@@ -26,6 +26,7 @@ from services.common.grammar_worker import CompileTimeout, IndexWorker
 MAX_SPEC_CHARS = 32768        # a schema, regex or all choices together
 MAX_CHOICES = 256
 MAX_REGEX_CHARS = 65536       # the regex a schema expands to
+MASKS_CACHED = 256            # token masks kept per compiled pattern (a mask is one bool per vocabulary entry)
 
 
 class GrammarError(ValueError):
@@ -137,7 +138,7 @@ class TokenGrammar:
     def __init__(self, index, vocab_size: int, eos_id: int):
         self.index, self.vocab_size, self.eos_id = index, vocab_size, eos_id
         self.initial = index.get_initial_state()
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: OrderedDict[tuple[int, torch.device | None], torch.Tensor] = OrderedDict()
 
     def next(self, state: int | None, token: int) -> int | None:
         """The state after ``token``; None where the grammar forbids it (or the match ended)."""
@@ -150,19 +151,29 @@ class TokenGrammar:
             state = self.next(state, t)
         return state
 
-    def allowed(self, state: int) -> torch.Tensor:
-        """[V] bool: the tokens that keep the output a prefix of a match (EOS where it is whole)."""
-        mask = self._masks.get(state)
+    def allowed(self, state: int, device: torch.device | None = None) -> torch.Tensor:
+        """[V] bool: the tokens that keep the output a prefix of a match (EOS where it is
+        whole). The last ``MASKS_CACHED`` are kept per state and device, so a mask is built
+        and copied to the device once while its state is in use."""
+        key = (state, device)
+        mask = self._masks.get(key)
         if mask is None:
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[torch.tensor(self.index.get_allowed_tokens(state), dtype=torch.long)] = True
-            self._masks[state] = mask
+            if device is None:
+                mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+                mask[torch.tensor(self.index.get_allowed_tokens(state), dtype=torch.long)] = True
+            else:
+                mask = self.allowed(state).to(device)
+            self._masks[key] = mask
+            if len(self._masks) > MASKS_CACHED:
+                self._masks.popitem(last=False)
+        else:
+            self._masks.move_to_end(key)
         return mask
 
     def mask_columns(self, logits: torch.Tensor, state: int, columns: torch.Tensor | None = None) -> torch.Tensor | None:
         """A drafter's logits over ``columns`` (target ids; None: the whole
         vocabulary) with what the grammar forbids at −inf; None where it allows none of them."""
-        allowed = self.allowed(state).to(logits.device)
+        allowed = self.allowed(state, logits.device)
         if columns is not None:
             allowed = allowed[columns]
         if not bool(allowed.any()):
@@ -177,7 +188,7 @@ class TokenGrammar:
         for r in range(min(len(draft) + 1, logits.shape[0])):
             if state is None:
                 break
-            logits[r].masked_fill_(~self.allowed(state).to(logits.device), float("-inf"))
+            logits[r].masked_fill_(~self.allowed(state, logits.device), float("-inf"))
             if r < len(draft):
                 state = self.next(state, draft[r])
         return logits
@@ -197,7 +208,7 @@ class GrammarCompiler:
     limit (``IndexWorker``: some small patterns have automata that take minutes to build);
     the most recent ones stay cached (their requests usually repeat them)."""
 
-    def __init__(self, tokenizer, vocab_size: int, cached: int = 64, timeout_s: float = 10.0):
+    def __init__(self, tokenizer, vocab_size: int, cached: int = 32, timeout_s: float = 10.0):
         from outlines_core import Vocabulary
 
         self.eos_id, self.vocab_size = tokenizer.eos_token_id, vocab_size

@@ -127,3 +127,17 @@ def test_json_object_accepts_objects_with_one_level_of_nesting(tok, compiler, te
     assert (state is not None and bool(g.allowed(state)[tok.eos_token_id])) == ok
     if ok:
         assert isinstance(json.loads(text), dict)
+
+
+def test_masks_are_cached_per_state_up_to_the_limit(tok, compiler, monkeypatch):
+    import services.common.structured as structured
+
+    monkeypatch.setattr(structured, "MASKS_CACHED", 3)
+    g = compiler.compile(r"[0-9]{1,8}")
+    state = g.initial
+    masks = []
+    for digit in "1234567":
+        masks.append(g.allowed(state))
+        assert g.allowed(state) is masks[-1]   # cached while in use
+        state = g.next(state, encode(tok, digit)[0])
+    assert len(g._masks) == 3
