@@ -101,6 +101,24 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
     return cond()
 
 
+def corrupt_bytes(n: int, seed: int = 0) -> bytes:
+    """``n`` random bytes (seeded) that are not valid protobuf wire format for any message: the
+    first draw that even ``Empty``, which takes any well-formed fields, fails to parse. (Plain
+    random bytes sometimes are well formed, and an RPC may then rightly succeed.)"""
+    import random
+
+    from google.protobuf import empty_pb2
+    from google.protobuf.message import DecodeError
+
+    rng = random.Random(seed)
+    while True:
+        blob = rng.randbytes(n)
+        try:
+            empty_pb2.Empty.FromString(blob)
+        except DecodeError:
+            return blob
+
+
 # -- Redis -----------------------------------------------------------------------------------
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -22,6 +22,7 @@ from specmesh.v1 import verifier_pb2 as vpb
 from specmesh.v1 import verifier_pb2_grpc as vgrpc
 from services.common.grpc_server import free_port
 from services.common.runtime import stop_processes
+from tests.conftest import corrupt_bytes
 
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\nimport os\n", "class A:\n    pass\n\nclass", "x = [1, 2"]
 
@@ -274,7 +275,7 @@ def random_bytes_get_a_clear_status(addr: str, rpc: str) -> None:
     """Random bytes instead of a protobuf message on a Verifier stream."""
     raw = grpc.insecure_channel(addr).stream_stream(f"/specmesh.v1.Verifier/{rpc}", request_serializer=lambda b: b,
                                                     response_deserializer=lambda b: b)
-    for blob in (b"\xff\x00\x13garbage", os.urandom(64)):
+    for blob in (b"\xff\x00\x13garbage", corrupt_bytes(64)):
         with pytest.raises(grpc.RpcError) as e:
             list(raw(iter([blob]), timeout=20))
         assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
