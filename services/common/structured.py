@@ -1,6 +1,6 @@
-"""Structured output (vLLM's guided decoding): a JSON schema, a regular expression or a
-choice of strings becomes a token-level automaton over the target's vocabulary, and every
-verification row is masked to the tokens it allows after the draft prefix before it.
+"""Structured output (vLLM's guided decoding): a JSON schema, a regular expression, a choice
+of strings or a JSON object becomes a token-level automaton over the target's vocabulary,
+and every verification row is masked to the tokens it allows after the draft prefix before it.
 
 Rule: a row's distribution is the target's restricted to the tokens that keep the output a
 prefix of some match (the end-of-sequence token only where the output is a whole match).
