@@ -382,7 +382,7 @@ class VerifierSession:
     def finish(self, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor], draft_s: float,
                verify_start: float, batch_size: int = 1) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
-        verdict: Verdict = self.policy(draft, self._constrained(self._no_early_eos(self._penalized(logits, draft)),
+        verdict: Verdict = self.policy(draft, self._constrained(self._no_early_eos(self._shaped(logits, draft)),
                                                                 draft), self.spec.sampling, self.rng)
         kept = len(self.target.pending) + verdict.accepted
         states = None   # the kept positions' fused target states, for EAGLE-3 and the prefix cache
@@ -408,7 +408,7 @@ class VerifierSession:
             cached_tokens=self._report_cached(), prompt_logprobs=self._report_prompt_logprobs(),
             logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else ())
 
-    def _penalized(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+    def _shaped(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """The request's penalties (``SamplingParams``), over its output so far (the re-opened
         part of the prompt, ``generated``, counts as output), then its logit bias."""
         sp = self.spec.sampling
