@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
+HTTP_PORT ?= 8000
 LIMIT  ?= 20
 TOKENS ?= 128
 
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 serve: setup
-	$(BIN)/specmesh serve --host $(HOST) --port $(PORT)
+	$(BIN)/specmesh serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
 serve-ray: setup
 	$(BIN)/serve run deploy/ray/serve.yaml

@@ -48,7 +48,7 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
     topology, _, link = topology.partition("-")   # distributed-stream: per-session streams instead of the Link
     cmd = [sys.executable, "-m", "services.cli", "serve", "--topology", topology, "--replicas", str(args.replicas),
            "--verifier-link", link or "multiplex",
-           "--port", str(port), "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft),
+           "--port", str(port), "--metrics-port", "0", "--http-port", "0", "--target", str(args.target), "--draft", str(args.draft),
            "--eagle3", "none", "--max-sessions", "64", "--batch-window-ms", str(args.batch_window_ms),
            "--threads", str(args.server_threads), "--spec-disable-batch", str(spec_disable_batch),
            "--prefix-cache-mb", str(args.prefix_cache_mb)]

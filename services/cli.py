@@ -94,7 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     cfg = engine_config(args)
     token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else os.environ.get("SPECMESH_AUTH_TOKEN")
     scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, max_queue=args.max_queue,
-                        metrics_port=args.metrics_port,
+                        metrics_port=args.metrics_port, http_port=args.http_port,
+                        served_model_name=args.served_model_name, chat_template=args.chat_template,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                         auth_token=token or None)
     if args.tls_cert:  # component servers read their TLS settings from the environment
@@ -464,6 +465,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
                    help="requests waiting for a session slot before RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="Prometheus port (0 = off)")
+    p.add_argument("--http-port", type=int, default=ServerConfig.http_port,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this "
+                        "port, router and embedded only (0 = off)")
+    p.add_argument("--served-model-name", default="", help="the model's name in the HTTP API (default: the target's "
+                                                            "directory name)")
+    p.add_argument("--chat-template", type=Path, default=None,
+                   help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate once in-process")

@@ -109,3 +109,6 @@ class ServerConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None     # and require client certificates signed by this CA (mTLS)
     auth_token: str | None = None         # require `authorization: Bearer <token>` on the public API
+    http_port: int = 8000                 # OpenAI-compatible HTTP API (/v1/completions, ...); 0 = off
+    served_model_name: str = ""           # the model's name in the HTTP API; "" = the target's directory name
+    chat_template: Path | None = None     # Jinja chat template for /v1/chat/completions; None = the tokenizer's

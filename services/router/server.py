@@ -138,7 +138,7 @@ class Admission:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, engine: Engine, cfg: ServerConfig):
         self.engine = engine
-        self.admission = Admission(cfg.max_sessions, cfg.max_queue)
+        self.admission = Admission(cfg.max_sessions, cfg.max_queue)   # shared with the HTTP API
         self._lock = threading.Lock()
         self.active: dict[str, Generation] = {}
 
@@ -197,10 +197,31 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
 
 
 def serve(engine: Engine, cfg: ServerConfig) -> None:
-    server, _, port = build_server(engine, cfg)
+    server, servicer, port = build_server(engine, cfg)
     log.info("specmesh serving %s on %s:%d (default method %s; available: %s; metrics :%d)", SERVICE_NAME,
              cfg.host, port, engine.default_method, ", ".join(engine.methods()), cfg.metrics_port)
     print(f"specmesh: serving on {cfg.host}:{port} — try: specmesh client --addr {cfg.host}:{port} --prompt 'def add(a, b):'",
           flush=True)
-    run_until_signal(server, cfg.metrics_port, cfg.host)
+    http = start_http(engine, cfg, servicer) if cfg.http_port else None
+    try:
+        run_until_signal(server, cfg.metrics_port, cfg.host, on_drain=http.drain if http else None)
+    finally:
+        if http:
+            http.stop()   # streams in flight finish (up to 10 s)
     engine.close()  # flush suffix-feed outputs and correction-memory writes
+
+
+def start_http(engine: Engine, cfg: ServerConfig, servicer: GenerationServicer):
+    """The OpenAI-compatible HTTP API on cfg.http_port, sharing the gRPC server's admission limits."""
+    from services.router.http_server import HttpServer, build_app
+
+    name = cfg.served_model_name or engine.cfg.target.name
+    template = cfg.chat_template.read_text() if cfg.chat_template else None
+    app = build_app(engine, servicer.admission, cfg, name, template, active=servicer.active)
+    http = HttpServer(app, cfg, cfg.http_port)
+    port = http.start()
+    scheme = "https" if cfg.tls_cert else "http"
+    print(f"specmesh: OpenAI-compatible API on {scheme}://{cfg.host}:{port}/v1 (model `{name}`) — try: curl "
+          f"{scheme}://{cfg.host}:{port}/v1/completions -H 'content-type: application/json' "
+          f"-d '{{\"prompt\": \"def add(a, b):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
+    return http

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,9 +55,9 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_serve_then_client_streams(tiny_dirs):
     target, draft = tiny_dirs
-    port, mport = free_port(), free_port()
+    port, mport, hport = free_port(), free_port(), free_port()
     server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--port", str(port),
-                                     "--metrics-port", str(mport)],
+                                     "--metrics-port", str(mport), "--http-port", str(hport)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -83,6 +84,12 @@ def test_serve_then_client_streams(tiny_dirs):
                              capture_output=True, text=True, env=ENV, timeout=60)
         assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr and "method" in bad.stderr
         assert scrape(mport)["specmesh_requests_rejected_total{code=INVALID_ARGUMENT}"] == 1
+        body = json.dumps({"prompt": "import os", "max_tokens": 10, "temperature": 0, "method": "sd"}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{hport}/v1/completions", body,
+                                     {"content-type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=60).read())   # the OpenAI-compatible API beside gRPC
+        assert answer["usage"]["completion_tokens"] == 10 and answer["choices"][0]["finish_reason"] == "length"
+        assert scrape(mport)["specmesh_generated_tokens_total{method=sd}"] == 20
     finally:
         server.terminate()
         try:
@@ -145,7 +152,8 @@ def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
     target, draft = tiny_dirs
     port, mport = free_port(), free_port()
     server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--eagle3",
-                                     str(tiny_eagle3), "--port", str(port), "--metrics-port", str(mport)],
+                                     str(tiny_eagle3), "--port", str(port), "--metrics-port", str(mport),
+                                     "--http-port", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:

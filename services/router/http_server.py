@@ -1,0 +1,283 @@
+"""OpenAI-compatible HTTP front end (FastAPI on uvicorn) beside the gRPC one, over the same
+engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
+(streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``.
+
+Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
+take seconds to compile), admission, the decode cycles and the session's release all happen
+there; the event loop only moves JSON. A client that disconnects cancels its cycles and frees
+its sessions.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.common.config import ServerConfig
+from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
+from services.router import openai_api as oa
+from services.router.engine import Completions, Engine, InvalidRequest
+from services.verifier.core import SessionCancelled
+from services.verifier.server import NoReplica
+
+log = logging.getLogger("specmesh.http")
+
+_HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+            grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAVAILABLE: 503}
+_KIND_OF = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error(status: int, message: str) -> JSONResponse:
+    name = message.partition(":")[0]
+    param = name if name.replace("_", "").replace(".", "").isalnum() and " " not in name else None
+    return JSONResponse(oa.error_body(message, _KIND_OF.get(status, "server_error"), status, param), status_code=status)
+
+
+class _Run:
+    """One request's completions on a thread of its own; events reach the event loop as
+    ("start",), ("step", index, step | None), ("done",) or ("error", status, message)."""
+
+    def __init__(self, engine: Engine, admission, api: oa.ApiRequest, loop: asyncio.AbstractEventLoop, active: dict):
+        self.engine, self.admission, self.api, self.loop, self.active = engine, admission, api, loop, active
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.completions: Completions | None = None
+        self.gone = False
+        threading.Thread(target=self._run, daemon=True, name="http-request").start()
+
+    # the admission queue's view of the client
+    def is_active(self) -> bool:
+        return not self.gone
+
+    def time_remaining(self) -> None:
+        return None
+
+    def leave(self) -> None:
+        """The client is gone (any thread): stop the cycles in flight."""
+        self.gone = True
+        if self.completions is not None:
+            self.completions.cancel()
+
+    def _put(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def _run(self) -> None:
+        try:
+            self._admit()
+        except Exception as e:   # never leave the event loop waiting
+            log.exception("request failed before decoding")
+            self._put("error", 500, f"internal error: {type(e).__name__}")
+
+    def _admit(self) -> None:
+        try:
+            parts = [self.engine.generate_all(r) for r in self.api.gens]
+        except InvalidRequest as e:
+            REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
+            return self._put("error", 404 if isinstance(e, oa.ModelNotFound) else 400, oa.openai_message(e, self.api))
+        completions = Completions([g for c in parts for g in c.gens])
+        n = len(completions.gens)
+        if n > self.admission.max_sessions:
+            return self._put("error", 400, f"n: at most {self.admission.max_sessions} completions in all "
+                                           "(prompts × n; this server's sessions)")
+        refused = self.admission.acquire(self, n)
+        if refused is not None:
+            REQUESTS_REJECTED.labels(refused.name).inc()
+            return self._put("error", _HTTP_OF.get(refused, 499),
+                             f"server is at its limit of {self.admission.max_sessions} concurrent sessions and "
+                             f"{self.admission.max_queue} queued requests; retry later")
+        try:
+            self.completions = completions
+            self._decode(completions)
+        finally:
+            self.admission.release(n)
+
+    def _decode(self, completions: Completions) -> None:
+        self.active.update((g.req_id, g) for g in completions.gens)
+        ACTIVE_SESSIONS.set(len(self.active))
+        self._put("start")
+        steps = iter(completions)
+        try:
+            for i, step in steps:
+                if self.gone:
+                    return
+                self._put("step", i, step)
+            self._put("done")
+        except SessionCancelled:
+            pass
+        except NoReplica as e:
+            self._put("error", 503, str(e))
+        except grpc.RpcError as e:
+            self._put("error", _HTTP_OF.get(e.code(), 500), f"verifier: {e.details()}")
+        except Exception as e:   # the client gets a status, the log the trace
+            log.exception("request failed")
+            self._put("error", 500, f"internal error: {type(e).__name__}")
+        finally:
+            steps.close()   # frees the sessions even when the client went away mid-stream
+            for g in completions.gens:
+                self.active.pop(g.req_id, None)
+            ACTIVE_SESSIONS.set(len(self.active))
+
+
+def build_app(engine: Engine, admission, cfg: ServerConfig, served_model: str, chat_template: str | None = None,
+              active: dict | None = None) -> FastAPI:
+    app = FastAPI(title="specmesh", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.draining = False
+    active = {} if active is None else active
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if cfg.auth_token and request.url.path.startswith("/v1/"):
+            from services.common.security import bearer_ok
+
+            if not bearer_ok([("authorization", request.headers.get("authorization", ""))], cfg.auth_token):
+                return error(401, "authorization: send `Authorization: Bearer <token>`")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if app.state.draining else 200)
+
+    @app.get("/v1/models")
+    async def models():
+        return oa.models_body(served_model, engine.context_len)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, lambda body: oa.completion_request(body, engine, served_model))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _serve(request, lambda body: oa.chat_request(body, engine, served_model, chat_template))
+
+    async def _serve(request: Request, parse):
+        if app.state.draining:
+            return error(503, "server: shutting down; retry on another replica")
+        raw = await request.body()
+        if len(raw) > cfg.max_message_bytes:
+            return error(413, f"body: at most {cfg.max_message_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as e:   # not JSON, or not UTF-8
+            return error(400, f"body: not valid JSON ({e})")
+        try:
+            api = parse(body)
+        except InvalidRequest as e:
+            REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
+            return error(404 if isinstance(e, oa.ModelNotFound) else 400, oa.openai_message(e))
+        run = _Run(engine, admission, api, asyncio.get_running_loop(), active)
+        first = await run.queue.get()
+        if first[0] == "error":
+            return error(first[1], first[2])
+        if api.stream:
+            return StreamingResponse(_events(run, api, engine.tokenizer), media_type="text/event-stream")
+        return await _collect(request, run, api, engine.tokenizer)
+
+    return app
+
+
+async def _events(run: _Run, api: oa.ApiRequest, tokenizer):
+    """Server-sent events: a chunk per cycle and choice, a last chunk per choice with its
+    finish_reason, usage when asked, then ``[DONE]``."""
+    rid, created = oa.new_id(api.chat), int(time.time())
+    gens = run.completions.gens
+    offsets, started = [0] * len(gens), [False] * len(gens)
+    try:
+        while True:
+            event = await run.queue.get()
+            if event[0] == "step":
+                i, step = event[1], event[2]
+                if step is None:
+                    chunk = oa.stream_chunk(api, rid, created, i, None, (), tokenizer, finish=gens[i].finish_reason)
+                    chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
+                else:
+                    chunk = oa.stream_chunk(api, rid, created, i, step.text, step.logprobs, tokenizer,
+                                            offset=offsets[i], first=not started[i])
+                    offsets[i] += len(step.text)
+                    started[i] = True
+                yield f"data: {json.dumps(chunk)}\n\n"
+            elif event[0] == "done":
+                if api.include_usage:
+                    yield f"data: {json.dumps(oa.usage_chunk(api, rid, created, gens))}\n\n"
+                break
+            else:   # an error after the stream began: told in-band, as vLLM does
+                yield f"data: {json.dumps(oa.error_body(event[2], _KIND_OF.get(event[1], 'server_error'), event[1]))}\n\n"
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        run.leave()   # no-op after the end; else the client left and its cycles stop
+
+
+async def _collect(request: Request, run: _Run, api: oa.ApiRequest, tokenizer):
+    """A request that did not stream: gather its choices (watching for the client leaving)."""
+    gens = run.completions.gens
+    choices = [oa.Choice(i) for i in range(len(gens))]
+    while True:
+        try:
+            event = await asyncio.wait_for(run.queue.get(), 1.0)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                run.leave()
+                return Response(status_code=499)
+            continue
+        if event[0] == "step":
+            c, step = choices[event[1]], event[2]
+            if step is None:
+                c.finish_reason = gens[c.index].finish_reason
+            else:
+                c.text.append(step.text)
+                c.logprobs.extend(step.logprobs)
+        elif event[0] == "done":
+            return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, gens, tokenizer)
+        else:
+            return error(event[1], event[2])
+
+
+class HttpServer:
+    """uvicorn on a thread of its own (the main thread keeps the signal handlers)."""
+
+    def __init__(self, app: FastAPI, cfg: ServerConfig, port: int):
+        ssl = {}
+        if cfg.tls_cert:
+            ssl = {"ssl_certfile": str(cfg.tls_cert), "ssl_keyfile": str(cfg.tls_key)}
+            if cfg.tls_client_ca:   # mutual TLS, as the gRPC port
+                import ssl as _ssl
+
+                ssl |= {"ssl_ca_certs": str(cfg.tls_client_ca), "ssl_cert_reqs": _ssl.CERT_REQUIRED}
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning",
+                                                    access_log=False, lifespan="off", timeout_graceful_shutdown=10,
+                                                    **ssl))
+        self._thread = threading.Thread(target=self.server.run, daemon=True, name="http-server")
+
+    def start(self, timeout_s: float = 30.0) -> int:
+        """Serve; returns the bound port."""
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() - t0 > timeout_s:
+                raise RuntimeError("http: the server did not start (is the port taken?)")
+            time.sleep(0.01)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def drain(self) -> None:
+        """/health answers 503 and new requests are refused; streams in flight go on."""
+        self.app.state.draining = True
+
+    def stop(self) -> None:
+        self.drain()
+        self.server.should_exit = True
+        self._thread.join(30)

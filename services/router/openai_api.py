@@ -1,0 +1,429 @@
+"""OpenAI-compatible request and response bodies (``/v1/completions``, ``/v1/chat/completions``),
+as vLLM's server accepts them: JSON dicts in, ``GenerationRequest`` out, and the engine's steps
+back into OpenAI's objects and stream chunks. No HTTP here; ``services.router.http_server``
+is the edge.
+
+Rules kept from OpenAI and vLLM:
+- unknown fields are refused (a misspelt parameter is never silently ignored);
+- ``max_tokens`` defaults to 16 for completions, and to what the context leaves for chat;
+- ``temperature`` defaults to 1.0 (sampling), as both APIs do; 0 is greedy;
+- choice ``i * n + j`` is completion ``j`` of prompt ``i``; completion ``j`` of a seeded
+  request samples with ``seed + j``;
+- the vLLM extensions (``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+  ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
+  ``structured_outputs``, ``cache_salt``, ``request_id``) and specmesh's ``method`` are accepted.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from services.common.structured import StructuredOutput
+from services.common.types import SamplingParams, TokenLogprob
+from services.router.engine import MAX_N, GenerationRequest, InvalidRequest
+
+FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
+DEFAULT_COMPLETION_TOKENS = 16
+MAX_PROMPTS = 16   # prompts in one /v1/completions request
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+           "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "response_format",
+           "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+           "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
+           "request_id", "method"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                         "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
+# engine field names as a client of this API knows them
+_FIELD_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+
+
+def openai_message(e: InvalidRequest, api: "ApiRequest | None" = None) -> str:
+    """The engine's message with its field named as this API names it."""
+    name, sep, rest = str(e).partition(":")
+    names = {**_FIELD_NAMES, "structured_output": api.structured_field if api else "response_format"}
+    return f"{names.get(name, name)}{sep}{rest}" if sep else str(e)
+
+
+# ---- typed field access: each names the field and what it must be -----------------------------
+
+def _typed(body: dict, key: str, kinds: tuple, what: str, default=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        raise InvalidRequest(f"{key}: must be {what}, got {json.dumps(v)[:80]}")
+    return v
+
+
+def _num(body: dict, key: str, default: float) -> float:
+    return float(_typed(body, key, (int, float), "a number", default))
+
+
+def _int(body: dict, key: str, default: int | None) -> int | None:
+    return _typed(body, key, (int,), "an integer", default)
+
+
+def _bool(body: dict, key: str) -> bool:
+    return _typed(body, key, (bool,), "true or false", False)
+
+
+def _ids(body: dict, key: str) -> tuple[int, ...]:
+    v = _typed(body, key, (list,), "a list of token ids", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise InvalidRequest(f"{key}: must be a list of non-negative integer token ids")
+    return tuple(v)
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise InvalidRequest("stop: must be a string or a list of strings")
+    return tuple(s for s in v if s)
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    v = _typed(body, "logit_bias", (dict,), "an object mapping token ids to biases", {})
+    try:
+        pairs = sorted((int(k), float(b)) for k, b in v.items() if not isinstance(b, bool))
+    except (TypeError, ValueError):
+        raise InvalidRequest("logit_bias: keys must be token ids (\"1234\") and values numbers") from None
+    if len(pairs) != len(v):
+        raise InvalidRequest("logit_bias: values must be numbers")
+    return tuple(pairs)
+
+
+def _sampling(body: dict) -> SamplingParams:
+    top_k = _int(body, "top_k", 0)
+    seed = _int(body, "seed", None)
+    if seed is not None and not 0 <= seed < 2 ** 63 - MAX_N:
+        raise InvalidRequest(f"seed: must be in [0, 2**63 - {MAX_N}), got {seed}")
+    return SamplingParams(
+        temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
+        top_k=0 if top_k == -1 else top_k,  # vLLM's -1 = off
+        seed=seed, repetition_penalty=_num(body, "repetition_penalty", 1.0),
+        presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
+        logit_bias=_logit_bias(body), allowed_token_ids=_ids(body, "allowed_token_ids"))
+
+
+def _structured(body: dict) -> StructuredOutput | None:
+    """``structured_outputs`` (vLLM: json / regex / choice / json_object) or ``response_format``
+    (OpenAI: text / json_object / json_schema); at most one of them."""
+    so, rf = body.get("structured_outputs"), body.get("response_format")
+    if so is not None and rf is not None:
+        raise InvalidRequest("structured_outputs: set either structured_outputs or response_format, not both")
+    if so is not None:
+        return _structured_outputs(so)
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("response_format: must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return StructuredOutput(json_object=True)
+    schema = (rf.get("json_schema") or {}).get("schema") if isinstance(rf.get("json_schema"), dict) else None
+    if not isinstance(schema, dict):
+        raise InvalidRequest("response_format: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+    return StructuredOutput(json_schema=json.dumps(schema))
+
+
+def _structured_outputs(so) -> StructuredOutput:
+    kinds = [k for k in ("json", "regex", "choice", "json_object") if isinstance(so, dict) and so.get(k) is not None]
+    if len(kinds) != 1 or len(so) != 1:
+        raise InvalidRequest("structured_outputs: set exactly one of json, regex, choice, json_object")
+    v = so[kinds[0]]
+    if kinds[0] == "json":
+        return StructuredOutput(json_schema=v if isinstance(v, str) else json.dumps(v))
+    if kinds[0] == "regex" and isinstance(v, str):
+        return StructuredOutput(regex=v)
+    if kinds[0] == "choice" and isinstance(v, list) and all(isinstance(c, str) for c in v):
+        return StructuredOutput(choice=tuple(v))
+    if kinds[0] == "json_object" and v is True:
+        return StructuredOutput(json_object=True)
+    raise InvalidRequest(f"structured_outputs.{kinds[0]}: wrong type (regex: a string, choice: a list of "
+                         "strings, json: a schema object or string, json_object: true)")
+
+
+def _refuse_fields(body: dict, allowed: set[str], unsupported: dict[str, str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidRequest(f"{unknown[0]}: unknown field; this server accepts {', '.join(sorted(allowed - set(unsupported)))}")
+    for key, why in unsupported.items():
+        if body.get(key) not in (None, False, [], {}):
+            raise InvalidRequest(f"{key}: {why}")
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """What one HTTP request asks for: a ``GenerationRequest`` per prompt, and how to answer."""
+
+    gens: tuple[GenerationRequest, ...]
+    stream: bool
+    include_usage: bool
+    model: str
+    chat: bool = False
+    logprobs: bool = False       # per-token logprobs in the answer
+    structured_field: str = "response_format"   # which field set the grammar, for error messages
+
+
+def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
+             prompt_logprobs: int | None) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=_sampling(body),
+        stop=_stops(body), stop_token_ids=_ids(body, "stop_token_ids"),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        prompt_logprobs=prompt_logprobs, method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,
+        request_id=_typed(body, "request_id", (str,), "a string", ""), logprobs=logprobs,
+        cache_salt=_typed(body, "cache_salt", (str,), "a string", ""), ignore_eos=_bool(body, "ignore_eos"),
+        min_tokens=_int(body, "min_tokens", 0), structured=_structured(body), n=n)
+
+
+def _stream_opts(body: dict, stream: bool) -> bool:
+    opts = _typed(body, "stream_options", (dict,), "an object", None)
+    if opts is not None and not stream:
+        raise InvalidRequest("stream_options: only allowed when stream is true")
+    include = (opts or {}).get("include_usage", False)
+    if not isinstance(include, bool):
+        raise InvalidRequest("stream_options.include_usage: must be true or false")
+    return include
+
+
+def _prompts(v, engine) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists."""
+    if isinstance(v, str):
+        return [engine.encode(v)]
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return [list(v)]
+    if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+        return [engine.encode(p) for p in v]
+    if isinstance(v, list) and v and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in v):
+        return [list(p) for p in v]
+    raise InvalidRequest("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
+
+
+def completion_request(body, engine, served_model: str) -> ApiRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("body: must be a JSON object")
+    _refuse_fields(body, COMPLETION_FIELDS, {
+        "echo": "not supported (use prompt_logprobs for the prompt's log-probabilities)",
+        "suffix": "not supported (no fill-in-the-middle)"})
+    model = _model(body, served_model)
+    if "prompt" not in body:
+        raise InvalidRequest("prompt: required")
+    prompts = _prompts(body["prompt"], engine)
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    n = _int(body, "n", 1)
+    best_of = _int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise InvalidRequest(f"best_of: not supported; it may only equal n ({n})")
+    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
+    logprobs, prompt_lp = _int(body, "logprobs", None), _int(body, "prompt_logprobs", None)
+    stream = _bool(body, "stream")
+    gens = tuple(_request(body, ids, engine, max_tokens, n, logprobs, prompt_lp) for ids in prompts)
+    if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
+        gens = tuple(replace(g, request_id=f"{g.request_id}-p{i}") for i, g in enumerate(gens))
+    return ApiRequest(gens, stream, _stream_opts(body, stream), model, logprobs=logprobs is not None,
+                      structured_field=_structured_field(body))
+
+
+def chat_request(body, engine, served_model: str, template: str | None) -> ApiRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequest("body: must be a JSON object")
+    _refuse_fields(body, CHAT_FIELDS, {"tools": "not supported (no tool calling)",
+                                       "tool_choice": "not supported (no tool calling)",
+                                       "parallel_tool_calls": "not supported (no tool calling)"})
+    model = _model(body, served_model)
+    ids = chat_prompt(engine.tokenizer, _messages(body), template,
+                      add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                      kwargs=_typed(body, "chat_template_kwargs", (dict,), "an object", {}))
+    n = _int(body, "n", 1)
+    limit = min(engine.cfg.max_new_tokens_limit, max(1, engine.context_len - len(ids)))
+    max_tokens = _int(body, "max_completion_tokens", None)
+    max_tokens = _int(body, "max_tokens", limit) if max_tokens is None else max_tokens
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", None)
+    if top is not None and not want:
+        raise InvalidRequest("top_logprobs: needs logprobs: true")
+    stream = _bool(body, "stream")
+    gen = _request(body, ids, engine, max_tokens, n, (top or 0) if want else None, None)
+    return ApiRequest((gen,), stream, _stream_opts(body, stream), model, chat=True, logprobs=want,
+                      structured_field=_structured_field(body))
+
+
+def _structured_field(body: dict) -> str:
+    return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+
+
+def _model(body: dict, served: str) -> str:
+    model = _typed(body, "model", (str,), "a string", served)
+    if model != served:
+        raise ModelNotFound(f"model: `{model}` is not served here; this server serves `{served}` (GET /v1/models)")
+    return model
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this server does not serve (HTTP 404, as OpenAI's)."""
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise InvalidRequest("messages: required, a non-empty list of {\"role\": ..., \"content\": ...}")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"messages[{i}]: must be an object with a string `role`")
+        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(c, i: int) -> str:
+    """A string, or a list of text parts (other part types are refused)."""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    raise InvalidRequest(f"messages[{i}].content: must be a string or a list of {{\"type\": \"text\", \"text\": ...}} "
+                         "parts (this model reads text only)")
+
+
+def chat_prompt(tokenizer, messages: list[dict], template: str | None, add_generation_prompt: bool = True,
+                kwargs: dict | None = None) -> list[int]:
+    """The conversation rendered by the chat template (the server's, else the tokenizer's)."""
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("messages: the served model has no chat template; start the server with "
+                             "--chat-template FILE, or use /v1/completions")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+    except Exception as e:   # a template error names what the template expected
+        raise InvalidRequest(f"messages: the chat template failed: {e}") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """One completion's answer so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def new_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _tok(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
+    """The legacy completions format; ``offset``: characters of the choice's text before these."""
+    tokens = [_tok(tokenizer, x.token_id) for x in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{_tok(tokenizer, i): v for i, v in x.top} for x in lps], "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, lp: float) -> dict:
+        s = _tok(tokenizer, token_id)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(i, v) for i, v in x.top]}
+                        for x in lps]}
+
+
+def usage(gens) -> dict:
+    prompt = sum(len(g.req.prompt_ids) for g in gens)
+    done = sum(len(g.output_ids) for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)}}
+
+
+def speculation(g) -> dict:
+    """specmesh's extension: how the completion was decoded."""
+    s = g.stats
+    return {"method": g.req.method, "cycles": s.cycles, "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.accepted_tokens, "rescued_tokens": s.rescued_tokens,
+            "tau": round(s.tau, 4), "acceptance_rate": round(s.acceptance_rate, 4)}
+
+
+def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice], gens, tokenizer) -> dict:
+    """The whole answer of a request that did not stream."""
+    out = []
+    for c, g in zip(choices, gens):
+        text = "".join(c.text)
+        lp = None
+        if api.logprobs:
+            lp = chat_logprobs(tokenizer, c.logprobs) if api.chat else completion_logprobs(tokenizer, c.logprobs, 0)
+        base = {"index": c.index, "logprobs": lp, "finish_reason": FINISH.get(c.finish_reason or "", "stop"),
+                "speculation": speculation(g)}
+        if api.chat:
+            base["message"] = {"role": "assistant", "content": text}
+        else:
+            base["text"] = text
+            if g.req.prompt_logprobs is not None:
+                base["prompt_logprobs"] = _prompt_logprobs(tokenizer, g)
+        out.append(base)
+    return {"id": rid, "object": "chat.completion" if api.chat else "text_completion", "created": created,
+            "model": api.model, "choices": out, "usage": usage(gens)}
+
+
+def _prompt_logprobs(tokenizer, g) -> list:
+    """vLLM's shape: None for the first prompt token, then {token_id: {logprob, rank?, decoded_token}}."""
+    rows = [None]
+    for x in g.prompt_logprobs:
+        row = {str(i): {"logprob": v, "decoded_token": _tok(tokenizer, i)} for i, v in x.top}
+        row[str(x.token_id)] = {"logprob": x.logprob, "decoded_token": _tok(tokenizer, x.token_id)}
+        rows.append(row)
+    return rows
+
+
+def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str | None, lps, tokenizer,
+                 offset: int = 0, finish: str | None = None, first: bool = False) -> dict:
+    """One SSE event: new text of choice ``index`` (or, with ``finish``, its end)."""
+    lp = None
+    if api.logprobs and lps:
+        lp = chat_logprobs(tokenizer, lps) if api.chat else completion_logprobs(tokenizer, lps, offset)
+    choice: dict = {"index": index, "logprobs": lp, "finish_reason": FINISH.get(finish) if finish else None}
+    if api.chat:
+        delta = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {"id": rid, "object": "chat.completion.chunk" if api.chat else "text_completion", "created": created,
+            "model": api.model, "choices": [choice]}
+
+
+def usage_chunk(api: ApiRequest, rid: str, created: int, gens) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if api.chat else "text_completion", "created": created,
+            "model": api.model, "choices": [], "usage": usage(gens)}
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def models_body(served: str, max_model_len: int, created: int | None = None) -> dict:
+    return {"object": "list", "data": [{"id": served, "object": "model", "created": created or int(time.time()),
+                                        "owned_by": "specmesh", "root": served, "max_model_len": max_model_len}]}

@@ -1,0 +1,247 @@
+"""Contract of the OpenAI-compatible HTTP API, through the official `openai` client: the same
+tokens as the engine, streaming, n and batched prompts, logprobs, chat through a template,
+structured output, and every error status (400, 401, 404, 429) with the field to fix."""
+import json
+import re
+import socket
+from contextlib import contextmanager
+from dataclasses import replace
+
+import openai
+import pytest
+
+from services.common.config import ServerConfig
+from services.common.types import SamplingParams
+from services.router.engine import GenerationRequest
+from services.router.server import build_server, start_http
+from tests.conftest import corrupt_bytes, wait_for
+
+PROMPT = "def add(a, b):\n"
+TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+
+
+@contextmanager
+def http_api(engine, **cfg):
+    cfg = ServerConfig(port=0, **{"max_sessions": 4, **cfg})
+    server, servicer, _ = build_server(engine, cfg)
+    server.start()
+    http = start_http(engine, replace(cfg, http_port=0), servicer)
+    port = http.server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield port, servicer
+    finally:
+        http.stop()
+        server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def api(tiny_engine, tmp_path_factory):
+    tpl = tmp_path_factory.mktemp("chat") / "template.jinja"
+    tpl.write_text(TEMPLATE)
+    with http_api(tiny_engine, chat_template=tpl, served_model_name="tiny") as (port, servicer):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield client, servicer, port
+
+
+def greedy(engine, ids, n_tokens, method="vanilla", **kw):
+    return engine.generate(GenerationRequest(ids, n_tokens, method=method, **kw)).result()
+
+
+def idle(servicer) -> bool:
+    return wait_for(lambda: not servicer.active and servicer.admission.running == 0)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "sd", "suffix"])
+def test_completion_equals_the_engines_greedy_output(api, tiny_engine, method):
+    client, servicer, _ = api
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0,
+                                    extra_body={"method": method})
+    ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30)
+    (c,) = out.choices
+    assert c.text == ref["text"] and c.finish_reason == "length" and c.index == 0
+    assert out.usage.completion_tokens == 30 and out.usage.prompt_tokens == len(tiny_engine.encode(PROMPT))
+    assert out.object == "text_completion" and out.model == "tiny" and out.id.startswith("cmpl-")
+    assert c.model_extra["speculation"]["method"] == method
+    assert idle(servicer)
+
+
+def test_stream_concatenates_to_the_whole_answer_then_usage_then_done(api, tiny_engine):
+    client, servicer, _ = api
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"method": "sd"}))
+    ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30)
+    texts = [ch.choices[0].text for ch in chunks if ch.choices]
+    assert len(texts) >= 3 and "".join(texts) == ref["text"]
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert idle(servicer)
+
+
+def test_seeded_n_and_batched_prompts_index_choices_prompt_major(api, tiny_engine):
+    client, _, _ = api
+    prompts = [PROMPT, "class Stack:\n"]
+    out = client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=12, temperature=1.0, seed=7,
+                                    extra_body={"method": "sd"})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        for j in range(2):
+            ref = greedy(tiny_engine, tiny_engine.encode(prompt), 12, method="sd",
+                         sampling=SamplingParams(temperature=1.0, seed=7 + j))
+            assert out.choices[p * 2 + j].text == ref["text"], (p, j)
+    assert out.usage.completion_tokens == 4 * 12
+
+
+def test_token_id_prompts_and_stop_strings(api, tiny_engine):
+    client, _, _ = api
+    ids = tiny_engine.encode(PROMPT)
+    ref = greedy(tiny_engine, ids, 30)["text"]
+    stop = ref[10:14]
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=30, temperature=0, stop=[stop])
+    assert out.choices[0].text == ref[:ref.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_are_the_engines(api, tiny_engine):
+    client, _, _ = api
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)
+    ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 10, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert [round(x, 4) for x in lp.token_logprobs] == [round(x["logprob"], 4) for x in ref["logprobs"]]
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(v, abs=1e-5)   # greedy: the token is the best
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_chat_renders_the_template_and_answers_as_the_assistant(api, tiny_engine):
+    client, _, _ = api
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    rendered = "# system: You write Python.\n# user: def add(a, b):\n# assistant:\n"
+    ref = greedy(tiny_engine, tiny_engine.tokenizer(rendered, add_special_tokens=False)["input_ids"], 20)
+    c = out.choices[0]
+    assert c.message.role == "assistant" and c.message.content == ref["text"] and out.object == "chat.completion"
+    assert len(c.logprobs.content) == 20 and all(len(x.top_logprobs) == 2 for x in c.logprobs.content)
+    streamed = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0,
+                                                   stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == ref["text"]
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_json_schema_response_format_gives_a_valid_instance(api):
+    client, _, _ = api
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
+                                    extra_body={"response_format": {"type": "json_schema",
+                                                                    "json_schema": {"name": "x", "schema": schema}}})
+    c = out.choices[0]
+    assert c.finish_reason == "stop"
+    value = json.loads(c.text)
+    assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
+    choice = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"max_tokens": 0}, r"^max_tokens: must be in \[1, "),
+    ({"temperature": -1}, r"^temperature: must be >= 0"),
+    ({"extra_body": {"temprature": 0}}, r"^temprature: unknown field"),
+    ({"extra_body": {"top_k": "3"}}, r"^top_k: must be an integer"),
+    ({"echo": True}, r"^echo: not supported"),
+    ({"best_of": 3}, r"^best_of: not supported"),
+    ({"n": 5}, r"^n: at most 4 completions"),
+    ({"logit_bias": {"x": 1}}, r"^logit_bias: keys must be token ids"),
+    ({"extra_body": {"method": "magic"}}, r"^method: unknown method 'magic'"),
+    ({"extra_body": {"response_format": {"type": "xml"}}}, r"^response_format: must be"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, r"^structured_outputs: the pattern cannot"),
+    ({"stream_options": {"include_usage": True}}, r"^stream_options: only allowed when stream is true"),
+])
+def test_invalid_requests_get_400_naming_the_field(api, kw, match):
+    client, servicer, _ = api
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{"model": "tiny", "prompt": PROMPT, **kw})
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+
+    assert re.search(match, err["message"]), err["message"]
+    assert idle(servicer)
+
+
+def test_unknown_model_is_404_and_chat_without_messages_is_400(api):
+    client, _, _ = api
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="messages: required"):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="tools: not supported"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def raw_post(port: int, body: bytes, path: str = "/v1/completions") -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), rest
+
+
+def test_malformed_bodies_get_400_never_a_crash(api):
+    _, servicer, port = api
+    for body in [b"not json", b"[1, 2]", b'{"prompt": {"a": 1}}', b'{"prompt": ""}', b'{"prompt": [true]}',
+                 b'{"prompt": "x", "max_tokens": 1e999}', b'{"prompt": "x", "n": null, "seed": -1}',
+                 b'{"prompt": "x", "logit_bias": {"1": "high"}}', b'{"prompt": [[1, 2], "x"]}'] + \
+            [corrupt_bytes(64, seed) for seed in range(5)]:
+        status, out = raw_post(port, body)
+        assert status == 400, (body, out)
+        assert json.loads(out)["error"]["message"]
+    status, out = raw_post(port, b'{"messages": "hi"}', "/v1/chat/completions")
+    assert status == 400 and b"messages: required" in out
+    assert idle(servicer)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_sessions(api, tiny_engine):
+    client, servicer, _ = api
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, temperature=1.0, n=2,
+                                       stream=True, extra_body={"method": "sd", "ignore_eos": True})
+    next(iter(stream))
+    assert servicer.active
+    stream.close()
+    assert idle(servicer) and wait_for(lambda: not tiny_engine.verifier.sessions)
+
+
+def test_overload_is_429_and_the_limit_is_shared_with_grpc(tiny_engine):
+    with http_api(tiny_engine, max_sessions=1, max_queue=0) as (port, servicer):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(prompt=PROMPT, model="target", max_tokens=200, stream=True,
+                                           extra_body={"method": "vanilla", "ignore_eos": True})
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError, match="concurrent sessions"):
+            client.completions.create(prompt=PROMPT, model="target", max_tokens=4)
+        assert servicer.admission.running == 1
+        stream.close()
+        assert idle(servicer)
+        assert client.completions.create(prompt=PROMPT, model="target", max_tokens=4).choices[0].text
+
+
+def test_bearer_token_is_required_on_v1_but_not_health(tiny_engine):
+    import urllib.request
+
+    with http_api(tiny_engine, auth_token="s3cret") as (port, _):
+        base = f"http://127.0.0.1:{port}"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model="target", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+        assert urllib.request.urlopen(f"{base}/health").status == 200
