@@ -311,6 +311,7 @@ class RayPredictor:
 
 
 @serve.deployment
+@serve.ingress()
 class GenerationIngress:
     def __init__(self, verifier, predictor, args: dict, drafter=None):
         node_metrics()
@@ -374,6 +375,20 @@ class GenerationIngress:
                 yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
         finally:
             steps.close()
+
+    def __serve_build_asgi_app__(self):
+        """The OpenAI-compatible HTTP API through Serve's HTTP proxy, over the same engine (built
+        on a request thread at first use). Admission as for gRPC: max_streams sessions, max_queue waiting."""
+        from services.common.config import ServerConfig
+        from services.router.http_server import build_app
+        from services.router.server import Admission
+
+        a = self._args
+        cfg = ServerConfig(max_sessions=int(a.get("max_streams", 64)), max_queue=int(a.get("max_queue", 32)),
+                           auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None)
+        template = Path(a["chat_template"]).read_text() if a.get("chat_template") else None
+        return build_app(lambda: self.engine, Admission(cfg.max_sessions, cfg.max_queue), cfg,
+                         a.get("served_model_name") or "target", template)
 
     def Check(self, request):
         from grpc_health.v1 import health_pb2

@@ -46,8 +46,11 @@ class _Run:
     """One request's completions on a thread of its own; events reach the event loop as
     ("start",), ("step", index, step | None), ("done",) or ("error", status, message)."""
 
-    def __init__(self, engine: Engine, admission, api: oa.ApiRequest, loop: asyncio.AbstractEventLoop, active: dict):
-        self.engine, self.admission, self.api, self.loop, self.active = engine, admission, api, loop, active
+    def __init__(self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active: dict):
+        self.get_engine, self.parse, self.body = get_engine, parse, body
+        self.admission, self.loop, self.active = admission, loop, active
+        self.engine: Engine | None = None
+        self.api: oa.ApiRequest | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.completions: Completions | None = None
         self.gone = False
@@ -77,7 +80,9 @@ class _Run:
             self._put("error", 500, f"internal error: {type(e).__name__}")
 
     def _admit(self) -> None:
-        try:
+        self.engine = self.get_engine()
+        try:   # tokenizing, rendering a chat template and compiling a grammar take time: here, not in the loop
+            self.api = self.parse(self.body, self.engine)
             parts = [self.engine.generate_all(r) for r in self.api.gens]
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
@@ -126,8 +131,9 @@ class _Run:
             ACTIVE_SESSIONS.set(len(self.active))
 
 
-def build_app(engine: Engine, admission, cfg: ServerConfig, served_model: str, chat_template: str | None = None,
+def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_template: str | None = None,
               active: dict | None = None) -> FastAPI:
+    """``get_engine()``: the engine, called on request threads only (Ray Serve builds it on first use)."""
     app = FastAPI(title="specmesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     active = {} if active is None else active
@@ -147,6 +153,7 @@ def build_app(engine: Engine, admission, cfg: ServerConfig, served_model: str, c
 
     @app.get("/v1/models")
     async def models():
+        engine = await asyncio.to_thread(get_engine)
         return oa.models_body(served_model, engine.context_len)
 
     @app.get("/metrics")
@@ -157,11 +164,11 @@ def build_app(engine: Engine, admission, cfg: ServerConfig, served_model: str, c
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(request, lambda body: oa.completion_request(body, engine, served_model))
+        return await _serve(request, lambda body, engine: oa.completion_request(body, engine, served_model))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await _serve(request, lambda body: oa.chat_request(body, engine, served_model, chat_template))
+        return await _serve(request, lambda body, engine: oa.chat_request(body, engine, served_model, chat_template))
 
     async def _serve(request: Request, parse):
         if app.state.draining:
@@ -173,25 +180,21 @@ def build_app(engine: Engine, admission, cfg: ServerConfig, served_model: str, c
             body = json.loads(raw)
         except ValueError as e:   # not JSON, or not UTF-8
             return error(400, f"body: not valid JSON ({e})")
-        try:
-            api = parse(body)
-        except InvalidRequest as e:
-            REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
-            return error(404 if isinstance(e, oa.ModelNotFound) else 400, oa.openai_message(e))
-        run = _Run(engine, admission, api, asyncio.get_running_loop(), active)
+        run = _Run(get_engine, parse, body, admission, asyncio.get_running_loop(), active)
         first = await run.queue.get()
         if first[0] == "error":
             return error(first[1], first[2])
-        if api.stream:
-            return StreamingResponse(_events(run, api, engine.tokenizer), media_type="text/event-stream")
-        return await _collect(request, run, api, engine.tokenizer)
+        if run.api.stream:
+            return StreamingResponse(_events(run), media_type="text/event-stream")
+        return await _collect(request, run)
 
     return app
 
 
-async def _events(run: _Run, api: oa.ApiRequest, tokenizer):
+async def _events(run: _Run):
     """Server-sent events: a chunk per cycle and choice, a last chunk per choice with its
     finish_reason, usage when asked, then ``[DONE]``."""
+    api, tokenizer = run.api, run.engine.tokenizer
     rid, created = oa.new_id(api.chat), int(time.time())
     gens = run.completions.gens
     offsets, started = [0] * len(gens), [False] * len(gens)
@@ -221,8 +224,9 @@ async def _events(run: _Run, api: oa.ApiRequest, tokenizer):
         run.leave()   # no-op after the end; else the client left and its cycles stop
 
 
-async def _collect(request: Request, run: _Run, api: oa.ApiRequest, tokenizer):
+async def _collect(request: Request, run: _Run):
     """A request that did not stream: gather its choices (watching for the client leaving)."""
+    api, tokenizer = run.api, run.engine.tokenizer
     gens = run.completions.gens
     choices = [oa.Choice(i) for i in range(len(gens))]
     while True:

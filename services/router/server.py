@@ -217,7 +217,7 @@ def start_http(engine: Engine, cfg: ServerConfig, servicer: GenerationServicer):
 
     name = cfg.served_model_name or engine.cfg.target.name
     template = cfg.chat_template.read_text() if cfg.chat_template else None
-    app = build_app(engine, servicer.admission, cfg, name, template, active=servicer.active)
+    app = build_app(lambda: engine, servicer.admission, cfg, name, template, active=servicer.active)
     http = HttpServer(app, cfg, cfg.http_port)
     port = http.start()
     scheme = "https" if cfg.tls_cert else "http"

@@ -30,7 +30,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
     models = tmp_path_factory.mktemp("ray-models")
     shutil.copytree(tiny_dirs[0], models / "target")
     shutil.copytree(tiny_dirs[1], models / "draft")
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
     # Ray gives its raylet a fixed 30 s to register, and a loaded 2-core box can miss it; its GCS
     # server once wrote no port file at all (no log either) and started at the next try.
     for attempt in range(2):
@@ -42,7 +42,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
             ray.shutdown()
             if attempt or not any(m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
                 raise
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                 grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[
                     "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
                     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
@@ -52,7 +52,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
                    "prefill_chunk": 2}),   # beside an open session, a new prompt prefills 2 tokens a step
               name="specmesh", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield pb_grpc.GenerationStub(channel), channel, metrics_port
+    yield pb_grpc.GenerationStub(channel), channel, metrics_port, http_port
     channel.close()
     serve.shutdown()
     ray.shutdown()
@@ -70,6 +70,24 @@ def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
         else:
             assert ids == ref.result()["token_ids"], method
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].stats.cycles > 0
+
+
+def test_openai_api_through_the_serve_http_proxy(serve_app, tiny_engine):
+    """The same ingress answers OpenAI-compatible HTTP through Serve's HTTP proxy: the engine's
+    greedy tokens, a stream, and a 400 naming the field."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_app[3]}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 24, method="vanilla")).result()
+    out = client.completions.create(model="target", prompt="def add(a, b):\n", max_tokens=24, temperature=0,
+                                    extra_body={"method": "sd"})
+    assert out.choices[0].text == ref["text"] and out.usage.completion_tokens == 24
+    chunks = list(client.completions.create(model="target", prompt="def add(a, b):\n", max_tokens=24, temperature=0,
+                                            stream=True, extra_body={"method": "suffix"}))
+    assert "".join(c.choices[0].text for c in chunks) == ref["text"] and chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="^Error code: 400.*top_p: must be in"):
+        client.completions.create(model="target", prompt="x", max_tokens=4, top_p=2)
 
 
 def test_n_completions_under_a_grammar_through_the_proxy(serve_app, tiny_engine):
@@ -131,7 +149,7 @@ def scrape(port: int) -> dict[str, float]:
 def test_replica_metrics_reach_the_node_endpoint(serve_app):
     """Router-side counters (ingress replica) and verifier-side histograms (verifier replica,
     another process) are served together, and they move with a Generate."""
-    stub, _, port = serve_app
+    stub, _, port, _ = serve_app
     assert wait_for(lambda: _try_scrape(port) is not None, timeout=30), "no node metrics endpoint"
     before = scrape(port)
     msgs = list(stub.Generate(pb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=20, method="sd"), timeout=120))
@@ -221,7 +239,7 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     finishing it for nobody. The other stream carries on."""
     import time
 
-    stub, _, port = serve_app
+    stub, _, port, _ = serve_app
     start = tiny_engine.encode("".join(f"def chunked_{i}(x):\n    return x * {i}\n\n" for i in range(4)))
     other = stub.Generate(pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=150, method="vanilla",
                                              ignore_eos=True), timeout=120)
