@@ -76,6 +76,9 @@ def test_services_mode_gpu_workloads():
                          "demo-specmesh-verifier-1.demo-specmesh-verifier:50052"]
     assert {"name": "SPECMESH_VERIFIER_LINK", "value": "multiplex"} in router["env"]
     assert {"name": "SPECMESH_AFFINITY_SLACK", "value": "2"} in router["env"]
+    assert "--http-port=8000" in router["args"] and {"name": "http", "containerPort": 8000} in router["ports"]
+    svc = named(docs, "Service", "demo-specmesh")
+    assert {"name": "http", "port": 8000, "targetPort": 8000} in svc["spec"]["ports"]
     assert {d["metadata"]["name"] for d in kinds(docs, "Deployment")} == {
         "demo-specmesh-router", "demo-specmesh-drafter", "demo-specmesh-predictor", "demo-specmesh-memory"}
     sm = kinds(docs, "ServiceMonitor")[0]
@@ -110,6 +113,7 @@ def test_ray_mode_rayservice():
     assert serve["applications"][0]["import_path"] == "services.ray_app:app"
     assert "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
     assert serve["applications"][0]["args"]["verifier_gpus"] == 4
+    assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}   # the OpenAI-compatible API
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFILL_CHUNK"] == "128"
@@ -140,7 +144,7 @@ def test_dashboard_configmap_carries_the_dashboard():
 
 def test_notes_show_a_client_call():
     notes = helm.Chart.load(str(CHART)).render({}, name="demo", namespace="llm")["specmesh/templates/NOTES.txt"]
-    assert "specmesh client --addr" in notes and "grpcurl" in notes
+    assert "specmesh client --addr" in notes and "grpcurl" in notes and "/v1/completions" in notes
 
 
 def test_tls_and_auth_are_wired_from_secrets():
