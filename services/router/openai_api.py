@@ -363,7 +363,8 @@ def speculation(g) -> dict:
     s = g.stats
     return {"method": g.req.method, "cycles": s.cycles, "draft_tokens": s.draft_tokens,
             "accepted_tokens": s.accepted_tokens, "rescued_tokens": s.rescued_tokens,
-            "tau": round(s.tau, 4), "acceptance_rate": round(s.acceptance_rate, 4)}
+            "tau": round(s.tau, 4), "acceptance_rate": round(s.acceptance_rate, 4),
+            "draft_s": round(g.timings.draft_s, 6), "verify_s": round(g.timings.verify_s, 6)}
 
 
 def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice], gens, tokenizer) -> dict:

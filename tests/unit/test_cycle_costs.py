@@ -183,3 +183,27 @@ def test_rule_skips_the_predictor_where_it_does_not_pay():
             c.realize_prediction(3, draft.features["yield_needed"], not verdicts[-1], 3)
     assert all(verdicts)
     assert 16 <= mlp.calls < 24                    # warm-up (16), then one in 16
+
+
+def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
+    """Under a grammar the router cuts a cache draft at its first forbidden token: the cycle's
+    seconds are fitted against the tokens verified, not the tokens the cache proposed."""
+    from services.common.types import Draft, SamplingParams
+    from services.router.hybrid import HybridDrafter, ScoreRule
+
+    class Cache:
+        def start(self, *a, **k): ...
+        def propose(self, req_id, budget): return Draft(token_ids=[1, 2, 3, 4, 5], score=5.0)
+        def observe(self, *a): ...
+        def stop(self, *a): ...
+
+    costs = CycleCosts()
+    recorded = []
+    costs.record = lambda choice, tokens, seconds, drafted=0: recorded.append((choice, drafted))
+    hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(0.0), max_cache=8, max_model=4, costs=costs)
+    hybrid.start("r", [7, 8], SamplingParams(), None, 32)
+    for verified in (5, 2):   # the first cycle carries the prefill and is not costed
+        hybrid.propose("r", 8)
+        hybrid.verified("r", verified)
+        hybrid.observe("r", [1, 2, 9])
+    assert recorded == [(CACHE, 2)]
