@@ -445,7 +445,10 @@ class Generation:
         choice = self.drafter.propose(self.req_id, budget)
         if isinstance(choice, Delegate):
             return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
-        return CycleRequest(draft_ids=tuple(self._grammatical(choice.token_ids)), draft_source=choice.source)
+        draft = self._grammatical(choice.token_ids)
+        if len(draft) < len(choice.token_ids) and hasattr(self.drafter, "verified"):
+            self.drafter.verified(self.req_id, len(draft))   # the hybrid costs the cycle at what is verified
+        return CycleRequest(draft_ids=tuple(draft), draft_source=choice.source)
 
     def _grammatical(self, draft: list[int]) -> list[int]:
         """A router draft up to its first token the grammar forbids (it would be rejected)."""

@@ -335,6 +335,13 @@ class HybridDrafter:
             return Draft.empty()
         return Delegate(self.model, min(budget, self.max_model))
 
+    def verified(self, req_id: str, n: int) -> None:
+        """The router verifies only the first ``n`` tokens of the cache draft (a grammar forbids
+        the next): the cycle is costed at that length. Its yield is unchanged, since a forbidden
+        token is never the committed one."""
+        st = self.states[req_id]
+        st.cache_draft = st.cache_draft[:n]
+
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
         # A cycle this hybrid chose (a budget-0 cycle is not one), except a request's first,
