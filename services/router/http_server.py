@@ -203,6 +203,10 @@ async def _events(run: _Run):
             event = await run.queue.get()
             if event[0] == "step":
                 i, step = event[1], event[2]
+                if api.echo and not started[i]:   # the prompt first, in a chunk of its own
+                    chunk, offsets[i] = _echo_chunk(api, rid, created, i, gens[i], tokenizer)
+                    started[i] = True
+                    yield f"data: {json.dumps(chunk)}\n\n"
                 if step is None:
                     chunk = oa.stream_chunk(api, rid, created, i, None, (), tokenizer, finish=gens[i].finish_reason)
                     chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
@@ -222,6 +226,15 @@ async def _events(run: _Run):
         yield "data: [DONE]\n\n"
     finally:
         run.leave()   # no-op after the end; else the client left and its cycles stop
+
+
+def _echo_chunk(api: oa.ApiRequest, rid: str, created: int, i: int, gen, tokenizer) -> tuple[dict, int]:
+    """Choice ``i``'s echoed prompt as a stream chunk, and the characters it takes."""
+    text = tokenizer.decode(gen.req.prompt_ids)
+    chunk = oa.stream_chunk(api, rid, created, i, text, (), tokenizer)
+    if api.logprobs:
+        chunk["choices"][0]["logprobs"] = oa.echo_logprobs(tokenizer, gen)
+    return chunk, len(text)
 
 
 async def _collect(request: Request, run: _Run):

@@ -172,6 +172,7 @@ class ApiRequest:
     chat: bool = False
     logprobs: bool = False       # per-token logprobs in the answer
     structured_field: str = "response_format"   # which field set the grammar, for error messages
+    echo: bool = False           # completions: the prompt precedes the output in text and logprobs
 
 
 def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
@@ -212,9 +213,7 @@ def _prompts(v, engine) -> list[list[int]]:
 def completion_request(body, engine, served_model: str) -> ApiRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
-    _refuse_fields(body, COMPLETION_FIELDS, {
-        "echo": "not supported (use prompt_logprobs for the prompt's log-probabilities)",
-        "suffix": "not supported (no fill-in-the-middle)"})
+    _refuse_fields(body, COMPLETION_FIELDS, {"suffix": "not supported (no fill-in-the-middle)"})
     model = _model(body, served_model)
     if "prompt" not in body:
         raise InvalidRequest("prompt: required")
@@ -227,12 +226,15 @@ def completion_request(body, engine, served_model: str) -> ApiRequest:
         raise InvalidRequest(f"best_of: not supported; it may only equal n ({n})")
     max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
     logprobs, prompt_lp = _int(body, "logprobs", None), _int(body, "prompt_logprobs", None)
+    echo = _bool(body, "echo")
+    if echo and logprobs is not None and prompt_lp is None:
+        prompt_lp = logprobs   # the echoed prompt's tokens carry log-probabilities too (lm-eval's loglikelihood)
     stream = _bool(body, "stream")
     gens = tuple(_request(body, ids, engine, max_tokens, n, logprobs, prompt_lp) for ids in prompts)
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
         gens = tuple(replace(g, request_id=f"{g.request_id}-p{i}") for i, g in enumerate(gens))
     return ApiRequest(gens, stream, _stream_opts(body, stream), model, logprobs=logprobs is not None,
-                      structured_field=_structured_field(body))
+                      structured_field=_structured_field(body), echo=echo)
 
 
 def chat_request(body, engine, served_model: str, template: str | None) -> ApiRequest:
@@ -334,12 +336,30 @@ def _tok(tokenizer, token_id: int) -> str:
 def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
     """The legacy completions format; ``offset``: characters of the choice's text before these."""
     tokens = [_tok(tokenizer, x.token_id) for x in lps]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{_tok(tokenizer, i): v for i, v in x.top} for x in lps], "text_offset": offsets}
+            "top_logprobs": [{_tok(tokenizer, i): v for i, v in x.top} for x in lps],
+            "text_offset": _offsets(tokens, offset)}
+
+
+def echo_logprobs(tokenizer, g) -> dict:
+    """The echoed prompt's entries: its first token has none (null), the rest the target's
+    log-probability given the tokens before (``prompt_logprobs``)."""
+    first = _tok(tokenizer, g.req.prompt_ids[0])
+    rest = completion_logprobs(tokenizer, g.prompt_logprobs, len(first))
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+def joined_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def _offsets(tokens: list[str], offset: int) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(offset)
+        offset += len(t)
+    return out
 
 
 def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
@@ -371,10 +391,14 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
     """The whole answer of a request that did not stream."""
     out = []
     for c, g in zip(choices, gens):
-        text = "".join(c.text)
+        echoed = tokenizer.decode(g.req.prompt_ids) if api.echo else ""
+        text = echoed + "".join(c.text)
         lp = None
-        if api.logprobs:
-            lp = chat_logprobs(tokenizer, c.logprobs) if api.chat else completion_logprobs(tokenizer, c.logprobs, 0)
+        if api.logprobs and api.chat:
+            lp = chat_logprobs(tokenizer, c.logprobs)
+        elif api.logprobs:
+            lp = completion_logprobs(tokenizer, c.logprobs, len(echoed))
+            lp = joined_logprobs(echo_logprobs(tokenizer, g), lp) if api.echo else lp
         base = {"index": c.index, "logprobs": lp, "finish_reason": FINISH.get(c.finish_reason or "", "stop"),
                 "speculation": speculation(g)}
         if api.chat:

@@ -115,6 +115,31 @@ def test_logprobs_are_the_engines(api, tiny_engine):
                for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(api, tiny_engine):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens=1, greedy. The
+    prompt's tokens come back first (the first with null), with the target's log-probabilities."""
+    client, _, _ = api
+    prompt = "def add(a, b):\n    return a + b\n"
+    ids = tiny_engine.encode(prompt)
+    ref = greedy(tiny_engine, ids, 1, prompt_logprobs=1, logprobs=1)
+    for stream in (False, True):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                        echo=True, stream=stream)
+        if stream:
+            chunks = [ch.choices[0] for ch in out if ch.choices]
+            text = "".join(c.text for c in chunks)
+            lp = {k: sum((getattr(c.logprobs, k) for c in chunks if c.logprobs), []) for k in
+                  ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        else:
+            text, lp = out.choices[0].text, out.choices[0].logprobs.model_dump()
+        assert text == prompt + ref["text"], stream
+        assert lp["tokens"][:len(ids)] == [tiny_engine.tokenizer.decode([t]) for t in ids] and len(lp["tokens"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = [x["logprob"] for x in ref["prompt_logprobs"]] + [ref["logprobs"][0]["logprob"]]
+        assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+
+
 def test_chat_renders_the_template_and_answers_as_the_assistant(api, tiny_engine):
     client, _, _ = api
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
@@ -153,7 +178,7 @@ def test_json_schema_response_format_gives_a_valid_instance(api):
     ({"temperature": -1}, r"^temperature: must be >= 0"),
     ({"extra_body": {"temprature": 0}}, r"^temprature: unknown field"),
     ({"extra_body": {"top_k": "3"}}, r"^top_k: must be an integer"),
-    ({"echo": True}, r"^echo: not supported"),
+    ({"suffix": "x"}, r"^suffix: not supported"),
     ({"best_of": 3}, r"^best_of: not supported"),
     ({"n": 5}, r"^n: at most 4 completions"),
     ({"logit_bias": {"x": 1}}, r"^logit_bias: keys must be token ids"),

@@ -72,7 +72,7 @@ def test_structured_output_forms():
     ({"prompt": "a", "stop": [1]}, r"^stop: must be a string or a list of strings"),
     ({"prompt": "a", "logit_bias": {"a": 1}}, r"^logit_bias: keys must be token ids"),
     ({"prompt": "a", "logit_bias": {"1": True}}, r"^logit_bias: values must be numbers"),
-    ({"prompt": "a", "echo": True}, r"^echo: not supported"),
+    ({"prompt": "a", "suffix": "b"}, r"^suffix: not supported"),
     ({"prompt": "a", "best_of": 2}, r"^best_of: not supported"),
     ({"prompt": "a", "seed": -1}, r"^seed: must be in"),
     ({"prompt": ["a"] * 17}, r"^prompt: at most 16 prompts"),
@@ -85,6 +85,12 @@ def test_structured_output_forms():
 def test_refusals_name_the_field(body, match):
     with pytest.raises(InvalidRequest, match=match):
         oa.completion_request(body, Engine(), "m")
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    api = parse(prompt="ab", echo=True, logprobs=1, max_tokens=1)
+    assert api.echo and api.gens[0].prompt_logprobs == 1 and api.gens[0].logprobs == 1
+    assert parse(prompt="ab", echo=True).gens[0].prompt_logprobs is None
 
 
 def test_other_model_is_not_found():
