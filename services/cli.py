@@ -295,6 +295,8 @@ def cmd_client(args: argparse.Namespace) -> None:
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
                              allowed_token_ids=args.allowed_token_id or [])
+    if args.truncate_prompt_tokens is not None:
+        req.truncate_prompt_tokens = args.truncate_prompt_tokens
     structured = _structured(args)
     if "choice" in structured:
         req.structured_output.choice.values.extend(structured["choice"])
@@ -506,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-n", "--n", type=int, default=1, help="completions of the prompt (1-16)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")
+    p.add_argument("--truncate-prompt-tokens", type=int, default=None,
+                   help="keep only the prompt's last N tokens (-1: what fits the context)")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")
     p.add_argument("--tls-cert", type=Path, default=None, help="client certificate for mTLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)

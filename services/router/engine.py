@@ -253,6 +253,18 @@ class Engine:
         ids = self.encode(text)
         return ids[-(self.context_len - max_new_tokens):]
 
+    def truncate(self, ids: list[int], keep: int | None, max_new_tokens: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens; -1 keeps what fits
+        the context beside max_new_tokens; None keeps all."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = max(1, self.context_len - max_new_tokens)
+        if keep < 1:
+            raise InvalidRequest(f"truncate_prompt_tokens: must be >= 1 (tokens kept from the prompt's end), or -1 "
+                                 f"(keep what fits the context), got {keep}")
+        return ids[-keep:]
+
     def validate(self, req: GenerationRequest) -> None:
         if not req.prompt_ids:
             raise InvalidRequest("prompt: must not be empty (set `prompt` or `prompt_token_ids`)")

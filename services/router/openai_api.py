@@ -11,7 +11,8 @@ Rules kept from OpenAI and vLLM:
   request samples with ``seed + j``;
 - the vLLM extensions (``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
-  ``structured_outputs``, ``cache_salt``, ``request_id``) and specmesh's ``method`` are accepted.
+  ``structured_outputs``, ``truncate_prompt_tokens``, ``cache_salt``, ``request_id``) and
+  specmesh's ``method`` are accepted.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "response_format",
            "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
-           "request_id", "method"}
+           "request_id", "method", "truncate_prompt_tokens"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
@@ -177,8 +178,10 @@ class ApiRequest:
 
 def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
              prompt_logprobs: int | None) -> GenerationRequest:
+    keep = _int(body, "truncate_prompt_tokens", None)
     return GenerationRequest(
-        prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=_sampling(body),
+        prompt_ids=engine.truncate(prompt_ids, keep, max_tokens),
+        max_new_tokens=max_tokens, sampling=_sampling(body),
         stop=_stops(body), stop_token_ids=_ids(body, "stop_token_ids"),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         prompt_logprobs=prompt_logprobs, method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,

@@ -31,9 +31,10 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
     if r.prompt and r.prompt_token_ids:
         raise InvalidRequest("prompt: set either `prompt` or `prompt_token_ids`, not both")
     ids = list(r.prompt_token_ids) if r.prompt_token_ids else engine.encode(r.prompt) if r.prompt else []
+    max_new = r.max_new_tokens if r.HasField("max_new_tokens") else engine.cfg.default_max_new_tokens
     return GenerationRequest(
-        prompt_ids=ids,
-        max_new_tokens=r.max_new_tokens if r.HasField("max_new_tokens") else engine.cfg.default_max_new_tokens,
+        prompt_ids=engine.truncate(ids, r.truncate_prompt_tokens if r.HasField("truncate_prompt_tokens") else None, max_new),
+        max_new_tokens=max_new,
         sampling=SamplingParams(
             temperature=r.temperature, top_p=r.top_p if r.HasField("top_p") else 1.0,
             top_k=r.top_k, seed=r.seed if r.HasField("seed") else None,

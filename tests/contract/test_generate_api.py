@@ -214,6 +214,8 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "logit_bias": {9000: 1.0}}, "logit_bias"),
     ({"prompt": "a", "max_new_tokens": 5, "allowed_token_ids": [1, 9000]}, "allowed_token_ids"),
     ({"prompt": "a", "max_new_tokens": 5, "n": 3}, "n"),   # more completions than the server's 2 sessions
+    ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ])
 def test_invalid_argument_names_the_field(served, kw, field):
     stub, servicer, _ = served
@@ -222,6 +224,22 @@ def test_invalid_argument_names_the_field(served, kw, field):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(field + ":"), e.value.details()
     assert wait_idle(servicer)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(served, tiny_engine):
+    """As vLLM's: the last N prompt tokens are the prompt; -1 keeps what fits the context, so a
+    prompt too long for it (refused without truncation) is served."""
+    stub, _, _ = served
+    prompt = "".join(f"def trunc_{i}(x):\n    return x + {i}\n\n" for i in range(30))
+    ids = tiny_engine.encode(prompt)
+    assert len(ids) > 256   # longer than the tiny model's context
+    for keep, kept in ((40, ids[-40:]), (-1, ids[-(256 - 16):])):
+        msgs = collect(stub, prompt=prompt, max_new_tokens=16, method="sd", truncate_prompt_tokens=keep)
+        ref = tiny_engine.generate(GenerationRequest(kept, 16, method="vanilla")).result()
+        assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
+        assert msgs[-1].usage.prompt_tokens == len(kept)
+    assert collect(stub, prompt="ab", max_new_tokens=4, truncate_prompt_tokens=100)[-1].usage.prompt_tokens == \
+        len(tiny_engine.encode("ab"))
 
 
 def test_deadline_exceeded_frees_session(served):

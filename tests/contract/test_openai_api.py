@@ -103,6 +103,16 @@ def test_token_id_prompts_and_stop_strings(api, tiny_engine):
     assert out.choices[0].text == ref[:ref.index(stop)] and out.choices[0].finish_reason == "stop"
 
 
+def test_truncate_prompt_tokens(api, tiny_engine):
+    client, _, _ = api
+    ids = tiny_engine.encode(PROMPT * 4)
+    out = client.completions.create(model="tiny", prompt=PROMPT * 4, max_tokens=8, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 6})
+    assert out.usage.prompt_tokens == 6 and out.choices[0].text == greedy(tiny_engine, ids[-6:], 8)["text"]
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens: must be >= 1"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_logprobs_are_the_engines(api, tiny_engine):
     client, _, _ = api
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)

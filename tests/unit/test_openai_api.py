@@ -7,6 +7,7 @@ import pytest
 
 from services.common.structured import StructuredOutput
 from services.router import openai_api as oa
+from services.router.engine import Engine as RealEngine
 from services.router.engine import InvalidRequest
 
 
@@ -15,6 +16,7 @@ class Engine:
     context_len = 1024
     cfg = SimpleNamespace(max_new_tokens_limit=512)
     tokenizer = None
+    truncate = RealEngine.truncate   # reads context_len only
 
     @staticmethod
     def encode(text: str) -> list[int]:
