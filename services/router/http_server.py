@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP front end (FastAPI on uvicorn) beside the gRPC one, over the same
 engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
-(streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``.
+(streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, vLLM's
+``POST /tokenize`` and ``POST /detokenize``, ``GET /health``, ``GET /metrics``.
 
 Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
 take seconds to compile), admission, the decode cycles and the session's release all happen
@@ -140,7 +140,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if cfg.auth_token and request.url.path.startswith("/v1/"):
+        if cfg.auth_token and request.url.path not in ("/health", "/metrics"):
             from services.common.security import bearer_ok
 
             if not bearer_ok([("authorization", request.headers.get("authorization", ""))], cfg.auth_token):
@@ -170,16 +170,40 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
     async def chat(request: Request):
         return await _serve(request, lambda body, engine: oa.chat_request(body, engine, served_model, chat_template))
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await _plain(request, lambda body, engine: oa.tokenize_body(body, engine, served_model, chat_template))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await _plain(request, lambda body, engine: oa.detokenize_body(body, engine, served_model))
+
+    async def _body(request: Request):
+        """The request's JSON, or the error response to send instead."""
+        raw = await request.body()
+        if len(raw) > cfg.max_message_bytes:
+            return None, error(413, f"body: at most {cfg.max_message_bytes} bytes")
+        try:
+            return json.loads(raw), None
+        except ValueError as e:   # not JSON, or not UTF-8
+            return None, error(400, f"body: not valid JSON ({e})")
+
+    async def _plain(request: Request, answer):
+        """A request answered at once, off the event loop (the engine may still be loading)."""
+        body, refused = await _body(request)
+        if refused is not None:
+            return refused
+        try:
+            return await asyncio.to_thread(lambda: answer(body, get_engine()))
+        except InvalidRequest as e:
+            return error(404 if isinstance(e, oa.ModelNotFound) else 400, str(e))
+
     async def _serve(request: Request, parse):
         if app.state.draining:
             return error(503, "server: shutting down; retry on another replica")
-        raw = await request.body()
-        if len(raw) > cfg.max_message_bytes:
-            return error(413, f"body: at most {cfg.max_message_bytes} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError as e:   # not JSON, or not UTF-8
-            return error(400, f"body: not valid JSON ({e})")
+        body, refused = await _body(request)
+        if refused is not None:
+            return refused
         run = _Run(get_engine, parse, body, admission, asyncio.get_running_loop(), active)
         first = await run.queue.get()
         if first[0] == "error":

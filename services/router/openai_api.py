@@ -448,6 +448,35 @@ def usage_chunk(api: ApiRequest, rid: str, created: int, gens) -> dict:
             "model": api.model, "choices": [], "usage": usage(gens)}
 
 
+def tokenize_body(body, engine, served_model: str, template: str | None) -> dict:
+    """vLLM's /tokenize: a ``prompt`` or chat ``messages`` → its token ids under this server's tokenizer."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body: must be a JSON object")
+    _refuse_fields(body, {"model", "prompt", "messages", "add_generation_prompt"}, {})
+    _model(body, served_model)
+    if ("prompt" in body) == ("messages" in body):
+        raise InvalidRequest("prompt: set either `prompt` or `messages`")
+    if "messages" in body:
+        ids = chat_prompt(engine.tokenizer, _messages(body), template,
+                          add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+    else:
+        ids = engine.encode(_typed(body, "prompt", (str,), "a string", ""))
+    return {"count": len(ids), "max_model_len": engine.context_len, "tokens": ids}
+
+
+def detokenize_body(body, engine, served_model: str) -> dict:
+    """vLLM's /detokenize: ``tokens`` → their text."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body: must be a JSON object")
+    _refuse_fields(body, {"model", "tokens"}, {})
+    _model(body, served_model)
+    ids = _ids(body, "tokens")
+    vocab = len(engine.tokenizer)
+    if any(t >= vocab for t in ids):
+        raise InvalidRequest(f"tokens: every id must be in [0, {vocab})")
+    return {"prompt": engine.tokenizer.decode(list(ids))}
+
+
 def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

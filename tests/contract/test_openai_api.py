@@ -209,6 +209,21 @@ def test_invalid_requests_get_400_naming_the_field(api, kw, match):
     assert idle(servicer)
 
 
+def test_tokenize_and_detokenize_round_trip(api, tiny_engine):
+    _, _, port = api
+    status, out = raw_post(port, json.dumps({"prompt": PROMPT}).encode(), "/tokenize")
+    got = json.loads(out)
+    assert status == 200 and got["tokens"] == tiny_engine.encode(PROMPT) and got["count"] == len(got["tokens"])
+    status, out = raw_post(port, json.dumps({"tokens": got["tokens"]}).encode(), "/detokenize")
+    assert status == 200 and json.loads(out)["prompt"] == PROMPT
+    status, out = raw_post(port, json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), "/tokenize")
+    assert status == 200 and json.loads(out)["tokens"] == tiny_engine.encode("# user: hi\n# assistant:\n")
+    status, out = raw_post(port, json.dumps({"tokens": [10 ** 6]}).encode(), "/detokenize")
+    assert status == 400 and json.loads(out)["error"]["message"].startswith("tokens: every id must be in")
+    status, out = raw_post(port, b'{"prompt": "a", "messages": []}', "/tokenize")
+    assert status == 400
+
+
 def test_unknown_model_is_404_and_chat_without_messages_is_400(api):
     client, _, _ = api
     with pytest.raises(openai.NotFoundError, match="not served here"):
@@ -280,3 +295,4 @@ def test_bearer_token_is_required_on_v1_but_not_health(tiny_engine):
         ok = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="target", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
         assert urllib.request.urlopen(f"{base}/health").status == 200
+        assert raw_post(port, b'{"prompt": "x"}', "/tokenize")[0] == 401
