@@ -220,6 +220,7 @@ def _penalty_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
     p.add_argument("--logit-bias", action="append", metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
     p.add_argument("--allowed-token-id", type=int, action="append", help="generate only these tokens (repeatable)")
+    p.add_argument("--bad-word", action="append", help="a word the output must not contain (repeatable)")
 
 
 def _bias(args: argparse.Namespace) -> tuple[tuple[int, float], ...]:
@@ -251,11 +252,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from services.router.engine import Engine, GenerationRequest, InvalidRequest
 
     engine = Engine(engine_config(args))
+    try:
+        bad_words = engine.bad_word_ids(args.bad_word or ())
+    except InvalidRequest as e:
+        sys.exit(f"error: {e}")
     req = GenerationRequest(
         prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
                                 args.presence_penalty, args.frequency_penalty, _bias(args),
-                                tuple(args.allowed_token_id or ())),
+                                tuple(args.allowed_token_id or ()), bad_words),
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
         include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
@@ -294,7 +299,7 @@ def cmd_client(args: argparse.Namespace) -> None:
                              include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
-                             allowed_token_ids=args.allowed_token_id or [])
+                             allowed_token_ids=args.allowed_token_id or [], bad_words=args.bad_word or [])
     if args.truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = args.truncate_prompt_tokens
     structured = _structured(args)

@@ -71,6 +71,25 @@ def apply_bias(logits: torch.Tensor, sp: SamplingParams, columns: torch.Tensor |
     return x.to(logits.dtype)
 
 
+def ban_bad_words(logits: torch.Tensor, output: list[int], draft: list[int],
+                  bad_words: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Row r of ``logits`` follows ``output`` + ``draft[:r]``: a bad word's last token gets −inf
+    in every row whose context ends with the word's other tokens."""
+    longest = max(len(w) for w in bad_words)
+    rows, cols = [], []
+    for r in range(logits.shape[0]):
+        tail = (output + draft[:r])[-(longest - 1):] if longest > 1 else []
+        for w in bad_words:
+            if len(w) == 1 or (len(tail) >= len(w) - 1 and tuple(tail[len(tail) - len(w) + 1:]) == w[:-1]):
+                rows.append(r)
+                cols.append(w[-1])
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
+
+
 def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=rng).item())
 
@@ -94,6 +113,7 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
 
 MAX_LOGPROBS = 20   # alternatives a request may ask for per token
 MAX_LOGIT_BIAS = 300   # tokens a request may bias (OpenAI's limit)
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 64, 32   # bad words per request (two token sequences each), tokens per word
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:

@@ -14,7 +14,9 @@ class SamplingParams:
     in the prompt or the output; presence_penalty is subtracted from every token that occurs
     in the output, and frequency_penalty once per occurrence. logit_bias ((token id, bias)
     pairs) is added to those tokens' logits, and with allowed_token_ids every other token's
-    logit is −inf, at every position (vLLM's and OpenAI's)."""
+    logit is −inf, at every position (vLLM's and OpenAI's). bad_words (token sequences, vLLM's):
+    the last token of a sequence is −inf where the output ends with the tokens before it (a
+    one-token sequence: everywhere)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -25,6 +27,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:

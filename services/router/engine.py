@@ -20,7 +20,7 @@ import torch
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
-from services.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
@@ -252,6 +252,17 @@ class Engine:
         prompt + max_new_tokens fits the context. The public API rejects long prompts instead."""
         ids = self.encode(text)
         return ids[-(self.context_len - max_new_tokens):]
+
+    def bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as written and with one leading space
+        (how it reads after another word)."""
+        words = [w for w in words if w.strip()]
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidRequest(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
+        seqs = {tuple(self.encode(p + w.lstrip())) for w in words for p in ("", " ")}
+        if any(len(s) > MAX_BAD_WORD_TOKENS for s in seqs):
+            raise InvalidRequest(f"bad_words: each word at most {MAX_BAD_WORD_TOKENS} tokens")
+        return tuple(sorted(s for s in seqs if s))
 
     def truncate(self, ids: list[int], keep: int | None, max_new_tokens: int) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens; -1 keeps what fits

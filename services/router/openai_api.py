@@ -11,7 +11,7 @@ Rules kept from OpenAI and vLLM:
   request samples with ``seed + j``;
 - the vLLM extensions (``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
-  ``structured_outputs``, ``truncate_prompt_tokens``, ``cache_salt``, ``request_id``) and
+  ``structured_outputs``, ``truncate_prompt_tokens``, ``bad_words``, ``cache_salt``, ``request_id``) and
   specmesh's ``method`` are accepted.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "response_format",
            "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
-           "request_id", "method", "truncate_prompt_tokens"}
+           "request_id", "method", "truncate_prompt_tokens", "bad_words"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
@@ -99,7 +99,14 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _sampling(body: dict) -> SamplingParams:
+def _bad_words(body: dict, engine) -> tuple[tuple[int, ...], ...]:
+    v = _typed(body, "bad_words", (list,), "a list of strings", [])
+    if not all(isinstance(w, str) for w in v):
+        raise InvalidRequest("bad_words: must be a list of strings")
+    return engine.bad_word_ids(v)
+
+
+def _sampling(body: dict, engine) -> SamplingParams:
     top_k = _int(body, "top_k", 0)
     seed = _int(body, "seed", None)
     if seed is not None and not 0 <= seed < 2 ** 63 - MAX_N:
@@ -109,7 +116,8 @@ def _sampling(body: dict) -> SamplingParams:
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1 = off
         seed=seed, repetition_penalty=_num(body, "repetition_penalty", 1.0),
         presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
-        logit_bias=_logit_bias(body), allowed_token_ids=_ids(body, "allowed_token_ids"))
+        logit_bias=_logit_bias(body), allowed_token_ids=_ids(body, "allowed_token_ids"),
+        bad_words=_bad_words(body, engine))
 
 
 def _structured(body: dict) -> StructuredOutput | None:
@@ -181,7 +189,7 @@ def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int,
     keep = _int(body, "truncate_prompt_tokens", None)
     return GenerationRequest(
         prompt_ids=engine.truncate(prompt_ids, keep, max_tokens),
-        max_new_tokens=max_tokens, sampling=_sampling(body),
+        max_new_tokens=max_tokens, sampling=_sampling(body, engine),
         stop=_stops(body), stop_token_ids=_ids(body, "stop_token_ids"),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         prompt_logprobs=prompt_logprobs, method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,

@@ -22,7 +22,7 @@ from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
-from services.common.sampling import apply_bias, apply_penalties, make_rng, token_logprobs
+from services.common.sampling import apply_bias, apply_penalties, ban_bad_words, make_rng, token_logprobs
 from services.common.structured import GrammarCompiler, GrammarCursor
 from services.common.types import Draft, SamplingParams, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter
@@ -410,12 +410,17 @@ class VerifierSession:
 
     def _shaped(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """The request's penalties (``SamplingParams``), over its output so far (the re-opened
-        part of the prompt, ``generated``, counts as output), then its logit bias."""
+        part of the prompt, ``generated``, counts as output), then its logit bias, then its bad
+        words (over the same output)."""
         sp = self.spec.sampling
+        start = len(self.spec.prompt_ids) - self.spec.generated
         if sp.penalized:
-            logits = apply_penalties(logits, self.target.tokens, len(self.spec.prompt_ids) - self.spec.generated,
-                                     draft.token_ids, sp)
-        return apply_bias(logits, sp) if sp.biased else logits
+            logits = apply_penalties(logits, self.target.tokens, start, draft.token_ids, sp)
+        if sp.biased:
+            logits = apply_bias(logits, sp)
+        if sp.bad_words:
+            logits = ban_bad_words(logits, self.target.tokens[start:], draft.token_ids, sp.bad_words)
+        return logits
 
     def _no_early_eos(self, logits: torch.Tensor) -> torch.Tensor:
         """``min_tokens``: rows of positions before it get no end-of-sequence token (its logit

@@ -20,7 +20,7 @@ import grpc
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.prefix_cache import MAX_CACHE_SALT
-from services.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 from services.common.structured import MAX_REGEX_CHARS, GrammarError
 from services.common.types import SamplingParams, TokenLogprob
 from services.router.affinity import PrefixAffinity, choose
@@ -41,7 +41,8 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
                    sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
                                         repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
                                         frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias),
-                                        allowed_token_ids=sp.allowed_token_ids),
+                                        allowed_token_ids=sp.allowed_token_ids,
+                                        bad_words=[pb.TokenIds(ids=w) for w in sp.bad_words]),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
                    logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
                    generated=s.generated, prompt_logprobs=s.prompt_logprobs, grammar=s.grammar or "")
@@ -54,7 +55,8 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                                                sp.seed if sp.HasField("seed") else None,
                                                sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
                                                sp.presence_penalty, sp.frequency_penalty,
-                                               tuple(sorted(sp.logit_bias.items())), tuple(sp.allowed_token_ids)),
+                                               tuple(sorted(sp.logit_bias.items())), tuple(sp.allowed_token_ids),
+                                               tuple(tuple(w.ids) for w in sp.bad_words)),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
@@ -174,6 +176,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"open.sampling.logit_bias: at most {MAX_LOGIT_BIAS} ids < {vocab}, biases in [-100, 100]")
         if any(not 0 <= t < vocab for t in sp.allowed_token_ids):
             raise BadRequest(f"open.sampling.allowed_token_ids: ids must be < {vocab}")
+        if len(sp.bad_words) > 2 * MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS or max(w) >= vocab
+                                                         for w in sp.bad_words):
+            raise BadRequest(f"open.sampling.bad_words: at most {2 * MAX_BAD_WORDS} sequences of 1 to "
+                             f"{MAX_BAD_WORD_TOKENS} ids < {vocab}")
 
     def _check_grammar(self, s: SessionSpec) -> None:
         if s.ignore_eos or s.min_tokens:

@@ -215,6 +215,8 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "allowed_token_ids": [1, 9000]}, "allowed_token_ids"),
     ({"prompt": "a", "max_new_tokens": 5, "n": 3}, "n"),   # more completions than the server's 2 sessions
     ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "a", "max_new_tokens": 5, "bad_words": ["w"] * 65}, "bad_words"),
+    ({"prompt": "a", "max_new_tokens": 5, "bad_words": ["word " * 40]}, "bad_words"),
     ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ])
 def test_invalid_argument_names_the_field(served, kw, field):

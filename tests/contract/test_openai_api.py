@@ -113,6 +113,19 @@ def test_truncate_prompt_tokens(api, tiny_engine):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"truncate_prompt_tokens": 0})
 
 
+def test_bad_words_never_appear(api, tiny_engine):
+    client, _, _ = api
+    plain = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30)["text"]
+    word = next(w for w in plain.split() if w.isalpha() and len(w) > 2)
+    sp = SamplingParams(bad_words=tiny_engine.bad_word_ids([word]))
+    ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30, sampling=sp)["text"]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0,
+                                    extra_body={"bad_words": [word], "method": "sd"})
+    assert out.choices[0].text == ref != plain and word not in ref.split()
+    with pytest.raises(openai.BadRequestError, match="bad_words: must be a list of strings"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"bad_words": "x"})
+
+
 def test_logprobs_are_the_engines(api, tiny_engine):
     client, _, _ = api
     out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)

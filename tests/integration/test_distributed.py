@@ -140,7 +140,8 @@ def test_prompt_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
 
 
 def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
-    """Penalties reach the remote verifier with the session: the same output as in process."""
+    """Penalties, logit bias and bad words reach the remote verifier with the session: the same
+    output as in process."""
     from services.common.types import SamplingParams
 
     _, stub, _, _ = cluster
@@ -159,6 +160,19 @@ def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
         msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method,
                                                       logit_bias=dict(bias.logit_bias),
                                                       allowed_token_ids=bias.allowed_token_ids), timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == ref, method
+    plain = tiny_engine.generate(GenerationRequest(ids, 32, method="vanilla")).result()
+    def bannable(t: int) -> bool:   # one token that a word (as written or after a space) encodes to
+        d = tiny_engine.tokenizer.decode([t])
+        return bool(d.strip()) and d in (d.lstrip(), " " + d.lstrip()) and tiny_engine.encode(d) == [t]
+
+    word = tiny_engine.tokenizer.decode([next(t for t in plain["token_ids"] if bannable(t))]).strip()
+    banned = SamplingParams(bad_words=tiny_engine.bad_word_ids([word]))
+    ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=banned, method="vanilla")).result()["token_ids"]
+    assert ref != plain["token_ids"]
+    for method in ("vanilla", "sd"):   # and bad words
+        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method,
+                                                      bad_words=[word]), timeout=60))
         assert [t for m in msgs for t in m.token_ids] == ref, method
 
 

@@ -204,6 +204,40 @@ def test_logit_bias_and_allowed_tokens_stay_lossless(request, engine):
             assert not sp.allowed_token_ids or set(got) <= set(sp.allowed_token_ids)
 
 
+def banned_greedy(model, ids: list[int], n: int, words, eos: int) -> list[int]:
+    """A plain loop: argmax after banning each bad word's last token where the output ends with the rest."""
+    out: list[int] = []
+    for _ in range(n):
+        with torch.no_grad():
+            x = model.forward_train(torch.tensor([ids + out]))[0, -1].float()
+        for w in words:
+            if len(w) == 1 or tuple(out[len(out) - len(w) + 1:]) == w[:-1] and len(out) >= len(w) - 1:
+                x[w[-1]] = float("-inf")
+        pick = int(x.argmax())
+        if pick == eos:
+            break
+        out.append(pick)
+    return out
+
+
+@pytest.mark.parametrize("engine", ["tiny_engine", "tiny_eagle_engine"])
+def test_bad_words_stay_lossless(request, engine):
+    """bad_words mask each verification row by the output and the draft tokens before it: every
+    lossless method equals a plain loop with the same bans, and no banned sequence appears."""
+    eng = request.getfixturevalue(engine)
+    model = eng.verifier.runner.model
+    methods = [m for m in ("vanilla", "sd", "suffix", "eagle3", "hybrid") if m in eng.methods()]
+    ids = eng.encode(PROMPTS[0] * 2)
+    plain = eng.generate(GenerationRequest(ids, 30, method="vanilla")).result()["token_ids"]
+    words = ((plain[3],), (plain[8], plain[9]), tuple(plain[12:15]))   # one, two and three tokens long
+    ref = banned_greedy(model, ids, 30, words, eng.eos_id)
+    assert ref != plain
+    for method in methods:
+        got = eng.generate(GenerationRequest(ids, 30, sampling=SamplingParams(bad_words=words), method=method)).result()
+        assert got["token_ids"] == ref, method
+        assert not any(tuple(got["token_ids"][i:i + len(w)]) == w for w in words for i in range(len(got["token_ids"])))
+
+
 def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
     """Failover re-opens a session with prompt + output so far as its prompt; ``generated``
     tells the verifier which part is output, so presence and frequency penalties carry on."""

@@ -64,3 +64,15 @@ def test_apply_bias_adds_and_masks_by_token_id_also_over_draft_columns():
     assert torch.equal(x[0], x[1])
     cols = torch.tensor([3, 5, 7])   # a draft vocabulary: its columns are these token ids
     assert apply_bias(torch.zeros(3), sp, cols).tolist() == [2.0, float("-inf"), -1.0]
+
+
+def test_bad_words_ban_a_words_last_token_where_the_context_ends_with_the_rest():
+    """Row r follows output + draft[:r]: (5,) is banned everywhere, (7, 8) only after a 7."""
+    import torch
+
+    from services.common.sampling import ban_bad_words
+
+    out = ban_bad_words(torch.zeros(4, 10), [1, 7], [2, 7, 3], ((5,), (7, 8), (2, 7, 9)))
+    banned = {(r, c) for r, c in zip(*torch.nonzero(out == float("-inf"), as_tuple=True)) for r, c in [(int(r), int(c))]}
+    assert banned == {(0, 5), (1, 5), (2, 5), (3, 5), (0, 8), (2, 8), (2, 9)}   # rows 0 and 2 follow a 7
+    assert torch.equal(ban_bad_words(torch.zeros(2, 10), [1], [2], ((7, 8),)), torch.zeros(2, 10))
