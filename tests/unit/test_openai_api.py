@@ -17,6 +17,7 @@ class Engine:
     cfg = SimpleNamespace(max_new_tokens_limit=512)
     tokenizer = None
     truncate = RealEngine.truncate   # reads context_len only
+    bad_word_ids = RealEngine.bad_word_ids   # calls encode only
 
     @staticmethod
     def encode(text: str) -> list[int]:
@@ -49,6 +50,7 @@ def test_sampling_fields_and_vllm_extras():
                  repetition_penalty=1.2, min_tokens=2, stop_token_ids=[1], allowed_token_ids=[1, 2],
                  logprobs=2, method="sd").gens
     sp = g.sampling
+    assert parse(prompt="a", bad_words=["hi"]).gens[0].sampling.bad_words == ((32, 104, 105), (104, 105))
     assert (sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.repetition_penalty) == (0.0, 0.5, 0, 3, 1.2)
     assert sp.logit_bias == ((7, -100.0),) and sp.allowed_token_ids == (1, 2)
     assert g.stop == ("x",) and g.stop_token_ids == (1,) and g.min_tokens == 2 and g.logprobs == 2 and g.method == "sd"
@@ -75,6 +77,7 @@ def test_structured_output_forms():
     ({"prompt": "a", "logit_bias": {"a": 1}}, r"^logit_bias: keys must be token ids"),
     ({"prompt": "a", "logit_bias": {"1": True}}, r"^logit_bias: values must be numbers"),
     ({"prompt": "a", "suffix": "b"}, r"^suffix: not supported"),
+    ({"prompt": "a", "bad_words": ["x", 1]}, r"^bad_words: must be a list of strings"),
     ({"prompt": "a", "best_of": 2}, r"^best_of: not supported"),
     ({"prompt": "a", "seed": -1}, r"^seed: must be in"),
     ({"prompt": ["a"] * 17}, r"^prompt: at most 16 prompts"),
