@@ -170,18 +170,24 @@ def test_penalties_stay_lossless_and_equal_a_plain_penalized_loop(tiny_engine):
     assert accepted > 0   # drafts were verified under penalties, not only plain steps
 
 
-def biased_greedy(model, ids: list[int], n: int, sp: SamplingParams, eos: int) -> list[int]:
-    """A plain loop: the target's full forward, the bias added, argmax over the allowed tokens."""
+def plain_greedy(model, ids: list[int], n: int, eos: int, pick) -> list[int]:
+    """A plain loop: the target's full forward, then ``pick(logits, output)`` chooses the token."""
     out: list[int] = []
-    bias = dict(sp.logit_bias)
     for _ in range(n):
         with torch.no_grad():
             x = model.forward_train(torch.tensor([ids + out]))[0, -1].float()
-        pick = max(sp.allowed_token_ids or range(x.shape[0]), key=lambda t: float(x[t]) + bias.get(t, 0.0))
-        if pick == eos:
+        token = pick(x, out)
+        if token == eos:
             break
-        out.append(pick)
+        out.append(token)
     return out
+
+
+def biased_greedy(model, ids: list[int], n: int, sp: SamplingParams, eos: int) -> list[int]:
+    """The bias added, argmax over the allowed tokens."""
+    bias = dict(sp.logit_bias)
+    return plain_greedy(model, ids, n, eos, lambda x, out: max(sp.allowed_token_ids or range(x.shape[0]),
+                                                                key=lambda t: float(x[t]) + bias.get(t, 0.0)))
 
 
 @pytest.mark.parametrize("engine", ["tiny_engine", "tiny_eagle_engine"])
@@ -205,19 +211,14 @@ def test_logit_bias_and_allowed_tokens_stay_lossless(request, engine):
 
 
 def banned_greedy(model, ids: list[int], n: int, words, eos: int) -> list[int]:
-    """A plain loop: argmax after banning each bad word's last token where the output ends with the rest."""
-    out: list[int] = []
-    for _ in range(n):
-        with torch.no_grad():
-            x = model.forward_train(torch.tensor([ids + out]))[0, -1].float()
+    """Argmax after banning each bad word's last token where the output ends with the rest."""
+    def pick(x, out):
         for w in words:
-            if len(w) == 1 or tuple(out[len(out) - len(w) + 1:]) == w[:-1] and len(out) >= len(w) - 1:
+            if len(w) == 1 or len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1]:
                 x[w[-1]] = float("-inf")
-        pick = int(x.argmax())
-        if pick == eos:
-            break
-        out.append(pick)
-    return out
+        return int(x.argmax())
+
+    return plain_greedy(model, ids, n, eos, pick)
 
 
 @pytest.mark.parametrize("engine", ["tiny_engine", "tiny_eagle_engine"])
