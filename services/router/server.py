@@ -106,7 +106,9 @@ class Admission:
         self.waiting = 0
 
     def acquire(self, context: grpc.ServicerContext, n: int = 1) -> grpc.StatusCode | None:
-        """None when ``n`` slots (a request's completions) are taken; else why not:
+        """``context``: a gRPC call's, or anything with its ``is_active()`` and ``time_remaining()``
+        (an HTTP request's ``_Run``).
+        None when ``n`` slots (a request's completions) are taken; else why not:
         RESOURCE_EXHAUSTED (queue full), DEADLINE_EXCEEDED (the deadline passed in the queue)
         or CANCELLED."""
         with self._cond:
