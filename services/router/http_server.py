@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.config import ServerConfig
-from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
+from services.common.metrics import REQUESTS_REJECTED
 from services.router import openai_api as oa
 from services.router.engine import Completions, Engine, InvalidRequest
 from services.verifier.core import SessionCancelled
@@ -46,7 +46,7 @@ class _Run:
     """One request's completions on a thread of its own; events reach the event loop as
     ("start",), ("step", index, step | None), ("done",) or ("error", status, message)."""
 
-    def __init__(self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active: dict):
+    def __init__(self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active):
         self.get_engine, self.parse, self.body = get_engine, parse, body
         self.admission, self.loop, self.active = admission, loop, active
         self.engine: Engine | None = None
@@ -105,8 +105,7 @@ class _Run:
             self.admission.release(n)
 
     def _decode(self, completions: Completions) -> None:
-        self.active.update((g.req_id, g) for g in completions.gens)
-        ACTIVE_SESSIONS.set(len(self.active))
+        self.active.add(completions.gens)
         self._put("start")
         steps = iter(completions)
         try:
@@ -126,17 +125,19 @@ class _Run:
             self._put("error", 500, f"internal error: {type(e).__name__}")
         finally:
             steps.close()   # frees the sessions even when the client went away mid-stream
-            for g in completions.gens:
-                self.active.pop(g.req_id, None)
-            ACTIVE_SESSIONS.set(len(self.active))
+            self.active.remove(completions.gens)
 
 
 def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_template: str | None = None,
-              active: dict | None = None) -> FastAPI:
-    """``get_engine()``: the engine, called on request threads only (Ray Serve builds it on first use)."""
+              active=None) -> FastAPI:
+    """``get_engine()``: the engine, called on request threads only (Ray Serve builds it on first use);
+    ``active``: the ``ActiveSessions`` registry shared with the gRPC front end."""
     app = FastAPI(title="specmesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
-    active = {} if active is None else active
+    if active is None:
+        from services.router.server import ActiveSessions
+
+        active = ActiveSessions()
 
     @app.middleware("http")
     async def guard(request: Request, call_next):

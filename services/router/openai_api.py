@@ -241,7 +241,9 @@ def completion_request(body, engine, served_model: str) -> ApiRequest:
     if echo and logprobs is not None and prompt_lp is None:
         prompt_lp = logprobs   # the echoed prompt's tokens carry log-probabilities too (lm-eval's loglikelihood)
     stream = _bool(body, "stream")
-    gens = tuple(_request(body, ids, engine, max_tokens, n, logprobs, prompt_lp) for ids in prompts)
+    first = _request(body, prompts[0], engine, max_tokens, n, logprobs, prompt_lp)   # fields parsed once
+    keep = _int(body, "truncate_prompt_tokens", None)
+    gens = (first,) + tuple(replace(first, prompt_ids=engine.truncate(ids, keep, max_tokens)) for ids in prompts[1:])
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
         gens = tuple(replace(g, request_id=f"{g.request_id}-p{i}") for i, g in enumerate(gens))
     return ApiRequest(gens, stream, _stream_opts(body, stream), model, logprobs=logprobs is not None,

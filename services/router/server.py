@@ -139,12 +139,33 @@ class Admission:
             self._cond.notify_all()
 
 
+class ActiveSessions:
+    """The completions decoding now, over both front ends; ``specmesh_active_sessions`` follows."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._gens: dict[str, Generation] = {}
+
+    def add(self, gens) -> None:
+        with self._lock:
+            self._gens.update((g.req_id, g) for g in gens)
+            ACTIVE_SESSIONS.set(len(self._gens))
+
+    def remove(self, gens) -> None:
+        with self._lock:
+            for g in gens:
+                self._gens.pop(g.req_id, None)
+            ACTIVE_SESSIONS.set(len(self._gens))
+
+    def __len__(self) -> int:
+        return len(self._gens)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, engine: Engine, cfg: ServerConfig):
         self.engine = engine
         self.admission = Admission(cfg.max_sessions, cfg.max_queue)   # shared with the HTTP API
-        self._lock = threading.Lock()
-        self.active: dict[str, Generation] = {}
+        self.active = ActiveSessions()   # shared with the HTTP API
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
@@ -162,9 +183,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                           if refused == grpc.StatusCode.DEADLINE_EXCEEDED else
                           f"server is at its limit of {self.admission.max_sessions} concurrent sessions and "
                           f"{self.admission.max_queue} queued requests; retry later")
-        with self._lock:
-            self.active.update((g.req_id, g) for g in completions.gens)
-            ACTIVE_SESSIONS.set(len(self.active))
+        self.active.add(completions.gens)
         context.add_callback(completions.cancel)   # a cancelled stream stops its cycles in flight (after an end: no-op)
         steps = iter(completions)
         try:
@@ -182,10 +201,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(e.code(), f"verifier: {e.details()}")
         finally:
             steps.close()  # frees the sessions and drafter state even when the client went away mid-stream
-            with self._lock:
-                for g in completions.gens:
-                    self.active.pop(g.req_id, None)
-                ACTIVE_SESSIONS.set(len(self.active))
+            self.active.remove(completions.gens)
             self.admission.release(req.n)
 
 
