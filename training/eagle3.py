@@ -31,6 +31,7 @@ from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
 from services.drafter.replay import load_traces
 from services.drafter.vocab import coverage, frequency_ranking, top_vocabulary
+from training.precision import autocast, use_bf16
 from training.pretrain import load_checkpoint, weights_digest
 
 STEP_WEIGHT = 0.8
@@ -246,6 +247,7 @@ def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = Llama.from_pretrained(args.target, device=device)
+    bf16 = use_bf16(args.bf16, device)
     for p in target.parameters():
         p.requires_grad_(False)
     aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
@@ -279,7 +281,8 @@ def train(args: argparse.Namespace) -> None:
     total_steps = sum(1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e))  # packing varies by epoch
     covered = coverage(seqs, vocab_ids.cpu(), vocab)
     print(f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
-          f"TTT steps {args.ttt_steps}, draft vocabulary {draft_vocab} ({covered:.1%} of training tokens)", flush=True)
+          f"TTT steps {args.ttt_steps}, draft vocabulary {draft_vocab} ({covered:.1%} of training tokens), "
+          f"bf16 autocast {'on' if bf16 else 'off'}", flush=True)
     init_state = json.loads((args.init / "training_state.json").read_text()) if args.init and \
         (args.init / "training_state.json").exists() else None
     stop = {"now": False}
@@ -297,34 +300,36 @@ def train(args: argparse.Namespace) -> None:
             "step": step, "total_steps": total_steps, "ttt_steps": args.ttt_steps, "aux_layers": list(aux),
             "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr,
             "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens,
-            "corpus_offset": args.corpus_offset, "target": toward,
+            "corpus_offset": args.corpus_offset, "target": toward, "bf16": bf16,
             "draft_vocab": draft_vocab, "draft_vocab_coverage": round(covered, 4), "init": init_state},
             indent=2) + "\n")
 
-    t_last, t_seg, ema = time.time(), time.time(), None
+    t_last, t_seg, ema, seen, t_run = time.time(), time.time(), None, 0, time.time()
     while epoch < args.epochs and not stop["now"]:
         for i, batch in enumerate(batches(seqs, args.batch_tokens, epoch)):
             if i < done_in_epoch:
                 continue
             ids, lengths = pad(batch, pad_id=0)
             ids, lengths = ids.to(device), lengths.to(device)
-            with torch.no_grad():
-                logits, hidden = target.forward_train(ids, capture=aux)
-                feats, keep = torch.cat(hidden, -1), None
-                if draft_vocab < vocab:   # labels renormalised over the draft vocabulary (as EAGLE-3's)
-                    keep = head.t2d[logits.argmax(-1)]
-                    logits = logits[..., vocab_ids]
-                probs = torch.softmax(logits.float(), -1)
+            with autocast(device, bf16):
+                with torch.no_grad():
+                    logits, hidden = target.forward_train(ids, capture=aux)
+                    feats, keep = torch.cat(hidden, -1), None
+                    if draft_vocab < vocab:   # labels renormalised over the draft vocabulary (as EAGLE-3's)
+                        keep = head.t2d[logits.argmax(-1)]
+                        logits = logits[..., vocab_ids]
+                    probs = torch.softmax(logits.float(), -1)
+                loss, per_step = ttt_loss(head, feats, probs, ids, lengths, args.ttt_steps, keep)
             warmup = min(50, max(1, total_steps // 10))
             lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            loss, per_step = ttt_loss(head, feats, probs, ids, lengths, args.ttt_steps, keep)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
+            seen += int(lengths.sum())
             done_in_epoch = i + 1
             now = time.time()
             elapsed += now - t_seg
@@ -333,7 +338,8 @@ def train(args: argparse.Namespace) -> None:
             if step % args.log_every == 0:
                 eta = (total_steps - step) * elapsed / step
                 print(f"[eagle3] epoch {epoch} step {step}/{total_steps} loss/step "
-                      f"{' '.join(f'{x:.2f}' for x in ema)} lr {lr:.1e} eta {eta / 60:.0f} min", flush=True)
+                      f"{' '.join(f'{x:.2f}' for x in ema)} lr {lr:.1e} {seen / (now - t_run):,.0f} tok/s "
+                      f"eta {eta / 60:.0f} min", flush=True)
             if now - t_last > args.ckpt_minutes * 60:
                 save()
                 t_last = t_seg = time.time()
@@ -355,6 +361,8 @@ def main() -> None:
     ap.add_argument("--ttt-steps", type=int, default=4,
                     help="unrolled training-time-test steps (1 = no TTT); serve the head with --eagle3-k at most this")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                    help="bf16 autocast: auto = where bf16 matmuls are native (CUDA; a CPU with AMX or AVX-512 BF16)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--trace-fraction", type=float, default=1.0, help="train on this share of the traces (ablation)")
     ap.add_argument("--corpus-tokens", type=int, default=0,

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from services.common.llama import Llama
 from training.corpus import EOS, source_document, source_files, training_texts
+from training.precision import autocast, use_bf16
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ def train(args: argparse.Namespace) -> None:
     train_ids, held_ids = encode_corpus(args.tokenizer, default_work_dir("corpus"))
     eos = int(train_ids[-1])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bf16 = use_bf16(args.bf16, device)
     model = build_model(p, vocab=8192, eos=eos).to(device)
     if args.compile:  # inductor fuses the elementwise work (norms, RoPE, SiLU·mul): ~13 % faster here
         model.forward_train = torch.compile(model.forward_train)
@@ -222,7 +224,7 @@ def train(args: argparse.Namespace) -> None:
                  "seq_len": SEQ_LEN, "step": step, "device": device.type,
                  "total_steps": total_steps, "tokens_seen": step * p.batch * SEQ_LEN,
                  "train_minutes": round(elapsed / 60, 1), "final": final,
-                 "heldout_loss": round(heldout_loss(model, held_ids), 4), "threads": args.threads}
+                 "heldout_loss": round(heldout_loss(model, held_ids), 4), "threads": args.threads, "bf16": bf16}
         export(model, args.tokenizer, args.out, state)
         print(f"[{args.preset}] checkpoint step={step} heldout_loss={state['heldout_loss']}", flush=True)
 
@@ -243,7 +245,7 @@ def train(args: argparse.Namespace) -> None:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total_steps, p.lr)
         x = batch_at(train_ids, step, p.batch, seed=1).to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with autocast(device, bf16):
             loss = lm_loss(model, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -277,7 +279,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available; bf16 autocast there)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                    help="bf16 autocast: auto = where bf16 matmuls are native (CUDA; a CPU with AMX or AVX-512 BF16)")
     ap.add_argument("--warm-start", type=Path, default=None,
                     help="without a checkpoint, continue from this published model directory and its step")
     ap.add_argument("--max-minutes", type=float, default=0.0,

@@ -168,3 +168,21 @@ def test_prefix_cache_bench_rows_off_cold_on(tmp_path):
     result = {"args": vars(args), "prompt_tokens": 280, "machine": "m", "command": "c", "rows": rows}
     save(tmp_path / "p.json", result, markdown, plot)
     assert "| vanilla | cold |" in (tmp_path / "p.md").read_text() and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_train_precision_times_both_precisions_of_both_training_steps(tmp_path, monkeypatch):
+    """bench.train_precision on the bundled weights (random tokens stand in for the corpus):
+    a row per training step with both rates, their ratio and the first losses, and its files."""
+    import torch
+
+    import bench.train_precision as tp
+
+    monkeypatch.setattr(tp, "corpus_batch", lambda rows, width, offset: torch.randint(0, 8192, (rows, width)))
+    result = tp.main(["--rounds", "2", "--steps", "1", "--draft-rows", "1", "--eagle3-rows", "1",
+                      "--out", str(tmp_path / "t.json")])
+    assert [r["job"] for r in result["rows"]] == ["draft LM", "EAGLE-3 head"]
+    for r in result["rows"]:
+        assert len(r["rates"]["fp32"]) == len(r["rates"]["bf16"]) == 2
+        assert r["speedup"] == round(r["bf16_tokens_per_s"] / r["fp32_tokens_per_s"], 3)
+        assert abs(r["first_loss_bf16"] - r["first_loss_fp32"]) < 0.1   # autocast, not another model
+    assert "| draft LM | 1024 |" in (tmp_path / "t.md").read_text() and (tmp_path / "t.png").stat().st_size > 0

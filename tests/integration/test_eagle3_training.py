@@ -4,11 +4,14 @@ import shutil
 import subprocess
 import sys
 
+import torch
+
 from bench.workloads import Prompt
 from services.cli import record_traces
 from services.common.config import EngineConfig
 from services.drafter.replay import save_traces
 from services.router.engine import Engine, GenerationRequest
+from training.precision import bf16_native
 from tests.conftest import make_tiny
 
 
@@ -49,6 +52,7 @@ def test_train_eagle3_head_on_traces(tiny_dirs, tiny_eagle3, tmp_path):
     assert len(losses) > 10 and losses[-1] < 0.7 * losses[0], losses
     state = json.loads((out / "training_state.json").read_text())
     assert state["final"] and state["ttt_steps"] == 3
+    assert state["bf16"] is bf16_native(torch.device("cpu"))   # autocast where bf16 matmuls are native
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     assert "resumed" in again  # a finished run resumes from its checkpoint instead of restarting
     shutil.copytree(tmp_path / "work", tmp_path / "work2")   # that checkpoint, found by a run for new target weights

@@ -49,7 +49,7 @@ def test_warm_start_continues_from_published_weights(tmp_path, tiny_dirs, monkey
     args = pt.argparse.Namespace(preset="draft", tokens=64 * 8 * 44, threads=1, work_dir=tmp_path / "work",
                                  tokenizer=tiny_dirs[0], out=tmp_path / "out", ckpt_minutes=100, log_every=1,
                                  compile=False, warm_start=published, device="cpu", batch=8,
-                                 max_minutes=0.0)
+                                 max_minutes=0.0, bf16="auto")
     pt.train(args)
     state = json.loads((tmp_path / "out" / "training_state.json").read_text())
     assert seen["built"] and state["step"] == 44  # continued at 42, ran the last 2 steps
