@@ -207,6 +207,15 @@ def _run_until_signal(server, what: str, metrics_port: int, host: str, on_drain=
     run_until_signal(server, metrics_port, host, on_drain=on_drain)
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one (0 = off)")
+    p.add_argument("--seed", type=int, default=None)
+
+
 def _stop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="end before this string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", help="end after this token (repeatable)")
@@ -260,7 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
                                 args.presence_penalty, args.frequency_penalty, _bias(args),
-                                tuple(args.allowed_token_id or ()), bad_words),
+                                tuple(args.allowed_token_id or ()), bad_words, args.min_p),
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
         include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
@@ -295,13 +304,15 @@ def cmd_client(args: argparse.Namespace) -> None:
     from specmesh.v1 import generate_pb2_grpc as pb_grpc
 
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             method=args.method, stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
+                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, method=args.method, stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
                              include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
                              allowed_token_ids=args.allowed_token_id or [], bad_words=args.bad_word or [])
     if args.truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = args.truncate_prompt_tokens
+    if args.seed is not None:
+        req.seed = args.seed
     structured = _structured(args)
     if "choice" in structured:
         req.structured_output.choice.values.extend(structured["choice"])
@@ -486,10 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--method", default="sd")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    _sampling_args(p)
     _stop_args(p)
     _penalty_args(p)
     _structured_args(p)
@@ -506,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--method", default="")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    _sampling_args(p)
     _stop_args(p)
     _penalty_args(p)
     _structured_args(p)

@@ -1,9 +1,11 @@
 """Logits → sampling distribution, shared by the target and the drafters.
 
-The same transform (temperature, then top-k, then top-p) is applied to the target's p and
-the drafter's q, so rejection sampling compares like with like.
+The same transform (temperature, then min-p, top-k, top-p, in vLLM's order) is applied to the
+target's p and the drafter's q, so rejection sampling compares like with like.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -13,6 +15,8 @@ from services.common.types import SamplingParams, TokenLogprob
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """[..., V] logits → [..., V] float32 probabilities under ``sp`` (temperature > 0)."""
     x = logits.float() / sp.temperature
+    if sp.min_p > 0.0:   # keep p ≥ min_p · max p, i.e. logits ≥ max logit + log min_p
+        x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(sp.min_p), float("-inf"))
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -114,6 +118,27 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
 MAX_LOGPROBS = 20   # alternatives a request may ask for per token
 MAX_LOGIT_BIAS = 300   # tokens a request may bias (OpenAI's limit)
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 64, 32   # bad words per request (two token sequences each), tokens per word
+
+
+def sampling_error(sp: SamplingParams) -> str | None:
+    """What is out of range in ``sp``, starting with the field's name; None when all is valid.
+    (Token ids are checked where the vocabulary is known.)"""
+    if not sp.temperature >= 0 or sp.temperature != sp.temperature:
+        return f"temperature: must be >= 0, got {sp.temperature}"
+    if not 0 < sp.top_p <= 1:
+        return f"top_p: must be in (0, 1], got {sp.top_p}"
+    if sp.top_k < 0:
+        return f"top_k: must be >= 0 (0 disables it), got {sp.top_k}"
+    if not 0 <= sp.min_p <= 1:
+        return f"min_p: must be in [0, 1] (0 disables it), got {sp.min_p}"
+    if not 0 < sp.repetition_penalty < float("inf"):
+        return f"repetition_penalty: must be > 0 (1 disables it), got {sp.repetition_penalty}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(sp, name) <= 2:
+            return f"{name}: must be in [-2, 2] (0 disables it), got {getattr(sp, name)}"
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS or not all(-100 <= b <= 100 for _, b in sp.logit_bias):
+        return f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, each bias in [-100, 100]"
+    return None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:

@@ -8,7 +8,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off. Penalties (vLLM's, off at their
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; min_p 0 = off (vLLM's: tokens
+    less likely than min_p × the most likely one are dropped). Penalties (vLLM's, off at their
     defaults) change the target's logits before greedy, sampling or the CSD gate read them:
     repetition_penalty divides a positive logit (multiplies a negative one) of every token seen
     in the prompt or the output; presence_penalty is subtracted from every token that occurs
@@ -28,6 +29,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:

@@ -20,7 +20,7 @@ import torch
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
-from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
+from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, sampling_error
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
@@ -63,19 +63,8 @@ MAX_N = 16                            # completions per request
 
 
 def validate_sampling(sp: SamplingParams) -> None:
-    if not sp.temperature >= 0 or sp.temperature != sp.temperature:
-        raise InvalidRequest(f"temperature: must be >= 0, got {sp.temperature}")
-    if not 0 < sp.top_p <= 1:
-        raise InvalidRequest(f"top_p: must be in (0, 1], got {sp.top_p}")
-    if sp.top_k < 0:
-        raise InvalidRequest(f"top_k: must be >= 0 (0 disables it), got {sp.top_k}")
-    if not 0 < sp.repetition_penalty < float("inf"):
-        raise InvalidRequest(f"repetition_penalty: must be > 0 (1 disables it), got {sp.repetition_penalty}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= getattr(sp, name) <= 2:
-            raise InvalidRequest(f"{name}: must be in [-2, 2] (0 disables it), got {getattr(sp, name)}")
-    if len(sp.logit_bias) > MAX_LOGIT_BIAS or not all(-100 <= b <= 100 for _, b in sp.logit_bias):
-        raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, each bias in [-100, 100]")
+    if (err := sampling_error(sp)) is not None:
+        raise InvalidRequest(err)
 
 
 def validate_token_ids(sp: SamplingParams, vocab: int) -> None:

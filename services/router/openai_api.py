@@ -9,7 +9,7 @@ Rules kept from OpenAI and vLLM:
 - ``temperature`` defaults to 1.0 (sampling), as both APIs do; 0 is greedy;
 - choice ``i * n + j`` is completion ``j`` of prompt ``i``; completion ``j`` of a seeded
   request samples with ``seed + j``;
-- the vLLM extensions (``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+- the vLLM extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
   ``structured_outputs``, ``truncate_prompt_tokens``, ``bad_words``, ``cache_salt``, ``request_id``) and
   specmesh's ``method`` are accepted.
@@ -31,7 +31,7 @@ MAX_PROMPTS = 16   # prompts in one /v1/completions request
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
            "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "response_format",
-           "top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
            "request_id", "method", "truncate_prompt_tokens", "bad_words"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
@@ -117,7 +117,7 @@ def _sampling(body: dict, engine) -> SamplingParams:
         seed=seed, repetition_penalty=_num(body, "repetition_penalty", 1.0),
         presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
         logit_bias=_logit_bias(body), allowed_token_ids=_ids(body, "allowed_token_ids"),
-        bad_words=_bad_words(body, engine))
+        bad_words=_bad_words(body, engine), min_p=_num(body, "min_p", 0.0))
 
 
 def _structured(body: dict) -> StructuredOutput | None:

@@ -41,7 +41,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
             repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
             presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
             logit_bias=tuple(sorted(r.logit_bias.items())), allowed_token_ids=tuple(r.allowed_token_ids),
-            bad_words=engine.bad_word_ids(r.bad_words)),
+            bad_words=engine.bad_word_ids(r.bad_words), min_p=r.min_p),
         stop=tuple(s for s in r.stop if s),
         stop_token_ids=tuple(r.stop_token_ids),
         include_stop_str_in_output=r.include_stop_str_in_output,

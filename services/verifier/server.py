@@ -20,7 +20,7 @@ import grpc
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.prefix_cache import MAX_CACHE_SALT
-from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS
+from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, sampling_error
 from services.common.structured import MAX_REGEX_CHARS, GrammarError
 from services.common.types import SamplingParams, TokenLogprob
 from services.router.affinity import PrefixAffinity, choose
@@ -42,7 +42,7 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
                                         repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
                                         frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias),
                                         allowed_token_ids=sp.allowed_token_ids,
-                                        bad_words=[pb.TokenIds(ids=w) for w in sp.bad_words]),
+                                        bad_words=[pb.TokenIds(ids=w) for w in sp.bad_words], min_p=sp.min_p),
                    policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
                    logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
                    generated=s.generated, prompt_logprobs=s.prompt_logprobs, grammar=s.grammar or "")
@@ -56,7 +56,7 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                                                sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
                                                sp.presence_penalty, sp.frequency_penalty,
                                                tuple(sorted(sp.logit_bias.items())), tuple(sp.allowed_token_ids),
-                                               tuple(tuple(w.ids) for w in sp.bad_words)),
+                                               tuple(tuple(w.ids) for w in sp.bad_words), sp.min_p),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
                        max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
@@ -167,13 +167,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._check_grammar(s)
 
     def _check_sampling(self, sp: SamplingParams) -> None:
-        if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and sp.top_k >= 0 and 0 < sp.repetition_penalty
-                and -2 <= sp.presence_penalty <= 2 and -2 <= sp.frequency_penalty <= 2):
-            raise BadRequest("open.sampling: temperature >= 0, top_p in (0, 1], top_k >= 0, repetition_penalty > 0, "
-                             "presence_penalty and frequency_penalty in [-2, 2]")
+        if (err := sampling_error(sp)) is not None:
+            raise BadRequest(f"open.sampling.{err}")
         vocab = self.core.vocab_size
-        if len(sp.logit_bias) > MAX_LOGIT_BIAS or any(not (0 <= t < vocab and -100 <= b <= 100) for t, b in sp.logit_bias):
-            raise BadRequest(f"open.sampling.logit_bias: at most {MAX_LOGIT_BIAS} ids < {vocab}, biases in [-100, 100]")
+        if any(not 0 <= t < vocab for t, _ in sp.logit_bias):
+            raise BadRequest(f"open.sampling.logit_bias: ids must be < {vocab}")
         if any(not 0 <= t < vocab for t in sp.allowed_token_ids):
             raise BadRequest(f"open.sampling.allowed_token_ids: ids must be < {vocab}")
         if len(sp.bad_words) > 2 * MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS or max(w) >= vocab

@@ -191,6 +191,8 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 5, "top_p": 0.0}, "top_p"),
     ({"prompt": "a", "max_new_tokens": 5, "top_p": 1.5}, "top_p"),
     ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),
+    ({"prompt": "a", "max_new_tokens": 5, "min_p": 1.5}, "min_p"),
+    ({"prompt": "a", "max_new_tokens": 5, "min_p": -0.25}, "min_p"),
     ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
     ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "max_new_tokens": 5, "prompt_logprobs": 21}, "prompt_logprobs"),

@@ -94,6 +94,21 @@ def test_seeded_n_and_batched_prompts_index_choices_prompt_major(api, tiny_engin
     assert out.usage.completion_tokens == 4 * 12
 
 
+def test_min_p_reaches_the_sampler(api, tiny_engine):
+    """A seeded min-p request equals the engine's with the same sampling parameters, and differs
+    from the same request without min-p (temperature 3 makes the tail it cuts matter)."""
+    client, _, _ = api
+    ids = tiny_engine.encode(PROMPT)
+    texts = {}
+    for min_p in (0.0, 0.3):
+        sp = SamplingParams(temperature=3.0, seed=5, min_p=min_p)
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=3.0, seed=5,
+                                        extra_body={"method": "sd", "min_p": min_p})
+        texts[min_p] = out.choices[0].text
+        assert texts[min_p] == greedy(tiny_engine, ids, 16, method="sd", sampling=sp)["text"], min_p
+    assert texts[0.0] != texts[0.3]
+
+
 def test_token_id_prompts_and_stop_strings(api, tiny_engine):
     client, _, _ = api
     ids = tiny_engine.encode(PROMPT)
@@ -201,6 +216,7 @@ def test_json_schema_response_format_gives_a_valid_instance(api):
     ({"temperature": -1}, r"^temperature: must be >= 0"),
     ({"extra_body": {"temprature": 0}}, r"^temprature: unknown field"),
     ({"extra_body": {"top_k": "3"}}, r"^top_k: must be an integer"),
+    ({"extra_body": {"min_p": 2}}, r"^min_p: must be in \[0, 1\]"),
     ({"suffix": "x"}, r"^suffix: not supported"),
     ({"best_of": 3}, r"^best_of: not supported"),
     ({"n": 5}, r"^n: at most 4 completions"),

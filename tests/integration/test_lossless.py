@@ -65,20 +65,24 @@ def test_lossless_methods_equal_vanilla_bundled_humaneval_and_stdlib(bundled_eng
             assert out["text"] == van["text"]
 
 
-@pytest.mark.parametrize("min_confidence", [0.0, 0.2])
-def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_confidence, monkeypatch):
+@pytest.mark.parametrize("min_confidence,sp", [(0.0, SamplingParams(temperature=1.5, top_k=6)),
+                                               (0.2, SamplingParams(temperature=1.5, top_k=6)),
+                                               (0.0, SamplingParams(temperature=1.5, min_p=0.02))])
+def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_confidence, sp, monkeypatch):
     """Empirical distribution of sd's first sampled token equals the target's p (chi-square),
-    with fixed and with dynamic (confidence-cut) draft lengths."""
+    with fixed and with dynamic (confidence-cut) draft lengths, under top-k and under min-p
+    (the draft's q goes through the same transform)."""
+    from dataclasses import replace
+
     eng = tiny_engine
     monkeypatch.setattr(eng.verifier.drafters["draft-lm"], "min_confidence", min_confidence)
     ids = eng.encode("def f(x):\n    return")
-    sp = SamplingParams(temperature=1.5, top_k=6)
     with torch.no_grad():
         p = probs_from_logits(eng.runner.model.forward_train(torch.tensor([ids]))[0, -1], sp)
     n = 1500
     counts = torch.zeros_like(p)
     for seed in range(n):
-        out = eng.generate(GenerationRequest(ids, 3, SamplingParams(1.5, 1.0, 6, seed), method="sd")).result()
+        out = eng.generate(GenerationRequest(ids, 3, replace(sp, seed=seed), method="sd")).result()
         counts[out["token_ids"][0]] += 1
     keep = p > 0
     assert counts[~keep].sum() == 0

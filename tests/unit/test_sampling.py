@@ -19,6 +19,25 @@ def test_temperature_top_k_top_p():
     assert cold[0] > 0.99
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely_after_temperature():
+    """p = softmax([3, 2, 1, 0, -1]) ≈ [.64, .24, .09, .03, .01]: min_p .2 keeps p ≥ .128 (two
+    tokens), and at temperature 2 the flatter p keeps four; min_p 1 keeps the top token alone."""
+    from services.common.sampling import sampling_error
+
+    x = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    for temperature, kept in ((1.0, 2), (2.0, 4)):
+        p = probs_from_logits(x, SamplingParams(temperature=temperature, min_p=0.2))
+        full = torch.softmax(x / temperature, -1)
+        assert (p[:kept] > 0).all() and (p[kept:] == 0).all()
+        assert torch.allclose(p[:kept], full[:kept] / full[:kept].sum())
+    assert probs_from_logits(x, SamplingParams(temperature=1.0, min_p=1.0))[0] == 1.0
+    both = probs_from_logits(x, SamplingParams(temperature=2.0, min_p=0.2, top_k=3))   # then top-k
+    assert (both[:3] > 0).all() and (both[3:] == 0).all()
+    assert sampling_error(SamplingParams(min_p=0.5)) is None
+    for bad in (-0.1, 1.5, float("nan")):
+        assert sampling_error(SamplingParams(min_p=bad)).startswith("min_p: must be in [0, 1]")
+
+
 def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context():
     """Row i of a verification is penalized as a decoding step after the output plus draft[:i]
     would be: HF's repetition-penalty processor over prompt and output, then presence and
