@@ -237,7 +237,8 @@ async def _events(run: _Run):
                     chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
                 else:
                     chunk = oa.stream_chunk(api, rid, created, i, step.text, step.logprobs, tokenizer,
-                                            offset=offsets[i], first=not started[i])
+                                            offset=offsets[i], first=not started[i], token_ids=step.token_ids,
+                                            prompt_ids=None if started[i] else gens[i].req.prompt_ids)
                     offsets[i] += len(step.text)
                     started[i] = True
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -256,7 +257,7 @@ async def _events(run: _Run):
 def _echo_chunk(api: oa.ApiRequest, rid: str, created: int, i: int, gen, tokenizer) -> tuple[dict, int]:
     """Choice ``i``'s echoed prompt as a stream chunk, and the characters it takes."""
     text = tokenizer.decode(gen.req.prompt_ids)
-    chunk = oa.stream_chunk(api, rid, created, i, text, (), tokenizer)
+    chunk = oa.stream_chunk(api, rid, created, i, text, (), tokenizer, prompt_ids=gen.req.prompt_ids)
     if api.logprobs:
         chunk["choices"][0]["logprobs"] = oa.echo_logprobs(tokenizer, gen)
     return chunk, len(text)
@@ -282,6 +283,7 @@ async def _collect(request: Request, run: _Run):
             else:
                 c.text.append(step.text)
                 c.logprobs.extend(step.logprobs)
+                c.token_ids.extend(step.token_ids)
         elif event[0] == "done":
             return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, gens, tokenizer)
         else:

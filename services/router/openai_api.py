@@ -11,8 +11,11 @@ Rules kept from OpenAI and vLLM:
   request samples with ``seed + j``;
 - the vLLM extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
-  ``structured_outputs``, ``truncate_prompt_tokens``, ``bad_words``, ``cache_salt``, ``request_id``) and
-  specmesh's ``method`` are accepted.
+  ``structured_outputs``, ``truncate_prompt_tokens``, ``bad_words``, ``cache_salt``, ``request_id``,
+  ``return_token_ids``) and specmesh's ``method`` are accepted;
+- ``return_token_ids`` (vLLM's) adds ``token_ids`` (the output's) to every choice, or stream
+  chunk, and ``prompt_token_ids``: per choice for completions (in its first chunk when
+  streaming), once per response (in the first chunk) for chat.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "response_format",
            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
-           "request_id", "method", "truncate_prompt_tokens", "bad_words"}
+           "request_id", "method", "truncate_prompt_tokens", "bad_words", "return_token_ids"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
@@ -182,6 +185,7 @@ class ApiRequest:
     logprobs: bool = False       # per-token logprobs in the answer
     structured_field: str = "response_format"   # which field set the grammar, for error messages
     echo: bool = False           # completions: the prompt precedes the output in text and logprobs
+    token_ids: bool = False      # return_token_ids: prompt and output token ids beside the text
 
 
 def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
@@ -247,7 +251,7 @@ def completion_request(body, engine, served_model: str) -> ApiRequest:
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
         gens = tuple(replace(g, request_id=f"{g.request_id}-p{i}") for i, g in enumerate(gens))
     return ApiRequest(gens, stream, _stream_opts(body, stream), model, logprobs=logprobs is not None,
-                      structured_field=_structured_field(body), echo=echo)
+                      structured_field=_structured_field(body), echo=echo, token_ids=_bool(body, "return_token_ids"))
 
 
 def chat_request(body, engine, served_model: str, template: str | None) -> ApiRequest:
@@ -271,7 +275,7 @@ def chat_request(body, engine, served_model: str, template: str | None) -> ApiRe
     stream = _bool(body, "stream")
     gen = _request(body, ids, engine, max_tokens, n, (top or 0) if want else None, None)
     return ApiRequest((gen,), stream, _stream_opts(body, stream), model, chat=True, logprobs=want,
-                      structured_field=_structured_field(body))
+                      structured_field=_structured_field(body), token_ids=_bool(body, "return_token_ids"))
 
 
 def _structured_field(body: dict) -> str:
@@ -336,6 +340,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 def new_id(chat: bool) -> str:
@@ -414,15 +419,22 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
             lp = joined_logprobs(echo_logprobs(tokenizer, g), lp) if api.echo else lp
         base = {"index": c.index, "logprobs": lp, "finish_reason": FINISH.get(c.finish_reason or "", "stop"),
                 "speculation": speculation(g)}
+        if api.token_ids:
+            base["token_ids"] = list(c.token_ids)
         if api.chat:
             base["message"] = {"role": "assistant", "content": text}
         else:
             base["text"] = text
             if g.req.prompt_logprobs is not None:
                 base["prompt_logprobs"] = _prompt_logprobs(tokenizer, g)
+            if api.token_ids:
+                base["prompt_token_ids"] = list(g.req.prompt_ids)
         out.append(base)
-    return {"id": rid, "object": "chat.completion" if api.chat else "text_completion", "created": created,
+    body = {"id": rid, "object": "chat.completion" if api.chat else "text_completion", "created": created,
             "model": api.model, "choices": out, "usage": usage(gens)}
+    if api.chat and api.token_ids:
+        body["prompt_token_ids"] = list(gens[0].req.prompt_ids)
+    return body
 
 
 def _prompt_logprobs(tokenizer, g) -> list:
@@ -436,8 +448,10 @@ def _prompt_logprobs(tokenizer, g) -> list:
 
 
 def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str | None, lps, tokenizer,
-                 offset: int = 0, finish: str | None = None, first: bool = False) -> dict:
-    """One SSE event: new text of choice ``index`` (or, with ``finish``, its end)."""
+                 offset: int = 0, finish: str | None = None, first: bool = False, token_ids=(),
+                 prompt_ids=None) -> dict:
+    """One SSE event: new text (and ``token_ids``) of choice ``index`` (or, with ``finish``, its
+    end); ``prompt_ids`` go in the choice's first chunk when the request asked for token ids."""
     lp = None
     if api.logprobs and lps:
         lp = chat_logprobs(tokenizer, lps) if api.chat else completion_logprobs(tokenizer, lps, offset)
@@ -449,8 +463,13 @@ def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str 
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    return {"id": rid, "object": "chat.completion.chunk" if api.chat else "text_completion", "created": created,
-            "model": api.model, "choices": [choice]}
+    chunk = {"id": rid, "object": "chat.completion.chunk" if api.chat else "text_completion", "created": created,
+             "model": api.model, "choices": [choice]}
+    if api.token_ids:
+        choice["token_ids"] = list(token_ids)
+        if prompt_ids is not None:
+            (chunk if api.chat else choice)["prompt_token_ids"] = list(prompt_ids)
+    return chunk
 
 
 def usage_chunk(api: ApiRequest, rid: str, created: int, gens) -> dict:
