@@ -306,6 +306,7 @@ def cmd_client(args: argparse.Namespace) -> None:
     req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, method=args.method, stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
                              include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
+                             priority=args.priority,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
                              allowed_token_ids=args.allowed_token_id or [], bad_words=args.bad_word or [])
@@ -521,6 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-n", "--n", type=int, default=1, help="completions of the prompt (1-16)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")
+    p.add_argument("--priority", type=int, default=0, help="admission order when the server is full: lower first")
     p.add_argument("--truncate-prompt-tokens", type=int, default=None,
                    help="keep only the prompt's last N tokens (-1: what fits the context)")
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")

@@ -90,6 +90,7 @@ class GenerationRequest:
     min_tokens: int = 0               # no end-of-sequence token before this many new tokens
     structured: StructuredOutput | None = None   # the output must match this schema, regex or choice
     n: int = 1                        # independent completions of the prompt (vLLM's n)
+    priority: int = 0                 # admission order: lower first (vLLM's), then arrival
 
 
 @dataclass

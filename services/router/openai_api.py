@@ -12,7 +12,7 @@ Rules kept from OpenAI and vLLM:
 - the vLLM extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
   ``structured_outputs``, ``truncate_prompt_tokens``, ``bad_words``, ``cache_salt``, ``request_id``,
-  ``return_token_ids``) and specmesh's ``method`` are accepted;
+  ``return_token_ids``, ``priority``) and specmesh's ``method`` are accepted;
 - ``return_token_ids`` (vLLM's) adds ``token_ids`` (the output's) to every choice, or stream
   chunk, and ``prompt_token_ids``: per choice for completions (in its first chunk when
   streaming), once per response (in the first chunk) for chat.
@@ -36,7 +36,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "response_format",
            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
-           "request_id", "method", "truncate_prompt_tokens", "bad_words", "return_token_ids"}
+           "request_id", "method", "truncate_prompt_tokens", "bad_words", "return_token_ids",
+           "priority"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
@@ -199,7 +200,14 @@ def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int,
         prompt_logprobs=prompt_logprobs, method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,
         request_id=_typed(body, "request_id", (str,), "a string", ""), logprobs=logprobs,
         cache_salt=_typed(body, "cache_salt", (str,), "a string", ""), ignore_eos=_bool(body, "ignore_eos"),
-        min_tokens=_int(body, "min_tokens", 0), structured=_structured(body), n=n)
+        min_tokens=_int(body, "min_tokens", 0), structured=_structured(body), n=n, priority=_priority(body))
+
+
+def _priority(body: dict) -> int:
+    v = _int(body, "priority", 0)
+    if not -2 ** 31 <= v < 2 ** 31:
+        raise InvalidRequest(f"priority: must fit in 32 bits, got {v}")
+    return v
 
 
 def _stream_opts(body: dict, stream: bool) -> bool:

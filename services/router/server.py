@@ -4,6 +4,8 @@ Protobuf appears only here (`request_from_pb`, `*_to_pb`); the engine sees datac
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 from dataclasses import replace
@@ -54,6 +56,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         min_tokens=r.min_tokens,
         structured=structured_from_pb(r.structured_output) if r.HasField("structured_output") else None,
         n=r.n if r.HasField("n") else 1,
+        priority=r.priority,
     )
 
 
@@ -96,31 +99,40 @@ def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
 
 
 class Admission:
-    """At most ``max_sessions`` streams decode at once; up to ``max_queue`` more wait for a
-    slot (until their deadline, or until the client leaves); beyond that, refuse at once."""
+    """At most ``max_sessions`` streams decode at once; up to ``max_queue`` more wait for slots,
+    served in order of (priority, arrival): lower priority values first, as vLLM's, and
+    first come, first served among equals. Only the head of the queue takes slots, so a request
+    that needs several (its n completions) is not passed over forever by later single ones.
+    Beyond the queue, refuse at once."""
 
     def __init__(self, max_sessions: int, max_queue: int):
         self.max_sessions, self.max_queue = max_sessions, max_queue
         self._cond = threading.Condition()
         self.running = 0
-        self.waiting = 0
+        self._queue: list[tuple[int, int]] = []   # heap of (priority, ticket)
+        self._tickets = itertools.count()
 
-    def acquire(self, context: grpc.ServicerContext, n: int = 1) -> grpc.StatusCode | None:
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def acquire(self, context: grpc.ServicerContext, n: int = 1, priority: int = 0) -> grpc.StatusCode | None:
         """``context``: a gRPC call's, or anything with its ``is_active()`` and ``time_remaining()``
         (an HTTP request's ``_Run``).
         None when ``n`` slots (a request's completions) are taken; else why not:
         RESOURCE_EXHAUSTED (queue full), DEADLINE_EXCEEDED (the deadline passed in the queue)
         or CANCELLED."""
         with self._cond:
-            if self.running + n <= self.max_sessions:
+            if not self._queue and self.running + n <= self.max_sessions:
                 self.running += n
                 return None
-            if self.waiting >= self.max_queue:
+            if len(self._queue) >= self.max_queue:
                 return grpc.StatusCode.RESOURCE_EXHAUSTED
-            self.waiting += 1
-            QUEUE_DEPTH.set(self.waiting)
+            me = (priority, next(self._tickets))
+            heapq.heappush(self._queue, me)
+            QUEUE_DEPTH.set(len(self._queue))
             try:
-                while self.running + n > self.max_sessions:
+                while self._queue[0] != me or self.running + n > self.max_sessions:
                     left = context.time_remaining()
                     if left is not None and left <= 0.005:
                         return grpc.StatusCode.DEADLINE_EXCEEDED
@@ -130,8 +142,10 @@ class Admission:
                 self.running += n
                 return None
             finally:
-                self.waiting -= 1
-                QUEUE_DEPTH.set(self.waiting)
+                self._queue.remove(me)
+                heapq.heapify(self._queue)
+                QUEUE_DEPTH.set(len(self._queue))
+                self._cond.notify_all()   # a new head, which free slots may fit
 
     def release(self, n: int = 1) -> None:
         with self._cond:
@@ -176,7 +190,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        refused = self.admission.acquire(context, req.n)
+        refused = self.admission.acquire(context, req.n, req.priority)
         if refused is not None:
             REQUESTS_REJECTED.labels(refused.name).inc()
             context.abort(refused, "deadline passed while queued for a session slot"

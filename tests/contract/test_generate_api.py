@@ -10,6 +10,7 @@ from services.router.engine import GenerationRequest
 from services.router.server import SERVICE_NAME, build_server
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
+from tests.conftest import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +291,36 @@ def test_admission_queues_then_refuses(served):
             adm._cond.notify_all()
     waiter.join(10)
     assert result["msgs"][-1].finish_reason == pb.FINISH_REASON_LENGTH  # the queued request ran
+
+
+def test_a_queued_request_with_a_lower_priority_value_is_admitted_first(served):
+    """Generate's priority reaches the admission queue: of two queued requests, the later one
+    with priority -1 takes the first free slot."""
+    import threading
+
+    stub, servicer, _ = served
+    adm = servicer.admission
+    with adm._cond:
+        adm.running = adm.max_sessions
+    done: list[str] = []
+    threads = []
+    for name, priority in (("first", 0), ("urgent", -1)):
+        threads.append(threading.Thread(target=lambda name=name, p=priority: (
+            collect(stub, prompt="a", max_new_tokens=3, priority=p), done.append(name))))
+        threads[-1].start()
+        assert wait_for(lambda k=len(threads): adm.waiting == k)
+    try:
+        with adm._cond:
+            adm.running -= 1                    # one slot frees
+            adm._cond.notify_all()
+        assert wait_for(lambda: done[:1] == ["urgent"])   # "first" waits until urgent's slot frees
+    finally:
+        with adm._cond:
+            adm.running = 0
+            adm._cond.notify_all()
+    for t in threads:
+        t.join(10)
+    assert done == ["urgent", "first"]
 
 
 def test_queued_request_leaves_at_its_deadline(served):

@@ -248,6 +248,7 @@ def test_json_schema_response_format_gives_a_valid_instance(api):
     ({"extra_body": {"temprature": 0}}, r"^temprature: unknown field"),
     ({"extra_body": {"top_k": "3"}}, r"^top_k: must be an integer"),
     ({"extra_body": {"min_p": 2}}, r"^min_p: must be in \[0, 1\]"),
+    ({"extra_body": {"priority": 2 ** 40}}, r"^priority: must fit in 32 bits"),
     ({"suffix": "x"}, r"^suffix: not supported"),
     ({"best_of": 3}, r"^best_of: not supported"),
     ({"n": 5}, r"^n: at most 4 completions"),
