@@ -50,7 +50,7 @@ class DraftStep:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 class Eagle3Step:
@@ -78,7 +78,7 @@ class Eagle3Step:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 def measure(job_cls, rows: int, rounds: int, steps: int) -> dict:

@@ -75,6 +75,18 @@ def apply_bias(logits: torch.Tensor, sp: SamplingParams, columns: torch.Tensor |
     return x.to(logits.dtype)
 
 
+def banned_tokens(context: list[int], bad_words: tuple[tuple[int, ...], ...]) -> list[int]:
+    """The tokens that would complete a bad word right after ``context`` (the output so far):
+    each word's last token where the context ends with the word's other tokens (a one-token
+    word: always)."""
+    out = []
+    for w in bad_words:
+        k = len(w) - 1
+        if k == 0 or (len(context) >= k and tuple(context[len(context) - k:]) == w[:-1]):
+            out.append(w[-1])
+    return out
+
+
 def ban_bad_words(logits: torch.Tensor, output: list[int], draft: list[int],
                   bad_words: tuple[tuple[int, ...], ...]) -> torch.Tensor:
     """Row r of ``logits`` follows ``output`` + ``draft[:r]``: a bad word's last token gets −inf
@@ -83,15 +95,24 @@ def ban_bad_words(logits: torch.Tensor, output: list[int], draft: list[int],
     rows, cols = [], []
     for r in range(logits.shape[0]):
         tail = (output + draft[:r])[-(longest - 1):] if longest > 1 else []
-        for w in bad_words:
-            if len(w) == 1 or (len(tail) >= len(w) - 1 and tuple(tail[len(tail) - len(w) + 1:]) == w[:-1]):
-                rows.append(r)
-                cols.append(w[-1])
+        for t in banned_tokens(tail, bad_words):
+            rows.append(r)
+            cols.append(t)
     if not rows:
         return logits
     logits = logits.clone()
     logits[rows, cols] = float("-inf")
     return logits
+
+
+def ban_columns(logits: torch.Tensor, tokens: list[int], columns: torch.Tensor | None) -> torch.Tensor:
+    """One row's logits with ``tokens`` (target ids) at −inf; ``columns``: the target ids of the
+    logits' columns when they cover a draft vocabulary (a token outside it needs nothing)."""
+    if not tokens:
+        return logits
+    if columns is None:
+        return logits.index_fill(-1, torch.tensor(tokens, device=logits.device), float("-inf"))
+    return logits.masked_fill(torch.isin(columns, torch.tensor(tokens, device=columns.device)), float("-inf"))
 
 
 def sample(probs: torch.Tensor, rng: torch.Generator) -> int:

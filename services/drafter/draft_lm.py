@@ -7,7 +7,7 @@ import torch
 
 from services.common.llama import KVCache, Llama
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
-from services.common.sampling import apply_bias, apply_penalties, probs_from_logits, sample
+from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import common_prefix, register
@@ -49,15 +49,17 @@ class _Row:
                    state=st.grammar.state if st.grammar else None)
 
     def constrain(self, logits: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor | None:
-        """The row's logits under its request's penalties, bias and grammar (None: they allow
-        none of the columns, so the chain ends)."""
+        """The row's logits under its request's penalties, bias, bad words and grammar (None:
+        they allow none of the columns, so the chain ends)."""
         st = self.st
         if st.sp.penalized:   # drafts follow the request's penalties and bias, as the target will
             logits = apply_penalties(logits[None], st.tokens + self.out, st.prompt_len, [], st.sp, columns)[0]
         if st.sp.biased:
             logits = apply_bias(logits, st.sp, columns)
-            if not bool(torch.isfinite(logits).any()):   # none of the allowed tokens is in the draft vocabulary
-                return None
+        if st.sp.bad_words:   # nor do they complete a bad word the target would ban
+            logits = ban_columns(logits, banned_tokens(st.tokens[st.prompt_len:] + self.out, st.sp.bad_words), columns)
+        if (st.sp.biased or st.sp.bad_words) and not bool(torch.isfinite(logits).any()):
+            return None   # none of the allowed tokens is in the draft vocabulary
         if st.grammar is not None:
             return st.grammar.automaton.mask_columns(logits, self.state, columns)
         return logits
@@ -140,7 +142,7 @@ class DraftLMDrafter:
                                                   [r.st.cache for r in active], last_only=True, head=self.head)
             stacked = torch.stack([lg[-1] for lg in logits])
             for j, r in enumerate(active):
-                if r.st.sp.penalized or r.st.sp.biased or r.st.grammar is not None:
+                if r.st.sp.penalized or r.st.sp.biased or r.st.sp.bad_words or r.st.grammar is not None:
                     row = r.constrain(stacked[j], self.vocab)
                     if row is None:
                         r.budget = len(r.out)   # nothing allowed: the chain ends here

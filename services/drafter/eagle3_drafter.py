@@ -18,7 +18,7 @@ import torch
 
 from services.common.llama import KVCache
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv, root_key
-from services.common.sampling import apply_bias, apply_penalties, probs_from_logits, sample
+from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import register
@@ -102,14 +102,18 @@ class Eagle3Drafter:
         """Draft-vocabulary logits → (target token, q over the target vocabulary for sampled
         requests, max q; 1.0 when no confidence cut is set). Drafts follow the request's
         penalties, as the target will, counting the chain's tokens so far as output, its logit
-        bias and its grammar (at ``state``): None when they allow none of the head's tokens."""
+        bias, its bad words and its grammar (at ``state``): None when they allow none of the
+        head's tokens."""
         if st.sp.penalized:
             logits = apply_penalties(logits[None], st.tokens + drafted, st.prompt_len, [], st.sp,
                                      self._target_columns(logits.device))[0]
         if st.sp.biased:
             logits = apply_bias(logits, st.sp, self._target_columns(logits.device))
-            if not bool(torch.isfinite(logits).any()):   # none of the allowed tokens is in the draft vocabulary
-                return None
+        if st.sp.bad_words:
+            logits = ban_columns(logits, banned_tokens(st.tokens[st.prompt_len:] + drafted, st.sp.bad_words),
+                                 self._target_columns(logits.device))
+        if (st.sp.biased or st.sp.bad_words) and not bool(torch.isfinite(logits).any()):
+            return None   # none of the allowed tokens is in the draft vocabulary
         if st.grammar is not None:
             logits = st.grammar.automaton.mask_columns(logits, state, self._target_columns(logits.device))
             if logits is None:

@@ -20,7 +20,7 @@ import torch
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
-from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, sampling_error
+from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, banned_tokens, sampling_error
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
@@ -458,7 +458,7 @@ class Generation:
         choice = self.drafter.propose(self.req_id, budget)
         if isinstance(choice, Delegate):
             return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
-        draft = self._grammatical(choice.token_ids)
+        draft = self._without_bad_words(self._grammatical(choice.token_ids))
         if len(draft) < len(choice.token_ids) and hasattr(self.drafter, "verified"):
             self.drafter.verified(self.req_id, len(draft))   # the hybrid costs the cycle at what is verified
         return CycleRequest(draft_ids=tuple(draft), draft_source=choice.source)
@@ -472,6 +472,19 @@ class Generation:
             state = self.grammar.automaton.next(state, t)
             if state is None:
                 return draft[:i]
+        return draft
+
+    def _without_bad_words(self, draft: list[int]) -> list[int]:
+        """A router draft up to its first token that completes a bad word (the target bans it)."""
+        words = self.req.sampling.bad_words
+        if not words:
+            return draft
+        keep = max(len(w) for w in words) - 1       # the context a word's match can reach back
+        context = self.output_ids[max(0, len(self.output_ids) - keep):] if keep else []
+        for i, t in enumerate(draft):
+            if t in banned_tokens(context, words):
+                return draft[:i]
+            context = (context + [t])[max(0, len(context) + 1 - keep):] if keep else []
         return draft
 
     def _budget(self) -> int:

@@ -243,6 +243,44 @@ def test_bad_words_stay_lossless(request, engine):
         assert not any(tuple(got["token_ids"][i:i + len(w)]) == w for w in words for i in range(len(got["token_ids"])))
 
 
+def test_the_draft_lm_does_not_draft_a_bad_words_last_token(tiny_engine):
+    """The draft LM bans, in its own logits, what the target will ban: a one-token word never
+    starts its draft, and a two-token word's second token never follows its first."""
+    drafter = tiny_engine.verifier.drafters["draft-lm"]
+    ids = tiny_engine.encode(PROMPTS[0])
+
+    def draft(words) -> list[int]:
+        drafter.start("bw", ids, SamplingParams(bad_words=words), None, 16)
+        try:
+            return drafter.propose("bw", 4).token_ids
+        finally:
+            drafter.stop("bw")
+
+    free = draft(())
+    assert len(free) >= 2
+    assert draft(((free[0],),))[0] != free[0]
+    two = draft(((free[0], free[1]),))
+    assert two[0] == free[0] and two[1:2] != free[1:2]
+
+
+def test_router_drafts_end_before_a_bad_words_last_token():
+    """A suffix-cache draft is cut where its next token would complete a bad word, counting
+    the output's last tokens as the word's start."""
+    from types import SimpleNamespace
+
+    from services.router.engine import Generation
+
+    def cut(output, draft, words):
+        gen = SimpleNamespace(req=SimpleNamespace(sampling=SamplingParams(bad_words=words)), output_ids=output)
+        return Generation._without_bad_words(gen, draft)
+
+    assert cut([1, 2], [3, 4, 5], ()) == [3, 4, 5]
+    assert cut([1, 2], [3, 4, 5], ((4,),)) == [3]
+    assert cut([1, 2], [3, 4, 5], ((2, 3),)) == []                 # the word starts in the output
+    assert cut([1, 2], [3, 4, 5], ((1, 2, 3, 9), (3, 4, 5))) == [3, 4]
+    assert cut([], [7, 8, 9], ((6, 7),)) == [7, 8, 9]
+
+
 def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
     """Failover re-opens a session with prompt + output so far as its prompt; ``generated``
     tells the verifier which part is output, so presence and frequency penalties carry on."""

@@ -85,6 +85,18 @@ def test_apply_bias_adds_and_masks_by_token_id_also_over_draft_columns():
     assert apply_bias(torch.zeros(3), sp, cols).tolist() == [2.0, float("-inf"), -1.0]
 
 
+def test_banned_tokens_and_ban_columns_on_a_draft_vocabulary():
+    from services.common.sampling import ban_columns, banned_tokens
+
+    words = ((5,), (7, 8), (2, 7, 9))
+    assert banned_tokens([1, 7], words) == [5, 8]
+    assert banned_tokens([2, 7], words) == [5, 8, 9]
+    assert banned_tokens([], words) == [5]
+    row = ban_columns(torch.zeros(4), [8, 5, 3], torch.tensor([1, 5, 8, 9]))   # columns' target ids
+    assert row.tolist() == [0.0, float("-inf"), float("-inf"), 0.0]
+    assert ban_columns(torch.zeros(6), [2, 4], None).isinf().nonzero().flatten().tolist() == [2, 4]
+
+
 def test_bad_words_ban_a_words_last_token_where_the_context_ends_with_the_rest():
     """Row r follows output + draft[:r]: (5,) is banned everywhere, (7, 8) only after a 7."""
     import torch
