@@ -222,7 +222,7 @@ async def _events(run: _Run):
     api, tokenizer = run.api, run.engine.tokenizer
     rid, created = oa.new_id(api.chat), int(time.time())
     gens = run.completions.gens
-    offsets, started = [0] * len(gens), [False] * len(gens)
+    offsets, started, streamed = [0] * len(gens), [False] * len(gens), 0
     try:
         while True:
             event = await run.queue.get()
@@ -241,6 +241,9 @@ async def _events(run: _Run):
                                             prompt_ids=None if started[i] else gens[i].req.prompt_ids)
                     offsets[i] += len(step.text)
                     started[i] = True
+                    streamed += len(step.token_ids)
+                if api.continuous_usage:
+                    chunk["usage"] = oa.usage(gens, streamed)
                 yield f"data: {json.dumps(chunk)}\n\n"
             elif event[0] == "done":
                 if api.include_usage:

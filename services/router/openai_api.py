@@ -187,6 +187,7 @@ class ApiRequest:
     structured_field: str = "response_format"   # which field set the grammar, for error messages
     echo: bool = False           # completions: the prompt precedes the output in text and logprobs
     token_ids: bool = False      # return_token_ids: prompt and output token ids beside the text
+    continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
 
 
 def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
@@ -210,14 +211,21 @@ def _priority(body: dict) -> int:
     return v
 
 
-def _stream_opts(body: dict, stream: bool) -> bool:
+def _stream_opts(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage: a last chunk with the usage; continuous_usage_stats, vLLM's: every chunk
+    also carries the usage so far, with include_usage only)."""
     opts = _typed(body, "stream_options", (dict,), "an object", None)
     if opts is not None and not stream:
         raise InvalidRequest("stream_options: only allowed when stream is true")
-    include = (opts or {}).get("include_usage", False)
-    if not isinstance(include, bool):
-        raise InvalidRequest("stream_options.include_usage: must be true or false")
-    return include
+    opts = opts or {}
+    for key in opts:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise InvalidRequest(f"stream_options.{key}: unknown field (include_usage, continuous_usage_stats)")
+    flags = [opts.get(k, False) for k in ("include_usage", "continuous_usage_stats")]
+    for k, v in zip(("include_usage", "continuous_usage_stats"), flags):
+        if not isinstance(v, bool):
+            raise InvalidRequest(f"stream_options.{k}: must be true or false")
+    return flags[0], flags[0] and flags[1]
 
 
 def _prompts(v, engine) -> list[list[int]]:
@@ -258,7 +266,8 @@ def completion_request(body, engine, served_model: str) -> ApiRequest:
     gens = (first,) + tuple(replace(first, prompt_ids=engine.truncate(ids, keep, max_tokens)) for ids in prompts[1:])
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
         gens = tuple(replace(g, request_id=f"{g.request_id}-p{i}") for i, g in enumerate(gens))
-    return ApiRequest(gens, stream, _stream_opts(body, stream), model, logprobs=logprobs is not None,
+    include, continuous = _stream_opts(body, stream)
+    return ApiRequest(gens, stream, include, model, logprobs=logprobs is not None, continuous_usage=continuous,
                       structured_field=_structured_field(body), echo=echo, token_ids=_bool(body, "return_token_ids"))
 
 
@@ -282,7 +291,8 @@ def chat_request(body, engine, served_model: str, template: str | None) -> ApiRe
         raise InvalidRequest("top_logprobs: needs logprobs: true")
     stream = _bool(body, "stream")
     gen = _request(body, ids, engine, max_tokens, n, (top or 0) if want else None, None)
-    return ApiRequest((gen,), stream, _stream_opts(body, stream), model, chat=True, logprobs=want,
+    include, continuous = _stream_opts(body, stream)
+    return ApiRequest((gen,), stream, include, model, chat=True, logprobs=want, continuous_usage=continuous,
                       structured_field=_structured_field(body), token_ids=_bool(body, "return_token_ids"))
 
 
@@ -397,9 +407,10 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
                         for x in lps]}
 
 
-def usage(gens) -> dict:
+def usage(gens, completion_tokens: int | None = None) -> dict:
+    """The request's usage; ``completion_tokens``: those streamed so far (default: all)."""
     prompt = sum(len(g.req.prompt_ids) for g in gens)
-    done = sum(len(g.output_ids) for g in gens)
+    done = sum(len(g.output_ids) for g in gens) if completion_tokens is None else completion_tokens
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
             "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)}}
 

@@ -109,6 +109,24 @@ def test_min_p_reaches_the_sampler(api, tiny_engine):
     assert texts[0.0] != texts[0.3]
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(api, tiny_engine):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
+    streamed up to it, so the counts rise to the final usage."""
+    client, _, _ = api
+    chunks = list(client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stream=True, extra_body={"method": "sd"},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert counts == sorted(counts) and counts[-1] == 30 and len(set(counts)) >= 3
+    prompt = len(tiny_engine.encode(PROMPT))
+    assert all(ch.usage.prompt_tokens == prompt and ch.usage.total_tokens == prompt + ch.usage.completion_tokens
+               for ch in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    with pytest.raises(openai.BadRequestError, match="stream_options.include_usag: unknown field"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, stream=True,
+                                  stream_options={"include_usag": True})
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_return_token_ids_gives_prompt_and_output_ids(api, tiny_engine, stream):
     """vLLM's return_token_ids: each choice carries its prompt's ids and its output's, which are
