@@ -364,6 +364,31 @@ def test_overload_is_429_and_the_limit_is_shared_with_grpc(tiny_engine):
         assert client.completions.create(prompt=PROMPT, model="target", max_tokens=4).choices[0].text
 
 
+def test_http_priority_orders_the_admission_queue(tiny_engine):
+    """HTTP ``priority`` reaches the queue the gRPC server shares: of two queued requests, the
+    later one with priority -1 takes the first free slot."""
+    import threading
+
+    with http_api(tiny_engine, max_sessions=1, max_queue=4) as (port, servicer):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        adm, done = servicer.admission, []
+        with adm._cond:
+            adm.running = 1                       # the one slot taken
+        threads = []
+        for name, priority in (("first", 0), ("urgent", -1)):
+            threads.append(threading.Thread(target=lambda name=name, p=priority: (client.completions.create(
+                model="target", prompt=PROMPT, max_tokens=3, extra_body={"priority": p}), done.append(name))))
+            threads[-1].start()
+            assert wait_for(lambda k=len(threads): adm.waiting == k)
+        with adm._cond:
+            adm.running = 0
+            adm._cond.notify_all()
+        for t in threads:
+            t.join(30)
+        assert done == ["urgent", "first"]
+        assert idle(servicer)
+
+
 def test_bearer_token_is_required_on_v1_but_not_health(tiny_engine):
     import urllib.request
 
