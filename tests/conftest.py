@@ -91,6 +91,30 @@ def bundled_engine():
     return Engine(EngineConfig())
 
 
+def finish_order_by_priority(adm, send) -> list[str]:
+    """Every slot of ``adm`` (an ``Admission``) taken, queue "first" (priority 0), then "urgent"
+    (priority -1), each a ``send(priority)`` call on a thread of its own; free the slots. The
+    names in the order their calls returned (one slot: the order they were admitted)."""
+    import threading
+
+    with adm._cond:
+        adm.running = adm.max_sessions
+    done: list[str] = []
+    threads = []
+    try:
+        for name, priority in (("first", 0), ("urgent", -1)):
+            threads.append(threading.Thread(target=lambda name=name, p=priority: (send(p), done.append(name))))
+            threads[-1].start()
+            assert wait_for(lambda k=len(threads): adm.waiting == k)
+    finally:
+        with adm._cond:
+            adm.running = 0
+            adm._cond.notify_all()
+    for t in threads:
+        t.join(30)
+    return done
+
+
 def wait_for(cond, timeout: float = 5.0) -> bool:
     """Poll ``cond`` until it holds or ``timeout`` seconds pass; return its last value."""
     import time

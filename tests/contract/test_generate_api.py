@@ -10,7 +10,7 @@ from services.router.engine import GenerationRequest
 from services.router.server import SERVICE_NAME, build_server
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
-from tests.conftest import wait_for
+from tests.conftest import finish_order_by_priority
 
 
 @pytest.fixture(scope="module")
@@ -293,34 +293,17 @@ def test_admission_queues_then_refuses(served):
     assert result["msgs"][-1].finish_reason == pb.FINISH_REASON_LENGTH  # the queued request ran
 
 
-def test_a_queued_request_with_a_lower_priority_value_is_admitted_first(served):
+def test_a_queued_request_with_a_lower_priority_value_is_admitted_first(tiny_engine):
     """Generate's priority reaches the admission queue: of two queued requests, the later one
-    with priority -1 takes the first free slot."""
-    import threading
-
-    stub, servicer, _ = served
-    adm = servicer.admission
-    with adm._cond:
-        adm.running = adm.max_sessions
-    done: list[str] = []
-    threads = []
-    for name, priority in (("first", 0), ("urgent", -1)):
-        threads.append(threading.Thread(target=lambda name=name, p=priority: (
-            collect(stub, prompt="a", max_new_tokens=3, priority=p), done.append(name))))
-        threads[-1].start()
-        assert wait_for(lambda k=len(threads): adm.waiting == k)
+    with priority -1 is admitted first (one slot, so "first" waits until urgent's frees)."""
+    srv, servicer, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=1, max_queue=4))
+    srv.start()
     try:
-        with adm._cond:
-            adm.running -= 1                    # one slot frees
-            adm._cond.notify_all()
-        assert wait_for(lambda: done[:1] == ["urgent"])   # "first" waits until urgent's slot frees
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        send = lambda p: collect(stub, prompt="a", max_new_tokens=3, priority=p)  # noqa: E731
+        assert finish_order_by_priority(servicer.admission, send) == ["urgent", "first"]
     finally:
-        with adm._cond:
-            adm.running = 0
-            adm._cond.notify_all()
-    for t in threads:
-        t.join(10)
-    assert done == ["urgent", "first"]
+        srv.stop(0)
 
 
 def test_queued_request_leaves_at_its_deadline(served):

@@ -14,7 +14,7 @@ from services.common.config import ServerConfig
 from services.common.types import SamplingParams
 from services.router.engine import GenerationRequest
 from services.router.server import build_server, start_http
-from tests.conftest import corrupt_bytes, wait_for
+from tests.conftest import corrupt_bytes, finish_order_by_priority, wait_for
 
 PROMPT = "def add(a, b):\n"
 TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -366,26 +366,12 @@ def test_overload_is_429_and_the_limit_is_shared_with_grpc(tiny_engine):
 
 def test_http_priority_orders_the_admission_queue(tiny_engine):
     """HTTP ``priority`` reaches the queue the gRPC server shares: of two queued requests, the
-    later one with priority -1 takes the first free slot."""
-    import threading
-
+    later one with priority -1 is admitted first."""
     with http_api(tiny_engine, max_sessions=1, max_queue=4) as (port, servicer):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        adm, done = servicer.admission, []
-        with adm._cond:
-            adm.running = 1                       # the one slot taken
-        threads = []
-        for name, priority in (("first", 0), ("urgent", -1)):
-            threads.append(threading.Thread(target=lambda name=name, p=priority: (client.completions.create(
-                model="target", prompt=PROMPT, max_tokens=3, extra_body={"priority": p}), done.append(name))))
-            threads[-1].start()
-            assert wait_for(lambda k=len(threads): adm.waiting == k)
-        with adm._cond:
-            adm.running = 0
-            adm._cond.notify_all()
-        for t in threads:
-            t.join(30)
-        assert done == ["urgent", "first"]
+        send = lambda p: client.completions.create(model="target", prompt=PROMPT, max_tokens=3,  # noqa: E731
+                                                   extra_body={"priority": p})
+        assert finish_order_by_priority(servicer.admission, send) == ["urgent", "first"]
         assert idle(servicer)
 
 
