@@ -58,8 +58,10 @@ class _Row:
             logits = apply_bias(logits, st.sp, columns)
         if st.sp.bad_words:   # nor do they complete a bad word the target would ban
             logits = ban_columns(logits, banned_tokens(st.tokens[st.prompt_len:] + self.out, st.sp.bad_words), columns)
-        if (st.sp.biased or st.sp.bad_words) and not bool(torch.isfinite(logits).any()):
-            return None   # none of the allowed tokens is in the draft vocabulary
+        # Only an allow-list can leave no token (bias is finite; bad words ban a few): checked
+        # only then, as the check waits for the device.
+        if st.sp.allowed_token_ids and not bool(torch.isfinite(logits).any()):
+            return None   # none of the allowed tokens is left in the draft vocabulary
         if st.grammar is not None:
             return st.grammar.automaton.mask_columns(logits, self.state, columns)
         return logits

@@ -112,8 +112,10 @@ class Eagle3Drafter:
         if st.sp.bad_words:
             logits = ban_columns(logits, banned_tokens(st.tokens[st.prompt_len:] + drafted, st.sp.bad_words),
                                  self._target_columns(logits.device))
-        if (st.sp.biased or st.sp.bad_words) and not bool(torch.isfinite(logits).any()):
-            return None   # none of the allowed tokens is in the draft vocabulary
+        # Only an allow-list can leave no token (bias is finite; bad words ban a few): checked
+        # only then, as the check waits for the device.
+        if st.sp.allowed_token_ids and not bool(torch.isfinite(logits).any()):
+            return None   # none of the allowed tokens is left in the draft vocabulary
         if st.grammar is not None:
             logits = st.grammar.automaton.mask_columns(logits, state, self._target_columns(logits.device))
             if logits is None:
