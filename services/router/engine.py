@@ -429,7 +429,7 @@ class Generation:
         session = self._session = self.engine.verifier.open(SessionSpec(
             prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
             policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
-            session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt,
+            on_demand=self.drafter is not None and self.model_drafter is not None, session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt,
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, prompt_logprobs=req.prompt_logprobs,
             grammar=self.pattern))
         if self._cancelled:

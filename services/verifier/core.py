@@ -46,6 +46,7 @@ class SessionSpec:
     sampling: SamplingParams = SamplingParams()
     policy: str = "lossless"
     model_drafter: str | None = None     # verifier-side drafter this session may use
+    on_demand: bool = False              # it drafts only when a cycle asks (a hybrid): no eager catch-up
     max_draft: int = 0                   # longest draft the session will see (KV capacity)
     session_id: str = ""
     deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
@@ -456,12 +457,13 @@ class VerifierSession:
     def prefilled(self, states: torch.Tensor | None) -> None:
         """Prompt positions were fed and kept (a chunk, ``TargetRunner.step``, or a prefix-cache
         hit), with their fused target states: a drafter fed by the target's states gets them,
-        and a drafter that can (``absorb``) takes the prompt in up to where the target is."""
+        and a drafter that can (``absorb``) takes the prompt in up to where the target is, unless
+        it drafts on demand (a hybrid may never ask it): then its first draft catches up."""
         if not self.drafter:
             return
         if self._needs_states and states is not None:
             self.drafter.observe(self.session_id, [], states)
-        if hasattr(self.drafter, "absorb"):
+        if hasattr(self.drafter, "absorb") and not self.spec.on_demand:
             self.drafter.absorb(self.session_id, self.target.cache_len)
 
     @property

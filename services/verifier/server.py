@@ -43,7 +43,7 @@ def spec_to_pb(s: SessionSpec) -> pb.Open:
                                         frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias),
                                         allowed_token_ids=sp.allowed_token_ids,
                                         bad_words=[pb.TokenIds(ids=w) for w in sp.bad_words], min_p=sp.min_p),
-                   policy=s.policy, model_drafter=s.model_drafter or "", max_draft=s.max_draft,
+                   policy=s.policy, model_drafter=s.model_drafter or "", on_demand=s.on_demand, max_draft=s.max_draft,
                    logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
                    generated=s.generated, prompt_logprobs=s.prompt_logprobs, grammar=s.grammar or "")
 
@@ -58,7 +58,7 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
                                                tuple(sorted(sp.logit_bias.items())), tuple(sp.allowed_token_ids),
                                                tuple(tuple(w.ids) for w in sp.bad_words), sp.min_p),
                        policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
-                       max_draft=o.max_draft, session_id=o.session_id,
+                       on_demand=o.on_demand, max_draft=o.max_draft, session_id=o.session_id,
                        logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
                        ignore_eos=o.ignore_eos, min_tokens=o.min_tokens, generated=o.generated,
                        prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,

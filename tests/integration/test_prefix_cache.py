@@ -86,6 +86,26 @@ def test_eagle3_gets_the_cached_positions_target_features(engine):
     torch.testing.assert_close(warm[:n - 1], cold[:n - 1], rtol=1e-4, atol=1e-5)
 
 
+def test_a_hybrid_session_leaves_its_eagle3_head_idle_until_it_delegates(engine):
+    """On a prefix hit an `eagle3` session's head takes the cached positions in at once (its
+    first draft is due next cycle); a hybrid's does not, since it may never be asked to draft:
+    its first draft catches up instead."""
+    drafter = engine.verifier.drafters["eagle3"]
+    absorb, absorbed = drafter.absorb, []
+    drafter.absorb = lambda req_id, upto: (absorbed.append(req_id), absorb(req_id, upto))
+    try:
+        engine.verifier.clear_prefix_cache()
+        generate(engine, PROMPTS[0], "eagle3", n=4)
+        absorbed.clear()
+        assert generate(engine, PROMPTS[1], "hybrid-rule", n=4)["cached_prompt_tokens"] >= 32
+        assert absorbed == []
+        assert generate(engine, PROMPTS[2], "eagle3", n=4)["cached_prompt_tokens"] >= 32
+        assert len(absorbed) == 1
+    finally:
+        del drafter.absorb
+    assert drafter.absorb == absorb
+
+
 def test_generated_blocks_are_kept_too(engine):
     """A conversation's next turn repeats the earlier answer: its blocks come from the cache."""
     core = engine.verifier

@@ -7,7 +7,7 @@ from services.verifier.server import result_from_pb, result_to_pb, spec_from_pb,
 def test_session_spec_round_trip_keeps_every_field_but_the_deadline():
     spec = SessionSpec(prompt_ids=[5, 6, 7], max_new_tokens=9, sampling=SamplingParams(0.75, 0.5, 5, 11, 1.25, 0.5, -0.25,
                                                                                          min_p=0.125),
-                       policy="csd", model_drafter="eagle3", max_draft=4, session_id="s-1", logprobs=3,
+                       policy="csd", model_drafter="eagle3", on_demand=True, max_draft=4, session_id="s-1", logprobs=3,
                        cache_salt="tenant", ignore_eos=True, min_tokens=4, generated=2, prompt_logprobs=0)
     assert spec_from_pb(spec_to_pb(spec)) == spec
     plain = SessionSpec(prompt_ids=[1], max_new_tokens=2)
