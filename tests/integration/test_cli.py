@@ -65,7 +65,7 @@ def test_serve_then_client_streams(tiny_dirs):
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         out = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "import os",
-                                    "--max-new-tokens", "10", "--method", "sd"],
+                                    "--max-new-tokens", "10", "--method", "sd", "--priority", "-2", "--min-p", "0.1"],
                              capture_output=True, text=True, env=ENV, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "FINISH_REASON_LENGTH" in out.stderr and "10 tokens" in out.stderr
