@@ -223,6 +223,7 @@ async def _events(run: _Run):
     rid, created = oa.new_id(api.chat), int(time.time())
     gens = run.completions.gens
     offsets, started, streamed = [0] * len(gens), [False] * len(gens), 0
+    held = [([], []) for _ in gens]   # (text, logprobs) of answers read whole for tool calls
     try:
         while True:
             event = await run.queue.get()
@@ -232,8 +233,17 @@ async def _events(run: _Run):
                     chunk, offsets[i] = _echo_chunk(api, rid, created, i, gens[i], tokenizer)
                     started[i] = True
                     yield f"data: {json.dumps(chunk)}\n\n"
+                if api.calls_tools and step is not None:   # sent whole when it ends
+                    held[i][0].append(step.text)
+                    held[i][1].extend(step.logprobs)
+                    streamed += len(step.token_ids)
+                    continue
                 if step is None:
-                    chunk = oa.stream_chunk(api, rid, created, i, None, (), tokenizer, finish=gens[i].finish_reason)
+                    if api.calls_tools:
+                        chunk = oa.tool_chunk(api, rid, created, i, "".join(held[i][0]), held[i][1], tokenizer,
+                                              gens[i].finish_reason)
+                    else:
+                        chunk = oa.stream_chunk(api, rid, created, i, None, (), tokenizer, finish=gens[i].finish_reason)
                     chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
                 else:
                     chunk = oa.stream_chunk(api, rid, created, i, step.text, step.logprobs, tokenizer,

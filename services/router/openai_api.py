@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, replace
 from services.common.structured import StructuredOutput
 from services.common.types import SamplingParams, TokenLogprob
 from services.router.engine import MAX_N, GenerationRequest, InvalidRequest
+from services.router.tools import ToolError, Tools, parse_tools, template_messages
+from services.router.tools import message as tool_message
 
 FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
 DEFAULT_COMPLETION_TOKENS = 16
@@ -188,6 +190,12 @@ class ApiRequest:
     echo: bool = False           # completions: the prompt precedes the output in text and logprobs
     token_ids: bool = False      # return_token_ids: prompt and output token ids beside the text
     continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
+    tools: Tools | None = None   # chat: the request's tools and tool_choice
+
+    @property
+    def calls_tools(self) -> bool:
+        """Its output is read for tool calls (then a stream sends the message when it ends)."""
+        return self.tools is not None and self.tools.choice != "none"
 
 
 def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
@@ -274,13 +282,17 @@ def completion_request(body, engine, served_model: str) -> ApiRequest:
 def chat_request(body, engine, served_model: str, template: str | None) -> ApiRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
-    _refuse_fields(body, CHAT_FIELDS, {"tools": "not supported (no tool calling)",
-                                       "tool_choice": "not supported (no tool calling)",
-                                       "parallel_tool_calls": "not supported (no tool calling)"})
+    _refuse_fields(body, CHAT_FIELDS, {})
     model = _model(body, served_model)
-    ids = chat_prompt(engine.tokenizer, _messages(body), template,
+    try:
+        tools = parse_tools(body)
+    except ToolError as e:
+        raise InvalidRequest(str(e)) from None
+    _bool(body, "parallel_tool_calls")   # accepted: calls are as many as the model makes
+    ids = chat_prompt(engine.tokenizer, template_messages(_messages(body)), template,
                       add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-                      kwargs=_typed(body, "chat_template_kwargs", (dict,), "an object", {}))
+                      kwargs=_typed(body, "chat_template_kwargs", (dict,), "an object", {}),
+                      tools=list(tools.specs) if tools else None)
     n = _int(body, "n", 1)
     limit = min(engine.cfg.max_new_tokens_limit, max(1, engine.context_len - len(ids)))
     max_tokens = _int(body, "max_completion_tokens", None)
@@ -291,9 +303,15 @@ def chat_request(body, engine, served_model: str, template: str | None) -> ApiRe
         raise InvalidRequest("top_logprobs: needs logprobs: true")
     stream = _bool(body, "stream")
     gen = _request(body, ids, engine, max_tokens, n, (top or 0) if want else None, None)
+    forced = tools.constraint() if tools else None
+    if forced is not None:
+        if gen.structured is not None:
+            raise InvalidRequest(f"tool_choice: a forced tool call cannot be combined with {_structured_field(body)}")
+        gen = replace(gen, structured=forced)
     include, continuous = _stream_opts(body, stream)
     return ApiRequest((gen,), stream, include, model, chat=True, logprobs=want, continuous_usage=continuous,
-                      structured_field=_structured_field(body), token_ids=_bool(body, "return_token_ids"))
+                      structured_field="tool_choice" if forced else _structured_field(body),
+                      token_ids=_bool(body, "return_token_ids"), tools=tools)
 
 
 def _structured_field(body: dict) -> str:
@@ -312,6 +330,8 @@ class ModelNotFound(InvalidRequest):
 
 
 def _messages(body: dict) -> list[dict]:
+    """Text messages; an assistant's may carry ``tool_calls`` (its content then may be null), a
+    tool's its ``tool_call_id``."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise InvalidRequest("messages: required, a non-empty list of {\"role\": ..., \"content\": ...}")
@@ -319,7 +339,14 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}]: must be an object with a string `role`")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+            raise InvalidRequest(f"messages[{i}].tool_calls: an assistant's list of "
+                                 "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+        msg = {"role": m["role"], "content": "" if calls and m.get("content") is None else _content(m.get("content"), i)}
+        msg.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None})
+        out.append(msg)
     return out
 
 
@@ -335,13 +362,14 @@ def _content(c, i: int) -> str:
 
 
 def chat_prompt(tokenizer, messages: list[dict], template: str | None, add_generation_prompt: bool = True,
-                kwargs: dict | None = None) -> list[int]:
-    """The conversation rendered by the chat template (the server's, else the tokenizer's)."""
+                kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The conversation (and the tools, if any) rendered by the chat template (the server's,
+    else the tokenizer's)."""
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("messages: the served model has no chat template; start the server with "
                              "--chat-template FILE, or use /v1/completions")
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
                                              add_generation_prompt=add_generation_prompt, **(kwargs or {}))
     except Exception as e:   # a template error names what the template expected
         raise InvalidRequest(f"messages: the chat template failed: {e}") from None
@@ -442,6 +470,10 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
             base["token_ids"] = list(c.token_ids)
         if api.chat:
             base["message"] = {"role": "assistant", "content": text}
+            if api.calls_tools:
+                content, calls, called = tool_message(api.tools, text)
+                base["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                base["finish_reason"] = "tool_calls" if called else base["finish_reason"]
         else:
             base["text"] = text
             if g.req.prompt_logprobs is not None:
@@ -488,6 +520,18 @@ def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str 
         choice["token_ids"] = list(token_ids)
         if prompt_ids is not None:
             (chunk if api.chat else choice)["prompt_token_ids"] = list(prompt_ids)
+    return chunk
+
+
+def tool_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str, lps, tokenizer, finish: str) -> dict:
+    """A streamed chat answer read for tool calls: its whole message as one delta, at its end."""
+    content, calls, called = tool_message(api.tools, text)
+    chunk = stream_chunk(api, rid, created, index, content, lps, tokenizer, finish=finish, first=True)
+    choice = chunk["choices"][0]
+    if calls:
+        choice["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+    if called:
+        choice["finish_reason"] = "tool_calls"
     return chunk
 
 

@@ -110,12 +110,12 @@ def test_engine_messages_use_this_apis_field_names():
     assert oa.openai_message(InvalidRequest("structured_output: bad")) == "response_format: bad"
 
 
-def test_chat_needs_a_template_and_refuses_tools():
+def test_chat_needs_a_template_and_checks_tools():
     eng = Engine()
     eng.tokenizer = SimpleNamespace(chat_template=None)
     with pytest.raises(InvalidRequest, match="no chat template"):
         oa.chat_request({"messages": [{"role": "user", "content": "hi"}]}, eng, "m", None)
-    with pytest.raises(InvalidRequest, match=r"^tools: not supported"):
+    with pytest.raises(InvalidRequest, match=r"^tools\[0\]: must be"):
         oa.chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, eng, "m", None)
     with pytest.raises(InvalidRequest, match=r"^messages\[0\].content: must be a string"):
         oa.chat_request({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, eng, "m", "t")
