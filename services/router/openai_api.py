@@ -541,16 +541,22 @@ def usage_chunk(api: ApiRequest, rid: str, created: int, gens) -> dict:
 
 
 def tokenize_body(body, engine, served_model: str, template: str | None) -> dict:
-    """vLLM's /tokenize: a ``prompt`` or chat ``messages`` → its token ids under this server's tokenizer."""
+    """vLLM's /tokenize: a ``prompt`` or chat ``messages`` (and ``tools``) → its token ids under
+    this server's tokenizer."""
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
-    _refuse_fields(body, {"model", "prompt", "messages", "add_generation_prompt"}, {})
+    _refuse_fields(body, {"model", "prompt", "messages", "add_generation_prompt", "tools"}, {})
     _model(body, served_model)
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("prompt: set either `prompt` or `messages`")
     if "messages" in body:
-        ids = chat_prompt(engine.tokenizer, _messages(body), template,
-                          add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+        try:
+            tools = parse_tools({"tools": body.get("tools")})
+        except ToolError as e:
+            raise InvalidRequest(str(e)) from None
+        ids = chat_prompt(engine.tokenizer, template_messages(_messages(body)), template,
+                          add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+                          tools=list(tools.specs) if tools else None)
     else:
         ids = engine.encode(_typed(body, "prompt", (str,), "a string", ""))
     return {"count": len(ids), "max_model_len": engine.context_len, "tokens": ids}

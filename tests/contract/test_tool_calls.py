@@ -7,7 +7,7 @@ import re
 import openai
 import pytest
 
-from tests.contract.test_openai_api import greedy, http_api, idle
+from tests.contract.test_openai_api import greedy, http_api, idle, raw_post
 
 TEMPLATE = ("{% if tools %}# tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
             "{% for m in messages %}# {{ m.role }}: {{ m.content }}"
@@ -83,6 +83,10 @@ def test_tools_and_earlier_calls_reach_the_template(chat, tiny_engine):
                             '"arguments": {"host": "a"}}</tool_call># tool: pong# assistant:\n')   # Jinja trims blocks' newlines
         c = out.choices[0]
         assert c.message.content == greedy(tiny_engine, prompt, 12)["text"] and not c.message.tool_calls, choice
+    port = int(str(client.base_url).rsplit(":", 1)[1].split("/")[0])
+    body = json.dumps({"messages": history, "tools": [UNIT, PING]}).encode()
+    status, answer = raw_post(port, body, "/tokenize")   # vLLM's /tokenize renders the same prompt
+    assert status == 200 and json.loads(answer)["tokens"] == prompt
 
 
 @pytest.mark.parametrize("kw, match", [
