@@ -25,6 +25,7 @@ from services.common.config import ServerConfig
 from services.common.metrics import REQUESTS_REJECTED
 from services.router import openai_api as oa
 from services.router.engine import Completions, Engine, InvalidRequest
+from services.router.tools import ToolStream
 from services.verifier.core import SessionCancelled
 from services.verifier.server import NoReplica
 
@@ -223,7 +224,7 @@ async def _events(run: _Run):
     rid, created = oa.new_id(api.chat), int(time.time())
     gens = run.completions.gens
     offsets, started, streamed = [0] * len(gens), [False] * len(gens), 0
-    held = [([], []) for _ in gens]   # (text, logprobs) of answers read whole for tool calls
+    calls = [ToolStream(api.tools) for _ in gens] if api.calls_tools else None   # answers read for tool calls
     try:
         while True:
             event = await run.queue.get()
@@ -233,17 +234,22 @@ async def _events(run: _Run):
                     chunk, offsets[i] = _echo_chunk(api, rid, created, i, gens[i], tokenizer)
                     started[i] = True
                     yield f"data: {json.dumps(chunk)}\n\n"
-                if api.calls_tools and step is not None:   # sent whole when it ends
-                    held[i][0].append(step.text)
-                    held[i][1].extend(step.logprobs)
-                    streamed += len(step.token_ids)
-                    continue
-                if step is None:
-                    if api.calls_tools:
-                        chunk = oa.tool_chunk(api, rid, created, i, "".join(held[i][0]), held[i][1], tokenizer,
-                                              gens[i].finish_reason)
+                if calls is not None:
+                    if step is None:
+                        content, deltas, called = calls[i].finish()
+                        chunk = oa.tool_chunk(api, rid, created, i, content, deltas, (), tokenizer, not started[i],
+                                              gens[i].finish_reason, called)
+                        chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
                     else:
-                        chunk = oa.stream_chunk(api, rid, created, i, None, (), tokenizer, finish=gens[i].finish_reason)
+                        content, deltas = calls[i].feed(step.text)
+                        streamed += len(step.token_ids)
+                        if not (content or deltas or (api.logprobs and step.logprobs) or api.token_ids):
+                            continue
+                        chunk = oa.tool_chunk(api, rid, created, i, content, deltas, step.logprobs, tokenizer,
+                                              not started[i], token_ids=step.token_ids)
+                    started[i] = True
+                elif step is None:
+                    chunk = oa.stream_chunk(api, rid, created, i, None, (), tokenizer, finish=gens[i].finish_reason)
                     chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
                 else:
                     chunk = oa.stream_chunk(api, rid, created, i, step.text, step.logprobs, tokenizer,

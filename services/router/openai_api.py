@@ -523,13 +523,15 @@ def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str 
     return chunk
 
 
-def tool_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str, lps, tokenizer, finish: str) -> dict:
-    """A streamed chat answer read for tool calls: its whole message as one delta, at its end."""
-    content, calls, called = tool_message(api.tools, text)
-    chunk = stream_chunk(api, rid, created, index, content, lps, tokenizer, finish=finish, first=True)
+def tool_chunk(api: ApiRequest, rid: str, created: int, index: int, content: str, deltas: list[dict], lps,
+               tokenizer, first: bool, finish: str | None = None, called: bool = False, token_ids=()) -> dict:
+    """A chat stream chunk under tools: content and tool-call deltas (``ToolStream``'s), and at
+    the end the finish reason, "tool_calls" when the model called tools."""
+    chunk = stream_chunk(api, rid, created, index, content or None, lps, tokenizer, finish=finish, first=first,
+                         token_ids=token_ids)
     choice = chunk["choices"][0]
-    if calls:
-        choice["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+    if deltas:
+        choice["delta"]["tool_calls"] = deltas
     if called:
         choice["finish_reason"] = "tool_calls"
     return chunk

@@ -12,6 +12,10 @@
   ``{"name": ..., "parameters": {...}}`` over the given tools (vLLM's form), one call each.
 - "none": the tools are rendered, and the output is plain content.
 
+Streams (``ToolStream``): "auto" sends content as it comes, holding back only what may be the
+start of a ``<tool_call>`` tag, and the calls whole once the output ends; a named function's
+arguments stream as they are generated; "required" sends its calls whole at the end.
+
 No HTTP here: bodies in, dataclasses and dicts out.
 """
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from services.common.structured import StructuredOutput
 
 MAX_TOOLS = 128
+OPEN = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -152,3 +157,48 @@ def hermes(text: str, names: set[str]) -> tuple[str | None, list[dict], bool]:
         return text, [], False
     content = text[:text.index("<tool_call>")].strip()
     return content or None, calls, True
+
+
+class ToolStream:
+    """One streamed answer under ``tools``: ``feed`` each new text piece and send what it
+    returns now, (content, tool-call deltas); ``finish`` gives the rest and whether the model
+    called tools. Deltas are OpenAI's: ``{"index", "id"?, "type"?, "function": {...}}``."""
+
+    def __init__(self, tools: Tools):
+        self.tools = tools
+        self.held = ""           # text not sent yet: a possible tag start, or the calls part
+        self.in_calls = False    # auto: a <tool_call> tag has begun
+        self.named_started = False
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        choice = self.tools.choice
+        if choice == "none":
+            return text, []
+        if choice == "named":
+            if not self.named_started:
+                self.named_started = True
+                return "", [{"index": 0, **call(self.tools.name, text)}]
+            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+        self.held += text
+        if choice == "required" or self.in_calls:
+            return "", []
+        at = self.held.find(OPEN)
+        if at >= 0:
+            content, self.held, self.in_calls = self.held[:at], self.held[at:], True
+            return content, []
+        keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
+                     if OPEN.startswith(self.held[-k:])), 0)
+        content, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict], bool]:
+        choice, rest = self.tools.choice, self.held
+        self.held = ""
+        if choice == "named":
+            return "", [] if self.named_started else [{"index": 0, **call(self.tools.name, "")}], False
+        if choice == "none" or (choice == "auto" and not self.in_calls):
+            return rest, [], False
+        content, calls, called = message(self.tools, rest)
+        if not calls:
+            return rest, [], False
+        return (content or "") if choice == "auto" else "", [{"index": j, **c} for j, c in enumerate(calls)], called

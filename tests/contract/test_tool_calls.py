@@ -46,14 +46,17 @@ def test_a_named_tool_choice_returns_a_call_whose_arguments_match_its_schema(cha
     assert idle(servicer)
 
 
-def test_a_streamed_forced_call_arrives_whole_with_its_finish(chat):
+def test_a_streamed_forced_call_streams_its_arguments(chat):
+    """The first tool-call delta names the function; the arguments follow piece by piece and
+    join to the unstreamed answer's."""
     client, _ = chat
     kw = dict(model="tiny", messages=ASK, tools=[UNIT, PING], tool_choice=named("ping"), max_tokens=30, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function.arguments
     chunks = list(client.chat.completions.create(**kw, stream=True))
-    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "ping"
-    assert calls[0].function.arguments == whole and json.loads(whole)["host"] in ("a", "b")
+    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(deltas) >= 2 and all(d.index == 0 for d in deltas)
+    assert deltas[0].function.name == "ping" and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments or "" for d in deltas) == whole and json.loads(whole)["host"] in ("a", "b")
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
@@ -83,6 +86,11 @@ def test_tools_and_earlier_calls_reach_the_template(chat, tiny_engine):
                             '"arguments": {"host": "a"}}</tool_call># tool: pong# assistant:\n')   # Jinja trims blocks' newlines
         c = out.choices[0]
         assert c.message.content == greedy(tiny_engine, prompt, 12)["text"] and not c.message.tool_calls, choice
+    chunks = list(client.chat.completions.create(model="tiny", messages=history, tools=[UNIT, PING], max_tokens=12,
+                                                 temperature=0, stream=True))
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices[0].delta.content]
+    assert len(pieces) >= 2 and "".join(pieces) == c.message.content   # auto streams content as it comes
+    assert chunks[-1].choices[0].finish_reason == "length"
     port = int(str(client.base_url).rsplit(":", 1)[1].split("/")[0])
     body = json.dumps({"messages": history, "tools": [UNIT, PING]}).encode()
     status, answer = raw_post(port, body, "/tokenize")   # vLLM's /tokenize renders the same prompt

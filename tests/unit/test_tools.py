@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from services.router.tools import ToolError, hermes, message, parse_tools, template_messages
+from services.router.tools import ToolError, ToolStream, hermes, message, parse_tools, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -70,3 +70,38 @@ def test_templates_read_an_assistants_call_arguments_as_objects():
     out = template_messages(msgs)
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"} and out[1] == msgs[1]
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'   # the request is not changed
+
+
+def stream(tools, pieces):
+    ts, content, deltas = ToolStream(tools), [], []
+    for p in pieces:
+        c, d = ts.feed(p)
+        content.append(c)
+        deltas += d
+    c, d, called = ts.finish()
+    return content + [c], deltas + d, called
+
+
+def test_an_auto_stream_sends_content_at_once_and_holds_only_a_possible_tag():
+    auto = parse_tools({"tools": [WEATHER, TIME]})
+    content, deltas, called = stream(auto, ["Let me ", "check.<tool", "_call>{\"name\": \"get_time\", ",
+                                            "\"arguments\": {}}</tool_call>"])
+    assert content[:2] == ["Let me ", "check."] and "".join(content) == "Let me check."
+    assert called and [d["function"]["name"] for d in deltas] == ["get_time"] and deltas[0]["index"] == 0
+    content, deltas, called = stream(auto, ["a < b and x", " <tool", " is not a tag"])
+    assert "".join(content) == "a < b and x <tool is not a tag" and content[1] == " " and not deltas and not called
+    content, _, called = stream(auto, ["<tool_call>{broken"])
+    assert "".join(content) == "<tool_call>{broken" and not called   # an unreadable call stays content
+
+
+def test_a_named_stream_sends_the_arguments_as_they_come_and_required_at_the_end():
+    named = parse_tools({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    content, deltas, called = stream(named, ['{"city"', ': "Oslo"}'])
+    assert "".join(content) == "" and not called
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": '{"city"'} and deltas[0]["id"]
+    assert deltas[1] == {"index": 0, "function": {"arguments": ': "Oslo"}'}}
+    required = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    content, deltas, called = stream(required, ['[{"name": "get_time", ', '"parameters": {}}]'])
+    assert content == ["", "", ""] and called and deltas[0]["function"] == {"name": "get_time", "arguments": "{}"}
+    none = parse_tools({"tools": [WEATHER], "tool_choice": "none"})
+    assert stream(none, ["<tool_call>", "x"]) == (["<tool_call>", "x", ""], [], False)
