@@ -230,7 +230,7 @@ async def _events(run: _Run):
             event = await run.queue.get()
             if event[0] == "step":
                 i, step = event[1], event[2]
-                if api.echo and not started[i]:   # the prompt first, in a chunk of its own
+                if (api.echo or api.chat_echo) and not started[i]:   # the echo first, in a chunk of its own
                     chunk, offsets[i] = _echo_chunk(api, rid, created, i, gens[i], tokenizer)
                     started[i] = True
                     yield f"data: {json.dumps(chunk)}\n\n"
@@ -274,10 +274,11 @@ async def _events(run: _Run):
 
 
 def _echo_chunk(api: oa.ApiRequest, rid: str, created: int, i: int, gen, tokenizer) -> tuple[dict, int]:
-    """Choice ``i``'s echoed prompt as a stream chunk, and the characters it takes."""
-    text = tokenizer.decode(gen.req.prompt_ids)
-    chunk = oa.stream_chunk(api, rid, created, i, text, (), tokenizer, prompt_ids=gen.req.prompt_ids)
-    if api.logprobs:
+    """Choice ``i``'s echo (the prompt; in chat, the last message) as a stream chunk, and the
+    characters it takes."""
+    text = api.chat_echo if api.chat else tokenizer.decode(gen.req.prompt_ids)
+    chunk = oa.stream_chunk(api, rid, created, i, text, (), tokenizer, prompt_ids=gen.req.prompt_ids, first=api.chat)
+    if api.logprobs and not api.chat:
         chunk["choices"][0]["logprobs"] = oa.echo_logprobs(tokenizer, gen)
     return chunk, len(text)
 

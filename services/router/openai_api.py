@@ -42,7 +42,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "priority"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                         "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"}
+                         "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs",
+                         "continue_final_message", "echo"}
 # engine field names as a client of this API knows them
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
@@ -191,6 +192,7 @@ class ApiRequest:
     token_ids: bool = False      # return_token_ids: prompt and output token ids beside the text
     continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
     tools: Tools | None = None   # chat: the request's tools and tool_choice
+    chat_echo: str = ""          # chat echo: the last (assistant) message, which the answer repeats first
 
     @property
     def calls_tools(self) -> bool:
@@ -289,10 +291,17 @@ def chat_request(body, engine, served_model: str, template: str | None) -> ApiRe
     except ToolError as e:
         raise InvalidRequest(str(e)) from None
     _bool(body, "parallel_tool_calls")   # accepted: calls are as many as the model makes
-    ids = chat_prompt(engine.tokenizer, template_messages(_messages(body)), template,
-                      add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-                      kwargs=_typed(body, "chat_template_kwargs", (dict,), "an object", {}),
+    messages = _messages(body)
+    cont = _bool(body, "continue_final_message")
+    if cont and (body.get("add_generation_prompt") is True or messages[-1]["role"] != "assistant"):
+        raise InvalidRequest("continue_final_message: needs a final assistant message and add_generation_prompt false")
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object", {})
+    ids = chat_prompt(engine.tokenizer, template_messages(messages), template,
+                      add_generation_prompt=not cont and body.get("add_generation_prompt", True) is not False,
+                      kwargs={**kwargs, "continue_final_message": True} if cont else kwargs,
                       tools=list(tools.specs) if tools else None)
+    # vLLM's chat echo: the answer starts with the last message when it is the assistant's
+    echoed = messages[-1]["content"] if _bool(body, "echo") and messages[-1]["role"] == "assistant" else ""
     n = _int(body, "n", 1)
     limit = min(engine.cfg.max_new_tokens_limit, max(1, engine.context_len - len(ids)))
     max_tokens = _int(body, "max_completion_tokens", None)
@@ -311,7 +320,7 @@ def chat_request(body, engine, served_model: str, template: str | None) -> ApiRe
     include, continuous = _stream_opts(body, stream)
     return ApiRequest((gen,), stream, include, model, chat=True, logprobs=want, continuous_usage=continuous,
                       structured_field="tool_choice" if forced else _structured_field(body),
-                      token_ids=_bool(body, "return_token_ids"), tools=tools)
+                      token_ids=_bool(body, "return_token_ids"), tools=tools, chat_echo=echoed)
 
 
 def _structured_field(body: dict) -> str:
@@ -469,6 +478,7 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
         if api.token_ids:
             base["token_ids"] = list(c.token_ids)
         if api.chat:
+            text = api.chat_echo + text
             base["message"] = {"role": "assistant", "content": text}
             if api.calls_tools:
                 content, calls, called = tool_message(api.tools, text)

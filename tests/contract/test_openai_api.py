@@ -244,6 +244,27 @@ def test_chat_renders_the_template_and_answers_as_the_assistant(api, tiny_engine
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
+def test_chat_continues_a_final_assistant_message_and_echoes_it(api, tiny_engine):
+    """continue_final_message renders the last assistant turn open (no generation prompt after
+    it); echo makes the answer start with that turn, streamed or not."""
+    client, _, _ = api
+    msgs = [{"role": "user", "content": "add"}, {"role": "assistant", "content": "def add(a, b):"}]
+    kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+              extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True,
+                          "return_token_ids": True})
+    out = client.chat.completions.create(**kw)
+    prompt = out.model_extra["prompt_token_ids"]
+    assert tiny_engine.tokenizer.decode(prompt) == "# user: add\n# assistant: def add(a, b):"
+    ref = greedy(tiny_engine, prompt, 10)["text"]
+    assert out.choices[0].message.content == "def add(a, b):" + ref
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == "def add(a, b):"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "def add(a, b):" + ref
+    with pytest.raises(openai.BadRequestError, match="continue_final_message: needs a final assistant message"):
+        client.chat.completions.create(model="tiny", messages=msgs[:1], max_tokens=3,
+                                       extra_body={"continue_final_message": True})
+
+
 def test_json_schema_response_format_gives_a_valid_instance(api):
     client, _, _ = api
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
