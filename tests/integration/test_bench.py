@@ -186,3 +186,32 @@ def test_train_precision_times_both_precisions_of_both_training_steps(tmp_path, 
         assert r["speedup"] == round(r["bf16_tokens_per_s"] / r["fp32_tokens_per_s"], 3)
         assert abs(r["first_loss_bf16"] - r["first_loss_fp32"]) < 0.1   # autocast, not another model
     assert "| draft LM | 1024 |" in (tmp_path / "t.md").read_text() and (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_heads_runs_every_method_under_each_head_beside_vanilla(tiny_dirs, tiny_eagle3, tmp_path):
+    """bench.heads: an engine per head, each cell lossless; two copies of one head draft alike
+    (same cycles), so what differs between heads in a real run is the head."""
+    import shutil
+
+    from bench.harness import save
+    from bench.heads import markdown, plot, rows, run
+    from bench.workloads import Prompt
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    copy = tmp_path / "head-copy"
+    shutil.copytree(tiny_eagle3, copy)
+    engines = {str(h): Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=h, predictor=None,
+                                           ocm_snapshot=None, max_new_tokens_limit=200)) for h in (tiny_eagle3, copy)}
+    prompts = [Prompt(f"p{i}", t) for i, t in enumerate(["def f(x):\n", "class A:\n    def g(self):\n"])]
+    methods = ["eagle3", "hybrid-rule"]
+    runs = run(engines, prompts, methods, 24)
+    result = {"workload": "w", "limit": 2, "max_new_tokens": 24, "heads": list(engines), "methods": methods,
+              "machine": "m", "command": "c", "rows": rows(next(iter(engines.values())), prompts, runs, 24)}
+    got = {(r["method"], r["head"]): r for r in result["rows"]}
+    assert set(got) == {("vanilla", None)} | {(m, h) for h in engines for m in methods}
+    assert all(r["exact_match_vs_vanilla"] == 1.0 for r in result["rows"])
+    a, b = (got[("eagle3", h)] for h in engines)
+    assert a["cycles_per_1k"] == b["cycles_per_1k"] and a["cycles_by_source"] == b["cycles_by_source"]
+    save(tmp_path / "h.json", result, markdown, plot)
+    assert "| eagle3 | `" in (tmp_path / "h.md").read_text() and (tmp_path / "h.png").stat().st_size > 0
