@@ -13,6 +13,7 @@ speedups are medians over prompts of `vanilla`'s wall time over the cell's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -35,10 +36,11 @@ def run(engines: dict[str, object], prompts, methods: list[str], max_new: int) -
     t0 = time.time()
     for i, ids in enumerate(encoded):
         order = cells[i % len(cells):] + cells[:i % len(cells)]
-        for m, h in order:
-            eng = engines[h] if h else first
-            with past_outputs(eng):
-                runs[(m, h)].append(run_ours(eng, m, ids, max_new))
+        with contextlib.ExitStack() as defer:   # no cell drafts from another cell's output of this prompt
+            for eng in engines.values():
+                defer.enter_context(past_outputs(eng))
+            for m, h in order:
+                runs[(m, h)].append(run_ours(engines[h] if h else first, m, ids, max_new))
         rate = (time.time() - t0) / (i + 1)
         print(f"[heads] {i + 1}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - i - 1):.0f} s",
               file=sys.stderr, flush=True)
