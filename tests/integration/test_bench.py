@@ -1,4 +1,6 @@
 """bench.harness on the tiny models: interleaved rows, lossless exact match, cycle profile."""
+import pytest
+
 from bench.harness import benchmark, markdown
 from bench.workloads import Prompt
 
