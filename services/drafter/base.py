@@ -15,6 +15,9 @@ class Drafter(Protocol):
     token); a drafter compares them with what it proposed to roll back its own state.
     Drafters with ``needs_target_states = True`` (EAGLE-3) also get the target's fused
     hidden states of the positions the cycle verified, from the same forward pass.
+    ``verified`` comes between propose and observe when the cycle checks only the first
+    ``n`` tokens of the proposal (the router cut it before a token that a grammar or a bad
+    word forbids): a drafter that costs its cycles by draft length counts that length.
     """
 
     name: str
@@ -24,6 +27,8 @@ class Drafter(Protocol):
               max_new_tokens: int = 0) -> None: ...
 
     def propose(self, req_id: str, budget: int) -> Draft: ...
+
+    def verified(self, req_id: str, n: int) -> None: ...
 
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None: ...
 

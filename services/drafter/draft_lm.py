@@ -192,6 +192,9 @@ class DraftLMDrafter:
             self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, self.prefix.block),
                               st.root)
 
+    def verified(self, req_id: str, n: int) -> None:
+        """Its drafts follow the request's grammar and bad words already, so none is cut."""
+
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
         # K/V stay valid for the committed prefix of what was fed: old tokens + drafts that survived.

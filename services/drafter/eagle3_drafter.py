@@ -90,6 +90,9 @@ class Eagle3Drafter:
                                      root=root_key("eagle3", cache_root, prompt[0]), prompt_len=len(prompt),
                                      grammar=grammar)
 
+    def verified(self, req_id: str, n: int) -> None:
+        """Its drafts follow the request's grammar and bad words already, so none is cut."""
+
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None:
         st = self.states[req_id]
         st.tokens.extend(tokens)

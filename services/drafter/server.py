@@ -101,6 +101,9 @@ class RemoteDrafter:
     def propose(self, req_id, budget) -> Draft:
         return draft_from_pb(self.stub.Propose(pb.DrafterPropose(session_id=req_id, budget=budget), timeout=self.timeout_s))
 
+    def verified(self, req_id, n) -> None:
+        """The service keeps no per-draft state, so a cut draft needs no call."""
+
     def observe(self, req_id, tokens, target_states=None) -> None:
         self.stub.Observe(pb.DrafterObserve(session_id=req_id, tokens=tokens), timeout=self.timeout_s)
 

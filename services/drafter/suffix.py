@@ -139,6 +139,10 @@ class SuffixDrafter:
                      features={"tree": tree, "prompt_len": st.prompt_len,
                                "generated_len": len(st.seq) - st.prompt_len})
 
+    def verified(self, req_id: str, n: int) -> None:
+        st = self.states[req_id]
+        st.drafted = st.drafted[:n]
+
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
         tree = self.trees[req_id]

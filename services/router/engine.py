@@ -459,8 +459,8 @@ class Generation:
         if isinstance(choice, Delegate):
             return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
         draft = self._without_bad_words(self._grammatical(choice.token_ids))
-        if len(draft) < len(choice.token_ids) and hasattr(self.drafter, "verified"):
-            self.drafter.verified(self.req_id, len(draft))   # the hybrid costs the cycle at what is verified
+        if len(draft) < len(choice.token_ids):
+            self.drafter.verified(self.req_id, len(draft))
         return CycleRequest(draft_ids=tuple(draft), draft_source=choice.source)
 
     def _grammatical(self, draft: list[int]) -> list[int]:

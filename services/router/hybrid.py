@@ -341,6 +341,7 @@ class HybridDrafter:
         token is never the committed one."""
         st = self.states[req_id]
         st.cache_draft = st.cache_draft[:n]
+        self.cache.verified(req_id, n)
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]

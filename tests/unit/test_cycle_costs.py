@@ -194,11 +194,12 @@ def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
     class Cache:
         def start(self, *a, **k): ...
         def propose(self, req_id, budget): return Draft(token_ids=[1, 2, 3, 4, 5], score=5.0)
+        def verified(self, req_id, n): cut.append(n)
         def observe(self, *a): ...
         def stop(self, *a): ...
 
     costs = CycleCosts()
-    recorded = []
+    recorded, cut = [], []
     costs.record = lambda choice, tokens, seconds, drafted=0: recorded.append((choice, drafted))
     hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(0.0), max_cache=8, max_model=4, costs=costs)
     hybrid.start("r", [7, 8], SamplingParams(), None, 32)
@@ -207,3 +208,4 @@ def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
         hybrid.verified("r", verified)
         hybrid.observe("r", [1, 2, 9])
     assert recorded == [(CACHE, 2)]
+    assert cut == [5, 2]          # the cache drafter is told too
