@@ -220,50 +220,16 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
 async def _events(run: _Run):
     """Server-sent events: a chunk per cycle and choice, a last chunk per choice with its
     finish_reason, usage when asked, then ``[DONE]``."""
-    api, tokenizer = run.api, run.engine.tokenizer
-    rid, created = oa.new_id(api.chat), int(time.time())
-    gens = run.completions.gens
-    offsets, started, streamed = [0] * len(gens), [False] * len(gens), 0
-    calls = [ToolStream(api.tools) for _ in gens] if api.calls_tools else None   # answers read for tool calls
+    chunks = _Chunks(run)
     try:
         while True:
             event = await run.queue.get()
             if event[0] == "step":
-                i, step = event[1], event[2]
-                if (api.echo or api.chat_echo) and not started[i]:   # the echo first, in a chunk of its own
-                    chunk, offsets[i] = _echo_chunk(api, rid, created, i, gens[i], tokenizer)
-                    started[i] = True
+                for chunk in chunks.step(event[1], event[2]):
                     yield f"data: {json.dumps(chunk)}\n\n"
-                if calls is not None:
-                    if step is None:
-                        content, deltas, called = calls[i].finish()
-                        chunk = oa.tool_chunk(api, rid, created, i, content, deltas, (), tokenizer, not started[i],
-                                              gens[i].finish_reason, called)
-                        chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
-                    else:
-                        content, deltas = calls[i].feed(step.text)
-                        streamed += len(step.token_ids)
-                        if not (content or deltas or (api.logprobs and step.logprobs) or api.token_ids):
-                            continue
-                        chunk = oa.tool_chunk(api, rid, created, i, content, deltas, step.logprobs, tokenizer,
-                                              not started[i], token_ids=step.token_ids)
-                    started[i] = True
-                elif step is None:
-                    chunk = oa.stream_chunk(api, rid, created, i, None, (), tokenizer, finish=gens[i].finish_reason)
-                    chunk["choices"][0]["speculation"] = oa.speculation(gens[i])
-                else:
-                    chunk = oa.stream_chunk(api, rid, created, i, step.text, step.logprobs, tokenizer,
-                                            offset=offsets[i], first=not started[i], token_ids=step.token_ids,
-                                            prompt_ids=None if started[i] else gens[i].req.prompt_ids)
-                    offsets[i] += len(step.text)
-                    started[i] = True
-                    streamed += len(step.token_ids)
-                if api.continuous_usage:
-                    chunk["usage"] = oa.usage(gens, streamed)
-                yield f"data: {json.dumps(chunk)}\n\n"
             elif event[0] == "done":
-                if api.include_usage:
-                    yield f"data: {json.dumps(oa.usage_chunk(api, rid, created, gens))}\n\n"
+                if run.api.include_usage:
+                    yield f"data: {json.dumps(chunks.usage())}\n\n"
                 break
             else:   # an error after the stream began: told in-band, as vLLM does
                 yield f"data: {json.dumps(oa.error_body(event[2], _KIND_OF.get(event[1], 'server_error'), event[1]))}\n\n"
@@ -273,14 +239,74 @@ async def _events(run: _Run):
         run.leave()   # no-op after the end; else the client left and its cycles stop
 
 
-def _echo_chunk(api: oa.ApiRequest, rid: str, created: int, i: int, gen, tokenizer) -> tuple[dict, int]:
-    """Choice ``i``'s echo (the prompt; in chat, the last message) as a stream chunk, and the
-    characters it takes."""
-    text = api.chat_echo if api.chat else tokenizer.decode(gen.req.prompt_ids)
-    chunk = oa.stream_chunk(api, rid, created, i, text, (), tokenizer, prompt_ids=gen.req.prompt_ids, first=api.chat)
-    if api.logprobs and not api.chat:
-        chunk["choices"][0]["logprobs"] = oa.echo_logprobs(tokenizer, gen)
-    return chunk, len(text)
+class _Chunks:
+    """A stream's chunks, per choice: its echo first (in a chunk of its own), then one per
+    step (None: the choice's last, with its finish_reason and speculation stats). Tool-call
+    streams send what ``ToolStream`` releases, so a step may send nothing."""
+
+    def __init__(self, run: _Run):
+        self.api, self.tokenizer, self.gens = run.api, run.engine.tokenizer, run.completions.gens
+        self.rid, self.created = oa.new_id(self.api.chat), int(time.time())
+        n = len(self.gens)
+        self.offsets, self.started, self.streamed = [0] * n, [False] * n, 0
+        self.calls = [ToolStream(self.api.tools) for _ in range(n)] if self.api.calls_tools else None
+
+    def step(self, i: int, step) -> list[dict]:
+        out = []
+        if (self.api.echo or self.api.chat_echo) and not self.started[i]:
+            out.append(self._echo(i))
+        chunk = self._text(i, step) if self.calls is None else self._tools(i, step)
+        if chunk is not None:
+            if self.api.continuous_usage:
+                chunk["usage"] = oa.usage(self.gens, self.streamed)
+            out.append(chunk)
+        return out
+
+    def usage(self) -> dict:
+        return oa.usage_chunk(self.api, self.rid, self.created, self.gens)
+
+    def _echo(self, i: int) -> dict:
+        """The prompt (in chat, the last message), with its logprobs when asked."""
+        api, gen = self.api, self.gens[i]
+        text = api.chat_echo if api.chat else self.tokenizer.decode(gen.req.prompt_ids)
+        chunk = oa.stream_chunk(api, self.rid, self.created, i, text, (), self.tokenizer,
+                                prompt_ids=gen.req.prompt_ids, first=api.chat)
+        if api.logprobs and not api.chat:
+            chunk["choices"][0]["logprobs"] = oa.echo_logprobs(self.tokenizer, gen)
+        self.offsets[i], self.started[i] = len(text), True
+        return chunk
+
+    def _text(self, i: int, step) -> dict:
+        gen = self.gens[i]
+        if step is None:
+            chunk = oa.stream_chunk(self.api, self.rid, self.created, i, None, (), self.tokenizer,
+                                    finish=gen.finish_reason)
+            chunk["choices"][0]["speculation"] = oa.speculation(gen)
+            return chunk
+        chunk = oa.stream_chunk(self.api, self.rid, self.created, i, step.text, step.logprobs, self.tokenizer,
+                                offset=self.offsets[i], first=not self.started[i], token_ids=step.token_ids,
+                                prompt_ids=None if self.started[i] else gen.req.prompt_ids)
+        self.offsets[i] += len(step.text)
+        self.started[i] = True
+        self.streamed += len(step.token_ids)
+        return chunk
+
+    def _tools(self, i: int, step) -> dict | None:
+        api, gen, first = self.api, self.gens[i], not self.started[i]
+        if step is None:
+            content, deltas, called = self.calls[i].finish()
+            chunk = oa.tool_chunk(api, self.rid, self.created, i, content, deltas, (), self.tokenizer, first,
+                                  gen.finish_reason, called)
+            chunk["choices"][0]["speculation"] = oa.speculation(gen)
+        else:
+            content, deltas = self.calls[i].feed(step.text)
+            self.streamed += len(step.token_ids)
+            if not (content or deltas or (api.logprobs and step.logprobs) or api.token_ids):
+                return None
+            chunk = oa.tool_chunk(api, self.rid, self.created, i, content, deltas, step.logprobs, self.tokenizer,
+                                  first, token_ids=step.token_ids)
+        self.started[i] = True
+        return chunk
 
 
 async def _collect(request: Request, run: _Run):
