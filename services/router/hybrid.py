@@ -17,6 +17,19 @@ cost (``PredictionValue``: what its declines gained, once shadow verification te
 declined drafts' true yields). Where the model drafter's cycle costs more than its extra
 tokens are worth (a CPU, where the EAGLE-3 head's steps are not cheap next to the target),
 the hybrid stops calling it.
+
+A model cycle's seconds include the head's catch-up over the tokens committed since it last
+drafted (``on_demand`` sessions absorb them when asked to draft). That catch-up is owed
+whichever cycle asks next, so it is no cost of choosing the model now: the model is judged
+at its steady cost, s(g) = a + b·g fitted over the catch-up gap g and evaluated at the gap of
+back-to-back model cycles (its tokens per cycle). Judged at its sporadic cost instead, a model
+drafter tried rarely looks slow, so it is tried more rarely still. The fit needs back-to-back
+samples, so when none came in the last ``steady_every`` model cycles, a model cycle after a
+longer gap is followed by another.
+
+ŷ is calibrated online (``YieldCalibration``): per draft-length bucket, the predictor's
+running bias against the true yields that verification and shadow verification reveal is
+added to it before it is compared with what the draft needs.
 """
 from __future__ import annotations
 
@@ -151,25 +164,47 @@ class PredictionValue:
 
 
 class CycleCosts:
-    """Tokens and seconds per cycle of each choice, EMAs over all requests of one hybrid.
+    """Tokens and seconds per cycle of each choice, EMAs over all requests of one hybrid; the
+    model drafter's rate at its steady cost (module docstring).
 
     A fallback seen fewer than ``warmup`` times is tried first, and every ``explore_every``-th
     fallback re-measures the one not taken, so the estimates follow load and hardware."""
 
-    def __init__(self, warmup: int = 4, explore_every: int = 32, alpha: float = 0.05):
-        self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
+    def __init__(self, warmup: int = 4, explore_every: int = 32, alpha: float = 0.05, steady_every: int = 16):
+        self.warmup, self.explore_every, self.alpha, self.steady_every = warmup, explore_every, alpha, steady_every
         self.ema = {c: _Ema() for c in (CACHE, MODEL, PLAIN)}
         self.cache_cost = _CycleCost()
+        self.model_cost = _CycleCost()     # seconds over (catch-up gap, tokens committed)
+        self._since_steady = steady_every  # model cycles since the last back-to-back one
         self.prediction = PredictionValue()
         self._fallbacks = 0
         self._lock = threading.Lock()
 
-    def record(self, choice: str, tokens: int, seconds: float, drafted: int = 0) -> None:
-        """One finished cycle: tokens committed, its seconds, and (cache cycles) the draft length."""
+    def record(self, choice: str, tokens: int, seconds: float, drafted: int = 0, gap: int | None = None,
+               back_to_back: bool = False) -> None:
+        """One finished cycle: tokens committed, its seconds, (cache cycles) the draft length and
+        (model cycles) the catch-up gap, tokens committed since the model drafter last drafted,
+        and whether the cycle before was the model's too."""
         with self._lock:
             self.ema[choice].add(self.alpha, tokens=tokens, seconds=seconds)
             if choice == CACHE:
                 self.cache_cost.add_cycle(drafted, tokens, seconds, self.alpha)
+            elif choice == MODEL and gap is not None:
+                self.model_cost.add_cycle(gap, tokens, seconds, self.alpha)
+                self._since_steady = 0 if back_to_back else self._since_steady + 1
+
+    def follow_up(self) -> bool:
+        """Whether the model cycle just recorded should be followed by another, to measure the
+        model back to back: none was in the last ``steady_every`` model cycles."""
+        with self._lock:
+            return self._since_steady >= self.steady_every
+
+    def _rate(self, choice: str) -> float:
+        """Tokens per second; the model drafter's at its steady catch-up gap once that is fitted."""
+        e = self.ema[choice]
+        if choice != MODEL or self.model_cost.n < self.warmup:
+            return e.rate()
+        return e.tokens / self.model_cost.seconds(e.tokens, e.tokens)   # back to back, the gap is a cycle's tokens
 
     def fallback(self) -> str:
         """The model drafter or a plain step: whichever yields more tokens per second."""
@@ -177,7 +212,7 @@ class CycleCosts:
             m, p = self.ema[MODEL], self.ema[PLAIN]
             if min(m.n, p.n) < self.warmup:
                 return MODEL if m.n <= p.n else PLAIN
-            return MODEL if m.rate() >= p.rate() else PLAIN
+            return MODEL if self._rate(MODEL) >= p.rate() else PLAIN
 
     def take(self, fallback: str) -> str:
         """The fallback to run: every ``explore_every``-th one taken is the other, to re-measure it."""
@@ -199,7 +234,7 @@ class CycleCosts:
         if min(self.cache_cost.n, f.n) < self.warmup:
             return None
         a, b, c = self.cache_cost.coefficients()
-        r = f.rate()
+        r = self._rate(fallback)
         return r * max(1e-9, a + b * length) / max(1e-3, 1.0 - r * c) - 1.0
 
     def plan(self, length: int, fallback: str) -> tuple[float | None, bool]:
@@ -209,7 +244,7 @@ class CycleCosts:
             need = self._need(length, fallback)
             if need is None:
                 return None, True
-            return need, need > 0.0 and self.prediction.worth(length, self.ema[fallback].rate())
+            return need, need > 0.0 and self.prediction.worth(length, self._rate(fallback))
 
     def record_prediction_cost(self, seconds: float) -> None:
         with self._lock:
@@ -236,12 +271,40 @@ class DecisionRule(Protocol):
     def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str,
                      costs: CycleCosts | None) -> bool: ...
 
+    def realize(self, length: int, raw: float, y: int) -> None:
+        """A predicted n-token draft's true yield ``y`` is known; ``raw`` was the predictor's ŷ."""
+
+
+class YieldCalibration:
+    """ŷ corrected by its running bias in the draft's length bucket: the mean of y − ŷ over
+    drafts whose true yield became known (verified, or shadow-verified once declined), applied
+    after ``warmup`` of them. The MLP regresses yields pooled over every draft length, and per
+    length it can be off by half a token (1-token drafts on humaneval: ŷ 0.69 against y 0.20),
+    which is the whole margin a short draft is judged by."""
+
+    def __init__(self, warmup: int = 16, alpha: float = 0.05):
+        self.warmup, self.alpha = warmup, alpha
+        self.bias: dict[int, _Means] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, length: int, y_hat: float) -> float:
+        b = self.bias.get(length_bucket(length))
+        return y_hat if b is None or b.n < self.warmup else y_hat + b.mean["bias"]
+
+    def realize(self, length: int, y_hat: float, y: int) -> None:
+        with self._lock:
+            self.bias.setdefault(length_bucket(length), _Means()).add(self.alpha, bias=y - y_hat)
+
 
 class PredictorRule:
     name = "predictor"
 
     def __init__(self, mlp: YieldMLP, flags: TokenFlags, tau: float):
         self.mlp, self.flags, self.tau = mlp, flags, tau
+        self.calibration = YieldCalibration()
+
+    def realize(self, length: int, raw: float, y: int) -> None:
+        self.calibration.realize(length, raw, y)
 
     def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
                      costs: CycleCosts | None = None) -> bool:
@@ -250,11 +313,12 @@ class PredictorRule:
         if not worth:
             return True     # any ŷ ≥ 0 passes, or a decline would not repay the prediction
         t0 = time.perf_counter()
-        y_hat = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
+        raw = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
+        y_hat = self.calibration(n, raw)
         if need is not None:
             costs.record_prediction_cost(time.perf_counter() - t0)
             draft.features["yield_needed"] = need
-        draft.features["predicted_yield"] = y_hat
+        draft.features["predicted_yield"], draft.features["raw_yield"] = y_hat, raw
         return passes(y_hat, need, self.tau)
 
 
@@ -267,6 +331,9 @@ class ScoreRule:
     def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
                      costs: CycleCosts | None = None) -> bool:
         return draft.score >= self.threshold
+
+    def realize(self, length: int, raw: float, y: int) -> None:
+        """Scores are not predictions: nothing to calibrate."""
 
 
 @dataclass(frozen=True)
@@ -283,6 +350,7 @@ class _Prediction:
     """What a consulted prediction said of a cache draft, kept until its true yield is known."""
 
     high: bool                     # ŷ ≥ HIGH_YIELD (precision / recall metrics)
+    raw: float                     # the predictor's own ŷ, before calibration
     length: int
     need: float | None             # None: decided by τ, not by measured costs
     declined: bool                 # the draft was not verified
@@ -297,6 +365,9 @@ class _State:
     choice: str = CACHE
     started: float = 0.0
     model_used: bool = False    # the model drafter has drafted for this request
+    since_model: int = 0        # tokens committed since it last drafted: its catch-up gap
+    follow_up: bool = False     # the next cycle is the model's, to measure it back to back
+    prev: str = CACHE           # the choice of the cycle before
 
 
 class HybridDrafter:
@@ -318,20 +389,28 @@ class HybridDrafter:
 
     def propose(self, req_id: str, budget: int) -> Draft | Delegate:
         st = self.states[req_id]
-        st.started = time.perf_counter()
+        st.started, st.prev = time.perf_counter(), st.choice
+        if st.follow_up:   # the model again, to measure it back to back (CycleCosts.follow_up)
+            st.follow_up, st.cache_draft, st.chose_cache, st.predicted = False, [], False, None
+            return self._chosen(st, MODEL, Draft.empty(), budget)
         draft = self.cache.propose(req_id, min(budget, self.max_cache))
         st.cache_draft = draft.token_ids
         fallback = self.costs.fallback() if self.costs else MODEL
         st.chose_cache = bool(draft.token_ids) and self.rule.verify_cache(draft, st.tracker, budget, fallback,
                                                                         self.costs)
         y_hat = draft.features.get("predicted_yield")
-        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, len(draft.token_ids),
+        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, draft.features["raw_yield"],
+                                                              len(draft.token_ids),
                                                               draft.features.get("yield_needed"), not st.chose_cache)
-        st.choice = CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL
-        HYBRID_DECISIONS.labels(self.name, st.choice).inc()
-        if st.choice == CACHE:
+        return self._chosen(st, CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL,
+                            draft, budget)
+
+    def _chosen(self, st: _State, choice: str, draft: Draft, budget: int) -> Draft | Delegate:
+        st.choice = choice
+        HYBRID_DECISIONS.labels(self.name, choice).inc()
+        if choice == CACHE:
             return draft
-        if st.choice == PLAIN:
+        if choice == PLAIN:
             return Draft.empty()
         return Delegate(self.model, min(budget, self.max_model))
 
@@ -345,23 +424,34 @@ class HybridDrafter:
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
-        # A cycle this hybrid chose (a budget-0 cycle is not one), except a request's first,
-        # whose seconds include the target's prefill, and its first model cycle, whose seconds
-        # include the model drafter's prefill over the prompt: no later cycle pays either.
-        first_model = st.choice == MODEL and not st.model_used
-        st.model_used |= st.choice == MODEL
-        if self.costs and st.started and st.tracker.generated > 0 and not first_model:
-            self.costs.record(st.choice, len(tokens), time.perf_counter() - st.started,
-                              len(st.cache_draft) if st.choice == CACHE else 0)
-        st.started = 0.0
+        self._book(st, tokens)
         self.cache.observe(req_id, tokens)
         # once a predicted draft's yield is known: precision / recall, and what the prediction gained
         for p, y in st.tracker.update(st.cache_draft, tokens, st.chose_cache, st.predicted):
             if p is None:
                 continue
             PREDICTED_VS_ACTUAL.labels(self.name, str(p.high).lower(), str(y >= HIGH_YIELD).lower()).inc()
+            self.rule.realize(p.length, p.raw, y)
             if p.need is not None and self.costs:
                 self.costs.realize_prediction(p.length, p.need, p.declined, y)
+
+    def _book(self, st: _State, tokens: list[int]) -> None:
+        """Costs the cycle just verified (with ``costs``). Not booked: a budget-0 cycle (not the
+        hybrid's choice), a request's first, whose seconds include the target's prefill, and its
+        first model cycle, whose seconds include the model drafter's prefill over the prompt: no
+        later cycle pays either."""
+        model = bool(st.started) and st.choice == MODEL
+        first_model, gap = model and not st.model_used, st.since_model
+        st.model_used |= model
+        st.since_model = len(tokens) + (0 if model else st.since_model)
+        if self.costs and st.started and st.tracker.generated > 0 and not first_model:
+            seconds = time.perf_counter() - st.started
+            if model:
+                self.costs.record(MODEL, len(tokens), seconds, gap=gap, back_to_back=st.prev == MODEL)
+                st.follow_up = st.prev != MODEL and self.costs.follow_up()
+            else:
+                self.costs.record(st.choice, len(tokens), seconds, len(st.cache_draft) if st.choice == CACHE else 0)
+        st.started = 0.0
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

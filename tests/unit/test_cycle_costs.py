@@ -1,4 +1,6 @@
 """Cost-aware hybrid decisions (services/router/hybrid.py CycleCosts)."""
+import pytest
+
 from services.router.hybrid import CACHE, MODEL, PLAIN, CycleCosts
 
 
@@ -200,7 +202,7 @@ def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
 
     costs = CycleCosts()
     recorded, cut = [], []
-    costs.record = lambda choice, tokens, seconds, drafted=0: recorded.append((choice, drafted))
+    costs.record = lambda choice, tokens, seconds, drafted=0, gap=None: recorded.append((choice, drafted))
     hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(0.0), max_cache=8, max_model=4, costs=costs)
     hybrid.start("r", [7, 8], SamplingParams(), None, 32)
     for verified in (5, 2):   # the first cycle carries the prefill and is not costed
@@ -209,3 +211,116 @@ def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
         hybrid.observe("r", [1, 2, 9])
     assert recorded == [(CACHE, 2)]
     assert cut == [5, 2]          # the cache drafter is told too
+
+
+def test_the_model_drafter_is_judged_at_its_steady_catch_up_cost():
+    """A model cycle after a long gap pays the head's catch-up over it, which the next model
+    cycle would owe anyway: the model is judged at the gap of back-to-back cycles."""
+    c = measured(model=(2.0, 0.005), plain=(1.0, 0.003), n=0)
+    for i in range(40):
+        gap = 2 if i % 4 == 0 else 30                # mostly sporadic use
+        c.record(MODEL, 2, 0.004 + 0.0005 * gap, gap=gap)
+        c.record(PLAIN, 1, 0.003)
+        c.record(CACHE, 2, 0.004, drafted=2)
+    assert c.ema[MODEL].rate() < c.ema[PLAIN].rate()    # sporadic: 2 tokens in 14 ms on most cycles
+    assert c.fallback() == MODEL                        # steady: 2 tokens in 5 ms, 400 tok/s against 333
+    assert c.yield_needed(1, MODEL) > c.yield_needed(1, PLAIN)
+
+
+def test_the_hybrid_books_the_catch_up_gap_of_its_model_cycles():
+    from services.common.types import Draft, SamplingParams
+    from services.router.hybrid import HybridDrafter, ScoreRule
+
+    script = iter([(CACHE, 3), (MODEL, 2), (CACHE, 1), (PLAIN, 1), (MODEL, 2), (MODEL, 3)])
+
+    class Cache:
+        def start(self, *a, **k): ...
+        def propose(self, req_id, budget): return Draft(token_ids=[1], score=9.0 if choice == CACHE else 0.0)
+        def verified(self, req_id, n): ...
+        def observe(self, *a): ...
+        def stop(self, *a): ...
+
+    costs = CycleCosts()
+    recorded = []
+    costs.record = lambda choice, tokens, seconds, drafted=0, gap=None, back_to_back=False: recorded.append(
+        (choice, gap, back_to_back))
+    costs.fallback = lambda: choice
+    costs.take = lambda fallback: fallback
+    hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(1.0), max_cache=8, max_model=4, costs=costs)
+    hybrid.start("r", [7, 8], SamplingParams(), None, 32)
+    for choice, n in script:
+        hybrid.propose("r", 8)
+        hybrid.observe("r", list(range(n)))
+    # the first cycle carries the prefill and the first model cycle the head's prefill: neither is booked
+    assert recorded == [(CACHE, None, False), (PLAIN, None, False), (MODEL, 4, False), (MODEL, 2, True)]
+
+
+def test_a_sporadic_model_cycle_is_followed_by_another_while_none_came_back_to_back():
+    from services.common.types import Draft, SamplingParams
+    from services.router.hybrid import Delegate, HybridDrafter, ScoreRule
+
+    c = CycleCosts(steady_every=2)
+    assert c.follow_up()                            # nothing measured back to back yet
+    c.record(MODEL, 2, 0.005, gap=2, back_to_back=True)
+    assert not c.follow_up()
+    c.record(MODEL, 2, 0.009, gap=20)
+    assert not c.follow_up()
+    c.record(MODEL, 2, 0.009, gap=20)
+    assert c.follow_up()                            # two sporadic ones since
+
+    class Cache:                                    # drafts worth verifying only when ``good``
+        def start(self, *a, **k): ...
+        def propose(self, req_id, budget): return Draft(token_ids=[1], score=9.0 if good else 0.0)
+        def verified(self, req_id, n): ...
+        def observe(self, *a): ...
+        def stop(self, *a): ...
+
+    costs = CycleCosts(steady_every=2)
+    costs.fallback = lambda: MODEL
+    costs.take = lambda fallback: fallback
+    hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(1.0), max_cache=8, max_model=4, costs=costs)
+    hybrid.start("r", [7, 8], SamplingParams(), None, 64)
+    picks = []
+    for good in (True, False, True, False, True, True):
+        picks.append(isinstance(hybrid.propose("r", 8), Delegate))
+        hybrid.observe("r", [5, 6])
+    # cycle 2 is the request's first model cycle (not booked); cycle 4 is booked, sporadic: cycle 5 follows it
+    assert picks == [False, True, False, True, True, False]
+
+
+def test_yield_calibration_corrects_each_length_bucket_after_warm_up():
+    from services.router.hybrid import YieldCalibration
+
+    cal = YieldCalibration(warmup=16)
+    for i in range(15):
+        cal.realize(1, 0.7, 0)
+        assert cal(1, 0.7) == 0.7                   # not before 16 are known
+    cal.realize(1, 0.7, 0)
+    assert abs(cal(1, 0.7)) < 1e-9                  # ŷ 0.7 where y was 0
+    assert cal(1, 1.0) == pytest.approx(0.3)
+    assert cal(2, 0.7) == 0.7 and cal(16, 5.0) == 5.0   # other lengths keep their own
+
+
+def test_the_hybrid_calibrates_its_predictor_by_the_yields_it_learns():
+    """A predictor that promises 0.7 tokens for 1-token drafts that never pass: once 16 true
+    yields are known the hybrid stops verifying them (paper rule, ŷ > τ = 0.5)."""
+    from services.common.types import Draft, SamplingParams
+    from services.router.hybrid import HybridDrafter, PredictorRule
+
+    class Cache:
+        def start(self, *a, **k): ...
+        def propose(self, req_id, budget): return Draft(token_ids=[1], score=1.0)
+        def verified(self, req_id, n): ...
+        def observe(self, *a): ...
+        def stop(self, *a): ...
+
+    mlp = CountingMLP(0.7)
+    rule = PredictorRule(mlp, NoFlags(), tau=0.5)
+    hybrid = HybridDrafter("h", Cache(), "eagle3", rule, max_cache=8, max_model=4)
+    hybrid.start("r", [7, 8], SamplingParams(), None, 64)
+    chose = []
+    for _ in range(24):
+        chose.append(not hasattr(hybrid.propose("r", 8), "drafter"))   # a Delegate has .drafter
+        hybrid.observe("r", [5])                                       # the target never agrees
+    assert chose == [True] * 16 + [False] * 8
+    assert rule.calibration(1, 0.7) == pytest.approx(0.0)
