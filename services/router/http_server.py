@@ -37,6 +37,16 @@ _KIND_OF = {400: "invalid_request_error", 401: "authentication_error", 404: "not
             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
+def _version() -> str:
+    """The installed specmesh's version (as vLLM's ``/version`` gives its own)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specmesh")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def error(status: int, message: str) -> JSONResponse:
     name = message.partition(":")[0]
     param = name if name.replace("_", "").replace(".", "").isalnum() and " " not in name else None
@@ -142,7 +152,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if cfg.auth_token and request.url.path not in ("/health", "/metrics"):
+        if cfg.auth_token and request.url.path not in ("/health", "/metrics", "/version"):
             from services.common.security import bearer_ok
 
             if not bearer_ok([("authorization", request.headers.get("authorization", ""))], cfg.auth_token):
@@ -152,6 +162,10 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
     @app.get("/health")
     async def health():
         return Response(status_code=503 if app.state.draining else 200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/v1/models")
     async def models():
@@ -272,7 +286,7 @@ class _Chunks:
         chunk = oa.stream_chunk(api, self.rid, self.created, i, text, (), self.tokenizer,
                                 prompt_ids=gen.req.prompt_ids, first=api.chat)
         if api.logprobs and not api.chat:
-            chunk["choices"][0]["logprobs"] = oa.echo_logprobs(self.tokenizer, gen)
+            chunk["choices"][0]["logprobs"] = oa.echo_logprobs(oa.logprob_tokens(api, self.tokenizer), gen)
         self.offsets[i], self.started[i] = len(text), True
         return chunk
 

@@ -12,7 +12,8 @@ Rules kept from OpenAI and vLLM:
 - the vLLM extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
   ``structured_outputs``, ``truncate_prompt_tokens``, ``bad_words``, ``cache_salt``, ``request_id``,
-  ``return_token_ids``, ``priority``) and specmesh's ``method`` are accepted;
+  ``return_token_ids``, ``return_tokens_as_token_ids``, ``priority``) and specmesh's ``method``
+  are accepted;
 - ``return_token_ids`` (vLLM's) adds ``token_ids`` (the output's) to every choice, or stream
   chunk, and ``prompt_token_ids``: per choice for completions (in its first chunk when
   streaming), once per response (in the first chunk) for chat.
@@ -39,7 +40,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
            "request_id", "method", "truncate_prompt_tokens", "bad_words", "return_token_ids",
-           "priority"}
+           "return_tokens_as_token_ids", "priority"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs",
@@ -190,6 +191,7 @@ class ApiRequest:
     structured_field: str = "response_format"   # which field set the grammar, for error messages
     echo: bool = False           # completions: the prompt precedes the output in text and logprobs
     token_ids: bool = False      # return_token_ids: prompt and output token ids beside the text
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob entries name tokens "token_id:N"
     continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
     tools: Tools | None = None   # chat: the request's tools and tool_choice
     chat_echo: str = ""          # chat echo: the last (assistant) message, which the answer repeats first
@@ -278,7 +280,8 @@ def completion_request(body, engine, served_model: str) -> ApiRequest:
         gens = tuple(replace(g, request_id=f"{g.request_id}-p{i}") for i, g in enumerate(gens))
     include, continuous = _stream_opts(body, stream)
     return ApiRequest(gens, stream, include, model, logprobs=logprobs is not None, continuous_usage=continuous,
-                      structured_field=_structured_field(body), echo=echo, token_ids=_bool(body, "return_token_ids"))
+                      structured_field=_structured_field(body), echo=echo, token_ids=_bool(body, "return_token_ids"),
+                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
 def chat_request(body, engine, served_model: str, template: str | None) -> ApiRequest:
@@ -320,7 +323,8 @@ def chat_request(body, engine, served_model: str, template: str | None) -> ApiRe
     include, continuous = _stream_opts(body, stream)
     return ApiRequest((gen,), stream, include, model, chat=True, logprobs=want, continuous_usage=continuous,
                       structured_field="tool_choice" if forced else _structured_field(body),
-                      token_ids=_bool(body, "return_token_ids"), tools=tools, chat_echo=echoed)
+                      token_ids=_bool(body, "return_token_ids"), tools=tools, chat_echo=echoed,
+                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
 def _structured_field(body: dict) -> str:
@@ -406,6 +410,20 @@ def _tok(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+class _TokenIds:
+    """Names each token ``token_id:N`` (vLLM's return_tokens_as_token_ids), so a logprob entry
+    maps to its token where a token's text does not (part of a UTF-8 character, or a text
+    that several tokens decode to)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"token_id:{i}" for i in ids)
+
+
+def logprob_tokens(api: ApiRequest, tokenizer):
+    """What names the tokens of the request's logprob entries."""
+    return _TokenIds() if api.tokens_as_ids else tokenizer
+
+
 def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
     """The legacy completions format; ``offset``: characters of the choice's text before these."""
     tokens = [_tok(tokenizer, x.token_id) for x in lps]
@@ -467,12 +485,12 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
     for c, g in zip(choices, gens):
         echoed = tokenizer.decode(g.req.prompt_ids) if api.echo else ""
         text = echoed + "".join(c.text)
-        lp = None
+        lp, named = None, logprob_tokens(api, tokenizer)
         if api.logprobs and api.chat:
-            lp = chat_logprobs(tokenizer, c.logprobs)
+            lp = chat_logprobs(named, c.logprobs)
         elif api.logprobs:
-            lp = completion_logprobs(tokenizer, c.logprobs, len(echoed))
-            lp = joined_logprobs(echo_logprobs(tokenizer, g), lp) if api.echo else lp
+            lp = completion_logprobs(named, c.logprobs, len(echoed))
+            lp = joined_logprobs(echo_logprobs(named, g), lp) if api.echo else lp
         base = {"index": c.index, "logprobs": lp, "finish_reason": FINISH.get(c.finish_reason or "", "stop"),
                 "speculation": speculation(g)}
         if api.token_ids:
@@ -515,7 +533,8 @@ def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str 
     end); ``prompt_ids`` go in the choice's first chunk when the request asked for token ids."""
     lp = None
     if api.logprobs and lps:
-        lp = chat_logprobs(tokenizer, lps) if api.chat else completion_logprobs(tokenizer, lps, offset)
+        named = logprob_tokens(api, tokenizer)
+        lp = chat_logprobs(named, lps) if api.chat else completion_logprobs(named, lps, offset)
     choice: dict = {"index": index, "logprobs": lp, "finish_reason": FINISH.get(finish) if finish else None}
     if api.chat:
         delta = {"role": "assistant"} if first else {}

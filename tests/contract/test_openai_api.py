@@ -202,6 +202,32 @@ def test_logprobs_are_the_engines(api, tiny_engine):
                for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_logprob_entries_name_token_ids_when_asked(api, tiny_engine):
+    """return_tokens_as_token_ids (vLLM's): every logprob entry, top ones and an echoed prompt's
+    included, names its token as ``token_id:N``; the text is unchanged."""
+    client, _, _ = api
+    ids = tiny_engine.encode(PROMPT)
+    ref = greedy(tiny_engine, ids, 6, logprobs=2)
+    named = [f"token_id:{x['token_id']}" for x in ref["logprobs"]]
+    asked = {"return_tokens_as_token_ids": True}
+    for stream in (False, True):
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                        stream=stream, extra_body=asked)
+        chunks = [ch.choices[0] for ch in out if ch.choices] if stream else out.choices
+        tokens = sum((c.logprobs.tokens for c in chunks if c.logprobs), [])
+        assert tokens == named and "".join(c.text for c in chunks) == ref["text"], stream
+        assert all(k.startswith("token_id:") for c in chunks if c.logprobs for top in c.logprobs.top_logprobs
+                   for k in top)
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                                       echo=True, extra_body=asked).choices[0].logprobs.tokens
+    assert echoed[:len(ids)] == [f"token_id:{t}" for t in ids]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=1, extra_body=asked)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 4 and all(e.token.startswith("token_id:") and e.bytes == list(e.token.encode())
+                                     for e in entries)
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(api, tiny_engine):
     """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens=1, greedy. The
     prompt's tokens come back first (the first with null), with the target's log-probabilities."""
@@ -406,4 +432,7 @@ def test_bearer_token_is_required_on_v1_but_not_health(tiny_engine):
         ok = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="target", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
         assert urllib.request.urlopen(f"{base}/health").status == 200
+        from importlib.metadata import version
+
+        assert json.load(urllib.request.urlopen(f"{base}/version")) == {"version": version("specmesh")}
         assert raw_post(port, b'{"prompt": "x"}', "/tokenize")[0] == 401
