@@ -176,7 +176,6 @@ class CycleCosts:
         self.cache_cost = _CycleCost()
         self.model_cost = _CycleCost()     # seconds over (catch-up gap, tokens committed)
         self._since_steady = steady_every  # model cycles since the last back-to-back one
-        self._cycles, self._last = 0, {}    # cycles recorded; the count at each choice's last one
         self.prediction = PredictionValue()
         self._fallbacks = 0
         self._lock = threading.Lock()
@@ -187,23 +186,12 @@ class CycleCosts:
         (model cycles) the catch-up gap, tokens committed since the model drafter last drafted,
         and whether the cycle before was the model's too."""
         with self._lock:
-            a = self._aged_alpha(choice)
-            self.ema[choice].add(a, tokens=tokens, seconds=seconds)
+            self.ema[choice].add(self.alpha, tokens=tokens, seconds=seconds)
             if choice == CACHE:
-                self.cache_cost.add_cycle(drafted, tokens, seconds, a)
+                self.cache_cost.add_cycle(drafted, tokens, seconds, self.alpha)
             elif choice == MODEL and gap is not None:
-                self.model_cost.add_cycle(gap, tokens, seconds, a)
+                self.model_cost.add_cycle(gap, tokens, seconds, self.alpha)
                 self._since_steady = 0 if back_to_back else self._since_steady + 1
-
-    def _aged_alpha(self, choice: str) -> float:
-        """A fallback's estimates age with the hybrid's cycles, not with their own samples: a
-        sample taken k cycles after the fallback's last moves its EMAs by 1 − (1 − alpha)^k (at
-        most one half). A fallback taken once in 32 cycles would otherwise keep an estimate 32
-        times older than the other's, and one that looked slow early would stay unchosen long
-        after it got faster. The cache, sampled in most cycles, keeps ``alpha``."""
-        self._cycles += 1
-        k, self._last[choice] = self._cycles - self._last.get(choice, self._cycles - 1), self._cycles
-        return self.alpha if choice == CACHE else min(0.5, 1.0 - (1.0 - self.alpha) ** k)
 
     def follow_up(self) -> bool:
         """Whether the model cycle just recorded should be followed by another, to measure the

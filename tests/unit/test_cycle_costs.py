@@ -324,22 +324,3 @@ def test_the_hybrid_calibrates_its_predictor_by_the_yields_it_learns():
         hybrid.observe("r", [5])                                       # the target never agrees
     assert chose == [True] * 16 + [False] * 8
     assert rule.calibration(1, 0.7) == pytest.approx(0.0)
-
-
-def test_a_fallback_that_looked_slow_early_is_chosen_again_within_a_few_explorations():
-    """Estimates age with the hybrid's cycles: an exploration 32 fallbacks after the last
-    sample moves the model's estimate by half, not by alpha (0.05)."""
-    c = CycleCosts(warmup=4, explore_every=32)
-    for _ in range(20):                                   # cold start: the model at 67 tok/s
-        c.record(MODEL, 2, 0.030, gap=2, back_to_back=True)
-        c.record(PLAIN, 1, 0.008)                         # plain: 125 tok/s
-    assert c.fallback() == PLAIN
-    for i in range(1, 200):                               # now the model runs at 200 tok/s
-        choice = c.take(c.fallback())
-        if choice == MODEL:
-            c.record(MODEL, 2, 0.010, gap=2, back_to_back=True)
-        else:
-            c.record(PLAIN, 1, 0.008)
-        if c.fallback() == MODEL:
-            break
-    assert i <= 3 * 32                                    # alpha alone would take ~23 explorations
