@@ -171,7 +171,8 @@ def past_outputs(engine, keep: bool = True):
 
 
 def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, repeats: int,
-              peers: HFPeers | None) -> list[dict]:
+              peers: HFPeers | None, warmed=lambda: None) -> list[dict]:
+    """Rows per method; ``warmed`` is called after the warm-up, before the measured runs."""
     def once(m: str, ids: list[int], n: int) -> Run:
         return peers.run(m, ids, n) if m in HF_PEERS else run_ours(engine, m, ids, n)
 
@@ -179,6 +180,7 @@ def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, r
     with past_outputs(engine, keep=False):  # warm-up: its outputs would leak into prompt 0
         for m in methods:
             once(m, encoded[0], 16)
+    warmed()
     runs: dict[str, list[Run]] = {m: [] for m in methods}
     t0 = time.time()
     for i, ids in enumerate(encoded):

@@ -279,8 +279,8 @@ class YieldCalibration:
     """ŷ corrected by its running bias in the draft's length bucket: the mean of y − ŷ over
     drafts whose true yield became known (verified, or shadow-verified once declined), applied
     after ``warmup`` of them. The MLP regresses yields pooled over every draft length, and per
-    length it can be off by half a token (1-token drafts on humaneval: ŷ 0.69 against y 0.20),
-    which is the whole margin a short draft is judged by."""
+    length it can be off by half a token (1-token drafts on humaneval: ŷ 0.74 against y 0.21,
+    bench/results/hybrid_cycles_humaneval.md), the whole margin a short draft is judged by."""
 
     def __init__(self, warmup: int = 16, alpha: float = 0.05):
         self.warmup, self.alpha = warmup, alpha

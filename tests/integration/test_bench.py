@@ -218,3 +218,26 @@ def test_heads_runs_every_method_under_each_head_beside_vanilla(tiny_dirs, tiny_
     assert a["cycles_per_1k"] == b["cycles_per_1k"] and a["cycles_by_source"] == b["cycles_by_source"]
     save(tmp_path / "h.json", result, markdown, plot)
     assert "| eagle3 | `" in (tmp_path / "h.md").read_text() and (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_hybrid_cycles_books_each_measured_cycle_of_a_hybrid_by_its_choice(tiny_engine, tmp_path):
+    """bench.hybrid_cycles: every proposed cycle of the measured runs is booked once, under the
+    choice the hybrid made, except each request's first (it holds the prefill); the warm-up's
+    cycles are not booked."""
+    from bench.harness import save
+    from bench.hybrid_cycles import markdown, measure, plot
+
+    prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "import os\n\nclass Config:\n")]
+    result = {"workload": "w", "machine": "m", "command": "c",
+              **measure(tiny_engine, prompts, ["vanilla", "hybrid-rule"], 24)}
+    row = next(r for r in result["rows"] if r["method"] == "hybrid-rule")
+    booked = result["hybrids"]["hybrid-rule"]["cycles"]
+    assert booked and {r["choice"] for r in booked} <= {"cache", "model", "plain"}
+    total = sum(row["cycles_by_source"].values())
+    # not booked: each request's first cycle, and a last cycle with no draft budget left
+    assert total - 2 * len(prompts) <= sum(r["cycles"] for r in booked) <= total - len(prompts)
+    for r in booked:
+        assert r["tokens_per_s"] == pytest.approx(1e3 * r["tokens_per_cycle"] / r["ms_per_cycle"], rel=0.01)
+    save(tmp_path / "c.json", result, markdown, plot)
+    assert "#### `hybrid-rule`: cycles by choice" in (tmp_path / "c.md").read_text()
+    assert (tmp_path / "c.png").stat().st_size > 0
