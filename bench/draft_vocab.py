@@ -67,6 +67,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     from services.common.config import EngineConfig
+    from services.common.runtime import freeze_startup_heap
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="0,4096,2048", help="draft vocabulary sizes; 0 = the whole vocabulary")
     args = ap.parse_args()
     engines = {int(n): Engine(EngineConfig(threads=args.threads, draft_vocab=int(n))) for n in args.sizes.split(",")}
+    freeze_startup_heap()   # as `make bench` and a serving process do: no full collections of the start-up heap
     first = next(iter(engines.values()))
     prompts = [first.encode_fit(p.text, args.max_new_tokens) for p in load(args.workload, args.limit)]
     for eng in engines.values():   # warm-up

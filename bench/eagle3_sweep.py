@@ -85,6 +85,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     from services.common.config import EngineConfig
+    from services.common.runtime import freeze_startup_heap
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--confidences", default=None, help="comma-separated chain-stop confidences (default: the engine's)")
     args = ap.parse_args()
     engine = Engine(EngineConfig(threads=args.threads))
+    freeze_startup_heap()   # as `make bench` and a serving process do: no full collections of the start-up heap
     if "eagle3" not in engine.verifier.drafters or "draft-lm" not in engine.verifier.drafters:
         sys.exit("error: the sweep needs models/eagle3 and models/draft")
     prompts = load(args.workload, args.limit)

@@ -95,6 +95,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     from services.common.config import EngineConfig
+    from services.common.runtime import freeze_startup_heap
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--methods", default="eagle3,hybrid", help="methods that draft with the head")
     args = ap.parse_args(argv)
     engines = {h: Engine(EngineConfig(eagle3=Path(h), threads=args.threads or 1)) for h in args.heads.split(",")}
+    freeze_startup_heap()   # as `make bench` and a serving process do: no full collections of the start-up heap
     for h, eng in engines.items():
         if "eagle3" not in eng.verifier.drafters:
             sys.exit(f"error: {h} is not an EAGLE-3 head for the target")

@@ -88,6 +88,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     from services.common.config import EngineConfig
+    from services.common.runtime import freeze_startup_heap
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +97,7 @@ def main() -> None:
     ap.add_argument("--thresholds", default="2,4,6,8,12")
     args = ap.parse_args()
     engine = Engine(EngineConfig(threads=args.threads))
+    freeze_startup_heap()   # as `make bench` and a serving process do: no full collections of the start-up heap
     missing = [m for m in KNOBS if m not in engine.drafters]
     if missing:
         sys.exit(f"error: {missing} unavailable: the sweep needs models/eagle3 (or models/draft) and models/predictor")
