@@ -110,8 +110,9 @@ class _CycleCost(_Means):
             b = max(0.0, cns / vn)
         return m["s"] - b * m["n"] - c * m["k"], b, c
 
-    def seconds(self, length: int, tokens: float | None = None) -> float:
-        """Fitted cost of an n-token draft's cycle that commits ``tokens`` (default: the mean)."""
+    def seconds(self, length: float, tokens: float | None = None) -> float:
+        """Fitted cost of a cycle at ``length`` (a cache draft's tokens; a model cycle's catch-up
+        gap) that commits ``tokens`` (default: the mean)."""
         a, b, c = self.coefficients()
         k = self.mean.get("k", 0.0) if tokens is None else tokens
         return max(1e-9, a + b * length + c * k)
