@@ -34,7 +34,7 @@ from ray.serve.config import RequestRouterConfig
 
 from services.common.config import MODELS_DIR, EngineConfig
 from services.common.metrics import start_node_exporter
-from services.verifier.core import CycleRequest, SessionSpec
+from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec
 
 METRICS_PORT_ENV, METRICS_HOST_ENV = "SPECMESH_NODE_METRICS_PORT", "SPECMESH_NODE_METRICS_HOST"
 
@@ -250,21 +250,38 @@ class RaySession:
         self.spec = replace(spec, session_id=spec.session_id or uuid.uuid4().hex)
         self.h = handle.options(multiplexed_model_id=self.spec.session_id)
         self.tokens = list(spec.prompt_ids)
+        self.cancelled = False
+        self._call = None   # the cycle call in flight
         self._open()
 
     def _open(self) -> None:
         self.h.open.remote(self.spec.resumed(self.tokens[len(self.spec.prompt_ids):])).result()
 
+    def _cycle(self, req: CycleRequest):
+        self._call = self.h.cycle.remote(req)
+        if self.cancelled:   # cancel() came before this call existed
+            self._call.cancel()
+        return self._call.result()
+
     def cycle(self, req: CycleRequest):
         try:
-            res = self.h.cycle.remote(req).result()
-        except Exception as e:  # Ray wraps the replica's exception
+            res = self._cycle(req)
+        except BaseException as e:  # Ray wraps the replica's exception; a cancelled call raises Cancelled*
+            if self.cancelled:
+                raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
             if "SessionMissing" not in repr(e):
                 raise
             self._open()
-            res = self.h.cycle.remote(req).result()
+            res = self._cycle(req)
         self.tokens.extend(res.committed)
         return res
+
+    def cancel(self) -> None:
+        """The client went away (any thread): the cycle in flight is cancelled, and the replica
+        stops it at the verifier's next step and closes the session (``VerifierDeployment.cycle``)."""
+        self.cancelled = True
+        if self._call is not None:
+            self._call.cancel()
 
     def close(self) -> None:
         self.h.close.remote()

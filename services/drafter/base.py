@@ -5,6 +5,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from services.common.prefix_cache import PrefixCache
 from services.common.types import Draft, SamplingParams
 
 
@@ -18,10 +19,17 @@ class Drafter(Protocol):
     ``verified`` comes between propose and observe when the cycle checks only the first
     ``n`` tokens of the proposal (the router cut it before a token that a grammar or a bad
     word forbids): a drafter that costs its cycles by draft length counts that length.
+
+    Drafters subclass this protocol and inherit its defaults for what only some of them do:
+    ``propose_batch`` (one call per request unless batched kernels make one call for all),
+    ``absorb`` (nothing to take in without a model of its own) and ``kv_bytes_per_position``
+    (0 without a K/V cache, so no share of the prefix-cache budget; a drafter with one keeps
+    its blocks in ``prefix`` once the verifier gives it a share).
     """
 
     name: str
     needs_target_states: bool = False
+    prefix: PrefixCache | None = None
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
               max_new_tokens: int = 0) -> None: ...
@@ -33,6 +41,18 @@ class Drafter(Protocol):
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None: ...
 
     def stop(self, req_id: str) -> None: ...
+
+    def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
+        """Drafts for several ``(req_id, budget)`` asks of one verifier step."""
+        return [self.propose(req_id, budget) for req_id, budget in asks]
+
+    def absorb(self, req_id: str, upto: int) -> None:
+        """Take in the prompt positions before ``upto`` that the target has fed (a prefill
+        chunk), without drafting, so the first draft does not catch up over the whole prompt."""
+
+    def kv_bytes_per_position(self) -> int:
+        """K/V bytes the drafter keeps per position of a request."""
+        return 0
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {}

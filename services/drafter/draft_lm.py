@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.llama import KVCache, Llama
-from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
+from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_per_position, load_kv
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import common_prefix, register
+from services.drafter.base import Drafter, common_prefix, register
 
 
 @dataclass
@@ -97,7 +97,7 @@ class _Row:
 
 
 @register("draft-lm")
-class DraftLMDrafter:
+class DraftLMDrafter(Drafter):
     """Autoregressive chain drafts of at most ``budget`` tokens.
 
     Greedy requests draft argmax tokens (q one-hot); sampled requests sample from the
@@ -130,6 +130,9 @@ class DraftLMDrafter:
               max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None) -> None:
         self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab,
                                      root=cache_root, prompt_len=len(prompt), grammar=grammar)
+
+    def kv_bytes_per_position(self) -> int:
+        return kv_bytes_per_position(self.model.new_cache(1, 1))
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]

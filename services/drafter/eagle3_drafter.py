@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.llama import KVCache
-from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv, root_key
+from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_per_position, load_kv, root_key
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import register
+from services.drafter.base import Drafter, register
 from services.drafter.eagle3 import Eagle3Head
 
 
@@ -70,7 +70,7 @@ class _Row:
 
 
 @register("eagle3")
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
     """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
     whose head probability (max q) is below ``min_confidence``."""
 
@@ -136,6 +136,9 @@ class Eagle3Drafter:
         if self._columns is None:
             self._columns = self.head.to_target_ids(torch.arange(self.head.draft_vocab, device=device))
         return self._columns
+
+    def kv_bytes_per_position(self) -> int:
+        return kv_bytes_per_position(self.head.new_cache(1))
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return self.propose_batch([(req_id, budget)])[0]

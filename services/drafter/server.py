@@ -11,6 +11,7 @@ import grpc
 
 from services.common.grpc_server import build_grpc_server, channel
 from services.common.types import Draft
+from services.drafter.base import Drafter
 from services.drafter.suffix import SuffixDrafter
 from specmesh.v1 import drafter_pb2 as pb
 from specmesh.v1 import drafter_pb2_grpc as pb_grpc
@@ -87,7 +88,7 @@ def build_drafter_server(drafter: SuffixDrafter, vocab_size: int, host: str, por
     return server, servicer, bound
 
 
-class RemoteDrafter:
+class RemoteDrafter(Drafter):
     """The Drafter protocol over `specmesh.v1.Drafter` (e.g. a shared suffix-cache service)."""
 
     def __init__(self, addr: str, name: str = "suffix", timeout_s: float = 2.0):

@@ -12,7 +12,7 @@ import torch
 
 from services.common.config import SuffixConfig
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import register
+from services.drafter.base import Drafter, register
 from services.drafter.suffix_tree import Candidate, Match, Node, SuffixTree
 
 
@@ -93,7 +93,7 @@ class _Req:
 
 
 @register("suffix")
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Drafts are deterministic (q one-hot), so verification is exact or rejection sampling."""
 
     name = "suffix"

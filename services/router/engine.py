@@ -419,9 +419,10 @@ class Generation:
     def cancel(self) -> None:
         """The client went away (any thread): the cycle in flight ends with ``SessionCancelled``
         and the verifier stops it at its next step, a prompt mid-prefill included
-        (``VerifierSession.cancel`` in process, ``RemoteSession.cancel`` over the network)."""
+        (``VerifierSession.cancel`` in process, ``RemoteSession.cancel`` over the network,
+        ``RaySession.cancel`` through Serve)."""
         self._cancelled = True
-        if hasattr(self._session, "cancel"):
+        if self._session is not None:
             self._session.cancel()
 
     def __iter__(self) -> Iterator[StepOutput]:

@@ -42,6 +42,7 @@ import torch
 
 from services.common.metrics import HYBRID_DECISIONS, PREDICTED_VS_ACTUAL
 from services.common.types import Draft, SamplingParams
+from services.drafter.base import Drafter
 from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize
 from services.predictor.mlp import YieldMLP
 
@@ -371,7 +372,7 @@ class _State:
     prev: str = CACHE           # the choice of the cycle before
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """Router-side: drafts from the suffix cache, returns that draft, a ``Delegate`` to the
     verifier's model drafter (which observes every cycle there, with the target's states) or,
     with ``costs``, an empty draft when a plain step is the cheaper fallback."""

@@ -183,7 +183,7 @@ class VerifierCore:
     def clear_prefix_cache(self) -> None:
         """Forget every cached prompt block; call it while no step runs (benchmarks between runs)."""
         for owner in (self.runner, *self.drafters.values()):
-            if getattr(owner, "prefix", None) is not None:
+            if owner.prefix is not None:
                 owner.prefix.clear()
 
     def _step(self, batch: list[Pending]) -> None:
@@ -257,8 +257,7 @@ class VerifierCore:
         return chunks
 
     def _drafts(self, batch: list[Pending]) -> dict[int, Draft]:
-        """Each cycle's draft: the router's, or one drafted here — batched per drafter where
-        the drafter offers ``propose_batch``."""
+        """Each cycle's draft: the router's, or one drafted here, one ``propose_batch`` per drafter."""
         drafts: dict[int, Draft] = {}
         groups: dict[str, list[Pending]] = {}
         for b in batch:
@@ -274,11 +273,7 @@ class VerifierCore:
             try:
                 drafter = self.drafters[name]
                 asks = [(b.session.session_id, b.request.budget) for b in group]
-                if hasattr(drafter, "propose_batch"):
-                    made = drafter.propose_batch(asks)
-                else:
-                    made = [drafter.propose(*a) for a in asks]
-                drafts.update(zip(map(id, group), made))
+                drafts.update(zip(map(id, group), drafter.propose_batch(asks)))
             except Exception as e:
                 for b in group:
                     b.error = e
@@ -289,7 +284,7 @@ class VerifierCore:
         position, so only once no more than the newest token is pending: not on a prompt's
         cycle, whose features it has not yet been given (they come with that cycle)."""
         drafter = self.drafters.get(name)
-        return not getattr(drafter, "needs_target_states", False) or len(session.target.pending) <= 1
+        return drafter is None or not drafter.needs_target_states or len(session.target.pending) <= 1
 
 
 def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, drafters: list[Drafter]) -> None:
@@ -298,8 +293,7 @@ def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, drafters: list[D
     that all keep about the same positions."""
     model = runner.model
     sizes = [kv_bytes_per_position(model.new_cache(1, 1)) * (1 + len(runner.capture_layers) / (2 * model.s.layers))]
-    sizes += [kv_bytes_per_position(d.model.new_cache(1, 1) if hasattr(d, "model") else d.head.new_cache(1))
-              for d in drafters]
+    sizes += [d.kv_bytes_per_position() for d in drafters]
     budget = cfg.prefix_cache_mb << 20
     for owner, size in zip([runner, *drafters], sizes):
         owner.prefix = PrefixCache(cfg.prefix_block, int(budget * size / sum(sizes)))
@@ -452,18 +446,18 @@ class VerifierSession:
 
     @property
     def _needs_states(self) -> bool:
-        return getattr(self.drafter, "needs_target_states", False)
+        return self.drafter is not None and self.drafter.needs_target_states
 
     def prefilled(self, states: torch.Tensor | None) -> None:
         """Prompt positions were fed and kept (a chunk, ``TargetRunner.step``, or a prefix-cache
         hit), with their fused target states: a drafter fed by the target's states gets them,
-        and a drafter that can (``absorb``) takes the prompt in up to where the target is, unless
-        it drafts on demand (a hybrid may never ask it): then its first draft catches up."""
+        and the drafter takes the prompt in (``absorb``) up to where the target is, unless it
+        drafts on demand (a hybrid may never ask it): then its first draft catches up."""
         if not self.drafter:
             return
         if self._needs_states and states is not None:
             self.drafter.observe(self.session_id, [], states)
-        if hasattr(self.drafter, "absorb") and not self.spec.on_demand:
+        if not self.spec.on_demand:
             self.drafter.absorb(self.session_id, self.target.cache_len)
 
     @property

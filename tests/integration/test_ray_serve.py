@@ -260,6 +260,54 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()   # none left behind
 
 
+def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engine):
+    """``RaySession.cancel``, which the engine calls from another thread when its client goes
+    away: the cycle in flight (a prompt prefilling in chunks beside another open session, on
+    the replica that holds its start) raises ``SessionCancelled``, the replica stops feeding
+    that prompt at its next step, and the session is closed there."""
+    import threading
+    import time
+
+    from ray import serve
+
+    from services.ray_app import RaySession
+    from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec
+
+    port = serve_app[2]
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)   # earlier tests' are closed
+    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    start = tiny_engine.encode("".join(f"def ray_cancel_{i}(x):\n    return x + {i}\n\n" for i in range(4)))
+    holder = RaySession(handle, SessionSpec(start, 4))
+    holder.cycle(CycleRequest())   # places the start on a replica, and stays open there
+
+    def fed() -> float:
+        return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
+
+    before = fed()
+    session = RaySession(handle, SessionSpec(start + list(range(300, 440)), 4))   # affinity: beside the holder
+    raised: list[BaseException] = []
+
+    def cycle():
+        try:
+            session.cycle(CycleRequest())
+        except BaseException as e:  # noqa: BLE001 - the test asserts which one
+            raised.append(e)
+
+    thread = threading.Thread(target=cycle)
+    thread.start()
+    try:
+        assert wait_for(lambda: fed() - before >= 3, timeout=30), "the prompt never prefilled in chunks"
+        session.cancel()
+        thread.join(30)
+        assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], SessionCancelled), raised
+        assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
+        assert fed() - before < 60   # ~70 chunks of 2 when fed whole
+    finally:
+        session.close()
+        holder.close()
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()   # none left behind
+
+
 def open_sessions() -> dict[str, list[str]]:
     """Each verifier replica's open sessions, as it reports them to the request routers."""
     from ray import serve

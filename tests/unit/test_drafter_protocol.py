@@ -34,3 +34,27 @@ def test_a_cut_suffix_draft_is_what_the_drafter_remembers():
     assert len(d.propose("r", 4).token_ids) >= 2
     d.verified("r", 1)
     assert len(d.states["r"].drafted) == 1
+
+
+def test_the_protocol_defaults_serve_drafters_without_batched_kernels():
+    """A drafter without batched kernels answers ``propose_batch`` one request at a time, has
+    nothing to ``absorb`` and no K/V for the prefix cache; the model drafters size theirs."""
+    from services.common.types import SamplingParams
+
+    d = SuffixDrafter()
+    for r, prompt in (("a", [1, 2, 3, 1, 2, 3, 1, 2]), ("b", [5, 6, 5, 6, 5])):
+        d.start(r, prompt, SamplingParams())
+    batch = d.propose_batch([("a", 4), ("b", 2)])
+    assert [x.token_ids for x in batch] == [d.propose("a", 4).token_ids, d.propose("b", 2).token_ids]
+    assert batch[0].token_ids and len(batch[1].token_ids) <= 2
+    d.absorb("a", 8)
+    assert d.kv_bytes_per_position() == 0 and d.prefix is None and not d.needs_target_states
+    assert Eagle3Drafter.needs_target_states and not DraftLMDrafter.needs_target_states
+
+
+def test_a_model_drafter_counts_its_kv_bytes(tiny_dirs):
+    from services.common.llama import Llama
+
+    model = Llama.from_pretrained(tiny_dirs[1])
+    s = model.s
+    assert DraftLMDrafter(model).kv_bytes_per_position() == 2 * s.layers * s.kv_heads * s.head_dim * 4   # K and V, fp32
