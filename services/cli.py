@@ -220,6 +220,8 @@ def _stop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="end before this string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", help="end after this token (repeatable)")
     p.add_argument("--include-stop-str", action="store_true", help="keep the stop string in the output")
+    p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="the tokenizer's special tokens add no text (--no-skip-special-tokens writes them)")
 
 
 def _penalty_args(p: argparse.ArgumentParser) -> None:
@@ -273,7 +275,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
         include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
-        n=args.n)
+        n=args.n, skip_special_tokens=args.skip_special_tokens)
     try:
         completions = engine.generate_all(req)
     except InvalidRequest as e:
@@ -309,7 +311,8 @@ def cmd_client(args: argparse.Namespace) -> None:
                              priority=args.priority,
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
-                             allowed_token_ids=args.allowed_token_id or [], bad_words=args.bad_word or [])
+                             allowed_token_ids=args.allowed_token_id or [], bad_words=args.bad_word or [],
+                             skip_special_tokens=args.skip_special_tokens)
     if args.truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = args.truncate_prompt_tokens
     if args.seed is not None:
@@ -448,10 +451,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     bench_main(args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="specmesh", description="Speculative-decoding LLM serving")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
+def _serve_parser(sub) -> None:
+    """``specmesh serve``: engine, topology and role, transport security, limits, front ends."""
     p = sub.add_parser("serve", help="run the gRPC server (embedded all-in-one by default)")
     _engine_args(p)
     p.add_argument("--topology", choices=["embedded", "distributed"], default="embedded")
@@ -493,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)")
     p.set_defaults(func=cmd_serve)
 
+
+def _generate_parser(sub) -> None:
+    """``specmesh generate``: one request in-process."""
     p = sub.add_parser("generate", help="generate once in-process")
     _engine_args(p)
     p.add_argument("--prompt", required=True)
@@ -510,6 +514,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     p.set_defaults(func=cmd_generate)
 
+
+def _client_parser(sub) -> None:
+    """``specmesh client``: one request to a running server over gRPC."""
     p = sub.add_parser("client", help="stream a completion from a running server")
     p.add_argument("--addr", default="127.0.0.1:50051")
     p.add_argument("--prompt", required=True)
@@ -531,6 +538,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--token", default=None, help="bearer token (or env SPECMESH_AUTH_TOKEN)")
     p.set_defaults(func=cmd_client)
 
+
+def _tool_parsers(sub) -> None:
+    """``specmesh trace``, ``replay``, ``calibrate`` and ``bench``: the offline tools."""
     p = sub.add_parser("trace", help="record greedy target generations of a workload as replay traces")
     _engine_args(p)
     p.add_argument("--workload", required=True)
@@ -563,6 +573,16 @@ def main(argv: list[str] | None = None) -> None:
     from bench.harness import add_args
     add_args(p)
     p.set_defaults(func=cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="specmesh", description="Speculative-decoding LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    _serve_parser(sub)
+    _generate_parser(sub)
+    _client_parser(sub)
+    _tool_parsers(sub)
 
     args = ap.parse_args(argv)
     from services.common.runtime import tune_gc

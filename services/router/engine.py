@@ -91,6 +91,7 @@ class GenerationRequest:
     structured: StructuredOutput | None = None   # the output must match this schema, regex or choice
     n: int = 1                        # independent completions of the prompt (vLLM's n)
     priority: int = 0                 # admission order: lower first (vLLM's), then arrival
+    skip_special_tokens: bool = True  # the tokenizer's special tokens add no text (vLLM's default)
 
 
 @dataclass
@@ -404,7 +405,7 @@ class Generation:
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
-        self._detok = Detokenizer(engine.tokenizer)
+        self._detok = Detokenizer(engine.tokenizer, req.skip_special_tokens)
         self._raw = ""  # all detokenized output; ``text`` is the part already streamed
         self._stop_window = max((len(s) for s in req.stop), default=1)
         self._batch = 1  # sessions in the verifier step of the last cycle

@@ -12,8 +12,11 @@ Rules kept from OpenAI and vLLM:
 - the vLLM extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``stop_token_ids``, ``include_stop_str_in_output``, ``allowed_token_ids``, ``prompt_logprobs``,
   ``structured_outputs``, ``truncate_prompt_tokens``, ``bad_words``, ``cache_salt``, ``request_id``,
-  ``return_token_ids``, ``return_tokens_as_token_ids``, ``priority``) and specmesh's ``method``
-  are accepted;
+  ``return_token_ids``, ``return_tokens_as_token_ids``, ``priority``, ``skip_special_tokens``,
+  ``spaces_between_special_tokens``) and specmesh's ``method`` are accepted;
+- ``spaces_between_special_tokens`` must be a boolean and changes nothing: vLLM applies it only
+  with a slow (Python) tokenizer, and the engine loads fast ones, which decode added tokens
+  as written;
 - ``return_token_ids`` (vLLM's) adds ``token_ids`` (the output's) to every choice, or stream
   chunk, and ``prompt_token_ids``: per choice for completions (in its first chunk when
   streaming), once per response (in the first chunk) for chat.
@@ -40,7 +43,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
            "request_id", "method", "truncate_prompt_tokens", "bad_words", "return_token_ids",
-           "return_tokens_as_token_ids", "priority"}
+           "return_tokens_as_token_ids", "priority", "skip_special_tokens", "spaces_between_special_tokens"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs",
@@ -205,6 +208,7 @@ class ApiRequest:
 def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
              prompt_logprobs: int | None) -> GenerationRequest:
     keep = _int(body, "truncate_prompt_tokens", None)
+    _typed(body, "spaces_between_special_tokens", (bool,), "true or false", True)
     return GenerationRequest(
         prompt_ids=engine.truncate(prompt_ids, keep, max_tokens),
         max_new_tokens=max_tokens, sampling=_sampling(body, engine),
@@ -213,7 +217,8 @@ def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int,
         prompt_logprobs=prompt_logprobs, method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,
         request_id=_typed(body, "request_id", (str,), "a string", ""), logprobs=logprobs,
         cache_salt=_typed(body, "cache_salt", (str,), "a string", ""), ignore_eos=_bool(body, "ignore_eos"),
-        min_tokens=_int(body, "min_tokens", 0), structured=_structured(body), n=n, priority=_priority(body))
+        min_tokens=_int(body, "min_tokens", 0), structured=_structured(body), n=n, priority=_priority(body),
+        skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false", True))
 
 
 def _priority(body: dict) -> int:

@@ -57,6 +57,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         structured=structured_from_pb(r.structured_output) if r.HasField("structured_output") else None,
         n=r.n if r.HasField("n") else 1,
         priority=r.priority,
+        skip_special_tokens=r.skip_special_tokens if r.HasField("skip_special_tokens") else True,
     )
 
 

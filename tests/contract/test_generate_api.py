@@ -427,3 +427,16 @@ def test_n_completions_stream_with_their_index_and_a_final_each(served, tiny_eng
         assert [t for m in msgs if m.index == i for t in m.token_ids] == single["token_ids"]
         assert next(m for m in finals if m.index == i).usage.completion_tokens == len(single["token_ids"])
     assert wait_idle(servicer)
+
+
+@pytest.mark.parametrize("skip", [None, True, False])
+def test_skip_special_tokens(served, tiny_engine, skip):
+    """Only the end-of-sequence token allowed, streamed with ignore_eos: its ids come either
+    way, and its text only with skip_special_tokens=false (vLLM's default skips it)."""
+    stub = served[0]
+    eos = tiny_engine.eos_id
+    kw = {} if skip is None else {"skip_special_tokens": skip}
+    msgs = collect(stub, prompt="def f():\n", max_new_tokens=3, method="vanilla", ignore_eos=True,
+                   allowed_token_ids=[eos], **kw)
+    assert [t for m in msgs for t in m.token_ids] == [eos] * 3
+    assert "".join(m.text for m in msgs) == ("" if skip in (None, True) else "<|endoftext|>" * 3)

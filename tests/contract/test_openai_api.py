@@ -228,6 +228,26 @@ def test_logprob_entries_name_token_ids_when_asked(api, tiny_engine):
                                      for e in entries)
 
 
+def test_special_tokens_read_as_text_only_when_not_skipped(api, tiny_engine):
+    """vLLM's skip_special_tokens over HTTP (streamed and not): with only the end-of-sequence
+    token allowed and ignore_eos, the text is empty by default and names the token when false.
+    spaces_between_special_tokens is accepted as a boolean (vLLM's fast-tokenizer path
+    ignores it) and refused as anything else."""
+    client, _, _ = api
+    asked = {"ignore_eos": True, "allowed_token_ids": [tiny_engine.eos_id], "return_token_ids": True}
+    for skip, text in ((None, ""), (True, ""), (False, "<|endoftext|>" * 3)):
+        extra = asked if skip is None else {**asked, "skip_special_tokens": skip, "spaces_between_special_tokens": True}
+        for stream in (False, True):
+            out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                            stream=stream, extra_body=extra)
+            chunks = [ch.choices[0] for ch in out if ch.choices] if stream else out.choices
+            assert "".join(c.text for c in chunks) == text, (skip, stream)
+            assert sum((c.token_ids or [] for c in chunks), []) == [tiny_engine.eos_id] * 3
+    for field in ("skip_special_tokens", "spaces_between_special_tokens"):
+        with pytest.raises(openai.BadRequestError, match=f"{field}: must be true or false"):
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body={field: "yes"})
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(api, tiny_engine):
     """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens=1, greedy. The
     prompt's tokens come back first (the first with null), with the target's log-probabilities."""
