@@ -217,9 +217,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _stop_args(p: argparse.ArgumentParser) -> None:
+    """How generation ends, and what its text holds."""
     p.add_argument("--stop", action="append", help="end before this string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", help="end after this token (repeatable)")
     p.add_argument("--include-stop-str", action="store_true", help="keep the stop string in the output")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-new-tokens tokens; the end-of-sequence token does not end the output")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many tokens")
     p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="the tokenizer's special tokens add no text (--no-skip-special-tokens writes them)")
 
@@ -275,7 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
         include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
-        n=args.n, skip_special_tokens=args.skip_special_tokens)
+        n=args.n, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens, skip_special_tokens=args.skip_special_tokens)
     try:
         completions = engine.generate_all(req)
     except InvalidRequest as e:
@@ -312,6 +316,7 @@ def cmd_client(args: argparse.Namespace) -> None:
                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                              frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
                              allowed_token_ids=args.allowed_token_id or [], bad_words=args.bad_word or [],
+                             ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
                              skip_special_tokens=args.skip_special_tokens)
     if args.truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = args.truncate_prompt_tokens

@@ -183,3 +183,18 @@ def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
     assert m[f"specmesh_generated_tokens_total{{{label}}}"] == total == sum(accepted.values()) + cycles
     decisions = sum(v for k, v in m.items() if k.startswith("specmesh_hybrid_decisions_total{") and label in k)
     assert 0 < decisions <= cycles
+
+
+def test_generate_writes_special_tokens_only_when_asked(tiny_dirs):
+    """generate --ignore-eos with only the end-of-sequence token allowed: three of its ids,
+    and its text only with --no-skip-special-tokens."""
+    target, draft = tiny_dirs
+    texts = []
+    for flag in ("--skip-special-tokens", "--no-skip-special-tokens"):
+        out = subprocess.run(CLI + ["generate", "--target", str(target), "--draft", str(draft), "--method", "vanilla",
+                                    "--prompt", "x", "--max-new-tokens", "3", "--ignore-eos", "--allowed-token-id", "0",
+                                    flag, "--json"], capture_output=True, text=True, env=ENV, timeout=120, check=True)
+        obj = json.loads(out.stdout)
+        assert obj["token_ids"] == [0, 0, 0] and obj["finish_reason"] == "length"
+        texts.append(obj["text"])
+    assert texts == ["", "<|endoftext|>" * 3]
