@@ -274,7 +274,29 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def machine() -> str:
-    return f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}"
+    """Architecture, threads, torch, and the host's speed (``speed_probe``): hosts of one kind
+    differ by 2× between sessions here, so results are comparable only beside their probe."""
+    gemm, op = speed_probe()
+    return (f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"probe: GEMM {gemm:.3f} ms, op {op:.1f} µs")
+
+
+def speed_probe(reps: int = 300) -> tuple[float, float]:
+    """Medians of a 1×256 by 256×8192 fp32 GEMM (the bundled target's LM head shape; memory
+    bound), ms, and of one small elementwise op (dispatch bound, as decoding's many small ops
+    are), µs."""
+    x, w, v = torch.randn(1, 256), torch.randn(8192, 256), torch.randn(256)
+
+    def median_s(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        return 1e3 * median_s(lambda: torch.nn.functional.linear(x, w)), 1e6 * median_s(lambda: v * v)
 
 
 def command(module: str, argv: list[str] | None) -> str:

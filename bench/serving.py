@@ -133,7 +133,7 @@ def main() -> None:
     prompts = [p.text for p in load(args.workload, args.limit)]
     result = {"command": " ".join(["python -m bench.serving"] + sys.argv[1:]), "workload": args.workload,
               "max_new_tokens": args.max_new_tokens, "replicas": args.replicas, "repeats": args.repeats,
-              "server_env": SERVER_ENV, "rows": []}
+              "server_env": SERVER_ENV, "machine": _machine(), "rows": []}
     settings = [int(x) for x in args.spec_disable_batch.split(",")]
     topologies = tuple((t, sdb) for sdb in settings for t in args.topologies.split(","))
     servers: dict[tuple, tuple[subprocess.Popen, str]] = {}
@@ -183,6 +183,20 @@ def main() -> None:
         write(result, args.out)
 
 
+def _machine() -> str:
+    """The harness's host line, probed here in one thread as the servers run (``--threads 1``)."""
+    import torch
+
+    from bench.harness import machine   # lazily: the harness imports torch, which clients need not
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return machine()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def overhead_vs_embedded(rows: list[dict]) -> dict:
     """Per distributed variant and method: its ms per cycle outside model work minus embedded's
     (same method and spec-disable setting)."""
@@ -211,7 +225,7 @@ def write(result: dict, out: Path) -> None:
     for topology, by_method in result.get("overhead_vs_embedded_ms_per_cycle", {}).items():
         lines += ["", f"{topology} − embedded, ms per cycle outside model work: "
                   + ", ".join(f"{m} {v:+}" for m, v in by_method.items())]
-    lines += ["", f"Command: `{result['command']}`", ""]
+    lines += ["", f"Command: `{result['command']}`", f"Machine: {result.get('machine', 'not recorded')}", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     from bench.harness import pyplot, write_figure   # lazily: the harness imports torch, which clients need not
 

@@ -63,3 +63,13 @@ def test_csd_quality_pools_prompts_and_splits_by_first_divergence(tmp_path):
     assert "| csd | 0.5:2:3 | +50.0 % [" in markdown(result)
     plot(result, tmp_path / "q.png")
     assert (tmp_path / "q.png").stat().st_size > 0
+
+
+def test_the_machine_line_carries_the_speed_probe():
+    import re
+
+    from bench.harness import machine, speed_probe
+
+    gemm, op = speed_probe(reps=20)
+    assert 0 < gemm < 1000 and 0 < op < 1e6
+    assert re.search(r"probe: GEMM \d+\.\d{3} ms, op \d+\.\d µs$", machine())
