@@ -265,14 +265,17 @@ class RaySession:
 
     def cycle(self, req: CycleRequest):
         try:
-            res = self._cycle(req)
-        except BaseException as e:  # Ray wraps the replica's exception; a cancelled call raises Cancelled*
+            try:
+                res = self._cycle(req)
+            except Exception as e:  # Ray wraps the replica's exception
+                if self.cancelled or "SessionMissing" not in repr(e):
+                    raise
+                self._open()
+                res = self._cycle(req)
+        except BaseException as e:  # a cancelled call raises Ray's or asyncio's cancellation error
             if self.cancelled:
                 raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
-            if "SessionMissing" not in repr(e):
-                raise
-            self._open()
-            res = self._cycle(req)
+            raise
         self.tokens.extend(res.committed)
         return res
 

@@ -282,7 +282,8 @@ class VerifierCore:
     def _can_draft(self, session: "VerifierSession", name: str) -> bool:
         """A drafter fed by the target's states (EAGLE-3) drafts from the newest verified
         position, so only once no more than the newest token is pending: not on a prompt's
-        cycle, whose features it has not yet been given (they come with that cycle)."""
+        cycle, whose features it has not yet been given (they come with that cycle). An unknown
+        name passes here and fails in ``_drafts``, as that cycle's error."""
         drafter = self.drafters.get(name)
         return drafter is None or not drafter.needs_target_states or len(session.target.pending) <= 1
 
