@@ -96,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, max_queue=args.max_queue,
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         served_model_name=args.served_model_name, chat_template=args.chat_template,
+                        vllm_metric_names=args.vllm_metric_names,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                         auth_token=token or None)
     if args.tls_cert:  # component servers read their TLS settings from the environment
@@ -495,6 +496,9 @@ def _serve_parser(sub) -> None:
                         "port, router and embedded only (0 = off)")
     p.add_argument("--served-model-name", default="", help="the model's name in the HTTP API (default: the target's "
                                                             "directory name)")
+    p.add_argument("--vllm-metric-names", action="store_true",
+                   help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
+                        "its model_name label, for dashboards written for vLLM (router and embedded)")
     p.add_argument("--chat-template", type=Path, default=None,
                    help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)")
     p.set_defaults(func=cmd_serve)

@@ -112,3 +112,4 @@ class ServerConfig:
     http_port: int = 8000                 # OpenAI-compatible HTTP API (/v1/completions, ...); 0 = off
     served_model_name: str = ""           # the model's name in the HTTP API; "" = the target's directory name
     chat_template: Path | None = None     # Jinja chat template for /v1/chat/completions; None = the tokenizer's
+    vllm_metric_names: bool = False       # /metrics also under vLLM's names (services/common/vllm_metrics.py)

@@ -222,6 +222,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:
     """A ready-to-start server bound to cfg.host:cfg.port (port 0 = any free port)."""
+    if cfg.vllm_metric_names:
+        from services.common import vllm_metrics
+
+        vllm_metrics.register(served_model(engine, cfg))
     servicer = GenerationServicer(engine, cfg)
     tls = TLSConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     # every admitted stream and every queued request holds a handler thread; health checks need one more
@@ -246,11 +250,16 @@ def serve(engine: Engine, cfg: ServerConfig) -> None:
     engine.close()  # flush suffix-feed outputs and correction-memory writes
 
 
+def served_model(engine: Engine, cfg: ServerConfig) -> str:
+    """The model's name in the HTTP API and in vLLM-named metrics: the target's directory name by default."""
+    return cfg.served_model_name or engine.cfg.target.name
+
+
 def start_http(engine: Engine, cfg: ServerConfig, servicer: GenerationServicer):
     """The OpenAI-compatible HTTP API on cfg.http_port, sharing the gRPC server's admission limits."""
     from services.router.http_server import HttpServer, build_app
 
-    name = cfg.served_model_name or engine.cfg.target.name
+    name = served_model(engine, cfg)
     template = cfg.chat_template.read_text() if cfg.chat_template else None
     app = build_app(lambda: engine, servicer.admission, cfg, name, template, active=servicer.active)
     http = HttpServer(app, cfg, cfg.http_port)

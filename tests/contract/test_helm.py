@@ -159,3 +159,13 @@ def test_tls_and_auth_are_wired_from_secrets():
     assert "tcpSocket" in container(ver)["readinessProbe"]  # gRPC probes cannot speak TLS
     with pytest.raises(helm.HelmRenderError):
         render({"mode": "services", "tls": {"enabled": True}})  # a TLS Secret is required
+
+
+def test_router_takes_vllm_metric_names_when_asked():
+    """metrics.vllmNames adds --vllm-metric-names to the router only; the schema wants a boolean."""
+    for on in (False, True):
+        docs = render({"mode": "services", "metrics": {"vllmNames": on}})
+        assert ("--vllm-metric-names" in container(named(docs, "Deployment", "-router"))["args"]) is on
+        assert "--vllm-metric-names" not in container(named(docs, "StatefulSet", "-verifier"))["args"]
+    with pytest.raises(helm.HelmValuesError):
+        helm.Chart.load(str(CHART)).render({"metrics": {"vllmNames": "yes"}}, name="demo", namespace="llm")
