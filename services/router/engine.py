@@ -405,6 +405,7 @@ class Generation:
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.matched: int | str | None = None   # what stopped it: the EOS or stop token id, or the stop string
         self._detok = Detokenizer(engine.tokenizer, req.skip_special_tokens)
         self._raw = ""  # all detokenized output; ``text`` is the part already streamed
         self._stop_window = max((len(s) for s in req.stop), default=1)
@@ -536,7 +537,7 @@ class Generation:
         new_ids = []
         for tok in tokens:
             if tok == self.engine.eos_id and not self.req.ignore_eos:
-                self.finish_reason = "eos"
+                self.finish_reason, self.matched = "eos", tok
                 break
             new_ids.append(tok)
             self.output_ids.append(tok)
@@ -544,6 +545,7 @@ class Generation:
             self._raw += self._detok.push(tok)
             if self._find_stop(before) or tok in self.req.stop_token_ids:
                 self.finish_reason = "stop"
+                self.matched = self.matched if self.matched is not None else tok
                 break
             if len(self.output_ids) >= self.req.max_new_tokens:
                 self.finish_reason = "length"
@@ -566,6 +568,7 @@ class Generation:
             if i != -1 and (first is None or i < first[0]):
                 first = (i, len(s))
         if first is not None:
+            self.matched = self._raw[first[0]:first[0] + first[1]]
             self._raw = self._raw[:first[0] + first[1] * self.req.include_stop_str_in_output]
         return first is not None
 

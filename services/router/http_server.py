@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP front end (FastAPI on uvicorn) beside the gRPC one, over the same
 engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
 (streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, vLLM's
-``POST /tokenize`` and ``POST /detokenize``, ``GET /health``, ``GET /metrics``.
+``POST /tokenize`` and ``POST /detokenize``, SGLang's native ``POST /generate``, ``GET /health``,
+``GET /metrics``.
 
 Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
 take seconds to compile), admission, the decode cycles and the session's release all happen
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.common.config import ServerConfig
 from services.common.metrics import REQUESTS_REJECTED
 from services.router import openai_api as oa
+from services.router import sglang_api as sgl
 from services.router.engine import Completions, Engine, InvalidRequest
 from services.router.tools import ToolStream
 from services.verifier.core import SessionCancelled
@@ -57,8 +59,9 @@ class _Run:
     """One request's completions on a thread of its own; events reach the event loop as
     ("start",), ("step", index, step | None), ("done",) or ("error", status, message)."""
 
-    def __init__(self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active):
-        self.get_engine, self.parse, self.body = get_engine, parse, body
+    def __init__(self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active,
+                 describe=oa.openai_message):
+        self.get_engine, self.parse, self.body, self.describe = get_engine, parse, body, describe
         self.admission, self.loop, self.active = admission, loop, active
         self.engine: Engine | None = None
         self.api: oa.ApiRequest | None = None
@@ -97,7 +100,7 @@ class _Run:
             parts = [self.engine.generate_all(r) for r in self.api.gens]
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
-            return self._put("error", 404 if isinstance(e, oa.ModelNotFound) else 400, oa.openai_message(e, self.api))
+            return self._put("error", 404 if isinstance(e, oa.ModelNotFound) else 400, self.describe(e, self.api))
         completions = Completions([g for c in parts for g in c.gens])
         n = len(completions.gens)
         if n > self.admission.max_sessions:
@@ -186,6 +189,11 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
     async def chat(request: Request):
         return await _serve(request, lambda body, engine: oa.chat_request(body, engine, served_model, chat_template))
 
+    @app.post("/generate")
+    async def generate(request: Request):
+        """SGLang's native API (``services/router/sglang_api.py``)."""
+        return await _serve(request, sgl.generate_request, lambda e, api: sgl.message(e), _native_events, _native_collect)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await _plain(request, lambda body, engine: oa.tokenize_body(body, engine, served_model, chat_template))
@@ -214,43 +222,68 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
         except InvalidRequest as e:
             return error(404 if isinstance(e, oa.ModelNotFound) else 400, str(e))
 
-    async def _serve(request: Request, parse):
+    async def _serve(request: Request, parse, describe=oa.openai_message, events=None, collect=None):
+        """A generation request: parsed and decoded on a thread of its own (``_Run``); answered
+        as OpenAI's (``_events`` / ``_collect``) or another API's (``events`` / ``collect``)."""
         if app.state.draining:
             return error(503, "server: shutting down; retry on another replica")
         body, refused = await _body(request)
         if refused is not None:
             return refused
-        run = _Run(get_engine, parse, body, admission, asyncio.get_running_loop(), active)
+        run = _Run(get_engine, parse, body, admission, asyncio.get_running_loop(), active, describe)
         first = await run.queue.get()
         if first[0] == "error":
             return error(first[1], first[2])
         if run.api.stream:
-            return StreamingResponse(_events(run), media_type="text/event-stream")
-        return await _collect(request, run)
+            return StreamingResponse((events or _events)(run), media_type="text/event-stream")
+        return await (collect or _collect)(request, run)
 
     return app
 
 
-async def _events(run: _Run):
-    """Server-sent events: a chunk per cycle and choice, a last chunk per choice with its
-    finish_reason, usage when asked, then ``[DONE]``."""
-    chunks = _Chunks(run)
+async def _sse(run: _Run, step_chunks, done_chunks):
+    """Server-sent events: ``step_chunks(index, step)`` per step event, ``done_chunks()`` at the
+    end, an error after the stream began told in-band (as vLLM does), then ``[DONE]``."""
     try:
         while True:
             event = await run.queue.get()
             if event[0] == "step":
-                for chunk in chunks.step(event[1], event[2]):
+                for chunk in step_chunks(event[1], event[2]):
                     yield f"data: {json.dumps(chunk)}\n\n"
             elif event[0] == "done":
-                if run.api.include_usage:
-                    yield f"data: {json.dumps(chunks.usage())}\n\n"
+                for chunk in done_chunks():
+                    yield f"data: {json.dumps(chunk)}\n\n"
                 break
-            else:   # an error after the stream began: told in-band, as vLLM does
+            else:
                 yield f"data: {json.dumps(oa.error_body(event[2], _KIND_OF.get(event[1], 'server_error'), event[1]))}\n\n"
                 break
         yield "data: [DONE]\n\n"
     finally:
         run.leave()   # no-op after the end; else the client left and its cycles stop
+
+
+def _events(run: _Run):
+    """OpenAI's stream: a chunk per cycle and choice, a last chunk per choice with its
+    finish_reason, usage when asked."""
+    chunks = _Chunks(run)
+    return _sse(run, chunks.step, lambda: [chunks.usage()] if run.api.include_usage else [])
+
+
+async def _gathered(request: Request, run: _Run):
+    """The events of a request that does not stream, up to its last; None once the client
+    has left (its cycles are stopped)."""
+    while True:
+        try:
+            event = await asyncio.wait_for(run.queue.get(), 1.0)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                run.leave()
+                yield None
+                return
+            continue
+        yield event
+        if event[0] != "step":
+            return
 
 
 class _Chunks:
@@ -328,14 +361,9 @@ async def _collect(request: Request, run: _Run):
     api, tokenizer = run.api, run.engine.tokenizer
     gens = run.completions.gens
     choices = [oa.Choice(i) for i in range(len(gens))]
-    while True:
-        try:
-            event = await asyncio.wait_for(run.queue.get(), 1.0)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                run.leave()
-                return Response(status_code=499)
-            continue
+    async for event in _gathered(request, run):
+        if event is None:
+            return Response(status_code=499)
         if event[0] == "step":
             c, step = choices[event[1]], event[2]
             if step is None:
@@ -346,6 +374,49 @@ async def _collect(request: Request, run: _Run):
                 c.token_ids.extend(step.token_ids)
         elif event[0] == "done":
             return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, gens, tokenizer)
+        else:
+            return error(event[1], event[2])
+
+
+class _Native:
+    """A native request's completions as its steps carried them: text and token ids per index."""
+
+    def __init__(self, run: _Run):
+        self.gens = run.completions.gens
+        self.texts = [""] * len(self.gens)
+        self.ids: list[list[int]] = [[] for _ in self.gens]
+
+    def add(self, i: int, step) -> None:
+        if step is not None:
+            self.texts[i] += step.text
+            self.ids[i] += step.token_ids
+
+    def completion(self, i: int, final: bool, streamed: bool = False) -> dict:
+        return sgl.completion(self.gens[i], i, self.texts[i], self.ids[i], final, streamed)
+
+
+def _native_events(run: _Run):
+    """SGLang's stream: per step, the completion so far (cumulative)."""
+    seen = _Native(run)
+
+    def step(i: int, s) -> list[dict]:
+        seen.add(i, s)
+        return [seen.completion(i, s is None, streamed=True)]
+
+    return _sse(run, step, lambda: [])
+
+
+async def _native_collect(request: Request, run: _Run):
+    """SGLang's answer: one object for one prompt and n = 1, else a list."""
+    seen = _Native(run)
+    async for event in _gathered(request, run):
+        if event is None:
+            return Response(status_code=499)
+        if event[0] == "step":
+            seen.add(event[1], event[2])
+        elif event[0] == "done":
+            out = [seen.completion(i, True) for i in range(len(seen.gens))]
+            return out if run.api.many else out[0]
         else:
             return error(event[1], event[2])
 

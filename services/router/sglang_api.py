@@ -1,0 +1,117 @@
+"""SGLang's native ``POST /generate`` bodies, as SGLang's runtime API takes them: JSON in,
+``NativeRequest`` out (through the completions request ``openai_api`` validates), and the
+engine's completions back as SGLang's objects. No HTTP here; ``http_server`` is the edge.
+
+Request: ``text`` (a string or a list of them) or ``input_ids`` (token ids, or a list of id
+lists); ``sampling_params`` with SGLang's names and defaults (``max_new_tokens`` 128,
+``temperature`` 1.0, ``top_k`` -1 = off, ``min_new_tokens``, ``no_stop_trim``, ``sampling_seed``,
+``json_schema``, ``regex``, and the names vLLM shares); ``stream``; ``rid``; and specmesh's
+``method``. Unknown fields are refused, and an error names the field as SGLang does
+(``sampling_params.max_new_tokens: ...``).
+
+Answer, per completion: ``{"text", "output_ids", "meta_info"}``, with ``meta_info`` holding
+``id``, ``finish_reason`` (``{"type": "length", "length": n}``, ``{"type": "stop", "matched":
+token id or stop string}``, ``{"type": "abort"}``), ``prompt_tokens``, ``completion_tokens``,
+``cached_tokens``, ``e2e_latency``, ``spec_verify_ct`` (verification cycles) and specmesh's
+``speculation``. One prompt with n = 1 answers one object, anything else a list, prompt-major.
+A stream sends each completion's object so far (text and output_ids cumulative, as SGLang
+streams by default) with its ``index`` and a null finish_reason until its last.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.router import openai_api as oa
+from services.router.engine import InvalidRequest
+
+FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "method"}
+DEFAULT_MAX_NEW_TOKENS = 128
+# SGLang's sampling parameter → the completions field carrying it (the same name where omitted)
+RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
+           "sampling_seed": "seed"}
+SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+            "spaces_between_special_tokens", "no_stop_trim", "min_new_tokens", "sampling_seed", "n", "logit_bias",
+            "json_schema", "regex"}
+# a field named in an error (the completions' name or the engine's) → SGLang's
+_NAMES = {**{v: k for k, v in RENAMED.items()}, "max_new_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+          "seed": "sampling_seed", "structured_output": "json_schema", "structured_outputs": "json_schema"}
+
+
+class NativeInvalid(InvalidRequest):
+    """A refusal already worded with SGLang's names."""
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    gens: tuple                   # GenerationRequest per prompt (each completed n times)
+    stream: bool
+    many: bool                    # the answer is a list (several prompts, or n > 1)
+
+
+def message(e: InvalidRequest) -> str:
+    """The engine's or the completions' message with its field named as SGLang names it."""
+    name, sep, rest = str(e).partition(":")
+    if not sep or isinstance(e, NativeInvalid):
+        return str(e)
+    if name in ("prompt", "prompt_token_ids"):
+        return f"text{sep}{rest}"
+    name = _NAMES.get(name, name)
+    return f"sampling_params.{name}{sep}{rest}" if name in SAMPLING else f"{name}{sep}{rest}"
+
+
+def generate_request(body, engine) -> NativeRequest:
+    if not isinstance(body, dict):
+        raise NativeInvalid("body: must be a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise NativeInvalid(f"{unknown[0]}: unknown field; /generate accepts {', '.join(sorted(FIELDS))}")
+    if (body.get("text") is None) == (body.get("input_ids") is None):
+        raise NativeInvalid("text: set either text or input_ids")
+    sp = {} if body.get("sampling_params") is None else body["sampling_params"]
+    if not isinstance(sp, dict):
+        raise NativeInvalid("sampling_params: must be an object")
+    unknown = sorted(set(sp) - SAMPLING)
+    if unknown:
+        raise NativeInvalid(f"sampling_params.{unknown[0]}: unknown field; it accepts {', '.join(sorted(SAMPLING))}")
+    prompt = body["text"] if body.get("text") is not None else body["input_ids"]
+    many_prompts = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    completions = {"prompt": prompt, "stream": body.get("stream", False), "request_id": body.get("rid"),
+                   "method": body.get("method"), "max_tokens": sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+                   "structured_outputs": _structured(sp)}
+    completions |= {RENAMED.get(k, k): v for k, v in sp.items() if k not in ("max_new_tokens", "json_schema", "regex")}
+    try:
+        api = oa.completion_request({k: v for k, v in completions.items() if v is not None}, engine, "")
+    except InvalidRequest as e:
+        raise NativeInvalid(message(e)) from None
+    return NativeRequest(api.gens, api.stream, many_prompts or api.gens[0].n > 1)
+
+
+def _structured(sp: dict) -> dict | None:
+    kinds = [k for k in ("json_schema", "regex") if sp.get(k) is not None]
+    if len(kinds) > 1:
+        raise NativeInvalid("sampling_params.json_schema: set either json_schema or regex, not both")
+    return {"json" if kinds[0] == "json_schema" else "regex": sp[kinds[0]]} if kinds else None
+
+
+def finish_reason(g) -> dict | None:
+    if g.finish_reason is None:
+        return None
+    if g.finish_reason == "length":
+        return {"type": "length", "length": len(g.output_ids)}
+    if g.finish_reason in ("eos", "stop"):
+        return {"type": "stop", "matched": g.matched}
+    return {"type": "abort"}
+
+
+def completion(g, index: int, text: str, output_ids: list[int], final: bool, streamed: bool = False) -> dict:
+    """A completion's object: whole (``final``), or as streamed so far (``text`` and
+    ``output_ids`` are what the stream's steps carried; no finish reason before its last)."""
+    meta = {"id": g.req_id, "finish_reason": finish_reason(g) if final else None,
+            "prompt_tokens": len(g.req.prompt_ids), "completion_tokens": len(output_ids),
+            "cached_tokens": g.cached_tokens, "e2e_latency": round(g.timings.wall_s, 6),
+            "spec_verify_ct": g.stats.cycles, "speculation": oa.speculation(g)}
+    out = {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+    if streamed:
+        out["index"] = index
+    return out

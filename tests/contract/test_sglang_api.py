@@ -1,0 +1,133 @@
+"""SGLang's native ``POST /generate`` over HTTP: the engine's greedy tokens, SGLang's
+sampling-parameter names and defaults, its meta_info (finish reasons with what matched), batches
+and n, a cumulative stream, and errors naming the field as SGLang does."""
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from services.router.engine import GenerationRequest
+from tests.contract.test_openai_api import http_api
+
+PROMPT = "def add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def url(tiny_engine):
+    with http_api(tiny_engine) as (port, _):
+        yield f"http://127.0.0.1:{port}/generate"
+
+
+def greedy(engine, prompt: str, n_tokens: int, **kw) -> dict:
+    return engine.generate(GenerationRequest(engine.encode(prompt), n_tokens, method="vanilla", **kw)).result()
+
+
+class Answer:
+    def __init__(self, status_code: int, text: str):
+        self.status_code, self.text = status_code, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def post(url: str, body: dict) -> Answer:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return Answer(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Answer(e.code, e.read().decode())
+
+
+def sse(url: str, body: dict) -> list[str]:
+    """The data of each server-sent event."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [ln[len("data: "):] for ln in (raw.decode().rstrip("\n") for raw in r) if ln.startswith("data: ")]
+
+
+@pytest.mark.parametrize("method", ["vanilla", "sd", "suffix"])
+def test_generate_equals_the_engines_greedy_output(url, tiny_engine, method):
+    ref = greedy(tiny_engine, PROMPT, 12)
+    out = post(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "method": method})
+    assert out.status_code == 200, out.text
+    body = out.json()
+    assert body["output_ids"] == ref["token_ids"] and body["text"] == ref["text"]
+    meta = body["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["prompt_tokens"] == len(tiny_engine.encode(PROMPT)) and meta["completion_tokens"] == 12
+    assert meta["spec_verify_ct"] == meta["speculation"]["cycles"] > 0 and meta["speculation"]["method"] == method
+    if method == "vanilla":
+        assert meta["spec_verify_ct"] == 12
+
+
+def test_stops_report_what_matched(url, tiny_engine):
+    ref = greedy(tiny_engine, PROMPT, 12)
+    third = ref["token_ids"][2]
+    body = post(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0,
+                                                          "stop_token_ids": [third]}}).json()
+    assert body["output_ids"] == ref["token_ids"][:3]
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": third}
+    word = ref["text"][4:7]
+    assert word and ref["text"].find(word) == 4
+    body = post(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": word}}).json()
+    assert body["text"] == ref["text"][:4] and body["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+    kept = post(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": [word],
+                                                          "no_stop_trim": True}}).json()
+    assert kept["text"] == ref["text"][:7]
+
+
+def test_batches_and_n_answer_lists_prompt_major(url, tiny_engine):
+    prompts = [PROMPT, "class Stack:\n"]
+    refs = [greedy(tiny_engine, p, 6) for p in prompts]
+    out = post(url, {"input_ids": [tiny_engine.encode(p) for p in prompts],
+                     "sampling_params": {"max_new_tokens": 6, "temperature": 0, "n": 2}}).json()
+    assert isinstance(out, list) and [o["output_ids"] for o in out] == [r["token_ids"] for r in refs for _ in (0, 1)]
+    one = post(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "n": 2}}).json()
+    assert isinstance(one, list) and len(one) == 2
+
+
+def test_the_default_length_is_sglangs(url):
+    body = post(url, {"text": PROMPT, "sampling_params": {"temperature": 0, "ignore_eos": True}}).json()
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+    assert len(body["output_ids"]) == 128
+
+
+def test_a_stream_carries_the_completion_so_far(url, tiny_engine):
+    ref = greedy(tiny_engine, PROMPT, 16)
+    lines = sse(url, {"text": PROMPT, "stream": True, "method": "sd",
+                      "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(ln) for ln in lines[:-1]]
+    assert len(chunks) >= 2 and all(c["index"] == 0 for c in chunks)
+    for a, b in zip(chunks, chunks[1:]):   # cumulative: each extends the one before
+        assert b["text"].startswith(a["text"]) and b["output_ids"][:len(a["output_ids"])] == a["output_ids"]
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    last = chunks[-1]
+    assert last["text"] == ref["text"] and last["output_ids"] == ref["token_ids"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"text": PROMPT, "max_new_tokens": 4}, "max_new_tokens: unknown field"),
+    ({"text": PROMPT, "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens: unknown field"),
+    ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens:"),
+    ({"text": PROMPT, "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature:"),
+    ({"text": PROMPT, "sampling_params": {"min_new_tokens": -1}}, "sampling_params.min_new_tokens:"),
+    ({"text": PROMPT, "sampling_params": {"json_schema": "{}", "regex": "a+"}}, "sampling_params.json_schema:"),
+    ({"text": PROMPT, "input_ids": [1, 2]}, "text:"),
+    ({"sampling_params": {}}, "text:"),
+    ({"text": PROMPT, "sampling_params": []}, "sampling_params:"),
+])
+def test_errors_name_the_field_as_sglang_does(url, body, field):
+    out = post(url, body)
+    assert out.status_code == 400, out.text
+    assert out.json()["error"]["message"].startswith(field), out.json()
+
+
+def test_structured_output_through_sglang_names(url):
+    body = post(url, {"text": "x = ", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "regex": "[0-9]{3}"}}).json()
+    assert len(body["text"]) == 3 and body["text"].isdigit()
+    assert body["meta_info"]["finish_reason"]["type"] == "stop"
