@@ -164,6 +164,22 @@ def test_token_id_prompts_and_stop_strings(api, tiny_engine):
     stop = ref[10:14]
     out = client.completions.create(model="tiny", prompt=ids, max_tokens=30, temperature=0, stop=[stop])
     assert out.choices[0].text == ref[:ref.index(stop)] and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].stop_reason == stop   # vLLM's: what stopped it
+
+
+def test_stop_reason_names_the_stop_string_or_token(api, tiny_engine):
+    """vLLM's stop_reason, streamed (in the last chunk) and not: the stop string, the stop
+    token id, or null when the length limit ended the completion."""
+    client, _, _ = api
+    ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 12)
+    third, word = ref["token_ids"][2], ref["text"][4:7]
+    for stream in (False, True):
+        for extra, reason in (({"stop_token_ids": [third]}, third), ({"stop": [word]}, word), ({}, None)):
+            stop = extra.pop("stop", None)
+            out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=stream,
+                                            stop=stop, extra_body=extra)
+            last = [ch.choices[0] for ch in out if ch.choices][-1] if stream else out.choices[0]
+            assert last.stop_reason == reason and last.finish_reason == ("length" if reason is None else "stop")
 
 
 def test_truncate_prompt_tokens(api, tiny_engine):
