@@ -418,6 +418,12 @@ class Generation:
         self.pattern = req.structured.pattern() if req.structured else None
         self.grammar = GrammarCursor.after(engine.grammars.compile(self.pattern), []) if self.pattern else None
 
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's stop_reason: the stop string or stop token id that ended the completion; None
+        for the end-of-sequence token, the length limit, or one still running."""
+        return self.matched if self.finish_reason == "stop" else None
+
     def cancel(self) -> None:
         """The client went away (any thread): the cycle in flight ends with ``SessionCancelled``
         and the verifier stops it at its next step, a prompt mid-prefill included

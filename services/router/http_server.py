@@ -328,7 +328,7 @@ class _Chunks:
         if step is None:
             chunk = oa.stream_chunk(self.api, self.rid, self.created, i, None, (), self.tokenizer,
                                     finish=gen.finish_reason)
-            chunk["choices"][0] |= {"stop_reason": oa.stop_reason(gen), "speculation": oa.speculation(gen)}
+            chunk["choices"][0] |= {"stop_reason": gen.stop_reason, "speculation": oa.speculation(gen)}
             return chunk
         chunk = oa.stream_chunk(self.api, self.rid, self.created, i, step.text, step.logprobs, self.tokenizer,
                                 offset=self.offsets[i], first=not self.started[i], token_ids=step.token_ids,
@@ -344,7 +344,7 @@ class _Chunks:
             content, deltas, called = self.calls[i].finish()
             chunk = oa.tool_chunk(api, self.rid, self.created, i, content, deltas, (), self.tokenizer, first,
                                   gen.finish_reason, called)
-            chunk["choices"][0] |= {"stop_reason": oa.stop_reason(gen), "speculation": oa.speculation(gen)}
+            chunk["choices"][0] |= {"stop_reason": gen.stop_reason, "speculation": oa.speculation(gen)}
         else:
             content, deltas = self.calls[i].feed(step.text)
             self.streamed += len(step.token_ids)

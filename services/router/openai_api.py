@@ -484,12 +484,6 @@ def speculation(g) -> dict:
             "draft_s": round(g.timings.draft_s, 6), "verify_s": round(g.timings.verify_s, 6)}
 
 
-def stop_reason(g) -> int | str | None:
-    """vLLM's ``stop_reason``: the stop string or stop token id that ended the completion; None
-    for the end-of-sequence token, the length limit, or one still running."""
-    return g.matched if g.finish_reason == "stop" else None
-
-
 def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice], gens, tokenizer) -> dict:
     """The whole answer of a request that did not stream."""
     out = []
@@ -503,7 +497,7 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
             lp = completion_logprobs(named, c.logprobs, len(echoed))
             lp = joined_logprobs(echo_logprobs(named, g), lp) if api.echo else lp
         base = {"index": c.index, "logprobs": lp, "finish_reason": FINISH.get(c.finish_reason or "", "stop"),
-                "stop_reason": stop_reason(g), "speculation": speculation(g)}
+                "stop_reason": g.stop_reason, "speculation": speculation(g)}
         if api.token_ids:
             base["token_ids"] = list(c.token_ids)
         if api.chat:

@@ -84,7 +84,10 @@ def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
 
 def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
     s = gen.stats
+    reason = gen.stop_reason
+    stopped = {"stop_string": reason} if isinstance(reason, str) else {} if reason is None else {"stop_token_id": reason}
     return pb.GenerateResponse(
+        **stopped,
         index=index,
         finish_reason=FINISH.get(gen.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
         usage=pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.output_ids),

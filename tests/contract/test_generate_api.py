@@ -440,3 +440,19 @@ def test_skip_special_tokens(served, tiny_engine, skip):
                    allowed_token_ids=[eos], **kw)
     assert [t for m in msgs for t in m.token_ids] == [eos] * 3
     assert "".join(m.text for m in msgs) == ("" if skip in (None, True) else "<|endoftext|>" * 3)
+
+
+def test_the_last_message_names_what_stopped_the_stream(served, tiny_engine):
+    """stop_reason (vLLM's) on the final message: the stop token id or the stop string; neither
+    when the length limit ended it."""
+    stub = served[0]
+    ref = collect(stub, prompt="def f():\n", max_new_tokens=12, method="vanilla")
+    ids = [t for m in ref for t in m.token_ids]
+    text = "".join(m.text for m in ref)
+    assert ref[-1].WhichOneof("stop_reason") is None and ref[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    by_token = collect(stub, prompt="def f():\n", max_new_tokens=12, method="sd", stop_token_ids=[ids[2]])
+    assert by_token[-1].WhichOneof("stop_reason") == "stop_token_id" and by_token[-1].stop_token_id == ids[2]
+    word = text[4:7]
+    by_string = collect(stub, prompt="def f():\n", max_new_tokens=12, method="suffix", stop=[word])
+    assert by_string[-1].WhichOneof("stop_reason") == "stop_string" and by_string[-1].stop_string == word
+    assert by_string[-1].finish_reason == pb.FINISH_REASON_STOP
