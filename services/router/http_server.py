@@ -192,7 +192,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native API (``services/router/sglang_api.py``)."""
-        return await _serve(request, sgl.generate_request, lambda e, api: sgl.message(e), _native_events, _native_collect)
+        return await _serve(request, sgl.generate_request, sgl.message, _native_events, _native_collect)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -35,7 +35,7 @@ SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetit
             "json_schema", "regex"}
 # a field named in an error (the completions' name or the engine's) → SGLang's
 _NAMES = {**{v: k for k, v in RENAMED.items()}, "max_new_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-          "seed": "sampling_seed", "structured_output": "json_schema", "structured_outputs": "json_schema"}
+          "seed": "sampling_seed"}
 
 
 class NativeInvalid(InvalidRequest):
@@ -47,16 +47,18 @@ class NativeRequest:
     gens: tuple                   # GenerationRequest per prompt (each completed n times)
     stream: bool
     many: bool                    # the answer is a list (several prompts, or n > 1)
+    structured_field: str = "json_schema"   # the sampling parameter that set the grammar, for errors
 
 
-def message(e: InvalidRequest) -> str:
+def message(e: InvalidRequest, api: NativeRequest | None = None, structured: str = "json_schema") -> str:
     """The engine's or the completions' message with its field named as SGLang names it."""
     name, sep, rest = str(e).partition(":")
     if not sep or isinstance(e, NativeInvalid):
         return str(e)
     if name in ("prompt", "prompt_token_ids"):
         return f"text{sep}{rest}"
-    name = _NAMES.get(name, name)
+    structured = api.structured_field if api else structured
+    name = _NAMES.get(name, structured if name.startswith("structured_output") else name)
     return f"sampling_params.{name}{sep}{rest}" if name in SAMPLING else f"{name}{sep}{rest}"
 
 
@@ -80,11 +82,12 @@ def generate_request(body, engine) -> NativeRequest:
                    "method": body.get("method"), "max_tokens": sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
                    "structured_outputs": _structured(sp)}
     completions |= {RENAMED.get(k, k): v for k, v in sp.items() if k not in ("max_new_tokens", "json_schema", "regex")}
+    structured = "regex" if sp.get("regex") is not None else "json_schema"
     try:
         api = oa.completion_request({k: v for k, v in completions.items() if v is not None}, engine, "")
     except InvalidRequest as e:
-        raise NativeInvalid(message(e)) from None
-    return NativeRequest(api.gens, api.stream, many_prompts or api.gens[0].n > 1)
+        raise NativeInvalid(message(e, structured=structured)) from None
+    return NativeRequest(api.gens, api.stream, many_prompts or api.gens[0].n > 1, structured)
 
 
 def _structured(sp: dict) -> dict | None:

@@ -131,3 +131,9 @@ def test_structured_output_through_sglang_names(url):
     body = post(url, {"text": "x = ", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "regex": "[0-9]{3}"}}).json()
     assert len(body["text"]) == 3 and body["text"].isdigit()
     assert body["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_a_bad_grammar_is_named_by_its_parameter(url):
+    for field, value in (("regex", "(unclosed"), ("json_schema", "{not json")):
+        out = post(url, {"text": "x", "sampling_params": {"max_new_tokens": 4, field: value}})
+        assert out.status_code == 400 and out.json()["error"]["message"].startswith(f"sampling_params.{field}:"), out.text
