@@ -304,6 +304,10 @@ class RayVerifier:
     def open(self, spec: SessionSpec) -> RaySession:
         return RaySession(self.handle, spec)
 
+    def clear_prefix_cache(self) -> None:
+        raise NotImplementedError("prefix cache: no reset under Ray Serve, where a call reaches one verifier "
+                                  "replica rather than each; restart the deployment instead")
+
     def close(self) -> None:
         pass
 

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP front end (FastAPI on uvicorn) beside the gRPC one, over the same
 engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
 (streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, vLLM's
-``POST /tokenize`` and ``POST /detokenize``, SGLang's native ``POST /generate``, ``GET /health``,
+``POST /tokenize``, ``POST /detokenize`` and ``POST /reset_prefix_cache``, SGLang's native ``POST /generate`` and ``/flush_cache``, ``GET /health``,
 ``GET /metrics``.
 
 Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
@@ -193,6 +193,25 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
     async def generate(request: Request):
         """SGLang's native API (``services/router/sglang_api.py``)."""
         return await _serve(request, sgl.generate_request, sgl.message, _native_events, _native_collect)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: every verifier replica forgets its cached prompt blocks (empty 200)."""
+        return await _reset_prefix_cache(Response(status_code=200))
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """SGLang's name for the same reset."""
+        return await _reset_prefix_cache(Response("Cache flushed.\n", media_type="text/plain"))
+
+    async def _reset_prefix_cache(done: Response):
+        try:
+            await asyncio.to_thread(lambda: get_engine().verifier.clear_prefix_cache())
+        except NoReplica as e:
+            return error(503, str(e))
+        except NotImplementedError as e:
+            return error(501, str(e))
+        return done
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -181,7 +181,10 @@ class VerifierCore:
             self._grammars.worker.close()
 
     def clear_prefix_cache(self) -> None:
-        """Forget every cached prompt block; call it while no step runs (benchmarks between runs)."""
+        """Forget every cached prompt block (vLLM's /reset_prefix_cache). Safe while steps run:
+        each cache operation holds the cache's lock, a session already attached keeps the
+        blocks it copied, and blocks a session stores after the reset hang off parents that are
+        gone, so no lookup reaches them and LRU eviction frees them."""
         for owner in (self.runner, *self.drafters.values()):
             if owner.prefix is not None:
                 owner.prefix.clear()

@@ -141,6 +141,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                max_draft=self.core.max_draft, active_sessions=len(self.active),
                                max_sessions=self.max_sessions, replica=self.replica)
 
+    def ResetPrefixCache(self, request, context):
+        self.core.clear_prefix_cache()
+        return pb.ResetPrefixCacheResponse(replica=self.replica)
+
     def _check_open(self, s: SessionSpec) -> None:
         if not s.prompt_ids:
             raise BadRequest("open.prompt_ids: must not be empty")
@@ -609,6 +613,20 @@ class RemoteVerifier:
 
     def open(self, spec: SessionSpec) -> RemoteSession:
         return RemoteSession(self, spec)
+
+    def clear_prefix_cache(self) -> None:
+        """Every replica forgets its cached prompt blocks, and placement forgets where they were
+        (the affinity map would send sessions after blocks no longer there). A replica that
+        does not answer fails the call, naming it; the others are cleared all the same."""
+        failed = []
+        for addr, stub in self._stubs.items():
+            try:
+                stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)
+            except grpc.RpcError as e:
+                failed.append(f"{addr} ({e.code().name})")
+            self.affinity.forget(addr)
+        if failed:
+            raise NoReplica(f"prefix cache: not reset on {', '.join(failed)}")
 
     def transport(self, addr: str, spec: SessionSpec, timeout: float | None):
         """Open ``spec`` on ``addr``: over the replica's link (made anew if it broke), or its own stream."""

@@ -49,6 +49,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/specmesh.v1.Verifier/ResetPrefixCache',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -77,6 +82,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forget every prompt block the replica's prefix caches hold (the target's and its
+        drafters'), as vLLM's /reset_prefix_cache does; sessions in flight go on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.InfoRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.InfoResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +195,33 @@ class Verifier:
             '/specmesh.v1.Verifier/Info',
             specmesh_dot_v1_dot_verifier__pb2.InfoRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Verifier/ResetPrefixCache',
+            specmesh_dot_v1_dot_verifier__pb2.ResetPrefixCacheRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

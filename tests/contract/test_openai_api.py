@@ -472,3 +472,25 @@ def test_bearer_token_is_required_on_v1_but_not_health(tiny_engine):
 
         assert json.load(urllib.request.urlopen(f"{base}/version")) == {"version": version("specmesh")}
         assert raw_post(port, b'{"prompt": "x"}', "/tokenize")[0] == 401
+
+
+def test_reset_prefix_cache_forgets_cached_prompt_blocks(api, tiny_engine):
+    """vLLM's POST /reset_prefix_cache (and SGLang's /flush_cache): a prompt served from the
+    prefix cache is prefilled whole after it."""
+    import urllib.request
+
+    client, _, port = api
+    prompt = "".join(f"def reset_{i}(x):\n    return x * {i}\n\n" for i in range(6))
+
+    def cached() -> int:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0
+    for path, method, text in (("/reset_prefix_cache", "POST", ""), ("/flush_cache", "GET", "Cache flushed.\n")):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     data=b"" if method == "POST" else None)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200 and r.read().decode() == text
+        assert cached() == 0 and cached() > 0   # cold once, then cached again

@@ -262,6 +262,28 @@ def test_replica_killed_mid_stream_loses_nothing(tiny_dirs, tiny_engine, link):
         stop([slow, other])
 
 
+def test_reset_prefix_cache_reaches_every_replica(cluster):
+    """RemoteVerifier.clear_prefix_cache (the router's /reset_prefix_cache): a prompt cached on a
+    replica is prefilled whole after it, and placement no longer sends it after those blocks."""
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    engine, _, _, _ = cluster
+    pool = engine.verifier
+    ids = engine.encode("".join(f"def reset_{i}(x):\n    return x + {i}\n\n" for i in range(6)))
+    for _ in range(2):
+        s = pool.open(SessionSpec(ids, 4))
+        s.cycle(CycleRequest())
+        s.close()
+    assert pool.affinity.holders(list(ids))
+    pool.clear_prefix_cache()
+    assert not pool.affinity.holders(list(ids))
+    s = pool.open(SessionSpec(ids, 4))
+    try:
+        assert s.cycle(CycleRequest()).cached_tokens == 0
+    finally:
+        s.close()
+
+
 def test_malformed_verifier_input_gets_clear_status(cluster):
     _, _, addrs, _ = cluster
     stub = vgrpc.VerifierStub(grpc.insecure_channel(addrs[0]))

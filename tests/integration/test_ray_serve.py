@@ -353,3 +353,16 @@ def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_en
     finally:
         for s in sessions:
             s.close()
+
+
+def test_reset_prefix_cache_is_refused_clearly_under_serve(serve_app):
+    """A Serve call reaches one verifier replica, so the reset cannot reach each: 501 says so."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{serve_app[3]}/reset_prefix_cache", data=b"", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    assert e.value.code == 501
+    assert json.loads(e.value.read())["error"]["message"].startswith("prefix cache: no reset under Ray Serve")
