@@ -282,6 +282,13 @@ def test_reset_prefix_cache_reaches_every_replica(cluster):
         assert s.cycle(CycleRequest()).cached_tokens == 0
     finally:
         s.close()
+    raw = grpc.insecure_channel(cluster[2][0]).unary_unary("/specmesh.v1.Verifier/ResetPrefixCache",
+                                                          request_serializer=lambda b: b,
+                                                          response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as e:   # bytes no message parses from: a clear status, and the replica lives
+        raw(b"\xff\x00\x13garbage", timeout=20)
+    assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    assert active(cluster[2][0]) == 0
 
 
 def test_malformed_verifier_input_gets_clear_status(cluster):
