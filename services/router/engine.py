@@ -551,7 +551,8 @@ class Generation:
             self._raw += self._detok.push(tok)
             if self._find_stop(before) or tok in self.req.stop_token_ids:
                 self.finish_reason = "stop"
-                self.matched = self.matched if self.matched is not None else tok
+                if self.matched is None:   # a stop token (a stop string sets it in _find_stop)
+                    self.matched = tok
                 break
             if len(self.output_ids) >= self.req.max_new_tokens:
                 self.finish_reason = "length"

@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP front end (FastAPI on uvicorn) beside the gRPC one, over the same
 engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
 (streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, vLLM's
-``POST /tokenize``, ``POST /detokenize`` and ``POST /reset_prefix_cache``, SGLang's native ``POST /generate`` and ``/flush_cache``, ``GET /health``,
-``GET /metrics``.
+``POST /tokenize``, ``POST /detokenize`` and ``POST /reset_prefix_cache``, SGLang's native
+``POST /generate`` and ``/flush_cache``, ``GET /health``, ``GET /metrics``.
 
 Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
 take seconds to compile), admission, the decode cycles and the session's release all happen
@@ -388,9 +388,7 @@ async def _collect(request: Request, run: _Run):
             if step is None:
                 c.finish_reason = gens[c.index].finish_reason
             else:
-                c.text.append(step.text)
-                c.logprobs.extend(step.logprobs)
-                c.token_ids.extend(step.token_ids)
+                c.add(step)
         elif event[0] == "done":
             return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, gens, tokenizer)
         else:
@@ -398,20 +396,19 @@ async def _collect(request: Request, run: _Run):
 
 
 class _Native:
-    """A native request's completions as its steps carried them: text and token ids per index."""
+    """A native request's completions as its steps carried them (``oa.Choice`` per index)."""
 
     def __init__(self, run: _Run):
         self.gens = run.completions.gens
-        self.texts = [""] * len(self.gens)
-        self.ids: list[list[int]] = [[] for _ in self.gens]
+        self.choices = [oa.Choice(i) for i in range(len(self.gens))]
 
     def add(self, i: int, step) -> None:
         if step is not None:
-            self.texts[i] += step.text
-            self.ids[i] += step.token_ids
+            self.choices[i].add(step)
 
     def completion(self, i: int, final: bool, streamed: bool = False) -> dict:
-        return sgl.completion(self.gens[i], i, self.texts[i], self.ids[i], final, streamed)
+        c = self.choices[i]
+        return sgl.completion(self.gens[i], i, "".join(c.text), c.token_ids, final, streamed)
 
 
 def _native_events(run: _Run):

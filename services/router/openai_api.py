@@ -406,6 +406,12 @@ class Choice:
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
 
+    def add(self, step) -> None:
+        """One step's output (``StepOutput``): its text, logprobs and token ids."""
+        self.text.append(step.text)
+        self.logprobs.extend(step.logprobs)
+        self.token_ids.extend(step.token_ids)
+
 
 def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -85,7 +85,7 @@ def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
 def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
     s = gen.stats
     reason = gen.stop_reason
-    stopped = {"stop_string": reason} if isinstance(reason, str) else {} if reason is None else {"stop_token_id": reason}
+    stopped = {} if reason is None else {"stop_string" if isinstance(reason, str) else "stop_token_id": reason}
     return pb.GenerateResponse(
         **stopped,
         index=index,

@@ -33,9 +33,8 @@ SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetit
             "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
             "spaces_between_special_tokens", "no_stop_trim", "min_new_tokens", "sampling_seed", "n", "logit_bias",
             "json_schema", "regex"}
-# a field named in an error (the completions' name or the engine's) → SGLang's
-_NAMES = {**{v: k for k, v in RENAMED.items()}, "max_new_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-          "seed": "sampling_seed"}
+# a field named in an error (the completions' or the engine's name) → SGLang's, where they differ
+_NAMES = {v: k for k, v in RENAMED.items()}
 
 
 class NativeInvalid(InvalidRequest):
