@@ -49,7 +49,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
     serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 2, "cpus_per_replica": 0.25,
                    "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True,
                    "metrics_port": metrics_port, "metrics_host": "127.0.0.1", "max_streams": 2, "max_queue": 1,
-                   "prefill_chunk": 2}),   # beside an open session, a new prompt prefills 2 tokens a step
+                   "prefill_chunk": 1}),   # beside an open session, a new prompt prefills 1 token a step
               name="specmesh", route_prefix="/")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield pb_grpc.GenerationStub(channel), channel, metrics_port, http_port
@@ -241,7 +241,8 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
 
     stub, _, port, _ = serve_app
     start = tiny_engine.encode("".join(f"def chunked_{i}(x):\n    return x * {i}\n\n" for i in range(4)))
-    other = stub.Generate(pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=150, method="vanilla",
+    # The other stream outlasts the prompt's chunks (~27 + len(tail) of them), else the rest would be fed whole.
+    other = stub.Generate(pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=190, method="vanilla",
                                              ignore_eos=True), timeout=120)
     first = next(other)   # decoding on the replica that now holds the start
 
@@ -249,14 +250,17 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
         return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
 
     before = fed()
-    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=start + list(range(300, 440)), max_new_tokens=4,
+    tail = list(range(300, 450))   # never cached: fed whole, they take len(tail) - 1 chunks of 1 at least
+    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=start + tail, max_new_tokens=4,
                                             method="vanilla"), timeout=120)
     assert wait_for(lambda: fed() - before >= 3, timeout=30), "the prompt never prefilled in chunks"
     call.cancel()
     assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
-    assert fed() - before < 60   # ~84 chunks of 2 when fed whole (the start's first block is cached)
+    # Stopped before the end: a loaded host takes some steps to deliver Ray's cancel, which is
+    # why the tail is long (in CI the cancel once landed ~60 steps in).
+    assert fed() - before < len(tail) - 1
     rest = list(other)
-    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 150
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 190
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()   # none left behind
 
 
@@ -284,7 +288,8 @@ def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engin
         return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
 
     before = fed()
-    session = RaySession(handle, SessionSpec(start + list(range(300, 440)), 4))   # affinity: beside the holder
+    tail = list(range(300, 480))   # never cached: fed whole, they take len(tail) - 1 chunks of 1 at least
+    session = RaySession(handle, SessionSpec(start + tail, 4))   # affinity: beside the holder
     raised: list[BaseException] = []
 
     def cycle():
@@ -301,7 +306,7 @@ def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engin
         thread.join(30)
         assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], SessionCancelled), raised
         assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
-        assert fed() - before < 60   # ~70 chunks of 2 when fed whole
+        assert fed() - before < len(tail) - 1   # stopped before the end (see the test above)
     finally:
         session.close()
         holder.close()
