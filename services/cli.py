@@ -23,6 +23,17 @@ def _off_or_count(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return x
+
+
 def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", type=Path, default=MODELS_DIR / "target", help="HF model directory of the target")
     ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft", help="HF model directory of the draft LM")
@@ -96,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, max_queue=args.max_queue,
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         served_model_name=args.served_model_name, chat_template=args.chat_template,
-                        vllm_metric_names=args.vllm_metric_names,
+                        vllm_metric_names=args.vllm_metric_names, health_check_timeout_s=args.health_check_timeout,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                         auth_token=token or None)
     if args.tls_cert:  # component servers read their TLS settings from the environment
@@ -499,6 +510,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
                         "its model_name label, for dashboards written for vLLM (router and embedded)")
+    p.add_argument("--health-check-timeout", type=_seconds, default=ServerConfig.health_check_timeout_s,
+                   metavar="SECONDS", help="GET /health_generate answers 503 when no token is generated within this "
+                                           "time (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)")
     p.add_argument("--chat-template", type=Path, default=None,
                    help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)")
     p.set_defaults(func=cmd_serve)

@@ -409,7 +409,8 @@ class GenerationIngress:
 
         a = self._args
         cfg = ServerConfig(max_sessions=int(a.get("max_streams", 64)), max_queue=int(a.get("max_queue", 32)),
-                           auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None)
+                           auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None,
+                           health_check_timeout_s=float(a.get("health_check_timeout", ServerConfig.health_check_timeout_s)))
         template = Path(a["chat_template"]).read_text() if a.get("chat_template") else None
         return build_app(lambda: self.engine, Admission(cfg.max_sessions, cfg.max_queue), cfg,
                          a.get("served_model_name") or "target", template)

@@ -79,7 +79,11 @@ class MethodMetrics:
         self._per_pos: list = []
 
     @classmethod
-    def of(cls, method: str) -> "MethodMetrics":
+    def of(cls, method: str, counted: bool = True) -> "MethodMetrics":
+        """``counted=False``: a request kept out of the metrics (a health probe's), as SGLang's
+        ``log_metrics=False``."""
+        if not counted:
+            return UNCOUNTED
         if method not in cls._cache:
             cls._cache[method] = cls(method)
         return cls._cache[method]
@@ -108,6 +112,34 @@ class MethodMetrics:
             self._per_pos.append(ACCEPTED_PER_POS.labels(self.method, str(len(self._per_pos))))
         for i in range(accepted):
             self._per_pos[i].inc()
+
+
+class _Uncounted(MethodMetrics):
+    """Records nothing."""
+
+    class _Nothing:
+        def observe(self, _value: float) -> None:
+            pass
+
+    def __init__(self):
+        self.method = ""
+        self.ttft = self.tpot = self.e2e = self._Nothing()
+
+    def cycle(self, *_args) -> None:
+        pass
+
+
+UNCOUNTED = _Uncounted()
+
+
+def decoding_totals() -> tuple[float, float]:
+    """(cycles, tokens emitted) by this process's decoding so far, over all methods."""
+    def total(counter) -> float:
+        return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+    return total(CYCLES), total(GENERATED_TOKENS)
+
+
 VERIFY_BATCH = Histogram("specmesh_verify_batch_size", "Sessions verified together in one target forward",
                          buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
 PREFILL_CHUNKS = Counter("specmesh_prefill_chunks_total",

@@ -92,6 +92,7 @@ class GenerationRequest:
     n: int = 1                        # independent completions of the prompt (vLLM's n)
     priority: int = 0                 # admission order: lower first (vLLM's), then arrival
     skip_special_tokens: bool = True  # the tokenizer's special tokens add no text (vLLM's default)
+    log_metrics: bool = True          # False: kept out of the request metrics (a health probe)
 
 
 @dataclass
@@ -401,7 +402,7 @@ class Generation:
                              engine.max_draft.get(self.model_drafter, 0))
         self.stats = SpecStats()
         self.timings = Timings()
-        self.metrics = MethodMetrics.of(req.method)
+        self.metrics = MethodMetrics.of(req.method, req.log_metrics)
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -456,7 +457,8 @@ class Generation:
             if self.drafter:
                 self.drafter.stop(self.req_id)
             self.metrics.e2e.observe(self.timings.wall_s)
-            REQUESTS.labels(self.req.method, self.finish_reason or "cancelled").inc()
+            if req.log_metrics:
+                REQUESTS.labels(req.method, self.finish_reason or "cancelled").inc()
 
     def _request(self, budget: int) -> CycleRequest:
         """What the verifier should verify this cycle."""

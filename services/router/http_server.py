@@ -2,7 +2,8 @@
 engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
 (streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, vLLM's
 ``POST /tokenize``, ``POST /detokenize`` and ``POST /reset_prefix_cache``, SGLang's native
-``POST /generate`` and ``/flush_cache``, ``GET /health``, ``GET /metrics``.
+``POST /generate``, ``/flush_cache``, ``GET /get_model_info``, ``GET /get_server_info`` and
+``GET /health_generate``, ``GET /health`` (and vLLM's ``/ping``), ``GET /metrics``.
 
 Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
 take seconds to compile), admission, the decode cycles and the session's release all happen
@@ -23,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.config import ServerConfig
-from services.common.metrics import REQUESTS_REJECTED
+from services.common.metrics import REQUESTS_REJECTED, decoding_totals
 from services.router import openai_api as oa
 from services.router import sglang_api as sgl
 from services.router.engine import Completions, Engine, InvalidRequest
@@ -155,16 +156,52 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if cfg.auth_token and request.url.path not in ("/health", "/metrics", "/version"):
+        if cfg.auth_token and request.url.path not in ("/health", "/ping", "/metrics", "/version"):
             from services.common.security import bearer_ok
 
             if not bearer_ok([("authorization", request.headers.get("authorization", ""))], cfg.auth_token):
                 return error(401, "authorization: send `Authorization: Bearer <token>`")
         return await call_next(request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET"])
+    @app.api_route("/ping", methods=["GET", "POST"])   # vLLM's (SageMaker's) name
     async def health():
         return Response(status_code=503 if app.state.draining else 200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """SGLang's deep check: healthy once a one-token generation (admitted like any request)
+        finishes, or once other requests' decoding emits tokens meanwhile, so a busy server is
+        not made to queue its probe; 503 when neither happens within the timeout, or while
+        draining. The probe stays out of the request metrics."""
+        if app.state.draining:
+            return error(503, "server: shutting down")
+        loop = asyncio.get_running_loop()
+        before, deadline = decoding_totals()[1], loop.time() + cfg.health_check_timeout_s
+        run = _Run(get_engine, sgl.health_request, None, admission, loop, active, sgl.message)
+        try:
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    event = await asyncio.wait_for(run.queue.get(), min(left, 0.5))
+                except asyncio.TimeoutError:
+                    event = ("waiting",)
+                if event[0] == "done" or decoding_totals()[1] > before:
+                    return Response(status_code=200)
+                if event[0] == "error" and event[1] != 429:   # refused as full: others may still progress
+                    return error(503, f"health check: {event[2]}")
+            return error(503, f"health check: no token generated within {cfg.health_check_timeout_s:g} s")
+        finally:
+            run.leave()
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return sgl.model_info(await asyncio.to_thread(get_engine))
+
+    @app.api_route("/get_server_info", methods=["GET"])
+    @app.api_route("/server_info", methods=["GET"])   # SGLang's newer name
+    async def get_server_info():
+        engine = await asyncio.to_thread(get_engine)
+        return sgl.server_info(engine, admission, served_model, _version())
 
     @app.get("/version")
     async def version():

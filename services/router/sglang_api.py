@@ -16,13 +16,19 @@ token id or stop string}``, ``{"type": "abort"}``), ``prompt_tokens``, ``complet
 ``speculation``. One prompt with n = 1 answers one object, anything else a list, prompt-major.
 A stream sends each completion's object so far (text and output_ids cumulative, as SGLang
 streams by default) with its ``index`` and a null finish_reason until its last.
+
+Also SGLang's ``GET /get_model_info`` (``model_info``), ``GET /get_server_info`` (``server_info``,
+with ``avg_spec_accept_length``) and the request ``GET /health_generate`` sends (``health_request``).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
+from services.common.metrics import decoding_totals
 from services.router import openai_api as oa
-from services.router.engine import InvalidRequest
+from services.router.engine import GenerationRequest, InvalidRequest
 
 FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "method"}
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -117,3 +123,34 @@ def completion(g, index: int, text: str, output_ids: list[int], final: bool, str
     if streamed:
         out["index"] = index
     return out
+
+
+def health_request(_body, engine) -> NativeRequest:
+    """SGLang's health probe: one greedy token after token id 0, kept out of the request metrics."""
+    return NativeRequest((GenerationRequest([0], 1, method=engine.default_method, log_metrics=False),),
+                         stream=False, many=False)
+
+
+def model_info(engine) -> dict:
+    """``GET /get_model_info``: where the target was loaded from and what it is."""
+    try:
+        config = json.loads((Path(engine.cfg.target) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return {"model_path": str(engine.cfg.target), "tokenizer_path": str(engine.cfg.target), "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": config.get("model_type"),
+            "architectures": config.get("architectures")}
+
+
+def server_info(engine, admission, served_model: str, version: str) -> dict:
+    """``GET /get_server_info``: the limits and methods this server runs with, and SGLang's
+    ``avg_spec_accept_length``: tokens emitted per target verification pass (τ) over every
+    request this process has decoded, null before the first."""
+    cycles, tokens = decoding_totals()
+    return {"version": version, "model_path": str(engine.cfg.target), "served_model_name": served_model,
+            "context_length": engine.context_len, "max_running_requests": admission.max_sessions,
+            "max_queued_requests": admission.max_queue, "speculative_algorithm": engine.default_method,
+            "methods": engine.methods(), "max_draft_tokens": dict(engine.max_draft),
+            "internal_states": [{"avg_spec_accept_length": round(tokens / cycles, 4) if cycles else None,
+                                 "num_running_reqs": admission.running, "num_waiting_reqs": admission.waiting}]}

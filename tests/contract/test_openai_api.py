@@ -467,7 +467,7 @@ def test_bearer_token_is_required_on_v1_but_not_health(tiny_engine):
             openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="target", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
-        assert urllib.request.urlopen(f"{base}/health").status == 200
+        assert urllib.request.urlopen(f"{base}/health").status == urllib.request.urlopen(f"{base}/ping").status == 200
         from importlib.metadata import version
 
         assert json.load(urllib.request.urlopen(f"{base}/version")) == {"version": version("specmesh")}

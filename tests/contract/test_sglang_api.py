@@ -137,3 +137,119 @@ def test_a_bad_grammar_is_named_by_its_parameter(url):
     for field, value in (("regex", "(unclosed"), ("json_schema", "{not json")):
         out = post(url, {"text": "x", "sampling_params": {"max_new_tokens": 4, field: value}})
         assert out.status_code == 400 and out.json()["error"]["message"].startswith(f"sampling_params.{field}:"), out.text
+
+
+def get(url: str) -> Answer:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return Answer(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Answer(e.code, e.read().decode())
+
+
+def test_model_info_names_the_target(url, tiny_engine):
+    info = get(url.replace("/generate", "/get_model_info")).json()
+    assert info["model_path"] == info["tokenizer_path"] == str(tiny_engine.cfg.target)
+    assert info["is_generation"] is True and info["model_type"] == "llama"
+    assert info["architectures"] == json.loads((tiny_engine.cfg.target / "config.json").read_text()).get("architectures")
+
+
+def test_server_info_reports_limits_and_the_accept_length(url, tiny_engine):
+    from services.common.metrics import decoding_totals
+
+    post(url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "method": "suffix"})
+    info = get(url.replace("/generate", "/get_server_info")).json()
+    cycles, tokens = decoding_totals()   # nothing decodes between the two reads
+    assert info["max_running_requests"] == 4 and info["max_queued_requests"] == 32
+    assert info["speculative_algorithm"] == tiny_engine.default_method and "suffix" in info["methods"]
+    assert info["context_length"] == tiny_engine.context_len
+    (state,) = info["internal_states"]
+    assert state["avg_spec_accept_length"] == round(tokens / cycles, 4) >= 1.0
+    assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
+    assert get(url.replace("/generate", "/server_info")).json()["max_running_requests"] == 4   # SGLang's newer name
+
+
+@pytest.fixture
+def served(tiny_engine):
+    """A server of one session slot and no queue, its health check waiting 1.5 s."""
+    from services.common.config import ServerConfig
+    from services.router.server import build_server, start_http
+
+    cfg = ServerConfig(port=0, http_port=0, max_sessions=1, max_queue=0, health_check_timeout_s=1.5)
+    server, servicer, _ = build_server(tiny_engine, cfg)
+    server.start()
+    http = start_http(tiny_engine, cfg, servicer)
+    try:
+        yield f"http://127.0.0.1:{http.server.servers[0].sockets[0].getsockname()[1]}", servicer.admission, http
+    finally:
+        http.stop()
+        server.stop(0)
+
+
+class _Held:
+    """An admission context that holds its slot and never goes away."""
+
+    def is_active(self) -> bool:
+        return True
+
+    def time_remaining(self) -> None:
+        return None
+
+
+def scrape_value(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_health_generate_decodes_a_token_outside_the_request_metrics(served, tiny_engine):
+    base, _, _ = served
+    probe = {"method": tiny_engine.default_method, "finish_reason": "length"}
+    requests, steps = scrape_value("specmesh_requests_total", **probe), scrape_value("specmesh_verify_batch_size_count")
+    assert get(f"{base}/health_generate").status_code == 200
+    assert scrape_value("specmesh_verify_batch_size_count") > steps   # the probe's token was verified
+    assert scrape_value("specmesh_requests_total", **probe) == requests
+
+
+def test_health_generate_takes_others_progress_when_admission_is_full(served, tiny_engine):
+    """A busy server is healthy without queueing its probe; a full one that emits nothing is not."""
+    import threading
+
+    base, admission, _ = served
+    assert admission.acquire(_Held()) is None   # the only slot is taken, and nothing decodes in it
+    try:
+        refused = scrape_value("specmesh_requests_rejected_total", code="RESOURCE_EXHAUSTED")
+        out = get(f"{base}/health_generate")
+        assert out.status_code == 503 and "no token generated within 1.5 s" in out.json()["error"]["message"]
+        assert scrape_value("specmesh_requests_rejected_total", code="RESOURCE_EXHAUSTED") == refused + 1
+
+        gen = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPT), 200, method="vanilla",
+                                                     ignore_eos=True))
+        stop, started = threading.Event(), threading.Event()
+
+        def decode_slowly():   # a request decoding outside this server's admission: progress
+            steps = iter(gen)
+            for _ in steps:
+                started.set()
+                if stop.wait(0.05):
+                    break
+            steps.close()
+
+        t = threading.Thread(target=decode_slowly)
+        t.start()
+        try:
+            assert started.wait(30)
+            assert get(f"{base}/health_generate").status_code == 200
+            assert scrape_value("specmesh_requests_rejected_total", code="RESOURCE_EXHAUSTED") == refused + 2
+        finally:
+            stop.set()
+            t.join(30)
+    finally:
+        admission.release(1)
+
+
+def test_health_generate_is_503_while_draining(served):
+    base, _, http = served
+    assert get(f"{base}/health_generate").status_code == 200
+    http.drain()
+    assert get(f"{base}/health_generate").status_code == 503 and get(f"{base}/ping").status_code == 503
