@@ -237,12 +237,24 @@ class VerifierDeployment:
             running.add_done_callback(lambda _: slot.drop(session))
             raise
 
+    async def clear_prefix_cache(self, cleared: list[str]) -> dict:
+        """Forget this replica's cached prompt blocks unless it is among ``cleared`` (the
+        request router sends this call to a replica not yet cleared while there is one)."""
+        me = serve.get_replica_context().replica_id.unique_id
+        if me in cleared:
+            return {"replica": me, "cleared": False}
+        await self._in_pool(self.core.clear_prefix_cache)
+        return {"replica": me, "cleared": True}
+
     def record_routing_stats(self) -> dict:
         """For the request routers of every ingress replica: the sessions open here."""
         return {"sessions": list(self.core.sessions.copy()), "replica": serve.get_replica_context().replica_id.unique_id}
 
     async def close(self) -> None:
         (await self._slot(serve.get_multiplexed_model_id())).close()
+
+
+MAX_REPLICAS = 1024   # a prefix-cache reset that reaches more replicas than this is looping
 
 
 class RaySession:
@@ -305,8 +317,16 @@ class RayVerifier:
         return RaySession(self.handle, spec)
 
     def clear_prefix_cache(self) -> None:
-        raise NotImplementedError("prefix cache: no reset under Ray Serve, where a call reaches one verifier "
-                                  "replica rather than each; restart the deployment instead")
+        """Every verifier replica forgets its cached prompt blocks: one call per replica, each
+        routed to a replica not yet cleared (``PrefixAffinityRequestRouter``), until a call
+        reaches one already cleared, which means none is left."""
+        cleared: list[str] = []
+        while len(cleared) <= MAX_REPLICAS:
+            answer = self.handle.clear_prefix_cache.remote(cleared).result()
+            if not answer["cleared"]:
+                return
+            cleared.append(answer["replica"])
+        raise RuntimeError(f"prefix cache: still clearing after {MAX_REPLICAS} replicas")
 
     def close(self) -> None:
         pass
@@ -426,8 +446,8 @@ def app(args: dict):
     verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
     models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port, metrics_host,
     max_streams (64 per ingress replica), max_queue (32), affinity_slack (2: prefix affinity's allowance
-    when placing a session on a verifier replica, ``services/ray_router.py``), prefill_chunk and
-    prefix_cache_mb (as ``specmesh serve``'s flags).
+    when placing a session on a verifier replica, ``services/ray_router.py``), prefill_chunk,
+    prefix_cache_mb and health_check_timeout (as ``specmesh serve``'s flags).
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).

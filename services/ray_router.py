@@ -11,6 +11,10 @@ affinity, as the distributed router's placement does them (``services/router/aff
   its own): a verifier replica reports its open sessions (``record_routing_stats``, every
   ``request_routing_stats_period_s``), and this router adds the ones it opened and removes the
   ones it closed since (``session_loads``).
+- A prefix-cache reset (``clear_prefix_cache(cleared)``) goes to a replica not in
+  ``cleared`` while there is one, so a caller reaches each replica in turn; this router's
+  affinity forgets what that replica held. (Another ingress replica's router learns of the
+  reset only as its sessions find no cached blocks there.)
 - Everything else (a session whose replica is gone) is routed as Serve routes by
   default (power of two choices).
 
@@ -63,6 +67,9 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         # Sorted, so that routers that see the same loads break ties the same way.
         by_id = {r.replica_id.unique_id: r for r in sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)}
         sid = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if pending_request is not None and pending_request.metadata.call_method == "clear_prefix_cache" and by_id:
+            cleared = set(pending_request.args[0])
+            return [[next((r for rid, r in by_id.items() if rid not in cleared), next(iter(by_id.values())))]]
         spec = _opened(pending_request)
         home = self.placed.get(sid, ("", 0.0))[0]
         if spec is None and home in by_id:
@@ -83,6 +90,8 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
             self.closed.pop(sid, None)
         elif pending_request.metadata.call_method == "close" and self.placed.pop(sid, None) is not None:
             self.closed[sid] = time.monotonic()
+        elif pending_request.metadata.call_method == "clear_prefix_cache":
+            self.affinity.forget(rid)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)

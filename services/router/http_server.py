@@ -246,8 +246,6 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
             await asyncio.to_thread(lambda: get_engine().verifier.clear_prefix_cache())
         except NoReplica as e:
             return error(503, str(e))
-        except NotImplementedError as e:
-            return error(501, str(e))
         return done
 
     @app.post("/tokenize")

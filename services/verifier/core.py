@@ -185,9 +185,10 @@ class VerifierCore:
         each cache operation holds the cache's lock, a session already attached keeps the
         blocks it copied, and blocks a session stores after the reset hang off parents that are
         gone, so no lookup reaches them and LRU eviction frees them."""
-        for owner in (self.runner, *self.drafters.values()):
-            if owner.prefix is not None:
-                owner.prefix.clear()
+        self.runner.clear_prefix()
+        for drafter in self.drafters.values():
+            if drafter.prefix is not None:
+                drafter.prefix.clear()
 
     def _step(self, batch: list[Pending]) -> None:
         """One step for a batch of sessions' cycles: draft, one target forward, finish each.

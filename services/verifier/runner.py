@@ -143,6 +143,12 @@ class TargetRunner:
         PREFIX_CACHE.labels("hit").inc(st.cache_len)
         return st.cache_len, torch.cat([b[2] for b in blocks]) if self.capture_layers else None
 
+    def clear_prefix(self) -> None:
+        """Forget every cached prompt block (its gauge reads 0 at once)."""
+        if self.prefix is not None:
+            self.prefix.clear()
+            PREFIX_CACHE_BYTES.set(0)
+
     def _keep(self, st: TargetSession, states: torch.Tensor | None) -> None:
         """Verified positions up to ``cache_len``: store each block they complete. ``states``
         holds the newly verified positions' fused captured states."""

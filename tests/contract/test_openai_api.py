@@ -479,6 +479,8 @@ def test_reset_prefix_cache_forgets_cached_prompt_blocks(api, tiny_engine):
     prefix cache is prefilled whole after it."""
     import urllib.request
 
+    from prometheus_client import REGISTRY
+
     client, _, port = api
     prompt = "".join(f"def reset_{i}(x):\n    return x * {i}\n\n" for i in range(6))
 
@@ -493,4 +495,5 @@ def test_reset_prefix_cache_forgets_cached_prompt_blocks(api, tiny_engine):
                                      data=b"" if method == "POST" else None)
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200 and r.read().decode() == text
+        assert REGISTRY.get_sample_value("specmesh_prefix_cache_bytes") == 0   # the gauge follows at once
         assert cached() == 0 and cached() > 0   # cold once, then cached again

@@ -360,14 +360,36 @@ def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_en
             s.close()
 
 
-def test_reset_prefix_cache_is_refused_clearly_under_serve(serve_app):
-    """A Serve call reaches one verifier replica, so the reset cannot reach each: 501 says so."""
-    import json
-    import urllib.error
+def test_reset_prefix_cache_reaches_every_verifier_replica(serve_app, tiny_engine):
+    """vLLM's POST /reset_prefix_cache through Serve's proxy: the request router sends one
+    call to each verifier replica in turn, so prompts cached on either are prefilled whole after."""
     import urllib.request
 
+    from ray import serve
+
+    from services.ray_app import RaySession
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    port = serve_app[2]
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
+    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    prompts = [tiny_engine.encode("".join(f"def reset_{tag}_{i}(x):\n    return x - {i}\n\n" for i in range(5)))
+               for tag in ("a", "b")]
+    sessions = []
+    for ids in prompts:   # the second goes to the less loaded replica: the other one
+        sessions.append(RaySession(handle, SessionSpec(ids, 4)))
+        assert sessions[-1].cycle(CycleRequest()).cached_tokens == 0
+    holders = open_sessions()
+    assert sorted(len(v) for v in holders.values()) == [1, 1], holders   # one prompt cached on each replica
+    for s in sessions:
+        s.close()
+    assert scrape(port).get("specmesh_prefix_cache_bytes", 0.0) > 0
     req = urllib.request.Request(f"http://127.0.0.1:{serve_app[3]}/reset_prefix_cache", data=b"", method="POST")
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=60)
-    assert e.value.code == 501
-    assert json.loads(e.value.read())["error"]["message"].startswith("prefix cache: no reset under Ray Serve")
+    assert urllib.request.urlopen(req, timeout=60).status == 200
+    assert scrape(port).get("specmesh_prefix_cache_bytes", 0.0) == 0   # summed over both replicas
+    for ids in prompts:
+        again = RaySession(handle, SessionSpec(ids, 4))
+        try:
+            assert again.cycle(CycleRequest()).cached_tokens == 0
+        finally:
+            again.close()
