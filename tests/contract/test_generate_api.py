@@ -373,15 +373,14 @@ def test_cancelled_stream_stops_its_prompt_prefill_at_the_next_step(served, tiny
             time.sleep(0.001)
         assert len(chunks) >= 3, "the long prompt never prefilled in chunks"
         call.cancel()
-        at_cancel = len(chunks)
         end = time.time() + 10
         while len(servicer.active) > 1 and time.time() < end:
             time.sleep(0.005)
         assert len(servicer.active) == 1                     # the cancelled request is gone
         fed = len(chunks)
         time.sleep(0.2)
-        assert len(chunks) == fed <= at_cancel + 10           # it stopped (the cancel reaches the server
-        assert sum(chunks) < 150                              # within a few steps): never fed whole
+        assert len(chunks) == fed                             # it stopped, and before the end (100
+        assert sum(chunks) < 150                              # chunks of 2 when fed whole)
         assert sum(len(m.token_ids) for m in other) > 0      # the other stream finishes
     finally:
         core.runner.step, core.prefill_chunk = step, tiny_engine.cfg.prefill_chunk
