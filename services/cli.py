@@ -71,6 +71,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--spec-disable-batch", type=_off_or_count, default=EngineConfig.spec_disable_batch,
                     help="router: draft nothing while the verifier batches more sessions than this per step "
                          "(env SPECMESH_SPEC_DISABLE_BATCH); 0 = always speculate")
+    ap.add_argument("--max-model-len", type=_off_or_count, default=EngineConfig.max_model_len,
+                    help="verifier: a request's prompt + max_new_tokens may fill at most this many tokens (vLLM's "
+                         "--max-model-len); 0 = the target's max_position_embeddings")
     ap.add_argument("--redis-url", default=os.environ.get("SPECMESH_REDIS_URL"),
                     help="share state across replicas through Redis (env SPECMESH_REDIS_URL); default: none")
 
@@ -91,7 +94,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
                         batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                        redis_url=args.redis_url or None,
+                        max_model_len=args.max_model_len, redis_url=args.redis_url or None,
                         predictor_addr=getattr(args, "predictor_addr", None) or None,
                         drafter_addr=getattr(args, "drafter_addr", None) or None,
                         memory_addr=getattr(args, "memory_addr", None) or None)

@@ -59,7 +59,8 @@ def engine_config(args: dict) -> EngineConfig:
         max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)),
         draft_vocab=int(args.get("draft_vocab", EngineConfig.draft_vocab)),
         prefill_chunk=int(args.get("prefill_chunk", EngineConfig.prefill_chunk)),
-        prefix_cache_mb=int(args.get("prefix_cache_mb", EngineConfig.prefix_cache_mb)))
+        prefix_cache_mb=int(args.get("prefix_cache_mb", EngineConfig.prefix_cache_mb)),
+        max_model_len=int(args.get("max_model_len", EngineConfig.max_model_len)))
 
 
 class _Slot:
@@ -447,7 +448,7 @@ def app(args: dict):
     models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port, metrics_host,
     max_streams (64 per ingress replica), max_queue (32), affinity_slack (2: prefix affinity's allowance
     when placing a session on a verifier replica, ``services/ray_router.py``), prefill_chunk,
-    prefix_cache_mb and health_check_timeout (as ``specmesh serve``'s flags).
+    prefix_cache_mb, max_model_len and health_check_timeout (as ``specmesh serve``'s flags).
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).

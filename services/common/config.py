@@ -75,6 +75,7 @@ class EngineConfig:
     draft_vocab: int = -1                 # draft LM's head over the N most frequent tokens (FR-Spec); 0 = all;
     #                                       -1 = 4,096 where a ranking ships beside the draft, else all
     max_new_tokens_limit: int = 1024
+    max_model_len: int = 0                # prompt + max_new_tokens at most this (vLLM's); 0 = the target's positions
     default_max_new_tokens: int = 128
     default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid")   # lossless; falls back, see Engine
     threads: int = 0                      # torch intra-op threads; 0 = torch default

@@ -104,7 +104,12 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
 class VerifierCore:
     def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
                  policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0,
-                 prefill_chunk: int = 0, tokenizer_dir: Path | None = None):
+                 prefill_chunk: int = 0, tokenizer_dir: Path | None = None, max_model_len: int = 0):
+        """``max_model_len``: the context a request may fill, at most the target's positions (0: those)."""
+        if max_model_len > runner.max_positions:
+            raise ValueError(f"max_model_len: {max_model_len} exceeds the target's {runner.max_positions} positions "
+                             "(max_position_embeddings); set at most that, or 0 for it")
+        self.context_len = max_model_len or runner.max_positions
         self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
         self.tokenizer_dir, self._grammars = tokenizer_dir, None
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
@@ -145,7 +150,7 @@ class VerifierCore:
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
         return cls(runner, drafters, max_draft, policies, memory, eos_id, cfg.max_batch, cfg.batch_window_ms,
-                   cfg.prefill_chunk, Path(cfg.target))
+                   cfg.prefill_chunk, Path(cfg.target), cfg.max_model_len)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -163,10 +168,6 @@ class VerifierCore:
         old, self.memory = self.memory, memory
         self.policies["csd"] = CalibratedGreedy(self.policies["csd"].gate, memory)
         old.close()
-
-    @property
-    def context_len(self) -> int:
-        return self.runner.max_positions
 
     @property
     def vocab_size(self) -> int:

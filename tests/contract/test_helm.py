@@ -53,7 +53,7 @@ def test_schema_rejects_bad_values():
     chart = helm.Chart.load(str(CHART))
     for bad in ({"mode": "swarm"}, {"verifier": {"gpus": -1}}, {"redis": {"bundled": False, "externalUrl": ""}},
                 {"models": {"source": "s3"}}, {"router": {"port": 70000}}, {"router": {"verifierLink": "udp"}},
-                {"verifier": {"prefillChunk": -1}}, {"verifier": {"prefixCacheMb": -1}},
+                {"verifier": {"prefillChunk": -1}}, {"verifier": {"prefixCacheMb": -1}}, {"verifier": {"maxModelLen": -1}},
                 {"router": {"affinitySlack": -1}}):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
@@ -66,7 +66,7 @@ def test_services_mode_gpu_workloads():
     assert ver["spec"]["replicas"] == 2
     c = container(ver)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and "--device=cuda" in c["args"]
-    assert "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"]
+    assert "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"] and "--max-model-len=0" in c["args"]
     spec = ver["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
@@ -116,6 +116,7 @@ def test_ray_mode_rayservice():
     assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}   # the OpenAI-compatible API
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
+    assert serve["applications"][0]["args"]["max_model_len"] == 0
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFILL_CHUNK"] == "128"
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFIX_CACHE_MB"] == "256"
     worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]

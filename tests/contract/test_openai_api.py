@@ -497,3 +497,27 @@ def test_reset_prefix_cache_forgets_cached_prompt_blocks(api, tiny_engine):
             assert r.status == 200 and r.read().decode() == text
         assert REGISTRY.get_sample_value("specmesh_prefix_cache_bytes") == 0   # the gauge follows at once
         assert cached() == 0 and cached() > 0   # cold once, then cached again
+
+
+def test_max_model_len_caps_the_context(tiny_dirs):
+    """vLLM's --max-model-len: /v1/models reports it, a request past it is refused naming it,
+    and one above the target's positions is refused at startup."""
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    target, draft = tiny_dirs
+    cfg = EngineConfig(target=target, draft=draft, eagle3=None, predictor=None, ocm_snapshot=None, max_model_len=40)
+    engine = Engine(cfg)
+    try:
+        with http_api(engine) as (port, _):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+            assert client.models.list().data[0].model_extra["max_model_len"] == 40
+            ids = engine.encode(PROMPT)
+            assert client.completions.create(model="target", prompt=ids, max_tokens=40 - len(ids),
+                                             temperature=0).usage.completion_tokens == 40 - len(ids)
+            with pytest.raises(openai.BadRequestError, match="the context of 40 tokens"):
+                client.completions.create(model="target", prompt=ids, max_tokens=41 - len(ids))
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="max_model_len: 257 exceeds the target's 256 positions"):
+        Engine(replace(cfg, max_model_len=257))

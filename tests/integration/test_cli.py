@@ -30,7 +30,7 @@ def test_generate_reports_invalid_input(tiny_dirs):
     out = subprocess.run(CLI + ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x",
                                 "--max-new-tokens", "0"], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode != 0 and "max_new_tokens" in out.stderr
-    for flag in ("--prefill-chunk", "--spec-disable-batch", "--prefix-cache-mb"):
+    for flag in ("--prefill-chunk", "--spec-disable-batch", "--prefix-cache-mb", "--max-model-len"):
         out = subprocess.run(CLI + ["generate", "--prompt", "x", flag, "-1"], capture_output=True, text=True, env=ENV,
                              timeout=120)
         assert out.returncode == 2 and f"{flag}: expected a whole number >= 0" in out.stderr
