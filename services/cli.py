@@ -109,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else os.environ.get("SPECMESH_AUTH_TOKEN")
     scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, max_queue=args.max_queue,
                         metrics_port=args.metrics_port, http_port=args.http_port,
-                        served_model_name=args.served_model_name, chat_template=args.chat_template,
+                        served_model_name=tuple(args.served_model_name), chat_template=args.chat_template,
                         vllm_metric_names=args.vllm_metric_names, health_check_timeout_s=args.health_check_timeout,
                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                         auth_token=token or None)
@@ -508,8 +508,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--http-port", type=int, default=ServerConfig.http_port,
                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this "
                         "port, router and embedded only (0 = off)")
-    p.add_argument("--served-model-name", default="", help="the model's name in the HTTP API (default: the target's "
-                                                            "directory name)")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the model's names in the HTTP API: requests may use any, answers carry the first "
+                        "(vLLM's; default: the target's directory name)")
     p.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
                         "its model_name label, for dashboards written for vLLM (router and embedded)")

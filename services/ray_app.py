@@ -425,6 +425,7 @@ class GenerationIngress:
         """The OpenAI-compatible HTTP API through Serve's HTTP proxy, over the same engine (built
         on a request thread at first use). Admission as for gRPC: max_streams sessions, max_queue waiting."""
         from services.common.config import ServerConfig
+        from services.router import openai_api as oa
         from services.router.http_server import build_app
         from services.router.server import Admission
 
@@ -434,7 +435,7 @@ class GenerationIngress:
                            health_check_timeout_s=float(a.get("health_check_timeout", ServerConfig.health_check_timeout_s)))
         template = Path(a["chat_template"]).read_text() if a.get("chat_template") else None
         return build_app(lambda: self.engine, Admission(cfg.max_sessions, cfg.max_queue), cfg,
-                         a.get("served_model_name") or "target", template)
+                         oa.served_names(a.get("served_model_name") or "target"), template)
 
     def Check(self, request):
         from grpc_health.v1 import health_pb2

@@ -111,7 +111,8 @@ class ServerConfig:
     tls_client_ca: Path | None = None     # and require client certificates signed by this CA (mTLS)
     auth_token: str | None = None         # require `authorization: Bearer <token>` on the public API
     http_port: int = 8000                 # OpenAI-compatible HTTP API (/v1/completions, ...); 0 = off
-    served_model_name: str = ""           # the model's name in the HTTP API; "" = the target's directory name
+    served_model_name: tuple[str, ...] | str = ()   # the model's names in the HTTP API (answers carry the
+    #                                       first); empty = the target's directory name
     chat_template: Path | None = None     # Jinja chat template for /v1/chat/completions; None = the tokenizer's
     vllm_metric_names: bool = False       # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)

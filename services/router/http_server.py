@@ -143,7 +143,7 @@ class _Run:
             self.active.remove(completions.gens)
 
 
-def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_template: str | None = None,
+def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tuple[str, ...], chat_template: str | None = None,
               active=None) -> FastAPI:
     """``get_engine()``: the engine, called on request threads only (Ray Serve builds it on first use);
     ``active``: the ``ActiveSessions`` registry shared with the gRPC front end."""
@@ -201,7 +201,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str, chat_
     @app.api_route("/server_info", methods=["GET"])   # SGLang's newer name
     async def get_server_info():
         engine = await asyncio.to_thread(get_engine)
-        return sgl.server_info(engine, admission, served_model, _version())
+        return sgl.server_info(engine, admission, oa.served_names(served_model)[0], _version())
 
     @app.get("/version")
     async def version():

@@ -258,7 +258,7 @@ def _prompts(v, engine) -> list[list[int]]:
     raise InvalidRequest("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
 
 
-def completion_request(body, engine, served_model: str) -> ApiRequest:
+def completion_request(body, engine, served_model: str | tuple[str, ...]) -> ApiRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
     _refuse_fields(body, COMPLETION_FIELDS, {"suffix": "not supported (no fill-in-the-middle)"})
@@ -289,7 +289,7 @@ def completion_request(body, engine, served_model: str) -> ApiRequest:
                       tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
-def chat_request(body, engine, served_model: str, template: str | None) -> ApiRequest:
+def chat_request(body, engine, served_model: str | tuple[str, ...], template: str | None) -> ApiRequest:
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
     _refuse_fields(body, CHAT_FIELDS, {})
@@ -336,11 +336,20 @@ def _structured_field(body: dict) -> str:
     return "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
 
 
-def _model(body: dict, served: str) -> str:
-    model = _typed(body, "model", (str,), "a string", served)
-    if model != served:
-        raise ModelNotFound(f"model: `{model}` is not served here; this server serves `{served}` (GET /v1/models)")
-    return model
+def served_names(served: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The served model's names (vLLM's ``--served-model-name a b``)."""
+    return (served,) if isinstance(served, str) else tuple(served)
+
+
+def _model(body: dict, served: str | tuple[str, ...]) -> str:
+    """The request may name the model by any of its names (or none); the answer carries the
+    first, as vLLM's does, so a client of an alias learns which model answered."""
+    names = served_names(served)
+    model = _typed(body, "model", (str,), "a string", names[0])
+    if model not in names:
+        raise ModelNotFound(f"model: `{model}` is not served here; this server serves "
+                            f"{', '.join(f'`{n}`' for n in names)} (GET /v1/models)")
+    return names[0]
 
 
 class ModelNotFound(InvalidRequest):
@@ -582,7 +591,7 @@ def usage_chunk(api: ApiRequest, rid: str, created: int, gens) -> dict:
             "model": api.model, "choices": [], "usage": usage(gens)}
 
 
-def tokenize_body(body, engine, served_model: str, template: str | None) -> dict:
+def tokenize_body(body, engine, served_model: str | tuple[str, ...], template: str | None) -> dict:
     """vLLM's /tokenize: a ``prompt`` or chat ``messages`` (and ``tools``) → its token ids under
     this server's tokenizer."""
     if not isinstance(body, dict):
@@ -604,7 +613,7 @@ def tokenize_body(body, engine, served_model: str, template: str | None) -> dict
     return {"count": len(ids), "max_model_len": engine.context_len, "tokens": ids}
 
 
-def detokenize_body(body, engine, served_model: str) -> dict:
+def detokenize_body(body, engine, served_model: str | tuple[str, ...]) -> dict:
     """vLLM's /detokenize: ``tokens`` → their text."""
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
@@ -621,6 +630,8 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def models_body(served: str, max_model_len: int, created: int | None = None) -> dict:
-    return {"object": "list", "data": [{"id": served, "object": "model", "created": created or int(time.time()),
-                                        "owned_by": "specmesh", "root": served, "max_model_len": max_model_len}]}
+def models_body(served: str | tuple[str, ...], max_model_len: int, created: int | None = None) -> dict:
+    """Every name of the served model, each rooted at the first."""
+    names, created = served_names(served), created or int(time.time())
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "specmesh",
+                                        "root": names[0], "max_model_len": max_model_len} for n in names]}

@@ -17,6 +17,7 @@ from services.common.security import TLSConfig
 from services.common.metrics import ACTIVE_SESSIONS, QUEUE_DEPTH, REQUESTS_REJECTED
 from services.common.structured import StructuredOutput
 from services.common.types import SamplingParams
+from services.router import openai_api as oa
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.verifier.core import SessionCancelled
 from services.verifier.server import NoReplica
@@ -228,7 +229,7 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
     if cfg.vllm_metric_names:
         from services.common import vllm_metrics
 
-        vllm_metrics.register(served_model(engine, cfg))
+        vllm_metrics.register(served_model(engine, cfg)[0])
     servicer = GenerationServicer(engine, cfg)
     tls = TLSConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     # every admitted stream and every queued request holds a handler thread; health checks need one more
@@ -253,22 +254,23 @@ def serve(engine: Engine, cfg: ServerConfig) -> None:
     engine.close()  # flush suffix-feed outputs and correction-memory writes
 
 
-def served_model(engine: Engine, cfg: ServerConfig) -> str:
-    """The model's name in the HTTP API and in vLLM-named metrics: the target's directory name by default."""
-    return cfg.served_model_name or engine.cfg.target.name
+def served_model(engine: Engine, cfg: ServerConfig) -> tuple[str, ...]:
+    """The model's names in the HTTP API, the first also in vLLM-named metrics: the target's
+    directory name by default."""
+    return oa.served_names(cfg.served_model_name or engine.cfg.target.name)
 
 
 def start_http(engine: Engine, cfg: ServerConfig, servicer: GenerationServicer):
     """The OpenAI-compatible HTTP API on cfg.http_port, sharing the gRPC server's admission limits."""
     from services.router.http_server import HttpServer, build_app
 
-    name = served_model(engine, cfg)
+    names = served_model(engine, cfg)
     template = cfg.chat_template.read_text() if cfg.chat_template else None
-    app = build_app(lambda: engine, servicer.admission, cfg, name, template, active=servicer.active)
+    app = build_app(lambda: engine, servicer.admission, cfg, names, template, active=servicer.active)
     http = HttpServer(app, cfg, cfg.http_port)
     port = http.start()
     scheme = "https" if cfg.tls_cert else "http"
-    print(f"specmesh: OpenAI-compatible API on {scheme}://{cfg.host}:{port}/v1 (model `{name}`) — try: curl "
+    print(f"specmesh: OpenAI-compatible API on {scheme}://{cfg.host}:{port}/v1 (model `{'`, `'.join(names)}`) — try: curl "
           f"{scheme}://{cfg.host}:{port}/v1/completions -H 'content-type: application/json' "
           f"-d '{{\"prompt\": \"def add(a, b):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
     return http

@@ -521,3 +521,16 @@ def test_max_model_len_caps_the_context(tiny_dirs):
         engine.close()
     with pytest.raises(ValueError, match="max_model_len: 257 exceeds the target's 256 positions"):
         Engine(replace(cfg, max_model_len=257))
+
+
+def test_a_model_served_under_several_names(tiny_engine):
+    """vLLM's --served-model-name a b: /v1/models lists both, a request may name either, and
+    the answer carries the first."""
+    with http_api(tiny_engine, served_model_name=("tiny-2026-12", "tiny")) as (port, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        models = client.models.list().data
+        assert [m.id for m in models] == ["tiny-2026-12", "tiny"] and {m.model_extra["root"] for m in models} == {"tiny-2026-12"}
+        for name in ("tiny", "tiny-2026-12"):
+            assert client.completions.create(model=name, prompt=PROMPT, max_tokens=2).model == "tiny-2026-12"
+        with pytest.raises(openai.NotFoundError, match="this server serves `tiny-2026-12`, `tiny`"):
+            client.completions.create(model="tiny-2025", prompt=PROMPT, max_tokens=2)
