@@ -4,7 +4,7 @@ A collector, not a second set of counters: at each scrape it reads specmesh's me
 yields the mapped ones under vLLM's names, with vLLM's ``model_name`` label (the served model
 name) and specmesh's per-method (and per-draft-source) series summed, as one vLLM server
 reports one speculative method. The decode path is untouched. Finish reasons map as vLLM's
-``finished_reason``: eos and stop → stop, length → length, cancelled → abort.
+``finished_reason``: eos and stop → stop, length → length, cancelled and abort → abort.
 
 Registered by the router (``serve``, embedded or router role), where requests and cycles are
 counted; a Ray Serve node's multiprocess exporter keeps specmesh's names only.
@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from services.common import metrics as m
 
-FINISHED = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+FINISHED = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort", "abort": "abort"}
 
 # vLLM name: (specmesh metric, the specmesh labels vLLM keeps, renamed, with value maps)
 COUNTERS = {

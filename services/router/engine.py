@@ -415,7 +415,7 @@ class Generation:
         self.logprobs: list[TokenLogprob] = []   # per output token, when the request asked
         self.prompt_logprobs: list[TokenLogprob] = []   # per prompt token after the first, when asked
         self._session = None
-        self._cancelled = False
+        self._cancelled = self._aborted = False
         self.pattern = req.structured.pattern() if req.structured else None
         self.grammar = GrammarCursor.after(engine.grammars.compile(self.pattern), []) if self.pattern else None
 
@@ -424,6 +424,11 @@ class Generation:
         """vLLM's stop_reason: the stop string or stop token id that ended the completion; None
         for the end-of-sequence token, the length limit, or one still running."""
         return self.matched if self.finish_reason == "stop" else None
+
+    def abort(self) -> None:
+        """End the completion before its next cycle as a finished one, finish_reason "abort"
+        (SGLang's /abort_request; any thread): its client gets what was generated so far."""
+        self._aborted = True
 
     def cancel(self) -> None:
         """The client went away (any thread): the cycle in flight ends with ``SessionCancelled``
@@ -448,7 +453,7 @@ class Generation:
             self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
         try:
             while self.finish_reason is None:
-                out = self._cycle(session)
+                out = self._ended_by_abort() if self._aborted else self._cycle(session)
                 if out.token_ids or out.text:
                     yield out
         finally:
@@ -459,6 +464,13 @@ class Generation:
             self.metrics.e2e.observe(self.timings.wall_s)
             if req.log_metrics:
                 REQUESTS.labels(req.method, self.finish_reason or "cancelled").inc()
+
+    def _ended_by_abort(self) -> StepOutput:
+        """The text held back for stop strings, as the last step."""
+        self.finish_reason = "abort"
+        delta = self._raw[len(self.text):]
+        self.text += delta
+        return StepOutput([], delta)
 
     def _request(self, budget: int) -> CycleRequest:
         """What the verifier should verify this cycle."""

@@ -2,8 +2,9 @@
 engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
 (streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, vLLM's
 ``POST /tokenize``, ``POST /detokenize`` and ``POST /reset_prefix_cache``, SGLang's native
-``POST /generate``, ``/flush_cache``, ``GET /get_model_info``, ``GET /get_server_info`` and
-``GET /health_generate``, ``GET /health`` (and vLLM's ``/ping``), ``GET /metrics``.
+``POST /generate``, ``/flush_cache``, ``POST /abort_request``, ``GET /get_model_info``,
+``GET /get_server_info`` and ``GET /health_generate``, ``GET /health`` (and vLLM's ``/ping``),
+``GET /metrics``.
 
 Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
 take seconds to compile), admission, the decode cycles and the session's release all happen
@@ -192,6 +193,13 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
             return error(503, f"health check: no token generated within {cfg.health_check_timeout_s:g} s")
         finally:
             run.leave()
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        """SGLang's: the completions of request id ``rid`` (any API's; every request with
+        ``abort_all``) end before their next cycle, each answered with what it has and
+        finish_reason "abort"; a request still queued ends so as it starts."""
+        return await _plain(request, lambda body, _engine: {"aborted": active.abort(sgl.abort_target(body))})
 
     @app.get("/get_model_info")
     async def get_model_info():

@@ -34,7 +34,7 @@ from services.router.engine import MAX_N, GenerationRequest, InvalidRequest
 from services.router.tools import ToolError, Tools, parse_tools, template_messages
 from services.router.tools import message as tool_message
 
-FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
+FINISH = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}   # vLLM's names
 DEFAULT_COMPLETION_TOKENS = 16
 MAX_PROMPTS = 16   # prompts in one /v1/completions request
 

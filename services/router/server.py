@@ -8,6 +8,7 @@ import heapq
 import itertools
 import logging
 import threading
+import time
 from dataclasses import replace
 import grpc
 
@@ -27,7 +28,8 @@ from specmesh.v1 import generate_pb2_grpc as pb_grpc
 log = logging.getLogger("specmesh.router")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP}
+FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP,
+          "abort": pb.FINISH_REASON_ABORT}
 
 
 def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
@@ -158,17 +160,47 @@ class Admission:
             self._cond.notify_all()
 
 
+def _ids_of(g: Generation) -> tuple[str, ...]:
+    """The request ids that name a completion: its own, and for one prompt of several (``rid-pN``,
+    openai_api) the request's."""
+    rid = g.req.request_id
+    base, sep, n = rid.rpartition("-p")
+    return (rid, base) if sep and n.isdigit() and base else (rid,)
+
+
+ABORT_WINDOW_S = 60.0   # an abort also ends requests queued when it came that start within this time
+
+
 class ActiveSessions:
-    """The completions decoding now, over both front ends; ``specmesh_active_sessions`` follows."""
+    """The completions decoding now, over both front ends; ``specmesh_active_sessions`` follows.
+    ``abort`` ends them by request id, or all of them; a request still queued for admission
+    then is aborted as it starts (an abort holds for requests made before it, ABORT_WINDOW_S)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._gens: dict[str, Generation] = {}
+        self._aborts: dict[str | None, float] = {}   # request id (None: all) → when aborted
 
     def add(self, gens) -> None:
         with self._lock:
             self._gens.update((g.req_id, g) for g in gens)
             ACTIVE_SESSIONS.set(len(self._gens))
+            for g in gens:
+                if any(g.timings.start < self._aborts.get(rid, -1.0) for rid in (*_ids_of(g), None)):
+                    g.abort()
+
+    def abort(self, request_id: str | None) -> int:
+        """SGLang's /abort_request: end the completions of ``request_id`` (every request when
+        None) before their next cycle, each answered with what it has and finish_reason
+        "abort". Returns how many were decoding."""
+        now = time.perf_counter()
+        with self._lock:
+            self._aborts = {r: t for r, t in self._aborts.items() if now - t < ABORT_WINDOW_S}
+            self._aborts[request_id] = now
+            hit = [g for g in self._gens.values() if request_id is None or request_id in _ids_of(g)]
+        for g in hit:
+            g.abort()
+        return len(hit)
 
     def remove(self, gens) -> None:
         with self._lock:

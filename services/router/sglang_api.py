@@ -18,7 +18,8 @@ A stream sends each completion's object so far (text and output_ids cumulative, 
 streams by default) with its ``index`` and a null finish_reason until its last.
 
 Also SGLang's ``GET /get_model_info`` (``model_info``), ``GET /get_server_info`` (``server_info``,
-with ``avg_spec_accept_length``) and the request ``GET /health_generate`` sends (``health_request``).
+with ``avg_spec_accept_length``), the request ``GET /health_generate`` sends (``health_request``)
+and ``POST /abort_request``'s body (``abort_target``).
 """
 from __future__ import annotations
 
@@ -154,3 +155,20 @@ def server_info(engine, admission, served_model: str, version: str) -> dict:
             "methods": engine.methods(), "max_draft_tokens": dict(engine.max_draft),
             "internal_states": [{"avg_spec_accept_length": round(tokens / cycles, 4) if cycles else None,
                                  "num_running_reqs": admission.running, "num_waiting_reqs": admission.waiting}]}
+
+
+def abort_target(body) -> str | None:
+    """``POST /abort_request``'s body → the request id to abort, None for every request."""
+    if not isinstance(body, dict):
+        raise NativeInvalid("body: must be a JSON object")
+    unknown = sorted(set(body) - {"rid", "abort_all"})
+    if unknown:
+        raise NativeInvalid(f"{unknown[0]}: unknown field; /abort_request accepts abort_all, rid")
+    if not isinstance(body.get("abort_all", False), bool):
+        raise NativeInvalid("abort_all: must be a boolean")
+    if body.get("abort_all"):
+        return None
+    rid = body.get("rid")
+    if not isinstance(rid, str) or not rid:
+        raise NativeInvalid("rid: the request id to abort (a non-empty string), or abort_all: true")
+    return rid

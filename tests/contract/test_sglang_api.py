@@ -2,6 +2,7 @@
 sampling-parameter names and defaults, its meta_info (finish reasons with what matched), batches
 and n, a cumulative stream, and errors naming the field as SGLang does."""
 import json
+from contextlib import contextmanager
 import urllib.error
 import urllib.request
 
@@ -253,3 +254,109 @@ def test_health_generate_is_503_while_draining(served):
     assert get(f"{base}/health_generate").status_code == 200
     http.drain()
     assert get(f"{base}/health_generate").status_code == 503 and get(f"{base}/ping").status_code == 503
+
+
+@contextmanager
+def both_apis(engine, **cfg):
+    """gRPC and HTTP over one engine and one admission: (HTTP base URL, gRPC port, servicer)."""
+    from services.common.config import ServerConfig
+    from services.router.server import build_server, start_http
+
+    cfg = ServerConfig(port=0, http_port=0, **{"max_sessions": 4, **cfg})
+    server, servicer, port = build_server(engine, cfg)
+    server.start()
+    http = start_http(engine, cfg, servicer)
+    try:
+        yield f"http://127.0.0.1:{http.server.servers[0].sockets[0].getsockname()[1]}", port, servicer
+    finally:
+        http.stop()
+        server.stop(0)
+
+
+@contextmanager
+def slowed(engine, seconds: float):
+    """Every verifier step takes ``seconds`` longer: a request decodes long enough to be aborted."""
+    import time
+
+    core = engine.verifier
+    step = core.runner.step
+
+    def slow(*a, **kw):
+        time.sleep(seconds)
+        return step(*a, **kw)
+
+    core.runner.step = slow
+    try:
+        yield
+    finally:
+        core.runner.step = step
+
+
+def in_thread(fn):
+    import threading
+
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", fn()))
+    t.start()
+    return t, box
+
+
+def test_abort_request_ends_a_completion_with_what_it_has(tiny_engine):
+    """SGLang's POST /abort_request by rid: the request's answer comes at once, finish_reason
+    abort, its tokens a prefix of the greedy output; over gRPC (same registry) FINISH_REASON_ABORT."""
+    import grpc
+
+    from specmesh.v1 import generate_pb2 as pb
+    from specmesh.v1 import generate_pb2_grpc as pb_grpc
+    from tests.conftest import wait_for
+
+    ref = greedy(tiny_engine, PROMPT, 150, ignore_eos=True)["token_ids"]
+    with both_apis(tiny_engine) as (base, port, servicer), slowed(tiny_engine, 0.02):
+        body = {"text": PROMPT, "rid": "job-1", "sampling_params": {"max_new_tokens": 150, "temperature": 0,
+                                                                    "ignore_eos": True}}
+        t, box = in_thread(lambda: post(f"{base}/generate", body))
+        assert wait_for(lambda: len(servicer.active) == 1, timeout=30)
+        assert post(f"{base}/abort_request", {"rid": "job-1"}).json() == {"aborted": 1}
+        t.join(30)
+        out = box["out"].json()
+        assert out["meta_info"]["finish_reason"] == {"type": "abort"}
+        assert 0 < len(out["output_ids"]) < 150 and out["output_ids"] == ref[:len(out["output_ids"])]
+
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stream = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=150, method="sd", ignore_eos=True,
+                                                  request_id="grpc-1"), timeout=60)
+        first = next(stream)
+        assert post(f"{base}/abort_request", {"rid": "grpc-1"}).json() == {"aborted": 1}
+        msgs = [first, *stream]
+        ids = [t for m in msgs for t in m.token_ids]
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_ABORT and ids == ref[:len(ids)] and len(ids) < 150
+    assert not servicer.active
+
+
+def test_abort_all_ends_running_and_queued_requests(tiny_engine):
+    from tests.conftest import wait_for
+
+    with both_apis(tiny_engine, max_sessions=1, max_queue=1) as (base, _, servicer), slowed(tiny_engine, 0.02):
+        running = in_thread(lambda: post(f"{base}/v1/completions", {"prompt": PROMPT, "max_tokens": 150,
+                                                                      "ignore_eos": True, "request_id": "a"}))
+        assert wait_for(lambda: len(servicer.active) == 1, timeout=30)
+        queued = in_thread(lambda: post(f"{base}/v1/completions", {"prompt": PROMPT, "max_tokens": 150,
+                                                                     "ignore_eos": True, "request_id": "b"}))
+        assert wait_for(lambda: servicer.admission.waiting == 1, timeout=30)
+        assert post(f"{base}/abort_request", {"abort_all": True}).json() == {"aborted": 1}
+        for t, box in (running, queued):
+            t.join(30)
+        first, second = (box["out"].json()["choices"][0] for _, box in (running, queued))
+        assert first["finish_reason"] == second["finish_reason"] == "abort"
+        assert 0 < len(first["text"]) and second["text"] == ""   # the queued one ended as it started
+        assert post(f"{base}/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "request_id": "c"}).json()[
+            "choices"][0]["finish_reason"] == "length"   # a later request is not aborted
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "rid:"), ({"rid": 5}, "rid:"), ({"rid": ""}, "rid:"), ({"abort_all": "yes"}, "abort_all:"),
+    ({"rid": "x", "bogus": 1}, "bogus: unknown field"), ([], "body:"),
+])
+def test_abort_request_names_what_to_fix(url, body, field):
+    out = post(url.replace("/generate", "/abort_request"), body)
+    assert out.status_code == 400 and out.json()["error"]["message"].startswith(field), out.text
