@@ -168,7 +168,7 @@ def _ids_of(g: Generation) -> tuple[str, ...]:
     return (rid, base) if sep and n.isdigit() and base else (rid,)
 
 
-ABORT_WINDOW_S = 60.0   # an abort also ends requests queued when it came that start within this time
+ABORT_WINDOW_S = 60.0   # an abort also ends the requests made before it that start within this time
 
 
 class ActiveSessions:
@@ -185,8 +185,10 @@ class ActiveSessions:
         with self._lock:
             self._gens.update((g.req_id, g) for g in gens)
             ACTIVE_SESSIONS.set(len(self._gens))
+            now = time.perf_counter()
             for g in gens:
-                if any(g.timings.start < self._aborts.get(rid, -1.0) for rid in (*_ids_of(g), None)):
+                if any(g.timings.start < t and now - t < ABORT_WINDOW_S
+                       for t in (self._aborts.get(rid) for rid in (*_ids_of(g), None)) if t is not None):
                     g.abort()
 
     def abort(self, request_id: str | None) -> int:
