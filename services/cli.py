@@ -111,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                         metrics_port=args.metrics_port, http_port=args.http_port,
                         served_model_name=tuple(args.served_model_name), chat_template=args.chat_template,
                         vllm_metric_names=args.vllm_metric_names, health_check_timeout_s=args.health_check_timeout,
+                        allowed_origins=tuple(args.allowed_origins),
                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                         auth_token=token or None)
     if args.tls_cert:  # component servers read their TLS settings from the environment
@@ -514,6 +515,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--vllm-metric-names", action="store_true",
                    help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
                         "its model_name label, for dashboards written for vLLM (router and embedded)")
+    p.add_argument("--allowed-origins", nargs="+", default=list(ServerConfig.allowed_origins), metavar="ORIGIN",
+                   help="CORS: browser origins the HTTP API answers (vLLM's; default: any, *)")
     p.add_argument("--health-check-timeout", type=_seconds, default=ServerConfig.health_check_timeout_s,
                    metavar="SECONDS", help="GET /health_generate answers 503 when no token is generated within this "
                                            "time (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)")

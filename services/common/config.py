@@ -116,3 +116,4 @@ class ServerConfig:
     chat_template: Path | None = None     # Jinja chat template for /v1/chat/completions; None = the tokenizer's
     vllm_metric_names: bool = False       # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)
+    allowed_origins: tuple[str, ...] = ("*",)   # CORS: browser origins the HTTP API answers (vLLM's default)

@@ -22,6 +22,7 @@ import time
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.config import ServerConfig
@@ -163,6 +164,11 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
             if not bearer_ok([("authorization", request.headers.get("authorization", ""))], cfg.auth_token):
                 return error(401, "authorization: send `Authorization: Bearer <token>`")
         return await call_next(request)
+
+    # Outermost (added last): a browser's preflight is answered before the bearer check, which
+    # it cannot pass (it carries no Authorization header). No credentials: the token is a header.
+    app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"])
 
     @app.api_route("/health", methods=["GET"])
     @app.api_route("/ping", methods=["GET", "POST"])   # vLLM's (SageMaker's) name

@@ -534,3 +534,31 @@ def test_a_model_served_under_several_names(tiny_engine):
             assert client.completions.create(model=name, prompt=PROMPT, max_tokens=2).model == "tiny-2026-12"
         with pytest.raises(openai.NotFoundError, match="this server serves `tiny-2026-12`, `tiny`"):
             client.completions.create(model="tiny-2025", prompt=PROMPT, max_tokens=2)
+
+
+def cors(port: int, origin: str, path: str = "/v1/completions") -> tuple[int, dict]:
+    """A browser's preflight for a JSON POST with a bearer token: status and headers."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="OPTIONS", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers)
+
+
+def test_cors_preflight_is_answered_before_the_bearer_check(tiny_engine):
+    """vLLM's --allowed-origins (any by default): a browser UI on another origin may call the API."""
+    with http_api(tiny_engine, auth_token="s3cret") as (port, _):
+        status, headers = cors(port, "https://ui.example")
+        assert status == 200 and headers["access-control-allow-origin"] == "*"
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+    with http_api(tiny_engine, allowed_origins=("https://ui.example",)) as (port, _):
+        status, headers = cors(port, "https://ui.example")
+        assert status == 200 and headers["access-control-allow-origin"] == "https://ui.example"
+        status, headers = cors(port, "https://elsewhere.example")
+        assert status == 400 and "access-control-allow-origin" not in {k.lower() for k in headers}
