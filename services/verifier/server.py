@@ -382,19 +382,22 @@ class LinkServer:
         self._posts.append((session, req, lambda item: self._done(sid, item)))
 
     def _done(self, sid: str, item) -> None:
+        """The session is free before its reply is queued: the router sends its next cycle as
+        soon as the reply arrives, and the reader must not find it still busy."""
         if item.error is None:
-            self._out.put(pb.LinkReply(session_id=sid, result=result_to_pb(item.result)))
+            reply = pb.LinkReply(session_id=sid, result=result_to_pb(item.result))
         elif isinstance(item.error, SessionCancelled):
             log.info("session %s: %s", sid, item.error)
-            self._out.put(pb.LinkReply(session_id=sid, error=pb.SessionError(
-                code=grpc.StatusCode.CANCELLED.value[0], message=str(item.error))))
+            reply = pb.LinkReply(session_id=sid, error=pb.SessionError(
+                code=grpc.StatusCode.CANCELLED.value[0], message=str(item.error)))
         else:
             log.error("session %s failed: %s", sid, item.error)
-            self._out.put(pb.LinkReply(session_id=sid, error=pb.SessionError(
-                code=grpc.StatusCode.INTERNAL.value[0], message=f"cycle failed: {item.error}")))
+            reply = pb.LinkReply(session_id=sid, error=pb.SessionError(
+                code=grpc.StatusCode.INTERNAL.value[0], message=f"cycle failed: {item.error}"))
         with self._lock:
             self.busy.discard(sid)
             release = self.ended or item.error is not None or sid in self.closing
+        self._out.put(reply)
         if release:
             self._close(sid)
         self._stop_when_idle()

@@ -32,3 +32,19 @@ def test_a_resumed_spec_carries_the_output_so_far():
     assert (again.prompt_ids, again.max_new_tokens, again.min_tokens, again.generated, again.prompt_logprobs) == \
         ([1, 2, 7, 8, 9], 6, 1, 3, None)
     assert spec.resumed([5] * 12).max_new_tokens == 1 and spec.resumed([5] * 12).min_tokens == 0
+
+
+def test_a_link_frees_its_session_before_answering_the_cycle():
+    """The router sends a session's next cycle as soon as the answer arrives; had the link
+    queued the answer first, that cycle could find the session still busy (CI once did)."""
+    from types import SimpleNamespace
+
+    from services.verifier.server import LinkServer
+
+    link = LinkServer(servicer=None)
+    link.sessions["s"] = object()
+    link.busy.add("s")
+    busy_at_reply = []
+    link._out = SimpleNamespace(put=lambda reply: busy_at_reply.append("s" in link.busy))
+    link._done("s", SimpleNamespace(error=None, result=CycleResult(committed=[4], drafted=0, accepted=0, source="none")))
+    assert busy_at_reply == [False]
