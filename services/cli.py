@@ -288,7 +288,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except InvalidRequest as e:
         sys.exit(f"error: {e}")
     req = GenerationRequest(
-        prompt_ids=engine.encode(args.prompt), max_new_tokens=args.max_new_tokens,
+        prompt_ids=engine.encode(args.prompt, add_special_tokens=True), max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
                                 args.presence_penalty, args.frequency_penalty, _bias(args),
                                 tuple(args.allowed_token_id or ()), bad_words, args.min_p),

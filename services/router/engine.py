@@ -236,8 +236,10 @@ class Engine:
                     and (m.model_drafter is None or model in self.verifier.max_draft))
         return [m.name for m in METHODS.values() if available(m)]
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; a client's text prompt takes the tokenizer's special tokens
+        (its BOS token, where it adds one), as vLLM's and SGLang's do, pieces of text do not."""
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def encode_fit(self, text: str, max_new_tokens: int) -> list[int]:
         """Encode for offline tools (bench, trace, calibrate): keep the prompt's last tokens so

@@ -43,7 +43,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
            "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
            "request_id", "method", "truncate_prompt_tokens", "bad_words", "return_token_ids",
-           "return_tokens_as_token_ids", "priority", "skip_special_tokens", "spaces_between_special_tokens"}
+           "return_tokens_as_token_ids", "priority", "skip_special_tokens", "spaces_between_special_tokens",
+           "add_special_tokens"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs",
@@ -245,14 +246,15 @@ def _stream_opts(body: dict, stream: bool) -> tuple[bool, bool]:
     return flags[0], flags[0] and flags[1]
 
 
-def _prompts(v, engine) -> list[list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of such lists."""
+def _prompts(v, engine, special: bool) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of such lists; strings take
+    the tokenizer's special tokens with ``special``."""
     if isinstance(v, str):
-        return [engine.encode(v)]
+        return [engine.encode(v, special)]
     if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         return [list(v)]
     if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
-        return [engine.encode(p) for p in v]
+        return [engine.encode(p, special) for p in v]
     if isinstance(v, list) and v and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in v):
         return [list(p) for p in v]
     raise InvalidRequest("prompt: must be a string, a list of strings, a list of token ids or a list of such lists")
@@ -265,7 +267,7 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     model = _model(body, served_model)
     if "prompt" not in body:
         raise InvalidRequest("prompt: required")
-    prompts = _prompts(body["prompt"], engine)
+    prompts = _prompts(body["prompt"], engine, _typed(body, "add_special_tokens", (bool,), "true or false", True))
     if len(prompts) > MAX_PROMPTS:
         raise InvalidRequest(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     n = _int(body, "n", 1)
@@ -300,14 +302,7 @@ def chat_request(body, engine, served_model: str | tuple[str, ...], template: st
         raise InvalidRequest(str(e)) from None
     _bool(body, "parallel_tool_calls")   # accepted: calls are as many as the model makes
     messages = _messages(body)
-    cont = _bool(body, "continue_final_message")
-    if cont and (body.get("add_generation_prompt") is True or messages[-1]["role"] != "assistant"):
-        raise InvalidRequest("continue_final_message: needs a final assistant message and add_generation_prompt false")
-    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object", {})
-    ids = chat_prompt(engine.tokenizer, template_messages(messages), template,
-                      add_generation_prompt=not cont and body.get("add_generation_prompt", True) is not False,
-                      kwargs={**kwargs, "continue_final_message": True} if cont else kwargs,
-                      tools=list(tools.specs) if tools else None)
+    ids = _chat_ids(body, engine, messages, template, tools)
     # vLLM's chat echo: the answer starts with the last message when it is the assistant's
     echoed = messages[-1]["content"] if _bool(body, "echo") and messages[-1]["role"] == "assistant" else ""
     n = _int(body, "n", 1)
@@ -330,6 +325,18 @@ def chat_request(body, engine, served_model: str | tuple[str, ...], template: st
                       structured_field="tool_choice" if forced else _structured_field(body),
                       token_ids=_bool(body, "return_token_ids"), tools=tools, chat_echo=echoed,
                       tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
+
+
+def _chat_ids(body: dict, engine, messages: list[dict], template: str | None, tools) -> list[int]:
+    """The conversation's token ids as the chat fields ask (a chat completion's, /tokenize's)."""
+    cont = _bool(body, "continue_final_message")
+    if cont and (body.get("add_generation_prompt") is True or messages[-1]["role"] != "assistant"):
+        raise InvalidRequest("continue_final_message: needs a final assistant message and add_generation_prompt false")
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object", {})
+    return chat_prompt(engine.tokenizer, template_messages(messages), template,
+                       add_generation_prompt=not cont and body.get("add_generation_prompt", True) is not False,
+                       kwargs={**kwargs, "continue_final_message": True} if cont else kwargs,
+                       tools=list(tools.specs) if tools else None, add_special_tokens=_bool(body, "add_special_tokens"))
 
 
 def _structured_field(body: dict) -> str:
@@ -389,9 +396,10 @@ def _content(c, i: int) -> str:
 
 
 def chat_prompt(tokenizer, messages: list[dict], template: str | None, add_generation_prompt: bool = True,
-                kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+                kwargs: dict | None = None, tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
     """The conversation (and the tools, if any) rendered by the chat template (the server's,
-    else the tokenizer's)."""
+    else the tokenizer's); the template writes any BOS token itself, so the tokenizer adds
+    its special tokens only when asked (vLLM's chat default)."""
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("messages: the served model has no chat template; start the server with "
                              "--chat-template FILE, or use /v1/completions")
@@ -400,7 +408,7 @@ def chat_prompt(tokenizer, messages: list[dict], template: str | None, add_gener
                                              add_generation_prompt=add_generation_prompt, **(kwargs or {}))
     except Exception as e:   # a template error names what the template expected
         raise InvalidRequest(f"messages: the chat template failed: {e}") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -596,7 +604,8 @@ def tokenize_body(body, engine, served_model: str | tuple[str, ...], template: s
     this server's tokenizer."""
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
-    _refuse_fields(body, {"model", "prompt", "messages", "add_generation_prompt", "tools"}, {})
+    _refuse_fields(body, {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message",
+                          "chat_template_kwargs", "tools", "add_special_tokens", "return_token_strs"}, {})
     _model(body, served_model)
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("prompt: set either `prompt` or `messages`")
@@ -605,12 +614,14 @@ def tokenize_body(body, engine, served_model: str | tuple[str, ...], template: s
             tools = parse_tools({"tools": body.get("tools")})
         except ToolError as e:
             raise InvalidRequest(str(e)) from None
-        ids = chat_prompt(engine.tokenizer, template_messages(_messages(body)), template,
-                          add_generation_prompt=body.get("add_generation_prompt", True) is not False,
-                          tools=list(tools.specs) if tools else None)
+        ids = _chat_ids(body, engine, _messages(body), template, tools)
     else:
-        ids = engine.encode(_typed(body, "prompt", (str,), "a string", ""))
-    return {"count": len(ids), "max_model_len": engine.context_len, "tokens": ids}
+        ids = engine.encode(_typed(body, "prompt", (str,), "a string", ""),
+                            _typed(body, "add_special_tokens", (bool,), "true or false", True))
+    out = {"count": len(ids), "max_model_len": engine.context_len, "tokens": ids}
+    if _bool(body, "return_token_strs"):
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+    return out
 
 
 def detokenize_body(body, engine, served_model: str | tuple[str, ...]) -> dict:

@@ -35,7 +35,8 @@ FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS, "stop"
 def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
     if r.prompt and r.prompt_token_ids:
         raise InvalidRequest("prompt: set either `prompt` or `prompt_token_ids`, not both")
-    ids = list(r.prompt_token_ids) if r.prompt_token_ids else engine.encode(r.prompt) if r.prompt else []
+    special = r.add_special_tokens if r.HasField("add_special_tokens") else True
+    ids = list(r.prompt_token_ids) if r.prompt_token_ids else engine.encode(r.prompt, special) if r.prompt else []
     max_new = r.max_new_tokens if r.HasField("max_new_tokens") else engine.cfg.default_max_new_tokens
     return GenerationRequest(
         prompt_ids=engine.truncate(ids, r.truncate_prompt_tokens if r.HasField("truncate_prompt_tokens") else None, max_new),

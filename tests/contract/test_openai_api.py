@@ -562,3 +562,74 @@ def test_cors_preflight_is_answered_before_the_bearer_check(tiny_engine):
         assert status == 200 and headers["access-control-allow-origin"] == "https://ui.example"
         status, headers = cors(port, "https://elsewhere.example")
         assert status == 400 and "access-control-allow-origin" not in {k.lower() for k in headers}
+
+
+@pytest.fixture(scope="module")
+def bos_engine(tiny_dirs, tmp_path_factory):
+    """The tiny pair with a tokenizer that adds a BOS token (id 0) as Llama's does."""
+    import shutil
+
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    target = tmp_path_factory.mktemp("bos") / "target"
+    shutil.copytree(tiny_dirs[0], target)
+    tok = json.loads((target / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    tok["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                  "tokens": ["<|endoftext|>"]}}}
+    (target / "tokenizer.json").write_text(json.dumps(tok))
+    engine = Engine(EngineConfig(target=target, draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None,
+                                 max_new_tokens_limit=200))
+    yield engine
+    engine.close()
+
+
+def test_text_prompts_take_the_tokenizers_special_tokens(bos_engine, tmp_path):
+    """As vLLM and SGLang tokenize a text prompt: with the BOS token a Llama-style tokenizer
+    adds (add_special_tokens, default true), over HTTP and gRPC alike; a chat template writes
+    its own, so chat adds none unless asked."""
+    import grpc
+
+    from specmesh.v1 import generate_pb2 as pb
+    from specmesh.v1 import generate_pb2_grpc as pb_grpc
+
+    ids = bos_engine.encode(PROMPT)
+    assert ids[0] != 0 and bos_engine.encode(PROMPT, add_special_tokens=True) == [0, *ids]
+    tpl = tmp_path / "template.jinja"
+    tpl.write_text(TEMPLATE)
+    with http_api(bos_engine, chat_template=tpl) as (port, _):
+        status, out = raw_post(port, json.dumps({"prompt": PROMPT, "return_token_strs": True}).encode(), "/tokenize")
+        body = json.loads(out)
+        assert status == 200 and body["tokens"] == [0, *ids] and body["token_strs"][0] == "<|endoftext|>"
+        _, out = raw_post(port, json.dumps({"prompt": PROMPT, "add_special_tokens": False}).encode(), "/tokenize")
+        assert json.loads(out)["tokens"] == ids
+        messages = [{"role": "user", "content": "hi"}]
+        _, out = raw_post(port, json.dumps({"messages": messages}).encode(), "/tokenize")
+        chat = json.loads(out)["tokens"]
+        _, out = raw_post(port, json.dumps({"messages": messages, "add_special_tokens": True}).encode(), "/tokenize")
+        assert chat[0] != 0 and json.loads(out)["tokens"] == [0, *chat]
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        ref = greedy(bos_engine, [0, *ids], 8)
+        out = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert out.usage.prompt_tokens == len(ids) + 1 and out.choices[0].text == ref["text"]
+        out = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"add_special_tokens": False})
+        assert out.usage.prompt_tokens == len(ids)
+        assert client.chat.completions.create(model="target", messages=messages, max_tokens=2,
+                                              temperature=0).usage.prompt_tokens == len(chat)
+
+    server, _, port = build_server(bos_engine, ServerConfig(port=0, max_sessions=2))
+    server.start()
+    try:
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        for flag, n in ((None, len(ids) + 1), (False, len(ids))):
+            req = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=2, method="vanilla")
+            if flag is not None:
+                req.add_special_tokens = flag
+            assert list(stub.Generate(req, timeout=60))[-1].usage.prompt_tokens == n
+    finally:
+        server.stop(0)

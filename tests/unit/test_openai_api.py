@@ -20,8 +20,8 @@ class Engine:
     bad_word_ids = RealEngine.bad_word_ids   # calls encode only
 
     @staticmethod
-    def encode(text: str) -> list[int]:
-        return list(text.encode())
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        return [0] * add_special_tokens + list(text.encode())   # 0: its BOS token
 
 
 def parse(**body):
@@ -31,14 +31,17 @@ def parse(**body):
 def test_defaults_are_openais():
     api = parse(prompt="ab")
     (g,) = api.gens
-    assert g.prompt_ids == [97, 98] and g.max_new_tokens == 16 and g.sampling.temperature == 1.0
+    assert g.prompt_ids == [0, 97, 98] and g.max_new_tokens == 16 and g.sampling.temperature == 1.0   # BOS: vLLM's
     assert g.method == "hybrid" and g.n == 1 and g.logprobs is None and not api.stream and api.model == "m"
 
 
-@pytest.mark.parametrize("prompt, ids", [
-    ("a", [[97]]), (["a", "b"], [[97], [98]]), ([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]])])
-def test_prompt_forms(prompt, ids):
+@pytest.mark.parametrize("prompt, ids, plain", [
+    ("a", [[0, 97]], [[97]]), (["a", "b"], [[0, 97], [0, 98]], [[97], [98]]), ([5, 6], [[5, 6]], [[5, 6]]),
+    ([[5], [6, 7]], [[5], [6, 7]], [[5], [6, 7]])])
+def test_prompt_forms(prompt, ids, plain):
+    """Text takes the tokenizer's special tokens unless add_special_tokens is false; ids are as given."""
     assert [g.prompt_ids for g in parse(prompt=prompt).gens] == ids
+    assert [g.prompt_ids for g in parse(prompt=prompt, add_special_tokens=False).gens] == plain
 
 
 def test_batched_prompts_get_distinct_request_ids():
