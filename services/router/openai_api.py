@@ -246,6 +246,16 @@ def _stream_opts(body: dict, stream: bool) -> tuple[bool, bool]:
     return flags[0], flags[0] and flags[1]
 
 
+PROMPT_SUFFIX = "-p"   # request id of prompt i of a batched request: its id + "-p" + i
+
+
+def request_ids(request_id: str) -> tuple[str, ...]:
+    """The ids that name a completion of ``request_id``: itself and, for one prompt of a
+    batched request, the request's id."""
+    base, sep, i = request_id.rpartition(PROMPT_SUFFIX)
+    return (request_id, base) if sep and base and i.isdigit() else (request_id,)
+
+
 def _prompts(v, engine, special: bool) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of such lists; strings take
     the tokenizer's special tokens with ``special``."""
@@ -284,7 +294,7 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     keep = _int(body, "truncate_prompt_tokens", None)
     gens = (first,) + tuple(replace(first, prompt_ids=engine.truncate(ids, keep, max_tokens)) for ids in prompts[1:])
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
-        gens = tuple(replace(g, request_id=f"{g.request_id}-p{i}") for i, g in enumerate(gens))
+        gens = tuple(replace(g, request_id=f"{g.request_id}{PROMPT_SUFFIX}{i}") for i, g in enumerate(gens))
     include, continuous = _stream_opts(body, stream)
     return ApiRequest(gens, stream, include, model, logprobs=logprobs is not None, continuous_usage=continuous,
                       structured_field=_structured_field(body), echo=echo, token_ids=_bool(body, "return_token_ids"),

@@ -161,14 +161,6 @@ class Admission:
             self._cond.notify_all()
 
 
-def _ids_of(g: Generation) -> tuple[str, ...]:
-    """The request ids that name a completion: its own, and for one prompt of several (``rid-pN``,
-    openai_api) the request's."""
-    rid = g.req.request_id
-    base, sep, n = rid.rpartition("-p")
-    return (rid, base) if sep and n.isdigit() and base else (rid,)
-
-
 ABORT_WINDOW_S = 60.0   # an abort also ends the requests made before it that start within this time
 
 
@@ -188,9 +180,13 @@ class ActiveSessions:
             ACTIVE_SESSIONS.set(len(self._gens))
             now = time.perf_counter()
             for g in gens:
-                if any(g.timings.start < t and now - t < ABORT_WINDOW_S
-                       for t in (self._aborts.get(rid) for rid in (*_ids_of(g), None)) if t is not None):
+                if any(g.timings.start < t and now - t < ABORT_WINDOW_S for t in self._aborts_of(g)):
                     g.abort()
+
+    def _aborts_of(self, g: Generation) -> list[float]:
+        """When the aborts that name ``g`` (by its request id, or all) came."""
+        names = (*oa.request_ids(g.req.request_id), None)
+        return [self._aborts[n] for n in names if n in self._aborts]
 
     def abort(self, request_id: str | None) -> int:
         """SGLang's /abort_request: end the completions of ``request_id`` (every request when
@@ -200,7 +196,8 @@ class ActiveSessions:
         with self._lock:
             self._aborts = {r: t for r, t in self._aborts.items() if now - t < ABORT_WINDOW_S}
             self._aborts[request_id] = now
-            hit = [g for g in self._gens.values() if request_id is None or request_id in _ids_of(g)]
+            hit = [g for g in self._gens.values()
+                   if request_id is None or request_id in oa.request_ids(g.req.request_id)]
         for g in hit:
             g.abort()
         return len(hit)
