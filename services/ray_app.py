@@ -365,9 +365,12 @@ class GenerationIngress:
         from services.common.runtime import tune_gc
 
         tune_gc()  # the router holds the suffix trees
+        from services.router.server import ActiveSessions
+
         self._handles, self._args, self._drafter = (verifier, predictor), args, drafter
         self._engine = None
         self._lock = threading.Lock()
+        self._active = ActiveSessions()   # this replica's completions, gRPC and HTTP: what Abort reaches
 
     @property
     def engine(self):
@@ -396,17 +399,34 @@ class GenerationIngress:
                 freeze_startup_heap()
         return self._engine
 
-    def Generate(self, request, grpc_context):
-        """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""
+    @staticmethod
+    def _authorized(grpc_context) -> None:
+        """Serve's proxy runs no interceptors: the bearer token is checked here."""
         from services.common.security import DENIED, bearer_ok
-        from services.router.engine import InvalidRequest
-        from services.router.server import final_to_pb, request_from_pb, step_to_pb
 
-        token = os.environ.get("SPECMESH_AUTH_TOKEN")  # Serve's proxy runs no interceptors: check here
+        token = os.environ.get("SPECMESH_AUTH_TOKEN")
         if token and not bearer_ok(grpc_context.invocation_metadata(), token):
             grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
             grpc_context.set_details(DENIED)
             raise PermissionError(DENIED)
+
+    def Abort(self, request, grpc_context):
+        """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's."""
+        from specmesh.v1 import generate_pb2 as pb
+
+        self._authorized(grpc_context)
+        if not request.abort_all and not request.request_id:
+            grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            grpc_context.set_details("request_id: the request id to abort, or abort_all: true")
+            raise ValueError("request_id: the request id to abort, or abort_all: true")
+        return pb.AbortResponse(aborted=self._active.abort(None if request.abort_all else request.request_id))
+
+    def Generate(self, request, grpc_context):
+        """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""
+        from services.router.engine import InvalidRequest
+        from services.router.server import final_to_pb, request_from_pb, step_to_pb
+
+        self._authorized(grpc_context)
         engine = self.engine
         try:
             completions = engine.generate_all(request_from_pb(request, engine))
@@ -414,12 +434,14 @@ class GenerationIngress:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(e))
             raise
+        self._active.add(completions.gens)
         steps = iter(completions)
         try:
             for i, step in steps:
                 yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
         finally:
             steps.close()
+            self._active.remove(completions.gens)
 
     def __serve_build_asgi_app__(self):
         """The OpenAI-compatible HTTP API through Serve's HTTP proxy, over the same engine (built
@@ -435,7 +457,7 @@ class GenerationIngress:
                            health_check_timeout_s=float(a.get("health_check_timeout", ServerConfig.health_check_timeout_s)))
         template = Path(a["chat_template"]).read_text() if a.get("chat_template") else None
         return build_app(lambda: self.engine, Admission(cfg.max_sessions, cfg.max_queue), cfg,
-                         oa.served_names(a.get("served_model_name") or "target"), template)
+                         oa.served_names(a.get("served_model_name") or "target"), template, active=self._active)
 
     def Check(self, request):
         from grpc_health.v1 import health_pb2

@@ -218,6 +218,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.admission = Admission(cfg.max_sessions, cfg.max_queue)   # shared with the HTTP API
         self.active = ActiveSessions()   # shared with the HTTP API
 
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        if not request.abort_all and not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: the request id to abort, or abort_all: true")
+        return pb.AbortResponse(aborted=self.active.abort(None if request.abort_all else request.request_id))
+
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
             req = replace(request_from_pb(request, self.engine), deadline_s=context.time_remaining())

@@ -20,6 +20,20 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id", "abort_all")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    abort_all: bool
+    def __init__(self, request_id: _Optional[str] = ..., abort_all: _Optional[bool] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "method", "request_id", "logprobs", "cache_salt", "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "include_stop_str_in_output", "prompt_logprobs", "structured_output", "n", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens", "bad_words", "min_p", "priority", "skip_special_tokens", "add_special_tokens")
     class LogitBiasEntry(_message.Message):

@@ -39,6 +39,11 @@ class GenerationStub:
                 request_serializer=specmesh_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/specmesh.v1.Generation/Abort',
+                request_serializer=specmesh_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_generate__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -52,6 +57,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Ends the completions of a request id, from either API, or of every request (as HTTP
+        POST /abort_request does): each stream ends with what it has, FINISH_REASON_ABORT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specmesh_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=specmesh_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class Generation:
             '/specmesh.v1.Generation/Generate',
             specmesh_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
             specmesh_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Generation/Abort',
+            specmesh_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            specmesh_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

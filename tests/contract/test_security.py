@@ -85,6 +85,10 @@ def test_ray_ingress_checks_the_token_itself(monkeypatch):
         with pytest.raises(PermissionError):
             next(ingress.Generate(pb.GenerateRequest(prompt="x"), ctx))
         assert ctx.code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in ctx.details
+        ctx = Ctx(md)
+        with pytest.raises(PermissionError):
+            ingress.Abort(pb.AbortRequest(abort_all=True), ctx)
+        assert ctx.code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_chart_passes_the_token_to_the_ray_head():

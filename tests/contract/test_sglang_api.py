@@ -330,6 +330,17 @@ def test_abort_request_ends_a_completion_with_what_it_has(tiny_engine):
         msgs = [first, *stream]
         ids = [t for m in msgs for t in m.token_ids]
         assert msgs[-1].finish_reason == pb.FINISH_REASON_ABORT and ids == ref[:len(ids)] and len(ids) < 150
+
+        stream = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=150, method="vanilla",
+                                                  ignore_eos=True, request_id="grpc-2"), timeout=60)
+        first = next(stream)
+        assert stub.Abort(pb.AbortRequest(request_id="grpc-2"), timeout=10).aborted == 1   # gRPC's own Abort
+        msgs = [first, *stream]
+        ids = [t for m in msgs for t in m.token_ids]
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_ABORT and ids == ref[:len(ids)] and len(ids) < 150
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Abort(pb.AbortRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
     assert not servicer.active
 
 

@@ -113,6 +113,15 @@ def test_invalid_request_status_survives_the_proxy(serve_app):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in e.value.details()
 
 
+def test_abort_through_the_proxy(serve_app):
+    """The ingress answers Abort itself, for the completions on its replica (none here)."""
+    stub = serve_app[0]
+    assert stub.Abort(pb.AbortRequest(request_id="no-such-request"), timeout=60).aborted == 0
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Abort(pb.AbortRequest(), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+
+
 def test_memory_and_drafter_deployments_are_shared(serve_app):
     """csd runs recorded first rejections into the memory deployment; suffix drafts came from the drafter one."""
     from ray import serve
