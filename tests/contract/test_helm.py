@@ -170,3 +170,24 @@ def test_router_takes_vllm_metric_names_when_asked():
         assert "--vllm-metric-names" not in container(named(docs, "StatefulSet", "-verifier"))["args"]
     with pytest.raises(helm.HelmValuesError):
         helm.Chart.load(str(CHART)).render({"metrics": {"vllmNames": "yes"}}, name="demo", namespace="llm")
+
+
+def test_router_http_settings_reach_its_flags():
+    """router.servedModelName, allowedOrigins and healthCheckTimeout become the router's flags
+    (and the Ray app's args); the schema refuses an empty origin list and a zero timeout."""
+    docs = render({"mode": "services", "router": {"servedModelName": ["code-v2", "code"],
+                                                   "allowedOrigins": ["https://ui.example"], "healthCheckTimeout": 5}})
+    args = container(named(docs, "Deployment", "-router"))["args"]
+    i = args.index("--served-model-name")
+    assert args[i + 1:i + 3] == ["code-v2", "code"]
+    assert args[args.index("--allowed-origins") + 1] == "https://ui.example" and "--health-check-timeout=5" in args
+    default = container(named(render({"mode": "services"}), "Deployment", "-router"))["args"]
+    assert "--served-model-name" not in default and default[default.index("--allowed-origins") + 1] == "*"
+    serve = yaml.safe_load(kinds(render({"mode": "ray", "router": {"servedModelName": ["code"]}}), "RayService")[0]
+                           ["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["args"]["served_model_name"] == ["code"]
+    assert serve["applications"][0]["args"]["health_check_timeout"] == 20
+    for bad in ({"router": {"allowedOrigins": []}}, {"router": {"healthCheckTimeout": 0}},
+                {"router": {"servedModelName": [""]}}):
+        with pytest.raises(helm.HelmValuesError):
+            helm.Chart.load(str(CHART)).validate_schema(bad)
