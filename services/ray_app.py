@@ -412,14 +412,18 @@ class GenerationIngress:
 
     def Abort(self, request, grpc_context):
         """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's."""
+        from services.router.engine import InvalidRequest
+        from services.router.server import abort_target
         from specmesh.v1 import generate_pb2 as pb
 
         self._authorized(grpc_context)
-        if not request.abort_all and not request.request_id:
+        try:
+            target = abort_target(request)
+        except InvalidRequest as e:
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-            grpc_context.set_details("request_id: the request id to abort, or abort_all: true")
-            raise ValueError("request_id: the request id to abort, or abort_all: true")
-        return pb.AbortResponse(aborted=self._active.abort(None if request.abort_all else request.request_id))
+            grpc_context.set_details(str(e))
+            raise
+        return pb.AbortResponse(aborted=self._active.abort(target))
 
     def Generate(self, request, grpc_context):
         """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""

@@ -161,6 +161,13 @@ class Admission:
             self._cond.notify_all()
 
 
+def abort_target(request: pb.AbortRequest) -> str | None:
+    """The request id an ``Abort`` names, None for every request."""
+    if not request.abort_all and not request.request_id:
+        raise InvalidRequest("request_id: the request id to abort, or abort_all: true")
+    return None if request.abort_all else request.request_id
+
+
 ABORT_WINDOW_S = 60.0   # an abort also ends the requests made before it that start within this time
 
 
@@ -219,9 +226,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.active = ActiveSessions()   # shared with the HTTP API
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        if not request.abort_all and not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: the request id to abort, or abort_all: true")
-        return pb.AbortResponse(aborted=self.active.abort(None if request.abort_all else request.request_id))
+        try:
+            target = abort_target(request)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.AbortResponse(aborted=self.active.abort(target))
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
