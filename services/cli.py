@@ -427,9 +427,9 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
     if args.drafter != "suffix":
         sys.exit(f"error: --drafter {args.drafter!r}: replay supports the model-free drafter 'suffix'")
-    cfg = SuffixConfig(max_depth=args.max_depth, spec=SpecParams(max_spec_tokens=args.max_draft))
+    cfg = SuffixConfig(max_depth=args.max_depth, spec=SpecParams(max_spec_tokens=args.max_draft), tree=args.tree)
     stats = replay(DRAFTERS["suffix"](cfg), load_traces(args.traces), args.max_draft, progress=True)
-    report = {"drafter": args.drafter, "traces": str(args.traces), "max_draft": args.max_draft,
+    report = {"drafter": args.drafter, "tree": args.tree, "traces": str(args.traces), "max_draft": args.max_draft,
               "max_depth": args.max_depth, **stats.report()}
     print(json.dumps(report, indent=2))
     if args.out:
@@ -586,6 +586,7 @@ def _tool_parsers(sub) -> None:
     p.add_argument("--traces", type=Path, required=True)
     p.add_argument("--max-draft", type=int, default=16)
     p.add_argument("--max-depth", type=int, default=64)
+    p.add_argument("--tree", action="store_true", help="draft speculation trees instead of paths")
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_replay)
 

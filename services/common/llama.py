@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.token_tree import ancestor_mask, depths
+
 
 @dataclass(frozen=True)
 class LlamaShape:
@@ -152,6 +154,25 @@ def causal_masks(starts: list[int], lens: list[int], device) -> list[torch.Tenso
             for st, n in zip(starts, lens)]
 
 
+def row_positions(start: int, n: int, tree: list[int] | None, device) -> torch.Tensor:
+    """Positions of a row's n new tokens after ``start`` cached ones; a tree's last
+    len(tree) sit at the position of their depth (``token_tree.depths``)."""
+    if tree is None:
+        return torch.arange(start, start + n, device=device)
+    lead = n - len(tree)
+    return torch.tensor(list(range(start, start + lead)) + [start + lead - 1 + d for d in depths(tree)],
+                        device=device)
+
+
+def tree_mask(start: int, n: int, tree: list[int], device) -> torch.Tensor:
+    """[n, start + n] bool: causal over the cache and the row's leading tokens; a tree token
+    sees those and its ancestors."""
+    m = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+    k = len(tree)
+    m[n - k:, start + n - k:] = ancestor_mask(tree)
+    return m.to(device)
+
+
 class MLP(nn.Module):
     def __init__(self, s: LlamaShape):
         super().__init__()
@@ -252,27 +273,34 @@ class Llama(nn.Module):
 
     def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
                        capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None,
-                       tails: list[int] | None = None) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+                       tails: list[int] | None = None, trees: list[list[int] | None] | None = None
+                       ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
         ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] and captured states
         [T_r, H]. The LM head runs only where logits are wanted: on each row's last ``tails[r]``
         positions when given (a verification needs the draft's and the bonus position's, not
-        a prompt's), on its last one with ``last_only`` (a drafter). A single row takes the
-        plain batched path (no per-row bookkeeping)."""
+        a prompt's), on its last one with ``last_only`` (a drafter). ``trees[r]``, when given
+        and not None, makes row r's last len(trees[r]) tokens a token tree with those parents
+        (``token_tree``): each sits at its depth's position and attends to its ancestors; its
+        K/V go to the cache in row order (the caller keeps the accepted path's). A single
+        chain row takes the plain batched path (no per-row bookkeeping)."""
         dev = self.embed_tokens.weight.device
         if last_only:
             tails = [1] * len(seqs)
-        if len(seqs) == 1:
+        trees = trees if trees and any(t is not None for t in trees) else None
+        if len(seqs) == 1 and trees is None:
             logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture,
                                   head=head, tail=tails[0] if tails else None)
             return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
-        pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
+        trees = trees or [None] * len(seqs)
+        pos = torch.cat([row_positions(st, n, tree, dev) for st, n, tree in zip(starts, lens, trees)])
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         offsets = [sum(lens[:r]) for r in range(len(lens))]
-        masks = causal_masks(starts, lens, dev)  # built once, shared by every layer
+        masks = [tree_mask(st, n, tree, dev) if tree is not None else mk   # built once, shared by every layer
+                 for st, n, tree, mk in zip(starts, lens, trees, causal_masks(starts, lens, dev))]
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:

@@ -1,9 +1,11 @@
 """Types shared by every component: sampling parameters, drafts, verdicts, statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from services.common.token_tree import is_chain, main_chain
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,8 @@ class Draft:
 
     token_ids: drafted tokens d_1..d_k.
     parents:   parent index of each token (-1 = the last committed token); a chain is
-               [-1, 0, 1, ...]. Only chains are verified today.
+               [-1, 0, 1, ...]. A tree holds several candidates (``token_tree``); only
+               greedy exact verification takes one, others take its ``chain()``.
     probs:     [k, V] float32, the distribution q each token was sampled from; None means
                q is one-hot on the token (greedy drafts, suffix-cache drafts).
     score:     drafter's own confidence (suffix cache: sum of token probabilities).
@@ -78,6 +81,20 @@ class Draft:
     def empty(cls) -> "Draft":
         return cls(token_ids=[])
 
+    @property
+    def is_tree(self) -> bool:
+        return not is_chain(self.parents)
+
+    def chain(self) -> "Draft":
+        """The tree's main chain as a draft of its own (itself when a chain)."""
+        if not self.is_tree:
+            return self
+        keep = main_chain(self.parents)
+        return replace(self, token_ids=[self.token_ids[i] for i in keep], parents=[],
+                       probs=None if self.probs is None else self.probs[keep],
+                       token_probs=[self.token_probs[i] for i in keep] if self.token_probs else [],
+                       features=dict(self.features))
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -90,12 +107,14 @@ class Verdict:
     rescued_pairs:   (draft, target) of each kept draft token the target did not itself
                      choose (relaxed policies).
     first_rejection: (draft_token, target_token) at the first true rejection, if any.
+    path:            a tree draft's accepted nodes (None: the first ``accepted`` of a chain).
     """
 
     accepted: int
     tokens: list[int]
     rescued_pairs: tuple[tuple[int, int], ...] = ()
     first_rejection: tuple[int, int] | None = None
+    path: tuple[int, ...] | None = None
 
     @property
     def rescued(self) -> int:

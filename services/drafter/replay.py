@@ -2,7 +2,8 @@
 
 A trace is the prompt and the target's greedy output (plus EOS when it stopped there).
 Replaying cycle by cycle with the same budget rule as the decode loop, a greedy draft
-keeps its longest prefix equal to the true continuation and one more token is emitted,
+keeps its longest prefix equal to the true continuation (a tree: its longest such path)
+and one more token is emitted,
 so τ, acceptance and draft lengths equal those of a real run over the same prompts in the
 same order (tests/sim checks this against the engine).
 """
@@ -14,7 +15,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.drafter.base import Drafter, common_prefix
+from services.common.token_tree import accepted_by
+from services.common.types import Draft
+from services.drafter.base import Drafter
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,9 @@ def replay(drafter: Drafter, traces: list[Trace], max_draft: int, progress: bool
         while pos < len(truth):
             budget = max(0, min(max_draft, tr.max_new_tokens - pos - 1))
             t0 = time.perf_counter()
-            draft = drafter.propose(rid, budget).token_ids if budget else []
+            draft = drafter.propose(rid, budget) if budget else Draft.empty()
             t1 = time.perf_counter()
-            accepted = common_prefix(draft, truth[pos:])
+            accepted = len(accepted_by(draft.token_ids, draft.parents, truth[pos:]))
             emitted = truth[pos:pos + accepted + 1]
             drafter.observe(rid, emitted)
             t2 = time.perf_counter()

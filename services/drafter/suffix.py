@@ -125,16 +125,16 @@ class SuffixDrafter(Drafter):
     def speculate(self, req_id: str, budget: int) -> tuple[Candidate, str]:
         st = self.states[req_id]
         p = self.cfg.spec
-        local = self.trees[req_id].speculate(st.actives, budget, p)
+        local = self.trees[req_id].speculate(st.actives, budget, p, self.cfg.tree)
         gm = self._global_matches(st)
-        glob = st.gtree.speculate(gm, budget, p) if gm else Candidate()
+        glob = st.gtree.speculate(gm, budget, p, self.cfg.tree) if gm else Candidate()
         return (glob, "global") if glob.score > local.score else (local, "local")
 
     def propose(self, req_id: str, budget: int) -> Draft:
         cand, tree = self.speculate(req_id, budget)
         st = self.states[req_id]
         st.drafted = cand.token_ids
-        return Draft(token_ids=list(cand.token_ids), score=cand.score, source=self.name,
+        return Draft(token_ids=list(cand.token_ids), parents=list(cand.parents), score=cand.score, source=self.name,
                      match_len=cand.match_len, token_probs=list(cand.probs),
                      features={"tree": tree, "prompt_len": st.prompt_len,
                                "generated_len": len(st.seq) - st.prompt_len})

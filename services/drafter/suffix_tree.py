@@ -19,6 +19,7 @@ Pure Python: no torch, gRPC, Redis or Ray.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from services.common.config import SpecParams
@@ -43,6 +44,7 @@ class Candidate:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
+    parents: list[int] = field(default_factory=list)   # a tree's (token_tree); empty: a chain
 
 
 @dataclass(frozen=True)
@@ -147,11 +149,13 @@ class SuffixTree:
         return self.root.count if not tokens else m.node.count
 
     # -- speculation ------------------------------------------------------------------------
-    def speculate(self, matches, budget: int, p: SpecParams) -> Candidate:
-        """Best-scoring path draft over all matched suffix lengths (longest first).
+    def speculate(self, matches, budget: int, p: SpecParams, tree: bool = False) -> Candidate:
+        """Best-scoring draft over all matched suffix lengths (longest first): a path, or with
+        ``tree`` a speculation tree (``_speculate_tree``) of as many tokens.
 
         ``matches``: Match objects or nodes (a node = a match of its full depth).
         """
+        grow = self._speculate_tree if tree else self._speculate_path
         best = Candidate()
         for m in matches:
             node, extra = (m.node, m.extra) if isinstance(m, Match) else (m, 0)
@@ -159,7 +163,7 @@ class SuffixTree:
             limit = min(budget, p.max_spec_tokens, int(match_len * p.max_spec_factor + p.max_spec_offset + 1e-6))
             if limit <= best.score:  # every token adds ≤ 1 to the score: cannot win
                 continue
-            cand = self._speculate_path(node, extra, limit, p.min_token_prob)
+            cand = grow(node, extra, limit, p.min_token_prob)
             if cand.score > best.score:
                 cand.match_len = match_len
                 best = cand
@@ -189,3 +193,43 @@ class SuffixTree:
             node, extra = child, 0
         c.score = sum(probs)
         return c
+
+    def _speculate_tree(self, node: Node, extra: int, limit: int, min_prob: float) -> Candidate:
+        """SuffixDecoding's speculation tree: grow best-first by running probability, taking
+        up to ``limit`` tokens whose probability stays ≥ ``min_prob``. The score (expected
+        accepted tokens under the tree's counts) is the sum of the tokens' probabilities; a
+        path of the same length scores no more. Siblings are taken most probable first, so
+        first children form the most probable path."""
+        c = Candidate()
+        order = 0   # ties pop in push order
+        heap: list = []
+
+        def push(parent: int, n: Node, x: int, prob: float) -> None:
+            nonlocal order
+            for tok, child, cx, q in self._next_tokens(n, x, prob, min_prob):
+                heapq.heappush(heap, (-q, order, parent, tok, child, cx))
+                order += 1
+
+        push(-1, node, extra, 1.0)
+        while heap and len(c.token_ids) < limit:
+            q, _, parent, tok, child, cx = heapq.heappop(heap)
+            c.token_ids.append(tok)
+            c.probs.append(-q)
+            c.parents.append(parent)
+            push(len(c.token_ids) - 1, child, cx, -q)
+        c.score = sum(c.probs)
+        return c
+
+    def _next_tokens(self, node: Node, extra: int, prob: float, min_prob: float):
+        """(token, node, extra, running probability) of each continuation of a match worth
+        drafting, most frequent first."""
+        if node.children is None:   # single occurrence: its next token, probability unchanged
+            i = node.end + extra
+            if i < len(node.seq) and node.depth + extra < self.max_depth:
+                yield node.seq[i], node, extra + 1, prob
+            return
+        if node.best is None or prob * node.best.count < min_prob * node.count:
+            return   # not even the most frequent child is worth it (the common case: no scan)
+        need = min_prob * node.count / prob
+        for child in sorted((ch for ch in node.children.values() if ch.count >= need), key=lambda ch: -ch.count):
+            yield child.token, child, 0, prob * child.count / node.count

@@ -44,10 +44,13 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("vanilla", None, None, "lossless", "target model alone, one token per forward"),
     MethodSpec("sd", None, "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
     MethodSpec("suffix", "suffix", None, "lossless", "suffix-cache drafts (prompt + past outputs), lossless"),
+    MethodSpec("suffix-tree", "suffix-tree", None, "lossless",
+               "suffix-cache speculation trees (SuffixDecoding), verified as trees when greedy"),
     MethodSpec("eagle3", None, "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states"),
     MethodSpec("hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
     MethodSpec("hybrid-csd", "hybrid", MODEL, "csd", "HVD drafting + calibrated verification (the full system)"),
     MethodSpec("hybrid-rule", "hybrid-rule", MODEL, "lossless", "baseline hybrid: suffix draft when score >= threshold"),
+    MethodSpec("hybrid-tree", "hybrid-tree", MODEL, "lossless", "HVD whose suffix-cache drafts are speculation trees"),
     MethodSpec("hybrid-lm", "hybrid-lm", "draft-lm", "lossless", "HVD with the draft LM as its model fallback"),
     MethodSpec("csd", None, "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate)"),
     MethodSpec("scg", None, "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
@@ -142,9 +145,11 @@ class Engine:
 
             self.drafters = {"suffix": RemoteDrafter(cfg.drafter_addr)}
         else:
-            self.drafters = {"suffix": SuffixDrafter(cfg.suffix, self.suffix_cache,
-                                                     self.suffix_feed.publish if self.suffix_feed else None)}
-        self.max_draft = {**self.verifier.max_draft, "suffix": cfg.suffix.spec.max_spec_tokens}
+            publish = self.suffix_feed.publish if self.suffix_feed else None
+            self.drafters = {"suffix": SuffixDrafter(replace(cfg.suffix, tree=False), self.suffix_cache, publish),
+                             "suffix-tree": SuffixDrafter(replace(cfg.suffix, tree=True), self.suffix_cache, publish)}
+        self.max_draft = {**self.verifier.max_draft, "suffix": cfg.suffix.spec.max_spec_tokens,
+                          "suffix-tree": cfg.suffix.spec.max_spec_tokens}
         self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
         self._ids = itertools.count()
@@ -179,16 +184,20 @@ class Engine:
             rules["hybrid"] = PredictorRule(YieldMLP.load(cfg.predictor), TokenFlags(self.tokenizer), cfg.hybrid.tau)
         for name, rule in rules.items():
             self.add_hybrid(name, rule, cost_aware=cfg.hybrid.cost_aware and name == "hybrid")
+        if "hybrid" in rules and "suffix-tree" in self.drafters:
+            self.add_hybrid("hybrid-tree", rules["hybrid"], cfg.hybrid.cost_aware, cache="suffix-tree")
         if "hybrid" in rules and self.model_fallback != "draft-lm" and "draft-lm" in self.verifier.max_draft:
             self.add_hybrid("hybrid-lm", rules["hybrid"], cfg.hybrid.cost_aware, fallback="draft-lm")
 
-    def add_hybrid(self, name: str, rule, cost_aware: bool = False, fallback: str | None = None) -> None:
-        """A hybrid of the suffix cache and ``fallback`` (default: the EAGLE-3 head, else the draft LM)."""
+    def add_hybrid(self, name: str, rule, cost_aware: bool = False, fallback: str | None = None,
+                   cache: str = "suffix") -> None:
+        """A hybrid of the suffix cache (drafter ``cache``) and ``fallback`` (default: the EAGLE-3
+        head, else the draft LM)."""
         from services.router.hybrid import CycleCosts, HybridDrafter
 
         model = fallback or self.model_fallback
         limits = (self.max_draft["suffix"], self.max_draft[model])
-        self.drafters[name] = HybridDrafter(name, self.drafters["suffix"], model, rule, *limits,
+        self.drafters[name] = HybridDrafter(name, self.drafters[cache], model, rule, *limits,
                                             costs=CycleCosts() if cost_aware else None)
         self.max_draft[name] = max(limits)
 
@@ -483,6 +492,11 @@ class Generation:
         choice = self.drafter.propose(self.req_id, budget)
         if isinstance(choice, Delegate):
             return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
+        if choice.is_tree and (self.grammar is not None or self.req.sampling.bad_words):
+            choice = choice.chain()   # the checks below read a chain
+        if choice.is_tree:
+            return CycleRequest(draft_ids=tuple(choice.token_ids), draft_parents=tuple(choice.parents),
+                                draft_source=choice.source)
         draft = self._without_bad_words(self._grammatical(choice.token_ids))
         if len(draft) < len(choice.token_ids):
             self.drafter.verified(self.req_id, len(draft))

@@ -396,14 +396,15 @@ class HybridDrafter(Drafter):
             st.follow_up, st.cache_draft, st.chose_cache, st.predicted = False, [], False, None
             return self._chosen(st, MODEL, Draft.empty(), budget)
         draft = self.cache.propose(req_id, min(budget, self.max_cache))
-        st.cache_draft = draft.token_ids
+        chain = draft.chain()   # what the rule and the predictor read (trained on paths); a tree goes out whole
+        st.cache_draft = chain.token_ids
         fallback = self.costs.fallback() if self.costs else MODEL
-        st.chose_cache = bool(draft.token_ids) and self.rule.verify_cache(draft, st.tracker, budget, fallback,
+        st.chose_cache = bool(chain.token_ids) and self.rule.verify_cache(chain, st.tracker, budget, fallback,
                                                                         self.costs)
-        y_hat = draft.features.get("predicted_yield")
-        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, draft.features["raw_yield"],
-                                                              len(draft.token_ids),
-                                                              draft.features.get("yield_needed"), not st.chose_cache)
+        y_hat = chain.features.get("predicted_yield")
+        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, chain.features["raw_yield"],
+                                                              len(chain.token_ids),
+                                                              chain.features.get("yield_needed"), not st.chose_cache)
         return self._chosen(st, CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL,
                             draft, budget)
 

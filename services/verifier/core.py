@@ -73,6 +73,7 @@ class SessionSpec:
 @dataclass(frozen=True)
 class CycleRequest:
     draft_ids: tuple[int, ...] = ()      # a draft made by the router (suffix cache)
+    draft_parents: tuple[int, ...] = ()  # its token tree's parents (token_tree); empty: a chain
     draft_source: str = "none"
     draft_with: str | None = None        # or: draft here with this verifier-side drafter
     budget: int = 0
@@ -211,7 +212,8 @@ class VerifierCore:
         if not live and not filling:
             return
         outs, states = self.runner.step([(b.session.target, drafts[id(b)].token_ids) for b in live],
-                                        [(b.session.target, chunks[id(b)]) for b in filling])
+                                        [(b.session.target, chunks[id(b)]) for b in filling],
+                                        [drafts[id(b)].parents if drafts[id(b)].is_tree else None for b in live])
         for b, fused in zip(filling, states):
             try:
                 b.session.prefilled(fused)
@@ -273,7 +275,7 @@ class VerifierCore:
                 else:
                     drafts[id(b)] = Draft.empty()
             else:
-                drafts[id(b)] = Draft(list(r.draft_ids), source=r.draft_source)
+                drafts[id(b)] = Draft(list(r.draft_ids), list(r.draft_parents), source=r.draft_source)
         for name, group in groups.items():
             try:
                 drafter = self.drafters[name]
@@ -282,6 +284,10 @@ class VerifierCore:
             except Exception as e:
                 for b in group:
                     b.error = e
+        for b in batch:   # a session that cannot verify a tree takes its main chain
+            d = drafts.get(id(b))
+            if d is not None and d.is_tree and not b.session.takes_trees:
+                drafts[id(b)] = d.chain()
         return drafts
 
     def _can_draft(self, session: "VerifierSession", name: str) -> bool:
@@ -385,7 +391,11 @@ class VerifierSession:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
         verdict: Verdict = self.policy(draft, self._constrained(self._no_early_eos(self._shaped(logits, draft)),
                                                                 draft), self.spec.sampling, self.rng)
-        kept = len(self.target.pending) + verdict.accepted
+        pending = len(self.target.pending)
+        kept = pending + verdict.accepted
+        if verdict.path is not None:   # a tree: its accepted path's rows, in order
+            logits = logits[[0] + [n + 1 for n in verdict.path]]
+            hidden = [h[:, list(range(pending)) + [pending + n for n in verdict.path]] for h in hidden]
         states = None   # the kept positions' fused target states, for EAGLE-3 and the prefix cache
         if hidden and (self._needs_states or self.core.runner.prefix is not None):
             states = torch.cat(hidden, dim=-1)[0, :kept]
@@ -449,6 +459,15 @@ class VerifierSession:
         """The prefix cache's share of the prompt, reported once (with the first cycle)."""
         n, self.target.cached = self.target.cached, 0
         return n
+
+    @property
+    def takes_trees(self) -> bool:
+        """Tree drafts are verified by greedy exact match alone, on logits no per-row rule
+        (penalties, bias, bad words, grammar, min_tokens) reshapes: those read rows as a chain."""
+        s, sp = self.spec, self.spec.sampling
+        return (s.policy in ("lossless", "exact") and sp.greedy and not (sp.penalized or sp.biased or sp.bad_words)
+                and self.grammar is None
+                and s.min_tokens <= len(self.target.tokens) - len(s.prompt_ids))
 
     @property
     def _needs_states(self) -> bool:

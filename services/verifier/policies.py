@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 import torch
 
 from services.common.sampling import greedy_ids, probs_from_logits, sample
+from services.common.token_tree import walk
 from services.common.types import Draft, SamplingParams, Verdict
 
 
@@ -27,14 +28,27 @@ class AcceptancePolicy(Protocol):
 
 def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
                  rng: torch.Generator) -> Verdict:
-    """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus)."""
+    """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus).
+    A tree draft: follow the child carrying each argmax (``token_tree.walk``)."""
     target = greedy_ids(logits)
     d = draft.token_ids
+    if draft.is_tree:
+        return _greedy_walk(draft, target)
     m = 0
     while m < len(d) and d[m] == target[m]:
         m += 1
     first = (d[m], target[m]) if m < len(d) else None
     return Verdict(accepted=m, tokens=d[:m] + [target[m]], first_rejection=first)
+
+
+def _greedy_walk(draft: Draft, target: list[int]) -> Verdict:
+    """Row 0 of ``target`` follows the committed tokens, row j + 1 follows draft node j."""
+    path, t = walk(draft.token_ids, draft.parents, lambda node: target[node + 1])
+    last = path[-1] if path else -1
+    first_child = next((i for i, p in enumerate(draft.parents) if p == last), None)
+    first = (draft.token_ids[first_child], t) if first_child is not None else None
+    return Verdict(accepted=len(path), tokens=[draft.token_ids[i] for i in path] + [t], first_rejection=first,
+                   path=tuple(path))
 
 
 def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams,

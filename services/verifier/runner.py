@@ -39,6 +39,18 @@ class TargetSession:
         return self.tokens[self.cache_len:]
 
 
+def keep_path(cache: KVCache, at: int, path: tuple[int, ...]) -> None:
+    """Move the K/V of tree nodes ``path`` (written at ``at`` + node) to ``at``, ``at`` + 1, ...
+    Their K carry the RoPE of their depth, which is where they land."""
+    if all(node == j for j, node in enumerate(path)):
+        return
+    src = torch.tensor([at + node for node in path], device=cache.layers[0][0].device)
+    dst = slice(at, at + len(path))
+    for kc, vc in cache.layers:
+        kc[:, :, dst] = kc[:, :, src]
+        vc[:, :, dst] = vc[:, :, src]
+
+
 class TargetRunner:
     """Verification forwards: many sessions' drafts in one ragged pass (shared weight reads,
     per-session attention and KV cache)."""
@@ -68,11 +80,14 @@ class TargetRunner:
         return self.step(items, [])[0]
 
     @torch.inference_mode()
-    def step(self, verify: list[tuple[TargetSession, list[int]]], prefill: list[tuple[TargetSession, int]]
+    def step(self, verify: list[tuple[TargetSession, list[int]]], prefill: list[tuple[TargetSession, int]],
+             trees: list[list[int] | None] | None = None
              ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], list[torch.Tensor | None]]:
         """One ragged forward over every session. ``verify`` sessions feed their pending tokens
         plus a draft → per session target logits [k+1, V] (the draft positions and the bonus)
-        and captured states [1, len(pending) + k, H] per capture layer. ``prefill`` sessions feed
+        and captured states [1, len(pending) + k, H] per capture layer; ``trees[i]``, when not
+        None, are the parents of verify[i]'s draft, a token tree (row j+1 of its logits
+        follows draft node j; ``commit`` keeps the accepted path's K/V). ``prefill`` sessions feed
         the next n of their pending (prompt) tokens only and keep them (chunked prefill: no
         logits, no verdict) → their captured states fused across capture layers, [n, ΣH]
         (None without capture layers)."""
@@ -85,7 +100,8 @@ class TargetRunner:
                  + [self._prompt_rows(st, n) for st, n in prefill])
         logits, hidden = self.model.forward_ragged(
             seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
-            tails=[len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify):])
+            tails=[len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify):],
+            trees=trees and trees + [None] * len(prefill))
         if any(extra):
             for st, lg, e in zip(sessions, logits, extra):
                 if e:
@@ -116,7 +132,10 @@ class TargetRunner:
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
         """Keep the K/V of the pending tokens and the accepted draft prefix. ``states``: their
-        captured states fused across capture layers ([kept, ΣH]), for the prefix cache."""
+        captured states fused across capture layers ([kept, ΣH]), for the prefix cache. A tree
+        draft's accepted path moves to the positions after the pending tokens."""
+        if verdict.path is not None:
+            keep_path(st.cache, st.cache_len + len(st.pending), verdict.path)
         st.cache_len += len(st.pending) + verdict.accepted
         st.tokens.extend(verdict.tokens)
         self._keep(st, states)

@@ -22,6 +22,7 @@ from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
 from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, sampling_error
 from services.common.structured import MAX_REGEX_CHARS, GrammarError
+from services.common.token_tree import check_tree
 from services.common.types import SamplingParams, TokenLogprob
 from services.router.affinity import PrefixAffinity, choose
 from services.verifier.core import CycleRequest, CycleResult, SessionCancelled, SessionSpec, VerifierCore
@@ -67,12 +68,12 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
     return pb.Cycle(draft_ids=c.draft_ids, draft_source=c.draft_source, draft_with=c.draft_with or "",
-                    budget=c.budget)
+                    budget=c.budget, draft_parents=c.draft_parents)
 
 
 def cycle_from_pb(c: pb.Cycle) -> CycleRequest:
     return CycleRequest(draft_ids=tuple(c.draft_ids), draft_source=c.draft_source or "none",
-                        draft_with=c.draft_with or None, budget=c.budget)
+                        draft_with=c.draft_with or None, budget=c.budget, draft_parents=tuple(c.draft_parents))
 
 
 def result_to_pb(r: CycleResult) -> pb.CycleResult:
@@ -202,6 +203,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise BadRequest(f"cycle: drafts are limited to max_draft={spec.max_draft} tokens")
         if any(t >= self.core.vocab_size for t in c.draft_ids):
             raise BadRequest(f"cycle.draft_ids: ids must be < {self.core.vocab_size}")
+        if c.draft_parents:
+            if len(c.draft_parents) != len(c.draft_ids):
+                raise BadRequest(f"cycle.draft_parents: {len(c.draft_parents)} given for {len(c.draft_ids)} draft_ids; "
+                                 "give one per draft token, or none for a chain")
+            try:
+                check_tree(c.draft_parents)
+            except ValueError as e:
+                raise BadRequest(f"cycle.draft_parents: {e}") from None
 
     def admit(self, spec: SessionSpec):
         """Check an open and take a session slot: BadRequest, or Exhausted at the limit."""

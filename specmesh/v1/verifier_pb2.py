@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\"\x19\n\x17ResetPrefixCacheRequest\"+\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\"\x86\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x38\n\nlogit_bias\x18\x08 \x03(\x0b\x32$.specmesh.v1.Sampling.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\t \x03(\r\x12(\n\tbad_words\x18\n \x03(\x0b\x32\x15.specmesh.v1.TokenIds\x12\r\n\x05min_p\x18\x0b \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf2\x02\n\x04Open\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.specmesh.v1.Sampling\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x15\n\rmodel_drafter\x18\x06 \x01(\t\x12\x11\n\tmax_draft\x18\x07 \x01(\r\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x11\n\tgenerated\x18\x0c \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x11\n\ton_demand\x18\x0f \x01(\x08\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"T\n\x05\x43ycle\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x64raft_source\x18\x02 \x01(\t\x12\x12\n\ndraft_with\x18\x03 \x01(\t\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\"`\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x42\x06\n\x04kind\"-\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\",\n\x0bRescuedPair\x12\r\n\x05\x64raft\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xf9\x02\n\x0b\x43ycleResult\x12\x11\n\tcommitted\x18\x01 \x03(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\t\x12)\n\x07rescued\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RescuedPair\x12\x10\n\x08rejected\x18\x06 \x01(\x08\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x10\n\x08logprobs\x18\x0b \x03(\x02\x12\x0f\n\x07top_ids\x18\x0c \x03(\r\x12\x14\n\x0ctop_logprobs\x18\r \x03(\x02\x12\x12\n\nprompt_ids\x18\x0e \x03(\r\x12\x17\n\x0fprompt_logprobs\x18\x0f \x03(\x02\x12\x16\n\x0eprompt_top_ids\x18\x10 \x03(\r\x12\x1b\n\x13prompt_top_logprobs\x18\x11 \x03(\x02\"l\n\x0fSessionResponse\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\xe4\x01\n\x0cInfoResponse\x12\x13\n\x0b\x63ontext_len\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12:\n\tmax_draft\x18\x03 \x03(\x0b\x32\'.specmesh.v1.InfoResponse.MaxDraftEntry\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x0f\n\x07replica\x18\x06 \x01(\t\x1a/\n\rMaxDraftEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x07\n\x05\x43lose\"\x93\x01\n\x08LinkItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04open\x18\x02 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x03 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x12#\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.CloseH\x00\x42\x06\n\x04kind\"3\n\x0bLinkRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specmesh.v1.LinkItem\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa6\x01\n\tLinkReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x06opened\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.specmesh.v1.SessionErrorH\x00\x42\x06\n\x04kind\"7\n\x0cLinkResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.LinkReply2\xb3\x02\n\x08Verifier\x12H\n\x07Session\x12\x1b.specmesh.v1.SessionRequest\x1a\x1c.specmesh.v1.SessionResponse(\x01\x30\x01\x12?\n\x04Link\x12\x18.specmesh.v1.LinkRequest\x1a\x19.specmesh.v1.LinkResponse(\x01\x30\x01\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponse\x12_\n\x10ResetPrefixCache\x12$.specmesh.v1.ResetPrefixCacheRequest\x1a%.specmesh.v1.ResetPrefixCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\"\x19\n\x17ResetPrefixCacheRequest\"+\n\x18ResetPrefixCacheResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\"\x86\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x38\n\nlogit_bias\x18\x08 \x03(\x0b\x32$.specmesh.v1.Sampling.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\t \x03(\r\x12(\n\tbad_words\x18\n \x03(\x0b\x32\x15.specmesh.v1.TokenIds\x12\r\n\x05min_p\x18\x0b \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf2\x02\n\x04Open\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.specmesh.v1.Sampling\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x15\n\rmodel_drafter\x18\x06 \x01(\t\x12\x11\n\tmax_draft\x18\x07 \x01(\r\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x11\n\tgenerated\x18\x0c \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\x0e \x01(\t\x12\x11\n\ton_demand\x18\x0f \x01(\x08\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"k\n\x05\x43ycle\x12\x11\n\tdraft_ids\x18\x01 \x03(\r\x12\x14\n\x0c\x64raft_source\x18\x02 \x01(\t\x12\x12\n\ndraft_with\x18\x03 \x01(\t\x12\x0e\n\x06\x62udget\x18\x04 \x01(\r\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\"`\n\x0eSessionRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x02 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x42\x06\n\x04kind\"-\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\",\n\x0bRescuedPair\x12\r\n\x05\x64raft\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xf9\x02\n\x0b\x43ycleResult\x12\x11\n\tcommitted\x18\x01 \x03(\r\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\t\x12)\n\x07rescued\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.RescuedPair\x12\x10\n\x08rejected\x18\x06 \x01(\x08\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x12\n\nbatch_size\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x10\n\x08logprobs\x18\x0b \x03(\x02\x12\x0f\n\x07top_ids\x18\x0c \x03(\r\x12\x14\n\x0ctop_logprobs\x18\r \x03(\x02\x12\x12\n\nprompt_ids\x18\x0e \x03(\r\x12\x17\n\x0fprompt_logprobs\x18\x0f \x03(\x02\x12\x16\n\x0eprompt_top_ids\x18\x10 \x03(\r\x12\x1b\n\x13prompt_top_logprobs\x18\x11 \x03(\x02\"l\n\x0fSessionResponse\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x42\x06\n\x04kind\"\r\n\x0bInfoRequest\"\xe4\x01\n\x0cInfoResponse\x12\x13\n\x0b\x63ontext_len\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12:\n\tmax_draft\x18\x03 \x03(\x0b\x32\'.specmesh.v1.InfoResponse.MaxDraftEntry\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x0f\n\x07replica\x18\x06 \x01(\t\x1a/\n\rMaxDraftEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x07\n\x05\x43lose\"\x93\x01\n\x08LinkItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x04open\x18\x02 \x01(\x0b\x32\x11.specmesh.v1.OpenH\x00\x12#\n\x05\x63ycle\x18\x03 \x01(\x0b\x32\x12.specmesh.v1.CycleH\x00\x12#\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.CloseH\x00\x42\x06\n\x04kind\"3\n\x0bLinkRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specmesh.v1.LinkItem\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa6\x01\n\tLinkReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x06opened\x18\x02 \x01(\x0b\x32\x13.specmesh.v1.OpenedH\x00\x12*\n\x06result\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.CycleResultH\x00\x12*\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.specmesh.v1.SessionErrorH\x00\x42\x06\n\x04kind\"7\n\x0cLinkResponse\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.LinkReply2\xb3\x02\n\x08Verifier\x12H\n\x07Session\x12\x1b.specmesh.v1.SessionRequest\x1a\x1c.specmesh.v1.SessionResponse(\x01\x30\x01\x12?\n\x04Link\x12\x18.specmesh.v1.LinkRequest\x1a\x19.specmesh.v1.LinkResponse(\x01\x30\x01\x12;\n\x04Info\x12\x18.specmesh.v1.InfoRequest\x1a\x19.specmesh.v1.InfoResponse\x12_\n\x10ResetPrefixCache\x12$.specmesh.v1.ResetPrefixCacheRequest\x1a%.specmesh.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,35 +48,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPEN']._serialized_start=534
   _globals['_OPEN']._serialized_end=904
   _globals['_CYCLE']._serialized_start=906
-  _globals['_CYCLE']._serialized_end=990
-  _globals['_SESSIONREQUEST']._serialized_start=992
-  _globals['_SESSIONREQUEST']._serialized_end=1088
-  _globals['_OPENED']._serialized_start=1090
-  _globals['_OPENED']._serialized_end=1135
-  _globals['_RESCUEDPAIR']._serialized_start=1137
-  _globals['_RESCUEDPAIR']._serialized_end=1181
-  _globals['_CYCLERESULT']._serialized_start=1184
-  _globals['_CYCLERESULT']._serialized_end=1561
-  _globals['_SESSIONRESPONSE']._serialized_start=1563
-  _globals['_SESSIONRESPONSE']._serialized_end=1671
-  _globals['_INFOREQUEST']._serialized_start=1673
-  _globals['_INFOREQUEST']._serialized_end=1686
-  _globals['_INFORESPONSE']._serialized_start=1689
-  _globals['_INFORESPONSE']._serialized_end=1917
-  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_start=1870
-  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_end=1917
-  _globals['_CLOSE']._serialized_start=1919
-  _globals['_CLOSE']._serialized_end=1926
-  _globals['_LINKITEM']._serialized_start=1929
-  _globals['_LINKITEM']._serialized_end=2076
-  _globals['_LINKREQUEST']._serialized_start=2078
-  _globals['_LINKREQUEST']._serialized_end=2129
-  _globals['_SESSIONERROR']._serialized_start=2131
-  _globals['_SESSIONERROR']._serialized_end=2176
-  _globals['_LINKREPLY']._serialized_start=2179
-  _globals['_LINKREPLY']._serialized_end=2345
-  _globals['_LINKRESPONSE']._serialized_start=2347
-  _globals['_LINKRESPONSE']._serialized_end=2402
-  _globals['_VERIFIER']._serialized_start=2405
-  _globals['_VERIFIER']._serialized_end=2712
+  _globals['_CYCLE']._serialized_end=1013
+  _globals['_SESSIONREQUEST']._serialized_start=1015
+  _globals['_SESSIONREQUEST']._serialized_end=1111
+  _globals['_OPENED']._serialized_start=1113
+  _globals['_OPENED']._serialized_end=1158
+  _globals['_RESCUEDPAIR']._serialized_start=1160
+  _globals['_RESCUEDPAIR']._serialized_end=1204
+  _globals['_CYCLERESULT']._serialized_start=1207
+  _globals['_CYCLERESULT']._serialized_end=1584
+  _globals['_SESSIONRESPONSE']._serialized_start=1586
+  _globals['_SESSIONRESPONSE']._serialized_end=1694
+  _globals['_INFOREQUEST']._serialized_start=1696
+  _globals['_INFOREQUEST']._serialized_end=1709
+  _globals['_INFORESPONSE']._serialized_start=1712
+  _globals['_INFORESPONSE']._serialized_end=1940
+  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_start=1893
+  _globals['_INFORESPONSE_MAXDRAFTENTRY']._serialized_end=1940
+  _globals['_CLOSE']._serialized_start=1942
+  _globals['_CLOSE']._serialized_end=1949
+  _globals['_LINKITEM']._serialized_start=1952
+  _globals['_LINKITEM']._serialized_end=2099
+  _globals['_LINKREQUEST']._serialized_start=2101
+  _globals['_LINKREQUEST']._serialized_end=2152
+  _globals['_SESSIONERROR']._serialized_start=2154
+  _globals['_SESSIONERROR']._serialized_end=2199
+  _globals['_LINKREPLY']._serialized_start=2202
+  _globals['_LINKREPLY']._serialized_end=2368
+  _globals['_LINKRESPONSE']._serialized_start=2370
+  _globals['_LINKRESPONSE']._serialized_end=2425
+  _globals['_VERIFIER']._serialized_start=2428
+  _globals['_VERIFIER']._serialized_end=2735
 # @@protoc_insertion_point(module_scope)

@@ -90,16 +90,18 @@ class Open(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., policy: _Optional[str] = ..., model_drafter: _Optional[str] = ..., max_draft: _Optional[int] = ..., logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., generated: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., on_demand: _Optional[bool] = ...) -> None: ...
 
 class Cycle(_message.Message):
-    __slots__ = ("draft_ids", "draft_source", "draft_with", "budget")
+    __slots__ = ("draft_ids", "draft_source", "draft_with", "budget", "draft_parents")
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_WITH_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_source: str
     draft_with: str
     budget: int
-    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_source: _Optional[str] = ..., draft_with: _Optional[str] = ..., budget: _Optional[int] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_source: _Optional[str] = ..., draft_with: _Optional[str] = ..., budget: _Optional[int] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "cycle")
