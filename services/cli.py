@@ -46,6 +46,12 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eagle3-k", type=int, default=EngineConfig.eagle3_k, help="the longest EAGLE-3 chain")
     ap.add_argument("--eagle3-confidence", type=float, default=EngineConfig.eagle3_confidence,
                     help="EAGLE-3: end a chain after a token whose head probability is below this")
+    ap.add_argument("--eagle3-topk", type=int, default=EngineConfig.eagle3_topk,
+                    help="eagle3-tree / hybrid-tree: children per expanded node of an EAGLE draft tree (1: no tree methods)")
+    ap.add_argument("--eagle3-tree-tokens", type=int, default=EngineConfig.eagle3_tree_tokens,
+                    help="eagle3-tree: draft-tree nodes verified per cycle")
+    ap.add_argument("--eagle3-tree-min-score", type=float, default=EngineConfig.eagle3_tree_min_score,
+                    help="eagle3-tree: leave out nodes whose path probability under the head is below this")
     ap.add_argument("--hybrid-tau", type=float, default=HybridConfig.tau,
                     help="HVD: verify the suffix-cache draft when its predicted yield exceeds this (bench.hybrid_sweep); "
                          "used with --no-hybrid-cost-aware")
@@ -91,6 +97,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
                         packed_gemm=args.packed_gemm,
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
+                        eagle3_topk=args.eagle3_topk, eagle3_tree_tokens=args.eagle3_tree_tokens,
+                        eagle3_tree_min_score=args.eagle3_tree_min_score,
                         hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
                         batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
                         prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
@@ -206,6 +214,8 @@ def _spawn_verifiers(args: argparse.Namespace):
                "--draft-vocab", str(args.draft_vocab),
                "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
                "--eagle3-k", str(args.eagle3_k), "--eagle3-confidence", str(args.eagle3_confidence),
+               "--eagle3-topk", str(args.eagle3_topk), "--eagle3-tree-tokens", str(args.eagle3_tree_tokens),
+               "--eagle3-tree-min-score", str(args.eagle3_tree_min_score),
                "--threads", str(args.threads), "--max-sessions", str(args.max_sessions),
                "--batch-window-ms", str(args.batch_window_ms), "--prefill-chunk", str(args.prefill_chunk),
                "--prefix-cache-mb", str(args.prefix_cache_mb)]

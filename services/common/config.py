@@ -66,6 +66,11 @@ class EngineConfig:
     # chain: 0.35 against 0.1 gave 1.39× against 1.35× on humaneval and 1.24× against 1.18× on
     # stdlib-heldout, at τ 2.35 against 2.62 and 2.15 against 2.35 (bench/results/eagle3_confidence_*.md).
     eagle3_confidence: float = 0.35
+    # EAGLE draft trees (method eagle3-tree; SGLang's speculative_eagle_topk and
+    # speculative_num_draft_tokens): top-k children per expanded node, nodes kept for verification.
+    eagle3_topk: int = 2
+    eagle3_tree_tokens: int = 8
+    eagle3_tree_min_score: float = 0.0   # nodes whose path probability is below it are not drafted
     predictor: Path | None = MODELS_DIR / "predictor"  # HVD yield predictor, loaded when present
     hybrid: HybridConfig = HybridConfig()
     device: str = "cpu"

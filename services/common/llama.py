@@ -250,16 +250,19 @@ class Llama(nn.Module):
     # -- inference: T new tokens at positions start..start+T-1 of every row ---------------
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache,
                 capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None,
-                tail: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                tail: int | None = None, tree: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits ``[B, T, V]`` (of the last ``tail`` positions only when given, ``[B, 1, V]``
         with ``last_only``; from ``head`` instead of the LM head when given) and the residual
-        stream entering each layer in ``capture``."""
+        stream entering each layer in ``capture``. ``tree``: the last len(tree) tokens are a
+        token tree with those parents (``forward_ragged``)."""
         t = ids.shape[1]
         x = self.embed_tokens(ids)
-        cos = self.rope_cos[start:start + t].to(x.dtype)
-        sin = self.rope_sin[start:start + t].to(x.dtype)
+        where = slice(start, start + t) if tree is None else row_positions(start, t, tree, ids.device)
+        cos, sin = self.rope_cos[where].to(x.dtype), self.rope_sin[where].to(x.dtype)
         mask = None
-        if t > 1:  # new token i sees the cache plus new tokens 0..i
+        if tree is not None:
+            mask = tree_mask(start, t, tree, ids.device)
+        elif t > 1:  # new token i sees the cache plus new tokens 0..i
             mask = torch.ones(t, start + t, dtype=torch.bool, device=ids.device).tril(start)
         seen = {}
         for i, layer in enumerate(self.layers):
@@ -283,14 +286,14 @@ class Llama(nn.Module):
         and not None, makes row r's last len(trees[r]) tokens a token tree with those parents
         (``token_tree``): each sits at its depth's position and attends to its ancestors; its
         K/V go to the cache in row order (the caller keeps the accepted path's). A single
-        chain row takes the plain batched path (no per-row bookkeeping)."""
+        row takes the plain batched path (no per-row bookkeeping)."""
         dev = self.embed_tokens.weight.device
         if last_only:
             tails = [1] * len(seqs)
         trees = trees if trees and any(t is not None for t in trees) else None
-        if len(seqs) == 1 and trees is None:
+        if len(seqs) == 1:
             logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture,
-                                  head=head, tail=tails[0] if tails else None)
+                                  head=head, tail=tails[0] if tails else None, tree=trees[0] if trees else None)
             return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)

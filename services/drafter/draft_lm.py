@@ -127,7 +127,9 @@ class DraftLMDrafter(Drafter):
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
-              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None) -> None:
+              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None,
+              trees: bool = False) -> None:
+        """Chains only: ``trees`` is not taken up."""
         self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab,
                                      root=cache_root, prompt_len=len(prompt), grammar=grammar)
 

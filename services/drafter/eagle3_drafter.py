@@ -25,6 +25,17 @@ from services.drafter.base import Drafter, register
 from services.drafter.eagle3 import Eagle3Head
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """EAGLE draft trees (SGLang's speculative_eagle_topk / num_steps): ``topk`` children per
+    expanded node and nodes expanded per depth, ``steps`` depths; the verifier's budget caps
+    the nodes kept."""
+
+    topk: int = 2
+    steps: int = 4
+    min_score: float = 0.0   # nodes scoring below it are neither expanded nor kept (the best child always is)
+
+
 @dataclass
 class _State:
     tokens: list[int]
@@ -39,6 +50,7 @@ class _State:
     root: bytes = ROOT                # the head blocks' chain root: the cache salt and the first token
     prompt_len: int = 0               # tokens after it are output (the penalties count them)
     grammar: GrammarCursor | None = None   # structured output: drafts stay inside the grammar
+    trees: bool = False               # its drafts may be token trees (greedy exact verification)
 
 
 @dataclass
@@ -72,23 +84,29 @@ class _Row:
 @register("eagle3")
 class Eagle3Drafter(Drafter):
     """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
-    whose head probability (max q) is below ``min_confidence``."""
+    whose head probability (max q) is below ``min_confidence``. With ``tree``, a request
+    started with ``trees=True`` gets token trees instead (``_grow``)."""
 
     name = "eagle3"
     needs_target_states = True
 
-    def __init__(self, head: Eagle3Head, min_confidence: float = 0.0, prefix: PrefixCache | None = None):
+    def __init__(self, head: Eagle3Head, min_confidence: float = 0.0, prefix: PrefixCache | None = None,
+                 tree: TreeShape | None = None, name: str = "eagle3"):
         self.head = head
         self.min_confidence = min_confidence
         self.prefix = prefix
+        self.tree = tree
+        self.name = name
         self.states: dict[str, _State] = {}
         self._columns: torch.Tensor | None = None   # target ids of the draft vocabulary (penalties)
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
-              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None) -> None:
+              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None,
+              trees: bool = False) -> None:
+        """``trees``: the session verifies token trees (greedy, no per-row reshaping of logits)."""
         self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng,
                                      root=root_key("eagle3", cache_root, prompt[0]), prompt_len=len(prompt),
-                                     grammar=grammar)
+                                     grammar=grammar, trees=trees and self.tree is not None)
 
     def verified(self, req_id: str, n: int) -> None:
         """Its drafts follow the request's grammar and bad words already, so none is cut."""
@@ -206,6 +224,11 @@ class Eagle3Drafter(Drafter):
                                                  [i[2] for i in inputs], [r.st.cache for r in active])
             for r in active:
                 self._keep(r.st)
+            trees = {id(r): self._grow(r.st, lg[-1], out[-1:], r.budget)
+                     for r, lg, out in zip(active, logits, outs) if r.st.trees}
+            logits, outs = ([lg for r, lg in zip(active, logits) if not r.st.trees],
+                            [out for r, out in zip(active, outs) if not r.st.trees])
+            active = [r for r in active if not r.st.trees]
         while active:
             for r, lg, out in zip(active, logits, outs):
                 r.take(self._pick(r.st, lg[-1], r.drafted, r.state), out[-1:], self.min_confidence)
@@ -214,8 +237,60 @@ class Eagle3Drafter(Drafter):
                 logits, outs = self.head.step_ragged([r.h for r in active], [[r.drafted[-1]] for r in active],
                                                      [r.st.n_feats + len(r.drafted) - 1 for r in active],
                                                      [r.st.cache for r in active])
-        return [Draft.empty() if r is None else
+        return [Draft.empty() if r is None else trees[id(r)] if r.st.trees else
                 Draft(token_ids=r.drafted, probs=torch.stack(r.qs) if r.qs else None, source=self.name) for r in rows]
+
+    def _grow(self, st: _State, logits: torch.Tensor, out: torch.Tensor, budget: int) -> Draft:
+        """EAGLE-2's dynamic draft tree (as SGLang's ``speculative_eagle_topk``): from the root,
+        each expanded node proposes its ``topk`` most likely tokens, each node's score being
+        the product of the head's probabilities along its path; at each depth the ``topk``
+        best-scoring new nodes are expanded, all in one head step (``step_tree``); after
+        ``steps`` depths the ``budget`` best-scoring nodes are the draft. A node scores no
+        more than its parent, so they form a tree (ties go to the parent, the lower index).
+        Expansions use cache slots after the real positions, which the next catch-up
+        overwrites."""
+        k, head, base = self.tree.topk, self.head, st.n_feats
+        d2t = head._d2t_list() if head.remaps_vocab else None
+        toks, parents, scores, feeds = [], [], [], []   # feeds[j]: the prenorm input of node j's expansion
+        slot_of: dict[int, int] = {}
+
+        def propose(nodes: list[int], lg: torch.Tensor, h: torch.Tensor) -> list[int]:
+            """Children of ``nodes`` (-1: the root) from their head logits [m, V_d], prenorm [m, H]."""
+            top = torch.softmax(lg.float(), -1).topk(k)
+            first = len(toks)
+            for r, (ps, ids) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+                parent = nodes[r]
+                score = scores[parent] if parent >= 0 else 1.0
+                for p, i in zip(ps, ids):
+                    toks.append(i + d2t[i] if d2t else i)
+                    parents.append(parent)
+                    scores.append(score * p)
+                    feeds.append(h[r:r + 1])
+            return list(range(first, len(toks)))
+
+        frontier = propose([-1], logits[None], out)
+        for depth in range(1, min(self.tree.steps, budget)):
+            grow = sorted(frontier, key=lambda j: (-scores[j], j))[:k]
+            if scores[grow[0]] < self.tree.min_score or base + len(slot_of) + len(grow) > st.cache.capacity:
+                break   # no node left worth a step
+            slots = list(range(base + len(slot_of), base + len(slot_of) + len(grow)))
+            slot_of.update(zip(grow, slots))
+            mask = torch.zeros(len(grow), slots[-1] + 1, dtype=torch.bool)
+            mask[:, :base] = True
+            for r, j in enumerate(grow):
+                while j >= 0:
+                    mask[r, slot_of[j]] = True
+                    j = parents[j]
+            dev = out.device
+            lg, outs = head.step_tree(torch.cat([feeds[j] for j in grow]), torch.tensor([toks[j] for j in grow], device=dev),
+                                      torch.full((len(grow),), base - 1 + depth, device=dev),
+                                      torch.tensor(slots, device=dev), mask.to(dev), st.cache)
+            frontier = propose(grow, lg, outs)
+        ranked = sorted(range(len(toks)), key=lambda j: (-scores[j], j))[:budget]
+        keep = sorted(j for n, j in enumerate(ranked) if n == 0 or scores[j] >= self.tree.min_score)
+        index = {j: n for n, j in enumerate(keep)}
+        return Draft(token_ids=[toks[j] for j in keep], parents=[index.get(parents[j], -1) for j in keep],
+                     token_probs=[scores[j] for j in keep], source=self.name)
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

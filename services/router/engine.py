@@ -47,10 +47,12 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("suffix-tree", "suffix-tree", None, "lossless",
                "suffix-cache speculation trees (SuffixDecoding), verified as trees when greedy"),
     MethodSpec("eagle3", None, "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states"),
+    MethodSpec("eagle3-tree", None, "eagle3-tree", "lossless", "EAGLE-3 head draft trees (EAGLE-2's dynamic tree)"),
     MethodSpec("hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
     MethodSpec("hybrid-csd", "hybrid", MODEL, "csd", "HVD drafting + calibrated verification (the full system)"),
     MethodSpec("hybrid-rule", "hybrid-rule", MODEL, "lossless", "baseline hybrid: suffix draft when score >= threshold"),
-    MethodSpec("hybrid-tree", "hybrid-tree", MODEL, "lossless", "HVD whose suffix-cache drafts are speculation trees"),
+    MethodSpec("hybrid-tree", "hybrid-tree", "eagle3-tree", "lossless",
+               "HVD on trees: suffix-cache speculation trees, else EAGLE-3 draft trees"),
     MethodSpec("hybrid-lm", "hybrid-lm", "draft-lm", "lossless", "HVD with the draft LM as its model fallback"),
     MethodSpec("csd", None, "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate)"),
     MethodSpec("scg", None, "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
@@ -184,8 +186,9 @@ class Engine:
             rules["hybrid"] = PredictorRule(YieldMLP.load(cfg.predictor), TokenFlags(self.tokenizer), cfg.hybrid.tau)
         for name, rule in rules.items():
             self.add_hybrid(name, rule, cost_aware=cfg.hybrid.cost_aware and name == "hybrid")
-        if "hybrid" in rules and "suffix-tree" in self.drafters:
-            self.add_hybrid("hybrid-tree", rules["hybrid"], cfg.hybrid.cost_aware, cache="suffix-tree")
+        if "hybrid" in rules and "suffix-tree" in self.drafters and "eagle3-tree" in self.verifier.max_draft:
+            self.add_hybrid("hybrid-tree", rules["hybrid"], cfg.hybrid.cost_aware, cache="suffix-tree",
+                            fallback="eagle3-tree")
         if "hybrid" in rules and self.model_fallback != "draft-lm" and "draft-lm" in self.verifier.max_draft:
             self.add_hybrid("hybrid-lm", rules["hybrid"], cfg.hybrid.cost_aware, fallback="draft-lm")
 

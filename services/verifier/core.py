@@ -133,6 +133,7 @@ class VerifierCore:
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
             from services.drafter.eagle3 import Eagle3Head, HeadMismatch
+            from services.drafter.eagle3_drafter import TreeShape
 
             try:  # a head trained for another target is left out: `eagle3` is unavailable
                 head = Eagle3Head.from_pretrained(cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device,
@@ -145,8 +146,15 @@ class VerifierCore:
                 runner.capture_layers = head.aux_layers
                 drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
                 max_draft["eagle3"] = cfg.eagle3_k
+                if cfg.eagle3_topk > 1:   # the same head, drafting trees
+                    drafters["eagle3-tree"] = DRAFTERS["eagle3"](head, tree=TreeShape(cfg.eagle3_topk, cfg.eagle3_k,
+                                                                                             cfg.eagle3_tree_min_score),
+                                                                 name="eagle3-tree")
+                    max_draft["eagle3-tree"] = cfg.eagle3_tree_tokens
         if cfg.prefix_cache_mb > 0:
             share_prefix_cache(cfg, runner, [drafters[d] for d in ("draft-lm", "eagle3") if d in drafters])
+            if "eagle3-tree" in drafters:   # one head: its blocks serve both
+                drafters["eagle3-tree"].prefix = drafters["eagle3"].prefix
         memory = open_memory(cfg)
         policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
                     "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
@@ -379,7 +387,7 @@ class VerifierSession:
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
             self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens, cache_root=root,
-                               grammar=self.grammar)
+                               grammar=self.grammar, trees=self.takes_trees)
 
     def cycle(self, req: CycleRequest) -> CycleResult:
         """Draft (or take the router's draft), verify, commit; batched with the replica's

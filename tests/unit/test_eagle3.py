@@ -389,3 +389,71 @@ def test_embedding_table_follows_the_weights(tiny_dirs, tiny_eagle3):
         assert torch.equal(head.embed_in(toks), head.midlayer.input_layernorm(head.embed_tokens(toks)))
         after, _ = head.step(h, toks, 0, head.new_cache(16))
     assert not torch.allclose(before, after)
+
+
+def test_draft_tree_children_are_the_heads_topk_along_each_branch(tiny_dirs, tiny_eagle3):
+    """Each expanded node's children are the head's top-k after the node's own branch, as a
+    chain step-by-step along that branch computes them: tree attention in the head (slots
+    after the real prefix, depth positions, ancestor masks) equals running the branch alone.
+    The tree keeps at most ``budget`` nodes, its main chain is the greedy chain's prefix, and
+    a request started without trees gets the chain."""
+    from services.common.token_tree import check_tree, main_chain
+    from services.drafter.eagle3_drafter import TreeShape
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seq = list(range(300, 330))
+    f = features(target, seq, head.aux_layers)
+    tree = Eagle3Drafter(head, tree=TreeShape(topk=3, steps=4), name="eagle3-tree")
+    chain = Eagle3Drafter(head)
+    for d in (tree, chain):
+        d.start("r", seq[:20], SamplingParams(), None, trees=True)
+        d.observe("r", [], f[:19])
+    tree.start("plain", seq[:20], SamplingParams(), None)
+    tree.observe("plain", [], f[:19])
+    greedy = chain.propose("r", 4).token_ids
+    assert tree.propose("plain", 4).token_ids == greedy
+    draft = tree.propose("r", 10)
+    check_tree(draft.parents)
+    assert draft.is_tree and len(draft) == 10
+    main = [draft.token_ids[i] for i in main_chain(draft.parents)]
+    assert main == greedy[:len(main)] and len(main) >= 2
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(draft.parents):
+        kids.setdefault(p, []).append(i)
+
+    def branch(node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.insert(0, draft.token_ids[node])
+            node = draft.parents[node]
+        return out
+
+    with torch.no_grad():
+        for node, children in kids.items():
+            # the head along this branch alone: catch-up on the real prefix, then one step per token
+            cache = head.new_cache(64)
+            h = head.fc(f[:19])
+            logits, out = head.step(h[None], torch.tensor([seq[1:20]]), 0, cache)
+            for depth, tok in enumerate(branch(node), start=1):
+                logits, out = head.step(out, torch.tensor([[tok]]), 18 + depth, cache)
+            top = torch.topk(logits[0, -1], 3).indices.tolist()
+            assert [draft.token_ids[c] for c in children] == top[:len(children)], node
+
+
+def test_tree_methods_equal_vanilla_tiny(tiny_eagle_engine):
+    """eagle3-tree and suffix-tree on the tiny models (an untrained head: its trees branch
+    where it doubts) commit exactly vanilla's tokens, and trees really were verified."""
+    eng = tiny_eagle_engine
+    assert {"eagle3-tree", "suffix-tree"} <= set(eng.methods())
+    drafted = 0
+    for text in ["def add(a, b):\n", "import os\nimport sys\n", "class A:\n    def f(self", "x = [1, 2" * 3]:
+        ids = eng.encode(text)
+        van = eng.generate(GenerationRequest(ids, 40, method="vanilla")).result()
+        for method in ("eagle3-tree", "suffix-tree"):
+            out = eng.generate(GenerationRequest(ids, 40, method=method)).result()
+            assert out["token_ids"] == van["token_ids"], (method, text)
+        drafted += out["stats"]["draft_tokens"]
+    assert drafted > 0
+    sampled = eng.generate(GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3-tree"))
+    assert len(sampled.result()["token_ids"]) == 20   # a sampled request drafts chains
