@@ -58,6 +58,9 @@ def engine_config(args: dict) -> EngineConfig:
         redis_url=args.get("redis_url") or os.environ.get("SPECMESH_REDIS_URL") or None,
         max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)),
         draft_vocab=int(args.get("draft_vocab", EngineConfig.draft_vocab)),
+        eagle3_k=int(args.get("eagle3_k", EngineConfig.eagle3_k)),
+        eagle3_topk=int(args.get("eagle3_topk", EngineConfig.eagle3_topk)),
+        eagle3_tree_tokens=int(args.get("eagle3_tree_tokens", EngineConfig.eagle3_tree_tokens)),
         prefill_chunk=int(args.get("prefill_chunk", EngineConfig.prefill_chunk)),
         prefix_cache_mb=int(args.get("prefix_cache_mb", EngineConfig.prefix_cache_mb)),
         max_model_len=int(args.get("max_model_len", EngineConfig.max_model_len)))

@@ -191,3 +191,16 @@ def test_router_http_settings_reach_its_flags():
                 {"router": {"servedModelName": [""]}}):
         with pytest.raises(helm.HelmValuesError):
             helm.Chart.load(str(CHART)).validate_schema(bad)
+
+
+def test_eagle_tree_settings_reach_the_verifiers():
+    """models.eagle3Topk and eagle3TreeTokens become the verifier's flags and the Ray app's
+    args; the schema refuses a zero top-k and a tree past 64 nodes."""
+    docs = render({"mode": "services", "models": {"eagle3Topk": 3, "eagle3TreeTokens": 12}})
+    args = container(named(docs, "StatefulSet", "-verifier"))["args"]
+    assert "--eagle3-topk=3" in args and "--eagle3-tree-tokens=12" in args
+    serve = yaml.safe_load(kinds(render({"mode": "ray"}), "RayService")[0]["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["args"]["eagle3_topk"] == 2 and serve["applications"][0]["args"]["eagle3_tree_tokens"] == 8
+    for bad in ({"models": {"eagle3Topk": 0}}, {"models": {"eagle3TreeTokens": 65}}):
+        with pytest.raises(helm.HelmValuesError):
+            helm.Chart.load(str(CHART)).validate_schema(bad)

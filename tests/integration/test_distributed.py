@@ -75,7 +75,7 @@ def cluster(tiny_dirs):
 
 def test_distributed_equals_embedded(cluster, tiny_engine):
     _, stub, _, _ = cluster
-    for method in ("vanilla", "sd", "suffix", "csd"):
+    for method in ("vanilla", "sd", "suffix", "suffix-tree", "csd"):
         for p in PROMPTS:
             ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()
             got = stream_ids(stub, p, 40, method)
@@ -83,6 +83,27 @@ def test_distributed_equals_embedded(cluster, tiny_engine):
                 assert len(got) == 40
             else:
                 assert got == ref["token_ids"], (method, p)
+
+
+def test_a_token_tree_crosses_the_link_and_its_second_branch_is_kept(cluster, tiny_engine):
+    """A router's tree draft reaches the replica with its parents: the greedy continuation
+    sits on the root's second branch, so the cycle commits that branch and the target's next
+    token; the next cycle goes on from exactly there."""
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    engine, _, _, _ = cluster
+    ids = tiny_engine.encode("def add(a, b):\n")
+    ref = tiny_engine.generate(GenerationRequest(ids, 6, method="vanilla")).result()["token_ids"]
+    wrong = (ref[0] + 1) % 256
+    session = engine.verifier.open(SessionSpec(ids, 6, max_draft=4))
+    try:
+        first = session.cycle(CycleRequest(draft_ids=(wrong, ref[0], ref[1]), draft_parents=(-1, -1, 1),
+                                           draft_source="suffix"))
+        assert first.committed == ref[:3] and first.accepted == 2 and first.drafted == 3
+        second = session.cycle(CycleRequest(draft_ids=(ref[3], ref[4]), draft_source="suffix"))
+        assert second.committed == ref[3:6]
+    finally:
+        session.close()
 
 
 def test_a_new_session_goes_where_its_prompt_start_is_cached(cluster):
@@ -303,6 +324,10 @@ def test_malformed_verifier_input_gets_clear_status(cluster):
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, logprobs=21))],      # too many alternatives
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=2)),
          vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3, 4, 5]))],                        # draft too long
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=4)),
+         vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3], draft_parents=[-1, 1, 0]))],  # a parent after its child
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=4)),
+         vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3], draft_parents=[-1, 0]))],     # parents ≠ draft_ids
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, grammar="(a"))],     # bad grammar
         [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1, 2], max_new_tokens=5, grammar="a+", generated=1))],  # output off it
     ]

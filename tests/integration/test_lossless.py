@@ -52,7 +52,7 @@ def test_lossless_methods_equal_vanilla_bundled_humaneval_and_stdlib(bundled_eng
     """On the shipped models (the fixture fails, never skips, if they are missing): every
     lossless method, the EAGLE-3 head and the trained yield predictor included."""
     eng = bundled_engine
-    lossless = ("sd", "suffix", "eagle3", "hybrid", "hybrid-rule", "hybrid-lm")
+    lossless = ("sd", "suffix", "eagle3", "hybrid", "hybrid-rule", "hybrid-lm", "suffix-tree", "eagle3-tree", "hybrid-tree")
     assert set(lossless) <= set(eng.methods())
     prompts = load("humaneval", 12) + load("stdlib-heldout", 10)
     for i, p in enumerate(prompts):

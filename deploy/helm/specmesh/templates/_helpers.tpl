@@ -95,6 +95,8 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 - --draft={{ .Values.models.dir }}/draft
 - --eagle3={{ .Values.models.dir }}/{{ .Values.models.eagle3 }}
 - --eagle3-k={{ .Values.models.eagle3K }}
+- --eagle3-topk={{ .Values.models.eagle3Topk }}
+- --eagle3-tree-tokens={{ .Values.models.eagle3TreeTokens }}
 - --draft-vocab={{ .Values.models.draftVocab }}
 - --predictor={{ .Values.models.dir }}/predictor
 {{- end -}}
