@@ -22,7 +22,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +37,8 @@ from ray.serve.config import RequestRouterConfig
 from services.common.config import MODELS_DIR, EngineConfig
 from services.common.metrics import start_node_exporter
 from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec
+
+log = logging.getLogger("specmesh.ray")
 
 METRICS_PORT_ENV, METRICS_HOST_ENV = "SPECMESH_NODE_METRICS_PORT", "SPECMESH_NODE_METRICS_HOST"
 
@@ -99,6 +103,33 @@ class MemoryDeployment:
 
     def read(self) -> dict:
         return self.memory.snapshot()
+
+
+@serve.deployment(max_ongoing_requests=1000)
+class AbortBoard:
+    """The ingress replicas' aborts (``AbortLog``): each posts its own and long-polls for the
+    others', so an abort reaches every ingress replica, wherever Serve's proxy sent it."""
+
+    def __init__(self):
+        from services.router.server import AbortLog
+
+        self.log = AbortLog()
+        self._posted = asyncio.Event()
+
+    async def post(self, origin: str, request_id: str | None, wall: float) -> int:
+        seq = self.log.post(origin, request_id, wall)
+        self._posted.set()
+        self._posted.clear()
+        return seq
+
+    async def since(self, seq: int, wait_s: float = 5.0):
+        """The entries after ``seq``; with none yet, waits up to ``wait_s`` for one."""
+        if self.log.since(seq)[0] == seq:
+            try:
+                await asyncio.wait_for(self._posted.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.log.since(seq)
 
 
 class RayMemoryStore:
@@ -361,7 +392,7 @@ class RayPredictor:
 @serve.deployment
 @serve.ingress()
 class GenerationIngress:
-    def __init__(self, verifier, predictor, args: dict, drafter=None):
+    def __init__(self, verifier, predictor, args: dict, drafter=None, aborts=None):
         node_metrics()
         import threading
 
@@ -373,7 +404,31 @@ class GenerationIngress:
         self._handles, self._args, self._drafter = (verifier, predictor), args, drafter
         self._engine = None
         self._lock = threading.Lock()
-        self._active = ActiveSessions()   # this replica's completions, gRPC and HTTP: what Abort reaches
+        self._origin = uuid.uuid4().hex
+        self._board = aborts   # AbortBoard, with more than one ingress replica
+        # this replica's completions, gRPC and HTTP: what Abort reaches (and, through the board, the others')
+        self._active = ActiveSessions(self._post_abort if aborts is not None else None)
+        if aborts is not None:
+            threading.Thread(target=self._relay_aborts, name="abort-relay", daemon=True).start()
+
+    def _post_abort(self, request_id: str | None, wall: float) -> None:
+        self._board.post.remote(self._origin, request_id, wall)   # not awaited: the abort answers now
+
+    def _relay_aborts(self) -> None:
+        """Apply the other ingress replicas' aborts as they come (a long poll on the board)."""
+        from services.router.server import relay
+
+        seq, failing = 0, False
+        while True:
+            try:
+                seq, entries = self._board.since.remote(seq).result(timeout_s=30)
+                relay(entries, self._origin, self._active)
+                failing = False
+            except Exception as e:  # noqa: BLE001 - the board restarting, a timeout: poll again
+                if not failing:
+                    log.warning("abort relay: %s; retrying", e)
+                failing = True
+                time.sleep(1.0)
 
     @property
     def engine(self):
@@ -414,7 +469,8 @@ class GenerationIngress:
             raise PermissionError(DENIED)
 
     def Abort(self, request, grpc_context):
-        """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's."""
+        """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's;
+        the other ingress replicas end theirs as the ``AbortBoard`` tells them."""
         from services.router.engine import InvalidRequest
         from services.router.server import abort_target
         from specmesh.v1 import generate_pb2 as pb
@@ -478,7 +534,9 @@ def app(args: dict):
     models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port, metrics_host,
     max_streams (64 per ingress replica), max_queue (32), affinity_slack (2: prefix affinity's allowance
     when placing a session on a verifier replica, ``services/ray_router.py``), prefill_chunk,
-    prefix_cache_mb, max_model_len and health_check_timeout (as ``specmesh serve``'s flags).
+    prefix_cache_mb, max_model_len and health_check_timeout (as ``specmesh serve``'s flags),
+    ingress_replicas (1: the router tier's replicas; with more, an ``AbortBoard`` carries each
+    one's aborts to the others).
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
@@ -514,6 +572,8 @@ def app(args: dict):
     # Admission as in the other topologies: max_streams Generate streams per ingress replica (each
     # holds one of Serve's sync-method threads), max_queue waiting; beyond that Serve's
     # back-pressure answers RESOURCE_EXHAUSTED.
+    ingress = int(args.get("ingress_replicas", 1))
+    aborts = AbortBoard.options(ray_actor_options={"num_cpus": 0}).bind() if ingress > 1 else None
     return GenerationIngress.options(
-        ray_actor_options=actor(cpus), max_ongoing_requests=int(args.get("max_streams", 64)),
-        max_queued_requests=int(args.get("max_queue", 32))).bind(verifier, predictor, args, drafter)
+        num_replicas=ingress, ray_actor_options=actor(cpus), max_ongoing_requests=int(args.get("max_streams", 64)),
+        max_queued_requests=int(args.get("max_queue", 32))).bind(verifier, predictor, args, drafter, aborts)

@@ -10,6 +10,8 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from typing import Callable
+
 import grpc
 
 from services.common.config import ServerConfig
@@ -174,12 +176,15 @@ ABORT_WINDOW_S = 60.0   # an abort also ends the requests made before it that st
 class ActiveSessions:
     """The completions decoding now, over both front ends; ``specmesh_active_sessions`` follows.
     ``abort`` ends them by request id, or all of them; a request still queued for admission
-    then is aborted as it starts (an abort holds for requests made before it, ABORT_WINDOW_S)."""
+    then is aborted as it starts (an abort holds for requests made before it, ABORT_WINDOW_S).
+    ``publish(request_id, wall_time)``, when given, hears of every abort made here, for the
+    other front-end replicas (``AbortLog``), whose aborts come back through ``abort(..., at=)``."""
 
-    def __init__(self):
+    def __init__(self, publish: Callable[[str | None, float], None] | None = None):
         self._lock = threading.Lock()
         self._gens: dict[str, Generation] = {}
         self._aborts: dict[str | None, float] = {}   # request id (None: all) → when aborted
+        self.publish = publish
 
     def add(self, gens) -> None:
         with self._lock:
@@ -195,18 +200,23 @@ class ActiveSessions:
         names = (*oa.request_ids(g.req.request_id), None)
         return [self._aborts[n] for n in names if n in self._aborts]
 
-    def abort(self, request_id: str | None) -> int:
+    def abort(self, request_id: str | None, at: float | None = None) -> int:
         """SGLang's /abort_request: end the completions of ``request_id`` (every request when
         None) before their next cycle, each answered with what it has and finish_reason
-        "abort". Returns how many were decoding."""
+        "abort". Returns how many were decoding. ``at``: another replica's abort, made at
+        this perf_counter time; it ends only the requests made before it, and is not
+        published again."""
         now = time.perf_counter()
+        when = now if at is None else min(at, now)
         with self._lock:
             self._aborts = {r: t for r, t in self._aborts.items() if now - t < ABORT_WINDOW_S}
-            self._aborts[request_id] = now
-            hit = [g for g in self._gens.values()
+            self._aborts[request_id] = max(when, self._aborts.get(request_id, when))
+            hit = [g for g in self._gens.values() if g.timings.start < when or at is None
                    if request_id is None or request_id in oa.request_ids(g.req.request_id)]
         for g in hit:
             g.abort()
+        if at is None and self.publish is not None:
+            self.publish(request_id, time.time())
         return len(hit)
 
     def remove(self, gens) -> None:
@@ -217,6 +227,34 @@ class ActiveSessions:
 
     def __len__(self) -> int:
         return len(self._gens)
+
+
+class AbortLog:
+    """Aborts made at any front-end replica, kept ABORT_WINDOW_S, for each replica to apply
+    the others' (``relay``): entries (origin, request id or None for all, wall time), numbered
+    from 1 in arrival order."""
+
+    def __init__(self):
+        self._entries: list[tuple[int, str, str | None, float]] = []
+        self._seq = 0
+
+    def post(self, origin: str, request_id: str | None, wall: float) -> int:
+        self._seq += 1
+        self._entries = [e for e in self._entries if time.time() - e[3] < ABORT_WINDOW_S]
+        self._entries.append((self._seq, origin, request_id, wall))
+        return self._seq
+
+    def since(self, seq: int) -> tuple[int, list[tuple[str, str | None, float]]]:
+        """The entries after ``seq``, and the newest number."""
+        return self._seq, [e[1:] for e in self._entries if e[0] > seq]
+
+
+def relay(entries: list[tuple[str, str | None, float]], origin: str, active: ActiveSessions) -> int:
+    """Apply the aborts other replicas made (not ``origin``'s own) to ``active``, each at the
+    local time it was made (wall clocks agree across nodes to well under an abort's window).
+    Returns the completions ended."""
+    skew = time.perf_counter() - time.time()
+    return sum(active.abort(rid, at=wall + skew) for o, rid, wall in entries if o != origin)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):

@@ -117,6 +117,7 @@ def test_ray_mode_rayservice():
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
     assert serve["applications"][0]["args"]["max_model_len"] == 0
+    assert serve["applications"][0]["args"]["ingress_replicas"] == 1
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFILL_CHUNK"] == "128"
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFIX_CACHE_MB"] == "256"
     worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
@@ -201,6 +202,6 @@ def test_eagle_tree_settings_reach_the_verifiers():
     assert "--eagle3-topk=3" in args and "--eagle3-tree-tokens=12" in args
     serve = yaml.safe_load(kinds(render({"mode": "ray"}), "RayService")[0]["spec"]["serveConfigV2"])
     assert serve["applications"][0]["args"]["eagle3_topk"] == 2 and serve["applications"][0]["args"]["eagle3_tree_tokens"] == 8
-    for bad in ({"models": {"eagle3Topk": 0}}, {"models": {"eagle3TreeTokens": 65}}):
+    for bad in ({"models": {"eagle3Topk": 0}}, {"models": {"eagle3TreeTokens": 65}}, {"ray": {"ingressReplicas": 0}}):
         with pytest.raises(helm.HelmValuesError):
             helm.Chart.load(str(CHART)).validate_schema(bad)

@@ -122,6 +122,43 @@ def test_abort_through_the_proxy(serve_app):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
 
 
+def test_an_abort_reaches_the_ingress_replica_that_holds_the_request(serve_app, tiny_dirs, tmp_path):
+    """A second application with two ingress replicas: an Abort that Serve's proxy sends to
+    the replica not decoding the request (it answers aborted = 0) still ends the stream, with
+    finish_reason ABORT, through the AbortBoard. The proxy sends a call to the less loaded of
+    two replicas, so while one streams the Abort goes to the other; the trials allow for it
+    landing where the stream is (then the abort is local, answered 1)."""
+    import shutil
+
+    from ray import serve
+
+    from services.ray_app import app
+
+    stub = serve_app[0]
+    for name, src in (("target", tiny_dirs[0]), ("draft", tiny_dirs[1])):
+        shutil.copytree(src, tmp_path / name)
+    serve.run(app({"models_dir": str(tmp_path), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.1,
+                   "ingress_replicas": 2, "max_new_tokens_limit": 240}), name="two-ingress", route_prefix="/two")
+    meta = (("application", "two-ingress"),)
+    try:
+        relayed = 0
+        for trial in range(6):
+            rid = f"long-{trial}"
+            call = stub.Generate(pb.GenerateRequest(prompt="#", max_new_tokens=230, method="vanilla", request_id=rid),
+                                 metadata=meta, timeout=120)
+            first = next(call)
+            local = stub.Abort(pb.AbortRequest(request_id=rid), metadata=meta, timeout=60).aborted
+            msgs = [first, *call]
+            assert msgs[-1].finish_reason == pb.FINISH_REASON_ABORT, (trial, local)
+            assert sum(len(m.token_ids) for m in msgs) < 230
+            relayed += local == 0
+            if relayed:
+                break
+        assert relayed, "every Abort landed on the replica streaming its request"
+    finally:
+        serve.delete("two-ingress")
+
+
 def test_memory_and_drafter_deployments_are_shared(serve_app):
     """csd runs recorded first rejections into the memory deployment; suffix drafts came from the drafter one."""
     from ray import serve
