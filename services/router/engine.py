@@ -254,10 +254,16 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def encode_fit(self, text: str, max_new_tokens: int) -> list[int]:
-        """Encode for offline tools (bench, trace, calibrate): keep the prompt's last tokens so
-        prompt + max_new_tokens fits the context. The public API rejects long prompts instead."""
-        ids = self.encode(text)
-        return ids[-(self.context_len - max_new_tokens):]
+        """Encode for offline tools (bench, trace, calibrate) as the API encodes a text prompt
+        (with the tokenizer's special tokens), then keep its last tokens so prompt +
+        max_new_tokens fits the context, and a leading special token (BOS) before them. The
+        public API rejects long prompts instead."""
+        ids = self.encode(text, add_special_tokens=True)
+        room = self.context_len - max_new_tokens
+        if len(ids) <= room:
+            return ids
+        lead = ids[:1] if ids[0] in self.tokenizer.all_special_ids else []
+        return lead + ids[len(ids) - room + len(lead):]
 
     def bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as token sequences: each word as written and with one leading space

@@ -587,6 +587,17 @@ def bos_engine(tiny_dirs, tmp_path_factory):
     engine.close()
 
 
+def test_offline_tools_encode_prompts_as_the_api_does(bos_engine):
+    """bench, trace and calibrate (``encode_fit``) take the BOS token as the API's text
+    prompts do, and keep it when a long prompt loses its start to fit the context."""
+    ids = bos_engine.encode(PROMPT)
+    assert bos_engine.encode_fit(PROMPT, 8) == [0, *ids]
+    long = PROMPT * 200
+    full = bos_engine.encode(long)
+    fit = bos_engine.encode_fit(long, 56)
+    assert len(fit) == bos_engine.context_len - 56 and fit[0] == 0 and fit[1:] == full[len(full) - len(fit) + 1:]
+
+
 def test_text_prompts_take_the_tokenizers_special_tokens(bos_engine, tmp_path):
     """As vLLM and SGLang tokenize a text prompt: with the BOS token a Llama-style tokenizer
     adds (add_special_tokens, default true), over HTTP and gRPC alike; a chat template writes
