@@ -108,7 +108,7 @@ class _Run:
         n = len(completions.gens)
         if n > self.admission.max_sessions:
             return self._put("error", 400, f"n: at most {self.admission.max_sessions} completions in all "
-                                           "(prompts × n; this server's sessions)")
+                                           "(prompts × n, or × best_of when larger; this server's sessions)")
         refused = self.admission.acquire(self, n, self.api.gens[0].priority)
         if refused is not None:
             REQUESTS_REJECTED.labels(refused.name).inc()

@@ -199,6 +199,7 @@ class ApiRequest:
     continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
     tools: Tools | None = None   # chat: the request's tools and tool_choice
     chat_echo: str = ""          # chat echo: the last (assistant) message, which the answer repeats first
+    n: int = 0                   # completions: choices returned per prompt, of the gens' n (best_of) made; 0: all
 
     @property
     def calls_tools(self) -> bool:
@@ -281,16 +282,19 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     if len(prompts) > MAX_PROMPTS:
         raise InvalidRequest(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
     n = _int(body, "n", 1)
-    best_of = _int(body, "best_of", None)
-    if best_of is not None and best_of != n:
-        raise InvalidRequest(f"best_of: not supported; it may only equal n ({n})")
+    best_of = _int(body, "best_of", n)
+    stream = _bool(body, "stream")
+    if best_of < n:
+        raise InvalidRequest(f"best_of: must be at least n ({n}), got {best_of}")
+    if best_of > n and stream:
+        raise InvalidRequest("best_of: the best completions are known only at the end; use it without stream")
     max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
     logprobs, prompt_lp = _int(body, "logprobs", None), _int(body, "prompt_logprobs", None)
     echo = _bool(body, "echo")
     if echo and logprobs is not None and prompt_lp is None:
         prompt_lp = logprobs   # the echoed prompt's tokens carry log-probabilities too (lm-eval's loglikelihood)
-    stream = _bool(body, "stream")
-    first = _request(body, prompts[0], engine, max_tokens, n, logprobs, prompt_lp)   # fields parsed once
+    ranked = 0 if best_of > n and logprobs is None else logprobs   # best_of ranks by the tokens' log-probabilities
+    first = _request(body, prompts[0], engine, max_tokens, best_of, ranked, prompt_lp)   # fields parsed once
     keep = _int(body, "truncate_prompt_tokens", None)
     gens = (first,) + tuple(replace(first, prompt_ids=engine.truncate(ids, keep, max_tokens)) for ids in prompts[1:])
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
@@ -298,7 +302,7 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     include, continuous = _stream_opts(body, stream)
     return ApiRequest(gens, stream, include, model, logprobs=logprobs is not None, continuous_usage=continuous,
                       structured_field=_structured_field(body), echo=echo, token_ids=_bool(body, "return_token_ids"),
-                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
+                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), n=n)
 
 
 def chat_request(body, engine, served_model: str | tuple[str, ...], template: str | None) -> ApiRequest:
@@ -517,8 +521,28 @@ def speculation(g) -> dict:
             "draft_s": round(g.timings.draft_s, 6), "verify_s": round(g.timings.verify_s, 6)}
 
 
+def best_of(api: ApiRequest, choices: list[Choice], gens) -> tuple[list[Choice], list]:
+    """OpenAI's best_of: of each prompt's ``best_of`` completions (choices i·best_of ..), the
+    ``n`` with the highest log-probability per token, best first, as choices i·n + j. Returns
+    them and their generations."""
+    made = api.gens[0].n
+    if not api.n or api.n == made:
+        return choices, list(gens)
+    keep_c, keep_g = [], []
+    for start in range(0, len(choices), made):
+        group = range(start, start + made)
+        top = sorted(group, key=lambda k: -sum(x.logprob for x in choices[k].logprobs) / max(1, len(choices[k].logprobs)))
+        for k in top[:api.n]:
+            keep_c.append(replace(choices[k], index=len(keep_c)))
+            keep_g.append(gens[k])
+    return keep_c, keep_g
+
+
 def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice], gens, tokenizer) -> dict:
-    """The whole answer of a request that did not stream."""
+    """The whole answer of a request that did not stream; usage counts every completion made,
+    ``best_of``'s left out too."""
+    all_gens = list(gens)
+    choices, gens = best_of(api, choices, gens)
     out = []
     for c, g in zip(choices, gens):
         echoed = tokenizer.decode(g.req.prompt_ids) if api.echo else ""
@@ -548,7 +572,7 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
                 base["prompt_token_ids"] = list(g.req.prompt_ids)
         out.append(base)
     body = {"id": rid, "object": "chat.completion" if api.chat else "text_completion", "created": created,
-            "model": api.model, "choices": out, "usage": usage(gens)}
+            "model": api.model, "choices": out, "usage": usage(all_gens)}
     if api.chat and api.token_ids:
         body["prompt_token_ids"] = list(gens[0].req.prompt_ids)
     return body

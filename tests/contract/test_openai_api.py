@@ -94,6 +94,25 @@ def test_seeded_n_and_batched_prompts_index_choices_prompt_major(api, tiny_engin
     assert out.usage.completion_tokens == 4 * 12
 
 
+def test_best_of_returns_the_n_likeliest_of_its_candidates(api, tiny_engine):
+    """best_of 3, n 2: three seeded candidates (seed, seed + 1, seed + 2, as n's are) are made,
+    and the two with the highest log-probability per token come back, best first; usage
+    counts all three. Without logprobs asked, none are returned."""
+    client, servicer, _ = api
+    ids = tiny_engine.encode(PROMPT)
+    cands = [greedy(tiny_engine, ids, 10, method="sd", logprobs=0, sampling=SamplingParams(temperature=1.5, seed=11 + j))
+             for j in range(3)]
+    mean = [sum(x["logprob"] for x in c["logprobs"]) / len(c["logprobs"]) for c in cands]
+    order = sorted(range(3), key=lambda j: -mean[j])
+    assert len({c["text"] for c in cands}) == 3   # the ranking matters
+    out = client.completions.create(model="tiny", prompt=PROMPT, n=2, best_of=3, max_tokens=10, temperature=1.5,
+                                    seed=11, extra_body={"method": "sd"})
+    assert [c.text for c in out.choices] == [cands[j]["text"] for j in order[:2]]
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].logprobs is None
+    assert out.usage.completion_tokens == sum(len(c["token_ids"]) for c in cands)
+    assert idle(servicer)
+
+
 def test_min_p_reaches_the_sampler(api, tiny_engine):
     """A seeded min-p request equals the engine's with the same sampling parameters, and differs
     from the same request without min-p (temperature 3 makes the tail it cuts matter)."""
@@ -351,7 +370,8 @@ def test_json_schema_response_format_gives_a_valid_instance(api):
     ({"extra_body": {"min_p": 2}}, r"^min_p: must be in \[0, 1\]"),
     ({"extra_body": {"priority": 2 ** 40}}, r"^priority: must fit in 32 bits"),
     ({"suffix": "x"}, r"^suffix: not supported"),
-    ({"best_of": 3}, r"^best_of: not supported"),
+    ({"n": 2, "best_of": 1}, r"^best_of: must be at least n \(2\)"),
+    ({"best_of": 2, "stream": True}, r"^best_of: the best completions are known only at the end"),
     ({"n": 5}, r"^n: at most 4 completions"),
     ({"logit_bias": {"x": 1}}, r"^logit_bias: keys must be token ids"),
     ({"extra_body": {"method": "magic"}}, r"^method: unknown method 'magic'"),
