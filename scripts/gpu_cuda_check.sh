@@ -11,8 +11,11 @@
 #                                     host-side bookkeeping runs small CPU ops, which many threads
 #                                     only slow down (a guess to check, not a finding);
 #   bench.md                          `specmesh bench` side by side with transformers' generate;
-#   lossless_fp32.md                  the same in float32: lossless methods must equal vanilla
-#                                     token for token (bf16 batch shapes may round differently);
+#   lossless_fp32.md                  the same in float32: lossless methods, trees included, must
+#                                     equal vanilla token for token (bf16 batch shapes may round
+#                                     differently);
+#   trees.md                          bench.trees: token trees against chains where verifying a
+#                                     wider draft costs about what a narrow one does;
 #   prefill.md                        bench.prefill on CUDA, last (it may not finish in time):
 #                                     the --prefill-chunk to set on a GPU (Helm verifier.prefillChunk).
 # The archive is re-made after each step, so a run cut off at its limit still returns what it
@@ -40,8 +43,11 @@ done
   || tail -n 20 "$W/bench.log"
 pack
 "$PY" -m services.cli bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 8 \
-  --max-new-tokens 128 --methods vanilla,sd,eagle3,hybrid --out "$W/lossless_fp32.json" > "$W/lossless.log" 2>&1 \
-  || tail -n 20 "$W/lossless.log"
+  --max-new-tokens 128 --methods vanilla,sd,eagle3,hybrid,suffix-tree,eagle3-tree,hybrid-tree \
+  --out "$W/lossless_fp32.json" > "$W/lossless.log" 2>&1 || tail -n 20 "$W/lossless.log"
+pack
+"$PY" -m bench.trees --device "$DEVICE" --threads 1 --workload humaneval --limit 10 --max-new-tokens 128 \
+  --shapes 2:4:6:0.1,3:5:12:0,4:6:16:0 --out "$W/trees.json" > "$W/trees.log" 2>&1 || tail -n 20 "$W/trees.log"
 pack
 "$PY" -m bench.prefill --device "$DEVICE" --threads 1 --method hybrid --chunks 0,1024,512,256,128 --repeats 2 \
   --out "$W/prefill.json" > "$W/prefill.log" 2>&1 || tail -n 20 "$W/prefill.log"
