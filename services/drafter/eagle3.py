@@ -154,21 +154,26 @@ class Eagle3Head(nn.Module):
         logits = self.lm_head(self.norm(out))
         return list(logits[:, None]), list(out[:, None])
 
-    def step_tree(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                  mask: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expand token-tree nodes of one request at once: row j runs ``tokens[j]`` on input
-        h[j] [m, H] at RoPE position positions[j], writes its K/V to cache slot slots[j] and
-        attends to the slots where mask[j] ([m, S] bool) is True: the real prefix, its
-        ancestors' slots and its own. → (draft-vocab logits [m, V_d], prenorm [m, H])."""
+    def step_tree(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                  rows: list[tuple[int, torch.Tensor, torch.Tensor, KVCache]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expand token-tree nodes, of several requests at once: node j runs ``tokens[j]`` on
+        input h[j] ([M, H]) at RoPE position positions[j]. ``rows``: per request (its first
+        node's index, the cache slots of its nodes [m], the mask [m, S] of what each may
+        attend to: the real prefix, its ancestors' slots and its own, its cache). Projections,
+        MLP and LM head run once over all nodes, attention per request. → (draft-vocab logits
+        [M, V_d], prenorm [M, H])."""
         cos, sin = self.rope(positions, h.dtype)
         q, k, v = self.midlayer.qkv(self.embed_in(tokens)[None], h[None], cos, sin)
-        kc, vc = cache.layers[0]
-        kc[0].index_copy_(1, slots, k[0])
-        vc[0].index_copy_(1, slots, v[0])
-        end = mask.shape[-1]
-        o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
-                                           enable_gqa=self.s.kv_heads != self.s.heads)
-        out = self.midlayer.finish(o, h[None])[0]
+        outs = []
+        for off, slots, mask, cache in rows:
+            m = len(slots)
+            kc, vc = cache.layers[0]
+            kc[0].index_copy_(1, slots, k[0, :, off:off + m])
+            vc[0].index_copy_(1, slots, v[0, :, off:off + m])
+            end = mask.shape[-1]
+            outs.append(F.scaled_dot_product_attention(q[:, :, off:off + m], kc[:, :, :end], vc[:, :, :end],
+                                                       attn_mask=mask, enable_gqa=self.s.kv_heads != self.s.heads))
+        out = self.midlayer.finish(torch.cat(outs, dim=2), h[None])[0]
         return self.lm_head(self.norm(out)), out
 
     def new_cache(self, capacity: int) -> KVCache:

@@ -81,6 +81,67 @@ class _Row:
         return self.confident and len(self.drafted) < self.budget and (self.st.grammar is None or self.state is not None)
 
 
+@dataclass
+class _Tree:
+    """One request's draft tree as it grows (``Eagle3Drafter._grow``): node j is token
+    toks[j] under parent parents[j] (-1: the root), scoring scores[j]; feeds[j] is the head's
+    prenorm output that proposed it, its expansion's input. Expanded nodes take cache slots
+    after the request's real positions, in order; the next catch-up overwrites them."""
+
+    st: _State
+    budget: int
+    shape: TreeShape
+    toks: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    feeds: list[torch.Tensor] = field(default_factory=list)
+    slot_of: dict[int, int] = field(default_factory=dict)
+    frontier: list[int] = field(default_factory=list)
+
+    def add(self, parent: int, probs: list[float], tokens: list[int], h: torch.Tensor) -> None:
+        score = self.scores[parent] if parent >= 0 else 1.0
+        for p, tok in zip(probs, tokens):
+            self.frontier.append(len(self.toks))
+            self.toks.append(tok)
+            self.parents.append(parent)
+            self.scores.append(score * p)
+            self.feeds.append(h)
+
+    def to_expand(self, depth: int) -> list[int]:
+        """The newest nodes worth a step at ``depth`` (the ``topk`` best); none once the best
+        scores below the floor, the budget's depth is reached, or the cache is full."""
+        grow = sorted(self.frontier, key=lambda j: (-self.scores[j], j))[:self.shape.topk]
+        self.frontier = []
+        base = self.st.n_feats + len(self.slot_of)
+        if (not grow or depth >= self.budget or self.scores[grow[0]] < self.shape.min_score
+                or base + len(grow) > self.st.cache.capacity):
+            return []
+        self.slot_of.update(zip(grow, range(base, base + len(grow))))
+        return grow
+
+    def expansion(self, grow: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The slots of ``grow`` and the mask [len(grow), S] each attends by: the real
+        prefix, its ancestors' slots and its own."""
+        slots = [self.slot_of[j] for j in grow]
+        mask = torch.zeros(len(grow), slots[-1] + 1, dtype=torch.bool)
+        mask[:, :self.st.n_feats] = True
+        for r, j in enumerate(grow):
+            while j >= 0:
+                mask[r, self.slot_of[j]] = True
+                j = self.parents[j]
+        return slots, mask
+
+    def draft(self, source: str) -> Draft:
+        """The ``budget`` best-scoring nodes, those below the floor left out (the best one
+        kept). A node scores no more than its parent, so they form a tree (ties go to the
+        parent, the lower index)."""
+        ranked = sorted(range(len(self.toks)), key=lambda j: (-self.scores[j], j))[:self.budget]
+        keep = sorted(j for n, j in enumerate(ranked) if n == 0 or self.scores[j] >= self.shape.min_score)
+        index = {j: n for n, j in enumerate(keep)}
+        return Draft(token_ids=[self.toks[j] for j in keep], parents=[index.get(self.parents[j], -1) for j in keep],
+                     token_probs=[self.scores[j] for j in keep], source=source)
+
+
 @register("eagle3")
 class Eagle3Drafter(Drafter):
     """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
@@ -224,8 +285,9 @@ class Eagle3Drafter(Drafter):
                                                  [i[2] for i in inputs], [r.st.cache for r in active])
             for r in active:
                 self._keep(r.st)
-            trees = {id(r): self._grow(r.st, lg[-1], out[-1:], r.budget)
-                     for r, lg, out in zip(active, logits, outs) if r.st.trees}
+            grown = [(r, lg[-1], out[-1:]) for r, lg, out in zip(active, logits, outs) if r.st.trees]
+            trees = dict(zip((id(r) for r, _, _ in grown),
+                             self._grow([(r.st, lg, out, r.budget) for r, lg, out in grown]) if grown else []))
             logits, outs = ([lg for r, lg in zip(active, logits) if not r.st.trees],
                             [out for r, out in zip(active, outs) if not r.st.trees])
             active = [r for r in active if not r.st.trees]
@@ -240,57 +302,48 @@ class Eagle3Drafter(Drafter):
         return [Draft.empty() if r is None else trees[id(r)] if r.st.trees else
                 Draft(token_ids=r.drafted, probs=torch.stack(r.qs) if r.qs else None, source=self.name) for r in rows]
 
-    def _grow(self, st: _State, logits: torch.Tensor, out: torch.Tensor, budget: int) -> Draft:
-        """EAGLE-2's dynamic draft tree (as SGLang's ``speculative_eagle_topk``): from the root,
-        each expanded node proposes its ``topk`` most likely tokens, each node's score being
-        the product of the head's probabilities along its path; at each depth the ``topk``
-        best-scoring new nodes are expanded, all in one head step (``step_tree``); after
-        ``steps`` depths the ``budget`` best-scoring nodes are the draft. A node scores no
-        more than its parent, so they form a tree (ties go to the parent, the lower index).
-        Expansions use cache slots after the real positions, which the next catch-up
-        overwrites."""
-        k, head, base = self.tree.topk, self.head, st.n_feats
-        d2t = head._d2t_list() if head.remaps_vocab else None
-        toks, parents, scores, feeds = [], [], [], []   # feeds[j]: the prenorm input of node j's expansion
-        slot_of: dict[int, int] = {}
+    def _grow(self, rows: list[tuple[_State, torch.Tensor, torch.Tensor, int]]) -> list[Draft]:
+        """EAGLE-2's dynamic draft trees (as SGLang's ``speculative_eagle_topk``) for several
+        requests in lockstep: ``rows`` are (state, root logits [V_d], root prenorm [1, H],
+        budget). From the root, each expanded node proposes its ``topk`` most likely tokens,
+        each node's score being the product of the head's probabilities along its path; at
+        each depth every request's ``topk`` best-scoring new nodes are expanded, all
+        requests' in one head step (``step_tree``); after ``steps`` depths each request's
+        ``budget`` best-scoring nodes are its draft."""
+        d2t = self.head._d2t_list() if self.head.remaps_vocab else None
+        trees = [_Tree(st, budget, self.tree) for st, _, _, budget in rows]
+        self._children(trees, [[-1]] * len(trees), torch.stack([lg for _, lg, _, _ in rows]),
+                       [out for _, _, out, _ in rows], d2t)
+        for depth in range(1, self.tree.steps):
+            work = [(t, g) for t in trees if (g := t.to_expand(depth))]
+            if not work:
+                break
+            dev = rows[0][2].device
+            h = torch.cat([t.feeds[j] for t, g in work for j in g])
+            tokens = torch.tensor([t.toks[j] for t, g in work for j in g], device=dev)
+            positions = torch.tensor([t.st.n_feats - 1 + depth for t, g in work for _ in g], device=dev)
+            spans, off = [], 0
+            for t, g in work:
+                slots, mask = t.expansion(g)
+                spans.append((off, torch.tensor(slots, device=dev), mask.to(dev), t.st.cache))
+                off += len(g)
+            logits, outs = self.head.step_tree(h, tokens, positions, spans)
+            per = [len(g) for _, g in work]
+            self._children([t for t, _ in work], [g for _, g in work], logits,
+                           list(torch.split(outs, per)), d2t)
+        return [t.draft(self.name) for t in trees]
 
-        def propose(nodes: list[int], lg: torch.Tensor, h: torch.Tensor) -> list[int]:
-            """Children of ``nodes`` (-1: the root) from their head logits [m, V_d], prenorm [m, H]."""
-            top = torch.softmax(lg.float(), -1).topk(k)
-            first = len(toks)
-            for r, (ps, ids) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-                parent = nodes[r]
-                score = scores[parent] if parent >= 0 else 1.0
-                for p, i in zip(ps, ids):
-                    toks.append(i + d2t[i] if d2t else i)
-                    parents.append(parent)
-                    scores.append(score * p)
-                    feeds.append(h[r:r + 1])
-            return list(range(first, len(toks)))
-
-        frontier = propose([-1], logits[None], out)
-        for depth in range(1, min(self.tree.steps, budget)):
-            grow = sorted(frontier, key=lambda j: (-scores[j], j))[:k]
-            if scores[grow[0]] < self.tree.min_score or base + len(slot_of) + len(grow) > st.cache.capacity:
-                break   # no node left worth a step
-            slots = list(range(base + len(slot_of), base + len(slot_of) + len(grow)))
-            slot_of.update(zip(grow, slots))
-            mask = torch.zeros(len(grow), slots[-1] + 1, dtype=torch.bool)
-            mask[:, :base] = True
-            for r, j in enumerate(grow):
-                while j >= 0:
-                    mask[r, slot_of[j]] = True
-                    j = parents[j]
-            dev = out.device
-            lg, outs = head.step_tree(torch.cat([feeds[j] for j in grow]), torch.tensor([toks[j] for j in grow], device=dev),
-                                      torch.full((len(grow),), base - 1 + depth, device=dev),
-                                      torch.tensor(slots, device=dev), mask.to(dev), st.cache)
-            frontier = propose(grow, lg, outs)
-        ranked = sorted(range(len(toks)), key=lambda j: (-scores[j], j))[:budget]
-        keep = sorted(j for n, j in enumerate(ranked) if n == 0 or scores[j] >= self.tree.min_score)
-        index = {j: n for n, j in enumerate(keep)}
-        return Draft(token_ids=[toks[j] for j in keep], parents=[index.get(parents[j], -1) for j in keep],
-                     token_probs=[scores[j] for j in keep], source=self.name)
+    def _children(self, trees: list["_Tree"], parents: list[list[int]], logits: torch.Tensor,
+                  outs: list[torch.Tensor], d2t: list[int] | None) -> None:
+        """Each tree's ``parents[i]`` nodes get their ``topk`` children, from their head logits
+        (rows of ``logits``, in order) and prenorm outputs (``outs[i]`` [m_i, H])."""
+        top = torch.softmax(logits.float(), -1).topk(self.tree.topk)
+        values, ids = top.values.tolist(), top.indices.tolist()
+        row = 0
+        for t, nodes, h in zip(trees, parents, outs):
+            for r, parent in enumerate(nodes):
+                t.add(parent, values[row], [i + d2t[i] if d2t else i for i in ids[row]], h[r:r + 1])
+                row += 1
 
     def stop(self, req_id: str) -> None:
         self.states.pop(req_id, None)

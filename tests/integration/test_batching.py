@@ -248,3 +248,31 @@ def test_closing_a_busy_session_on_the_link_cancels_its_prefill(tiny_dirs):
     finally:
         core.runner.step = step
         server.stop(0)
+
+
+def test_concurrent_tree_sessions_verify_together_and_match_vanilla(tiny_eagle_engine):
+    """eagle3-tree and suffix-tree sessions beside chain ones: their trees grow in one head
+    step per depth, verify in one ragged forward with tree masks, and every output is
+    vanilla's."""
+    eng = tiny_eagle_engine
+    prompts = [p * 2 for p in PROMPTS]
+    refs = {p: eng.generate(GenerationRequest(eng.encode(p), 48, method="vanilla")).result()["token_ids"]
+            for p in prompts}
+    before_forwards, before_rows = histogram("_count"), histogram("_sum")
+    out = {}
+
+    def run(i, p, method):
+        out[i] = eng.generate(GenerationRequest(eng.encode(p), 48, method=method)).result()
+
+    methods = ("eagle3-tree", "suffix-tree", "eagle3")
+    jobs = [(i, p, m) for i, (p, m) in enumerate((p, m) for p in prompts for m in methods)]
+    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, p, m in jobs:
+        assert out[i]["token_ids"] == refs[p], (m, p)
+    assert sum(out[i]["stats"]["draft_tokens"] for i, _, m in jobs if m == "eagle3-tree") > 0
+    forwards, rows = histogram("_count") - before_forwards, histogram("_sum") - before_rows
+    assert rows / forwards > 1.5, (rows, forwards)

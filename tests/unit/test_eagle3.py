@@ -457,3 +457,35 @@ def test_tree_methods_equal_vanilla_tiny(tiny_eagle_engine):
     assert drafted > 0
     sampled = eng.generate(GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3-tree"))
     assert len(sampled.result()["token_ids"]) == 20   # a sampled request drafts chains
+
+
+def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
+    """Trees of several requests grown in lockstep (one head step per depth for all of them,
+    attention per request) are the trees each grows alone, cycle after cycle, budgets and
+    prefix lengths differing."""
+    from services.drafter.eagle3_drafter import TreeShape
+
+    target = Llama.from_pretrained(tiny_dirs[0])
+    head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
+    seqs = {"a": list(range(300, 340)), "b": list(range(500, 520)), "c": list(range(700, 760))}
+    feats = {k: features(target, s, head.aux_layers) for k, s in seqs.items()}
+    shape = TreeShape(topk=2, steps=4)
+    one, many = (Eagle3Drafter(head, tree=shape, name="eagle3-tree") for _ in range(2))
+    start = {"a": 5, "b": 9, "c": 30}
+    for d in (one, many):
+        for k, s in seqs.items():
+            d.start(k, s[:start[k]], SamplingParams(), None, trees=True)
+            d.observe(k, [], feats[k][:start[k] - 1])
+    budgets = {"a": 8, "b": 3, "c": 6}
+    pos = {k: start[k] - 1 for k in seqs}
+    for cycle in range(3):
+        singles = {k: one.propose(k, b) for k, b in budgets.items()}
+        batched = dict(zip(budgets, many.propose_batch(list(budgets.items()))))
+        for k in budgets:
+            assert (batched[k].token_ids, batched[k].parents) == (singles[k].token_ids, singles[k].parents), (cycle, k)
+            assert len(singles[k]) == budgets[k]
+        assert singles["a"].is_tree
+        for d in (one, many):
+            for k in seqs:
+                d.observe(k, seqs[k][pos[k] + 1:pos[k] + 3], feats[k][pos[k]:pos[k] + 2])
+        pos = {k: p + 2 for k, p in pos.items()}
