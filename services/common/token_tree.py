@@ -70,6 +70,27 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
     return m
 
 
+def graft(token_ids: Sequence[int], parents: Sequence[int], branch: Sequence[int], limit: int
+          ) -> tuple[list[int], list[int]]:
+    """The tree with the chain ``branch`` added under the root: it follows the tree while the
+    tree holds its tokens, and what is left becomes new nodes after the tree's (so the main
+    chain is unchanged), at most ``limit`` nodes in all."""
+    toks, pars = list(token_ids), list(parents)
+    kids = children(pars)
+    cur = -1
+    for i, t in enumerate(branch):
+        nxt = next((c for c in kids.get(cur, ()) if toks[c] == t), None)
+        if nxt is None:
+            room = max(0, limit - len(toks))
+            for t2 in branch[i:i + room]:
+                toks.append(t2)
+                pars.append(cur)
+                cur = len(toks) - 1
+            break
+        cur = nxt
+    return toks, pars
+
+
 def walk(token_ids: Sequence[int], parents: Sequence[int], next_token: Callable[[int], int]
          ) -> tuple[list[int], int]:
     """The accepted path and the token emitted after it. ``next_token(node)`` is the target's

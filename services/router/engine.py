@@ -188,20 +188,20 @@ class Engine:
             self.add_hybrid(name, rule, cost_aware=cfg.hybrid.cost_aware and name == "hybrid")
         if "hybrid" in rules and "suffix-tree" in self.drafters and "eagle3-tree" in self.verifier.max_draft:
             self.add_hybrid("hybrid-tree", rules["hybrid"], cfg.hybrid.cost_aware, cache="suffix-tree",
-                            fallback="eagle3-tree")
+                            fallback="eagle3-tree", both=True)
         if "hybrid" in rules and self.model_fallback != "draft-lm" and "draft-lm" in self.verifier.max_draft:
             self.add_hybrid("hybrid-lm", rules["hybrid"], cfg.hybrid.cost_aware, fallback="draft-lm")
 
     def add_hybrid(self, name: str, rule, cost_aware: bool = False, fallback: str | None = None,
-                   cache: str = "suffix") -> None:
+                   cache: str = "suffix", both: bool = False) -> None:
         """A hybrid of the suffix cache (drafter ``cache``) and ``fallback`` (default: the EAGLE-3
-        head, else the draft LM)."""
+        head, else the draft LM); ``both``: its model cycles verify the cache draft too."""
         from services.router.hybrid import CycleCosts, HybridDrafter
 
         model = fallback or self.model_fallback
         limits = (self.max_draft["suffix"], self.max_draft[model])
         self.drafters[name] = HybridDrafter(name, self.drafters[cache], model, rule, *limits,
-                                            costs=CycleCosts() if cost_aware else None)
+                                            costs=CycleCosts() if cost_aware else None, both=both)
         self.max_draft[name] = max(limits)
 
     # -- compatibility views onto the in-process verifier (tests, bench, calibration) ------------
@@ -499,8 +499,10 @@ class Generation:
         if self.drafter is None:
             return CycleRequest(draft_with=self.model_drafter, budget=budget) if self.model_drafter else CycleRequest()
         choice = self.drafter.propose(self.req_id, budget)
-        if isinstance(choice, Delegate):
-            return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget))
+        if isinstance(choice, Delegate):   # the cache draft beside it, unless a grammar or bad words must vet it
+            also = choice.also if self.grammar is None and not self.req.sampling.bad_words else ()
+            return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget), draft_ids=also,
+                                draft_source="suffix" if also else "none")
         if choice.is_tree and (self.grammar is not None or self.req.sampling.bad_words):
             choice = choice.chain()   # the checks below read a chain
         if choice.is_tree:

@@ -341,10 +341,12 @@ class ScoreRule:
 @dataclass(frozen=True)
 class Delegate:
     """The hybrid's answer when the cache draft is not worth verifying: draft with ``drafter``
-    (beside the verifier) instead, at most ``budget`` tokens."""
+    (beside the verifier) instead, at most ``budget`` tokens; ``also``: the cache draft, to
+    verify beside it as a branch of one token tree where the session takes trees."""
 
     drafter: str
     budget: int
+    also: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -375,13 +377,15 @@ class _State:
 class HybridDrafter(Drafter):
     """Router-side: drafts from the suffix cache, returns that draft, a ``Delegate`` to the
     verifier's model drafter (which observes every cycle there, with the target's states) or,
-    with ``costs``, an empty draft when a plain step is the cheaper fallback."""
+    with ``costs``, an empty draft when a plain step is the cheaper fallback. With ``both``,
+    a delegated cycle also carries the declined cache draft, verified beside the model's
+    (``Delegate.also``)."""
 
     def __init__(self, name: str, cache, model: str, rule: DecisionRule, max_cache: int, max_model: int,
-                 costs: CycleCosts | None = None):
+                 costs: CycleCosts | None = None, both: bool = False):
         self.name, self.cache, self.model, self.rule = name, cache, model, rule
         self.max_cache, self.max_model = max_cache, max_model
-        self.costs = costs
+        self.costs, self.both = costs, both
         self.states: dict[str, _State] = {}
 
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
@@ -415,7 +419,7 @@ class HybridDrafter(Drafter):
             return draft
         if choice == PLAIN:
             return Draft.empty()
-        return Delegate(self.model, min(budget, self.max_model))
+        return Delegate(self.model, min(budget, self.max_model), tuple(st.cache_draft) if self.both else ())
 
     def verified(self, req_id: str, n: int) -> None:
         """The router verifies only the first ``n`` tokens of the cache draft (a grammar forbids

@@ -24,6 +24,7 @@ from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
 from services.common.sampling import apply_bias, apply_penalties, ban_bad_words, make_rng, token_logprobs
 from services.common.structured import GrammarCompiler, GrammarCursor
+from services.common.token_tree import graft
 from services.common.types import Draft, SamplingParams, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter
 from services.memory.correction_memory import LocalCorrectionMemory
@@ -75,7 +76,8 @@ class CycleRequest:
     draft_ids: tuple[int, ...] = ()      # a draft made by the router (suffix cache)
     draft_parents: tuple[int, ...] = ()  # its token tree's parents (token_tree); empty: a chain
     draft_source: str = "none"
-    draft_with: str | None = None        # or: draft here with this verifier-side drafter
+    draft_with: str | None = None        # or: draft here with this verifier-side drafter (and, where the
+                                         # session takes trees, verify draft_ids, a chain, beside its draft)
     budget: int = 0
 
 
@@ -292,9 +294,15 @@ class VerifierCore:
             except Exception as e:
                 for b in group:
                     b.error = e
-        for b in batch:   # a session that cannot verify a tree takes its main chain
+        for b in batch:
             d = drafts.get(id(b))
-            if d is not None and d.is_tree and not b.session.takes_trees:
+            if d is None:
+                continue
+            if b.request.draft_with and b.request.draft_ids and b.session.takes_trees:
+                # the router's draft beside the model's: one tree, the model's draft its main chain
+                toks, parents = graft(d.token_ids, d.parents, b.request.draft_ids, b.session.spec.max_draft)
+                drafts[id(b)] = d = replace(d, token_ids=toks, parents=parents, probs=None, token_probs=[])
+            if d.is_tree and not b.session.takes_trees:   # a session that cannot verify a tree takes its main chain
                 drafts[id(b)] = d.chain()
         return drafts
 

@@ -1,6 +1,7 @@
 """Hybrid router: lossless, mixes sources per cycle, decisions visible in stats."""
 import torch
 
+from services.common.types import SamplingParams
 from services.predictor.features import TokenFlags
 from services.predictor.mlp import YieldMLP
 from services.router.engine import GenerationRequest
@@ -138,3 +139,33 @@ def test_tau_sweep_rows_and_extremes(tiny_eagle_engine, tmp_path):
     assert "| hybrid | tau = 1.0 |" in markdown(result) and "| hybrid | cost-aware |" in markdown(result)
     plot(result, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_a_delegated_cycle_verifies_the_cache_draft_beside_the_models(tiny_eagle_engine):
+    """A cycle that asks the verifier's drafter and also carries a router draft (hybrid-tree's
+    model cycles) verifies both as one tree: when the router's branch is the true
+    continuation it is kept whole, whatever the (untrained) head drafted; a sampled session
+    verifies the model's draft alone."""
+    from services.verifier.core import CycleRequest, SessionSpec
+
+    eng = tiny_eagle_engine
+    ids = eng.encode("def add(a, b):\n")
+    ref = eng.generate(GenerationRequest(ids, 12, method="vanilla")).result()["token_ids"]
+    session = eng.verifier.open(SessionSpec(ids, 12, model_drafter="eagle3", max_draft=8))
+    try:
+        first = session.cycle(CycleRequest())                      # the prompt's cycle: one token
+        assert first.committed == ref[:1]
+        both = session.cycle(CycleRequest(draft_with="eagle3", budget=3, draft_ids=tuple(ref[1:5]),
+                                          draft_source="suffix"))
+        assert both.committed == ref[1:1 + len(both.committed)] and len(both.committed) >= 5
+        assert both.drafted >= 4
+    finally:
+        session.close()
+    sampled = eng.verifier.open(SessionSpec(ids, 12, SamplingParams(temperature=1.0, seed=3), model_drafter="eagle3",
+                                            max_draft=8))
+    try:
+        sampled.cycle(CycleRequest())
+        out = sampled.cycle(CycleRequest(draft_with="eagle3", budget=3, draft_ids=(1, 2, 3, 4), draft_source="suffix"))
+        assert out.drafted <= 3                                    # the head's chain only
+    finally:
+        sampled.close()

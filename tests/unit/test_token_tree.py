@@ -89,3 +89,16 @@ def test_tree_forward_equals_each_branch_and_commit_keeps_the_accepted_one(tiny_
     after, _ = runner.verify(st, [3, 4])
     assert torch.allclose(after[0], fresh(model, st.tokens), atol=1e-4)
     assert torch.allclose(after[2], fresh(model, st.tokens + [3, 4]), atol=1e-4)
+
+
+def test_graft_adds_a_chain_under_the_root_sharing_what_the_tree_holds():
+    from services.common.token_tree import graft
+
+    toks = [10, 11, 12, 13, 14, 15]
+    # 10 → 12 is in the tree; 99, 98 are new under node 2; the main chain stays first
+    assert graft(toks, TREE, [10, 12, 99, 98], 16) == (toks + [99, 98], TREE + [2, 6])
+    assert graft(toks, TREE, [7, 8], 16) == (toks + [7, 8], TREE + [-1, 6])     # a new root child
+    assert graft(toks, TREE, [10, 12, 15], 16) == (toks, TREE)                   # all there already
+    assert graft(toks, TREE, [7, 8, 9], 7) == (toks + [7], TREE + [-1])          # cut at the limit
+    assert graft([], [], [4, 5], 16) == ([4, 5], [-1, 0])
+    assert main_chain(graft(toks, TREE, [7, 8], 16)[1]) == main_chain(TREE)
