@@ -12,26 +12,32 @@ def histogram(suffix: str) -> float:
     return next(s.value for s in VERIFY_BATCH.collect()[0].samples if s.name.endswith(suffix))
 
 
-def test_concurrent_sessions_share_forwards_and_match_vanilla(tiny_engine):
-    eng = tiny_engine
-    refs = {p: eng.generate(GenerationRequest(eng.encode(p), 60, method="vanilla")).result()["token_ids"]
-            for p in PROMPTS}
+def concurrently_equal_vanilla(eng, prompts: list[str], methods: tuple[str, ...], n: int) -> dict:
+    """Every (prompt, method) at once, each output checked against vanilla's alone; the
+    sessions must have shared forwards. → (prompt, method) → its result."""
+    refs = {p: eng.generate(GenerationRequest(eng.encode(p), n, method="vanilla")).result()["token_ids"]
+            for p in prompts}
     before_forwards, before_rows = histogram("_count"), histogram("_sum")
     out = {}
 
-    def run(i, p, method):
-        out[i] = eng.generate(GenerationRequest(eng.encode(p), 60, method=method)).result()["token_ids"]
+    def run(p, method):
+        out[(p, method)] = eng.generate(GenerationRequest(eng.encode(p), n, method=method)).result()
 
-    jobs = [(i, p, m) for i, (p, m) in enumerate((p, m) for p in PROMPTS for m in ("vanilla", "sd", "suffix"))]
-    threads = [threading.Thread(target=run, args=j) for j in jobs]
+    threads = [threading.Thread(target=run, args=(p, m)) for p in prompts for m in methods]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    for i, p, _ in jobs:
-        assert out[i] == refs[p]
+    for (p, m), r in out.items():
+        assert r["token_ids"] == refs[p], (m, p)
+    assert len(out) == len(threads)
     forwards, rows = histogram("_count") - before_forwards, histogram("_sum") - before_rows
     assert rows / forwards > 1.5, (rows, forwards)  # sessions really were verified together
+    return out
+
+
+def test_concurrent_sessions_share_forwards_and_match_vanilla(tiny_engine):
+    concurrently_equal_vanilla(tiny_engine, PROMPTS, ("vanilla", "sd", "suffix"), 60)
 
 
 def test_speculation_stops_while_the_verifier_step_is_loaded(tiny_dirs, tiny_engine):
@@ -254,25 +260,6 @@ def test_concurrent_tree_sessions_verify_together_and_match_vanilla(tiny_eagle_e
     """eagle3-tree and suffix-tree sessions beside chain ones: their trees grow in one head
     step per depth, verify in one ragged forward with tree masks, and every output is
     vanilla's."""
-    eng = tiny_eagle_engine
-    prompts = [p * 2 for p in PROMPTS]
-    refs = {p: eng.generate(GenerationRequest(eng.encode(p), 48, method="vanilla")).result()["token_ids"]
-            for p in prompts}
-    before_forwards, before_rows = histogram("_count"), histogram("_sum")
-    out = {}
-
-    def run(i, p, method):
-        out[i] = eng.generate(GenerationRequest(eng.encode(p), 48, method=method)).result()
-
-    methods = ("eagle3-tree", "suffix-tree", "eagle3")
-    jobs = [(i, p, m) for i, (p, m) in enumerate((p, m) for p in prompts for m in methods)]
-    threads = [threading.Thread(target=run, args=j) for j in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for i, p, m in jobs:
-        assert out[i]["token_ids"] == refs[p], (m, p)
-    assert sum(out[i]["stats"]["draft_tokens"] for i, _, m in jobs if m == "eagle3-tree") > 0
-    forwards, rows = histogram("_count") - before_forwards, histogram("_sum") - before_rows
-    assert rows / forwards > 1.5, (rows, forwards)
+    out = concurrently_equal_vanilla(tiny_eagle_engine, [p * 2 for p in PROMPTS], ("eagle3-tree", "suffix-tree", "eagle3"),
+                                     48)
+    assert sum(r["stats"]["draft_tokens"] for (_, m), r in out.items() if m == "eagle3-tree") > 0
