@@ -172,8 +172,8 @@ class DrafterDeployment:
     def start(self, prompt: list[int], max_new_tokens: int) -> None:
         self.drafter.start(serve.get_multiplexed_model_id(), prompt, max_new_tokens=max_new_tokens)
 
-    def propose(self, budget: int):
-        return self.drafter.propose(serve.get_multiplexed_model_id(), budget)
+    def propose(self, budget: int, tree: bool = False):
+        return self.drafter.propose(serve.get_multiplexed_model_id(), budget, tree=tree)
 
     def observe(self, tokens: list[int]) -> None:
         self.drafter.observe(serve.get_multiplexed_model_id(), tokens)
@@ -183,12 +183,10 @@ class DrafterDeployment:
 
 
 class RayDrafter:
-    """The Drafter protocol over DrafterDeployment."""
+    """The Drafter protocol over DrafterDeployment; ``tree``: it asks for speculation trees."""
 
-    name = "suffix"
-
-    def __init__(self, handle):
-        self.handle = handle
+    def __init__(self, handle, name: str = "suffix", tree: bool = False):
+        self.handle, self.name, self.tree = handle, name, tree
 
     def _h(self, req_id: str):
         return self.handle.options(multiplexed_model_id=req_id)
@@ -197,7 +195,7 @@ class RayDrafter:
         self._h(req_id).start.remote(list(prompt), max_new_tokens).result()
 
     def propose(self, req_id, budget):
-        return self._h(req_id).propose.remote(budget).result()
+        return self._h(req_id).propose.remote(budget, self.tree).result()
 
     def observe(self, req_id, tokens, target_states=None) -> None:
         self._h(req_id).observe.remote(list(tokens)).result()
@@ -443,8 +441,9 @@ class GenerationIngress:
                 engine = Engine(cfg, verifier=RayVerifier(verifier))
                 if self._drafter is not None:
                     engine.drafters["suffix"] = RayDrafter(self._drafter)
+                    engine.drafters["suffix-tree"] = RayDrafter(self._drafter, "suffix-tree", tree=True)
                     for name in [n for n in engine.drafters if n.startswith("hybrid")]:
-                        engine.drafters[name].cache = engine.drafters["suffix"]
+                        engine.drafters[name].cache = engine.drafters["suffix-tree" if name == "hybrid-tree" else "suffix"]
                 if predictor is not None and engine.model_fallback:
                     from services.predictor.features import TokenFlags
                     from services.router.hybrid import PredictorRule

@@ -67,7 +67,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._session(request.session_id, context)
         if request.budget > self.max_budget:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"budget: at most {self.max_budget} tokens")
-        return draft_to_pb(self.drafter.propose(request.session_id, request.budget))
+        return draft_to_pb(self.drafter.propose(request.session_id, request.budget, tree=request.tree))
 
     def Observe(self, request, context):
         self._session(request.session_id, context)
@@ -89,18 +89,20 @@ def build_drafter_server(drafter: SuffixDrafter, vocab_size: int, host: str, por
 
 
 class RemoteDrafter(Drafter):
-    """The Drafter protocol over `specmesh.v1.Drafter` (e.g. a shared suffix-cache service)."""
+    """The Drafter protocol over `specmesh.v1.Drafter` (e.g. a shared suffix-cache service);
+    ``tree``: it asks for speculation trees."""
 
-    def __init__(self, addr: str, name: str = "suffix", timeout_s: float = 2.0):
+    def __init__(self, addr: str, name: str = "suffix", timeout_s: float = 2.0, tree: bool = False):
         self.stub = pb_grpc.DrafterStub(channel(addr))
-        self.name, self.timeout_s = name, timeout_s
+        self.name, self.timeout_s, self.tree = name, timeout_s, tree
 
     def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0) -> None:
         self.stub.Start(pb.DrafterStart(session_id=req_id, prompt_ids=prompt, max_new_tokens=max_new_tokens),
                         timeout=self.timeout_s)
 
     def propose(self, req_id, budget) -> Draft:
-        return draft_from_pb(self.stub.Propose(pb.DrafterPropose(session_id=req_id, budget=budget), timeout=self.timeout_s))
+        return draft_from_pb(self.stub.Propose(pb.DrafterPropose(session_id=req_id, budget=budget, tree=self.tree),
+                                               timeout=self.timeout_s))
 
     def verified(self, req_id, n) -> None:
         """The service keeps no per-draft state, so a cut draft needs no call."""

@@ -122,21 +122,23 @@ class SuffixDrafter(Drafter):
             st.gmatches = g.tree.match_context(st.seq)
         return st.gmatches
 
-    def speculate(self, req_id: str, budget: int) -> tuple[Candidate, str]:
+    def speculate(self, req_id: str, budget: int, tree: bool | None = None) -> tuple[Candidate, str]:
+        """The better of the request's own tree's draft and the global tree's; a speculation
+        tree with ``tree`` (default: the config's), else a path."""
         st = self.states[req_id]
-        p = self.cfg.spec
-        local = self.trees[req_id].speculate(st.actives, budget, p, self.cfg.tree)
+        p, tree = self.cfg.spec, self.cfg.tree if tree is None else tree
+        local = self.trees[req_id].speculate(st.actives, budget, p, tree)
         gm = self._global_matches(st)
-        glob = st.gtree.speculate(gm, budget, p, self.cfg.tree) if gm else Candidate()
+        glob = st.gtree.speculate(gm, budget, p, tree) if gm else Candidate()
         return (glob, "global") if glob.score > local.score else (local, "local")
 
-    def propose(self, req_id: str, budget: int) -> Draft:
-        cand, tree = self.speculate(req_id, budget)
+    def propose(self, req_id: str, budget: int, tree: bool | None = None) -> Draft:
+        cand, which = self.speculate(req_id, budget, tree)
         st = self.states[req_id]
         st.drafted = cand.token_ids
         return Draft(token_ids=list(cand.token_ids), parents=list(cand.parents), score=cand.score, source=self.name,
                      match_len=cand.match_len, token_probs=list(cand.probs),
-                     features={"tree": tree, "prompt_len": st.prompt_len,
+                     features={"tree": which, "prompt_len": st.prompt_len,
                                "generated_len": len(st.seq) - st.prompt_len})
 
     def verified(self, req_id: str, n: int) -> None:

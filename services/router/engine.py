@@ -145,7 +145,8 @@ class Engine:
         if cfg.drafter_addr:
             from services.drafter.server import RemoteDrafter
 
-            self.drafters = {"suffix": RemoteDrafter(cfg.drafter_addr)}
+            self.drafters = {"suffix": RemoteDrafter(cfg.drafter_addr),
+                             "suffix-tree": RemoteDrafter(cfg.drafter_addr, "suffix-tree", tree=True)}
         else:
             publish = self.suffix_feed.publish if self.suffix_feed else None
             self.drafters = {"suffix": SuffixDrafter(replace(cfg.suffix, tree=False), self.suffix_cache, publish),

@@ -17,12 +17,14 @@ class DrafterStart(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class DrafterPropose(_message.Message):
-    __slots__ = ("session_id", "budget")
+    __slots__ = ("session_id", "budget", "tree")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     budget: int
-    def __init__(self, session_id: _Optional[str] = ..., budget: _Optional[int] = ...) -> None: ...
+    tree: bool
+    def __init__(self, session_id: _Optional[str] = ..., budget: _Optional[int] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class DrafterObserve(_message.Message):
     __slots__ = ("session_id", "tokens")

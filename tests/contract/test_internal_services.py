@@ -75,6 +75,14 @@ def test_drafter_service_matches_local_and_guards_sessions():
         for d in (local, remote):
             d.observe("s", [8, 9])
         assert remote.propose("s", 8).token_ids == local.propose("s", 8).token_ids
+        # a speculation tree on request: "1 2" was followed by 3 and by 5, both drafted
+        branchy = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7, 1, 2]
+        for d in (local, remote):
+            d.start("t", branchy)
+        tree = RemoteDrafter(addr, "suffix-tree", tree=True).propose("t", 8)
+        want = local.propose("t", 8, tree=True)
+        assert (tree.token_ids, tree.parents) == (want.token_ids, want.parents) and tree.is_tree
+        assert not remote.propose("t", 8).is_tree
         stub = dgrpc.DrafterStub(grpc.insecure_channel(addr))
         assert code_of(stub.Start, dpb.DrafterStart(session_id="s", prompt_ids=[1])) == grpc.StatusCode.ALREADY_EXISTS
         assert code_of(stub.Start, dpb.DrafterStart(session_id="", prompt_ids=[1])) == grpc.StatusCode.INVALID_ARGUMENT
