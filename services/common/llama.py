@@ -1,8 +1,10 @@
-"""A lean Llama/Qwen2-family forward pass with a static KV cache (gpt-fast style).
+"""A lean Llama-family forward pass with a static KV cache (gpt-fast style).
 
 Weights load from a local Hugging Face directory (config.json + safetensors) under the
-same names `transformers` uses, so a user's own Llama/Qwen2 checkpoint works unchanged;
-`tests/unit/test_llama.py` checks logits against `transformers`.
+same names `transformers` uses, so a user's own Llama, Qwen2, Qwen3 or Mistral checkpoint
+works unchanged (``SUPPORTED``); `tests/unit/test_llama.py` checks logits against
+`transformers`. Anything else is refused at load, by model type, by a sliding window, or
+by weights this forward would not use, rather than run wrong.
 
 Why our own forward: at small sizes Python overhead dominates, and owning the pass makes
 rollback (a length reset), ragged batching and capturing EAGLE-3's hidden states simple.
@@ -34,6 +36,7 @@ class LlamaShape:
     max_positions: int
     tie_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False      # Qwen3: RMSNorm over each head's q and k before RoPE
 
     @classmethod
     def from_hf(cls, cfg) -> "LlamaShape":
@@ -47,7 +50,24 @@ class LlamaShape:
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without declaring `attention_bias`.
             attention_bias=bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2",
+            qk_norm=cfg.model_type == "qwen3",
         )
+
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")   # config.json model_type this forward runs exactly
+
+
+def check_supported(cfg, path) -> None:
+    """ValueError for a checkpoint this forward would run wrong: another architecture, or
+    attention over a sliding window shorter than the context."""
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"{path}: model_type {cfg.model_type!r} is not supported; the target and draft must be one "
+                         f"of {', '.join(SUPPORTED)} (Llama-family attention and MLP)")
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
+    if uses_window and window is not None and window < cfg.max_position_embeddings:
+        raise ValueError(f"{path}: sliding-window attention ({window} of {cfg.max_position_embeddings} positions) is "
+                         "not supported; serve a checkpoint with full attention")
 
 
 class RMSNorm(nn.Module):
@@ -81,6 +101,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_in, s.kv_heads * s.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_in, s.kv_heads * s.head_dim, bias=bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        if s.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(s.head_dim, s.eps), RMSNorm(s.head_dim, s.eps)
         self.qkv: nn.Module | None = None   # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -91,9 +113,15 @@ class Attention(nn.Module):
         s = self.s
         *lead, t, _ = x.shape
         heads = lambda y, n: y.view(*lead, t, n, s.head_dim).transpose(-3, -2)  # noqa: E731
-        if self.qkv is None:
-            q, k = heads(self.q_proj(x), s.heads), heads(self.k_proj(x), s.kv_heads)
-            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, heads(self.v_proj(x), s.kv_heads)
+        if self.qkv is None or s.qk_norm:
+            if self.qkv is None:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            else:
+                q, k, v = self.qkv(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
+            q, k, v = heads(q, s.heads), heads(k, s.kv_heads), heads(v, s.kv_heads)
+            if s.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
         qkv = self.qkv(x)
         n_qk = (s.heads + s.kv_heads) * s.head_dim
         qk = heads(qkv[..., :n_qk], s.heads + s.kv_heads)
@@ -333,6 +361,7 @@ class Llama(nn.Module):
 
         path = Path(path)
         cfg = AutoConfig.from_pretrained(str(path))
+        check_supported(cfg, path)
         with torch.device("meta"):
             model = cls(cfg)
         state = {}
@@ -341,7 +370,11 @@ class Llama(nn.Module):
         state = {k.removeprefix("model."): v for k, v in state.items()}
         if model.s.tie_embeddings or "lm_head.weight" not in state:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        model.load_state_dict(state, strict=False, assign=True)
+        unused = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+        unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]
+        if unused:
+            raise ValueError(f"{path}: the checkpoint has weights this Llama-family forward does not use "
+                             f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}); it would run wrong")
         if model.s.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         cos, sin = _rope_tables(cfg, model.s.max_positions)

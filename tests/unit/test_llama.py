@@ -43,6 +43,73 @@ def test_qwen2_biases_load(tmp_path):
         assert torch.allclose(ours.forward_train(x), hf(x).logits, atol=1e-4)
 
 
+def hf_tiny(tmp_path, cfg):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def test_qwen3_and_mistral_logits_match_transformers(tmp_path):
+    """Qwen3's per-head q/k RMSNorm, on the plain and the packed (fused q|k|v, fp16 weights)
+    paths; Mistral with full attention."""
+    from transformers import MistralConfig, Qwen3Config
+
+    from services.common.packed_linear import fp16_gemm_available, pack_linears
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    for name, cfg in (("qwen3", Qwen3Config(head_dim=32, **shape)), ("mistral", MistralConfig(sliding_window=None, **shape))):
+        hf = hf_tiny(tmp_path / name, cfg)
+        ours = Llama.from_pretrained(tmp_path / name)
+        assert ours.s.qk_norm == (name == "qwen3")
+        x = torch.randint(0, 512, (1, 30))
+        with torch.no_grad():
+            ref = hf(x).logits
+            assert torch.allclose(ours.forward_train(x), ref, atol=1e-4), name
+            if fp16_gemm_available():   # packing needs fp16-exact weights: round them, on both sides
+                for m in (ours, hf):
+                    for p in m.parameters():
+                        p.copy_(p.half().float())
+                pack_linears(ours)
+                logits, _ = ours(x, 0, ours.new_cache(capacity=64))
+                assert torch.allclose(logits, hf(x).logits, atol=1e-3), name
+
+
+def test_checkpoints_this_forward_would_run_wrong_are_refused(tmp_path):
+    """Another architecture, a sliding window shorter than the context, or weights the forward
+    would leave unused: a clear error at load, never wrong logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, MistralConfig, Qwen2Config
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=128)
+    hf_tiny(tmp_path / "gpt2", GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128))
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; .*llama, qwen2, qwen3, mistral"):
+        Llama.from_pretrained(tmp_path / "gpt2")
+    hf_tiny(tmp_path / "window", MistralConfig(sliding_window=32, **shape))
+    with pytest.raises(ValueError, match=r"sliding-window attention \(32 of 128 positions\) is not supported"):
+        Llama.from_pretrained(tmp_path / "window")
+    hf_tiny(tmp_path / "qwen2sw", Qwen2Config(use_sliding_window=True, sliding_window=16, **shape))
+    with pytest.raises(ValueError, match="sliding-window"):
+        Llama.from_pretrained(tmp_path / "qwen2sw")
+    hf_tiny(tmp_path / "extra", Qwen2Config(**shape))
+    f = tmp_path / "extra" / "model.safetensors"
+    state = load_file(str(f))
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)   # a Qwen3 weight in a Qwen2 config
+    save_file(state, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weights this Llama-family forward does not use \(layers.0.self_attn.q_norm"):
+        Llama.from_pretrained(tmp_path / "extra")
+    assert json.loads((tmp_path / "extra" / "config.json").read_text())["model_type"] == "qwen2"
+
+
 def test_capture_returns_residual_stream_entering_layers(tmp_path):
     m = Llama.from_pretrained(make_tiny(tmp_path / "m", seed=4, layers=3))
     x = torch.randint(0, 8192, (1, 10))
