@@ -145,14 +145,17 @@ def model_info(engine) -> dict:
 
 
 def server_info(engine, admission, served_model: str, version: str) -> dict:
-    """``GET /get_server_info``: the limits and methods this server runs with, and SGLang's
-    ``avg_spec_accept_length``: tokens emitted per target verification pass (τ) over every
+    """``GET /get_server_info``: the limits, methods and EAGLE-3 shape this server runs with,
+    and SGLang's ``avg_spec_accept_length``: tokens emitted per target verification pass (τ) over every
     request this process has decoded, null before the first."""
     cycles, tokens = decoding_totals()
     return {"version": version, "model_path": str(engine.cfg.target), "served_model_name": served_model,
             "context_length": engine.context_len, "max_running_requests": admission.max_sessions,
             "max_queued_requests": admission.max_queue, "speculative_algorithm": engine.default_method,
             "methods": engine.methods(), "max_draft_tokens": dict(engine.max_draft),
+            # SGLang's names for the EAGLE-3 shape (chains: depth; eagle3-tree: top-k and nodes verified)
+            "speculative_num_steps": engine.cfg.eagle3_k, "speculative_eagle_topk": engine.cfg.eagle3_topk,
+            "speculative_num_draft_tokens": engine.cfg.eagle3_tree_tokens,
             "internal_states": [{"avg_spec_accept_length": round(tokens / cycles, 4) if cycles else None,
                                  "num_running_reqs": admission.running, "num_waiting_reqs": admission.waiting}]}
 

@@ -164,6 +164,9 @@ def test_server_info_reports_limits_and_the_accept_length(url, tiny_engine):
     assert info["max_running_requests"] == 4 and info["max_queued_requests"] == 32
     assert info["speculative_algorithm"] == tiny_engine.default_method and "suffix" in info["methods"]
     assert info["context_length"] == tiny_engine.context_len
+    cfg = tiny_engine.cfg
+    assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == \
+        (cfg.eagle3_k, cfg.eagle3_topk, cfg.eagle3_tree_tokens)
     (state,) = info["internal_states"]
     assert state["avg_spec_accept_length"] == round(tokens / cycles, 4) >= 1.0
     assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
