@@ -478,10 +478,11 @@ class VerifierSession:
 
     @property
     def takes_trees(self) -> bool:
-        """Tree drafts are verified by greedy exact match alone, on logits no per-row rule
-        (penalties, bias, bad words, grammar, min_tokens) reshapes: those read rows as a chain."""
+        """Tree drafts are verified by the lossless policies (greedy's exact walk, sampling's
+        ``_sampled_walk``), on logits no per-row rule (penalties, bias, bad words, grammar,
+        min_tokens) reshapes: those read rows as a chain. CSD relaxes chains only."""
         s, sp = self.spec, self.spec.sampling
-        return (s.policy in ("lossless", "exact") and sp.greedy and not (sp.penalized or sp.biased or sp.bad_words)
+        return (s.policy in ("lossless", "exact") and not (sp.penalized or sp.biased or sp.bad_words)
                 and self.grammar is None
                 and s.min_tokens <= len(self.target.tokens) - len(s.prompt_ids))
 

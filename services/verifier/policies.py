@@ -43,12 +43,29 @@ def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
 
 def _greedy_walk(draft: Draft, target: list[int]) -> Verdict:
     """Row 0 of ``target`` follows the committed tokens, row j + 1 follows draft node j."""
-    path, t = walk(draft.token_ids, draft.parents, lambda node: target[node + 1])
+    return _walked(draft, *walk(draft.token_ids, draft.parents, lambda node: target[node + 1]))
+
+
+def _walked(draft: Draft, path: list[int], t: int) -> Verdict:
+    """The verdict of a walk that accepted ``path`` and emitted ``t``; where the walk stopped
+    at a node with children, the first child against ``t`` is the true rejection."""
     last = path[-1] if path else -1
     first_child = next((i for i, p in enumerate(draft.parents) if p == last), None)
     first = (draft.token_ids[first_child], t) if first_child is not None else None
     return Verdict(accepted=len(path), tokens=[draft.token_ids[i] for i in path] + [t], first_rejection=first,
-                   path=tuple(path))
+                   path=tuple(path) if draft.is_tree else None)
+
+
+def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
+    """A deterministic draft (a chain or a tree, no q) under sampling: at each node, sample
+    the target's own token from its row (row 0 after the committed tokens, row j + 1 after
+    node j) and follow the child that carries it; the first token no child carries is
+    emitted and ends the cycle. For a chain this is rejection sampling with q one-hot
+    (accept d with probability p(d), else sample p with d removed), drawn differently:
+    every emitted token is the target's sample, taken in order, one draw each, so a seeded
+    request emits exactly the tokens vanilla sampling would."""
+    return _walked(draft, *walk(draft.token_ids, draft.parents,
+                                lambda node: sample(probs_from_logits(logits[node + 1], sp), rng)))
 
 
 def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
@@ -57,8 +74,11 @@ def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
 
     Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a
     token from norm(max(p_i − q_i, 0)); if all pass, a bonus token from p_k. A draft with
-    no probabilities has q one-hot on its token.
+    no probabilities (q one-hot on its tokens: the suffix cache, draft trees) is verified
+    by ``_sampled_walk``, which is the same in distribution.
     """
+    if draft.probs is None:
+        return _sampled_walk(draft, logits, sp, rng)
     p = probs_from_logits(logits, sp)
     k = len(draft)
     d = torch.tensor(draft.token_ids, dtype=torch.long)

@@ -308,3 +308,23 @@ def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
         assert resume(ids, whole[:15], 15) == whole[15:], text
         differs += resume(ids, whole[:15], 0) != whole[15:]   # counted as prompt: not penalized
     assert differs > 0
+
+
+def test_seeded_sampling_over_deterministic_drafts_is_vanillas_own(tiny_eagle_engine):
+    """Drafts without q (the suffix cache's paths and trees, EAGLE-3 draft trees) are
+    verified under sampling by drawing the target's own token at each node and following the
+    child that carries it: one draw per emitted token, in order, as vanilla sampling draws.
+    So with a seed every such method emits exactly vanilla's tokens (top-p, top-k and min-p
+    included), while drafts were still accepted."""
+    eng = tiny_eagle_engine
+    accepted = 0
+    for i, text in enumerate(PROMPTS[:6]):
+        sp = SamplingParams(temperature=0.8, top_p=0.95, top_k=40 if i % 2 else 0, min_p=0.02 if i % 3 == 0 else 0.0,
+                            seed=100 + i)
+        ids = eng.encode(text * 2)
+        van = eng.generate(GenerationRequest(ids, 40, sp, method="vanilla")).result()["token_ids"]
+        for method in ("suffix", "suffix-tree", "eagle3-tree"):
+            out = eng.generate(GenerationRequest(ids, 40, sp, method=method)).result()
+            assert out["token_ids"] == van, (method, text)
+            accepted += out["stats"]["accepted_tokens"]
+    assert accepted > 0

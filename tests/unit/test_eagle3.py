@@ -456,7 +456,7 @@ def test_tree_methods_equal_vanilla_tiny(tiny_eagle_engine):
         drafted += out["stats"]["draft_tokens"]
     assert drafted > 0
     sampled = eng.generate(GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3-tree"))
-    assert len(sampled.result()["token_ids"]) == 20   # a sampled request drafts chains
+    assert len(sampled.result()["token_ids"]) == 20   # a sampled request verifies its trees by sampling
 
 
 def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
