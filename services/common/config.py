@@ -24,7 +24,7 @@ class SuffixConfig:
     max_depth: int = 64
     max_cached_requests: int = 1000   # global tree keeps the outputs of the last N requests (FIFO)
     spec: SpecParams = SpecParams()
-    tree: bool = False                # draft speculation trees (greedy exact verification), not paths
+    tree: bool = False                # draft speculation trees (lossless verification walks them), not paths
 
 
 @dataclass(frozen=True)

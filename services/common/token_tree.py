@@ -6,10 +6,11 @@ and always < i (topological order). A chain is [-1, 0, 1, ...]. Among siblings t
 lowest index is the drafter's first choice, so following first children from the root
 gives the tree's *main chain*, the draft a chain-only verification would take.
 
-Greedy verification walks the tree: from the root, the target's token at the current node
-selects the child carrying it, if any; the walk's nodes are the accepted path, and the
-target's token where it stops is emitted. Every branch a walk can take is a chain the
-target would have accepted, so the output equals plain greedy decoding.
+Verification walks the tree: from the root, the target's token at the current node (its
+argmax, or under sampling its own sample) selects the child carrying it, if any; the
+walk's nodes are the accepted path, and the target's token where it stops is emitted.
+Every token emitted is the one plain decoding would emit there, so greedy output equals
+plain greedy decoding and sampled output follows the target's distribution.
 
 Pure: no gRPC, Redis or Ray.
 """

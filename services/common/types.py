@@ -52,8 +52,8 @@ class Draft:
 
     token_ids: drafted tokens d_1..d_k.
     parents:   parent index of each token (-1 = the last committed token); a chain is
-               [-1, 0, 1, ...]. A tree holds several candidates (``token_tree``); only
-               greedy exact verification takes one, others take its ``chain()``.
+               [-1, 0, 1, ...]. A tree holds several candidates (``token_tree``); the
+               lossless policies walk it, others take its ``chain()``.
     probs:     [k, V] float32, the distribution q each token was sampled from; None means
                q is one-hot on the token (greedy drafts, suffix-cache drafts).
     score:     drafter's own confidence (suffix cache: sum of token probabilities).

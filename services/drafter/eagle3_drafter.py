@@ -50,7 +50,7 @@ class _State:
     root: bytes = ROOT                # the head blocks' chain root: the cache salt and the first token
     prompt_len: int = 0               # tokens after it are output (the penalties count them)
     grammar: GrammarCursor | None = None   # structured output: drafts stay inside the grammar
-    trees: bool = False               # its drafts may be token trees (greedy exact verification)
+    trees: bool = False               # its drafts may be token trees (the session walks them)
 
 
 @dataclass
