@@ -84,7 +84,7 @@ def test_logprobs_are_the_target_log_probabilities_of_each_streamed_token(served
     prompt = "def mean(xs):\n"
     ids = tiny_engine.encode(prompt)
     model = tiny_engine.verifier.runner.model
-    for method in ("vanilla", "sd", "suffix"):
+    for method in ("vanilla", "sd", "suffix", "suffix-tree"):
         msgs = collect(stub, prompt=prompt, max_new_tokens=24, method=method, logprobs=4)
         assert all(len(m.logprobs) == len(m.token_ids) for m in msgs)
         out = [t for m in msgs for t in m.token_ids]

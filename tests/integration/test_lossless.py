@@ -328,3 +328,19 @@ def test_seeded_sampling_over_deterministic_drafts_is_vanillas_own(tiny_eagle_en
             assert out["token_ids"] == van, (method, text)
             accepted += out["stats"]["accepted_tokens"]
     assert accepted > 0
+
+
+def test_tree_cycles_report_the_accepted_branchs_logprobs(bundled_engine):
+    """A tree cycle reads each committed token's logprobs from the row of the node it came
+    from, not from the row at its depth: eagle3-tree's and hybrid-tree's logprobs are
+    vanilla's, over cycles that accepted off the main chain too."""
+    eng = bundled_engine
+    for p in load("humaneval", 3):
+        ids = eng.encode(p.text)
+        van = eng.generate(GenerationRequest(ids, 40, method="vanilla", logprobs=3)).result()
+        for method in ("eagle3-tree", "hybrid-tree"):
+            tree = eng.generate(GenerationRequest(ids, 40, method=method, logprobs=3)).result()
+            assert tree["token_ids"] == van["token_ids"] and tree["stats"]["accepted_tokens"] > 0, method
+            for a, b in zip(tree["logprobs"], van["logprobs"]):
+                assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4, method
+                assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]

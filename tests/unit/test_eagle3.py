@@ -489,3 +489,4 @@ def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
             for k in seqs:
                 d.observe(k, seqs[k][pos[k] + 1:pos[k] + 3], feats[k][pos[k]:pos[k] + 2])
         pos = {k: p + 2 for k, p in pos.items()}
+
