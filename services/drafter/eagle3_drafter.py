@@ -164,7 +164,7 @@ class Eagle3Drafter(Drafter):
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
               max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None,
               trees: bool = False) -> None:
-        """``trees``: the session verifies token trees (greedy, no per-row reshaping of logits)."""
+        """``trees``: the session walks token trees (lossless policy, no per-row reshaping of logits)."""
         self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng,
                                      root=root_key("eagle3", cache_root, prompt[0]), prompt_len=len(prompt),
                                      grammar=grammar, trees=trees and self.tree is not None)
@@ -309,7 +309,8 @@ class Eagle3Drafter(Drafter):
         each node's score being the product of the head's probabilities along its path; at
         each depth every request's ``topk`` best-scoring new nodes are expanded, all
         requests' in one head step (``step_tree``); after ``steps`` depths each request's
-        ``budget`` best-scoring nodes are its draft."""
+        ``budget`` best-scoring nodes are its draft. The nodes are the head's top-k, not
+        samples (no q), so a sampled session verifies them by drawing the target's tokens."""
         d2t = self.head._d2t_list() if self.head.remaps_vocab else None
         trees = [_Tree(st, budget, self.tree) for st, _, _, budget in rows]
         self._children(trees, [[-1]] * len(trees), torch.stack([lg for _, lg, _, _ in rows]),
