@@ -45,7 +45,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("sd", None, "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
     MethodSpec("suffix", "suffix", None, "lossless", "suffix-cache drafts (prompt + past outputs), lossless"),
     MethodSpec("suffix-tree", "suffix-tree", None, "lossless",
-               "suffix-cache speculation trees (SuffixDecoding), verified as trees when greedy"),
+               "suffix-cache speculation trees (SuffixDecoding), verified by walking the tree"),
     MethodSpec("eagle3", None, "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states"),
     MethodSpec("eagle3-tree", None, "eagle3-tree", "lossless", "EAGLE-3 head draft trees (EAGLE-2's dynamic tree)"),
     MethodSpec("hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
