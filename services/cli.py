@@ -46,6 +46,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eagle3-k", type=int, default=EngineConfig.eagle3_k, help="the longest EAGLE-3 chain")
     ap.add_argument("--eagle3-confidence", type=float, default=EngineConfig.eagle3_confidence,
                     help="EAGLE-3: end a chain after a token whose head probability is below this")
+    ap.add_argument("--ngram", type=_ngram, default=EngineConfig.ngram, metavar="MIN:MAX:K",
+                    help="the ngram method: match the last MIN..MAX tokens, draft K (vLLM's prompt_lookup_min, "
+                         "prompt_lookup_max, num_speculative_tokens; default 2:4:5)")
     ap.add_argument("--eagle3-topk", type=int, default=EngineConfig.eagle3_topk,
                     help="eagle3-tree / hybrid-tree: children per expanded node of an EAGLE draft tree (1: no tree methods)")
     ap.add_argument("--eagle3-tree-tokens", type=int, default=EngineConfig.eagle3_tree_tokens,
@@ -84,6 +87,19 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="share state across replicas through Redis (env SPECMESH_REDIS_URL); default: none")
 
 
+def _ngram(text: str):
+    """MIN:MAX:K → NgramConfig (argparse type)."""
+    from services.common.config import NgramConfig
+
+    try:
+        lo, hi, k = (int(x) for x in text.split(":"))
+        if not 1 <= lo <= hi or k < 1:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give MIN:MAX:K with 1 <= MIN <= MAX and K >= 1, e.g. 2:4:5") from None
+    return NgramConfig(lo, hi, k)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     import torch
 
@@ -97,7 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
                         packed_gemm=args.packed_gemm,
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
-                        eagle3_topk=args.eagle3_topk, eagle3_tree_tokens=args.eagle3_tree_tokens,
+                        ngram=args.ngram, eagle3_topk=args.eagle3_topk, eagle3_tree_tokens=args.eagle3_tree_tokens,
                         eagle3_tree_min_score=args.eagle3_tree_min_score,
                         hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
                         batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,

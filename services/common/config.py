@@ -28,6 +28,17 @@ class SuffixConfig:
 
 
 @dataclass(frozen=True)
+class NgramConfig:
+    """The `ngram` baseline (vLLM's prompt_lookup_min / prompt_lookup_max /
+    num_speculative_tokens): drafts the k tokens after the earliest earlier occurrence of the
+    longest suffix of n tokens, min_n ≤ n ≤ max_n."""
+
+    min_n: int = 2
+    max_n: int = 4
+    k: int = 5
+
+
+@dataclass(frozen=True)
 class GateConfig:
     """Semantic Consistency Gating: a rejected draft token d (target prefers t) is rescued when
     count(d, t) ≥ min_count in the correction memory (skipped when use_memory is False: the
@@ -95,6 +106,7 @@ class EngineConfig:
     #                                       blocks (target, draft LM, EAGLE-3 head) kept for later prompts; 0 = off (bench.prefix_cache)
     prefix_block: int = 32                # tokens per prefix-cache block: a prompt reuses whole blocks only
     suffix: SuffixConfig = SuffixConfig()
+    ngram: NgramConfig = NgramConfig()
     redis_url: str | None = None          # shared state across replicas; None = process-local only
     gate: GateConfig = GateConfig()
     predictor_addr: str | None = None     # use a remote Predictor service instead of the in-process MLP

@@ -23,6 +23,7 @@ from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, banned_tokens, sampling_error
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
 from services.common.types import SamplingParams, SpecStats, TokenLogprob
+from services.drafter.ngram import NgramDrafter
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
 from services.router.hybrid import Delegate
@@ -46,6 +47,8 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
     MethodSpec("suffix", "suffix", None, "lossless", "suffix-cache drafts (prompt + past outputs), lossless"),
     MethodSpec("suffix-tree", "suffix-tree", None, "lossless",
                "suffix-cache speculation trees (SuffixDecoding), verified by walking the tree"),
+    MethodSpec("ngram", "ngram", None, "lossless", "prompt lookup (vLLM's ngram): the tokens after the last n-gram's "
+               "earliest match in the prompt and output"),
     MethodSpec("eagle3", None, "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states"),
     MethodSpec("eagle3-tree", None, "eagle3-tree", "lossless", "EAGLE-3 head draft trees (EAGLE-2's dynamic tree)"),
     MethodSpec("hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
@@ -151,8 +154,9 @@ class Engine:
             publish = self.suffix_feed.publish if self.suffix_feed else None
             self.drafters = {"suffix": SuffixDrafter(replace(cfg.suffix, tree=False), self.suffix_cache, publish),
                              "suffix-tree": SuffixDrafter(replace(cfg.suffix, tree=True), self.suffix_cache, publish)}
+        self.drafters["ngram"] = NgramDrafter(cfg.ngram)
         self.max_draft = {**self.verifier.max_draft, "suffix": cfg.suffix.spec.max_spec_tokens,
-                          "suffix-tree": cfg.suffix.spec.max_spec_tokens}
+                          "suffix-tree": cfg.suffix.spec.max_spec_tokens, "ngram": cfg.ngram.k}
         self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
         self._ids = itertools.count()

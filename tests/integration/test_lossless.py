@@ -52,7 +52,8 @@ def test_lossless_methods_equal_vanilla_bundled_humaneval_and_stdlib(bundled_eng
     """On the shipped models (the fixture fails, never skips, if they are missing): every
     lossless method, the EAGLE-3 head and the trained yield predictor included."""
     eng = bundled_engine
-    lossless = ("sd", "suffix", "eagle3", "hybrid", "hybrid-rule", "hybrid-lm", "suffix-tree", "eagle3-tree", "hybrid-tree")
+    lossless = ("sd", "suffix", "eagle3", "hybrid", "hybrid-rule", "hybrid-lm", "suffix-tree", "eagle3-tree", "hybrid-tree",
+                "ngram")
     assert set(lossless) <= set(eng.methods())
     prompts = load("humaneval", 12) + load("stdlib-heldout", 10)
     for i, p in enumerate(prompts):
@@ -323,7 +324,7 @@ def test_seeded_sampling_over_deterministic_drafts_is_vanillas_own(tiny_eagle_en
                             seed=100 + i)
         ids = eng.encode(text * 2)
         van = eng.generate(GenerationRequest(ids, 40, sp, method="vanilla")).result()["token_ids"]
-        for method in ("suffix", "suffix-tree", "eagle3-tree"):
+        for method in ("suffix", "suffix-tree", "eagle3-tree", "ngram"):
             out = eng.generate(GenerationRequest(ids, 40, sp, method=method)).result()
             assert out["token_ids"] == van, (method, text)
             accepted += out["stats"]["accepted_tokens"]
