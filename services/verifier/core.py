@@ -298,8 +298,9 @@ class VerifierCore:
             d = drafts.get(id(b))
             if d is None:
                 continue
-            if b.request.draft_with and b.request.draft_ids and b.session.takes_trees:
-                # the router's draft beside the model's: one tree, the model's draft its main chain
+            if b.request.draft_with and b.request.draft_ids and b.session.takes_trees and d.probs is None:
+                # the router's draft beside the model's: one tree, the model's draft its main chain (a
+                # sampled draft with a q keeps rejection sampling, which accepts it more often than a walk)
                 toks, parents = graft(d.token_ids, d.parents, b.request.draft_ids, b.session.spec.max_draft)
                 drafts[id(b)] = d = replace(d, token_ids=toks, parents=parents, probs=None, token_probs=[])
             if d.is_tree and not b.session.takes_trees:   # a session that cannot verify a tree takes its main chain

@@ -144,8 +144,8 @@ def test_tau_sweep_rows_and_extremes(tiny_eagle_engine, tmp_path):
 def test_a_delegated_cycle_verifies_the_cache_draft_beside_the_models(tiny_eagle_engine):
     """A cycle that asks the verifier's drafter and also carries a router draft (hybrid-tree's
     model cycles) verifies both as one tree: when the router's branch is the true
-    continuation it is kept whole, whatever the (untrained) head drafted; a sampled session
-    verifies the model's draft alone."""
+    continuation it is kept whole, whatever the (untrained) head drafted. A sampled session's
+    chain from the head carries a q: it keeps rejection sampling, alone."""
     from services.verifier.core import CycleRequest, SessionSpec
 
     eng = tiny_eagle_engine
