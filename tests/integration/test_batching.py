@@ -45,7 +45,6 @@ def test_speculation_stops_while_the_verifier_step_is_loaded(tiny_dirs, tiny_eng
     verify no draft (plain steps), and the output is still vanilla's; at or under it, drafts go on."""
     from dataclasses import replace
 
-    from services.common.config import EngineConfig
     from services.router.engine import Engine
 
     def loaded(engine, batch):  # every verifier step reports ``batch`` sessions

@@ -22,6 +22,18 @@ def fresh_engine(tiny_dirs) -> Engine:
     return Engine(EngineConfig(target=tiny_dirs[0], draft=None, max_new_tokens_limit=200))
 
 
+def real_run(eng: Engine, traces, method: str) -> dict:
+    """The engine's own run of ``method`` over the traces' prompts (40 tokens each): the same
+    tokens as the traces, and its speculation counters summed."""
+    real = {"cycles": 0, "generated_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    for p, tr in zip(PROMPTS, traces):
+        out = eng.generate(GenerationRequest(eng.encode(p.text), 40, method=method)).result()
+        assert out["token_ids"] == tr.output_ids
+        for k in real:
+            real[k] += out["stats"][k]
+    return real
+
+
 def test_replay_equals_real_suffix_run(tiny_dirs, tmp_path):
     traces = record_traces(fresh_engine(tiny_dirs), PROMPTS, 40, progress=False)
     path = tmp_path / "t.jsonl"
@@ -29,12 +41,7 @@ def test_replay_equals_real_suffix_run(tiny_dirs, tmp_path):
     assert load_traces(path) == traces
 
     eng = fresh_engine(tiny_dirs)
-    real = {"cycles": 0, "generated_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
-    for p, tr in zip(PROMPTS, traces):
-        out = eng.generate(GenerationRequest(eng.encode(p.text), 40, method="suffix")).result()
-        assert out["token_ids"] == tr.output_ids
-        for k in real:
-            real[k] += out["stats"][k]
+    real = real_run(eng, traces, "suffix")
     sim = replay(SuffixDrafter(eng.cfg.suffix), traces, eng.max_draft["suffix"]).report()
     assert {k: sim[k] for k in real} == real
     assert sim["tau"] == round(real["generated_tokens"] / real["cycles"], 4)
@@ -48,12 +55,7 @@ def test_tree_replay_equals_real_suffix_tree_run(tiny_dirs):
 
     traces = record_traces(fresh_engine(tiny_dirs), PROMPTS, 40, progress=False)
     eng = fresh_engine(tiny_dirs)
-    real = {"cycles": 0, "generated_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
-    for p, tr in zip(PROMPTS, traces):
-        out = eng.generate(GenerationRequest(eng.encode(p.text), 40, method="suffix-tree")).result()
-        assert out["token_ids"] == tr.output_ids
-        for k in real:
-            real[k] += out["stats"][k]
+    real = real_run(eng, traces, "suffix-tree")
     tree = SuffixDrafter(replace(eng.cfg.suffix, tree=True))
     sim = replay(tree, traces, eng.max_draft["suffix-tree"]).report()
     assert {k: sim[k] for k in real} == real

@@ -25,24 +25,6 @@ def test_logits_match_transformers(tmp_path, kw):
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
 
 
-def test_qwen2_biases_load(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.1)
-    hf.save_pretrained(tmp_path)
-    ours = Llama.from_pretrained(tmp_path)
-    x = torch.randint(0, 512, (1, 30))
-    with torch.no_grad():
-        assert torch.allclose(ours.forward_train(x), hf(x).logits, atol=1e-4)
-
-
 def hf_tiny(tmp_path, cfg):
     from transformers import AutoModelForCausalLM
 
@@ -53,6 +35,19 @@ def hf_tiny(tmp_path, cfg):
             p.normal_(0, 0.1)
     hf.save_pretrained(tmp_path)
     return hf
+
+
+def test_qwen2_biases_load(tmp_path):
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    hf = hf_tiny(tmp_path, cfg)
+    ours = Llama.from_pretrained(tmp_path)
+    x = torch.randint(0, 512, (1, 30))
+    with torch.no_grad():
+        assert torch.allclose(ours.forward_train(x), hf(x).logits, atol=1e-4)
 
 
 def test_qwen3_and_mistral_logits_match_transformers(tmp_path):
