@@ -4,7 +4,12 @@
   and the part of it outside model work (drafting and verification steps, as the stream's
   final stats report them): distributed − embedded of that part is what the hop adds;
 - aggregate tokens/s at each concurrency (threads streaming Generate at once, the same
-  prompts for every topology), reported with the ratio to concurrency 1.
+  prompts for every topology), reported with the ratio to concurrency 1. It is measured in
+  steady state: each thread starts its next request as soon as its last one ends, and only the
+  tokens streamed in a ``--window-s`` window after ``--warmup-s`` count, so every counted token
+  was made with that many streams in flight. (Running each thread's share of the prompts once
+  and dividing by the whole run counts the ramp-down too, where the streams that finished
+  early leave fewer in flight: with 32 prompts at 16 streams, two requests per stream.)
 Both topologies run as ``specmesh serve`` processes started side by side (distributed: a
 router process plus verifier processes on loopback); every round measures every cell on
 both, interleaved, and medians over the rounds are reported. The load generator (the gRPC
@@ -68,24 +73,38 @@ def one(stub, prompt: str, n: int, method: str) -> tuple[int, float, dict]:
     return final.usage.completion_tokens, wall, {"cycles": st.cycles, "model_s": st.draft_s + st.verify_s}
 
 
-def aggregate(stub, prompts: list[str], n: int, method: str, conc: int) -> float:
-    """Tokens/s with ``conc`` streams in flight, each thread walking its share of the prompts."""
+def aggregate(stub, prompts: list[str], n: int, method: str, conc: int, window_s: float = 0.0,
+              warmup_s: float = 0.0) -> float:
+    """Tokens/s with ``conc`` streams in flight. With ``window_s``, steady state: each thread
+    walks its share of the prompts round and round, starting a new request as soon as its
+    last ends, until the window has passed; only tokens streamed between ``warmup_s`` and
+    ``warmup_s + window_s`` count, so every one of them was made with ``conc`` streams in
+    flight. Without it (the warm-up), each thread runs its share once."""
     total = [0]
     lock = threading.Lock()
+    t0 = time.perf_counter()
+    lo, hi = t0 + warmup_s, t0 + warmup_s + window_s
 
     def worker(k):
-        for p in prompts[k::conc]:
-            toks, _, _ = one(stub, p, n, method)
-            with lock:
-                total[0] += toks
+        mine = prompts[k::conc] or prompts[k % len(prompts):][:1]
+        i = 0
+        while True:
+            for msg in stub.Generate(gpb.GenerateRequest(prompt=mine[i % len(mine)], max_new_tokens=n, method=method),
+                                     timeout=600):
+                now = time.perf_counter()
+                if not window_s or lo <= now <= hi:
+                    with lock:
+                        total[0] += len(msg.token_ids)
+            i += 1
+            if not window_s and i == len(mine) or window_s and time.perf_counter() > hi:
+                return
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(conc)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return total[0] / (time.perf_counter() - t0)
+    return total[0] / (window_s or time.perf_counter() - t0)
 
 
 def single_stream(addr: str, prompts: list[str], n: int, method: str) -> dict:
@@ -96,8 +115,9 @@ def single_stream(addr: str, prompts: list[str], n: int, method: str) -> dict:
             "overhead_ms_per_cycle": 1000 * statistics.median((w - s["model_s"]) / s["cycles"] for _, w, s in rows)}
 
 
-def concurrent(addr: str, prompts: list[str], n: int, method: str, conc: int) -> float:
-    return aggregate(ggrpc.GenerationStub(grpc.insecure_channel(addr)), prompts, n, method, conc)
+def concurrent(addr: str, prompts: list[str], n: int, method: str, conc: int, window_s: float = 0.0,
+               warmup_s: float = 0.0) -> float:
+    return aggregate(ggrpc.GenerationStub(grpc.insecure_channel(addr)), prompts, n, method, conc, window_s, warmup_s)
 
 
 def main() -> None:
@@ -125,6 +145,10 @@ def main() -> None:
     ap.add_argument("--prefix-cache-mb", type=int, default=0,
                     help="the servers' prefix cache; off by default: every cell repeats the same prompts, which "
                          "would then skip their prefill after the first round (bench.prefix_cache measures it)")
+    ap.add_argument("--window-s", type=float, default=10.0,
+                    help="seconds of steady state measured per cell: every stream stays in flight through it "
+                         "(0: each stream runs its share of the prompts once, ramp-down included)")
+    ap.add_argument("--warmup-s", type=float, default=2.0, help="seconds of each cell before its window")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -133,6 +157,7 @@ def main() -> None:
     prompts = [p.text for p in load(args.workload, args.limit)]
     result = {"command": " ".join(["python -m bench.serving"] + sys.argv[1:]), "workload": args.workload,
               "max_new_tokens": args.max_new_tokens, "replicas": args.replicas, "repeats": args.repeats,
+              "window_s": args.window_s, "warmup_s": args.warmup_s,
               "server_env": SERVER_ENV, "machine": _machine(), "rows": []}
     settings = [int(x) for x in args.spec_disable_batch.split(",")]
     topologies = tuple((t, sdb) for sdb in settings for t in args.topologies.split(","))
@@ -155,7 +180,8 @@ def main() -> None:
                             job = clients.submit(single_stream, addr, prompts[:args.overhead_prompts],
                                                  args.max_new_tokens, m)
                         else:
-                            job = clients.submit(concurrent, addr, prompts, args.max_new_tokens, m, conc)
+                            job = clients.submit(concurrent, addr, prompts, args.max_new_tokens, m, conc,
+                                                 args.window_s, args.warmup_s)
                         samples.setdefault((t, m, conc), []).append(job.result())
                         done += 1
                         eta = (time.perf_counter() - t0) / done * (total - done)
@@ -225,6 +251,9 @@ def write(result: dict, out: Path) -> None:
     for topology, by_method in result.get("overhead_vs_embedded_ms_per_cycle", {}).items():
         lines += ["", f"{topology} − embedded, ms per cycle outside model work: "
                   + ", ".join(f"{m} {v:+}" for m, v in by_method.items())]
+    if result.get("window_s"):
+        lines += ["", f"Aggregate tokens/s in steady state: tokens streamed in a {result['window_s']:g} s window after "
+                  f"{result['warmup_s']:g} s, every stream in flight throughout (medians over {result['repeats']} rounds)."]
     lines += ["", f"Command: `{result['command']}`", f"Machine: {result.get('machine', 'not recorded')}", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     from bench.harness import pyplot, write_figure   # lazily: the harness imports torch, which clients need not
