@@ -62,6 +62,9 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="HVD: weigh the predicted yield against measured cycle costs (model drafter or plain step)")
     ap.add_argument("--packed-gemm", action=argparse.BooleanOptionalAction, default=EngineConfig.packed_gemm,
                     help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
+    ap.add_argument("--kv-pool", action=argparse.BooleanOptionalAction, default=EngineConfig.kv_pool,
+                    help="keep sessions' K/V in pooled slots, so a batched step attends for all of them in one "
+                         "call per layer instead of one per session (for accelerators; equal speed on a CPU)")
     ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
                     help="draft LM: end a chain after a token whose draft probability is below this")
     ap.add_argument("--draft-vocab", type=int, default=EngineConfig.draft_vocab,
@@ -111,7 +114,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         device=device, dtype=dtype,
                         num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
                         draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
-                        packed_gemm=args.packed_gemm,
+                        packed_gemm=args.packed_gemm, kv_pool=args.kv_pool,
                         eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
                         ngram=args.ngram, eagle3_topk=args.eagle3_topk, eagle3_tree_tokens=args.eagle3_tree_tokens,
                         eagle3_tree_min_score=args.eagle3_tree_min_score,
@@ -229,6 +232,7 @@ def _spawn_verifiers(args: argparse.Namespace):
                "-k", str(args.num_speculative_tokens), "--draft-confidence", str(args.draft_confidence),
                "--draft-vocab", str(args.draft_vocab),
                "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
+               "--kv-pool" if args.kv_pool else "--no-kv-pool",
                "--eagle3-k", str(args.eagle3_k), "--eagle3-confidence", str(args.eagle3_confidence),
                "--eagle3-topk", str(args.eagle3_topk), "--eagle3-tree-tokens", str(args.eagle3_tree_tokens),
                "--eagle3-tree-min-score", str(args.eagle3_tree_min_score),

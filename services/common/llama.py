@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common.kv_pool import Group, KVPool, plan_groups, pooled_cache
 from services.common.token_tree import ancestor_mask, depths
 
 
@@ -145,14 +146,29 @@ class Attention(nn.Module):
 
 
 def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]]) -> torch.Tensor:
+                     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
+                     layer: int = 0, groups: list[Group] = (), alone: list[int] | None = None,
+                     lens: list[int] | None = None) -> torch.Tensor:
     """Attention for concatenated rows: x [N, H]; rows = (offset, start, (k_cache, v_cache), mask).
 
-    Projections run once over all N tokens; each row attends to its own cache (batch 1)."""
+    Projections run once over all N tokens. Rows of each pooled ``groups`` entry attend in one
+    call over their segment (``kv_pool``); the others (``alone``, all rows when there are no
+    groups) each attend to their own batch-1 cache."""
     s = attn.s
     n = x.shape[0]
+    gqa = s.kv_heads != s.heads
     q, k, v = attn.project(x, cos, sin)                        # [heads, N, d]
-    o = attend_rows(q, k, v, rows, s.kv_heads != s.heads)     # [heads, N, d]
+    if not groups:
+        o = attend_rows(q, k, v, rows, gqa)                    # [heads, N, d]
+    else:
+        o = q.new_empty(q.shape)
+        for g in groups:
+            out = g.attend(layer, q, k, v, gqa)
+            o = out if g.tokens is None else o.index_copy_(1, g.tokens, out)
+        for r in alone:
+            off, st, kv, mask = rows[r]
+            end = off + lens[r]
+            o[:, off:end] = attend_rows(q[:, off:end], k[:, off:end], v[:, off:end], [(0, st, kv, mask)], gqa)
     return attn.o_proj(o.transpose(0, 1).reshape(n, s.heads * s.head_dim))
 
 
@@ -233,8 +249,11 @@ class KVCache:
     """Static per-layer K/V buffers ``[batch, kv_heads, capacity, head_dim]``.
 
     Rollback is free: a row's valid length lives with its owner; positions past it are
-    overwritten by the next forward.
+    overwritten by the next forward. A pooled cache's layers are views of one slot of a
+    ``kv_pool.Segment`` (``segment``, ``slot``); an unpooled one has its own buffers.
     """
+    segment = None
+    slot = 0
 
     def __init__(self, s: LlamaShape, batch: int, capacity: int, dtype, device):
         shape = (batch, s.kv_heads, capacity, s.head_dim)
@@ -332,12 +351,13 @@ class Llama(nn.Module):
         offsets = [sum(lens[:r]) for r in range(len(lens))]
         masks = [tree_mask(st, n, tree, dev) if tree is not None else mk   # built once, shared by every layer
                  for st, n, tree, mk in zip(starts, lens, trees, causal_masks(starts, lens, dev))]
+        groups, alone = plan_groups(caches, offsets, lens, starts, masks, len(ids), dev)
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 seen[i] = x
             rows = [(off, st, c.layers[i], mk) for off, st, c, mk in zip(offsets, starts, caches, masks)]
-            x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows)
+            x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows, i, groups, alone, lens)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         split = lambda t: list(torch.split(t, lens))  # noqa: E731
         per_layer = [split(seen[i]) for i in capture]
@@ -349,9 +369,23 @@ class Llama(nn.Module):
                             dtype=torch.long, device=dev)
         return list(torch.split(head(self.norm(x[keep])), tails)), hidden
 
+    kv_pool: KVPool | None = None   # set (``use_kv_pool``): batch-1 caches come from pooled slots
+
+    def use_kv_pool(self, **kwargs) -> KVPool:
+        """Serve batch-1 caches from pooled slots (``kv_pool``), so that the ragged forward
+        attends for all rows of a segment in one call per layer."""
+        p = next(self.parameters())
+        self.kv_pool = KVPool(self.s, p.dtype, p.device, **kwargs)
+        return self.kv_pool
+
     def new_cache(self, batch: int = 1, capacity: int | None = None) -> KVCache:
         p = next(self.parameters())
-        return KVCache(self.s, batch, capacity or self.s.max_positions, p.dtype, p.device)
+        capacity = capacity or self.s.max_positions
+        if self.kv_pool is not None and batch == 1:
+            where = self.kv_pool.take(capacity)
+            if where is not None:
+                return pooled_cache(KVCache, *where, capacity)
+        return KVCache(self.s, batch, capacity, p.dtype, p.device)
 
     # -- Hugging Face directory I/O --------------------------------------------------------
     @classmethod

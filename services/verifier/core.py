@@ -101,6 +101,8 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
     model = Llama.from_pretrained(path, getattr(torch, cfg.dtype), cfg.device)
     if cfg.packed_gemm:
         pack_linears(model)
+    if cfg.kv_pool:
+        model.use_kv_pool()
     return model
 
 

@@ -262,3 +262,30 @@ def test_concurrent_tree_sessions_verify_together_and_match_vanilla(tiny_eagle_e
     out = concurrently_equal_vanilla(tiny_eagle_engine, [p * 2 for p in PROMPTS], ("eagle3-tree", "suffix-tree", "eagle3"),
                                      48)
     assert sum(r["stats"]["draft_tokens"] for (_, m), r in out.items() if m == "eagle3-tree") > 0
+
+
+def test_pooled_kv_sessions_verify_together_match_vanilla_and_give_their_slots_back(tiny_dirs, tiny_eagle3,
+                                                                                     tiny_engine):
+    """--kv-pool: the target's and the draft LM's sessions sit in pooled slots and attend in one
+    call per layer; chains, trees and the prefix cache's loads into slots keep every output
+    equal to vanilla's without the pool, and once the requests end no slot is held."""
+    import gc
+
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, eagle3_k=4,
+                              num_speculative_tokens=4, draft_confidence=0.0, max_new_tokens_limit=200,
+                              predictor=None, ocm_snapshot=None, kv_pool=True))
+    target, draft = eng.runner.model, eng.verifier.drafters["draft-lm"].model
+    assert target.kv_pool is not None and draft.kv_pool is not None
+    prompts = [p * 2 for p in PROMPTS]
+    refs = {p: tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()["token_ids"]
+            for p in prompts}
+    for _ in range(2):   # the second round loads the first's prompt blocks from the prefix cache into slots
+        out = concurrently_equal_vanilla(eng, prompts, ("sd", "suffix-tree", "eagle3-tree"), 40)
+        assert all(r["token_ids"] == refs[p] for (p, _), r in out.items())
+    assert eng.runner.prefix is not None and eng.runner.prefix.bytes > 0
+    assert max(len(segs) for segs in target.kv_pool.segments.values()) >= 2   # 18 sessions: several segments
+    gc.collect()
+    assert target.kv_pool.used == 0 and draft.kv_pool.used == 0
