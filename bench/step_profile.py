@@ -7,8 +7,12 @@ all drafts in one ``verify_batch`` and applies the lossless policy. Medians over
 Each session attends over its own batch-1 K/V cache (``attend_rows``: one call per session and
 layer); drafting's attention and the target's are timed apart. ``--repeats`` rounds add their
 cycles to the medians. A single session takes the plain path, whose attention is not timed apart.
+``--kv-pool off,on`` profiles an engine per setting, interleaved per round: with pooled K/V slots
+(``--kv-pool``) the sessions of a segment attend in one call per layer (``kv_pool.Group``),
+timed as the target's attention too.
 
     python -m bench.step_profile --batches 1,4,8 --repeats 4 --out bench/results/step_profile.json
+    python -m bench.step_profile --batches 1,8,16 --kv-pool off,on --repeats 4 --out bench/results/kv_pool.json
 """
 from __future__ import annotations
 
@@ -28,22 +32,31 @@ PARTS = ("draft", "draft_attention", "verify", "verify_attention", "finish")
 @contextmanager
 def timed_attention(sink: list[float]):
     """Adds the seconds of every ``attend_rows`` call (the ragged forward's per-session
-    attention, one per session and layer) to ``sink[-1]`` while active."""
+    attention, one per session and layer) and every pooled group's call to ``sink[-1]`` while
+    active. On CUDA each call is synchronized, so its kernels are counted."""
+    import torch
+
     import services.common.llama as llama
+    from services.common.kv_pool import Group
 
-    original = llama.attend_rows
+    originals = (llama.attend_rows, Group.attend)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = original(*args, **kwargs)
-        sink[-1] += time.perf_counter() - t0
-        return out
+    def timing(fn):
+        def timed(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            sink[-1] += time.perf_counter() - t0
+            return out
+        return timed
 
-    llama.attend_rows = timed
+    llama.attend_rows, Group.attend = timing(originals[0]), timing(originals[1])
     try:
         yield
     finally:
-        llama.attend_rows = original
+        llama.attend_rows, Group.attend = originals
 
 
 def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict[str, list[float]]:
@@ -83,9 +96,9 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict[str
     return times
 
 
-def summary(batch: int, times: dict[str, list[float]]) -> dict:
+def summary(batch: int, times: dict[str, list[float]], pool: str = "off") -> dict:
     """Median ms per step of each part."""
-    row = {"batch": batch, **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}}
+    row = {"kv_pool": pool, "batch": batch, **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}}
     row["attend_share_of_verify"] = round(row["verify_attention_ms"] / row["verify_ms"], 3) if row["verify_ms"] else 0.0
     return row
 
@@ -94,9 +107,9 @@ def markdown(result: dict) -> str:
     return table_markdown(
         f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over {result['cycles']} cycles"
         f" × {result.get('repeats', 1)} rounds",
-        ["sessions", "draft", "of which attention", "target forward", "of which attention", "share",
+        ["kv pool", "sessions", "draft", "of which attention", "target forward", "of which attention", "share",
          "policy + commit"],
-        [[r["batch"], r["draft_ms"], r["draft_attention_ms"], r["verify_ms"], r["verify_attention_ms"],
+        [[r.get("kv_pool", "off"), r["batch"], r["draft_ms"], r["draft_attention_ms"], r["verify_ms"], r["verify_attention_ms"],
           f"{r['attend_share_of_verify']:.0%}", r["finish_ms"]] for r in result["rows"]],
         result["command"], ("One session takes the plain path; its attention is not timed apart (0).",))
 
@@ -109,11 +122,13 @@ def plot(result: dict, path) -> None:
              ("target attention", [r["verify_attention_ms"] for r in rows]),
              ("rest of the target forward", [r["verify_ms"] - r["verify_attention_ms"] for r in rows]),
              ("policy + commit", [r["finish_ms"] for r in rows]))
-    labels, bottom = [str(r["batch"]) for r in rows], [0.0] * len(rows)
+    pools = {r.get("kv_pool", "off") for r in rows}
+    labels = [f"{r['batch']}" + (f" {r.get('kv_pool', 'off')}" if len(pools) > 1 else "") for r in rows]
+    bottom = [0.0] * len(rows)
     for label, values in parts:
         ax.bar(labels, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_xlabel("sessions in the step")
+    ax.set_xlabel("sessions in the step" + (" and K/V pool" if len(pools) > 1 else ""))
     ax.set_ylabel("ms per step (median)")
     ax.legend(fontsize=8)
     ax.set_title("Verifier step, sd")
@@ -128,6 +143,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=1, help="rounds; each adds its cycles to the medians")
+    ap.add_argument("--kv-pool", default="off", help="comma-separated: off, on (an engine each, interleaved)")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     import torch
 
@@ -135,16 +152,20 @@ def main() -> None:
     from services.router.engine import Engine
 
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(eagle3=None, threads=args.threads))
+    pools = args.kv_pool.split(",")
+    engines = {pool: Engine(EngineConfig(eagle3=None, threads=args.threads, device=args.device,
+                                         dtype="float32" if args.device == "cpu" else "bfloat16",
+                                         kv_pool=pool == "on")) for pool in pools}
     batches = [int(b) for b in args.batches.split(",")]
-    prompts = [engine.encode_fit(p.text, 8 * args.cycles) for p in load(args.workload, max(batches))]
+    prompts = [engines[pools[0]].encode_fit(p.text, 8 * args.cycles) for p in load(args.workload, max(batches))]
     rows = []
     for i, b in enumerate(batches):
-        times = {k: [] for k in PARTS}
+        times = {pool: {k: [] for k in PARTS} for pool in pools}
         for _ in range(args.repeats):
-            for k, v in profile(engine.verifier, prompts[:b], b, args.cycles).items():
-                times[k].extend(v)
-        rows.append(summary(b, times))
+            for pool in pools:   # interleaved: each round profiles every setting
+                for k, v in profile(engines[pool].verifier, prompts[:b], b, args.cycles).items():
+                    times[pool][k].extend(v)
+        rows += [summary(b, times[pool], pool) for pool in pools]
         print(f"[step-profile] {i + 1}/{len(batches)} batch sizes", file=sys.stderr, flush=True)
     result = {"workload": args.workload, "cycles": args.cycles, "repeats": args.repeats,
               "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]), "rows": rows}
