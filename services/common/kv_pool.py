@@ -110,7 +110,7 @@ class Group:
         self.tmax = max(lens[r] for r in rows)
         self.lmax = max(starts[r] + lens[r] for r in rows)
         tokens, slot_idx, pos_idx, qpos = [], [], [], []
-        mask = torch.zeros(hi - lo, 1, self.tmax, self.lmax, dtype=torch.bool)
+        mask = torch.zeros(hi - lo, 1, self.tmax, self.lmax, dtype=torch.bool, device=device)
         mask[..., 0] = True   # padding queries see one finite key (their outputs are dropped), never none
         for r, slot in zip(rows, slots):
             n, st, g = lens[r], starts[r], slot - lo
@@ -118,12 +118,12 @@ class Group:
             slot_idx += [slot] * n
             pos_idx += range(st, st + n)
             qpos += range(g * self.tmax, g * self.tmax + n)
-            mask[g, 0, :n, :st + n] = True if masks[r] is None else masks[r].cpu()
+            mask[g, 0, :n, :st + n] = True if masks[r] is None else masks[r]   # on the device already
         whole = tokens == list(range(n_tokens))
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         self.tokens = None if whole else as_index(tokens)
         self.slot_idx, self.pos_idx, self.qpos = as_index(slot_idx), as_index(pos_idx), as_index(qpos)
-        self.mask = mask.to(device)
+        self.mask = mask
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
         """q [heads, N, d], k/v [kv_heads, N, d] of the whole forward → this group's outputs
