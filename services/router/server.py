@@ -34,6 +34,17 @@ FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS, "stop"
           "abort": pb.FINISH_REASON_ABORT}
 
 
+NO_DEADLINE_S = 1e8   # gRPC reports "no deadline" as the time left to the end of its clock (~3e11 years)
+
+
+def client_deadline(context) -> float | None:
+    """Seconds the client allows the call, or None when it set no deadline. (Passed on as is,
+    gRPC's no-deadline figure overflows every timeout downstream: a Link's queue wait, a
+    verifier stream's deadline.)"""
+    left = context.time_remaining()
+    return None if left is None or left > NO_DEADLINE_S else left
+
+
 def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
     if r.prompt and r.prompt_token_ids:
         raise InvalidRequest("prompt: set either `prompt` or `prompt_token_ids`, not both")
@@ -272,7 +283,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
-            req = replace(request_from_pb(request, self.engine), deadline_s=context.time_remaining())
+            req = replace(request_from_pb(request, self.engine), deadline_s=client_deadline(context))
             if req.n > self.admission.max_sessions:
                 raise InvalidRequest(f"n: at most {self.admission.max_sessions} completions (this server's sessions)")
             completions = self.engine.generate_all(req)

@@ -420,6 +420,20 @@ def test_a_grammar_compiling_on_the_verifier_does_not_stall_its_link(cluster):
     assert active(addrs[1]) == 0
 
 
+def test_a_client_without_a_deadline_is_served(cluster, tiny_dirs, tiny_engine):
+    """grpcurl and most clients set no deadline. gRPC then reports the time left as the end of
+    its clock, which must not reach the verifier's timeouts (it overflowed the Link's wait, and
+    every such call failed UNKNOWN): over the Link and over per-session streams."""
+    _, stub, addrs, _ = cluster
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPTS[0]), 24, method="vanilla")).result()
+    assert stream_ids(stub, PROMPTS[0], 24, "sd", timeout=None) == ref["token_ids"]
+    _, server, _, streams = router(tiny_dirs, addrs, link=False)
+    try:
+        assert stream_ids(streams, PROMPTS[0], 24, "sd", timeout=None) == ref["token_ids"]
+    finally:
+        server.stop(0)
+
+
 def test_client_deadline_reaches_the_verifier(tiny_dirs):
     slow, addr = start_verifier(tiny_dirs, delay_ms=50)
     engine, server, _, stub = router(tiny_dirs, [addr])
