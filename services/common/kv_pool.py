@@ -9,7 +9,8 @@ masked attention call over the segment's slots, instead of one call per session 
 
 Rules:
 - capacities round up to a power of two (at least ``min_capacity``); each rounded capacity has
-  its own segments; a new segment is allocated when every slot of the existing ones is taken;
+  its own segments; a new segment is allocated when every slot of the existing ones is taken,
+  and segments are kept once allocated (the pool's memory is its high-water mark);
 - a slot is free again when its cache is garbage-collected (``weakref.finalize``), so no close
   path has to remember it; the lowest free slot is taken first, which keeps the live sessions
   of a segment in a short run of slots (the attention call spans lowest to highest);
