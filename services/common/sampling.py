@@ -144,8 +144,8 @@ MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 64, 32   # bad words per request (two token
 def sampling_error(sp: SamplingParams) -> str | None:
     """What is out of range in ``sp``, starting with the field's name; None when all is valid.
     (Token ids are checked where the vocabulary is known.)"""
-    if not sp.temperature >= 0 or sp.temperature != sp.temperature:
-        return f"temperature: must be >= 0, got {sp.temperature}"
+    if not 0 <= sp.temperature < float("inf"):   # nan fails too; inf would turn masked logits into nan
+        return f"temperature: must be a finite number >= 0, got {sp.temperature}"
     if not 0 < sp.top_p <= 1:
         return f"top_p: must be in (0, 1], got {sp.top_p}"
     if sp.top_k < 0:

@@ -189,6 +189,7 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     ({"prompt": "a", "max_new_tokens": 100000}, "max_new_tokens"),
     ({"prompt": "a", "max_new_tokens": 5, "temperature": -0.5}, "temperature"),
     ({"prompt": "a", "max_new_tokens": 5, "temperature": float("nan")}, "temperature"),
+    ({"prompt": "a", "max_new_tokens": 5, "temperature": float("inf")}, "temperature"),
     ({"prompt": "a", "max_new_tokens": 5, "top_p": 0.0}, "top_p"),
     ({"prompt": "a", "max_new_tokens": 5, "top_p": 1.5}, "top_p"),
     ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),

@@ -364,7 +364,7 @@ def test_json_schema_response_format_gives_a_valid_instance(api):
 
 @pytest.mark.parametrize("kw, match", [
     ({"max_tokens": 0}, r"^max_tokens: must be in \[1, "),
-    ({"temperature": -1}, r"^temperature: must be >= 0"),
+    ({"temperature": -1}, r"^temperature: must be a finite number >= 0"),
     ({"extra_body": {"temprature": 0}}, r"^temprature: unknown field"),
     ({"extra_body": {"top_k": "3"}}, r"^top_k: must be an integer"),
     ({"extra_body": {"min_p": 2}}, r"^min_p: must be in \[0, 1\]"),

@@ -38,6 +38,16 @@ def test_min_p_drops_tokens_below_its_share_of_the_most_likely_after_temperature
         assert sampling_error(SamplingParams(min_p=bad)).startswith("min_p: must be in [0, 1]")
 
 
+def test_temperature_must_be_finite_and_not_negative():
+    """An infinite temperature turns the -inf of masked logits into nan (it crashed sampling,
+    UNKNOWN to the client); it is refused with the field's name, as nan and negatives are."""
+    from services.common.sampling import sampling_error
+
+    for bad in (-1.0, float("inf"), float("nan")):
+        assert sampling_error(SamplingParams(temperature=bad)).startswith("temperature: must be a finite number >= 0")
+    assert sampling_error(SamplingParams(temperature=1e6)) is None
+
+
 def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context():
     """Row i of a verification is penalized as a decoding step after the output plus draft[:i]
     would be: HF's repetition-penalty processor over prompt and output, then presence and
