@@ -8,9 +8,12 @@ import torch
 from services.common.token_tree import is_chain, main_chain
 
 
+SAMPLING_EPS = 1e-5   # temperatures below it are greedy (vLLM's _SAMPLING_EPS): dividing logits by less overflows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; min_p 0 = off (vLLM's: tokens
+    """temperature 0 (below ``SAMPLING_EPS``) = greedy; top_k 0 = off; top_p 1.0 = off; min_p 0 = off (vLLM's: tokens
     less likely than min_p × the most likely one are dropped). Penalties (vLLM's, off at their
     defaults) change the target's logits before greedy, sampling or the CSD gate read them:
     repetition_penalty divides a positive logit (multiplies a negative one) of every token seen
@@ -35,7 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalized(self) -> bool:

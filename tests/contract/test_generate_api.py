@@ -181,6 +181,18 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
         assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
+def test_a_temperature_below_vllms_epsilon_decodes_greedily(served):
+    """A denormal temperature overflowed the logits it divides (UNKNOWN to the client); below
+    1e-5 it is greedy, as in vLLM, with every method."""
+    stub, servicer, _ = served
+    for method in ("vanilla", "sd", "suffix"):
+        greedy = [t for m in collect(stub, prompt="def add(a, b):", max_new_tokens=12, method=method) for t in m.token_ids]
+        tiny = [t for m in collect(stub, prompt="def add(a, b):", max_new_tokens=12, method=method, temperature=1e-45,
+                                   seed=7) for t in m.token_ids]
+        assert tiny == greedy, method
+    assert wait_idle(servicer)
+
+
 @pytest.mark.parametrize("kw,field", [
     ({"prompt": "", "max_new_tokens": 5}, "prompt"),
     ({"prompt": "a", "prompt_token_ids": [1], "max_new_tokens": 5}, "prompt"),

@@ -48,6 +48,17 @@ def test_temperature_must_be_finite_and_not_negative():
     assert sampling_error(SamplingParams(temperature=1e6)) is None
 
 
+def test_temperatures_below_vllms_epsilon_are_greedy():
+    """Dividing logits by a denormal temperature overflows to inf (and nan after softmax): as
+    vLLM, any temperature below 1e-5 decodes greedily, and one at it still samples, finitely."""
+    from services.common.types import SAMPLING_EPS
+
+    assert SamplingParams(temperature=1e-45).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+    p = probs_from_logits(torch.tensor([30.0, 29.9999, -float("inf")]), SamplingParams(temperature=SAMPLING_EPS))
+    assert torch.isfinite(p).all() and p[2] == 0
+
+
 def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context():
     """Row i of a verification is penalized as a decoding step after the output plus draft[:i]
     would be: HF's repetition-penalty processor over prompt and output, then presence and
