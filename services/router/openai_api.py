@@ -286,6 +286,8 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     stream = _bool(body, "stream")
     if best_of < n:
         raise InvalidRequest(f"best_of: must be at least n ({n}), got {best_of}")
+    if best_of > MAX_N:   # checked here, where the field that asks for them is known (the engine names n)
+        raise InvalidRequest(f"best_of: at most {MAX_N} completions per prompt, got {best_of}")
     if best_of > n and stream:
         raise InvalidRequest("best_of: the best completions are known only at the end; use it without stream")
     max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)

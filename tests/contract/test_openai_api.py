@@ -372,6 +372,7 @@ def test_json_schema_response_format_gives_a_valid_instance(api):
     ({"suffix": "x"}, r"^suffix: not supported"),
     ({"n": 2, "best_of": 1}, r"^best_of: must be at least n \(2\)"),
     ({"best_of": 2, "stream": True}, r"^best_of: the best completions are known only at the end"),
+    ({"best_of": 100}, r"^best_of: at most 16 completions per prompt, got 100"),
     ({"n": 5}, r"^n: at most 4 completions"),
     ({"logit_bias": {"x": 1}}, r"^logit_bias: keys must be token ids"),
     ({"extra_body": {"method": "magic"}}, r"^method: unknown method 'magic'"),
