@@ -64,7 +64,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                     help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
     ap.add_argument("--kv-pool", action=argparse.BooleanOptionalAction, default=EngineConfig.kv_pool,
                     help="keep sessions' K/V in pooled slots, so a batched step attends for all of them in one "
-                         "call per layer instead of one per session (for accelerators; equal speed on a CPU)")
+                         "call per layer instead of one per session (for accelerators; no gain on a CPU: "
+                         "bench/results/kv_pool*.md)")
     ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
                     help="draft LM: end a chain after a token whose draft probability is below this")
     ap.add_argument("--draft-vocab", type=int, default=EngineConfig.draft_vocab,

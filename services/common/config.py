@@ -89,7 +89,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`
     packed_gemm: bool = True              # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
     kv_pool: bool = False                 # pooled K/V slots: one attention call per layer for a step's sessions
-    #                                       (services/common/kv_pool.py; measured equal on this CPU, meant for GPUs)
+    #                                       (services/common/kv_pool.py; no gain on this CPU, meant for GPUs)
     draft_confidence: float = 0.3         # draft-LM chains stop after a token with max q below this
     draft_vocab: int = -1                 # draft LM's head over the N most frequent tokens (FR-Spec); 0 = all;
     #                                       -1 = 4,096 where a ranking ships beside the draft, else all
