@@ -260,22 +260,30 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
     session on the same prompt opens on the same replica (of two) and starts from its prefix
     cache. Four prompts: Serve's own routing would pick that replica each time by chance
     with probability 1/16."""
+    import time
+
     from ray import serve
 
     from services.ray_app import RaySession
     from services.verifier.core import CycleRequest, SessionSpec
 
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    # Earlier tests' sessions, while their replica still reports them, count toward its load:
+    # with more than the slack of 2 there, the open rightly goes to the other replica.
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
+    time.sleep(2.5)   # and the routers' copy of the reports (every 1 s, then the controller's broadcast) says so
     for p in range(4):
         ids = tiny_engine.encode("".join(f"def ray_{p}_{i}(x):\n    return x * {i} - {p}\n\n" for i in range(5)))
         first = RaySession(handle, SessionSpec(ids, 4))
+        again = None
         try:
             assert first.cycle(CycleRequest()).cached_tokens == 0
             again = RaySession(handle, SessionSpec(ids, 4))
             assert again.cycle(CycleRequest()).cached_tokens == (len(ids) - 1) // 32 * 32 > 0
-            again.close()
-        finally:
+        finally:   # closed on a failure too, so that no later test finds them open
             first.close()
+            if again is not None:
+                again.close()
 
 
 def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_engine):
