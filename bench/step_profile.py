@@ -7,12 +7,12 @@ all drafts in one ``verify_batch`` and applies the lossless policy. Medians over
 Each session attends over its own batch-1 K/V cache (``attend_rows``: one call per session and
 layer); drafting's attention and the target's are timed apart. ``--repeats`` rounds add their
 cycles to the medians. A single session takes the plain path, whose attention is not timed apart.
-``--kv-pool off,on`` profiles an engine per setting, interleaved per round: with pooled K/V slots
+``--kv-pools off,on`` profiles an engine per setting, interleaved per round: with pooled K/V slots
 (``--kv-pool``) the sessions of a segment attend in one call per layer (``kv_pool.Group``),
 timed as the target's attention too.
 
     python -m bench.step_profile --batches 1,4,8 --repeats 4 --out bench/results/step_profile.json
-    python -m bench.step_profile --batches 1,8,16 --kv-pool off,on --repeats 4 --out bench/results/kv_pool.json
+    python -m bench.step_profile --batches 1,8,16 --kv-pools off,on --repeats 4 --out bench/results/kv_pool.json
 """
 from __future__ import annotations
 
@@ -136,26 +136,25 @@ def plot(result: dict, path) -> None:
 
 
 def main() -> None:
+    from dataclasses import replace
+
+    from services.cli import _engine_args, engine_config
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _engine_args(ap)   # the engine's flags (--device, --dtype, --threads, ...), as `specmesh serve` takes them
     ap.add_argument("--workload", default="humaneval")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (as make bench)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=1, help="rounds; each adds its cycles to the medians")
-    ap.add_argument("--kv-pool", default="off", help="comma-separated: off, on (an engine each, interleaved)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--kv-pools", default="off", help="comma-separated: off, on (an engine each, interleaved)")
     args = ap.parse_args()
-    import torch
-
-    from services.common.config import EngineConfig
+    args.threads = args.threads or 1   # one torch thread unless set, as make bench
     from services.router.engine import Engine
 
-    torch.set_num_threads(args.threads)
-    pools = args.kv_pool.split(",")
-    engines = {pool: Engine(EngineConfig(eagle3=None, threads=args.threads, device=args.device,
-                                         dtype="float32" if args.device == "cpu" else "bfloat16",
-                                         kv_pool=pool == "on")) for pool in pools}
+    pools = args.kv_pools.split(",")
+    cfg = replace(engine_config(args), eagle3=None)   # sd only: no EAGLE-3 head to load
+    engines = {pool: Engine(replace(cfg, kv_pool=pool == "on")) for pool in pools}
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [engines[pools[0]].encode_fit(p.text, 8 * args.cycles) for p in load(args.workload, max(batches))]
     rows = []

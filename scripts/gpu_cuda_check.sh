@@ -15,7 +15,7 @@
 #   serving.md                        bench.serving, embedded: aggregate tokens/s at 1 and 8 streams in
 #                                     steady state (issue 7's ×8 ≥ 2.5× goal), with and without
 #                                     --kv-pool (one attention call per layer for a step's sessions);
-#   kv_pool.md                        bench.step_profile --kv-pool off,on: the target's attention per
+#   kv_pool.md                        bench.step_profile --kv-pools off,on: the target's attention per
 #                                     step at 1, 8 and 16 sessions, per-session calls against pooled;
 #   lossless_fp32.md                  the same in float32: lossless methods, trees included, must
 #                                     equal vanilla token for token (bf16 batch shapes may round
@@ -52,7 +52,7 @@ pack
   --repeats 1 --window-s 8 --warmup-s 2 --server-threads 1 --topologies embedded,embedded-pool \
   --out "$W/serving.json" > "$W/serving.log" 2>&1 || tail -n 20 "$W/serving.log"
 pack
-"$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pool off,on --repeats 2 \
+"$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pools off,on --repeats 2 \
   --out "$W/kv_pool.json" > "$W/kv_pool.log" 2>&1 || tail -n 20 "$W/kv_pool.log"
 pack
 "$PY" -m services.cli bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 8 \

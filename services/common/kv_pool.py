@@ -67,7 +67,7 @@ class KVPool:
         return max(self.min_capacity, 1 << max(0, capacity - 1).bit_length())
 
     def slot_bytes(self, capacity: int) -> int:
-        return 2 * self.s.layers * self.s.kv_heads * capacity * self.s.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.s.layers * self.s.kv_heads * capacity * self.s.head_dim * self.dtype.itemsize
 
     def take(self, capacity: int) -> tuple[Segment, int] | None:
         """A free slot able to hold ``capacity`` positions, or None when such caches are not pooled."""
