@@ -35,7 +35,7 @@ class Segment:
         shape = (slots, s.kv_heads, capacity, s.head_dim)
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(s.layers)]
-        self.slots, self.capacity = slots, capacity
+        self.slots = slots
         self._free = list(range(slots))
         self._lock = threading.Lock()
 
