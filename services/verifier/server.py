@@ -273,10 +273,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.release(session)
 
     def Link(self, request_iterator, context):
-        link = LinkServer(self)
+        link = LinkServer(self, request_iterator, context)
         context.add_callback(link.end)           # a cancelled or broken link unblocks the writer
         self.links.add(link)
-        threading.Thread(target=link.read, args=(request_iterator,), name="verifier-link", daemon=True).start()
         try:
             while (replies := link.next_replies()) is not None:
                 yield pb.LinkResponse(replies=replies)
@@ -285,13 +284,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.links.discard(link)
 
 
-class LinkServer:
-    """The verifier's end of one multiplexed link. A reader thread opens and closes sessions
-    and posts their cycles to the replica's batcher; finished cycles queue up as replies,
-    and the writer sends all queued replies in one message. When the link ends (half-close,
-    cancel, drain) a session busy with a cycle is answered and closed once that cycle is done."""
+_READ = object()   # in the reply queue: the reader thread hands reading back to the writer
 
-    def __init__(self, servicer: VerifierServicer):
+
+class LinkServer:
+    """The verifier's end of one multiplexed link. Each message's opens and closes are handled
+    and its cycles posted to the replica's batcher together; finished cycles queue up as
+    replies, and the writer (the RPC's own thread) sends all queued replies in one message.
+    When the link ends (half-close, cancel, drain) a session busy with a cycle is answered and
+    closed once that cycle is done.
+
+    Who reads: while nothing is in flight, the writer reads the next message itself; when
+    the step it then leads answers every cycle, it sends the replies with no hand-off between
+    threads (a lone session's cycle crosses no thread of ours, as on a per-session stream).
+    While something is in flight (cycles behind a step on another thread, an open compiling
+    its grammar), the reader thread reads, so replies go out as they come and the link's
+    other sessions keep cycling; it hands reading back after a message that leaves nothing
+    in flight."""
+
+    def __init__(self, servicer: VerifierServicer, requests=None, context=None):
         self.servicer = servicer
         self.sessions: dict[str, Any] = {}
         self.busy: set[str] = set()
@@ -299,23 +310,109 @@ class LinkServer:
         self.closing: set[str] = set()
         self.ended = self._stopped = False
         self._lock = threading.Lock()
+        self._turn = threading.Condition(self._lock)   # the reader thread waits here for its turn
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._posts: list = []    # cycles of the message being read, posted together after it
+        self._requests, self._context = requests, context
+        self._reader = "writer"   # who reads the next message: "writer" or "thread"
+        self._writer_reading = False
+        self._thread: threading.Thread | None = None
 
-    def read(self, request_iterator) -> None:
+    def _in_flight(self) -> bool:
+        return bool(self.busy or self.opening)
+
+    def _take(self, msg) -> None:
+        """Handle one message: its items in order, then its cycles posted together (the
+        reading thread leads their step when none is running and it would not wait)."""
+        if FAULT_CYCLE_DELAY_S:
+            time.sleep(FAULT_CYCLE_DELAY_S)
+        for item in msg.items:
+            self._handle(item)
+        posts, self._posts = self._posts, []
+        if posts:
+            self.servicer.core.batcher.post_all(posts, lead=True)
+
+    def _next_message(self):
+        """The link's next message; None once its requests have ended."""
         try:
-            for msg in request_iterator:
-                if FAULT_CYCLE_DELAY_S:
-                    time.sleep(FAULT_CYCLE_DELAY_S)
-                for item in msg.items:
-                    self._handle(item)
-                posts, self._posts = self._posts, []
-                if posts:   # a message's cycles join the batch together; the reader leads if none is awaited
-                    self.servicer.core.batcher.post_all(posts, lead=True)
+            return next(self._requests)
+        except StopIteration:
+            return None
         except Exception as e:  # the link broke (cancelled, reset): its sessions end with it
             log.debug("link ended: %s", e)
+            return None
+
+    def _read_while_in_flight(self) -> None:
+        """The reader thread: reads while it has the turn, until the link ends."""
+        try:
+            while True:
+                with self._lock:
+                    while self._reader != "thread" and not self.ended:
+                        self._turn.wait()
+                    if self.ended:
+                        return
+                msg = self._next_message()
+                if msg is None:
+                    return
+                self._take(msg)
+                with self._lock:
+                    back = not self._in_flight()
+                    if back:
+                        self._reader = "writer"
+                if back:
+                    self._out.put(_READ)   # the writer may be waiting for a reply that is not coming
         finally:
             self.end()
+
+    def _give_turn_to_thread(self) -> None:
+        """Called with the lock held."""
+        self._reader = "thread"
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._read_while_in_flight, name="verifier-link", daemon=True)
+            self._thread.start()
+        self._turn.notify()
+
+    def next_replies(self) -> list | None:
+        """Every reply ready now (while nothing is in flight, the next message is read and
+        handled first; else the first reply is waited for); None once the link has ended."""
+        while True:
+            replies = self._queued(block=False)
+            if replies or replies is None:
+                return replies
+            with self._lock:
+                read = self._reader == "writer" and not self.ended and not self._in_flight()
+                self._writer_reading = read
+                if not read and self._reader == "writer" and not self.ended:
+                    self._give_turn_to_thread()
+            if read:
+                msg = self._next_message()
+                with self._lock:
+                    self._writer_reading = False
+                if msg is None:
+                    self.end()
+                else:
+                    self._take(msg)
+                continue
+            replies = self._queued(block=True)
+            if replies or replies is None:
+                return replies
+
+    def _queued(self, block: bool) -> list | None:
+        """The replies queued now (``block``: waiting for the first item); None at the link's
+        end. An empty list when the reader thread has handed reading back."""
+        replies = []
+        while True:
+            try:
+                r = self._out.get(block=block and not replies)
+            except queue.Empty:
+                return replies
+            if r is None:
+                self._out.put(None)   # every later call sees the end too
+                return replies or None
+            if r is _READ:
+                block = False   # the writer reads next: take what is queued, wait for nothing
+            else:
+                replies.append(r)
 
     def _handle(self, item: pb.LinkItem) -> None:
         sid, kind = item.session_id, item.WhichOneof("kind")
@@ -442,9 +539,13 @@ class LinkServer:
                 return
             self.ended = True
             idle = [sid for sid in self.sessions if sid not in self.busy]
+            self._turn.notify_all()
+            blocked = self._writer_reading   # waiting for a message that may never come (a drain)
         for sid in idle:
             self._close(sid)
         self._stop_when_idle()
+        if blocked and self._context is not None:
+            self._context.cancel()
 
     def _stop_when_idle(self) -> None:
         with self._lock:
@@ -452,22 +553,6 @@ class LinkServer:
             self._stopped |= stop
         if stop:
             self._out.put(None)
-
-    def next_replies(self) -> list | None:
-        """Every reply ready now (blocking for the first); None once the link has ended."""
-        first = self._out.get()
-        if first is None:
-            return None
-        replies = [first]
-        while True:
-            try:
-                r = self._out.get_nowait()
-            except queue.Empty:
-                return replies
-            if r is None:
-                self._out.put(None)
-                return replies
-            replies.append(r)
 
 
 def build_verifier_server(core: VerifierCore, host: str, port: int, max_sessions: int = 16, workers: int = 32,

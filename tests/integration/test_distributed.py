@@ -382,6 +382,48 @@ def test_link_answers_each_session_and_each_bad_item_alone(cluster):
     assert active(addrs[1]) == 0   # the half-closed link closed both sessions
 
 
+def test_a_lone_session_on_a_link_crosses_no_thread_of_ours_and_two_hand_reading_over(tiny_dirs, tiny_engine):
+    """While nothing is in flight the link's writer reads the next message itself, leads the
+    step and answers with no hand-off: a lone session's cycles start no reader thread. Two
+    sessions cycling at once hand reading to the reader thread and back; every output
+    equals vanilla's, and nothing is left open."""
+    from services.verifier.server import build_verifier_server
+
+    core = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None,
+                               ocm_snapshot=None, max_new_tokens_limit=200)).verifier
+    server, servicer, port = build_verifier_server(core, "127.0.0.1", 0)
+    server.start()
+    engine = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, max_new_tokens_limit=200),
+                    verifier=RemoteVerifier([f"127.0.0.1:{port}"], link=True))
+    readers = lambda: [t for t in threading.enumerate() if t.name == "verifier-link"]   # noqa: E731
+    try:
+        refs = {p: tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()
+                for p in PROMPTS}
+        for method in ("vanilla", "sd"):
+            got = engine.generate(GenerationRequest(engine.encode(PROMPTS[1]), 40, method=method)).result()
+            assert got["token_ids"] == refs[PROMPTS[1]]["token_ids"], method
+        assert not readers()        # every message was read by the writer
+        outs = {}
+        threads = [threading.Thread(target=lambda p=p: outs.__setitem__(p, engine.generate(
+            GenerationRequest(engine.encode(p), 40, method="sd")).result())) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert {p: o["token_ids"] for p, o in outs.items()} == {p: r["token_ids"] for p, r in refs.items()}
+        (link,) = servicer.links
+        assert link._thread is not None   # cycles were in flight while others arrived
+        got = engine.generate(GenerationRequest(engine.encode(PROMPTS[0]), 40, method="sd")).result()
+        assert got["token_ids"] == refs[PROMPTS[0]]["token_ids"] and link._reader == "writer"
+        end = time.time() + 5
+        while servicer.active and time.time() < end:
+            time.sleep(0.01)
+        assert not servicer.active
+    finally:
+        engine.verifier.close()
+        server.stop(0)
+
+
 def test_a_grammar_compiling_on_the_verifier_does_not_stall_its_link(cluster):
     """A session whose grammar the replica has not compiled opens on a thread of its own: the
     other session on the same link keeps cycling while it compiles (here a pattern that hits
