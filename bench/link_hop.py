@@ -96,7 +96,7 @@ def start_verifier(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--port", str(port),
            "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft), "--eagle3", "none",
-           "--threads", "1", "--prefix-cache-mb", "0"]
+           "--threads", "1", "--prefix-cache-mb", "0", "--device", args.device, "--dtype", args.dtype]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"127.0.0.1:{port}"
 
@@ -130,6 +130,8 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", default="vanilla,sd")
     ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
     ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft")
+    ap.add_argument("--device", default="cpu", help="the models' device, in both processes (cpu or cuda)")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--echo-serve", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -138,7 +140,9 @@ def main(argv=None) -> None:
 
     from services.cli import _eos_id
 
-    cfg = EngineConfig(target=args.target, draft=args.draft, eagle3=None, threads=1, prefix_cache_mb=0)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    cfg = EngineConfig(target=args.target, draft=args.draft, eagle3=None, threads=1, prefix_cache_mb=0,
+                       device=args.device, dtype=args.dtype)
     core = VerifierCore.from_config(cfg, _eos_id(cfg.target))
     proc, addr = start_verifier(args)
     remote = {"link": RemoteVerifier([addr], link=True), "stream": RemoteVerifier([addr], link=False)}

@@ -15,6 +15,9 @@
 #   serving.md                        bench.serving, embedded: aggregate tokens/s at 1 and 8 streams in
 #                                     steady state (issue 7's ×8 ≥ 2.5× goal), with and without
 #                                     --kv-pool (one attention call per layer for a step's sessions);
+#   link_hop.md                       bench.link_hop: a cycle's hop to a verifier process (Link, per-session
+#                                     stream) against embedded and a bare gRPC echo (issue 7's ≤ 1 ms goal,
+#                                     on a host with cores to spare, unlike the 2-core VM);
 #   kv_pool.md                        bench.step_profile --kv-pools off,on: the target's attention per
 #                                     step at 1, 8 and 16 sessions, per-session calls against pooled;
 #   lossless_fp32.md                  the same in float32: lossless methods, trees included, must
@@ -51,6 +54,9 @@ pack
 "$PY" -m bench.serving --methods vanilla,sd --concurrency 1,8 --limit 16 --max-new-tokens 64 --overhead-prompts 2 \
   --repeats 1 --window-s 8 --warmup-s 2 --server-threads 1 --topologies embedded,embedded-pool \
   --out "$W/serving.json" > "$W/serving.log" 2>&1 || tail -n 20 "$W/serving.log"
+pack
+"$PY" -m bench.link_hop --device "$DEVICE" --limit 6 --cycles 32 --out "$W/link_hop.json" > "$W/link_hop.log" 2>&1 \
+  || tail -n 20 "$W/link_hop.log"
 pack
 "$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pools off,on --repeats 2 \
   --out "$W/kv_pool.json" > "$W/kv_pool.log" 2>&1 || tail -n 20 "$W/kv_pool.log"
