@@ -57,6 +57,12 @@ REQUESTS_REJECTED = Counter("specmesh_requests_rejected_total", "Requests refuse
 ACTIVE_SESSIONS = Gauge("specmesh_active_sessions", "Generate streams in progress", multiprocess_mode="livesum")
 QUEUE_DEPTH = Gauge("specmesh_queue_depth", "Generate requests waiting for a session slot",
                     multiprocess_mode="livesum")
+CYCLE_SECONDS = Counter("specmesh_cycle_seconds_total",
+                        "Decoding cycles' time on the router's clock, by part: draft (drafting, router and "
+                        "verifier side), verify (the target's forward, the policy and the commit), other (the "
+                        "rest: crossing to a verifier replica, waiting for a batched step, bookkeeping)",
+                        ["method", "part"])
+CYCLE_PARTS = ("draft", "verify", "other")
 TTFT = Histogram("specmesh_time_to_first_token_seconds", "Time to first token", ["method"], buckets=_LAT)
 TPOT = Histogram("specmesh_time_per_output_token_seconds", "Decode time per output token (per cycle)",
                  ["method"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25))
@@ -75,6 +81,7 @@ class MethodMetrics:
         self.rescued = RESCUED_TOKENS.labels(method)
         self.rejections = FIRST_REJECTIONS.labels(method)
         self.ttft, self.tpot, self.e2e = TTFT.labels(method), TPOT.labels(method), E2E.labels(method)
+        self.seconds = tuple(CYCLE_SECONDS.labels(method, part) for part in CYCLE_PARTS)
         self._by_source: dict[str, tuple] = {}
         self._per_pos: list = []
 
@@ -89,8 +96,14 @@ class MethodMetrics:
         return cls._cache[method]
 
     def cycle(self, source: str, drafted: int, accepted: int, emitted: int, rescued: int, rejected: bool,
-              seconds: float) -> None:
+              seconds: float, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
+        """One cycle: ``seconds`` on the router's clock, ``draft_s`` and ``verify_s`` of it
+        spent drafting and verifying (the rest counts as other)."""
         self.cycles.inc()
+        draft, verify, other = self.seconds
+        draft.inc(draft_s)
+        verify.inc(verify_s)
+        other.inc(max(0.0, seconds - draft_s - verify_s))
         self.generated.inc(emitted)
         if emitted:
             self.tpot.observe(seconds / emitted)

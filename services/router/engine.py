@@ -567,7 +567,8 @@ class Generation:
         if self.grammar is not None:
             self.grammar.advance(res.committed)
         t2 = time.perf_counter()
-        self.timings.draft_s += (t1 - t0) + res.draft_s
+        draft_s = (t1 - t0) + res.draft_s
+        self.timings.draft_s += draft_s
         self.timings.verify_s += res.verify_s
         self.stats.add(res.drafted, res.accepted, res.source, res.rescued_pairs, res.rejected)
         out = self._emit(res.committed)
@@ -575,7 +576,7 @@ class Generation:
             out.logprobs = list(res.logprobs[:len(out.token_ids)])
             self.logprobs += out.logprobs
         self.metrics.cycle(res.source, res.drafted, res.accepted, len(out.token_ids), len(res.rescued_pairs),
-                           res.rejected, t2 - t0)
+                           res.rejected, t2 - t0, draft_s, res.verify_s)
         return out
 
     def _emit(self, tokens: list[int]) -> StepOutput:
