@@ -1,0 +1,227 @@
+"""Offline batch inference, as vLLM's ``LLM`` class: prompts in, their finished outputs back
+in the same order, in this process (no server).
+
+    from specmesh import LLM, SamplingParams
+    llm = LLM()                      # the bundled models; LLM(model=DIR) loads a local HF directory
+    outs = llm.generate(["def add(a, b):", "import os"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text, outs[0].metrics["tau"])
+
+Up to ``max_num_seqs`` requests decode at once, each in a thread of its own, so their cycles
+share the verifier's batched steps (one target forward for all of them), as the server's
+streams do. Every request is checked before any decodes: a bad one raises ``ValueError``
+naming the prompt and the field. Names and defaults follow vLLM's ``SamplingParams``
+(``temperature`` 1.0 samples, 0 is greedy; ``max_tokens`` 16, None for what the context
+leaves); ``method`` picks the speculative method (default: the engine's, ``hybrid`` on the
+bundled zoo), per ``LLM`` or per call.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from services.common.config import MODELS_DIR, EngineConfig
+from services.common.types import SamplingParams as Sampling
+from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
+from services.router.openai_api import openai_message
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}   # vLLM's names
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """vLLM's sampling parameters, with its names and defaults."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16        # None: what the context leaves after the prompt
+    min_tokens: int = 0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None        # per output token: its log-probability and this many alternatives
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str                  # "stop" (end-of-sequence token or a stop), "length"
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None   # per token: its id and the alternatives', with logprobs
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: dict[str, Any] = field(default_factory=dict)   # the first completion's decoding stats (τ, cycles, ...)
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, *, draft: str | Path | None = None,
+                 eagle3: str | Path | None = None, method: str | None = None, max_num_seqs: int = 8,
+                 **engine_options):
+        """``model``: a local Hugging Face directory (default: the bundled target, with the bundled
+        draft LM, EAGLE-3 head and predictor beside it; a model of your own brings its own
+        ``draft`` and ``eagle3``, if any). ``engine_options``: ``EngineConfig`` fields (device,
+        dtype, num_speculative_tokens, prefix_cache_mb, ...)."""
+        bundled = model is None
+        cfg = EngineConfig(target=Path(model) if model else MODELS_DIR / "target",
+                           draft=Path(draft) if draft else (MODELS_DIR / "draft" if bundled else None),
+                           eagle3=Path(eagle3) if eagle3 else (MODELS_DIR / "eagle3" if bundled else None),
+                           predictor=MODELS_DIR / "predictor" if bundled else None,
+                           ocm_snapshot=MODELS_DIR / "ocm_snapshot.json" if bundled else None, **engine_options)
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
+        self.engine = Engine(cfg)
+        self.method = method or self.engine.default_method
+        self.max_num_seqs = max_num_seqs
+        self._ids = 0
+
+    def generate(self, prompts: str | list[str] | list[list[int]] | list[dict],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 method: str | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in order. A prompt is text, token ids, or vLLM's
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; ``sampling_params`` is one for
+        all or one per prompt."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        jobs = [self._request(i, p, sp, method or self.method) for i, (p, sp) in enumerate(zip(prompts, params))]
+        out: list[RequestOutput | None] = [None] * len(jobs)
+        progress = _Progress(len(jobs), use_tqdm)
+        with ThreadPoolExecutor(min(self.max_num_seqs, max(1, len(jobs))), thread_name_prefix="llm") as pool:
+            futures = {pool.submit(self._run, *job): i for i, job in enumerate(jobs)}
+            for fut in as_completed(futures):
+                out[futures[fut]] = fut.result()
+                progress.advance(sum(len(o.token_ids) for o in out[futures[fut]].outputs))
+        progress.close()
+        return out
+
+    def _request(self, i: int, prompt, sp: SamplingParams, method: str) -> tuple:
+        """(request id, prompt text, request), checked as the engine would check it."""
+        text, ids = _prompt(i, prompt, self.engine)
+        self._ids += 1
+        try:
+            max_new = sp.max_tokens if sp.max_tokens is not None else self.engine.context_len - len(ids)
+            req = GenerationRequest(
+                prompt_ids=ids, max_new_tokens=max_new, method=method, n=sp.n,
+                sampling=Sampling(sp.temperature, sp.top_p, max(0, sp.top_k), sp.seed, sp.repetition_penalty,
+                                  sp.presence_penalty, sp.frequency_penalty,
+                                  tuple(sorted((int(k), float(v)) for k, v in (sp.logit_bias or {}).items())),
+                                  tuple(sp.allowed_token_ids or ()), (), sp.min_p),
+                stop=(sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ()),
+                stop_token_ids=tuple(sp.stop_token_ids or ()), include_stop_str_in_output=sp.include_stop_str_in_output,
+                logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs, ignore_eos=sp.ignore_eos,
+                min_tokens=sp.min_tokens, skip_special_tokens=sp.skip_special_tokens, request_id=f"llm-{self._ids}")
+            self.engine.validate(req)
+        except InvalidRequest as e:   # the field as vLLM names it (max_tokens, ...)
+            raise ValueError(f"prompt {i}: {openai_message(e)}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        return req.request_id, text, req
+
+    def _run(self, rid: str, text: str | None, req: GenerationRequest) -> RequestOutput:
+        completions = self.engine.generate_all(req)
+        for _ in completions:
+            pass
+        gens = completions.gens
+        return RequestOutput(rid, text, list(req.prompt_ids), [_completion(i, g) for i, g in enumerate(gens)],
+                             metrics=gens[0].result()["stats"])
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * n
+    params = list(sampling_params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params: give one SamplingParams, or one per prompt ({n}), got {len(params)} items")
+    return params
+
+
+def _prompt(i: int, prompt, engine: Engine) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of prompt ``i``, encoded as the API encodes prompts."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"}:
+            prompt = prompt["prompt"]
+        elif set(prompt) == {"prompt_token_ids"}:
+            prompt = prompt["prompt_token_ids"]
+        else:
+            raise ValueError(f"prompt {i}: a dict prompt holds exactly one of prompt, prompt_token_ids")
+    if isinstance(prompt, str):
+        return prompt, engine.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"prompt {i}: must be text, a list of token ids, or a dict; got {type(prompt).__name__}")
+
+
+def _completion(index: int, gen: Generation) -> CompletionOutput:
+    lps = None
+    if gen.req.logprobs is not None:
+        lps = [{x.token_id: x.logprob, **{t: v for t, v in x.top if t != x.token_id}} for x in gen.logprobs]
+    return CompletionOutput(index, gen.text, list(gen.output_ids), FINISH.get(gen.finish_reason, gen.finish_reason),
+                            gen.stop_reason, sum(x.logprob for x in gen.logprobs) if lps is not None else None, lps)
+
+
+class _Progress:
+    """Requests done, with output tokens/s and an ETA: tqdm's bar where tqdm is installed, else a
+    line on stderr every few seconds."""
+
+    def __init__(self, total: int, on: bool):
+        self.total, self.on, self.done, self.tokens = total, on and total > 1, 0, 0
+        self.start = self.last = time.perf_counter()
+        self.bar = None
+        if self.on:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def advance(self, tokens: int) -> None:
+        self.done, self.tokens = self.done + 1, self.tokens + tokens
+        if not self.on:
+            return
+        rate = self.tokens / max(1e-9, time.perf_counter() - self.start)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
+            self.bar.update(1)
+        elif time.perf_counter() - self.last > 5 or self.done == self.total:
+            self.last = time.perf_counter()
+            el = self.last - self.start
+            eta = (self.total - self.done) * el / self.done
+            print(f"[llm] {self.done}/{self.total} prompts, {rate:.0f} output tok/s, ETA {eta:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,94 @@
+"""The offline batch API (``from specmesh import LLM, SamplingParams``), vLLM's ``LLM``: every
+prompt's output in order, equal to the engine's own; requests checked before any decodes."""
+import pytest
+
+from prometheus_client import REGISTRY
+
+from services.common.metrics import CYCLES
+from services.router.engine import GenerationRequest
+from specmesh import LLM, SamplingParams
+
+PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n", "class A:\n    pass\n\nclass", "x = [1, 2"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dirs):
+    target, draft = tiny_dirs
+    with LLM(target, draft=draft, max_num_seqs=3, num_speculative_tokens=4, draft_confidence=0.0,
+             max_new_tokens_limit=200) as llm:
+        yield llm
+
+
+def vanilla(tiny_engine, prompt: str, n: int) -> list[int]:
+    return tiny_engine.generate(GenerationRequest(tiny_engine.encode(prompt, add_special_tokens=True), n,
+                                                  method="vanilla")).result()["token_ids"]
+
+
+def batched_steps() -> float:
+    """Verifier steps so far that verified more than one session."""
+    le1 = REGISTRY.get_sample_value("specmesh_verify_batch_size_bucket", {"le": "1.0"}) or 0.0
+    return (REGISTRY.get_sample_value("specmesh_verify_batch_size_count") or 0.0) - le1
+
+
+@pytest.mark.parametrize("method", ["vanilla", "sd", "suffix"])
+def test_a_greedy_batch_equals_vanilla_prompt_by_prompt_in_order(llm, tiny_engine, method):
+    """Up to max_num_seqs (3) requests decode at once, their cycles in shared verifier steps."""
+    before = batched_steps()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), method=method,
+                        use_tqdm=False)
+    assert batched_steps() > before
+    assert [o.prompt for o in outs] == PROMPTS
+    for p, o in zip(PROMPTS, outs):
+        (c,) = o.outputs
+        assert c.token_ids == vanilla(tiny_engine, p, 30), (method, p)
+        assert c.finish_reason == "length" and c.text == llm.engine.tokenizer.decode(c.token_ids)
+        assert o.metrics["cycles"] >= 1
+
+
+def test_the_default_method_is_the_engines_and_token_id_prompts_work(llm, tiny_engine):
+    assert llm.method == llm.engine.default_method
+    ids = tiny_engine.encode(PROMPTS[0], add_special_tokens=True)
+    out, = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out.prompt is None and out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == vanilla(tiny_engine, PROMPTS[0], 12)
+
+
+def test_seeded_n_completions_repeat_and_differ(llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    a, = llm.generate(PROMPTS[1], sp, method="sd", use_tqdm=False)
+    b, = llm.generate([PROMPTS[1]], sp, method="sd", use_tqdm=False)
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]   # seed + i per completion
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_stop_strings_logprobs_and_per_prompt_params(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free, = llm.generate(PROMPTS[0], greedy, use_tqdm=False)
+    stop = free.outputs[0].text[5:8]
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=40, stop=stop, ignore_eos=True),
+                                      SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)],
+                        use_tqdm=False)
+    s, lp = outs[0].outputs[0], outs[1].outputs[0]
+    assert s.finish_reason == "stop" and s.stop_reason == stop and free.outputs[0].text.startswith(s.text)
+    assert stop not in s.text
+    assert len(lp.logprobs) == len(lp.token_ids) == 6
+    assert all(t in d and 2 <= len(d) <= 3 for t, d in zip(lp.token_ids, lp.logprobs))
+    assert lp.cumulative_logprob == pytest.approx(sum(d[t] for t, d in zip(lp.token_ids, lp.logprobs)))
+    assert s.logprobs is None and s.cumulative_logprob is None
+
+
+def test_a_bad_request_fails_before_any_decodes_naming_its_prompt(llm):
+    cycles = sum(s.value for m in CYCLES.collect() for s in m.samples if s.name.endswith("_total"))
+    bad = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0, top_p=1.5)]
+    with pytest.raises(ValueError, match=r"prompt 1: top_p"):
+        llm.generate(PROMPTS[:2], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 0: max_tokens"):
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=100_000), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"one per prompt \(2\)"):
+        llm.generate(PROMPTS[:2], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 0: must be text"):
+        llm.generate([3.5], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 0: method: unknown method 'nope'"):
+        llm.generate(PROMPTS[0], method="nope", use_tqdm=False)
+    assert sum(s.value for m in CYCLES.collect() for s in m.samples if s.name.endswith("_total")) == cycles
