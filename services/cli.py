@@ -89,6 +89,21 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
                          "--max-model-len); 0 = the target's max_position_embeddings")
     ap.add_argument("--redis-url", default=os.environ.get("SPECMESH_REDIS_URL"),
                     help="share state across replicas through Redis (env SPECMESH_REDIS_URL); default: none")
+    ap.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                    help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": DIR, "
+                         "\"num_speculative_tokens\": 4}': its method becomes the default, its keys set the drafter "
+                         "(services/common/speculative_config.py); applied over the flags above")
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object (argparse type)."""
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return v
 
 
 def _ngram(text: str):
@@ -111,21 +126,35 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     draft = args.draft if args.draft and (args.draft / "config.json").exists() else None
     eagle3 = args.eagle3 if args.eagle3 and (args.eagle3 / "config.json").exists() else None
-    return EngineConfig(target=args.target, draft=draft, eagle3=eagle3, predictor=args.predictor,
-                        device=device, dtype=dtype,
-                        num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
-                        draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
-                        packed_gemm=args.packed_gemm, kv_pool=args.kv_pool,
-                        eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
-                        ngram=args.ngram, eagle3_topk=args.eagle3_topk, eagle3_tree_tokens=args.eagle3_tree_tokens,
-                        eagle3_tree_min_score=args.eagle3_tree_min_score,
-                        hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
-                        batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
-                        prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                        max_model_len=args.max_model_len, redis_url=args.redis_url or None,
-                        predictor_addr=getattr(args, "predictor_addr", None) or None,
-                        drafter_addr=getattr(args, "drafter_addr", None) or None,
-                        memory_addr=getattr(args, "memory_addr", None) or None)
+    cfg = EngineConfig(target=args.target, draft=draft, eagle3=eagle3, predictor=args.predictor,
+                       device=device, dtype=dtype,
+                       num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
+                       draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
+                       packed_gemm=args.packed_gemm, kv_pool=args.kv_pool,
+                       eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
+                       ngram=args.ngram, eagle3_topk=args.eagle3_topk, eagle3_tree_tokens=args.eagle3_tree_tokens,
+                       eagle3_tree_min_score=args.eagle3_tree_min_score,
+                       hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
+                       batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
+                       prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
+                       max_model_len=args.max_model_len, redis_url=args.redis_url or None,
+                       predictor_addr=getattr(args, "predictor_addr", None) or None,
+                       drafter_addr=getattr(args, "drafter_addr", None) or None,
+                       memory_addr=getattr(args, "memory_addr", None) or None)
+    return with_speculative_config(cfg, args.speculative_config)
+
+
+def with_speculative_config(cfg: EngineConfig, spec: dict | None) -> EngineConfig:
+    """``cfg`` with vLLM's ``--speculative-config`` applied (the CLI exits naming a bad key)."""
+    if spec is None:
+        return cfg
+    from services.common.speculative_config import apply_speculative_config
+    from services.router.engine import METHODS
+
+    try:
+        return apply_speculative_config(cfg, spec, METHODS)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -240,6 +269,8 @@ def _spawn_verifiers(args: argparse.Namespace):
                "--threads", str(args.threads), "--max-sessions", str(args.max_sessions),
                "--batch-window-ms", str(args.batch_window_ms), "--prefill-chunk", str(args.prefill_chunk),
                "--prefix-cache-mb", str(args.prefix_cache_mb)]
+        if args.speculative_config:   # the drafters' settings (a head's path, its chain) apply there too
+            cmd += ["--speculative-config", json.dumps(args.speculative_config)]
         if args.redis_url:
             cmd += ["--redis-url", args.redis_url]
         children.append(subprocess.Popen(cmd))

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -53,9 +54,11 @@ class SessionMissing(RuntimeError):
 
 
 def engine_config(args: dict) -> EngineConfig:
+    """The app's args as the engine's config; ``speculative_config`` (vLLM's, a mapping or its
+    JSON) is applied last, as ``specmesh serve --speculative-config`` does."""
     models = Path(args.get("models_dir") or os.environ.get("SPECMESH_MODELS", MODELS_DIR))
     gpus = float(args.get("verifier_gpus", 0))
-    return EngineConfig(
+    cfg = EngineConfig(
         target=models / "target", draft=models / "draft", predictor=models / "predictor",
         eagle3=models / "eagle3",
         device="cuda" if gpus > 0 else "cpu", dtype=args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32",
@@ -69,6 +72,15 @@ def engine_config(args: dict) -> EngineConfig:
         prefix_cache_mb=int(args.get("prefix_cache_mb", EngineConfig.prefix_cache_mb)),
         max_model_len=int(args.get("max_model_len", EngineConfig.max_model_len)),
         kv_pool=str(args.get("kv_pool", EngineConfig.kv_pool)).lower() in ("1", "true", "yes"))
+    spec = args.get("speculative_config")
+    if not spec:
+        return cfg
+    from services.common.speculative_config import apply_speculative_config
+    from services.router.engine import METHODS
+
+    if isinstance(spec, str):
+        spec = json.loads(spec)
+    return apply_speculative_config(cfg, spec, METHODS)
 
 
 class _Slot:

@@ -145,6 +145,39 @@ def test_component_roles_run_standalone(tiny_dirs, tmp_path):
             assert p.wait(30) == 0, (role, p.stdout.read())
 
 
+def test_serve_takes_vllms_speculative_config(tiny_dirs, tiny_engine):
+    """`serve --speculative-config` (vLLM's flag): its method is the default of a request that
+    names none, with the drafter settings it gives (SGLang's server info shows them); the
+    output stays vanilla's."""
+    from specmesh.v1 import generate_pb2 as gpb
+    from specmesh.v1 import generate_pb2_grpc as ggrpc
+    from services.router.engine import GenerationRequest
+
+    target, draft = tiny_dirs
+    port, http = free_port(), free_port()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--eagle3", "none",
+                                     "--port", str(port), "--metrics-port", "0", "--http-port", str(http),
+                                     "--speculative-config", json.dumps(spec)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    prompt = "x = 1\nx = 1\nx = 1\nx = 1\n"
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=90)
+            msgs = list(ggrpc.GenerationStub(ch).Generate(gpb.GenerateRequest(prompt=prompt, max_new_tokens=24),
+                                                          timeout=60))
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/get_server_info", timeout=30) as r:
+            info = json.loads(r.read())
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    assert info["speculative_algorithm"] == "ngram" and info["max_draft_tokens"]["ngram"] == 3
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(prompt, add_special_tokens=True), 24,
+                                                 method="vanilla")).result()
+    assert msgs[-1].method == "ngram" and msgs[-1].stats.draft_tokens > 0
+    assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
+
+
 def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
     """A hybrid server drafts from two sources; the scraped counters agree with each other:
     per-source accepted ≤ drafted, per-position sum = Σ accepted over sources, generated =
