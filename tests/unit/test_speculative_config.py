@@ -64,3 +64,14 @@ def test_serve_refuses_a_bad_speculative_config_before_loading_models():
         out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--speculative-config", arg],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode != 0 and message in out.stderr, out.stderr[-500:]
+
+
+def test_the_ray_app_takes_it_as_a_mapping_or_its_json():
+    from services.ray_app import engine_config
+
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3}, '{"method": "ngram", "num_speculative_tokens": 3}'):
+        c = engine_config({"speculative_config": spec})
+        assert (c.default_method, c.ngram.k) == ("ngram", 3)
+    assert engine_config({}).default_method == EngineConfig().default_method
+    with pytest.raises(ValueError, match="unsupported key"):
+        engine_config({"speculative_config": {"method": "ngram", "quantization": "fp8"}})
