@@ -148,6 +148,10 @@ class LLM:
         return RequestOutput(rid, text, list(req.prompt_ids), [_completion(i, g) for i, g in enumerate(gens)],
                              metrics=gens[0].result()["stats"])
 
+    def get_tokenizer(self):
+        """The target's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.engine.tokenizer
+
     def close(self) -> None:
         self.engine.close()
 

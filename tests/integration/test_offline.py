@@ -41,7 +41,7 @@ def test_a_greedy_batch_equals_vanilla_prompt_by_prompt_in_order(llm, tiny_engin
     for p, o in zip(PROMPTS, outs):
         (c,) = o.outputs
         assert c.token_ids == vanilla(tiny_engine, p, 30), (method, p)
-        assert c.finish_reason == "length" and c.text == llm.engine.tokenizer.decode(c.token_ids)
+        assert c.finish_reason == "length" and c.text == llm.get_tokenizer().decode(c.token_ids)
         assert o.metrics["cycles"] >= 1
 
 
