@@ -212,3 +212,27 @@ def test_eagle_tree_settings_reach_the_verifiers():
     for bad in ({"models": {"eagle3Topk": 0}}, {"models": {"eagle3TreeTokens": 65}}, {"ray": {"ingressReplicas": 0}}):
         with pytest.raises(helm.HelmValuesError):
             helm.Chart.load(str(CHART)).validate_schema(bad)
+
+
+def test_speculative_config_reaches_router_verifiers_and_the_ray_app():
+    """models.speculativeConfig (vLLM's) becomes --speculative-config on the router and the
+    verifiers, JSON the CLI reads back as it was given, and the Ray app's speculative_config
+    arg; the schema refuses a non-object and a zero num_speculative_tokens."""
+    from services.cli import _json_object
+
+    spec = {"method": "eagle3", "model": "/models/eagle3", "num_speculative_tokens": 3}
+    docs = render({"mode": "services", "models": {"speculativeConfig": spec}})
+    for kind, suffix in (("StatefulSet", "-verifier"), ("Deployment", "-router")):
+        (arg,) = [a for a in container(named(docs, kind, suffix))["args"] if a.startswith("--speculative-config=")]
+        assert _json_object(arg.split("=", 1)[1]) == spec
+    serve = yaml.safe_load(kinds(render({"mode": "ray", "models": {"speculativeConfig": spec}}), "RayService")[0]
+                           ["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["args"]["speculative_config"] == spec
+    plain = render({"mode": "services"})
+    assert not [a for a in container(named(plain, "StatefulSet", "-verifier"))["args"] if "speculative" in a]
+    assert "speculative_config" not in yaml.safe_load(kinds(render({}), "RayService")[0]["spec"]["serveConfigV2"]
+                                                      )["applications"][0]["args"]
+    for bad in ({"models": {"speculativeConfig": "eagle3"}},
+                {"models": {"speculativeConfig": {"method": "eagle3", "num_speculative_tokens": 0}}}):
+        with pytest.raises(helm.HelmValuesError):
+            helm.Chart.load(str(CHART)).validate_schema(bad)

@@ -99,6 +99,9 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 - --eagle3-tree-tokens={{ .Values.models.eagle3TreeTokens }}
 - --draft-vocab={{ .Values.models.draftVocab }}
 - --predictor={{ .Values.models.dir }}/predictor
+{{- with .Values.models.speculativeConfig }}
+- --speculative-config={{ toJson . }}
+{{- end }}
 {{- end -}}
 
 {{/* volumes + init container that make the models available at .Values.models.dir */}}
