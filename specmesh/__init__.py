@@ -2,7 +2,7 @@
 edit), and the offline batch API, as vLLM's: ``from specmesh import LLM, SamplingParams``
 (``services/router/offline.py``; imported on first use, so API clients need no torch)."""
 
-_OFFLINE = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput")
+_OFFLINE = ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob")
 
 
 def __getattr__(name: str):

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from services.common.config import MODELS_DIR, EngineConfig
 from services.common.types import SamplingParams as Sampling
+from services.common.types import TokenLogprob
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.router.openai_api import openai_message
 
@@ -56,6 +57,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability under the target, its rank among the alternatives
+    returned (1 = the most likely; None when it is not among them) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -64,7 +74,7 @@ class CompletionOutput:
     finish_reason: str                  # "stop" (end-of-sequence token or a stop), "length"
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None   # per token: its id and the alternatives', with logprobs
+    logprobs: list[dict[int, Logprob]] | None = None   # per token: it and the alternatives, by token id
 
 
 @dataclass
@@ -73,6 +83,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token (None for the first)
     finished: bool = True
     metrics: dict[str, Any] = field(default_factory=dict)   # the first completion's decoding stats (τ, cycles, ...)
 
@@ -144,9 +155,12 @@ class LLM:
         completions = self.engine.generate_all(req)
         for _ in completions:
             pass
-        gens = completions.gens
-        return RequestOutput(rid, text, list(req.prompt_ids), [_completion(i, g) for i, g in enumerate(gens)],
-                             metrics=gens[0].result()["stats"])
+        gens, tok = completions.gens, self.engine.tokenizer
+        prompt_lps = None
+        if req.prompt_logprobs is not None:
+            prompt_lps = [None] + [_logprobs(x, tok) for x in gens[0].prompt_logprobs]
+        return RequestOutput(rid, text, list(req.prompt_ids), [_completion(i, g, tok) for i, g in enumerate(gens)],
+                             prompt_lps, metrics=gens[0].result()["stats"])
 
     def get_tokenizer(self):
         """The target's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
@@ -187,12 +201,19 @@ def _prompt(i: int, prompt, engine: Engine) -> tuple[str | None, list[int]]:
     raise ValueError(f"prompt {i}: must be text, a list of token ids, or a dict; got {type(prompt).__name__}")
 
 
-def _completion(index: int, gen: Generation) -> CompletionOutput:
-    lps = None
-    if gen.req.logprobs is not None:
-        lps = [{x.token_id: x.logprob, **{t: v for t, v in x.top if t != x.token_id}} for x in gen.logprobs]
+def _completion(index: int, gen: Generation, tokenizer) -> CompletionOutput:
+    lps = [_logprobs(x, tokenizer) for x in gen.logprobs] if gen.req.logprobs is not None else None
     return CompletionOutput(index, gen.text, list(gen.output_ids), FINISH.get(gen.finish_reason, gen.finish_reason),
                             gen.stop_reason, sum(x.logprob for x in gen.logprobs) if lps is not None else None, lps)
+
+
+def _logprobs(x: TokenLogprob, tokenizer) -> dict[int, Logprob]:
+    """A position's token and its alternatives (best first), as vLLM's ``{token id: Logprob}``."""
+    ranks = {t: r for r, (t, _) in enumerate(x.top, 1)}
+    out = {x.token_id: Logprob(x.logprob, ranks.get(x.token_id), tokenizer.decode([x.token_id]))}
+    for t, v in x.top:
+        out.setdefault(t, Logprob(v, ranks[t], tokenizer.decode([t])))
+    return out
 
 
 class _Progress:

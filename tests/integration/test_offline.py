@@ -74,8 +74,23 @@ def test_stop_strings_logprobs_and_per_prompt_params(llm):
     assert stop not in s.text
     assert len(lp.logprobs) == len(lp.token_ids) == 6
     assert all(t in d and 2 <= len(d) <= 3 for t, d in zip(lp.token_ids, lp.logprobs))
-    assert lp.cumulative_logprob == pytest.approx(sum(d[t] for t, d in zip(lp.token_ids, lp.logprobs)))
-    assert s.logprobs is None and s.cumulative_logprob is None
+    assert lp.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(lp.token_ids, lp.logprobs)))
+    for t, d in zip(lp.token_ids, lp.logprobs):   # greedy: the chosen token is the most likely
+        assert d[t].rank == 1 and d[t].decoded_token == llm.get_tokenizer().decode([t])
+        assert sorted(x.rank for x in d.values()) == [1, 2]
+    assert s.logprobs is None and s.cumulative_logprob is None and outs[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_are_the_targets(llm, tiny_engine):
+    """prompt_logprobs: None for the first prompt token, then each token's log-probability
+    given those before it, as the engine reports them."""
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    out, = llm.generate(PROMPTS[0], sp, use_tqdm=False)
+    ids = tiny_engine.encode(PROMPTS[0], add_special_tokens=True)
+    ref = tiny_engine.generate(GenerationRequest(ids, 2, method="vanilla", prompt_logprobs=1)).result()["prompt_logprobs"]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for tok, d, r in zip(ids[1:], out.prompt_logprobs[1:], ref):
+        assert d[tok].logprob == pytest.approx(r["logprob"], abs=1e-5)
 
 
 def test_a_bad_request_fails_before_any_decodes_naming_its_prompt(llm):
