@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -381,6 +382,36 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"\n[{gen.finish_reason}] {gen.stats.to_dict()}", file=sys.stderr)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    """vLLM's run-batch: every line of an OpenAI batch file answered, in order, with progress
+    on stderr; a bad line gets its own error line (services/router/batch_file.py)."""
+    from services.router import openai_api as oa
+    from services.router.batch_file import run_batch
+    from services.router.engine import Engine
+
+    if args.concurrency < 1:
+        sys.exit(f"error: --concurrency: must be >= 1, got {args.concurrency}")
+    src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
+    lines = [line for line in src if line.strip()]
+    engine = Engine(engine_config(args))
+    served = oa.served_names(tuple(args.served_model_name) or engine.cfg.target.name)
+    template = args.chat_template.read_text() if args.chat_template else None
+    start, done, failed = time.perf_counter(), [0], [0]
+
+    def progress(out: dict) -> None:
+        done[0] += 1
+        failed[0] += out["error"] is not None
+        el = time.perf_counter() - start
+        print(f"[run-batch] {done[0]}/{len(lines)} requests ({failed[0]} failed), {done[0] / el:.2f}/s, "
+              f"ETA {(len(lines) - done[0]) * el / done[0]:.0f} s", file=sys.stderr, flush=True)
+
+    dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+    with dst:
+        for out in run_batch(engine, lines, served, template, args.concurrency, progress):
+            dst.write(json.dumps(out) + "\n")
+    engine.close()
+
+
 def cmd_client(args: argparse.Namespace) -> None:
     import grpc
 
@@ -666,6 +697,17 @@ def _tool_parsers(sub) -> None:
     from bench.harness import add_args
     add_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("run-batch", help="answer an OpenAI batch file offline (vLLM's run-batch)")
+    _engine_args(p)
+    p.add_argument("-i", "--input-file", required=True, help="JSONL: one request per line ({custom_id, method, url, "
+                                                             "body}); - for standard input")
+    p.add_argument("-o", "--output-file", required=True, help="JSONL: one answer per line, in input order; - for stdout")
+    p.add_argument("--concurrency", type=int, default=8, help="requests decoding at once (their cycles verified together)")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the model's names, as serve's (default: the target's directory name)")
+    p.add_argument("--chat-template", type=Path, default=None, help="Jinja chat template for /v1/chat/completions")
+    p.set_defaults(func=cmd_run_batch)
 
 
 def main(argv: list[str] | None = None) -> None:

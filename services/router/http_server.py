@@ -433,11 +433,7 @@ async def _collect(request: Request, run: _Run):
         if event is None:
             return Response(status_code=499)
         if event[0] == "step":
-            c, step = choices[event[1]], event[2]
-            if step is None:
-                c.finish_reason = gens[c.index].finish_reason
-            else:
-                c.add(step)
+            oa.take_step(choices, gens, event[1], event[2])
         elif event[0] == "done":
             return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, gens, tokenizer)
         else:

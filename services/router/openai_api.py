@@ -446,6 +446,22 @@ class Choice:
         self.token_ids.extend(step.token_ids)
 
 
+def take_step(choices: list[Choice], gens, i: int, step) -> None:
+    """Completion ``i``'s step into its choice (None: it has finished)."""
+    if step is None:
+        choices[i].finish_reason = gens[i].finish_reason
+    else:
+        choices[i].add(step)
+
+
+def gather(completions) -> list[Choice]:
+    """Every choice of a request that does not stream, decoding it here (``Completions``)."""
+    choices = [Choice(i) for i in range(len(completions.gens))]
+    for i, step in completions:
+        take_step(choices, completions.gens, i, step)
+    return choices
+
+
 def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
