@@ -389,8 +389,8 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     from services.router.batch_file import run_batch
     from services.router.engine import Engine
 
-    if args.concurrency < 1:
-        sys.exit(f"error: --concurrency: must be >= 1, got {args.concurrency}")
+    if args.concurrency < 1 or args.max_sessions < 1:
+        sys.exit(f"error: --concurrency and --max-sessions: must be >= 1, got {args.concurrency}, {args.max_sessions}")
     src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
     lines = [line for line in src if line.strip()]
     engine = Engine(engine_config(args))
@@ -407,7 +407,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 
     dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
     with dst:
-        for out in run_batch(engine, lines, served, template, args.concurrency, progress):
+        for out in run_batch(engine, lines, served, template, args.concurrency, args.max_sessions, progress):
             dst.write(json.dumps(out) + "\n")
     engine.close()
 
@@ -704,6 +704,9 @@ def _tool_parsers(sub) -> None:
                                                              "body}); - for standard input")
     p.add_argument("-o", "--output-file", required=True, help="JSONL: one answer per line, in input order; - for stdout")
     p.add_argument("--concurrency", type=int, default=8, help="requests decoding at once (their cycles verified together)")
+    p.add_argument("--max-sessions", type=int, default=64,
+                   help="completions decoding at once over all requests (a request takes prompts × n); a request "
+                        "with more gets a 400")
     p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
                    help="the model's names, as serve's (default: the target's directory name)")
     p.add_argument("--chat-template", type=Path, default=None, help="Jinja chat template for /v1/chat/completions")

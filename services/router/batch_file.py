@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,14 +35,39 @@ class BatchLineError(ValueError):
         self.custom_id = custom_id
 
 
-def answer_line(engine: Engine, line: str, served: str | tuple[str, ...], chat_template: str | None) -> dict:
+class Sessions:
+    """At most ``limit`` completions decode at once over the whole file (a line takes as many
+    as it has: prompts × n), so the sessions' K/V caches stay bounded, as the server's
+    admission keeps them."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, k: int) -> None:
+        if k > self.limit:
+            raise BatchLineError(f"n: at most {self.limit} completions in all (prompts × n, or × best_of when "
+                                 "larger; --max-sessions)")
+        with self._cond:
+            while self.used + k > self.limit:
+                self._cond.wait()
+            self.used += k
+
+    def release(self, k: int) -> None:
+        with self._cond:
+            self.used -= k
+            self._cond.notify_all()
+
+
+def answer_line(engine: Engine, line: str, served: str | tuple[str, ...], chat_template: str | None,
+                sessions: Sessions | None = None) -> dict:
     """One input line's output line."""
     rid = f"batch-{uuid.uuid4().hex}"
     custom_id = None
     try:
         req = _request_line(line)
         custom_id = req["custom_id"]
-        body = _answer(engine, req["url"], req["body"], served, chat_template)
+        body = _answer(engine, req["url"], req["body"], served, chat_template, sessions or Sessions(1 << 30))
         return {"id": rid, "custom_id": custom_id, "response": {"status_code": 200, "request_id": rid, "body": body},
                 "error": None}
     except (BatchLineError, InvalidRequest) as e:
@@ -78,22 +104,30 @@ def _request_line(line: str) -> dict:
     return req
 
 
-def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | None) -> dict:
+def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | None, sessions: Sessions) -> dict:
     """The HTTP API's answer to ``body`` at ``url`` (a request that does not stream)."""
     if body.get("stream"):
         raise BatchLineError("stream: a batch file's answers are whole; leave stream out")
     api = (oa.completion_request(body, engine, served) if url == URLS[0]
            else oa.chat_request(body, engine, served, chat_template))
     completions = Completions([g for r in api.gens for g in engine.generate_all(r).gens])
-    choices = oa.gather(completions)
+    k = len(completions.gens)
+    sessions.acquire(k)
+    try:
+        choices = oa.gather(completions)
+    finally:
+        sessions.release(k)
     return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, completions.gens, engine.tokenizer)
 
 
 def run_batch(engine: Engine, lines: Iterable[str], served, chat_template: str | None = None, concurrency: int = 8,
-              on_done: Callable[[dict], None] | None = None) -> Iterator[dict]:
-    """Output lines in input order (blank input lines skipped); ``on_done`` sees each as it finishes."""
+              max_sessions: int = 64, on_done: Callable[[dict], None] | None = None) -> Iterator[dict]:
+    """Output lines in input order (blank input lines skipped); ``on_done`` sees each as it
+    finishes. ``concurrency`` lines decode at once, with at most ``max_sessions`` completions."""
+    sessions = Sessions(max_sessions)
+
     def one(line: str) -> dict:
-        out = answer_line(engine, line, served, chat_template)
+        out = answer_line(engine, line, served, chat_template, sessions)
         if on_done is not None:
             on_done(out)
         return out

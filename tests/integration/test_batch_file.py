@@ -24,7 +24,7 @@ def test_every_line_is_answered_in_order_as_the_http_api_would(tiny_engine):
                             "method": m}) for i, (p, m) in enumerate(zip(PROMPTS, ["vanilla", "sd", "suffix", "sd"]))]
     lines.insert(2, line("many", {"prompt": PROMPTS[:2], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
                                   "logprobs": 1}))
-    outs = list(run_batch(tiny_engine, lines, "target", concurrency=3))
+    outs = list(run_batch(tiny_engine, lines, "target", concurrency=3, max_sessions=2))
     assert [o["custom_id"] for o in outs] == ["r0", "r1", "many", "r2", "r3"]
     for o in outs:
         assert o["error"] is None and o["response"]["status_code"] == 200 and o["id"] == o["response"]["request_id"]
@@ -44,15 +44,17 @@ def test_bad_lines_get_their_own_error_and_the_file_goes_on(tiny_engine):
              line("stream", {"prompt": "x", "max_tokens": 4, "stream": True}),
              line("model", {"prompt": "x", "max_tokens": 4, "model": "other"}),
              json.dumps({"custom_id": "body", "method": "POST", "url": "/v1/completions", "body": "x"}),
+             line("n", {"prompt": ["x", "y"], "max_tokens": 4, "n": 3}),
              line("ok", {"prompt": "x", "max_tokens": 4, "temperature": 0})]
-    outs = list(run_batch(tiny_engine, lines, "target", concurrency=4))
+    outs = list(run_batch(tiny_engine, lines, "target", concurrency=4, max_sessions=4))
     assert len(outs) == len(lines)
     assert outs[0]["custom_id"] is None and outs[0]["error"].startswith("line: not valid JSON")
     assert outs[1]["custom_id"] is None and outs[1]["error"].startswith("custom_id: every line needs")
     expect = [("get", 400, "method: only POST"), ("url", 400, "url: one of /v1/completions"),
               ("typo", 400, "temprature: unknown field"), ("range", 400, "top_p"),
               ("stream", 400, "stream: a batch file's answers are whole"), ("model", 404, "model"),
-              ("body", 400, "body: must be a JSON object"), ("ok", 200, None)]
+              ("body", 400, "body: must be a JSON object"), ("n", 400, "n: at most 4 completions in all"),
+              ("ok", 200, None)]
     for o, (cid, code, message) in zip(outs[2:], expect):
         assert (o["custom_id"], o["response"]["status_code"]) == (cid, code), o
         assert o["error"] is None if message is None else o["error"].startswith(message), o
