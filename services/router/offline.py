@@ -27,7 +27,7 @@ from services.common.config import MODELS_DIR, EngineConfig
 from services.common.types import SamplingParams as Sampling
 from services.common.types import TokenLogprob
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
-from services.router.openai_api import openai_message
+from services.router import openai_api as oa
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}   # vLLM's names
 
@@ -54,6 +54,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None   # words the output may not complete
+    structured_outputs: dict | None = None   # exactly one of json (schema), regex, choice, json_object
     skip_special_tokens: bool = True
 
 
@@ -139,14 +141,16 @@ class LLM:
                 sampling=Sampling(sp.temperature, sp.top_p, max(0, sp.top_k), sp.seed, sp.repetition_penalty,
                                   sp.presence_penalty, sp.frequency_penalty,
                                   tuple(sorted((int(k), float(v)) for k, v in (sp.logit_bias or {}).items())),
-                                  tuple(sp.allowed_token_ids or ()), (), sp.min_p),
+                                  tuple(sp.allowed_token_ids or ()), self.engine.bad_word_ids(sp.bad_words or ()),
+                                  sp.min_p),
+                structured=oa.structured_outputs(sp.structured_outputs) if sp.structured_outputs else None,
                 stop=(sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ()),
                 stop_token_ids=tuple(sp.stop_token_ids or ()), include_stop_str_in_output=sp.include_stop_str_in_output,
                 logprobs=sp.logprobs, prompt_logprobs=sp.prompt_logprobs, ignore_eos=sp.ignore_eos,
                 min_tokens=sp.min_tokens, skip_special_tokens=sp.skip_special_tokens, request_id=f"llm-{self._ids}")
             self.engine.validate(req)
         except InvalidRequest as e:   # the field as vLLM names it (max_tokens, ...)
-            raise ValueError(f"prompt {i}: {openai_message(e)}") from None
+            raise ValueError(f"prompt {i}: {oa.openai_message(e)}") from None
         except (TypeError, ValueError) as e:
             raise ValueError(f"prompt {i}: {e}") from None
         return req.request_id, text, req

@@ -139,7 +139,7 @@ def _structured(body: dict) -> StructuredOutput | None:
     if so is not None and rf is not None:
         raise InvalidRequest("structured_outputs: set either structured_outputs or response_format, not both")
     if so is not None:
-        return _structured_outputs(so)
+        return structured_outputs(so)
     if rf is None:
         return None
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
@@ -154,7 +154,8 @@ def _structured(body: dict) -> StructuredOutput | None:
     return StructuredOutput(json_schema=json.dumps(schema))
 
 
-def _structured_outputs(so) -> StructuredOutput:
+def structured_outputs(so) -> StructuredOutput:
+    """vLLM's ``structured_outputs``: exactly one of json (a schema or its JSON), regex, choice, json_object."""
     kinds = [k for k in ("json", "regex", "choice", "json_object") if isinstance(so, dict) and so.get(k) is not None]
     if len(kinds) != 1 or len(so) != 1:
         raise InvalidRequest("structured_outputs: set exactly one of json, regex, choice, json_object")

@@ -107,3 +107,21 @@ def test_a_bad_request_fails_before_any_decodes_naming_its_prompt(llm):
     with pytest.raises(ValueError, match=r"prompt 0: method: unknown method 'nope'"):
         llm.generate(PROMPTS[0], method="nope", use_tqdm=False)
     assert sum(s.value for m in CYCLES.collect() for s in m.samples if s.name.endswith("_total")) == cycles
+
+
+def test_structured_outputs_and_bad_words(llm):
+    """vLLM's structured_outputs (a choice, a regex) constrain the output; a bad word is never completed."""
+    sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})
+    outs = llm.generate(PROMPTS, sp, method="sd", use_tqdm=False)
+    assert all(o.outputs[0].text in ("yes", "no") for o in outs)
+    out, = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6,
+                                                   structured_outputs={"regex": "[0-9]{3}"}), use_tqdm=False)
+    assert len(out.outputs[0].text) == 3 and out.outputs[0].text.isdigit()
+    free, = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    word = llm.get_tokenizer().decode(free.outputs[0].token_ids[:1]).strip()
+    assert word   # the greedy output's first word, banned next
+    banned, = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                      bad_words=[word]), use_tqdm=False)
+    assert banned.outputs[0].token_ids[0] != free.outputs[0].token_ids[0]
+    with pytest.raises(ValueError, match=r"prompt 0: structured_outputs: set exactly one"):
+        llm.generate(PROMPTS[0], SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]}), use_tqdm=False)
