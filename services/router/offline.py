@@ -28,6 +28,7 @@ from services.common.types import SamplingParams as Sampling
 from services.common.types import TokenLogprob
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.router import openai_api as oa
+from services.router.tools import template_messages
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}   # vLLM's names
 
@@ -129,6 +130,24 @@ class LLM:
                 progress.advance(sum(len(o.token_ids) for o in out[futures[fut]].outputs))
         progress.close()
         return out
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True, method: str | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of messages) or several, each rendered
+        by ``chat_template`` (the Jinja text; default: the tokenizer's) and generated as a
+        prompt of token ids. The bundled code model has no template: pass one."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for i, conv in enumerate(convs):
+            try:
+                msgs = template_messages(oa.checked_messages({"messages": conv}))
+                prompts.append({"prompt_token_ids": oa.chat_prompt(self.engine.tokenizer, msgs, chat_template,
+                                                                   add_generation_prompt)})
+            except InvalidRequest as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+        return self.generate(prompts, sampling_params, method=method, use_tqdm=use_tqdm)
 
     def _request(self, i: int, prompt, sp: SamplingParams, method: str) -> tuple:
         """(request id, prompt text, request), checked as the engine would check it."""

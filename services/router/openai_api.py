@@ -318,7 +318,7 @@ def chat_request(body, engine, served_model: str | tuple[str, ...], template: st
     except ToolError as e:
         raise InvalidRequest(str(e)) from None
     _bool(body, "parallel_tool_calls")   # accepted: calls are as many as the model makes
-    messages = _messages(body)
+    messages = checked_messages(body)
     ids = _chat_ids(body, engine, messages, template, tools)
     # vLLM's chat echo: the answer starts with the last message when it is the assistant's
     echoed = messages[-1]["content"] if _bool(body, "echo") and messages[-1]["role"] == "assistant" else ""
@@ -380,7 +380,7 @@ class ModelNotFound(InvalidRequest):
     """The request names a model this server does not serve (HTTP 404, as OpenAI's)."""
 
 
-def _messages(body: dict) -> list[dict]:
+def checked_messages(body: dict) -> list[dict]:
     """Text messages; an assistant's may carry ``tool_calls`` (its content then may be null), a
     tool's its ``tool_call_id``."""
     msgs = body.get("messages")
@@ -667,7 +667,7 @@ def tokenize_body(body, engine, served_model: str | tuple[str, ...], template: s
             tools = parse_tools({"tools": body.get("tools")})
         except ToolError as e:
             raise InvalidRequest(str(e)) from None
-        ids = _chat_ids(body, engine, _messages(body), template, tools)
+        ids = _chat_ids(body, engine, checked_messages(body), template, tools)
     else:
         ids = engine.encode(_typed(body, "prompt", (str,), "a string", ""),
                             _typed(body, "add_special_tokens", (bool,), "true or false", True))

@@ -19,9 +19,9 @@ def llm(tiny_dirs):
         yield llm
 
 
-def vanilla(tiny_engine, prompt: str, n: int) -> list[int]:
-    return tiny_engine.generate(GenerationRequest(tiny_engine.encode(prompt, add_special_tokens=True), n,
-                                                  method="vanilla")).result()["token_ids"]
+def vanilla(tiny_engine, prompt: str | None, n: int, ids: list[int] | None = None) -> list[int]:
+    ids = ids if ids is not None else tiny_engine.encode(prompt, add_special_tokens=True)
+    return tiny_engine.generate(GenerationRequest(ids, n, method="vanilla", ignore_eos=True)).result()["token_ids"]
 
 
 def batched_steps() -> float:
@@ -125,3 +125,24 @@ def test_structured_outputs_and_bad_words(llm):
     assert banned.outputs[0].token_ids[0] != free.outputs[0].token_ids[0]
     with pytest.raises(ValueError, match=r"prompt 0: structured_outputs: set exactly one"):
         llm.generate(PROMPTS[0], SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]}), use_tqdm=False)
+
+
+TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+
+
+def test_chat_renders_each_conversation_through_the_template(llm, tiny_engine):
+    conv = [{"role": "user", "content": "add two numbers"}]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    one, = llm.chat(conv, sp, chat_template=TEMPLATE, use_tqdm=False)
+    ids = llm.get_tokenizer()("# user: add two numbers\n# assistant:\n", add_special_tokens=False)["input_ids"]
+    assert one.prompt_token_ids == ids and one.outputs[0].token_ids == vanilla(tiny_engine, None, 10, ids)
+    two = llm.chat([conv, conv + [{"role": "assistant", "content": "ok"}]], sp, chat_template=TEMPLATE,
+                   add_generation_prompt=False, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert [o.prompt_token_ids for o in two] == [tok(t, add_special_tokens=False)["input_ids"] for t in
+                                                 ("# user: add two numbers\n", "# user: add two numbers\n# assistant: ok\n")]
+    with pytest.raises(ValueError, match=r"conversation 0: messages: the served model has no chat template"):
+        llm.chat(conv, sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"conversation 1: messages\[0\]: must be an object"):
+        llm.chat([conv, ["hi"]], sp, chat_template=TEMPLATE, use_tqdm=False)
