@@ -199,7 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             children, addrs = _spawn_verifiers(args)
         try:
             pool = RemoteVerifier(addrs, link=args.verifier_link == "multiplex", affinity_slack=args.affinity_slack)
-            serve(Engine(cfg, verifier=pool), scfg)
+            serve(_checked(Engine(cfg, verifier=pool), args), scfg)
         finally:
             for c in children:
                 c.terminate()
@@ -208,7 +208,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return
     from services.router.engine import Engine
 
-    serve(Engine(cfg), scfg)
+    serve(_checked(Engine(cfg), args), scfg)
+
+
+def _checked(engine, args: argparse.Namespace):
+    """The engine, once the method --speculative-config asked for is available (its drafter
+    loaded); else the server stops, saying so."""
+    want = (args.speculative_config or {}).get("method")
+    if want is not None and engine.default_method != engine.cfg.default_method:
+        engine.close()
+        sys.exit(f"error: speculative_config.method: {want!r} ({engine.cfg.default_method}) is not available on "
+                 f"these models (see the warnings above); available: {', '.join(engine.methods())}")
+    return engine
 
 
 def _component_server(args: argparse.Namespace, cfg):

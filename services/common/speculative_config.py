@@ -2,9 +2,9 @@
 speculative settings of a vLLM launch command carry over to ``specmesh serve``.
 
 Keys, as vLLM names them:
-- ``method`` (required): vLLM's ``eagle3`` / ``eagle`` (our EAGLE-3 head), ``draft_model`` (our
-  ``sd``), ``ngram``, ``suffix``, or any specmesh method (``hybrid``, ``hybrid-csd``, ...). It
-  becomes the server's default method.
+- ``method`` (required): vLLM's ``eagle3`` (our EAGLE-3 head), ``draft_model`` (our ``sd``),
+  ``ngram``, ``suffix``, or any specmesh method (``hybrid``, ``hybrid-csd``, ...). It becomes
+  the server's default method; ``serve`` stops if its drafter did not load.
 - ``model``: the drafter's directory: the EAGLE-3 head for methods that draft with it (the
   hybrids included), the draft LM for ``draft_model`` / ``sd`` / ``csd`` / ``scg``.
 - ``num_speculative_tokens``: the longest draft of the method's drafter: the EAGLE-3 chain
@@ -25,7 +25,8 @@ from typing import Any
 
 from services.common.config import EngineConfig
 
-VLLM_METHODS = {"eagle3": "eagle3", "eagle": "eagle3", "draft_model": "sd", "ngram": "ngram", "suffix": "suffix"}
+VLLM_METHODS = {"eagle3": "eagle3", "draft_model": "sd", "ngram": "ngram", "suffix": "suffix"}   # vLLM's "eagle"
+# (EAGLE-1/2 heads) is not among them: the engine loads EAGLE-3 heads only
 SUFFIX_DRAFTERS = {"suffix", "suffix-tree", "hybrid", "hybrid-rule", "hybrid-tree", "hybrid-lm"}
 SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
                "suffix_decoding_max_cached_requests"}

@@ -178,6 +178,19 @@ def test_serve_takes_vllms_speculative_config(tiny_dirs, tiny_engine):
     assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
 
 
+def test_serve_stops_when_the_speculative_method_cannot_run(tiny_dirs):
+    """--speculative-config asks for eagle3, but no EAGLE-3 head loads: the server says so and
+    exits instead of serving another method."""
+    target, draft = tiny_dirs
+    out = subprocess.run(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--eagle3", "none",
+                                "--port", str(free_port()), "--metrics-port", "0", "--http-port", "0",
+                                "--speculative-config", '{"method": "eagle3"}'],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode != 0
+    assert "speculative_config.method: 'eagle3' (eagle3) is not available on these models" in out.stderr
+    assert "available: vanilla, sd" in out.stderr
+
+
 def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
     """A hybrid server drafts from two sources; the scraped counters agree with each other:
     per-source accepted ≤ drafted, per-position sum = Σ accepted over sources, generated =

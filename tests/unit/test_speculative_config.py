@@ -40,6 +40,7 @@ def test_specmesh_methods_pass_through_and_a_hybrid_takes_the_eagle3_keys():
 
 @pytest.mark.parametrize("spec, message", [
     ({"method": "medusa"}, r"method: 'medusa' is not supported; choose vLLM's eagle3"),
+    ({"method": "eagle"}, r"method: 'eagle' is not supported"),
     ({"num_speculative_tokens": 3}, r"method: None is not supported"),
     ({"method": "eagle3", "draft_tensor_parallel_size": 1}, r"unsupported key\(s\) draft_tensor_parallel_size"),
     ({"method": "eagle3", "num_speculative_tokens": 0}, r"num_speculative_tokens: must be an integer >= 1, got 0"),
