@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -402,19 +403,23 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 
     if args.concurrency < 1 or args.max_sessions < 1:
         sys.exit(f"error: --concurrency and --max-sessions: must be >= 1, got {args.concurrency}, {args.max_sessions}")
-    src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
-    lines = [line for line in src if line.strip()]
+    if args.input_file == "-":
+        lines = [line for line in sys.stdin if line.strip()]
+    else:
+        with open(args.input_file, encoding="utf-8") as src:
+            lines = [line for line in src if line.strip()]
     engine = Engine(engine_config(args))
     served = oa.served_names(tuple(args.served_model_name) or engine.cfg.target.name)
     template = args.chat_template.read_text() if args.chat_template else None
-    start, done, failed = time.perf_counter(), [0], [0]
+    start, done, failed, lock = time.perf_counter(), [0], [0], threading.Lock()
 
-    def progress(out: dict) -> None:
-        done[0] += 1
-        failed[0] += out["error"] is not None
-        el = time.perf_counter() - start
-        print(f"[run-batch] {done[0]}/{len(lines)} requests ({failed[0]} failed), {done[0] / el:.2f}/s, "
-              f"ETA {(len(lines) - done[0]) * el / done[0]:.0f} s", file=sys.stderr, flush=True)
+    def progress(out: dict) -> None:   # called by the batch's threads as lines finish
+        with lock:
+            done[0] += 1
+            failed[0] += out["error"] is not None
+            el = time.perf_counter() - start
+            print(f"[run-batch] {done[0]}/{len(lines)} requests ({failed[0]} failed), {done[0] / el:.2f}/s, "
+                  f"ETA {(len(lines) - done[0]) * el / done[0]:.0f} s", file=sys.stderr, flush=True)
 
     dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
     with dst:
