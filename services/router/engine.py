@@ -8,6 +8,7 @@ verifier is in-process (embedded) or remote (distributed); the loop is the same.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from services.router.detok import Detokenizer
 from services.router.hybrid import Delegate
 from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec, VerifierCore
 
+log = logging.getLogger("specmesh.engine")
 MODEL = "model"  # a hybrid's fallback: the verifier's EAGLE-3 head, else its draft LM
 
 
@@ -161,6 +163,9 @@ class Engine:
         self._add_hybrids(cfg)
         self._ids = itertools.count()
         self._grammars = None
+        if self.default_method != cfg.default_method:   # said once, not per request
+            log.warning("default method %s cannot run on these models (a drafter is missing); requests that "
+                        "name no method get %s", cfg.default_method, self.default_method)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -76,3 +76,20 @@ def test_the_ray_app_takes_it_as_a_mapping_or_its_json():
     assert engine_config({}).default_method == EngineConfig().default_method
     with pytest.raises(ValueError, match="unsupported key"):
         engine_config({"speculative_config": {"method": "ngram", "quantization": "fp8"}})
+
+
+def test_an_engine_says_once_when_its_default_method_cannot_run(tiny_dirs, caplog):
+    from services.router.engine import Engine
+
+    target, draft = tiny_dirs
+    with caplog.at_level("WARNING", logger="specmesh.engine"):
+        engine = Engine(EngineConfig(target=target, draft=draft, eagle3=None, predictor=None, ocm_snapshot=None,
+                                     default_method="eagle3"))
+    assert engine.default_method == "sd"
+    assert [r.getMessage() for r in caplog.records if r.name == "specmesh.engine"] == [
+        "default method eagle3 cannot run on these models (a drafter is missing); requests that name no method get sd"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specmesh.engine"):
+        Engine(EngineConfig(target=target, draft=draft, eagle3=None, predictor=None, ocm_snapshot=None,
+                            default_method="suffix"))
+    assert not [r for r in caplog.records if r.name == "specmesh.engine"]
