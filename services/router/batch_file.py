@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from typing import Callable, Iterable, Iterator
 
 from services.router import openai_api as oa
 from services.router.engine import Completions, Engine, InvalidRequest
+from services.router.server import Admission
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 log = logging.getLogger("specmesh.batch")
@@ -35,39 +35,33 @@ class BatchLineError(ValueError):
         self.custom_id = custom_id
 
 
-class Sessions:
-    """At most ``limit`` completions decode at once over the whole file (a line takes as many
-    as it has: prompts × n), so the sessions' K/V caches stay bounded, as the server's
-    admission keeps them."""
+class _Offline:
+    """Admission's view of a batch line: always there, no deadline."""
 
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
-        self._cond = threading.Condition()
+    def is_active(self) -> bool:
+        return True
 
-    def acquire(self, k: int) -> None:
-        if k > self.limit:
-            raise BatchLineError(f"n: at most {self.limit} completions in all (prompts × n, or × best_of when "
-                                 "larger; --max-sessions)")
-        with self._cond:
-            while self.used + k > self.limit:
-                self._cond.wait()
-            self.used += k
+    def time_remaining(self) -> None:
+        return None
 
-    def release(self, k: int) -> None:
-        with self._cond:
-            self.used -= k
-            self._cond.notify_all()
+
+def _take_sessions(admission: Admission, k: int) -> None:
+    """A line's k completions wait for their slots (the server's admission, queue unbounded)."""
+    if k > admission.max_sessions:
+        raise BatchLineError(f"n: at most {admission.max_sessions} completions in all (prompts × n, or × best_of "
+                             "when larger; --max-sessions)")
+    admission.acquire(_Offline(), k)
 
 
 def answer_line(engine: Engine, line: str, served: str | tuple[str, ...], chat_template: str | None,
-                sessions: Sessions | None = None) -> dict:
+                admission: Admission | None = None) -> dict:
     """One input line's output line."""
     rid = f"batch-{uuid.uuid4().hex}"
     custom_id = None
     try:
         req = _request_line(line)
         custom_id = req["custom_id"]
-        body = _answer(engine, req["url"], req["body"], served, chat_template, sessions or Sessions(1 << 30))
+        body = _answer(engine, req["url"], req["body"], served, chat_template, admission or Admission(1 << 30, 1 << 30))
         return {"id": rid, "custom_id": custom_id, "response": {"status_code": 200, "request_id": rid, "body": body},
                 "error": None}
     except (BatchLineError, InvalidRequest) as e:
@@ -104,7 +98,7 @@ def _request_line(line: str) -> dict:
     return req
 
 
-def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | None, sessions: Sessions) -> dict:
+def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | None, admission: Admission) -> dict:
     """The HTTP API's answer to ``body`` at ``url`` (a request that does not stream)."""
     if body.get("stream"):
         raise BatchLineError("stream: a batch file's answers are whole; leave stream out")
@@ -112,11 +106,11 @@ def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | N
            else oa.chat_request(body, engine, served, chat_template))
     completions = Completions([g for r in api.gens for g in engine.generate_all(r).gens])
     k = len(completions.gens)
-    sessions.acquire(k)
+    _take_sessions(admission, k)
     try:
         choices = oa.gather(completions)
     finally:
-        sessions.release(k)
+        admission.release(k)
     return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, completions.gens, engine.tokenizer)
 
 
@@ -124,10 +118,10 @@ def run_batch(engine: Engine, lines: Iterable[str], served, chat_template: str |
               max_sessions: int = 64, on_done: Callable[[dict], None] | None = None) -> Iterator[dict]:
     """Output lines in input order (blank input lines skipped); ``on_done`` sees each as it
     finishes. ``concurrency`` lines decode at once, with at most ``max_sessions`` completions."""
-    sessions = Sessions(max_sessions)
+    admission = Admission(max_sessions, max_queue=1 << 30)
 
     def one(line: str) -> dict:
-        out = answer_line(engine, line, served, chat_template, sessions)
+        out = answer_line(engine, line, served, chat_template, admission)
         if on_done is not None:
             on_done(out)
         return out
