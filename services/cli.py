@@ -6,12 +6,11 @@ import json
 import logging
 import os
 import sys
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from services.common.config import MODELS_DIR, EngineConfig, HybridConfig, ServerConfig
+from services.common.progress import run_concurrently
 
 
 def _off_or_count(text: str) -> int:
@@ -411,20 +410,10 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     engine = Engine(engine_config(args))
     served = oa.served_names(tuple(args.served_model_name) or engine.cfg.target.name)
     template = args.chat_template.read_text() if args.chat_template else None
-    start, done, failed, lock = time.perf_counter(), [0], [0], threading.Lock()
-
-    def progress(out: dict) -> None:   # called by the batch's threads as lines finish
-        with lock:
-            done[0] += 1
-            failed[0] += out["error"] is not None
-            el = time.perf_counter() - start
-            print(f"[run-batch] {done[0]}/{len(lines)} requests ({failed[0]} failed), {done[0] / el:.2f}/s, "
-                  f"ETA {(len(lines) - done[0]) * el / done[0]:.0f} s", file=sys.stderr, flush=True)
-
+    outs = run_batch(engine, lines, served, template, args.concurrency, args.max_sessions)
     dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
     with dst:
-        for out in run_batch(engine, lines, served, template, args.concurrency, args.max_sessions, progress):
-            dst.write(json.dumps(out) + "\n")
+        dst.writelines(json.dumps(out) + "\n" for out in outs)
     engine.close()
 
 
@@ -477,27 +466,6 @@ def cmd_client(args: argparse.Namespace) -> None:
                           file=sys.stderr)
         except grpc.RpcError as e:
             sys.exit(f"\nerror: {e.code().name}: {e.details()}")
-
-
-def run_concurrently(fn, items: list, concurrency: int, label: str, status=lambda: "", progress: bool = True) -> list:
-    """``[fn(x) for x in items]`` with ``concurrency`` requests in flight (the verifier
-    batches them), in order, with a progress line per completion: count, rate, ETA."""
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    t0, done = time.time(), [0]
-
-    def one(x):
-        out = fn(x)
-        done[0] += 1
-        rate = (time.time() - t0) / done[0]
-        if progress:
-                print(f"[{label}] {done[0]}/{len(items)} {rate:.1f} s/prompt{status()} "
-                  f"eta {rate * (len(items) - done[0]):.0f}s", file=sys.stderr, flush=True)
-        return out
-
-    with ThreadPoolExecutor(max(1, concurrency)) as pool:
-        return list(pool.map(one, items))
 
 
 def record_traces(engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla",
@@ -559,7 +527,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     prompts = load(args.workload, args.limit)
     run_concurrently(lambda p: engine.generate(GenerationRequest(
         engine.encode_fit(p.text, args.max_new_tokens), args.max_new_tokens, method="sd")).result(),
-        prompts, args.concurrency, "calibrate", lambda: f", {len(engine.memory)} pairs")
+        prompts, args.concurrency, "calibrate", status=lambda: f", {len(engine.memory)} pairs")
     counts = engine.memory.snapshot()
     save_snapshot(args.out, counts, {"workload": args.workload, "prompts": len(prompts),
                                      "max_new_tokens": args.max_new_tokens, "target": str(cfg.target),

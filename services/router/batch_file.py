@@ -16,9 +16,9 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator
+from typing import Iterable
 
+from services.common.progress import run_concurrently
 from services.router import openai_api as oa
 from services.router.engine import Completions, Engine, InvalidRequest
 from services.router.server import Admission
@@ -115,16 +115,10 @@ def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | N
 
 
 def run_batch(engine: Engine, lines: Iterable[str], served, chat_template: str | None = None, concurrency: int = 8,
-              max_sessions: int = 64, on_done: Callable[[dict], None] | None = None) -> Iterator[dict]:
-    """Output lines in input order (blank input lines skipped); ``on_done`` sees each as it
-    finishes. ``concurrency`` lines decode at once, with at most ``max_sessions`` completions."""
+              max_sessions: int = 64, progress: bool = True) -> list[dict]:
+    """Output lines in input order (blank input lines skipped). ``concurrency`` lines decode
+    at once, with at most ``max_sessions`` completions among them."""
     admission = Admission(max_sessions, max_queue=1 << 30)
-
-    def one(line: str) -> dict:
-        out = answer_line(engine, line, served, chat_template, admission)
-        if on_done is not None:
-            on_done(out)
-        return out
-
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="batch") as pool:
-        yield from pool.map(one, (line for line in lines if line.strip()))
+    return run_concurrently(lambda line: answer_line(engine, line, served, chat_template, admission),
+                            [line for line in lines if line.strip()], concurrency, "run-batch", "requests",
+                            progress, every_s=5.0, failed=lambda out: out["error"] is not None)

@@ -16,21 +16,18 @@ bundled zoo), per ``LLM`` or per call.
 """
 from __future__ import annotations
 
-import sys
-import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from services.common.config import MODELS_DIR, EngineConfig
+from services.common.progress import run_concurrently
 from services.common.types import SamplingParams as Sampling
 from services.common.types import TokenLogprob
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.router import openai_api as oa
 from services.router.tools import template_messages
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}   # vLLM's names
 
 
 @dataclass(frozen=True)
@@ -121,15 +118,9 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         jobs = [self._request(i, p, sp, method or self.method) for i, (p, sp) in enumerate(zip(prompts, params))]
-        out: list[RequestOutput | None] = [None] * len(jobs)
-        progress = _Progress(len(jobs), use_tqdm)
-        with ThreadPoolExecutor(min(self.max_num_seqs, max(1, len(jobs))), thread_name_prefix="llm") as pool:
-            futures = {pool.submit(self._run, *job): i for i, job in enumerate(jobs)}
-            for fut in as_completed(futures):
-                out[futures[fut]] = fut.result()
-                progress.advance(sum(len(o.token_ids) for o in out[futures[fut]].outputs))
-        progress.close()
-        return out
+        return run_concurrently(lambda job: self._run(*job), jobs, self.max_num_seqs, "Processed prompts", "prompts",
+                                progress=use_tqdm and len(jobs) > 1, bar=True, every_s=5.0,
+                                tokens=lambda out: sum(len(c.token_ids) for c in out.outputs))
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -226,7 +217,7 @@ def _prompt(i: int, prompt, engine: Engine) -> tuple[str | None, list[int]]:
 
 def _completion(index: int, gen: Generation, tokenizer) -> CompletionOutput:
     lps = [_logprobs(x, tokenizer) for x in gen.logprobs] if gen.req.logprobs is not None else None
-    return CompletionOutput(index, gen.text, list(gen.output_ids), FINISH.get(gen.finish_reason, gen.finish_reason),
+    return CompletionOutput(index, gen.text, list(gen.output_ids), oa.FINISH.get(gen.finish_reason, gen.finish_reason),
                             gen.stop_reason, sum(x.logprob for x in gen.logprobs) if lps is not None else None, lps)
 
 
@@ -237,39 +228,3 @@ def _logprobs(x: TokenLogprob, tokenizer) -> dict[int, Logprob]:
     for t, v in x.top:
         out.setdefault(t, Logprob(v, ranks[t], tokenizer.decode([t])))
     return out
-
-
-class _Progress:
-    """Requests done, with output tokens/s and an ETA: tqdm's bar where tqdm is installed, else a
-    line on stderr every few seconds."""
-
-    def __init__(self, total: int, on: bool):
-        self.total, self.on, self.done, self.tokens = total, on and total > 1, 0, 0
-        self.start = self.last = time.perf_counter()
-        self.bar = None
-        if self.on:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
-            except ImportError:
-                pass
-
-    def advance(self, tokens: int) -> None:
-        self.done, self.tokens = self.done + 1, self.tokens + tokens
-        if not self.on:
-            return
-        rate = self.tokens / max(1e-9, time.perf_counter() - self.start)
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
-            self.bar.update(1)
-        elif time.perf_counter() - self.last > 5 or self.done == self.total:
-            self.last = time.perf_counter()
-            el = self.last - self.start
-            eta = (self.total - self.done) * el / self.done
-            print(f"[llm] {self.done}/{self.total} prompts, {rate:.0f} output tok/s, ETA {eta:.0f} s",
-                  file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
