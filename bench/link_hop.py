@@ -92,12 +92,13 @@ class Echo:
         stop_processes([self.proc])
 
 
-def start_verifier(args) -> tuple[subprocess.Popen, str]:
+def start_verifier(args, cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A verifier process, of this checkout's code or of the checkout at ``cwd``."""
     port = free_port()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--port", str(port),
            "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft), "--eagle3", "none",
            "--threads", "1", "--prefix-cache-mb", "0", "--device", args.device, "--dtype", args.dtype]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     return proc, f"127.0.0.1:{port}"
 
 
@@ -133,6 +134,9 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", help="the models' device, in both processes (cpu or cuda)")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                    help="also a Link to a verifier running DIR's code (a checkout of another commit, e.g. "
+                         "`git worktree add DIR REV`), interleaved with the others: an A/B of the verifier's side")
     ap.add_argument("--echo-serve", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.echo_serve:
@@ -146,6 +150,11 @@ def main(argv=None) -> None:
     core = VerifierCore.from_config(cfg, _eos_id(cfg.target))
     proc, addr = start_verifier(args)
     remote = {"link": RemoteVerifier([addr], link=True), "stream": RemoteVerifier([addr], link=False)}
+    procs = [proc]
+    if args.baseline:
+        base, base_addr = start_verifier(args, cwd=args.baseline)
+        procs.append(base)
+        remote["link (baseline)"] = RemoteVerifier([base_addr], link=True)
     echo = Echo()
     try:
         freeze_startup_heap()
@@ -169,7 +178,7 @@ def main(argv=None) -> None:
         for v in remote.values():
             v.close()
         echo.close()
-        stop_processes([proc])
+        stop_processes(procs)
         core.close()
     from bench.harness import report
 
@@ -198,7 +207,13 @@ def summarize(args, cycles: dict) -> dict:
                      "outside_ms": round(med[path, m], 3), "hop_ms": None if hop is None else round(hop, 3),
                      "hop_over_floor_ms": None if hop is None else round(hop - floor, 3)})
     return {"workload": args.workload, "limit": args.limit, "cycles_per_session": args.cycles, "rows": rows,
-            "command": "python -m bench.link_hop " + " ".join(sys.argv[1:]), "machine": machine()}
+            "command": "python -m bench.link_hop " + " ".join(sys.argv[1:]), "machine": machine(),
+            "baseline": _revision(args.baseline) if args.baseline else None}
+
+
+def _revision(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or str(checkout)
 
 
 def markdown(r: dict) -> str:
@@ -218,7 +233,9 @@ def markdown(r: dict) -> str:
          "server computes, message by message, for as long as the embedded session's cycles took before "
          "answering, run beside each prompt's sessions: the transport's own cost on this machine after an "
          "idle wait as long as a step (the floor). Hop − floor is what our code adds to it.",
-         f"Machine: {r['machine']}"))
+         f"Machine: {r['machine']}")
+        + ((f"`link (baseline)`: the Link to a verifier running commit {r['baseline']}'s code, beside this "
+            "checkout's, interleaved.",) if r.get("baseline") else ()))
 
 
 def plot(r: dict, path: Path) -> None:
