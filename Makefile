@@ -36,7 +36,7 @@ test: setup
 METHODS ?= vanilla,sd,suffix,eagle3,hybrid,hybrid-csd,hybrid-rule,csd,scg,hf-vanilla,hf-assisted,hf-pld
 bench: setup
 	for w in humaneval:$(TOKENS) stdlib-heldout:$(TOKENS) edit:256; do \
-	  $(BIN)/specmesh bench --workload $${w%%:*} --methods $(METHODS) --limit $(LIMIT) --threads 1 \
+	  $(BIN)/python -m bench --workload $${w%%:*} --methods $(METHODS) --limit $(LIMIT) --threads 1 \
 	    --max-new-tokens $${w##*:} --out bench/results/$${w%%:*}.json || exit 1; done
 
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
@@ -90,17 +90,17 @@ publish-models:
 
 # The correction memory's calibration prior: first-rejection pairs of `sd` on training prompts.
 calibrate: setup
-	$(BIN)/specmesh calibrate --workload stdlib-train --limit 200 --max-new-tokens 128 \
+	$(BIN)/python -m training calibrate --workload stdlib-train --limit 200 --max-new-tokens 128 \
 	    --out build/models/ocm_snapshot.json
 
 # Greedy target generations: training prompts (EAGLE-3 data, predictor training) and
 # held-out prompts (predictor report only). Lossless `suffix` decoding makes them faster.
 traces: setup
 	mkdir -p $(TRACES)
-	test -s $(TRACES)/stdlib-train.jsonl || $(BIN)/specmesh trace --method suffix --workload stdlib-train --limit 400 --max-new-tokens 256 --out $(TRACES)/stdlib-train.jsonl
-	test -s $(TRACES)/edit-train.jsonl || $(BIN)/specmesh trace --method suffix --workload edit-train --limit 300 --max-new-tokens 512 --out $(TRACES)/edit-train.jsonl
-	test -s $(TRACES)/edit-heldout.jsonl || $(BIN)/specmesh trace --method suffix --workload edit --limit 60 --max-new-tokens 512 --out $(TRACES)/edit-heldout.jsonl
-	test -s $(TRACES)/stdlib-heldout.jsonl || $(BIN)/specmesh trace --method suffix --workload stdlib-heldout --limit 60 --max-new-tokens 256 --out $(TRACES)/stdlib-heldout.jsonl
+	test -s $(TRACES)/stdlib-train.jsonl || $(BIN)/python -m training trace --method suffix --workload stdlib-train --limit 400 --max-new-tokens 256 --out $(TRACES)/stdlib-train.jsonl
+	test -s $(TRACES)/edit-train.jsonl || $(BIN)/python -m training trace --method suffix --workload edit-train --limit 300 --max-new-tokens 512 --out $(TRACES)/edit-train.jsonl
+	test -s $(TRACES)/edit-heldout.jsonl || $(BIN)/python -m training trace --method suffix --workload edit --limit 60 --max-new-tokens 512 --out $(TRACES)/edit-heldout.jsonl
+	test -s $(TRACES)/stdlib-heldout.jsonl || $(BIN)/python -m training trace --method suffix --workload stdlib-heldout --limit 60 --max-new-tokens 256 --out $(TRACES)/stdlib-heldout.jsonl
 
 # TTT head over a 2,048-token draft vocabulary, trained in three stages on the traces plus
 # pretraining text (target features and soft labels): it is data-limited, so each later stage

@@ -63,7 +63,7 @@ def conversation(engine, turns: list[str], args, rec: list[dict]) -> None:
 
 def one_pass(cfg, args, slack: int | None, texts: list[list[str]]) -> dict:
     from services.router.engine import Engine
-    from services.verifier.server import RemoteVerifier
+    from services.verifier.client import RemoteVerifier
 
     procs, addrs = start_verifiers(args.replicas)
     try:

@@ -24,9 +24,9 @@ KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptanc
 def use_head(engine, head_dir: Path, k: int, confidence: float | None = None) -> None:
     """Serve ``head_dir`` as the engine's `eagle3` drafter with chains of at most ``k`` that
     stop after a token whose max q is below ``confidence`` (default: the engine's)."""
+    from services.common.packed_linear import pack_linears
     from services.drafter.eagle3 import Eagle3Head
     from services.drafter.eagle3_drafter import Eagle3Drafter
-    from services.common.packed_linear import pack_linears
 
     core, cfg = engine.verifier, engine.cfg
     head = Eagle3Head.from_pretrained(head_dir, core.runner.model.embed_tokens.weight)

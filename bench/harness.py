@@ -37,7 +37,7 @@ def workload_args(p: argparse.ArgumentParser, workload: str = "humaneval", limit
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    workload_args(p, threads=False)   # `specmesh bench` takes --threads with the engine's arguments
+    workload_args(p, threads=False)   # --threads comes with the engine's arguments
     p.add_argument("--methods", default="vanilla,sd,hf-vanilla,hf-assisted,hf-pld")
     p.add_argument("--repeats", type=int, default=1)
 
@@ -264,7 +264,7 @@ def main(args: argparse.Namespace) -> dict:
         "repeats": args.repeats, "num_speculative_tokens": cfg.num_speculative_tokens,
         "threads": torch.get_num_threads(), "device": cfg.device,
         "machine": machine(),
-        "command": "specmesh bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+        "command": "python -m bench " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
     print(markdown(result))

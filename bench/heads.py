@@ -18,8 +18,19 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import (command, machine, past_outputs, pyplot, report, run_ours, summarize, table_markdown,
-                           target_nll, workload_args, write_figure)
+from bench.harness import (
+    command,
+    machine,
+    past_outputs,
+    pyplot,
+    report,
+    run_ours,
+    summarize,
+    table_markdown,
+    target_nll,
+    workload_args,
+    write_figure,
+)
 from bench.workloads import load
 
 

@@ -25,7 +25,7 @@ class Recorder:
     """Wraps one hybrid drafter's ``propose``, ``observe`` and its rule's ``realize``."""
 
     def __init__(self, hybrid):
-        from services.router.hybrid import length_bucket
+        from services.drafter.hybrid import length_bucket
 
         self.clear()
         propose, observe, realize = hybrid.propose, hybrid.observe, hybrid.rule.realize
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
 def measure(engine, prompts, methods: list[str], max_new: int) -> dict:
     """The methods side by side (``bench.harness.benchmark``), with every hybrid drafter that
     one of them uses recorded after the warm-up."""
+    from services.drafter.hybrid import HybridDrafter
     from services.router.engine import METHODS
-    from services.router.hybrid import HybridDrafter
 
     hybrids = {name: Recorder(d) for name, d in engine.drafters.items()
                if isinstance(d, HybridDrafter) and any(METHODS[m].router_drafter == name for m in methods)}

@@ -25,7 +25,7 @@ KNOBS = {"hybrid": "tau", "hybrid-rule": "threshold"}   # the rule attribute eac
 def sweep(engine, prompts, max_new: int, settings: dict[str, list[float]]) -> list[dict]:
     """Rows for the single-source references, the cost-aware hybrid, and every setting of each
     hybrid's knob (the paper's threshold rule: no cost model)."""
-    from services.router.hybrid import CycleCosts
+    from services.drafter.hybrid import CycleCosts
 
     rows = []
 

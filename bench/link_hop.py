@@ -32,8 +32,9 @@ from bench.workloads import load
 from services.common.config import MODELS_DIR, EngineConfig
 from services.common.grpc_server import free_port
 from services.common.runtime import freeze_startup_heap, stop_processes
-from services.verifier.core import CycleRequest, SessionSpec, VerifierCore
-from services.verifier.server import RemoteVerifier
+from services.common.types import CycleRequest, SessionSpec
+from services.verifier.client import RemoteVerifier
+from services.verifier.core import VerifierCore
 
 ECHO = "/specmesh.bench.Echo/Chat"
 

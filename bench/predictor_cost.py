@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from services.common.config import MODELS_DIR
+from services.predictor.client import RemotePredictor
 from services.predictor.features import FEATURES
+from services.predictor.grpc_server import build_predictor_server
 from services.predictor.mlp import YieldMLP
-from services.predictor.server import RemotePredictor, build_predictor_server
 
 
 def per_call_us(fn, x, n: int) -> float:
@@ -54,7 +55,7 @@ def per_cycle_us(mlp: YieldMLP, target: Path, n: int) -> dict:
     with torch.inference_mode():
         model(torch.randint(0, model.s.vocab, (1, 200)), 0, cache)
         for name, fn in calls.items():
-            warm = per_call_us(lambda _: fn(), None, n)
+            warm = per_call_us(lambda _, fn=fn: fn(), None, n)
             cold = []
             for _ in range(n):
                 model(feed, 200, cache)

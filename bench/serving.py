@@ -34,13 +34,11 @@ from pathlib import Path
 import grpc
 
 from bench.workloads import load
+from services.common.config import MODELS_DIR
 from services.common.grpc_server import free_port
 from services.common.runtime import stop_processes
-from services.common.config import MODELS_DIR
 from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
-
-
 
 # OpenMP workers that spin after a forward would hold a core the router and clients need.
 SERVER_ENV = {"OMP_WAIT_POLICY": os.environ.get("SPECMESH_BENCH_OMP_WAIT", "PASSIVE")}
@@ -214,7 +212,7 @@ def _machine() -> str:
     """The harness's host line, probed here in one thread as the servers run (``--threads 1``)."""
     import torch
 
-    from bench.harness import machine   # lazily: the harness imports torch, which clients need not
+    from bench.harness import machine  # lazily: the harness imports torch, which clients need not
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -257,7 +255,7 @@ def write(result: dict, out: Path) -> None:
                   f"{result['warmup_s']:g} s, every stream in flight throughout (medians over {result['repeats']} rounds)."]
     lines += ["", f"Command: `{result['command']}`", f"Machine: {result.get('machine', 'not recorded')}", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
-    from bench.harness import pyplot, write_figure   # lazily: the harness imports torch, which clients need not
+    from bench.harness import pyplot, write_figure  # lazily: the harness imports torch, which clients need not
 
     fig, ax = pyplot().subplots(figsize=(6.5, 4))
     for r in result["rows"]:

@@ -14,8 +14,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.harness import (benchmark, bench_engine, command, machine, pyplot, report, table_markdown,
-                           workload_args, write_figure)
+from bench.harness import (
+    bench_engine,
+    benchmark,
+    command,
+    machine,
+    pyplot,
+    report,
+    table_markdown,
+    workload_args,
+    write_figure,
+)
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_rate", "exact_match_vs_vanilla",

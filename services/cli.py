@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from services.common.config import MODELS_DIR, EngineConfig, HybridConfig, ServerConfig
-from services.common.progress import run_concurrently
 
 
 def _off_or_count(text: str) -> int:
@@ -43,7 +42,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--predictor", type=Path, default=MODELS_DIR / "predictor", help="HVD yield predictor directory")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens)
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                    help="the longest draft-LM chain (vLLM's num_speculative_tokens)")
     ap.add_argument("--eagle3-k", type=int, default=EngineConfig.eagle3_k, help="the longest EAGLE-3 chain")
     ap.add_argument("--eagle3-confidence", type=float, default=EngineConfig.eagle3_confidence,
                     help="EAGLE-3: end a chain after a token whose head probability is below this")
@@ -161,7 +161,7 @@ def with_speculative_config(cfg: EngineConfig, spec: dict | None) -> EngineConfi
 def cmd_serve(args: argparse.Namespace) -> None:
     """embedded (default): everything in this process. distributed: verifier replicas as
     separate processes on loopback + the router here. --role runs one service alone."""
-    from services.router.server import serve
+    from services.assembly import serve
 
     cfg = engine_config(args)
     token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else os.environ.get("SPECMESH_AUTH_TOKEN")
@@ -179,7 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             os.environ.setdefault("SPECMESH_TLS_CLIENT_CA", str(args.tls_client_ca))
     if args.role == "verifier":
         from services.verifier.core import VerifierCore
-        from services.verifier.server import build_verifier_server
+        from services.verifier.grpc_server import build_verifier_server
 
         core = VerifierCore.from_config(cfg, _eos_id(cfg.target))
         server, servicer, port = build_verifier_server(core, args.host, args.port, args.max_sessions)
@@ -192,7 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return
     if args.role == "router" or args.topology == "distributed":
         from services.router.engine import Engine
-        from services.verifier.server import RemoteVerifier
+        from services.verifier.client import RemoteVerifier
 
         children, addrs = [], [a for a in (args.verifiers or "").split(",") if a]
         if args.topology == "distributed" and not addrs:
@@ -228,8 +228,8 @@ def _component_server(args: argparse.Namespace, cfg):
 
     vocab = len(AutoTokenizer.from_pretrained(str(cfg.target)))
     if args.role == "predictor":
+        from services.predictor.grpc_server import build_predictor_server
         from services.predictor.mlp import YieldMLP
-        from services.predictor.server import build_predictor_server
 
         return build_predictor_server(YieldMLP.load(cfg.predictor), args.host, args.port)
     feed = None
@@ -241,14 +241,14 @@ def _component_server(args: argparse.Namespace, cfg):
         cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
         feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache).start()
     if args.role == "drafter":
-        from services.drafter.server import build_drafter_server
+        from services.drafter.grpc_server import build_drafter_server
         from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 
         cache = feed.cache if feed else GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
         drafter = SuffixDrafter(cfg.suffix, cache, feed.publish if feed else None)
         server, _, port = build_drafter_server(drafter, vocab, args.host, args.port)
         return server, port
-    from services.memory.server import build_memory_server
+    from services.memory.grpc_server import build_memory_server
     from services.verifier.core import open_memory
 
     server, _, port = build_memory_server(open_memory(replace(cfg, memory_addr=None)), vocab, args.host, args.port,
@@ -418,40 +418,24 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 
 
 def cmd_client(args: argparse.Namespace) -> None:
-    import grpc
+    from services.common.refusals import Refusal
+    from services.common.security import TLSConfig
+    from services.router.client import GenerateClient, finish_name
 
-    from specmesh.v1 import generate_pb2 as pb
-    from specmesh.v1 import generate_pb2_grpc as pb_grpc
-
-    req = pb.GenerateRequest(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, method=args.method, stop=args.stop or [], stop_token_ids=args.stop_token_id or [],
-                             include_stop_str_in_output=args.include_stop_str, cache_salt=args.cache_salt,
-                             priority=args.priority,
-                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                             frequency_penalty=args.frequency_penalty, n=args.n, logit_bias=dict(_bias(args)),
-                             allowed_token_ids=args.allowed_token_id or [], bad_words=args.bad_word or [],
-                             ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
-                             skip_special_tokens=args.skip_special_tokens)
-    if args.truncate_prompt_tokens is not None:
-        req.truncate_prompt_tokens = args.truncate_prompt_tokens
-    if args.seed is not None:
-        req.seed = args.seed
-    structured = _structured(args)
-    if "choice" in structured:
-        req.structured_output.choice.values.extend(structured["choice"])
-    elif structured:
-        req.structured_output.MergeFrom(pb.StructuredOutput(**structured))
-    from services.common.security import TLSConfig, channel_credentials
-
-    tls = TLSConfig(args.tls_cert, args.tls_key, args.tls_ca)
-    ch = grpc.secure_channel(args.addr, channel_credentials(tls)) if tls.enabled else grpc.insecure_channel(args.addr)
+    fields = dict(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, method=args.method, stop=args.stop or [],
+                  stop_token_ids=args.stop_token_id or [], include_stop_str_in_output=args.include_stop_str,
+                  cache_salt=args.cache_salt, priority=args.priority, repetition_penalty=args.repetition_penalty,
+                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, n=args.n,
+                  logit_bias=dict(_bias(args)), allowed_token_ids=args.allowed_token_id or [],
+                  bad_words=args.bad_word or [], ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
+                  skip_special_tokens=args.skip_special_tokens, truncate_prompt_tokens=args.truncate_prompt_tokens,
+                  seed=args.seed)
     token = args.token or os.environ.get("SPECMESH_AUTH_TOKEN")
-    metadata = [("authorization", f"Bearer {token}")] if token else None
-    with ch:
-        stub = pb_grpc.GenerationStub(ch)
-        texts: dict[int, str] = {}
+    texts: dict[int, str] = {}
+    with GenerateClient(args.addr, TLSConfig(args.tls_cert, args.tls_key, args.tls_ca), token) as client:
         try:
-            for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
+            for msg in client.generate(fields, _structured(args), timeout=args.timeout):
                 if args.n > 1:   # completions arrive interleaved: each is printed whole when it ends
                     texts[msg.index] = texts.get(msg.index, "") + msg.text
                     if msg.finish_reason:
@@ -460,41 +444,12 @@ def cmd_client(args: argparse.Namespace) -> None:
                     print(msg.text, end="", flush=True)
                 if msg.finish_reason:
                     s = msg.stats
-                    print(f"\n[{pb.FinishReason.Name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
+                    print(f"\n[{finish_name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
                           f"{s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}, "
                           f"{msg.usage.cached_prompt_tokens} of {msg.usage.prompt_tokens} prompt tokens cached",
                           file=sys.stderr)
-        except grpc.RpcError as e:
-            sys.exit(f"\nerror: {e.code().name}: {e.details()}")
-
-
-def record_traces(engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla",
-                  concurrency: int = 1) -> list:
-    """Greedy target generations of ``prompts`` as replayable traces. ``method`` must be lossless
-    (vanilla, sd, suffix, eagle3, hybrid): their greedy tokens are the target's."""
-    from services.drafter.replay import Trace
-    from services.router.engine import GenerationRequest
-
-    def trace(p):
-        ids = engine.encode_fit(p.text, max_new)
-        r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
-        return Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None)
-
-    return run_concurrently(trace, list(prompts), concurrency, "trace", progress=progress)
-
-
-def cmd_trace(args: argparse.Namespace) -> None:
-    from bench.workloads import load
-    from services.drafter.replay import save_traces
-    from services.router.engine import Engine
-
-    engine = Engine(engine_config(args))
-    if args.method not in ("vanilla", "sd", "suffix", "eagle3", "hybrid"):
-        sys.exit(f"error: --method {args.method!r} is not lossless; traces must be the target's own tokens")
-    traces = record_traces(engine, load(args.workload, args.limit), args.max_new_tokens, method=args.method,
-                           concurrency=args.concurrency)
-    save_traces(args.out, traces)
-    print(f"wrote {len(traces)} traces to {args.out}")
+        except Refusal as e:
+            sys.exit(f"\nerror: {e}")
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
@@ -511,42 +466,6 @@ def cmd_replay(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-
-
-def cmd_calibrate(args: argparse.Namespace) -> None:
-    """Run `sd` over a calibration workload, record first-rejection pairs, write a snapshot."""
-    from bench.workloads import EVALUATION, load
-    from services.memory.snapshot import save_snapshot
-    from services.router.engine import Engine, GenerationRequest
-
-    if args.workload in EVALUATION:
-        sys.exit(f"error: --workload {args.workload!r} is an evaluation set; calibrate on stdlib-train or edit-train")
-    cfg = engine_config(args)
-    # no shared store and no prior: the engine's memory starts empty and in-process
-    engine = Engine(replace(cfg, redis_url=None, ocm_snapshot=None, memory_addr=None))
-    prompts = load(args.workload, args.limit)
-    run_concurrently(lambda p: engine.generate(GenerationRequest(
-        engine.encode_fit(p.text, args.max_new_tokens), args.max_new_tokens, method="sd")).result(),
-        prompts, args.concurrency, "calibrate", status=lambda: f", {len(engine.memory)} pairs")
-    counts = engine.memory.snapshot()
-    save_snapshot(args.out, counts, {"workload": args.workload, "prompts": len(prompts),
-                                     "max_new_tokens": args.max_new_tokens, "target": str(cfg.target),
-                                     "draft": str(cfg.draft)})
-    print(f"wrote {len(counts)} pairs ({int(sum(counts.values()))} rejections) to {args.out}")
-    if args.redis_url:
-        from services.memory.redis_link import RedisLink
-        from services.memory.redis_memory import RedisCorrectionMemory
-
-        shared = RedisCorrectionMemory(RedisLink(args.redis_url, "ocm"))
-        shared.restore(counts)
-        shared.close()
-        print(f"loaded the snapshot as the shared prior into {args.redis_url}")
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    from bench.harness import main as bench_main
-
-    bench_main(args)
 
 
 def _serve_parser(sub) -> None:
@@ -647,17 +566,8 @@ def _client_parser(sub) -> None:
 
 
 def _tool_parsers(sub) -> None:
-    """``specmesh trace``, ``replay``, ``calibrate`` and ``bench``: the offline tools."""
-    p = sub.add_parser("trace", help="record greedy target generations of a workload as replay traces")
-    _engine_args(p)
-    p.add_argument("--workload", required=True)
-    p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--method", default="vanilla", help="a lossless method; suffix is fastest on edits")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (verified in one batch)")
-    p.add_argument("--out", type=Path, required=True)
-    p.set_defaults(func=cmd_trace)
-
+    """``specmesh replay`` and ``run-batch``: the offline tools. (Traces, calibration and benchmarks
+    need the evaluation datasets: ``python -m training`` and ``python -m bench``, from a checkout.)"""
     p = sub.add_parser("replay", help="replay traces through a drafter without the target")
     p.add_argument("--drafter", default="suffix")
     p.add_argument("--traces", type=Path, required=True)
@@ -666,21 +576,6 @@ def _tool_parsers(sub) -> None:
     p.add_argument("--tree", action="store_true", help="draft speculation trees instead of paths")
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_replay)
-
-    p = sub.add_parser("calibrate", help="fill the correction memory from sd runs on a calibration set")
-    _engine_args(p)
-    p.add_argument("--workload", default="stdlib-train")
-    p.add_argument("--limit", type=int, default=100)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (verified in one batch)")
-    p.add_argument("--out", type=Path, required=True)
-    p.set_defaults(func=cmd_calibrate)
-
-    p = sub.add_parser("bench", help="benchmark methods side by side (see bench/harness.py)")
-    _engine_args(p)
-    from bench.harness import add_args
-    add_args(p)
-    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("run-batch", help="answer an OpenAI batch file offline (vLLM's run-batch)")
     _engine_args(p)
@@ -697,16 +592,19 @@ def _tool_parsers(sub) -> None:
     p.set_defaults(func=cmd_run_batch)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option (docs/configuration.md is generated from it)."""
     ap = argparse.ArgumentParser(prog="specmesh", description="Speculative-decoding LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
-
     _serve_parser(sub)
     _generate_parser(sub)
     _client_parser(sub)
     _tool_parsers(sub)
+    return ap
 
-    args = ap.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     from services.common.runtime import tune_gc
 
     tune_gc()

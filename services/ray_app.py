@@ -30,14 +30,14 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import numpy as np
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from services.common.config import MODELS_DIR, EngineConfig
 from services.common.metrics import start_node_exporter
-from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec
+from services.common.types import CycleRequest, SessionCancelled, SessionSpec
+from services.drafter.base import Drafter
 
 log = logging.getLogger("specmesh.ray")
 
@@ -124,7 +124,7 @@ class AbortBoard:
     others', so an abort reaches every ingress replica, wherever Serve's proxy sent it."""
 
     def __init__(self):
-        from services.router.server import AbortLog
+        from services.router.admission import AbortLog
 
         self.log = AbortLog()
         self._posted = asyncio.Event()
@@ -140,7 +140,7 @@ class AbortBoard:
         if self.log.since(seq)[0] == seq:
             try:
                 await asyncio.wait_for(self._posted.wait(), wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.log.since(seq)
 
@@ -195,8 +195,8 @@ class DrafterDeployment:
         self.drafter.stop(serve.get_multiplexed_model_id())
 
 
-class RayDrafter:
-    """The Drafter protocol over DrafterDeployment; ``tree``: it asks for speculation trees."""
+class RayDrafter(Drafter):
+    """The Drafter interface over DrafterDeployment; ``tree``: it asks for speculation trees."""
 
     def __init__(self, handle, name: str = "suffix", tree: bool = False):
         self.handle, self.name, self.tree = handle, name, tree
@@ -410,7 +410,7 @@ class GenerationIngress:
         from services.common.runtime import tune_gc
 
         tune_gc()  # the router holds the suffix trees
-        from services.router.server import ActiveSessions
+        from services.router.admission import ActiveSessions
 
         self._handles, self._args, self._drafter = (verifier, predictor), args, drafter
         self._engine = None
@@ -427,7 +427,7 @@ class GenerationIngress:
 
     def _relay_aborts(self) -> None:
         """Apply the other ingress replicas' aborts as they come (a long poll on the board)."""
-        from services.router.server import relay
+        from services.router.admission import relay
 
         seq, failing = 0, False
         while True:
@@ -458,8 +458,8 @@ class GenerationIngress:
                     for name in [n for n in engine.drafters if n.startswith("hybrid")]:
                         engine.drafters[name].cache = engine.drafters["suffix-tree" if name == "hybrid-tree" else "suffix"]
                 if predictor is not None and engine.model_fallback:
+                    from services.drafter.hybrid import PredictorRule
                     from services.predictor.features import TokenFlags
-                    from services.router.hybrid import PredictorRule
 
                     engine.add_hybrid("hybrid", PredictorRule(RayPredictor(predictor), TokenFlags(engine.tokenizer),
                                                               cfg.hybrid.tau), cost_aware=cfg.hybrid.cost_aware)
@@ -471,44 +471,36 @@ class GenerationIngress:
 
     @staticmethod
     def _authorized(grpc_context) -> None:
-        """Serve's proxy runs no interceptors: the bearer token is checked here."""
-        from services.common.security import DENIED, bearer_ok
+        from services.router.grpc_server import check_token_under_serve
 
-        token = os.environ.get("SPECMESH_AUTH_TOKEN")
-        if token and not bearer_ok(grpc_context.invocation_metadata(), token):
-            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
-            grpc_context.set_details(DENIED)
-            raise PermissionError(DENIED)
+        check_token_under_serve(grpc_context, os.environ.get("SPECMESH_AUTH_TOKEN"))
 
     def Abort(self, request, grpc_context):
         """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's;
         the other ingress replicas end theirs as the ``AbortBoard`` tells them."""
-        from services.router.engine import InvalidRequest
-        from services.router.server import abort_target
-        from specmesh.v1 import generate_pb2 as pb
+        from services.common.refusals import Refusal
+        from services.router.grpc_server import refuse_under_serve
+        from services.router.wire import abort_response, abort_target
 
         self._authorized(grpc_context)
         try:
             target = abort_target(request)
-        except InvalidRequest as e:
-            grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-            grpc_context.set_details(str(e))
-            raise
-        return pb.AbortResponse(aborted=self._active.abort(target))
+        except Refusal as e:
+            refuse_under_serve(grpc_context, e)
+        return abort_response(self._active.abort(target))
 
     def Generate(self, request, grpc_context):
         """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""
-        from services.router.engine import InvalidRequest
-        from services.router.server import final_to_pb, request_from_pb, step_to_pb
+        from services.common.refusals import Refusal
+        from services.router.grpc_server import refuse_under_serve
+        from services.router.wire import final_to_pb, request_from_pb, step_to_pb
 
         self._authorized(grpc_context)
         engine = self.engine
         try:
             completions = engine.generate_all(request_from_pb(request, engine))
-        except InvalidRequest as e:
-            grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-            grpc_context.set_details(str(e))
-            raise
+        except Refusal as e:
+            refuse_under_serve(grpc_context, e)
         self._active.add(completions.gens)
         steps = iter(completions)
         try:
@@ -523,8 +515,8 @@ class GenerationIngress:
         on a request thread at first use). Admission as for gRPC: max_streams sessions, max_queue waiting."""
         from services.common.config import ServerConfig
         from services.router import openai_api as oa
+        from services.router.admission import Admission
         from services.router.http_server import build_app
-        from services.router.server import Admission
 
         a = self._args
         cfg = ServerConfig(max_sessions=int(a.get("max_streams", 64)), max_queue=int(a.get("max_queue", 32)),
@@ -535,9 +527,9 @@ class GenerationIngress:
                          oa.served_names(a.get("served_model_name") or "target"), template, active=self._active)
 
     def Check(self, request):
-        from grpc_health.v1 import health_pb2
+        from services.router.grpc_server import health_serving
 
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        return health_serving()
 
 
 def app(args: dict):

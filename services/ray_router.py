@@ -1,5 +1,5 @@
 """Ray Serve request router for the verifier deployment: session affinity and prefix
-affinity, as the distributed router's placement does them (``services/router/affinity.py``).
+affinity, as the distributed router's placement does them (``services/common/affinity.py``).
 
 - A session's later calls (cycles, close; its multiplexed id is the session id) go to the
   replica its ``open`` went to, which holds its KV cache. Serve's own multiplexed routing
@@ -30,8 +30,8 @@ import time
 # its public surface; it is the base every call but a placed `open` falls through to.
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from services.router.affinity import PrefixAffinity, choose, session_loads, unreported
-from services.verifier.core import SessionSpec
+from services.common.affinity import PrefixAffinity, choose, session_loads, unreported
+from services.common.types import SessionSpec
 
 # Longer than a replica's report takes to arrive (its period, 1 s, plus the controller's
 # broadcast): a session this router closed is left out of reports for this long, and one it

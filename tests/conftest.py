@@ -6,14 +6,12 @@ drafts are mostly but not always accepted (rollback gets exercised).
 """
 from __future__ import annotations
 
+import datetime
+import ipaddress
 from pathlib import Path
 
 import pytest
 import torch
-
-import datetime
-import ipaddress
-
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -229,7 +227,7 @@ def tiny_eagle_engine(tiny_dirs, tiny_eagle3):
 
 # -- a throw-away PKI (CA, server and client certificates for localhost) ----------------------
 def _cert(subject: str, issuer_cert, issuer_key, key, ca: bool = False):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
          .issuer_name(issuer_cert.subject if issuer_cert else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
          .public_key(key.public_key()).serial_number(x509.random_serial_number())

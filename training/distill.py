@@ -5,7 +5,7 @@ not on how well the draft models text. A small draft pretrained on the corpus ag
 the target far less than its loss gap suggests. Fine-tuning it on what the target
 actually generates closes that gap where it matters.
 
-Data: traces (`specmesh trace`) of the target's greedy generations of *training* prompts.
+Data: traces (`python -m training trace`) of the target's greedy generations of *training* prompts.
 Each sequence is prompt + output. Per batch the frozen target gives p at every position.
 The draft minimises the forward KL to it (soft cross-entropy Σ −p·log q) over all real
 positions. The pretrain fields of the draft's `training_state.json` are kept; a `distill`

@@ -1,6 +1,6 @@
 """Train the EAGLE-3 head with training-time test (TTT) on the target's own generations.
 
-Data: traces (`specmesh trace`) of the target's greedy regenerations of *training* prompts
+Data: traces (`python -m training trace`) of the target's greedy regenerations of *training* prompts
 (stdlib-train, edit-train); each sequence = prompt + the target's output.
 Per batch the target runs once (no grad) to give the fused features f (residual streams
 entering the aux layers) and its next-token distributions p. The head is unrolled for

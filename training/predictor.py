@@ -27,7 +27,6 @@ from services.predictor.features import FEATURES, HIGH_YIELD, TokenFlags, YieldT
 from services.predictor.mlp import YieldMLP
 
 
-
 def replay_dataset(traces: list[Trace], flags: TokenFlags, max_draft: int = 16,
                    progress: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(φ [N, F], labels [N], suffix scores [N]) at every cycle start with a non-empty cache draft."""

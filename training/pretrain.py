@@ -230,6 +230,7 @@ def train(args: argparse.Namespace) -> None:
 
     last_ckpt, t_seg, loss_ema = time.time(), time.time(), None
     t_start, step_start = time.time(), step
+    t_mark = t_start   # reset at step_start + 20: steps 20-40 time the rate
     while step < total_steps and not _Stop.requested:
         if args.max_minutes and step == step_start + 40:
             # A wall-clock budget (a lent GPU) fixes the schedule's length once, from the rate

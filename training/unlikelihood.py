@@ -33,8 +33,16 @@ import numpy as np
 import torch
 
 from services.common.llama import Llama
-from training.pretrain import (batch_at, default_work_dir, encode_corpus, export, heldout_loss, lm_loss,
-                              load_checkpoint, weights_digest)
+from training.pretrain import (
+    batch_at,
+    default_work_dir,
+    encode_corpus,
+    export,
+    heldout_loss,
+    lm_loss,
+    load_checkpoint,
+    weights_digest,
+)
 
 MAX_PERIOD = 32
 MIN_SPAN = 8

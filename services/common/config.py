@@ -61,7 +61,7 @@ class GateConfig:
 class HybridConfig:
     tau: float = 2.0                 # verify the cache draft when the predicted yield exceeds tau (bench.hybrid_sweep)
     score_threshold: float = 2.0     # hybrid-rule baseline: verify when the suffix score reaches this (its best too)
-    cost_aware: bool = True          # hybrid: weigh ŷ against measured cycle costs instead of tau (router/hybrid.py)
+    cost_aware: bool = True          # hybrid: weigh ŷ against measured cycle costs instead of tau (drafter/hybrid.py)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class EngineConfig:
     hybrid: HybridConfig = HybridConfig()
     device: str = "cpu"
     dtype: str = "float32"
-    num_speculative_tokens: int = 4       # k for model drafters; tuned by `specmesh bench`
+    num_speculative_tokens: int = 4       # k for model drafters; tuned by `python -m bench`
     packed_gemm: bool = True              # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
     kv_pool: bool = False                 # pooled K/V slots: one attention call per layer for a step's sessions
     #                                       (services/common/kv_pool.py; no gain on this CPU, meant for GPUs)

@@ -1,14 +1,52 @@
 """One way to build a specmesh gRPC server: explicit message limits, health, reflection."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.security import BearerAuth, TLSConfig, channel_credentials, server_credentials
+from services.common import refusals
+from services.common.security import DENIED, TLSConfig, bearer_ok
+
+EXEMPT = ("/grpc.health.v1.Health/",)   # Kubernetes probes carry no token
+
+# Each refusal's gRPC status (the HTTP edge has its own table).
+STATUS_OF: dict[type[refusals.Refusal], grpc.StatusCode] = {
+    refusals.Invalid: grpc.StatusCode.INVALID_ARGUMENT,
+    refusals.Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    refusals.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    refusals.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    refusals.Cancelled: grpc.StatusCode.CANCELLED,
+}
+
+
+def status_of(refusal: refusals.Refusal) -> grpc.StatusCode:
+    """The status code a refusal gets on a gRPC edge."""
+    if isinstance(refusal, Failed):
+        return refusal.code
+    for kind in type(refusal).__mro__:
+        if kind in STATUS_OF:
+            return STATUS_OF[kind]
+    return grpc.StatusCode.UNKNOWN
+
+
+class Failed(refusals.Refusal):
+    """A peer failed with a status that is no refusal of ours (INTERNAL, UNKNOWN...): ``code`` keeps it."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def refusal_of(e: grpc.RpcError, peer: str) -> refusals.Refusal:
+    """A peer's status as a refusal of ours (the inverse of ``status_of``), its message prefixed
+    with ``peer``."""
+    kind = next((k for k, code in STATUS_OF.items() if code == e.code()), None)
+    message = f"{peer}: {e.details()}"
+    return kind(message) if kind is not None else Failed(e.code(), message)
 
 
 def build_grpc_server(register: Callable[[grpc.Server], None], service_names: list[str], host: str, port: int,
@@ -87,3 +125,51 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+# -- transport security ------------------------------------------------------------------------
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    if tls.cert is None or tls.key is None:
+        raise ValueError("TLS: a server needs both a certificate and a key")
+    ca = tls.ca.read_bytes() if tls.ca else None
+    return grpc.ssl_server_credentials([(tls.key.read_bytes(), tls.cert.read_bytes())], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca.read_bytes() if tls.ca else None,
+        private_key=tls.key.read_bytes() if tls.key else None,
+        certificate_chain=tls.cert.read_bytes() if tls.cert else None)
+
+
+class BearerAuth(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("auth: the bearer token must not be empty")
+        self._token = token
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(EXEMPT) or bearer_ok(details.invocation_metadata, self._token):
+            return handler
+        return _deny(handler)
+
+
+def _deny(handler):
+    def abort(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+
+    kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+            else "stream_unary" if handler.stream_unary else "stream_stream")
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    return make(abort, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+class TokenCredentials(grpc.AuthMetadataPlugin):
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, context, callback):
+        callback((("authorization", f"Bearer {self.token}"),), None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.kv_pool import Group, KVPool, plan_groups, pooled_cache
-from services.common.token_tree import ancestor_mask, depths
+from services.common.token_tree import depths
+
+
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """[n, n] bool: row i is True at i and at each of its ancestors (what node i attends to
+    among the tree's nodes)."""
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i] = m[p]
+        m[i, i] = True
+    return m
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # value files are created with t
 
 from prometheus_client import Counter, Gauge, Histogram  # noqa: E402
 
+from services.common import refusals  # noqa: E402
+
 REDIS_ERRORS = Counter("specmesh_redis_errors_total", "Redis operations that failed", ["component"])
 REDIS_UP = Gauge("specmesh_redis_up", "1 when the component's Redis link is healthy", ["component"],
                  multiprocess_mode="livemin")
@@ -54,6 +56,14 @@ GRAMMAR_COMPILE_SECONDS = Histogram("specmesh_grammar_compile_seconds", "Time to
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 REQUESTS = Counter("specmesh_requests_total", "Finished requests", ["method", "finish_reason"])
 REQUESTS_REJECTED = Counter("specmesh_requests_rejected_total", "Requests refused before decoding", ["code"])
+# The ``code`` label of each refusal: gRPC's status names, whichever front end refused.
+REJECTED_AS = {refusals.Invalid: "INVALID_ARGUMENT", refusals.Overloaded: "RESOURCE_EXHAUSTED",
+               refusals.DeadlineExceeded: "DEADLINE_EXCEEDED", refusals.Unavailable: "UNAVAILABLE",
+               refusals.Cancelled: "CANCELLED"}
+
+
+def rejected_code(refusal: refusals.Refusal) -> str:
+    return next((REJECTED_AS[k] for k in type(refusal).__mro__ if k in REJECTED_AS), "UNKNOWN")
 ACTIVE_SESSIONS = Gauge("specmesh_active_sessions", "Generate streams in progress", multiprocess_mode="livesum")
 QUEUE_DEPTH = Gauge("specmesh_queue_depth", "Generate requests waiting for a session slot",
                     multiprocess_mode="livesum")

@@ -21,8 +21,8 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -16,9 +16,7 @@ Pure: no gRPC, Redis or Ray.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
-import torch
+from collections.abc import Callable, Sequence
 
 
 def is_chain(parents: Sequence[int]) -> bool:
@@ -57,18 +55,6 @@ def depths(parents: Sequence[int]) -> list[int]:
     for p in parents:
         out.append(1 if p < 0 else out[p] + 1)
     return out
-
-
-def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
-    """[n, n] bool: row i is True at i and at each of its ancestors (what node i attends to
-    among the tree's nodes)."""
-    n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            m[i] = m[p]
-        m[i, i] = True
-    return m
 
 
 def graft(token_ids: Sequence[int], parents: Sequence[int], branch: Sequence[int], limit: int

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.common.token_tree import is_chain, main_chain
+
+if TYPE_CHECKING:   # annotations only: this module is imported where torch is not
+    import torch
 
 
 SAMPLING_EPS = 1e-5   # temperatures below it are greedy (vLLM's _SAMPLING_EPS): dividing logits by less overflows
@@ -190,3 +192,65 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+# -- one session on a verifier, and one decoding cycle of it (router <-> verifier) ---------------
+class SessionCancelled(RuntimeError):
+    """The session was cancelled (its client went away) while a cycle was queued or prefilling."""
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    policy: str = "lossless"
+    model_drafter: str | None = None     # verifier-side drafter this session may use
+    on_demand: bool = False              # it drafts only when a cycle asks (a hybrid): no eager catch-up
+    max_draft: int = 0                   # longest draft the session will see (KV capacity)
+    session_id: str = ""
+    deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
+    logprobs: int | None = None          # per committed token: its target log-probability and this many alternatives
+    cache_salt: str = ""                 # prefix-cache blocks are shared only among sessions of the same salt
+    ignore_eos: bool = False             # commit past the end-of-sequence token
+    min_tokens: int = 0                  # no end-of-sequence token before this many new tokens
+    generated: int = 0                   # the last this many prompt_ids are output already (a re-open)
+    prompt_logprobs: int | None = None   # per prompt token after the first: its log-probability and alternatives
+    grammar: str | None = None           # structured output: the whole output matches this regex
+
+    def resumed(self, committed: list[int]) -> "SessionSpec":
+        """The spec that re-opens this session elsewhere after ``committed`` output tokens
+        (failover): they join the prompt and count as output; the limits shrink by them, and
+        the prompt's logprobs, which came with the first cycle, are not asked again."""
+        n = len(committed)
+        if not n:
+            return self
+        return replace(self, prompt_ids=self.prompt_ids + list(committed),
+                       max_new_tokens=max(1, self.max_new_tokens - n), min_tokens=max(0, self.min_tokens - n),
+                       generated=self.generated + n, prompt_logprobs=None)
+
+
+@dataclass(frozen=True)
+class CycleRequest:
+    draft_ids: tuple[int, ...] = ()      # a draft made by the router (suffix cache)
+    draft_parents: tuple[int, ...] = ()  # its token tree's parents (token_tree); empty: a chain
+    draft_source: str = "none"
+    draft_with: str | None = None        # or: draft here with this verifier-side drafter (and, where the
+                                         # session takes trees, verify draft_ids, a chain, beside its draft)
+    budget: int = 0
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    committed: list[int]                 # tokens the request keeps: the verdict's, cut after EOS
+    drafted: int
+    accepted: int                        # draft tokens kept among ``committed``
+    source: str
+    rescued_pairs: tuple[tuple[int, int], ...] = ()
+    rejected: bool = False               # the cycle ended at a true rejection
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    batch_size: int = 1                  # sessions verified in the same target forward
+    cached_tokens: int = 0               # prompt positions the prefix cache gave (a session's first cycle)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # a session's first cycle, when it asked
+    logprobs: tuple[TokenLogprob, ...] = ()   # one per committed token, when the session asked

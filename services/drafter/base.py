@@ -1,7 +1,8 @@
 """The one drafter protocol, and the registry drafters are looked up in by name."""
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -9,7 +10,7 @@ from services.common.prefix_cache import PrefixCache
 from services.common.types import Draft, SamplingParams
 
 
-class Drafter(Protocol):
+class Drafter(ABC):
     """Request lifecycle: start → (propose → observe)* → stop.
 
     ``observe`` receives the tokens committed in the cycle (accepted drafts + the target's
@@ -20,7 +21,9 @@ class Drafter(Protocol):
     ``n`` tokens of the proposal (the router cut it before a token that a grammar or a bad
     word forbids): a drafter that costs its cycles by draft length counts that length.
 
-    Drafters subclass this protocol and inherit its defaults for what only some of them do:
+    Every drafter subclasses this base and implements the lifecycle (``start``, ``propose``,
+    ``observe``, ``stop``); it inherits defaults for what only some of them do: ``verified``
+    (nothing to count),
     ``propose_batch`` (one call per request unless batched kernels make one call for all),
     ``absorb`` (nothing to take in without a model of its own) and ``kv_bytes_per_position``
     (0 without a K/V cache, so no share of the prefix-cache budget; a drafter with one keeps
@@ -31,15 +34,21 @@ class Drafter(Protocol):
     needs_target_states: bool = False
     prefix: PrefixCache | None = None
 
+    @abstractmethod
     def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
               max_new_tokens: int = 0) -> None: ...
 
+    @abstractmethod
     def propose(self, req_id: str, budget: int) -> Draft: ...
 
-    def verified(self, req_id: str, n: int) -> None: ...
+    def verified(self, req_id: str, n: int) -> None:
+        """Only the first ``n`` tokens of the last proposal are checked this cycle."""
+        return None
 
+    @abstractmethod
     def observe(self, req_id: str, tokens: list[int], target_states: torch.Tensor | None = None) -> None: ...
 
+    @abstractmethod
     def stop(self, req_id: str) -> None: ...
 
     def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
@@ -49,6 +58,7 @@ class Drafter(Protocol):
     def absorb(self, req_id: str, upto: int) -> None:
         """Take in the prompt positions before ``upto`` that the target has fed (a prefill
         chunk), without drafting, so the first draft does not catch up over the whole prompt."""
+        return None
 
     def kv_bytes_per_position(self) -> int:
         """K/V bytes the drafter keeps per position of a request."""

@@ -11,7 +11,8 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 

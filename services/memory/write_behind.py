@@ -11,7 +11,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from services.common.metrics import OCM_PAIRS
 from services.memory.correction_memory import Pair

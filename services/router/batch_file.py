@@ -16,12 +16,12 @@ import json
 import logging
 import time
 import uuid
-from typing import Iterable
+from collections.abc import Iterable
 
 from services.common.progress import run_concurrently
 from services.router import openai_api as oa
+from services.router.admission import Admission
 from services.router.engine import Completions, Engine, InvalidRequest
-from services.router.server import Admission
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 log = logging.getLogger("specmesh.batch")

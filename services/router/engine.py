@@ -12,23 +12,24 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from services.common.config import EngineConfig
 from services.common.metrics import REQUESTS, MethodMetrics
 from services.common.prefix_cache import MAX_CACHE_SALT
+from services.common.refusals import Invalid
 from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, banned_tokens, sampling_error
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
-from services.common.types import SamplingParams, SpecStats, TokenLogprob
+from services.common.types import CycleRequest, SamplingParams, SessionCancelled, SessionSpec, SpecStats, TokenLogprob
+from services.drafter.hybrid import Delegate
 from services.drafter.ngram import NgramDrafter
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
-from services.router.hybrid import Delegate
-from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec, VerifierCore
+from services.verifier.core import VerifierCore
 
 log = logging.getLogger("specmesh.engine")
 MODEL = "model"  # a hybrid's fallback: the verifier's EAGLE-3 head, else its draft LM
@@ -64,7 +65,7 @@ METHODS: dict[str, MethodSpec] = {m.name: m for m in (
 )}
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(Invalid):
     """A request field is out of range; the message names the field and what to fix."""
 
 
@@ -148,7 +149,7 @@ class Engine:
 
             self.suffix_feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), self.suffix_cache).start()
         if cfg.drafter_addr:
-            from services.drafter.server import RemoteDrafter
+            from services.drafter.client import RemoteDrafter
 
             self.drafters = {"suffix": RemoteDrafter(cfg.drafter_addr),
                              "suffix-tree": RemoteDrafter(cfg.drafter_addr, "suffix-tree", tree=True)}
@@ -178,7 +179,7 @@ class Engine:
 
     def _add_hybrids(self, cfg: EngineConfig) -> None:
         """hybrid / hybrid-rule: the suffix cache + the verifier's model drafter as fallback."""
-        from services.router.hybrid import PredictorRule, ScoreRule
+        from services.drafter.hybrid import PredictorRule, ScoreRule
 
         if self.model_fallback is None:
             return
@@ -186,7 +187,7 @@ class Engine:
         from services.predictor.features import TokenFlags
 
         if cfg.predictor_addr:
-            from services.predictor.server import RemotePredictor
+            from services.predictor.client import RemotePredictor
 
             rules["hybrid"] = PredictorRule(RemotePredictor(cfg.predictor_addr), TokenFlags(self.tokenizer),
                                             cfg.hybrid.tau)
@@ -206,7 +207,7 @@ class Engine:
                    cache: str = "suffix", both: bool = False) -> None:
         """A hybrid of the suffix cache (drafter ``cache``) and ``fallback`` (default: the EAGLE-3
         head, else the draft LM); ``both``: its model cycles verify the cache draft too."""
-        from services.router.hybrid import CycleCosts, HybridDrafter
+        from services.drafter.hybrid import CycleCosts, HybridDrafter
 
         model = fallback or self.model_fallback
         limits = (self.max_draft["suffix"], self.max_draft[model])

@@ -19,25 +19,31 @@ import logging
 import threading
 import time
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.common import refusals
 from services.common.config import ServerConfig
-from services.common.metrics import REQUESTS_REJECTED, decoding_totals
+from services.common.metrics import REQUESTS_REJECTED, decoding_totals, rejected_code
+from services.common.refusals import Refusal
+from services.common.types import SessionCancelled
 from services.router import openai_api as oa
 from services.router import sglang_api as sgl
 from services.router.engine import Completions, Engine, InvalidRequest
 from services.router.tools import ToolStream
-from services.verifier.core import SessionCancelled
-from services.verifier.server import NoReplica
 
 log = logging.getLogger("specmesh.http")
 
-_HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-            grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAVAILABLE: 503}
+# Each refusal's HTTP status (the gRPC edge has its own table).
+_HTTP_OF: dict[type[refusals.Refusal], int] = {refusals.Invalid: 400, refusals.Overloaded: 429,
+                                              refusals.DeadlineExceeded: 504, refusals.Unavailable: 503,
+                                              refusals.Cancelled: 499}
+
+
+def http_status(refusal: refusals.Refusal) -> int:
+    return next((_HTTP_OF[k] for k in type(refusal).__mro__ if k in _HTTP_OF), 500)
 _KIND_OF = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
@@ -111,10 +117,8 @@ class _Run:
                                            "(prompts × n, or × best_of when larger; this server's sessions)")
         refused = self.admission.acquire(self, n, self.api.gens[0].priority)
         if refused is not None:
-            REQUESTS_REJECTED.labels(refused.name).inc()
-            return self._put("error", _HTTP_OF.get(refused, 499),
-                             f"server is at its limit of {self.admission.max_sessions} concurrent sessions and "
-                             f"{self.admission.max_queue} queued requests; retry later")
+            REQUESTS_REJECTED.labels(rejected_code(refused)).inc()
+            return self._put("error", http_status(refused), str(refused))
         try:
             self.completions = completions
             self._decode(completions)
@@ -133,10 +137,8 @@ class _Run:
             self._put("done")
         except SessionCancelled:
             pass
-        except NoReplica as e:
-            self._put("error", 503, str(e))
-        except grpc.RpcError as e:
-            self._put("error", _HTTP_OF.get(e.code(), 500), f"verifier: {e.details()}")
+        except Refusal as e:   # no live verifier, or a verifier's own status
+            self._put("error", http_status(e), str(e))
         except Exception as e:   # the client gets a status, the log the trace
             log.exception("request failed")
             self._put("error", 500, f"internal error: {type(e).__name__}")
@@ -152,7 +154,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
     app = FastAPI(title="specmesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     if active is None:
-        from services.router.server import ActiveSessions
+        from services.router.admission import ActiveSessions
 
         active = ActiveSessions()
 
@@ -190,7 +192,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
             while (left := deadline - loop.time()) > 0:
                 try:
                     event = await asyncio.wait_for(run.queue.get(), min(left, 0.5))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     event = ("waiting",)
                 if event[0] == "done" or decoding_totals()[1] > before:
                     return Response(status_code=200)
@@ -258,8 +260,8 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
     async def _reset_prefix_cache(done: Response):
         try:
             await asyncio.to_thread(lambda: get_engine().verifier.clear_prefix_cache())
-        except NoReplica as e:
-            return error(503, str(e))
+        except Refusal as e:
+            return error(http_status(e), str(e))
         return done
 
     @app.post("/tokenize")
@@ -343,7 +345,7 @@ async def _gathered(request: Request, run: _Run):
     while True:
         try:
             event = await asyncio.wait_for(run.queue.get(), 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if await request.is_disconnected():
                 run.leave()
                 yield None

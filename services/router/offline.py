@@ -16,18 +16,18 @@ bundled zoo), per ``LLM`` or per call.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from services.common.config import MODELS_DIR, EngineConfig
 from services.common.progress import run_concurrently
 from services.common.types import SamplingParams as Sampling
 from services.common.types import TokenLogprob
-from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.router import openai_api as oa
+from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.router.tools import template_messages
-
 
 
 @dataclass(frozen=True)

@@ -699,3 +699,9 @@ def models_body(served: str | tuple[str, ...], max_model_len: int, created: int 
     names, created = served_names(served), created or int(time.time())
     return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "specmesh",
                                         "root": names[0], "max_model_len": max_model_len} for n in names]}
+
+
+def served_model(engine, cfg) -> tuple[str, ...]:
+    """The model's names in the HTTP API, the first also in vLLM-named metrics: the target's
+    directory name by default."""
+    return served_names(cfg.served_model_name or engine.cfg.target.name)

@@ -12,7 +12,8 @@ i (row k predicts the bonus token).
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 

@@ -7,7 +7,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import ServerConfig
 from services.router.engine import GenerationRequest
-from services.router.server import SERVICE_NAME, build_server
+from services.router.grpc_server import SERVICE_NAME, build_server
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import finish_order_by_priority
@@ -132,7 +132,7 @@ def test_prompt_logprobs_are_the_targets_and_bypass_the_prefix_cache(served, tin
 
 def test_prompt_logprobs_with_chunked_prefill(served, tiny_engine):
     """A prompt prefilled in chunks beside a decoding session gets the same prompt logprobs."""
-    from services.verifier.core import CycleRequest, SessionSpec
+    from services.common.types import CycleRequest, SessionSpec
 
     stub, _, _ = served
     core = tiny_engine.verifier

@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 
 from services.common.config import SuffixConfig
-from services.drafter.server import RemoteDrafter, build_drafter_server
+from services.drafter.client import RemoteDrafter
+from services.drafter.grpc_server import build_drafter_server
 from services.drafter.suffix import SuffixDrafter
+from services.memory.client import RemoteCorrectionMemory
 from services.memory.correction_memory import LocalCorrectionMemory
-from services.memory.server import RemoteCorrectionMemory, build_memory_server
+from services.memory.grpc_server import build_memory_server
+from services.predictor.client import RemotePredictor
 from services.predictor.features import FEATURES
+from services.predictor.grpc_server import build_predictor_server
 from services.predictor.mlp import YieldMLP
-from services.predictor.server import RemotePredictor, build_predictor_server
 from specmesh.v1 import drafter_pb2 as dpb
 from specmesh.v1 import drafter_pb2_grpc as dgrpc
 from specmesh.v1 import memory_pb2 as mpb

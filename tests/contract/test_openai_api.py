@@ -10,10 +10,11 @@ from dataclasses import replace
 import openai
 import pytest
 
+from services.assembly import start_http
 from services.common.config import ServerConfig
 from services.common.types import SamplingParams
 from services.router.engine import GenerationRequest
-from services.router.server import build_server, start_http
+from services.router.grpc_server import build_server
 from tests.conftest import corrupt_bytes, finish_order_by_priority, wait_for
 
 PROMPT = "def add(a, b):\n"

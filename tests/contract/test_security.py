@@ -4,8 +4,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import ServerConfig
-from services.common.security import TLSConfig, channel_credentials
-from services.router.server import build_server
+from services.common.grpc_server import channel_credentials
+from services.common.security import TLSConfig
+from services.router.grpc_server import build_server
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
 

@@ -2,9 +2,9 @@
 sampling-parameter names and defaults, its meta_info (finish reasons with what matched), batches
 and n, a cumulative stream, and errors naming the field as SGLang does."""
 import json
-from contextlib import contextmanager
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 
 import pytest
 
@@ -176,8 +176,9 @@ def test_server_info_reports_limits_and_the_accept_length(url, tiny_engine):
 @pytest.fixture
 def served(tiny_engine):
     """A server of one session slot and no queue, its health check waiting 1.5 s."""
+    from services.assembly import start_http
     from services.common.config import ServerConfig
-    from services.router.server import build_server, start_http
+    from services.router.grpc_server import build_server
 
     cfg = ServerConfig(port=0, http_port=0, max_sessions=1, max_queue=0, health_check_timeout_s=1.5)
     server, servicer, _ = build_server(tiny_engine, cfg)
@@ -262,8 +263,9 @@ def test_health_generate_is_503_while_draining(served):
 @contextmanager
 def both_apis(engine, **cfg):
     """gRPC and HTTP over one engine and one admission: (HTTP base URL, gRPC port, servicer)."""
+    from services.assembly import start_http
     from services.common.config import ServerConfig
-    from services.router.server import build_server, start_http
+    from services.router.grpc_server import build_server
 
     cfg = ServerConfig(port=0, http_port=0, **{"max_sessions": 4, **cfg})
     server, servicer, port = build_server(engine, cfg)

@@ -7,8 +7,9 @@ from collections import defaultdict
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.assembly import start_http
 from services.common.config import ServerConfig
-from services.router.server import build_server, start_http
+from services.router.grpc_server import build_server
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import wait_for

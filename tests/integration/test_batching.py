@@ -120,8 +120,8 @@ def test_a_drafter_failure_fails_only_its_cycles_and_runs_no_empty_forward(tiny_
     """When every cycle of a step fails in drafting, the step ends there (no forward over
     nothing); the session's next cycle runs normally."""
     from services.common.config import EngineConfig
+    from services.common.types import CycleRequest, SessionSpec
     from services.router.engine import Engine
-    from services.verifier.core import CycleRequest, SessionSpec
 
     eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None))
     core = eng.verifier
@@ -150,8 +150,8 @@ def test_a_cancelled_prompt_stops_prefilling_at_the_next_step(tiny_dirs):
     import time
 
     from services.common.config import EngineConfig
+    from services.common.types import SessionCancelled
     from services.router.engine import Engine
-    from services.verifier.core import SessionCancelled
 
     eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None,
                               max_new_tokens_limit=200, prefill_chunk=4))
@@ -211,7 +211,7 @@ def test_closing_a_busy_session_on_the_link_cancels_its_prefill(tiny_dirs):
 
     from services.common.config import EngineConfig
     from services.router.engine import Engine
-    from services.verifier.server import build_verifier_server
+    from services.verifier.grpc_server import build_verifier_server
     from specmesh.v1 import verifier_pb2 as vpb
     from specmesh.v1 import verifier_pb2_grpc as vgrpc
 

@@ -36,7 +36,8 @@ def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(t
 def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_path):
     """bench.eagle3_sweep: one `sd` reference row, then one lossless `eagle3` row per (head, k,
     confidence) whose chains never pass k; a confidence no token reaches stops chains at one."""
-    from bench.eagle3_sweep import markdown as sweep_md, plot, sweep
+    from bench.eagle3_sweep import markdown as sweep_md
+    from bench.eagle3_sweep import plot, sweep
     from bench.harness import save
     from services.common.config import EngineConfig
     from services.router.engine import Engine
@@ -60,7 +61,8 @@ def test_draft_vocab_bench_rows(tiny_dirs, tmp_path):
     """bench.draft_vocab: one row per size, interleaved; every size lossless, so outputs agree."""
     import shutil
 
-    from bench.draft_vocab import markdown as vocab_md, measure
+    from bench.draft_vocab import markdown as vocab_md
+    from bench.draft_vocab import measure
     from services.common.config import EngineConfig
     from services.drafter.vocab import RANKING_FILE, frequency_ranking, save_ranking
     from services.router.engine import Engine

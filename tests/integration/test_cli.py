@@ -7,6 +7,7 @@ import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from services.common.grpc_server import free_port
 
 CLI = [sys.executable, "-m", "services.cli"]
@@ -106,7 +107,7 @@ def test_calibrate_writes_snapshot_and_loads_redis_prior(tiny_dirs, tmp_path, re
 
     target, draft = tiny_dirs
     out = tmp_path / "ocm.json"
-    base = CLI + ["calibrate", "--target", str(target), "--draft", str(draft), "--limit", "3",
+    base = [sys.executable, "-m", "training", "calibrate", "--target", str(target), "--draft", str(draft), "--limit", "3",
                   "--max-new-tokens", "24", "--out", str(out)]
     bad = subprocess.run(base + ["--workload", "humaneval"], capture_output=True, text=True, env=ENV, timeout=120)
     assert bad.returncode != 0 and "evaluation set" in bad.stderr
@@ -149,9 +150,9 @@ def test_serve_takes_vllms_speculative_config(tiny_dirs, tiny_engine):
     """`serve --speculative-config` (vLLM's flag): its method is the default of a request that
     names none, with the drafter settings it gives (SGLang's server info shows them); the
     output stays vanilla's."""
+    from services.router.engine import GenerationRequest
     from specmesh.v1 import generate_pb2 as gpb
     from specmesh.v1 import generate_pb2_grpc as ggrpc
-    from services.router.engine import GenerationRequest
 
     target, draft = tiny_dirs
     port, http = free_port(), free_port()

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 from bench.workloads import Prompt
-from services.cli import record_traces
 from services.common.config import EngineConfig
 from services.drafter.replay import save_traces
 from services.router.engine import Engine, GenerationRequest
 from tests.conftest import make_tiny
 from training.evaluate import distill_row
+from training.traces import record_traces
 
 
 def acceptance(target, draft, prompts) -> float:

@@ -13,15 +13,15 @@ import grpc
 import pytest
 
 from services.common.config import EngineConfig, ServerConfig
+from services.common.grpc_server import free_port
+from services.common.runtime import stop_processes
 from services.router.engine import Engine, GenerationRequest
-from services.router.server import build_server
-from services.verifier.server import RemoteVerifier
+from services.router.grpc_server import build_server
+from services.verifier.client import RemoteVerifier
 from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
 from specmesh.v1 import verifier_pb2 as vpb
 from specmesh.v1 import verifier_pb2_grpc as vgrpc
-from services.common.grpc_server import free_port
-from services.common.runtime import stop_processes
 from tests.conftest import corrupt_bytes
 
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\nimport os\n", "class A:\n    pass\n\nclass", "x = [1, 2"]
@@ -89,7 +89,7 @@ def test_a_token_tree_crosses_the_link_and_its_second_branch_is_kept(cluster, ti
     """A router's tree draft reaches the replica with its parents: the greedy continuation
     sits on the root's second branch, so the cycle commits that branch and the target's next
     token; the next cycle goes on from exactly there."""
-    from services.verifier.core import CycleRequest, SessionSpec
+    from services.common.types import CycleRequest, SessionSpec
 
     engine, _, _, _ = cluster
     ids = tiny_engine.encode("def add(a, b):\n")
@@ -110,7 +110,7 @@ def test_a_new_session_goes_where_its_prompt_start_is_cached(cluster):
     """Prefix affinity: with one session open on the replica that verified a prompt, the same
     prompt goes there again (within the slack) and starts from its prefix cache; with no
     slack, or affinity off, it goes to the idle replica (prefilled there the first time)."""
-    from services.verifier.core import CycleRequest, SessionSpec
+    from services.common.types import CycleRequest, SessionSpec
 
     engine, _, addrs, _ = cluster
     pool = engine.verifier
@@ -286,7 +286,7 @@ def test_replica_killed_mid_stream_loses_nothing(tiny_dirs, tiny_engine, link):
 def test_reset_prefix_cache_reaches_every_replica(cluster):
     """RemoteVerifier.clear_prefix_cache (the router's /reset_prefix_cache): a prompt cached on a
     replica is prefilled whole after it, and placement no longer sends it after those blocks."""
-    from services.verifier.core import CycleRequest, SessionSpec
+    from services.common.types import CycleRequest, SessionSpec
 
     engine, _, _, _ = cluster
     pool = engine.verifier
@@ -387,7 +387,7 @@ def test_a_lone_session_on_a_link_crosses_no_thread_of_ours_and_two_hand_reading
     step and answers with no hand-off: a lone session's cycles start no reader thread. Two
     sessions cycling at once hand reading to the reader thread and back; every output
     equals vanilla's, and nothing is left open."""
-    from services.verifier.server import build_verifier_server
+    from services.verifier.grpc_server import build_verifier_server
 
     core = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None,
                                ocm_snapshot=None, max_new_tokens_limit=200)).verifier
@@ -518,8 +518,8 @@ def test_cancel_stops_a_remote_prefill_at_the_next_step(tiny_dirs, link):
     """A router whose client cancels while its prompt prefills in chunks on a remote verifier
     (over the Link or a per-session stream): the cycle ends at once with SessionCancelled (no
     failover), the verifier feeds no more of the prompt and closes the session."""
-    from services.verifier.core import SessionCancelled, SessionSpec
-    from services.verifier.server import build_verifier_server
+    from services.common.types import SessionCancelled, SessionSpec
+    from services.verifier.grpc_server import build_verifier_server
 
     core = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
                                max_new_tokens_limit=200, prefill_chunk=2)).verifier

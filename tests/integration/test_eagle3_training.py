@@ -7,12 +7,12 @@ import sys
 import torch
 
 from bench.workloads import Prompt
-from services.cli import record_traces
 from services.common.config import EngineConfig
 from services.drafter.replay import save_traces
 from services.router.engine import Engine, GenerationRequest
-from training.precision import bf16_native
 from tests.conftest import make_tiny
+from training.precision import bf16_native
+from training.traces import record_traces
 
 
 def acceptance(target, head_dir, prompts) -> float:

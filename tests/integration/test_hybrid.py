@@ -2,10 +2,10 @@
 import torch
 
 from services.common.types import SamplingParams
+from services.drafter.hybrid import CACHE, MODEL, PLAIN, Delegate, PredictorRule, ScoreRule
 from services.predictor.features import TokenFlags
 from services.predictor.mlp import YieldMLP
 from services.router.engine import GenerationRequest
-from services.router.hybrid import CACHE, MODEL, PLAIN, Delegate, PredictorRule, ScoreRule
 
 TEXTS = ["def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n", "import os\nimport sys\nimport os\n",
          "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "for i in range(3):\n    print(i)\nfor i in range(3):\n"]
@@ -146,7 +146,7 @@ def test_a_delegated_cycle_verifies_the_cache_draft_beside_the_models(tiny_eagle
     model cycles) verifies both as one tree: when the router's branch is the true
     continuation it is kept whole, whatever the (untrained) head drafted. A sampled session's
     chain from the head carries a q: it keeps rejection sampling, alone."""
-    from services.verifier.core import CycleRequest, SessionSpec
+    from services.common.types import CycleRequest, SessionSpec
 
     eng = tiny_eagle_engine
     ids = eng.encode("def add(a, b):\n")

@@ -285,7 +285,7 @@ def test_router_drafts_end_before_a_bad_words_last_token():
 def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
     """Failover re-opens a session with prompt + output so far as its prompt; ``generated``
     tells the verifier which part is output, so presence and frequency penalties carry on."""
-    from services.verifier.core import CycleRequest, SessionSpec
+    from services.common.types import CycleRequest, SessionSpec
 
     eng = tiny_engine
     sp = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0)

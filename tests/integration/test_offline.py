@@ -1,7 +1,6 @@
 """The offline batch API (``from specmesh import LLM, SamplingParams``), vLLM's ``LLM``: every
 prompt's output in order, equal to the engine's own; requests checked before any decodes."""
 import pytest
-
 from prometheus_client import REGISTRY
 
 from services.common.metrics import CYCLES

@@ -5,17 +5,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.grpc_server import free_port
 from services.router.engine import GenerationRequest
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
-from services.common.grpc_server import free_port
 from tests.conftest import wait_for
 from tests.integration.test_cli import scrape as scrape_labelled
 
 
-
 @pytest.fixture(scope="module")
 def serve_app(tiny_dirs, tmp_path_factory):
+    import os
     import shutil
 
     import ray
@@ -23,8 +23,6 @@ def serve_app(tiny_dirs, tmp_path_factory):
     from ray.serve.config import gRPCOptions
 
     from services.ray_app import app
-
-    import os
 
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "180")  # a loaded 2-core machine starts GCS slowly
     models = tmp_path_factory.mktemp("ray-models")
@@ -264,8 +262,8 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
 
     from ray import serve
 
+    from services.common.types import CycleRequest, SessionSpec
     from services.ray_app import RaySession
-    from services.verifier.core import CycleRequest, SessionSpec
 
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
     # Earlier tests' sessions, while their replica still reports them, count toward its load:
@@ -328,8 +326,8 @@ def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engin
 
     from ray import serve
 
+    from services.common.types import CycleRequest, SessionCancelled, SessionSpec
     from services.ray_app import RaySession
-    from services.verifier.core import CycleRequest, SessionCancelled, SessionSpec
 
     port = serve_app[2]
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30)   # earlier tests' are closed
@@ -392,8 +390,8 @@ def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_en
 
     from ray import serve
 
+    from services.common.types import CycleRequest, SessionSpec
     from services.ray_app import RaySession
-    from services.verifier.core import CycleRequest, SessionSpec
 
     stub = serve_app[0]
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30)   # earlier tests' are closed
@@ -421,8 +419,8 @@ def test_reset_prefix_cache_reaches_every_verifier_replica(serve_app, tiny_engin
 
     from ray import serve
 
+    from services.common.types import CycleRequest, SessionSpec
     from services.ray_app import RaySession
-    from services.verifier.core import CycleRequest, SessionSpec
 
     port = serve_app[2]
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
@@ -447,3 +445,14 @@ def test_reset_prefix_cache_reaches_every_verifier_replica(serve_app, tiny_engin
             assert again.cycle(CycleRequest()).cached_tokens == 0
         finally:
             again.close()
+
+
+def test_the_ray_drafter_answers_every_drafter_method(serve_app):
+    """RayDrafter (the router's view of the DrafterDeployment) is a whole Drafter."""
+    from ray import serve
+
+    from services.ray_app import RayDrafter
+    from tests.drafters import METHODS, exercise
+
+    handle = serve.get_deployment_handle("DrafterDeployment", app_name="specmesh")
+    assert exercise(RayDrafter(handle), [5, 6, 7, 5, 6, 7, 5, 6]) == set(METHODS)

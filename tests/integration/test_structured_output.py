@@ -89,7 +89,7 @@ def test_sampled_and_calibrated_outputs_stay_in_the_grammar(tiny_engine, tiny_ea
 
 
 def test_a_reopened_session_resumes_the_grammar_where_its_output_left_it(tiny_engine):
-    from services.verifier.core import CycleRequest, SessionSpec
+    from services.common.types import CycleRequest, SessionSpec
 
     eng = tiny_engine
     spec = SPECS[0]

@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 
 from bench.workloads import Prompt
-from services.cli import record_traces
 from services.common.config import EngineConfig
 from services.predictor.features import FEATURES, TokenFlags
 from services.predictor.mlp import YieldMLP
 from services.router.engine import Engine, GenerationRequest
 from training.predictor import fit, precision_recall, replay_dataset, report
+from training.traces import record_traces
 
 TEXTS = ["def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n", "import os\nimport sys\nimport os\n",
          "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "class A:\n    pass\n\nclass B:\n    pass\n\nclass"]

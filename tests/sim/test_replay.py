@@ -4,11 +4,11 @@ import subprocess
 import sys
 
 from bench.workloads import Prompt
-from services.cli import record_traces
 from services.common.config import EngineConfig
 from services.drafter.replay import load_traces, replay, save_traces
 from services.drafter.suffix import SuffixDrafter
 from services.router.engine import Engine, GenerationRequest
+from training.traces import record_traces
 
 PROMPTS = [Prompt(f"p{i}", t) for i, t in enumerate([
     "def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n",

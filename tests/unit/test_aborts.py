@@ -3,7 +3,7 @@ an AbortLog and applies the others' at the time they were made."""
 import time
 from types import SimpleNamespace
 
-from services.router.server import AbortLog, ActiveSessions, relay
+from services.router.admission import AbortLog, ActiveSessions, relay
 
 
 class Gen:
@@ -44,7 +44,7 @@ def test_an_abort_made_on_one_replica_ends_the_request_on_another():
 
 
 def test_the_log_forgets_aborts_past_their_window(monkeypatch):
-    import services.router.server as srv
+    import services.router.admission as srv
 
     board = AbortLog()
     board.post("a", "x", time.time() - srv.ABORT_WINDOW_S - 1)

@@ -1,5 +1,5 @@
 """Prefix affinity: where a prompt's start was placed, and the placement rule that uses it."""
-from services.router.affinity import PrefixAffinity, choose, session_loads, unreported
+from services.common.affinity import PrefixAffinity, choose, session_loads, unreported
 
 A, B = "a:1", "b:1"
 

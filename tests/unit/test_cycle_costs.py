@@ -1,7 +1,7 @@
-"""Cost-aware hybrid decisions (services/router/hybrid.py CycleCosts)."""
+"""Cost-aware hybrid decisions (services/drafter/hybrid.py CycleCosts)."""
 import pytest
 
-from services.router.hybrid import CACHE, MODEL, PLAIN, CycleCosts
+from services.drafter.hybrid import CACHE, MODEL, PLAIN, CycleCosts
 
 
 def measured(model=(2.0, 0.016), plain=(1.0, 0.008), cache=(6.0, 0.010), n=8) -> CycleCosts:
@@ -116,8 +116,8 @@ class NoFlags:
 
 def test_predictor_is_not_asked_when_any_yield_would_pass():
     from services.common.types import Draft
+    from services.drafter.hybrid import PredictorRule
     from services.predictor.features import YieldTracker
-    from services.router.hybrid import PredictorRule
 
     mlp = CountingMLP()
     rule = PredictorRule(mlp, NoFlags(), tau=6)
@@ -129,7 +129,7 @@ def test_predictor_is_not_asked_when_any_yield_would_pass():
 
 
 def test_length_buckets():
-    from services.router.hybrid import length_bucket
+    from services.drafter.hybrid import length_bucket
 
     assert [length_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 3, 4, 5, 5, 6, 6, 7, 7]
 
@@ -138,7 +138,7 @@ def test_prediction_skipped_where_declines_do_not_repay_it():
     """Consult the predictor only where the mean realized gain of its declines (tokens, from
     the declined drafts' true yields) covers its cost (seconds × the fallback's tokens/s);
     elsewhere verify, re-consulting now and then."""
-    from services.router.hybrid import PredictionValue
+    from services.drafter.hybrid import PredictionValue
 
     v = PredictionValue(warmup=4, explore_every=8)
     rate = 100.0                                   # fallback tokens/s: a 1 ms prediction costs 0.1 token
@@ -158,7 +158,7 @@ def test_prediction_skipped_where_declines_do_not_repay_it():
 def test_wrong_declines_turn_the_predictor_off():
     """Declines of drafts that would have yielded more than they needed lose tokens: however
     confident ŷ was, the predictor is then skipped there (and such drafts verified)."""
-    from services.router.hybrid import PredictionValue
+    from services.drafter.hybrid import PredictionValue
 
     v = PredictionValue(warmup=4, explore_every=100)
     v.record_cost(1e-6)                           # nearly free
@@ -170,8 +170,8 @@ def test_wrong_declines_turn_the_predictor_off():
 
 def test_rule_skips_the_predictor_where_it_does_not_pay():
     from services.common.types import Draft
+    from services.drafter.hybrid import PredictorRule
     from services.predictor.features import YieldTracker
-    from services.router.hybrid import PredictorRule
 
     mlp = CountingMLP(y=5.0)                       # always passes: a decline never happens
     rule = PredictorRule(mlp, NoFlags(), tau=6)
@@ -191,7 +191,7 @@ def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
     """Under a grammar the router cuts a cache draft at its first forbidden token: the cycle's
     seconds are fitted against the tokens verified, not the tokens the cache proposed."""
     from services.common.types import Draft, SamplingParams
-    from services.router.hybrid import HybridDrafter, ScoreRule
+    from services.drafter.hybrid import HybridDrafter, ScoreRule
 
     class Cache:
         def start(self, *a, **k): ...
@@ -229,7 +229,7 @@ def test_the_model_drafter_is_judged_at_its_steady_catch_up_cost():
 
 def test_the_hybrid_books_the_catch_up_gap_of_its_model_cycles():
     from services.common.types import Draft, SamplingParams
-    from services.router.hybrid import HybridDrafter, ScoreRule
+    from services.drafter.hybrid import HybridDrafter, ScoreRule
 
     script = iter([(CACHE, 3), (MODEL, 2), (CACHE, 1), (PLAIN, 1), (MODEL, 2), (MODEL, 3)])
 
@@ -257,7 +257,7 @@ def test_the_hybrid_books_the_catch_up_gap_of_its_model_cycles():
 
 def test_a_sporadic_model_cycle_is_followed_by_another_while_none_came_back_to_back():
     from services.common.types import Draft, SamplingParams
-    from services.router.hybrid import Delegate, HybridDrafter, ScoreRule
+    from services.drafter.hybrid import Delegate, HybridDrafter, ScoreRule
 
     c = CycleCosts(steady_every=2)
     assert c.follow_up()                            # nothing measured back to back yet
@@ -289,7 +289,7 @@ def test_a_sporadic_model_cycle_is_followed_by_another_while_none_came_back_to_b
 
 
 def test_yield_calibration_corrects_each_length_bucket_after_warm_up():
-    from services.router.hybrid import YieldCalibration
+    from services.drafter.hybrid import YieldCalibration
 
     cal = YieldCalibration(warmup=16)
     for i in range(15):
@@ -305,7 +305,7 @@ def test_the_hybrid_calibrates_its_predictor_by_the_yields_it_learns():
     """A predictor that promises 0.7 tokens for 1-token drafts that never pass: once 16 true
     yields are known the hybrid stops verifying them (paper rule, ŷ > τ = 0.5)."""
     from services.common.types import Draft, SamplingParams
-    from services.router.hybrid import HybridDrafter, PredictorRule
+    from services.drafter.hybrid import HybridDrafter, PredictorRule
 
     class Cache:
         def start(self, *a, **k): ...

@@ -5,11 +5,11 @@ import inspect
 import pytest
 
 from services.drafter.base import Drafter
+from services.drafter.client import RemoteDrafter
 from services.drafter.draft_lm import DraftLMDrafter
 from services.drafter.eagle3_drafter import Eagle3Drafter
-from services.drafter.server import RemoteDrafter
+from services.drafter.hybrid import HybridDrafter
 from services.drafter.suffix import SuffixDrafter
-from services.router.hybrid import HybridDrafter
 
 PROTOCOL = [name for name, _ in inspect.getmembers(Drafter, inspect.isfunction) if not name.startswith("_")]
 

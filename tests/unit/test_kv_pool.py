@@ -70,8 +70,8 @@ def test_pooled_rows_attend_in_one_call_per_layer(tmp_path, monkeypatch):
 
 
 def test_slots_come_back_when_caches_are_collected_and_the_lowest_is_reused():
-    from services.common.llama import LlamaShape, KVCache
     from services.common.kv_pool import pooled_cache
+    from services.common.llama import KVCache, LlamaShape
 
     s = LlamaShape(vocab=16, hidden=8, layers=2, heads=2, kv_heads=2, head_dim=4, intermediate=16, eps=1e-5,
                    max_positions=64, tie_embeddings=True, attention_bias=False, qk_norm=False)
@@ -93,7 +93,8 @@ def test_the_pool_is_off_unless_asked_for_from_every_front():
     default config: off unless asked for."""
     import argparse
 
-    from services.cli import _serve_parser, engine_config as cli_config
+    from services.cli import _serve_parser
+    from services.cli import engine_config as cli_config
     from services.common.config import EngineConfig
     from services.ray_app import engine_config as ray_config
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from services.common.structured import (GrammarCompiler, GrammarError, StructuredOutput, escape, token_bytes)
+from services.common.structured import GrammarCompiler, GrammarError, StructuredOutput, escape, token_bytes
 from tests.conftest import TOKENIZER
 
 

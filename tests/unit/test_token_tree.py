@@ -3,8 +3,8 @@ the K/V of an accepted branch after commit."""
 import pytest
 import torch
 
-from services.common.llama import Llama
-from services.common.token_tree import accepted_by, ancestor_mask, check_tree, depths, main_chain, walk
+from services.common.llama import Llama, ancestor_mask
+from services.common.token_tree import accepted_by, check_tree, depths, main_chain, walk
 from services.common.types import Draft, SamplingParams
 from services.verifier.policies import exact_greedy
 from services.verifier.runner import TargetRunner

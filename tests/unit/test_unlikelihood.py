@@ -5,8 +5,15 @@ import torch
 
 from services.common.llama import Llama
 from training.evaluate import greedy, unlikelihood_row
-from training.unlikelihood import (AlreadyTuned, cycle_mask, greedy_batch, loop_masks, round_state,
-                                   stack_left_truncated, ul_loss)
+from training.unlikelihood import (
+    AlreadyTuned,
+    cycle_mask,
+    greedy_batch,
+    loop_masks,
+    round_state,
+    stack_left_truncated,
+    ul_loss,
+)
 
 
 def test_cycle_mask_marks_the_second_repeat_of_a_period():

@@ -1,7 +1,6 @@
 """The verifier's protobuf edge: session specs and cycle results survive the round trip."""
-from services.common.types import SamplingParams, TokenLogprob
-from services.verifier.core import CycleResult, SessionSpec
-from services.verifier.server import result_from_pb, result_to_pb, spec_from_pb, spec_to_pb
+from services.common.types import CycleResult, SamplingParams, SessionSpec, TokenLogprob
+from services.verifier.wire import result_from_pb, result_to_pb, spec_from_pb, spec_to_pb
 
 
 def test_session_spec_round_trip_keeps_every_field_but_the_deadline():
@@ -39,7 +38,7 @@ def test_a_link_frees_its_session_before_answering_the_cycle():
     queued the answer first, that cycle could find the session still busy (CI once did)."""
     from types import SimpleNamespace
 
-    from services.verifier.server import LinkServer
+    from services.verifier.grpc_server import LinkServer
 
     link = LinkServer(servicer=None)
     link.sessions["s"] = object()

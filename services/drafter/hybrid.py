@@ -46,7 +46,6 @@ from services.drafter.base import Drafter
 from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize
 from services.predictor.mlp import YieldMLP
 
-
 CACHE, MODEL, PLAIN = "cache", "model", "plain"   # a hybrid's choices per cycle
 
 

@@ -1,7 +1,5 @@
-"""`specmesh.v1.Drafter`: the suffix-cache drafter as a service, and its client.
-
-Sessions a router forgets to stop are reaped after ``idle_s`` without calls.
-"""
+"""`specmesh.v1.Drafter`: the suffix-cache drafter as a service. Sessions a router forgets to
+stop are reaped after ``idle_s`` without calls."""
 from __future__ import annotations
 
 import threading
@@ -9,24 +7,11 @@ import time
 
 import grpc
 
-from services.common.grpc_server import build_grpc_server, channel
-from services.common.types import Draft
-from services.drafter.base import Drafter
+from services.common.grpc_server import build_grpc_server
 from services.drafter.suffix import SuffixDrafter
+from services.drafter.wire import SERVICE_NAME, draft_to_pb
 from specmesh.v1 import drafter_pb2 as pb
 from specmesh.v1 import drafter_pb2_grpc as pb_grpc
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
-
-
-def draft_to_pb(d: Draft) -> pb.DraftMessage:
-    return pb.DraftMessage(token_ids=d.token_ids, parents=d.parents, token_probs=d.token_probs, score=d.score,
-                           match_len=d.match_len, source=d.source, tree=d.features.get("tree", ""))
-
-
-def draft_from_pb(m: pb.DraftMessage) -> Draft:
-    return Draft(token_ids=list(m.token_ids), parents=list(m.parents), score=m.score, source=m.source,
-                 match_len=m.match_len, token_probs=list(m.token_probs), features={"tree": m.tree})
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
@@ -86,29 +71,3 @@ def build_drafter_server(drafter: SuffixDrafter, vocab_size: int, host: str, por
     server, bound = build_grpc_server(lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s), [SERVICE_NAME],
                                       host, port, workers)
     return server, servicer, bound
-
-
-class RemoteDrafter(Drafter):
-    """The Drafter protocol over `specmesh.v1.Drafter` (e.g. a shared suffix-cache service);
-    ``tree``: it asks for speculation trees."""
-
-    def __init__(self, addr: str, name: str = "suffix", timeout_s: float = 2.0, tree: bool = False):
-        self.stub = pb_grpc.DrafterStub(channel(addr))
-        self.name, self.timeout_s, self.tree = name, timeout_s, tree
-
-    def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0) -> None:
-        self.stub.Start(pb.DrafterStart(session_id=req_id, prompt_ids=prompt, max_new_tokens=max_new_tokens),
-                        timeout=self.timeout_s)
-
-    def propose(self, req_id, budget) -> Draft:
-        return draft_from_pb(self.stub.Propose(pb.DrafterPropose(session_id=req_id, budget=budget, tree=self.tree),
-                                               timeout=self.timeout_s))
-
-    def verified(self, req_id, n) -> None:
-        """The service keeps no per-draft state, so a cut draft needs no call."""
-
-    def observe(self, req_id, tokens, target_states=None) -> None:
-        self.stub.Observe(pb.DrafterObserve(session_id=req_id, tokens=tokens), timeout=self.timeout_s)
-
-    def stop(self, req_id) -> None:
-        self.stub.Stop(pb.DrafterStop(session_id=req_id), timeout=self.timeout_s)

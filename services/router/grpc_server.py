@@ -1,0 +1,118 @@
+"""The public gRPC front end: `specmesh.v1.Generation` (Generate, Abort) over an ``Engine``:
+admission to session slots, the client's deadline and cancellation, refusals as status codes.
+Conversions are in ``wire``."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import NoReturn
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from services.common.config import ServerConfig
+from services.common.grpc_server import build_grpc_server, status_of
+from services.common.metrics import REQUESTS_REJECTED
+from services.common.refusals import Refusal
+from services.common.security import DENIED, TLSConfig, bearer_ok
+from services.common.types import SessionCancelled
+from services.router import openai_api as oa
+from services.router.admission import ActiveSessions, Admission
+from services.router.engine import Engine, InvalidRequest
+from services.router.wire import SERVICE_NAME, abort_target, final_to_pb, request_from_pb, step_to_pb
+from specmesh.v1 import generate_pb2 as pb
+from specmesh.v1 import generate_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specmesh.router")
+
+NO_DEADLINE_S = 1e8   # gRPC reports "no deadline" as the time left to the end of its clock (~3e11 years)
+
+
+def client_deadline(context) -> float | None:
+    """Seconds the client allows the call, or None when it set no deadline. (Passed on as is,
+    gRPC's no-deadline figure overflows every timeout downstream: a Link's queue wait, a
+    verifier stream's deadline.)"""
+    left = context.time_remaining()
+    return None if left is None or left > NO_DEADLINE_S else left
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, cfg: ServerConfig):
+        self.engine = engine
+        self.admission = Admission(cfg.max_sessions, cfg.max_queue)   # shared with the HTTP API
+        self.active = ActiveSessions()   # shared with the HTTP API
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        try:
+            target = abort_target(request)
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.AbortResponse(aborted=self.active.abort(target))
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        try:
+            req = replace(request_from_pb(request, self.engine), deadline_s=client_deadline(context))
+            if req.n > self.admission.max_sessions:
+                raise InvalidRequest(f"n: at most {self.admission.max_sessions} completions (this server's sessions)")
+            completions = self.engine.generate_all(req)
+        except InvalidRequest as e:
+            REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refused = self.admission.acquire(context, req.n, req.priority)
+        if refused is not None:
+            REQUESTS_REJECTED.labels(status_of(refused).name).inc()
+            context.abort(status_of(refused), str(refused))
+        self.active.add(completions.gens)
+        context.add_callback(completions.cancel)   # a cancelled stream stops its cycles in flight (after an end: no-op)
+        steps = iter(completions)
+        try:
+            for i, step in steps:
+                if not context.is_active():  # cancelled or past its deadline
+                    log.info("request %s ended by the client", completions.gens[0].req_id)
+                    return
+                yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
+        except SessionCancelled:
+            log.info("request %s cancelled by the client during a cycle", completions.gens[0].req_id)
+            return
+        except Refusal as e:   # no live verifier, or a verifier's own status (e.g. the propagated deadline)
+            context.abort(status_of(e), str(e))
+        finally:
+            steps.close()  # frees the sessions and drafter state even when the client went away mid-stream
+            self.active.remove(completions.gens)
+            self.admission.release(req.n)
+
+
+def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:
+    """A ready-to-start server bound to cfg.host:cfg.port (port 0 = any free port)."""
+    if cfg.vllm_metric_names:
+        from services.common import vllm_metrics
+
+        vllm_metrics.register(oa.served_model(engine, cfg)[0])
+    servicer = GenerationServicer(engine, cfg)
+    tls = TLSConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
+    # every admitted stream and every queued request holds a handler thread; health checks need one more
+    workers = max(cfg.workers, cfg.max_sessions + cfg.max_queue + 2)
+    server, port = build_grpc_server(lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s), [SERVICE_NAME],
+                                     cfg.host, cfg.port, workers, cfg.max_message_bytes, tls, cfg.auth_token)
+    return server, servicer, port
+
+
+# -- the same API under Ray Serve's gRPC proxy (services/ray_app.py): no interceptors, and a
+# status set on the context survives only if the handler then raises.
+def refuse_under_serve(context, e: Refusal) -> NoReturn:
+    context.set_code(status_of(e))
+    context.set_details(str(e))
+    raise e
+
+
+def check_token_under_serve(context, token: str | None) -> None:
+    """Serve's proxy runs no interceptors: the bearer token is checked by the handler."""
+    if token and not bearer_ok(context.invocation_metadata(), token):
+        context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        context.set_details(DENIED)
+        raise PermissionError(DENIED)
+
+
+def health_serving():
+    """``grpc.health.v1.Health/Check``'s answer: SERVING."""
+    return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)

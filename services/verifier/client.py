@@ -1,0 +1,327 @@
+"""The router's typed client of verifier replicas: ``RemoteVerifier`` offers the same
+interface as an in-process ``VerifierCore`` (``open`` -> session with ``cycle`` / ``cancel`` /
+``close``) and fails a session over to another replica, re-opened with every token committed
+so far. Sessions travel on a replica's multiplexed ``Link`` (``ReplicaLink``) or on a stream
+of their own (``SessionStream``)."""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from services.common.affinity import PrefixAffinity, choose
+from services.common.grpc_server import channel, refusal_of
+from services.common.refusals import Unavailable
+from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
+from services.verifier.wire import cycle_to_pb, result_from_pb, spec_to_pb
+from specmesh.v1 import verifier_pb2 as pb
+from specmesh.v1 import verifier_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specmesh.verifier.client")
+
+
+class NoReplica(Unavailable):
+    """Every verifier replica failed; the router answers UNAVAILABLE."""
+
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.CANCELLED}
+
+
+class SessionStream:
+    """Transport: one bidirectional ``Session`` stream per session."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, spec: SessionSpec, timeout: float | None):
+        self._q: queue.Queue = queue.Queue()
+        self._q.put(pb.SessionRequest(open=spec_to_pb(spec)))
+        self._call = stub.Session(iter(self._q.get, None), timeout=timeout)
+        self.replica = next(self._call).opened.replica
+
+    def cycle(self, req: CycleRequest, timeout: float | None) -> CycleResult:
+        self._q.put(pb.SessionRequest(cycle=cycle_to_pb(req)))
+        try:
+            return result_from_pb(next(self._call).result)
+        except StopIteration:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, "session stream ended") from None
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._call.cancel()
+
+
+class RemoteSession:
+    """A verifier session on some replica; on replica failure it re-opens elsewhere with the
+    prompt plus every token committed so far, and retries the cycle (nothing lost or repeated)."""
+
+    def __init__(self, pool: "RemoteVerifier", spec: SessionSpec):
+        self.pool, self.spec = pool, spec
+        self.tokens = list(spec.prompt_ids)
+        self.cancelled = False
+        self._t0 = time.monotonic()
+        self._connect(exclude=set())
+
+    def _connect(self, exclude: set[str]) -> None:
+        """Open the session (prompt + committed so far) on a live replica: the least loaded, or
+        one nearly as loaded that holds the prompt's start in its prefix cache."""
+        spec = self.spec.resumed(self.tokens[len(self.spec.prompt_ids):])
+        while True:
+            addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
+            try:
+                self._t = self.pool.transport(addr, spec, self._timeout())
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE:
+                    raise refusal_of(e, "verifier") from e
+                log.warning("verifier %s unavailable at open (%s)", addr, e.code().name)
+                exclude.add(addr)
+                continue
+            self.addr, self.replica = addr, self._t.replica
+            self.pool.load[addr] += 1
+            self.pool.affinity.placed(self.tokens, addr, self.spec.cache_salt)
+            return
+
+    def _timeout(self) -> float | None:
+        """The client's deadline, carried to the verifier (re-opens get what is left)."""
+        if self.spec.deadline_s is None:
+            return self.pool.timeout_s
+        return max(0.001, self.spec.deadline_s - (time.monotonic() - self._t0))
+
+    def cycle(self, req: CycleRequest) -> CycleResult:
+        tried: set[str] = set()
+        while True:
+            try:
+                res = self._t.cycle(req, self._timeout())
+                break
+            except grpc.RpcError as e:
+                if self.cancelled:
+                    raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
+                if e.code() not in _RETRYABLE or self._timeout() == 0.001:
+                    raise refusal_of(e, "verifier") from e
+                log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, e.code().name)
+                self.pool.affinity.forget(self.addr)
+                self._release()
+                tried.add(self.addr)
+                self._connect(exclude=tried)  # same context, so the same request is valid there
+        self.tokens.extend(res.committed)
+        return res
+
+    def cancel(self) -> None:
+        """The client went away (any thread): the cycle in flight ends now with
+        ``SessionCancelled`` (no failover), and the verifier stops it at its next step: closing
+        the transport ends the stream, or sends the Link's close and wakes the waiting cycle."""
+        self.cancelled = True
+        self._t.close()
+
+    def _release(self) -> None:
+        self._t.close()
+        self.pool.load[self.addr] -= 1
+
+    def close(self) -> None:
+        self._release()
+
+
+class RemoteVerifier:
+    """Router-side view of verifier replicas: least-loaded placement with prefix affinity,
+    session affinity."""
+
+    def __init__(self, addresses: list[str], timeout_s: float | None = None, max_message_bytes: int = 4 << 20,
+                 link: bool = True, affinity_slack: int | None = 2):
+        """``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
+        message per step each way); else each session has its own ``Session`` stream.
+        ``affinity_slack``: a new session may go to a replica with up to this many sessions
+        more than the least loaded when that replica holds the longest start of its prompt
+        (``services/common/affinity.py``); 0 = only among the least loaded; None = off."""
+        if not addresses:
+            raise ValueError("at least one verifier address is required")
+        self.channels = {a: channel(a, max_message_bytes) for a in addresses}
+        self._stubs = {a: pb_grpc.VerifierStub(ch) for a, ch in self.channels.items()}
+        self.load = {a: 0 for a in addresses}
+        self.affinity, self.affinity_slack = PrefixAffinity(), affinity_slack
+        self.timeout_s = timeout_s
+        self.link = link
+        self._links: dict[str, ReplicaLink] = {}
+        self._links_lock = threading.Lock()
+        info = self._info()
+        self.context_len, self.vocab_size = info.context_len, info.vocab_size
+        self.max_draft = dict(info.max_draft)
+
+    def _info(self) -> pb.InfoResponse:
+        last = None
+        for addr, stub in self._stubs.items():
+            try:
+                return stub.Info(pb.InfoRequest(), timeout=30, wait_for_ready=True)
+            except grpc.RpcError as e:
+                last = e
+        raise RuntimeError(f"no verifier replica answered: {last}")
+
+    def stub(self, addr: str) -> pb_grpc.VerifierStub:
+        return self._stubs[addr]
+
+    def pick(self, exclude: set[str], tokens: list[int] = (), salt: str = "") -> str:
+        live = [a for a in self.load if a not in exclude]
+        if not live:
+            raise NoReplica(f"no live verifier replica among {sorted(self.load)}")
+        if self.affinity_slack is None:
+            return min(live, key=lambda a: self.load[a])
+        return choose(live, self.load, self.affinity.holders(list(tokens), salt), self.affinity_slack)
+
+    def open(self, spec: SessionSpec) -> RemoteSession:
+        return RemoteSession(self, spec)
+
+    def clear_prefix_cache(self) -> None:
+        """Every replica forgets its cached prompt blocks, and placement forgets where they were
+        (the affinity map would send sessions after blocks no longer there). A replica that
+        does not answer fails the call, naming it; the others are cleared all the same."""
+        failed = []
+        for addr, stub in self._stubs.items():
+            try:
+                stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)
+            except grpc.RpcError as e:
+                failed.append(f"{addr} ({e.code().name})")
+            self.affinity.forget(addr)
+        if failed:
+            raise NoReplica(f"prefix cache: not reset on {', '.join(failed)}")
+
+    def transport(self, addr: str, spec: SessionSpec, timeout: float | None):
+        """Open ``spec`` on ``addr``: over the replica's link (made anew if it broke), or its own stream."""
+        if not self.link:
+            return SessionStream(self._stubs[addr], spec, timeout)
+        with self._links_lock:
+            link = self._links.get(addr)
+            if link is None or link.broken is not None:
+                link = self._links[addr] = ReplicaLink(self._stubs[addr], addr)
+        return link.open(spec, timeout)
+
+    def close(self) -> None:
+        with self._links_lock:
+            for link in self._links.values():
+                link.shut()
+        for ch in self.channels.values():
+            ch.close()
+
+    # the router's engine asks these of any verifier
+    policies: dict = {}
+    memory = None
+
+
+class LinkError(grpc.RpcError):
+    """A session's failure reported over a link (or the link's own), shaped like a gRPC error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_BROKEN = object()
+_CLOSED = object()   # put in a session's inbox when the router closes it: a waiting cycle ends
+
+
+class ReplicaLink:
+    """The router's end of one multiplexed ``Link`` to a replica. Sessions queue items; the
+    request generator sends all queued items as one message; a reader thread hands each
+    reply to its session. A broken link fails every session on it with UNAVAILABLE (they
+    re-open elsewhere)."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, addr: str):
+        self.addr = addr
+        self.broken: grpc.RpcError | None = None
+        self._cond = threading.Condition()
+        self._items: list[pb.LinkItem] = []
+        self._shut = False
+        self._inbox: dict[str, queue.SimpleQueue] = {}
+        self._ids = itertools.count()
+        self._call = stub.Link(self._requests())
+        threading.Thread(target=self._read, name=f"link-{addr}", daemon=True).start()
+
+    def _requests(self):
+        while True:
+            with self._cond:
+                while not self._items and not self._shut:
+                    self._cond.wait()
+                items, self._items = self._items, []
+            if items:
+                yield pb.LinkRequest(items=items)
+            elif self._shut:
+                return
+
+    def _send(self, item: pb.LinkItem) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def _read(self) -> None:
+        err: grpc.RpcError = LinkError(grpc.StatusCode.UNAVAILABLE, f"link to {self.addr} ended")
+        try:
+            for msg in self._call:
+                for r in msg.replies:
+                    box = self._inbox.get(r.session_id)
+                    if box is not None:
+                        box.put(r)
+        except grpc.RpcError as e:
+            err = LinkError(e.code() if e.code() in _RETRYABLE else grpc.StatusCode.UNAVAILABLE,
+                            f"link to {self.addr}: {e.details()}")
+        self.broken = err
+        for box in list(self._inbox.values()):
+            box.put(_BROKEN)
+
+    def _await(self, sid: str, timeout: float | None) -> pb.LinkReply:
+        try:
+            r = self._inbox[sid].get(timeout=timeout)
+        except queue.Empty:
+            self.release(sid)
+            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
+        if r is _BROKEN:
+            raise self.broken
+        if r is _CLOSED:
+            raise LinkError(grpc.StatusCode.CANCELLED, "the session was closed by the router")
+        if r.WhichOneof("kind") == "error":
+            self._inbox.pop(sid, None)   # the verifier closed the session
+            raise LinkError(_CODES.get(r.error.code, grpc.StatusCode.UNKNOWN), r.error.message)
+        return r
+
+    def open(self, spec: SessionSpec, timeout: float | None) -> "LinkedSession":
+        sid = f"{spec.session_id or 's'}-{next(self._ids)}"
+        self._inbox[sid] = queue.SimpleQueue()
+        if self.broken is not None:
+            raise self.broken
+        self._send(pb.LinkItem(session_id=sid, open=spec_to_pb(spec)))
+        return LinkedSession(self, sid, self._await(sid, timeout).opened.replica)
+
+    def release(self, sid: str) -> None:
+        box = self._inbox.pop(sid, None)
+        if box is not None:
+            box.put(_CLOSED)
+            if self.broken is None:
+                self._send(pb.LinkItem(session_id=sid, close=pb.Close()))
+
+    def shut(self) -> None:
+        with self._cond:
+            self._shut = True
+            self._cond.notify()
+        self._call.cancel()
+
+
+class LinkedSession:
+    """Transport: a session carried on a replica's link."""
+
+    def __init__(self, link: ReplicaLink, sid: str, replica: str):
+        self.link, self.sid, self.replica = link, sid, replica
+
+    def cycle(self, req: CycleRequest, timeout: float | None) -> CycleResult:
+        if self.sid not in self.link._inbox:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, "session is closed")
+        self.link._send(pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req)))
+        return result_from_pb(self.link._await(self.sid, timeout).result)
+
+    def close(self) -> None:
+        self.link.release(self.sid)
