@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 HTTP_PORT ?= 8000
@@ -11,16 +11,17 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: test-fast lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU wheel first so no multi-GB CUDA build is pulled on a CPU machine.
-$(STAMP): pyproject.toml
+# torch is pinned to the CPU wheel first so no multi-GB CUDA build is pulled on a CPU machine;
+# every extra is installed (the tests cover them all), at the versions constraints.txt pins.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[ray,bench,train,dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 serve: setup
@@ -29,8 +30,22 @@ serve: setup
 serve-ray: setup
 	$(BIN)/serve run deploy/ray/serve.yaml
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q tests
+
+# Unit and simulation tests only (under two minutes here).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "unit or sim" tests
+
+# ruff (lint + import order) over the repository, mypy over services/, the configuration doc current.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy services
+	$(BIN)/python scripts/config_docs.py --check
+
+# The wheel the product ships: services/ and specmesh/ with the bundled models, no bench/ or training/.
+wheel: setup
+	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -q -w dist .
 
 # Every method side by side in one process, interleaved, on each evaluation workload.
 METHODS ?= vanilla,sd,suffix,eagle3,hybrid,hybrid-csd,hybrid-rule,csd,scg,hf-vanilla,hf-assisted,hf-pld

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.harness import benchmark, pyplot, workload_args, write_figure
 from bench.workloads import load
-from services.common.config import MODELS_DIR, EngineConfig, GateConfig
+from services.common.config import EngineConfig, GateConfig, models_dir
 from services.verifier.policies import CalibratedGreedy
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     from services.router.engine import Engine
 
-    engine = Engine(EngineConfig(target=MODELS_DIR / "target", draft=MODELS_DIR / "draft", eagle3=None,
+    engine = Engine(EngineConfig(target=models_dir() / "target", draft=models_dir() / "draft", eagle3=None,
                                  threads=args.threads))
     prompts = load(args.workload, args.limit)
     base = {r["method"]: r for r in benchmark(engine, prompts, ["vanilla", "sd"], args.max_new_tokens, 1, None)}

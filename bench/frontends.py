@@ -25,7 +25,7 @@ import grpc
 from bench.harness import command, pyplot, save, table_markdown, write_figure
 from bench.serving import SERVER_ENV
 from bench.workloads import load
-from services.common.config import MODELS_DIR
+from services.common.config import models_dir
 from services.common.grpc_server import free_port
 from services.common.runtime import stop_processes
 from specmesh.v1 import generate_pb2 as gpb
@@ -156,7 +156,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
+    ap.add_argument("--target", type=Path, default=models_dir() / "target")
     ap.add_argument("--workload", default="humaneval")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--methods", default="vanilla,hybrid")

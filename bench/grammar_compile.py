@@ -67,13 +67,13 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
-    from services.common.config import MODELS_DIR
+    from services.common.config import models_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(str(MODELS_DIR / "target"))
+    tok = AutoTokenizer.from_pretrained(str(models_dir() / "target"))
     result = {"timeout_s": args.timeout_s, "machine": machine(), "command": command("bench.grammar_compile", argv),
               "rows": run(tok, len(tok.get_vocab()), args.timeout_s)}
     report(result, args.out, markdown, plot)

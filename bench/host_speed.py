@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import command, machine, pyplot, report, speed_probe, table_markdown, write_figure
-from services.common.config import MODELS_DIR
+from services.common.config import models_dir
 
 
 def forward_ms(model, cache, reps: int = 30) -> float:
@@ -32,7 +32,7 @@ def forward_ms(model, cache, reps: int = 30) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
+    ap.add_argument("--target", type=Path, default=models_dir() / "target")
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--out", type=Path, default=None)

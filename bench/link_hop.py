@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.workloads import load
-from services.common.config import MODELS_DIR, EngineConfig
+from services.common.config import EngineConfig, models_dir
 from services.common.grpc_server import free_port
 from services.common.runtime import freeze_startup_heap, stop_processes
 from services.common.types import CycleRequest, SessionSpec
@@ -130,8 +130,8 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=12)
     ap.add_argument("--cycles", type=int, default=48, help="timed cycles per session (after its prefill)")
     ap.add_argument("--methods", default="vanilla,sd")
-    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
-    ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft")
+    ap.add_argument("--target", type=Path, default=models_dir() / "target")
+    ap.add_argument("--draft", type=Path, default=models_dir() / "draft")
     ap.add_argument("--device", default="cpu", help="the models' device, in both processes (cpu or cuda)")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--out", type=Path, default=None)

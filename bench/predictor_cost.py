@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.config import MODELS_DIR
+from services.common.config import models_dir
 from services.predictor.client import RemotePredictor
 from services.predictor.features import FEATURES
 from services.predictor.grpc_server import build_predictor_server
@@ -68,9 +68,9 @@ def per_cycle_us(mlp: YieldMLP, target: Path, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--predictor", type=Path, default=MODELS_DIR / "predictor")
+    ap.add_argument("--predictor", type=Path, default=models_dir() / "predictor")
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
+    ap.add_argument("--target", type=Path, default=models_dir() / "target")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     mlp = YieldMLP.load(args.predictor) if (args.predictor / "config.json").exists() else YieldMLP()

@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from bench.workloads import load
-from services.common.config import MODELS_DIR
+from services.common.config import models_dir
 from services.common.grpc_server import free_port
 from services.common.runtime import stop_processes
 from specmesh.v1 import generate_pb2 as gpb
@@ -121,8 +121,8 @@ def concurrent(addr: str, prompts: list[str], n: int, method: str, conc: int, wi
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
-    ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft")
+    ap.add_argument("--target", type=Path, default=models_dir() / "target")
+    ap.add_argument("--draft", type=Path, default=models_dir() / "draft")
     ap.add_argument("--workload", default="humaneval")
     ap.add_argument("--limit", type=int, default=32)
     ap.add_argument("--methods", default="vanilla,sd")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import MODELS_DIR, SuffixConfig
+from services.common.config import SuffixConfig, models_dir
 from services.common.llama import Llama
 from services.common.runtime import tune_gc
 from services.drafter.replay import load_traces, replay
@@ -48,7 +48,7 @@ def heldout_text_traces(n: int):
     from services.drafter.replay import Trace
     from training.corpus import read_source, source_files
 
-    tok = AutoTokenizer.from_pretrained(str(MODELS_DIR / "tokenizer"))
+    tok = AutoTokenizer.from_pretrained(str(models_dir() / "tokenizer"))
     out = []
     for p in source_files("heldout"):
         ids = tok(read_source(p) or "", add_special_tokens=False)["input_ids"]
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--traces", type=Path, default=None, help="target traces (specmesh trace)")
     ap.add_argument("--heldout-text", type=int, default=0,
                     help="instead: N traces cut from held-out stdlib files (600-token prompt, 300-token text)")
-    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target")
+    ap.add_argument("--target", type=Path, default=models_dir() / "target")
     ap.add_argument("--cycle-ms", type=float, default=None, help="a measured `suffix` cycle (default: 1-token step)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.config import MODELS_DIR, EngineConfig, HybridConfig, ServerConfig
+from services.common.config import OPTIONS, EngineConfig, Option, ServerConfig
 
 
 def _off_or_count(text: str) -> int:
@@ -34,128 +34,49 @@ def _seconds(text: str) -> float:
     return x
 
 
+def _flag_type(opt: Option):
+    """An argparse type that parses as the option table does (its message names the problem)."""
+    def parse(text: str):
+        try:
+            return opt.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{opt.name}: ")) from None
+    parse.__name__ = opt.kind
+    return parse
+
+
+def _add_options(ap: argparse.ArgumentParser, serve_only: bool) -> None:
+    """Flags for the option table's engine options (``services/common/config.py``)."""
+    for opt in OPTIONS.values():
+        if opt.serve_only != serve_only:
+            continue
+        flags = [f"--{opt.name.replace('_', '-')}"] + ([opt.short] if opt.short else [])
+        text = opt.help + (f" (env {opt.env})" if opt.env else "")
+        if opt.kind == "bool":
+            ap.add_argument(*flags, action=argparse.BooleanOptionalAction, default=opt.fallback(), help=text)
+        else:
+            ap.add_argument(*flags, type=_flag_type(opt), default=opt.fallback(), help=text,
+                            metavar={"ngram": "MIN:MAX:K", "json": "JSON"}.get(opt.kind))
+
+
 def _engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--target", type=Path, default=MODELS_DIR / "target", help="HF model directory of the target")
-    ap.add_argument("--draft", type=Path, default=MODELS_DIR / "draft", help="HF model directory of the draft LM")
-    ap.add_argument("--eagle3", type=Path, default=EngineConfig.eagle3,
-                    help="EAGLE-3 head directory (ours or a published one for the same target)")
-    ap.add_argument("--predictor", type=Path, default=MODELS_DIR / "predictor", help="HVD yield predictor directory")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--dtype", default=None, help="float32 (CPU default), float16, bfloat16 (CUDA default)")
-    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
-                    help="the longest draft-LM chain (vLLM's num_speculative_tokens)")
-    ap.add_argument("--eagle3-k", type=int, default=EngineConfig.eagle3_k, help="the longest EAGLE-3 chain")
-    ap.add_argument("--eagle3-confidence", type=float, default=EngineConfig.eagle3_confidence,
-                    help="EAGLE-3: end a chain after a token whose head probability is below this")
-    ap.add_argument("--ngram", type=_ngram, default=EngineConfig.ngram, metavar="MIN:MAX:K",
-                    help="the ngram method: match the last MIN..MAX tokens, draft K (vLLM's prompt_lookup_min, "
-                         "prompt_lookup_max, num_speculative_tokens; default 2:4:5)")
-    ap.add_argument("--eagle3-topk", type=int, default=EngineConfig.eagle3_topk,
-                    help="eagle3-tree / hybrid-tree: children per expanded node of an EAGLE draft tree (1: no tree methods)")
-    ap.add_argument("--eagle3-tree-tokens", type=int, default=EngineConfig.eagle3_tree_tokens,
-                    help="eagle3-tree: draft-tree nodes verified per cycle")
-    ap.add_argument("--eagle3-tree-min-score", type=float, default=EngineConfig.eagle3_tree_min_score,
-                    help="eagle3-tree: leave out nodes whose path probability under the head is below this")
-    ap.add_argument("--hybrid-tau", type=float, default=HybridConfig.tau,
-                    help="HVD: verify the suffix-cache draft when its predicted yield exceeds this (bench.hybrid_sweep); "
-                         "used with --no-hybrid-cost-aware")
-    ap.add_argument("--hybrid-cost-aware", action=argparse.BooleanOptionalAction, default=HybridConfig.cost_aware,
-                    help="HVD: weigh the predicted yield against measured cycle costs (model drafter or plain step)")
-    ap.add_argument("--packed-gemm", action=argparse.BooleanOptionalAction, default=EngineConfig.packed_gemm,
-                    help="CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)")
-    ap.add_argument("--kv-pool", action=argparse.BooleanOptionalAction, default=EngineConfig.kv_pool,
-                    help="keep sessions' K/V in pooled slots, so a batched step attends for all of them in one "
-                         "call per layer instead of one per session (for accelerators; no gain on a CPU: "
-                         "bench/results/kv_pool*.md)")
-    ap.add_argument("--draft-confidence", type=float, default=EngineConfig.draft_confidence,
-                    help="draft LM: end a chain after a token whose draft probability is below this")
-    ap.add_argument("--draft-vocab", type=int, default=EngineConfig.draft_vocab,
-                    help="draft LM: LM head over the N most frequent tokens (FR-Spec; needs the ranking "
-                         "shipped beside the draft, python -m training.vocab); 0 = the whole vocabulary; "
-                         "-1 (default) = 4096 where a ranking ships, else the whole vocabulary")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
-    ap.add_argument("--batch-window-ms", type=float, default=EngineConfig.batch_window_ms,
-                    help="verifier: how long a step waits for the other open sessions' cycles")
-    ap.add_argument("--prefill-chunk", type=_off_or_count, default=EngineConfig.prefill_chunk,
-                    help="verifier: while other sessions are decoding, a new prompt is prefilled at most this "
-                         "many tokens per step (env SPECMESH_PREFILL_CHUNK); 0 = whole prompts in one step")
-    ap.add_argument("--prefix-cache-mb", type=_off_or_count, default=EngineConfig.prefix_cache_mb,
-                    help="verifier: keep the verified state of full prompt blocks, up to this many MB on the model's "
-                         "device, for later prompts that start the same way (env SPECMESH_PREFIX_CACHE_MB); 0 = off")
-    ap.add_argument("--spec-disable-batch", type=_off_or_count, default=EngineConfig.spec_disable_batch,
-                    help="router: draft nothing while the verifier batches more sessions than this per step "
-                         "(env SPECMESH_SPEC_DISABLE_BATCH); 0 = always speculate")
-    ap.add_argument("--max-model-len", type=_off_or_count, default=EngineConfig.max_model_len,
-                    help="verifier: a request's prompt + max_new_tokens may fill at most this many tokens (vLLM's "
-                         "--max-model-len); 0 = the target's max_position_embeddings")
-    ap.add_argument("--redis-url", default=os.environ.get("SPECMESH_REDIS_URL"),
-                    help="share state across replicas through Redis (env SPECMESH_REDIS_URL); default: none")
-    ap.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                    help="vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": DIR, "
-                         "\"num_speculative_tokens\": 4}': its method becomes the default, its keys set the drafter "
-                         "(services/common/speculative_config.py); applied over the flags above")
-
-
-def _json_object(text: str) -> dict:
-    """A JSON object (argparse type)."""
-    try:
-        v = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return v
-
-
-def _ngram(text: str):
-    """MIN:MAX:K → NgramConfig (argparse type)."""
-    from services.common.config import NgramConfig
-
-    try:
-        lo, hi, k = (int(x) for x in text.split(":"))
-        if not 1 <= lo <= hi or k < 1:
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give MIN:MAX:K with 1 <= MIN <= MAX and K >= 1, e.g. 2:4:5") from None
-    return NgramConfig(lo, hi, k)
+    _add_options(ap, serve_only=False)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    draft = args.draft if args.draft and (args.draft / "config.json").exists() else None
-    eagle3 = args.eagle3 if args.eagle3 and (args.eagle3 / "config.json").exists() else None
-    cfg = EngineConfig(target=args.target, draft=draft, eagle3=eagle3, predictor=args.predictor,
-                       device=device, dtype=dtype,
-                       num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
-                       draft_confidence=args.draft_confidence, draft_vocab=args.draft_vocab,
-                       packed_gemm=args.packed_gemm, kv_pool=args.kv_pool,
-                       eagle3_k=args.eagle3_k, eagle3_confidence=args.eagle3_confidence,
-                       ngram=args.ngram, eagle3_topk=args.eagle3_topk, eagle3_tree_tokens=args.eagle3_tree_tokens,
-                       eagle3_tree_min_score=args.eagle3_tree_min_score,
-                       hybrid=HybridConfig(tau=args.hybrid_tau, cost_aware=args.hybrid_cost_aware),
-                       batch_window_ms=args.batch_window_ms, spec_disable_batch=args.spec_disable_batch,
-                       prefill_chunk=args.prefill_chunk, prefix_cache_mb=args.prefix_cache_mb,
-                       max_model_len=args.max_model_len, redis_url=args.redis_url or None,
-                       predictor_addr=getattr(args, "predictor_addr", None) or None,
-                       drafter_addr=getattr(args, "drafter_addr", None) or None,
-                       memory_addr=getattr(args, "memory_addr", None) or None)
-    return with_speculative_config(cfg, args.speculative_config)
-
-
-def with_speculative_config(cfg: EngineConfig, spec: dict | None) -> EngineConfig:
-    """``cfg`` with vLLM's ``--speculative-config`` applied (the CLI exits naming a bad key)."""
-    if spec is None:
-        return cfg
-    from services.common.speculative_config import apply_speculative_config
+    """The engine's configuration from the parsed flags, through the option table
+    (``EngineConfig.from_mapping``, as the Ray app's args); exits naming a bad option."""
     from services.router.engine import METHODS
 
+    values = {k: v for k, v in vars(args).items() if k in OPTIONS}
     try:
-        return apply_speculative_config(cfg, spec, METHODS)
+        cfg = EngineConfig.from_mapping(values, METHODS)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if not (cfg.target / "config.json").exists():
+        sys.exit(f"error: no model at {cfg.target} (no config.json): pass --target DIR, or --models-dir DIR / env "
+                 "SPECMESH_MODELS for a directory holding target/, draft/, eagle3/ and predictor/")
+    return cfg
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -196,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         children, addrs = [], [a for a in (args.verifiers or "").split(",") if a]
         if args.topology == "distributed" and not addrs:
-            children, addrs = _spawn_verifiers(args)
+            children, addrs = _spawn_verifiers(args, cfg)
         try:
             pool = RemoteVerifier(addrs, link=args.verifier_link == "multiplex", affinity_slack=args.affinity_slack)
             serve(_checked(Engine(cfg, verifier=pool), args), scfg)
@@ -262,7 +183,7 @@ def _eos_id(target: Path) -> int:
     return AutoTokenizer.from_pretrained(str(target)).eos_token_id
 
 
-def _spawn_verifiers(args: argparse.Namespace):
+def _spawn_verifiers(args: argparse.Namespace, cfg: EngineConfig):
     import subprocess
 
     children, addrs = [], []
@@ -270,7 +191,7 @@ def _spawn_verifiers(args: argparse.Namespace):
         port = args.port + 1 + i
         cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--host", args.host,
                "--port", str(port), "--metrics-port", str(args.metrics_port + 1 + i if args.metrics_port else 0),
-               "--target", str(args.target), "--draft", str(args.draft), "--eagle3", str(args.eagle3),
+               "--target", str(cfg.target), "--draft", str(cfg.draft), "--eagle3", str(cfg.eagle3),
                "-k", str(args.num_speculative_tokens), "--draft-confidence", str(args.draft_confidence),
                "--draft-vocab", str(args.draft_vocab),
                "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
@@ -285,6 +206,8 @@ def _spawn_verifiers(args: argparse.Namespace):
             cmd += ["--speculative-config", json.dumps(args.speculative_config)]
         if args.redis_url:
             cmd += ["--redis-url", args.redis_url]
+        if args.models_dir:   # the calibration prior beside the models
+            cmd += ["--models-dir", str(args.models_dir)]
         children.append(subprocess.Popen(cmd))
         addrs.append(f"{args.host}:{port}")
     return children, addrs
@@ -474,12 +397,7 @@ def _serve_parser(sub) -> None:
     _engine_args(p)
     p.add_argument("--topology", choices=["embedded", "distributed"], default="embedded")
     p.add_argument("--role", choices=["all", "router", "verifier", "predictor", "drafter", "memory"], default="all")
-    p.add_argument("--predictor-addr", default=os.environ.get("SPECMESH_PREDICTOR_ADDR"),
-                   help="router: use this Predictor service (env SPECMESH_PREDICTOR_ADDR)")
-    p.add_argument("--drafter-addr", default=os.environ.get("SPECMESH_DRAFTER_ADDR"),
-                   help="router: use this suffix-cache Drafter service (env SPECMESH_DRAFTER_ADDR)")
-    p.add_argument("--memory-addr", default=os.environ.get("SPECMESH_MEMORY_ADDR"),
-                   help="verifier: share the correction memory through this Memory service")
+    _add_options(p, serve_only=True)
     p.add_argument("--verifiers", default=os.environ.get("SPECMESH_VERIFIERS", ""),
                    help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)")
     p.add_argument("--verifier-link", choices=["multiplex", "stream"],

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -34,7 +33,7 @@ import numpy as np
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from services.common.config import MODELS_DIR, EngineConfig
+from services.common.config import OPTIONS, EngineConfig
 from services.common.metrics import start_node_exporter
 from services.common.types import CycleRequest, SessionCancelled, SessionSpec
 from services.drafter.base import Drafter
@@ -53,34 +52,28 @@ class SessionMissing(RuntimeError):
     """This replica does not hold the session (routed elsewhere, or evicted)."""
 
 
+# The app's own args (placement, admission, metrics); every other arg is an engine option of
+# the option table (``services/common/config.py``), as ``specmesh serve``'s flags.
+APP_ARGS = {"verifier_gpus", "verifier_replicas", "verifier_dtype", "max_sessions", "autoscaling", "cpus_per_replica",
+            "shared_memory", "remote_drafter", "metrics_port", "metrics_host", "max_streams", "max_queue",
+            "affinity_slack", "health_check_timeout", "ingress_replicas", "chat_template", "served_model_name"}
+
+
 def engine_config(args: dict) -> EngineConfig:
-    """The app's args as the engine's config; ``speculative_config`` (vLLM's, a mapping or its
-    JSON) is applied last, as ``specmesh serve --speculative-config`` does."""
-    models = Path(args.get("models_dir") or os.environ.get("SPECMESH_MODELS", MODELS_DIR))
-    gpus = float(args.get("verifier_gpus", 0))
-    cfg = EngineConfig(
-        target=models / "target", draft=models / "draft", predictor=models / "predictor",
-        eagle3=models / "eagle3",
-        device="cuda" if gpus > 0 else "cpu", dtype=args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32",
-        redis_url=args.get("redis_url") or os.environ.get("SPECMESH_REDIS_URL") or None,
-        max_new_tokens_limit=int(args.get("max_new_tokens_limit", 1024)),
-        draft_vocab=int(args.get("draft_vocab", EngineConfig.draft_vocab)),
-        eagle3_k=int(args.get("eagle3_k", EngineConfig.eagle3_k)),
-        eagle3_topk=int(args.get("eagle3_topk", EngineConfig.eagle3_topk)),
-        eagle3_tree_tokens=int(args.get("eagle3_tree_tokens", EngineConfig.eagle3_tree_tokens)),
-        prefill_chunk=int(args.get("prefill_chunk", EngineConfig.prefill_chunk)),
-        prefix_cache_mb=int(args.get("prefix_cache_mb", EngineConfig.prefix_cache_mb)),
-        max_model_len=int(args.get("max_model_len", EngineConfig.max_model_len)),
-        kv_pool=str(args.get("kv_pool", EngineConfig.kv_pool)).lower() in ("1", "true", "yes"))
-    spec = args.get("speculative_config")
-    if not spec:
-        return cfg
-    from services.common.speculative_config import apply_speculative_config
+    """The app's args as the engine's config, through the option table (``EngineConfig.from_mapping``,
+    as ``specmesh serve``'s flags): the device follows ``verifier_gpus``; an arg that is neither
+    the app's nor an engine option is refused, naming it."""
     from services.router.engine import METHODS
 
-    if isinstance(spec, str):
-        spec = json.loads(spec)
-    return apply_speculative_config(cfg, spec, METHODS)
+    unknown = sorted(set(args) - APP_ARGS - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown arg(s) {', '.join(unknown)}; the app's: {', '.join(sorted(APP_ARGS))}; "
+                         "the engine's: docs/configuration.md")
+    values = {k: v for k, v in args.items() if k in OPTIONS}
+    gpus = float(args.get("verifier_gpus", 0))
+    values.setdefault("device", "cuda" if gpus > 0 else "cpu")
+    values.setdefault("dtype", args.get("verifier_dtype", "bfloat16") if gpus > 0 else "float32")
+    return EngineConfig.from_mapping(values, METHODS)
 
 
 class _Slot:

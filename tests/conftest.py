@@ -17,11 +17,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from services.common.config import MODELS_DIR, EngineConfig
+from services.common.config import EngineConfig, models_dir
 
-TOKENIZER = MODELS_DIR / "tokenizer"
-BUNDLED_TARGET = MODELS_DIR / "target"
-BUNDLED_DRAFT = MODELS_DIR / "draft"
+TOKENIZER = models_dir() / "tokenizer"
+BUNDLED_TARGET = models_dir() / "target"
+BUNDLED_DRAFT = models_dir() / "draft"
 
 torch.set_num_threads(1)
 
@@ -257,3 +257,14 @@ def pki(tmp_path_factory):
     return out
 
 
+
+
+# -- markers by folder: `make test-fast` runs -m "unit or sim" ---------------------------------
+_MARK_OF = {"unit": "unit", "sim": "sim", "integration": "integration", "contract": "integration"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in _MARK_OF:
+            item.add_marker(getattr(pytest.mark, _MARK_OF[folder]))

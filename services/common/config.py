@@ -1,12 +1,38 @@
-"""Frozen configuration dataclasses (no module-level mutable config)."""
+"""Frozen configuration dataclasses. Nothing here reads the environment at import: the
+models directory and the options a deployment sets through environment variables are read when
+a configuration is built (``models_dir``, ``env_default``), at start."""
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+import sysconfig
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODELS_DIR = Path(os.environ.get("SPECMESH_MODELS", REPO_ROOT / "models"))
+from services.common.speculative_config import apply_speculative_config
+
+CHECKOUT_MODELS = Path(__file__).resolve().parents[2] / "models"
+INSTALLED_MODELS = ("share", "specmesh", "models")   # under the install prefix (pyproject's data-files)
+
+
+def models_dir() -> Path:
+    """The bundled models: ``SPECMESH_MODELS`` when set, else a checkout's ``models/``, else the
+    copy a wheel installed under its prefix (``<prefix>/share/specmesh/models``). A directory
+    without them is refused where a model is loaded, naming the path."""
+    if env := os.environ.get("SPECMESH_MODELS"):
+        return Path(env)
+    if (CHECKOUT_MODELS / "target" / "config.json").exists():
+        return CHECKOUT_MODELS
+    installed = Path(sysconfig.get_path("data")).joinpath(*INSTALLED_MODELS)
+    return installed if installed.exists() else CHECKOUT_MODELS
+
+
+def _bundled(name: str):
+    return field(default_factory=lambda: models_dir() / name)
+
+
 
 
 @dataclass(frozen=True)
@@ -66,12 +92,12 @@ class HybridConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    target: Path = MODELS_DIR / "target"
-    draft: Path | None = MODELS_DIR / "draft"
+    target: Path = _bundled("target")
+    draft: Path | None = _bundled("draft")
     # EAGLE-3: the TTT head; 4-token chains. For the stage-2 head k = 3 and k = 4 tie by speed on
     # CPU (bench/results/eagle3_sweep*.md, eagle3_k_*.md) and k = 4 has the higher τ (2.62
     # against 2.42 on humaneval); it is also the GPU's choice. The stage-1 head's best was k = 3.
-    eagle3: Path | None = MODELS_DIR / "eagle3"          # loaded when the directory holds a head
+    eagle3: Path | None = _bundled("eagle3")            # loaded when the directory holds a head
     eagle3_k: int = 4                                   # EAGLE-3 chain length
     # EAGLE-3 chains stop after a token with max q below this. On CPU a cheaper cycle beats a longer
     # chain: 0.35 against 0.1 gave 1.39× against 1.35× on humaneval and 1.24× against 1.18× on
@@ -82,7 +108,7 @@ class EngineConfig:
     eagle3_topk: int = 2
     eagle3_tree_tokens: int = 8
     eagle3_tree_min_score: float = 0.0   # nodes whose path probability is below it are not drafted
-    predictor: Path | None = MODELS_DIR / "predictor"  # HVD yield predictor, loaded when present
+    predictor: Path | None = _bundled("predictor")      # HVD yield predictor, loaded when present
     hybrid: HybridConfig = HybridConfig()
     device: str = "cpu"
     dtype: str = "float32"
@@ -96,15 +122,15 @@ class EngineConfig:
     max_new_tokens_limit: int = 1024
     max_model_len: int = 0                # prompt + max_new_tokens at most this (vLLM's); 0 = the target's positions
     default_max_new_tokens: int = 128
-    default_method: str = os.environ.get("SPECMESH_DEFAULT_METHOD", "hybrid")   # lossless; falls back, see Engine
+    default_method: str = "hybrid"        # lossless; falls back, see Engine
     threads: int = 0                      # torch intra-op threads; 0 = torch default
     max_batch: int = 16                   # sessions verified together in one step
-    spec_disable_batch: int = int(os.environ.get("SPECMESH_SPEC_DISABLE_BATCH", "0"))  # no drafts while a
+    spec_disable_batch: int = 0           # no drafts while a
     #                                       verifier step batches more sessions than this; 0 = never (bench.serving)
     batch_window_ms: float = 5.0          # a step waits at most this long for the sessions it expects
-    prefill_chunk: int = int(os.environ.get("SPECMESH_PREFILL_CHUNK", "128"))   # beside decoding sessions, a
+    prefill_chunk: int = 128              # beside decoding sessions, a
     #                                       prompt prefills at most this many tokens per step; 0 = whole (bench.prefill)
-    prefix_cache_mb: int = int(os.environ.get("SPECMESH_PREFIX_CACHE_MB", "256"))   # verified state of full
+    prefix_cache_mb: int = 256            # verified state of full
     #                                       blocks (target, draft LM, EAGLE-3 head) kept for later prompts; 0 = off (bench.prefix_cache)
     prefix_block: int = 32                # tokens per prefix-cache block: a prompt reuses whole blocks only
     suffix: SuffixConfig = SuffixConfig()
@@ -114,7 +140,201 @@ class EngineConfig:
     predictor_addr: str | None = None     # use a remote Predictor service instead of the in-process MLP
     drafter_addr: str | None = None       # use a remote suffix-cache Drafter service
     memory_addr: str | None = None        # share the correction memory through the Memory service
-    ocm_snapshot: Path | None = MODELS_DIR / "ocm_snapshot.json"   # calibration prior, loaded when present
+    ocm_snapshot: Path | None = _bundled("ocm_snapshot.json")   # calibration prior, loaded when present
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], methods: Mapping[str, Any] | None = None) -> EngineConfig:
+        """The configuration that option values (``OPTIONS``' names: the CLI's flags, the Ray
+        app's args, the chart's values through either) describe; an option left out takes its
+        environment variable, else its default. Paths default under ``models_dir`` (a draft or
+        head directory without ``config.json`` is left out); ``speculative_config`` (vLLM's) is
+        applied last, against the engine's ``methods``. Raises ValueError naming the option."""
+        unknown = sorted(set(values) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(OPTIONS))}")
+        v: dict[str, Any] = {name: opt.value(values) for name, opt in OPTIONS.items()}
+        models = v.pop("models_dir") or models_dir()
+        paths: dict[str, Any] = {name: v.pop(name) or models / name for name in ("target", "draft", "eagle3", "predictor")}
+        for name in ("draft", "eagle3"):
+            if not (paths[name] / "config.json").exists():
+                paths[name] = None
+        device = v.pop("device") or _auto_device()
+        dtype = v.pop("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
+        spec = v.pop("speculative_config")
+        hybrid = HybridConfig(tau=v.pop("hybrid_tau"), cost_aware=v.pop("hybrid_cost_aware"))
+        cfg = cls(**paths, **v, device=device, dtype=dtype, hybrid=hybrid, ocm_snapshot=models / "ocm_snapshot.json")
+        if spec is None:
+            return cfg
+        if methods is None:
+            raise ValueError("speculative_config: needs the engine's methods to resolve")
+        return apply_speculative_config(cfg, spec, methods)
+
+
+def _auto_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# -- the option table: every engine option once, for the CLI, the Ray app and the chart ---------------
+def _int(text: Any, low: int | None = None, what: str = "a whole number") -> int:
+    if isinstance(text, bool) or isinstance(text, float) and not text.is_integer():
+        raise ValueError(f"expected {what}, got {text!r}")
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected {what}, got {text!r}") from None
+    if low is not None and n < low:
+        raise ValueError(f"expected {what}, got {text!r}")
+    return n
+
+
+def _bool(text: Any) -> bool:
+    if isinstance(text, bool):
+        return text
+    if str(text).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(text).lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _ngram(text: Any) -> NgramConfig:
+    if isinstance(text, NgramConfig):
+        return text
+    try:
+        lo, hi, k = (int(x) for x in str(text).split(":"))
+        if not 1 <= lo <= hi or k < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{text!r}: give MIN:MAX:K with 1 <= MIN <= MAX and K >= 1, e.g. 2:4:5") from None
+    return NgramConfig(lo, hi, k)
+
+
+def _json_object(text: Any) -> dict:
+    if isinstance(text, dict):
+        return text
+    try:
+        v = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    return v
+
+
+def _float(text: Any) -> float:
+    if isinstance(text, bool):
+        raise ValueError(f"expected a number, got {text!r}")
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+PARSE: dict[str, Callable[[Any], Any]] = {
+    "int": _int,
+    "count": lambda t: _int(t, 0, "a whole number >= 0 (0 = off)"),
+    "positive": lambda t: _int(t, 1, "a whole number >= 1"),
+    "float": _float,
+    "bool": _bool,
+    "path": lambda t: None if t is None else Path(t),
+    "str": lambda t: None if t is None else str(t),
+    "ngram": _ngram,
+    "json": _json_object,
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One engine option: ``name`` is the mapping key and Ray arg, ``--name-with-dashes`` the
+    flag; its default is EngineConfig's field of that name unless ``default`` says otherwise."""
+
+    name: str
+    kind: str                      # a key of PARSE
+    help: str
+    env: str | None = None         # the environment variable that sets it when it is left out
+    default: Any = "field"         # "field": EngineConfig's default; else this value
+    short: str | None = None       # a one-letter flag
+    serve_only: bool = False       # a flag of `specmesh serve` only (remote components)
+
+    def parse(self, value: Any) -> Any:
+        try:
+            return PARSE[self.kind](value)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+
+    def fallback(self) -> Any:
+        """What the option is when it is left out: its environment variable, else its default."""
+        if self.env and (text := os.environ.get(self.env)) is not None and text != "":
+            return self.parse(text)
+        if self.default != "field":
+            return self.default
+        if self.name.startswith("hybrid_"):
+            return getattr(HybridConfig, self.name.removeprefix("hybrid_"))
+        return getattr(EngineConfig, self.name)
+
+    def value(self, values: Mapping[str, Any]) -> Any:
+        return self.parse(values[self.name]) if values.get(self.name) is not None else self.fallback()
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in [
+    Option("models_dir", "path", "where target, draft, eagle3 and predictor default to: env SPECMESH_MODELS, else a "
+           "checkout's models/, else the bundled models a wheel installed under <prefix>/share/specmesh",
+           env="SPECMESH_MODELS", default=None),
+    Option("target", "path", "HF model directory of the target (default: MODELS/target)", default=None),
+    Option("draft", "path", "HF model directory of the draft LM (default: MODELS/draft)", default=None),
+    Option("eagle3", "path", "EAGLE-3 head directory, ours or a published one for the same target "
+           "(default: MODELS/eagle3)", default=None),
+    Option("predictor", "path", "HVD yield predictor directory (default: MODELS/predictor)", default=None),
+    Option("device", "str", "cpu or cuda (default: cuda when available)", default=None),
+    Option("dtype", "str", "float32 (CPU default), float16, bfloat16 (CUDA default)", default=None),
+    Option("num_speculative_tokens", "positive", "the longest draft-LM chain (vLLM's num_speculative_tokens)",
+           short="-k"),
+    Option("eagle3_k", "positive", "the longest EAGLE-3 chain"),
+    Option("eagle3_confidence", "float", "EAGLE-3: end a chain after a token whose head probability is below this"),
+    Option("ngram", "ngram", "the ngram method: match the last MIN..MAX tokens, draft K (vLLM's prompt_lookup_min, "
+           "prompt_lookup_max, num_speculative_tokens)"),
+    Option("eagle3_topk", "positive", "eagle3-tree / hybrid-tree: children per expanded node of an EAGLE draft tree "
+           "(1: no tree methods)"),
+    Option("eagle3_tree_tokens", "positive", "eagle3-tree: draft-tree nodes verified per cycle"),
+    Option("eagle3_tree_min_score", "float", "eagle3-tree: leave out nodes whose path probability under the head "
+           "is below this"),
+    Option("hybrid_tau", "float", "HVD: verify the suffix-cache draft when its predicted yield exceeds this "
+           "(bench.hybrid_sweep); used with --no-hybrid-cost-aware"),
+    Option("hybrid_cost_aware", "bool", "HVD: weigh the predicted yield against measured cycle costs (model drafter "
+           "or plain step)"),
+    Option("packed_gemm", "bool", "CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)"),
+    Option("kv_pool", "bool", "keep sessions' K/V in pooled slots, so a batched step attends for all of them in one "
+           "call per layer instead of one per session (for accelerators; no gain on a CPU: bench/results/kv_pool*.md)"),
+    Option("draft_confidence", "float", "draft LM: end a chain after a token whose draft probability is below this"),
+    Option("draft_vocab", "int", "draft LM: LM head over the N most frequent tokens (FR-Spec; needs the ranking shipped "
+           "beside the draft, python -m training.vocab); 0 = the whole vocabulary; -1 = 4096 where a ranking ships, "
+           "else the whole vocabulary"),
+    Option("threads", "count", "torch intra-op threads (0 = torch's default)"),
+    Option("batch_window_ms", "float", "verifier: how long a step waits for the other open sessions' cycles"),
+    Option("prefill_chunk", "count", "verifier: while other sessions are decoding, a new prompt is prefilled at most "
+           "this many tokens per step; 0 = whole prompts in one step", env="SPECMESH_PREFILL_CHUNK"),
+    Option("prefix_cache_mb", "count", "verifier: keep the verified state of full prompt blocks, up to this many MB on "
+           "the model's device, for later prompts that start the same way; 0 = off", env="SPECMESH_PREFIX_CACHE_MB"),
+    Option("spec_disable_batch", "count", "router: draft nothing while the verifier batches more sessions than this "
+           "per step; 0 = always speculate", env="SPECMESH_SPEC_DISABLE_BATCH"),
+    Option("max_model_len", "count", "verifier: a request's prompt + max_new_tokens may fill at most this many tokens "
+           "(vLLM's --max-model-len); 0 = the target's max_position_embeddings"),
+    Option("max_new_tokens_limit", "positive", "the most new tokens a request may ask for"),
+    Option("default_method", "str", "the method of requests that name none (lossless; falls back to eagle3, sd, "
+           "vanilla where models are missing, with a warning at start)", env="SPECMESH_DEFAULT_METHOD"),
+    Option("redis_url", "str", "share state across replicas through Redis; default: none", env="SPECMESH_REDIS_URL"),
+    Option("speculative_config", "json", "vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": DIR, "
+           "\"num_speculative_tokens\": 4}': its method becomes the default, its keys set the drafter "
+           "(services/common/speculative_config.py); applied over the options above", default=None),
+    Option("predictor_addr", "str", "router: use this Predictor service", env="SPECMESH_PREDICTOR_ADDR",
+           serve_only=True),
+    Option("drafter_addr", "str", "router: use this suffix-cache Drafter service", env="SPECMESH_DRAFTER_ADDR",
+           serve_only=True),
+    Option("memory_addr", "str", "verifier: share the correction memory through this Memory service",
+           env="SPECMESH_MEMORY_ADDR", serve_only=True),
+]}
 
 
 @dataclass(frozen=True)

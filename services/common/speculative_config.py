@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.common.config import EngineConfig
+if TYPE_CHECKING:   # annotations only: config.py applies this module
+    from services.common.config import EngineConfig
 
 VLLM_METHODS = {"eagle3": "eagle3", "draft_model": "sd", "ngram": "ngram", "suffix": "suffix"}   # vLLM's "eagle"
 # (EAGLE-1/2 heads) is not among them: the engine loads EAGLE-3 heads only
@@ -45,7 +46,7 @@ def apply_speculative_config(cfg: EngineConfig, spec, methods: Mapping[str, Any]
         raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(KEYS))}")
     name = spec.get("method")
     method = VLLM_METHODS.get(name, name) if isinstance(name, str) else None
-    if method not in methods:
+    if method is None or method not in methods:
         raise ValueError(f"speculative_config.method: {name!r} is not supported; choose vLLM's "
                          f"{', '.join(VLLM_METHODS)} or one of specmesh's {', '.join(methods)}")
     router, model = methods[method].router_drafter, methods[method].model_drafter

@@ -77,6 +77,7 @@ def _json_object(depth: int) -> str:
         if level == depth:
             return members
         value = rf"({value}|{items}|{members})"
+    raise ValueError(f"depth must be >= 0, got {depth}")
 
 
 JSON_OBJECT = _json_object(1)   # bundled vocabulary: depth 1 compiles in 0.3 s, depth 2 in 13 s (bench.grammar_compile)

@@ -42,7 +42,8 @@ def children(parents: Sequence[int]) -> dict[int, list[int]]:
 def main_chain(parents: Sequence[int]) -> list[int]:
     """Node indices of the first-child path from the root."""
     kids = children(parents)
-    path, cur = [], -1
+    path: list[int] = []
+    cur = -1
     while kids.get(cur):
         cur = kids[cur][0]
         path.append(cur)
@@ -83,7 +84,8 @@ def walk(token_ids: Sequence[int], parents: Sequence[int], next_token: Callable[
     """The accepted path and the token emitted after it. ``next_token(node)`` is the target's
     choice after ``node`` (-1: after the last committed token)."""
     kids = children(parents)
-    path, cur = [], -1
+    path: list[int] = []
+    cur = -1
     while True:
         t = next_token(cur)
         nxt = next((c for c in kids.get(cur, ()) if token_ids[c] == t), None)

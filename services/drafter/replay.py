@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.token_tree import accepted_by
-from services.common.types import Draft
+from services.common.types import Draft, SamplingParams
 from services.drafter.base import Drafter
 
 
@@ -96,7 +96,7 @@ def replay(drafter: Drafter, traces: list[Trace], max_draft: int, progress: bool
     for n, tr in enumerate(traces):
         rid = f"replay-{tr.id}"
         t0 = time.perf_counter()
-        drafter.start(rid, tr.prompt_ids, None, None)
+        drafter.start(rid, tr.prompt_ids, SamplingParams(), None)
         st.index_s += time.perf_counter() - t0
         st.index_tokens += len(tr.prompt_ids)
         truth = tr.continuation

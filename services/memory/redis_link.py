@@ -1,8 +1,8 @@
 """A Redis connection that fails fast and recovers with backoff.
 
 Rule: callers never wait long on Redis (short socket timeouts); while Redis is down, calls
-raise ``RedisUnavailable`` immediately until the next retry time (exponential backoff,
-0.5 s → 30 s); the outage is logged once when it starts and once when it ends, counted in
+raise ``RedisUnavailable`` immediately until the next retry time (redis-py's
+``ExponentialBackoff``, 0.5 s doubling to 30 s; calls themselves are never retried in line); the outage is logged once when it starts and once when it ends, counted in
 ``specmesh_redis_errors_total`` and shown in ``specmesh_redis_up``.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
+from redis.backoff import ExponentialBackoff
 
 from services.common.metrics import REDIS_ERRORS, REDIS_UP
 
@@ -35,7 +36,8 @@ class RedisLink:
             os.environ.get("SPECMESH_REDIS_CA") else {}
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls)
         self.healthy = True
-        self._backoff = 0.5
+        self._backoff = ExponentialBackoff(cap=30.0, base=0.5)
+        self._failures = 0   # in a row: the backoff's exponent
         self._retry_at = 0.0
         self._lock = threading.Lock()
         REDIS_UP.labels(component).set(1)
@@ -50,7 +52,7 @@ class RedisLink:
             raise RedisUnavailable(f"{self.component}: {e}") from e
         if not self.healthy:
             with self._lock:
-                self.healthy, self._backoff = True, 0.5
+                self.healthy, self._failures = True, 0
             REDIS_UP.labels(self.component).set(1)
             log.warning("%s: Redis at %s is back", self.component, self.url)
         return result
@@ -60,10 +62,9 @@ class RedisLink:
         with self._lock:
             if self.healthy:
                 log.warning("%s: Redis at %s unavailable (%s); serving from local state", self.component, self.url, e)
-            else:
-                self._backoff = min(self._backoff * 2, 30.0)
             self.healthy = False
-            self._retry_at = time.monotonic() + self._backoff
+            self._retry_at = time.monotonic() + self._backoff.compute(self._failures)
+            self._failures += 1
         REDIS_UP.labels(self.component).set(0)
 
     def seconds_to_retry(self) -> float:

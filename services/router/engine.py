@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -375,7 +375,7 @@ class Completions:
         for g in self.gens:
             g.cancel()
 
-    def __iter__(self) -> Iterator[tuple[int, "StepOutput | None"]]:
+    def __iter__(self) -> Generator[tuple[int, "StepOutput | None"], None, None]:
         if len(self.gens) == 1:
             steps = iter(self.gens[0])
             try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.config import MODELS_DIR, EngineConfig
+from services.common.config import EngineConfig, models_dir
 from services.common.progress import run_concurrently
 from services.common.types import SamplingParams as Sampling
 from services.common.types import TokenLogprob
@@ -97,11 +97,11 @@ class LLM:
         ``draft`` and ``eagle3``, if any). ``engine_options``: ``EngineConfig`` fields (device,
         dtype, num_speculative_tokens, prefix_cache_mb, ...)."""
         bundled = model is None
-        cfg = EngineConfig(target=Path(model) if model else MODELS_DIR / "target",
-                           draft=Path(draft) if draft else (MODELS_DIR / "draft" if bundled else None),
-                           eagle3=Path(eagle3) if eagle3 else (MODELS_DIR / "eagle3" if bundled else None),
-                           predictor=MODELS_DIR / "predictor" if bundled else None,
-                           ocm_snapshot=MODELS_DIR / "ocm_snapshot.json" if bundled else None, **engine_options)
+        cfg = EngineConfig(target=Path(model) if model else models_dir() / "target",
+                           draft=Path(draft) if draft else (models_dir() / "draft" if bundled else None),
+                           eagle3=Path(eagle3) if eagle3 else (models_dir() / "eagle3" if bundled else None),
+                           predictor=models_dir() / "predictor" if bundled else None,
+                           ocm_snapshot=models_dir() / "ocm_snapshot.json" if bundled else None, **engine_options)
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         self.engine = Engine(cfg)

@@ -3,6 +3,8 @@ each step / final answer -> ``GenerateResponse``. The only module besides the ro
 ``grpc_server`` and ``client`` that sees the generated code."""
 from __future__ import annotations
 
+from typing import Any
+
 from services.common.structured import StructuredOutput
 from services.common.types import SamplingParams
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
@@ -70,7 +72,7 @@ def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
 def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
     s = gen.stats
     reason = gen.stop_reason
-    stopped = {} if reason is None else {"stop_string" if isinstance(reason, str) else "stop_token_id": reason}
+    stopped: dict[str, Any] = {} if reason is None else {"stop_string" if isinstance(reason, str) else "stop_token_id": reason}
     return pb.GenerateResponse(
         **stopped,
         index=index,

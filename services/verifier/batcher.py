@@ -121,7 +121,8 @@ class CycleBatcher:
         finally:
             self._cond.acquire()
             self._running = False
-            again, finished = [], []
+            again: list[Pending] = []
+            finished: list[Pending] = []
             for b in batch:   # an unfinished item without an error goes first in the next step
                 (again if b.again and b.result is None and b.error is None else finished).append(b)
                 b.again = False

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -160,7 +161,7 @@ class RemoteVerifier:
     def stub(self, addr: str) -> pb_grpc.VerifierStub:
         return self._stubs[addr]
 
-    def pick(self, exclude: set[str], tokens: list[int] = (), salt: str = "") -> str:
+    def pick(self, exclude: set[str], tokens: Sequence[int] = (), salt: str = "") -> str:
         live = [a for a in self.load if a not in exclude]
         if not live:
             raise NoReplica(f"no live verifier replica among {sorted(self.load)}")
@@ -281,6 +282,7 @@ class ReplicaLink:
             self.release(sid)
             raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
         if r is _BROKEN:
+            assert self.broken is not None   # set before _BROKEN is posted
             raise self.broken
         if r is _CLOSED:
             raise LinkError(grpc.StatusCode.CANCELLED, "the session was closed by the router")

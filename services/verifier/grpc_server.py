@@ -209,7 +209,7 @@ class LinkServer:
     def _queued(self, block: bool) -> list | None:
         """The replies queued now (``block``: waiting for the first item); None at the link's
         end. An empty list when the reader thread has handed reading back."""
-        replies = []
+        replies: list[pb.LinkReply] = []
         while True:
             try:
                 r = self._out.get(block=block and not replies)
@@ -253,7 +253,7 @@ class LinkServer:
         with self._lock:
             if sid in self.sessions or sid in self.opening:
                 raise Invalid(f"link item: session {sid!r} is already open on this link")
-            later = bool(spec.grammar) and not self.servicer.sessions.core.grammars.cached(spec.grammar)
+            later = spec.grammar is not None and not self.servicer.sessions.core.grammars.cached(spec.grammar)
             if later:
                 self.opening.add(sid)
         if later:

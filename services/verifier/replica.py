@@ -67,6 +67,7 @@ class Replica:
                              f"{MAX_BAD_WORD_TOKENS} ids < {vocab}")
 
     def _check_grammar(self, s: SessionSpec) -> None:
+        assert s.grammar is not None
         if s.ignore_eos or s.min_tokens:
             raise Invalid("open.grammar: cannot be combined with ignore_eos or min_tokens")
         if len(s.grammar) > MAX_REGEX_CHARS:

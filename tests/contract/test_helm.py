@@ -218,7 +218,7 @@ def test_speculative_config_reaches_router_verifiers_and_the_ray_app():
     """models.speculativeConfig (vLLM's) becomes --speculative-config on the router and the
     verifiers, JSON the CLI reads back as it was given, and the Ray app's speculative_config
     arg; the schema refuses a non-object and a zero num_speculative_tokens."""
-    from services.cli import _json_object
+    from services.common.config import _json_object
 
     spec = {"method": "eagle3", "model": "/models/eagle3", "num_speculative_tokens": 3}
     docs = render({"mode": "services", "models": {"speculativeConfig": spec}})

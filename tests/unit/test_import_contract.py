@@ -1,7 +1,7 @@
 """The layout's rules, checked on the source (DESIGN §7): algorithms import no transport, only a
 service's edges see gRPC and its generated code, the product never imports the benchmarks or the
 training scripts, and no two modules import each other, directly or round a circle (imports
-inside functions count: they are circles all the same)."""
+inside functions count: they are circles all the same; imports for annotations only do not)."""
 import ast
 from pathlib import Path
 
@@ -25,11 +25,23 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except inside ``if TYPE_CHECKING:`` (annotations only: never imported)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, anywhere in it (``from a import b`` also as ``a.b``, which
-    is a module when b is one)."""
+    """Every module ``path`` imports when it runs, anywhere in it (``from a import b`` also as
+    ``a.b``, which is a module when b is one)."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

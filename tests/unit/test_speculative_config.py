@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from services.common.config import MODELS_DIR, EngineConfig
+from services.common.config import EngineConfig, models_dir
 from services.common.speculative_config import apply_speculative_config
 from services.router.engine import METHODS
 
@@ -17,11 +17,11 @@ def apply(spec: dict) -> EngineConfig:
 
 
 def test_vllm_methods_map_to_ours_and_set_their_drafter():
-    c = apply({"method": "eagle3", "model": str(MODELS_DIR / "eagle3"), "num_speculative_tokens": 3})
-    assert (c.default_method, c.eagle3, c.eagle3_k, c.num_speculative_tokens) == ("eagle3", MODELS_DIR / "eagle3", 3,
+    c = apply({"method": "eagle3", "model": str(models_dir() / "eagle3"), "num_speculative_tokens": 3})
+    assert (c.default_method, c.eagle3, c.eagle3_k, c.num_speculative_tokens) == ("eagle3", models_dir() / "eagle3", 3,
                                                                                    BASE.num_speculative_tokens)
-    c = apply({"method": "draft_model", "model": str(MODELS_DIR / "draft"), "num_speculative_tokens": 6})
-    assert (c.default_method, c.draft, c.num_speculative_tokens, c.eagle3_k) == ("sd", MODELS_DIR / "draft", 6, BASE.eagle3_k)
+    c = apply({"method": "draft_model", "model": str(models_dir() / "draft"), "num_speculative_tokens": 6})
+    assert (c.default_method, c.draft, c.num_speculative_tokens, c.eagle3_k) == ("sd", models_dir() / "draft", 6, BASE.eagle3_k)
     c = apply({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5})
     assert (c.default_method, c.ngram.min_n, c.ngram.max_n, c.ngram.k) == ("ngram", 1, 5, 3)
     c = apply({"method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 32,
