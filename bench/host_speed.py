@@ -3,7 +3,7 @@
 machine: a benchmark compares methods interleaved, so a drift cancels out of its ratios, but
 its absolute tokens/s compare with another run's only at a like probe.
 
-    python -m bench.host_speed --samples 24 --interval 5 --out bench/results/drift/host_speed.json
+    python -m bench.host_speed --samples 24 --interval 5 --out bench/results/host_speed.json
 """
 from __future__ import annotations
 

@@ -143,12 +143,12 @@ def main(argv=None) -> None:
     if args.echo_serve:
         return echo_serve(args.echo_serve)
 
-    from services.cli import _eos_id
+    from services.assembly import eos_id
 
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     cfg = EngineConfig(target=args.target, draft=args.draft, eagle3=None, threads=1, prefix_cache_mb=0,
                        device=args.device, dtype=args.dtype)
-    core = VerifierCore.from_config(cfg, _eos_id(cfg.target))
+    core = VerifierCore.from_config(cfg, eos_id(cfg))
     proc, addr = start_verifier(args)
     remote = {"link": RemoteVerifier([addr], link=True), "stream": RemoteVerifier([addr], link=False)}
     procs = [proc]

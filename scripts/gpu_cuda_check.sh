@@ -11,7 +11,7 @@
 #                                     with torch's default intra-op threads and with one: the
 #                                     host-side bookkeeping runs small CPU ops, which many threads
 #                                     only slow down (a guess to check, not a finding);
-#   bench.md                          `specmesh bench` side by side with transformers' generate;
+#   bench.md                          `python -m bench` side by side with transformers' generate;
 #   serving.md                        bench.serving, embedded: aggregate tokens/s at 1 and 8 streams in
 #                                     steady state (issue 7's ×8 ≥ 2.5× goal), with and without
 #                                     --kv-pool (one attention call per layer for a step's sessions);
@@ -47,7 +47,7 @@ for t in 0 1; do
     --max-new-tokens 64 --out "$W/$name.json" > "$W/$name.log" 2>&1 || tail -n 20 "$W/$name.log"
   pack
 done
-"$PY" -m services.cli bench --device "$DEVICE" --threads 1 --workload humaneval --limit 8 --max-new-tokens 128 \
+"$PY" -m bench --device "$DEVICE" --threads 1 --workload humaneval --limit 8 --max-new-tokens 128 \
   --methods vanilla,sd,eagle3,hybrid,hf-vanilla,hf-assisted --out "$W/bench.json" > "$W/bench.log" 2>&1 \
   || tail -n 20 "$W/bench.log"
 pack
@@ -61,7 +61,7 @@ pack
 "$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pools off,on --repeats 2 \
   --out "$W/kv_pool.json" > "$W/kv_pool.log" 2>&1 || tail -n 20 "$W/kv_pool.log"
 pack
-"$PY" -m services.cli bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 8 \
+"$PY" -m bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 8 \
   --max-new-tokens 128 --methods vanilla,sd,eagle3,hybrid,suffix-tree,eagle3-tree,hybrid-tree \
   --out "$W/lossless_fp32.json" > "$W/lossless.log" 2>&1 || tail -n 20 "$W/lossless.log"
 pack

@@ -32,7 +32,7 @@ wait
 tail -n 3 "$OUT"/*.log
 # A draft already distilled toward these target weights is left alone (no build/models/draft).
 tar cf - -C build $(cd build && ls -d models/draft models/eagle3 2>/dev/null) | split -b 15M - "$OUT/models2.tar.part-"
-"$PY" -m services.cli bench --device "$DEVICE" --draft "$(test -d build/models/draft && echo build/models/draft || echo models/draft)" --eagle3 build/models/eagle3 \
+"$PY" -m bench --device "$DEVICE" --draft "$(test -d build/models/draft && echo build/models/draft || echo models/draft)" --eagle3 build/models/eagle3 \
   --workload humaneval --methods vanilla,sd,eagle3,hf-vanilla,hf-assisted --limit "${LIMIT:-20}" \
   --max-new-tokens 128 --out "$OUT/humaneval-cuda.json" > "$OUT/bench.log" 2>&1
 tail -n 12 "$OUT/bench.log"

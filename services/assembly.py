@@ -1,16 +1,144 @@
-"""One assembly: builds the serving process from its configuration: the public gRPC server,
-the OpenAI-compatible HTTP API beside it, and their shutdown."""
+"""One assembly: builds every topology from one ``EngineConfig``: embedded (all in this process),
+distributed (this router plus verifier processes it spawns or is given), and each role alone
+(verifier, predictor, drafter, memory); then serves the public gRPC API and the OpenAI-compatible
+HTTP API beside it until a signal, and shuts down losing nothing. (Under Ray Serve, the app in
+``services/ray_app.py`` places the same components as deployments.)"""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
-from services.common.config import ServerConfig
+from services.common.config import EngineConfig, ServerConfig, option_flags
 from services.common.grpc_server import run_until_signal
 from services.router import openai_api as oa
 from services.router.engine import Engine
 from services.router.grpc_server import SERVICE_NAME, GenerationServicer, build_server
 
 log = logging.getLogger("specmesh")
+
+
+@dataclass(frozen=True)
+class Topology:
+    kind: str = "embedded"              # embedded | distributed
+    role: str = "all"                   # all | router | verifier | predictor | drafter | memory
+    verifiers: tuple[str, ...] = ()     # a router's verifier replicas (distributed: spawned when none)
+    replicas: int = 2                   # verifier processes a distributed topology spawns
+    multiplex: bool = True              # one Link per replica for all sessions, else a stream per session
+    affinity_slack: int | None = 2      # prefix-affinity placement's allowance (common/affinity.py)
+
+
+def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[str, Any]) -> None:
+    """Build ``topo`` and serve until SIGTERM/SIGINT. ``options``: the engine options as given
+    (spawned verifiers get the same ones)."""
+    if topo.role == "verifier":
+        return _serve_verifier(cfg, scfg)
+    if topo.role in ("predictor", "drafter", "memory"):
+        server, port = component_server(topo.role, cfg, scfg.host, scfg.port)
+        _announce(f"{topo.role} on {scfg.host}:{port}")
+        run_until_signal(server, scfg.metrics_port, scfg.host)
+        return None
+    if topo.role == "all" and topo.kind == "embedded":
+        return serve(checked(Engine(cfg), options), scfg)
+    from services.verifier.client import RemoteVerifier
+
+    children, addrs = [], list(topo.verifiers)
+    if topo.kind == "distributed" and not addrs:
+        children, addrs = spawn_verifiers(options, topo, scfg)
+    try:
+        pool = RemoteVerifier(addrs, link=topo.multiplex, affinity_slack=topo.affinity_slack)
+        serve(checked(Engine(cfg, verifier=pool), options), scfg)
+    finally:
+        for c in children:
+            c.terminate()
+        for c in children:
+            c.wait(30)
+    return None
+
+
+def checked(engine: Engine, options: Mapping[str, Any]) -> Engine:
+    """The engine, once the method a speculative config asked for is available (its drafter
+    loaded); else a ValueError saying so."""
+    want = (options.get("speculative_config") or {}).get("method")
+    if want is not None and engine.default_method != engine.cfg.default_method:
+        engine.close()
+        raise ValueError(f"speculative_config.method: {want!r} ({engine.cfg.default_method}) is not available on "
+                         f"these models (see the warnings above); available: {', '.join(engine.methods())}")
+    return engine
+
+
+def _serve_verifier(cfg: EngineConfig, scfg: ServerConfig) -> None:
+    from services.verifier.core import VerifierCore
+    from services.verifier.grpc_server import build_verifier_server
+
+    core = VerifierCore.from_config(cfg, eos_id(cfg))
+    server, servicer, port = build_verifier_server(core, scfg.host, scfg.port, scfg.max_sessions)
+    _announce(f"verifier on {scfg.host}:{port}")
+    run_until_signal(server, scfg.metrics_port, scfg.host, on_drain=servicer.drain)
+    core.close()  # flush pending correction-memory writes
+
+
+def component_server(role: str, cfg: EngineConfig, host: str, port: int):
+    """predictor / drafter / memory: one service alone. Returns (server, bound port)."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(cfg.target)))
+    if role == "predictor":
+        from services.predictor.grpc_server import build_predictor_server
+        from services.predictor.mlp import YieldMLP
+
+        if cfg.predictor is None:
+            raise ValueError("predictor: the predictor role needs --predictor DIR")
+        return build_predictor_server(YieldMLP.load(cfg.predictor), host, port)
+    feed = None
+    if cfg.redis_url:
+        from services.drafter.suffix import GlobalSuffixCache
+        from services.memory.redis_link import RedisLink
+        from services.memory.suffix_feed import SuffixFeed
+
+        cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache).start()
+    if role == "drafter":
+        from services.drafter.grpc_server import build_drafter_server
+        from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
+
+        cache = feed.cache if feed else GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        drafter = SuffixDrafter(cfg.suffix, cache, feed.publish if feed else None)
+        server, _, bound = build_drafter_server(drafter, vocab, host, port)
+        return server, bound
+    from services.memory.grpc_server import build_memory_server
+    from services.verifier.core import open_memory
+
+    server, _, bound = build_memory_server(open_memory(replace(cfg, memory_addr=None)), vocab, host, port,
+                                           publish=feed.publish if feed else None)
+    return server, bound
+
+
+def eos_id(cfg: EngineConfig) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
+
+
+def spawn_verifiers(options: Mapping[str, Any], topo: Topology, scfg: ServerConfig):
+    """``topo.replicas`` verifier processes on the ports after ``scfg.port``, with the same engine
+    options (one table: ``option_flags``); returns (processes, addresses)."""
+    children, addrs = [], []
+    for i in range(topo.replicas):
+        port = scfg.port + 1 + i
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--host", scfg.host,
+               "--port", str(port), "--metrics-port", str(scfg.metrics_port + 1 + i if scfg.metrics_port else 0),
+               "--max-sessions", str(scfg.max_sessions), *option_flags(options)]
+        children.append(subprocess.Popen(cmd))
+        addrs.append(f"{scfg.host}:{port}")
+    return children, addrs
+
+
+def _announce(what: str) -> None:
+    print(f"specmesh: {what}", flush=True)
 
 
 def serve(engine: Engine, cfg: ServerConfig) -> None:

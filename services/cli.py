@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from services.common.config import OPTIONS, EngineConfig, Option, ServerConfig
@@ -81,8 +80,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """embedded (default): everything in this process. distributed: verifier replicas as
-    separate processes on loopback + the router here. --role runs one service alone."""
-    from services.assembly import serve
+    separate processes on loopback + the router here. --role runs one service alone
+    (services/assembly.py builds each)."""
+    from services.assembly import Topology, run
 
     cfg = engine_config(args)
     token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else os.environ.get("SPECMESH_AUTH_TOKEN")
@@ -98,126 +98,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         os.environ.setdefault("SPECMESH_TLS_KEY", str(args.tls_key))
         if args.tls_client_ca:
             os.environ.setdefault("SPECMESH_TLS_CLIENT_CA", str(args.tls_client_ca))
-    if args.role == "verifier":
-        from services.verifier.core import VerifierCore
-        from services.verifier.grpc_server import build_verifier_server
-
-        core = VerifierCore.from_config(cfg, _eos_id(cfg.target))
-        server, servicer, port = build_verifier_server(core, args.host, args.port, args.max_sessions)
-        _run_until_signal(server, f"verifier on {args.host}:{port}", scfg.metrics_port, args.host, servicer.drain)
-        core.close()  # flush pending correction-memory writes
-        return
-    if args.role in ("predictor", "drafter", "memory"):
-        server, port = _component_server(args, cfg)
-        _run_until_signal(server, f"{args.role} on {args.host}:{port}", scfg.metrics_port, args.host)
-        return
-    if args.role == "router" or args.topology == "distributed":
-        from services.router.engine import Engine
-        from services.verifier.client import RemoteVerifier
-
-        children, addrs = [], [a for a in (args.verifiers or "").split(",") if a]
-        if args.topology == "distributed" and not addrs:
-            children, addrs = _spawn_verifiers(args, cfg)
-        try:
-            pool = RemoteVerifier(addrs, link=args.verifier_link == "multiplex", affinity_slack=args.affinity_slack)
-            serve(_checked(Engine(cfg, verifier=pool), args), scfg)
-        finally:
-            for c in children:
-                c.terminate()
-            for c in children:
-                c.wait(30)
-        return
-    from services.router.engine import Engine
-
-    serve(_checked(Engine(cfg), args), scfg)
-
-
-def _checked(engine, args: argparse.Namespace):
-    """The engine, once the method --speculative-config asked for is available (its drafter
-    loaded); else the server stops, saying so."""
-    want = (args.speculative_config or {}).get("method")
-    if want is not None and engine.default_method != engine.cfg.default_method:
-        engine.close()
-        sys.exit(f"error: speculative_config.method: {want!r} ({engine.cfg.default_method}) is not available on "
-                 f"these models (see the warnings above); available: {', '.join(engine.methods())}")
-    return engine
-
-
-def _component_server(args: argparse.Namespace, cfg):
-    """predictor / drafter / memory: one service alone (config from flags and env vars)."""
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(str(cfg.target)))
-    if args.role == "predictor":
-        from services.predictor.grpc_server import build_predictor_server
-        from services.predictor.mlp import YieldMLP
-
-        return build_predictor_server(YieldMLP.load(cfg.predictor), args.host, args.port)
-    feed = None
-    if cfg.redis_url:
-        from services.drafter.suffix import GlobalSuffixCache
-        from services.memory.redis_link import RedisLink
-        from services.memory.suffix_feed import SuffixFeed
-
-        cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
-        feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache).start()
-    if args.role == "drafter":
-        from services.drafter.grpc_server import build_drafter_server
-        from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
-
-        cache = feed.cache if feed else GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
-        drafter = SuffixDrafter(cfg.suffix, cache, feed.publish if feed else None)
-        server, _, port = build_drafter_server(drafter, vocab, args.host, args.port)
-        return server, port
-    from services.memory.grpc_server import build_memory_server
-    from services.verifier.core import open_memory
-
-    server, _, port = build_memory_server(open_memory(replace(cfg, memory_addr=None)), vocab, args.host, args.port,
-                                          publish=feed.publish if feed else None)
-    return server, port
-
-
-def _eos_id(target: Path) -> int:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(target)).eos_token_id
-
-
-def _spawn_verifiers(args: argparse.Namespace, cfg: EngineConfig):
-    import subprocess
-
-    children, addrs = [], []
-    for i in range(args.replicas):
-        port = args.port + 1 + i
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--host", args.host,
-               "--port", str(port), "--metrics-port", str(args.metrics_port + 1 + i if args.metrics_port else 0),
-               "--target", str(cfg.target), "--draft", str(cfg.draft), "--eagle3", str(cfg.eagle3),
-               "-k", str(args.num_speculative_tokens), "--draft-confidence", str(args.draft_confidence),
-               "--draft-vocab", str(args.draft_vocab),
-               "--packed-gemm" if args.packed_gemm else "--no-packed-gemm",
-               "--kv-pool" if args.kv_pool else "--no-kv-pool",
-               "--eagle3-k", str(args.eagle3_k), "--eagle3-confidence", str(args.eagle3_confidence),
-               "--eagle3-topk", str(args.eagle3_topk), "--eagle3-tree-tokens", str(args.eagle3_tree_tokens),
-               "--eagle3-tree-min-score", str(args.eagle3_tree_min_score),
-               "--threads", str(args.threads), "--max-sessions", str(args.max_sessions),
-               "--batch-window-ms", str(args.batch_window_ms), "--prefill-chunk", str(args.prefill_chunk),
-               "--prefix-cache-mb", str(args.prefix_cache_mb)]
-        if args.speculative_config:   # the drafters' settings (a head's path, its chain) apply there too
-            cmd += ["--speculative-config", json.dumps(args.speculative_config)]
-        if args.redis_url:
-            cmd += ["--redis-url", args.redis_url]
-        if args.models_dir:   # the calibration prior beside the models
-            cmd += ["--models-dir", str(args.models_dir)]
-        children.append(subprocess.Popen(cmd))
-        addrs.append(f"{args.host}:{port}")
-    return children, addrs
-
-
-def _run_until_signal(server, what: str, metrics_port: int, host: str, on_drain=None) -> None:
-    from services.common.grpc_server import run_until_signal
-
-    print(f"specmesh: {what}", flush=True)
-    run_until_signal(server, metrics_port, host, on_drain=on_drain)
+    topo = Topology(kind=args.topology, role=args.role, verifiers=tuple(a for a in (args.verifiers or "").split(",") if a),
+                    replicas=args.replicas, multiplex=args.verifier_link == "multiplex",
+                    affinity_slack=args.affinity_slack)
+    options = {k: v for k, v in vars(args).items() if k in OPTIONS}
+    try:
+        run(cfg, topo, scfg, options)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

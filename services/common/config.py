@@ -357,3 +357,24 @@ class ServerConfig:
     vllm_metric_names: bool = False       # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)
     allowed_origins: tuple[str, ...] = ("*",)   # CORS: browser origins the HTTP API answers (vLLM's default)
+
+
+def option_flags(values: Mapping[str, Any]) -> list[str]:
+    """The `specmesh` flags that give these option values (a spawned process's command line),
+    in the table's order; options left out or None give none."""
+    flags: list[str] = []
+    for name, opt in OPTIONS.items():
+        v = values.get(name)
+        if v is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        if opt.kind == "bool":
+            flags.append(flag if opt.parse(v) else f"--no-{name.replace('_', '-')}")
+        elif opt.kind == "ngram":
+            n = opt.parse(v)
+            flags += [flag, f"{n.min_n}:{n.max_n}:{n.k}"]
+        elif opt.kind == "json":
+            flags += [flag, json.dumps(opt.parse(v))]
+        else:
+            flags += [flag, str(v)]
+    return flags

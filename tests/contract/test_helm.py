@@ -236,3 +236,30 @@ def test_speculative_config_reaches_router_verifiers_and_the_ray_app():
                 {"models": {"speculativeConfig": {"method": "eagle3", "num_speculative_tokens": 0}}}):
         with pytest.raises(helm.HelmValuesError):
             helm.Chart.load(str(CHART)).validate_schema(bad)
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_every_rendered_configuration_goes_through_the_option_table(values):
+    """Each specmesh container's arguments parse as `specmesh` parses them and their engine options
+    build a config through EngineConfig.from_mapping; the RayService's args through the Ray app's
+    engine_config (the same table). A value the engine does not know fails here, not in a pod."""
+    from services.cli import build_parser
+    from services.common.config import OPTIONS, EngineConfig
+    from services.ray_app import engine_config
+    from services.router.engine import METHODS
+
+    docs = render(values)
+    seen = 0
+    for d in kinds(docs, "Deployment") + kinds(docs, "StatefulSet"):
+        args = container(d).get("args") or []
+        if args[:1] != ["serve"]:
+            continue   # Redis
+        ns = build_parser().parse_args(args)
+        cfg = EngineConfig.from_mapping({k: v for k, v in vars(ns).items() if k in OPTIONS}, METHODS)
+        assert str(cfg.target) == "/models/target"
+        seen += 1
+    for ray in kinds(docs, "RayService"):
+        for app in yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"]:
+            engine_config(app["args"])
+            seen += 1
+    assert seen

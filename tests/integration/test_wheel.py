@@ -3,6 +3,7 @@ outside any checkout, serves and generates on the bundled models it carries. (It
 dependencies come from the project's environment, so the test installs nothing from an index;
 its own code and models come only from the wheel.)"""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +23,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
     tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "source"   # the tree as a clean clone has it (the build writes into its source)
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info",
+                                                                "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp / "dist"), str(ROOT)], check=True, timeout=600)
+                    str(tmp / "dist"), str(source)], check=True, timeout=600)
     (wheel,) = (tmp / "dist").glob("specmesh-*.whl")
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
@@ -32,8 +36,8 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
                                            text=True).strip())
     # the dependencies, from this environment, after the venv's own site-packages (where the wheel goes)
     (purelib / "_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--prefix", str(env_dir), str(wheel)],
-                   check=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
+                   check=True, timeout=600)   # pip run for the venv's interpreter: its scripts point at it
     away = tmp / "elsewhere"   # no checkout here or above
     away.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECMESH_", "PYTHON"))}

@@ -113,3 +113,15 @@ def test_the_checks_catch_what_they_forbid():
     sample = ROOT / "services" / "verifier" / "replica.py"
     assert "services.verifier.core" in imports(sample)
     assert within("grpc.aio", GRPC) and not within("grpcio_tools", GRPC)
+
+
+def test_the_shared_cycle_types_load_without_torch():
+    """SessionSpec, CycleRequest, CycleResult, Draft, Verdict and the refusals: what every service
+    and the Ray app exchange, importable where torch is not."""
+    import subprocess
+    import sys
+
+    code = ("import sys, services.common.types, services.common.refusals; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
