@@ -34,10 +34,11 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
     py = env_dir / "bin" / "python"
     purelib = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                            text=True).strip())
-    # the dependencies, from this environment, after the venv's own site-packages (where the wheel goes)
-    (purelib / "_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    # pip run for the venv's interpreter (its scripts point at it; nothing of this environment changes)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, timeout=600)   # pip run for the venv's interpreter: its scripts point at it
+                   check=True, timeout=600)
+    # then the dependencies, from this environment, after the venv's own site-packages (where the wheel went)
+    (purelib / "_deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
     away = tmp / "elsewhere"   # no checkout here or above
     away.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECMESH_", "PYTHON"))}
