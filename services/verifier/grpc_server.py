@@ -22,14 +22,19 @@ from specmesh.v1 import verifier_pb2 as pb
 from specmesh.v1 import verifier_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specmesh.verifier")
-# Fault injection for failure tests only: slow every cycle down (milliseconds).
-FAULT_CYCLE_DELAY_S = float(os.environ.get("SPECMESH_FAULT_CYCLE_DELAY_MS", "0")) / 1000
+
+
+def fault_delay_s() -> float:
+    """Fault injection for failure tests only: every cycle waits this long first
+    (SPECMESH_FAULT_CYCLE_DELAY_MS, read when a servicer starts)."""
+    return float(os.environ.get("SPECMESH_FAULT_CYCLE_DELAY_MS", "0")) / 1000
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, sessions: Replica):
         self.sessions = sessions
         self.links: set[LinkServer] = set()
+        self.delay_s = fault_delay_s()
 
     @property
     def active(self) -> set[str]:
@@ -73,8 +78,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     self.sessions.check_cycle(req, spec)
                 except Refusal as e:
                     context.abort(status_of(e), str(e))
-                if FAULT_CYCLE_DELAY_S:
-                    time.sleep(FAULT_CYCLE_DELAY_S)
+                if self.delay_s:
+                    time.sleep(self.delay_s)
                 yield pb.SessionResponse(result=result_to_pb(session.cycle(req)))
         except SessionCancelled:   # the router's stream ended mid-cycle: no one to answer
             log.info("session %s: cancelled mid-cycle", session.session_id)
@@ -133,8 +138,8 @@ class LinkServer:
     def _take(self, msg) -> None:
         """Handle one message: its items in order, then its cycles posted together (the
         reading thread leads their step when none is running and it would not wait)."""
-        if FAULT_CYCLE_DELAY_S:
-            time.sleep(FAULT_CYCLE_DELAY_S)
+        if self.servicer is not None and self.servicer.delay_s:
+            time.sleep(self.servicer.delay_s)
         for item in msg.items:
             self._handle(item)
         posts, self._posts = self._posts, []
