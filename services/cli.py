@@ -8,18 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from services.common.config import OPTIONS, EngineConfig, Option, ServerConfig
-
-
-def _off_or_count(text: str) -> int:
-    """An argparse type: a whole number ≥ 0, where 0 turns the feature off."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 (0 = off), got {text!r}")
-    return n
+from services.common.config import OPTIONS, PARSE, EngineConfig, ServerConfig
 
 
 def _seconds(text: str) -> float:
@@ -33,14 +22,14 @@ def _seconds(text: str) -> float:
     return x
 
 
-def _flag_type(opt: Option):
-    """An argparse type that parses as the option table does (its message names the problem)."""
+def _flag_type(kind: str):
+    """An argparse type that parses as the option table's ``kind`` does (its message names the problem)."""
     def parse(text: str):
         try:
-            return opt.parse(text)
+            return PARSE[kind](text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{opt.name}: ")) from None
-    parse.__name__ = opt.kind
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = kind
     return parse
 
 
@@ -54,7 +43,7 @@ def _add_options(ap: argparse.ArgumentParser, serve_only: bool) -> None:
         if opt.kind == "bool":
             ap.add_argument(*flags, action=argparse.BooleanOptionalAction, default=opt.fallback(), help=text)
         else:
-            ap.add_argument(*flags, type=_flag_type(opt), default=opt.fallback(), help=text,
+            ap.add_argument(*flags, type=_flag_type(opt.kind), default=opt.fallback(), help=text,
                             metavar={"ngram": "MIN:MAX:K", "json": "JSON"}.get(opt.kind))
 
 
@@ -292,7 +281,7 @@ def _serve_parser(sub) -> None:
                    default=os.environ.get("SPECMESH_VERIFIER_LINK", "multiplex"),
                    help="router: one multiplexed Link per verifier replica carrying every session (one message "
                         "per step each way), or one Session stream per request (env SPECMESH_VERIFIER_LINK)")
-    p.add_argument("--affinity-slack", type=_off_or_count, default=int(os.environ.get("SPECMESH_AFFINITY_SLACK", "2")),
+    p.add_argument("--affinity-slack", type=_flag_type("count"), default=int(os.environ.get("SPECMESH_AFFINITY_SLACK", "2")),
                    help="router: a new session may go to a verifier replica with up to this many more sessions than "
                         "the least loaded when it holds the longest start of the prompt in its prefix cache "
                         "(env SPECMESH_AFFINITY_SLACK); 0 = only among the least loaded")
