@@ -48,7 +48,8 @@ class IndexWorker:
     def __init__(self, vocabulary, timeout_s: float = 10.0, memory_bytes: int = 4 << 30):
         self.blob = pickle.dumps(vocabulary)
         self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
-        self._proc = self._conn = None
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
         self._lock = threading.Lock()
 
     def compile(self, pattern: str):
@@ -80,14 +81,16 @@ class IndexWorker:
             theirs.close()
             self._conn = Connection(ours.detach())
             self._conn.send_bytes(self.blob)
+        assert self._conn is not None   # made with the process above
         return self._conn
 
     def _kill(self) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait(5)
+        if self._conn is not None:
             self._conn.close()
-        self._proc = self._conn = None
+        self._proc, self._conn = None, None
 
     def close(self) -> None:
         with self._lock:

@@ -24,6 +24,9 @@ class YieldMLP(nn.Module):
         self.register_buffer("mean", torch.zeros(n_features))
         self.register_buffer("std", torch.ones(n_features))
 
+    mean: torch.Tensor   # buffers: the features' normalisation, fitted with the weights
+    std: torch.Tensor
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net((x - self.mean) / self.std).squeeze(-1)
 
