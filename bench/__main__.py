@@ -1,5 +1,6 @@
 """``python -m bench``: every method side by side in one process, interleaved, on one workload
 (bench/harness.py); the engine's flags are ``specmesh serve``'s."""
+
 import argparse
 import logging
 

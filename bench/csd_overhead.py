@@ -9,6 +9,7 @@ those same cycles show what rescues add inside a cycle, apart from where the tex
 
     python -m bench.csd_overhead --workload humaneval --limit 10 --out bench/results/csd_overhead.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ class Timed:
 
     def __init__(self, core):
         self.gate_s, self.exact_s, self.record_s = [], [], []
-        self.accepted_csd, self.accepted_exact = [], []   # the same verification, both policies
+        self.accepted_csd, self.accepted_exact = [], []  # the same verification, both policies
         policy, memory = core.policies["csd"], core.memory
         record = memory.record
 
@@ -62,20 +63,24 @@ def measure(engine, prompts, max_new: int) -> dict:
     t = Timed(engine.verifier)
     wall = cycles = 0.0
     for p in prompts:
-        engine.verifier.clear_prefix_cache()   # every run prefills cold
+        engine.verifier.clear_prefix_cache()  # every run prefills cold
         out = engine.generate(GenerationRequest(engine.encode(p.text), max_new, method="csd")).result()
         wall += out["stats"]["wall_s"]
         cycles += out["stats"]["cycles"]
     cycle_us = 1e6 * wall / cycles
     gate_us = 1e6 * (sum(t.gate_s) - sum(t.exact_s)) / cycles
     record_us = 1e6 * sum(t.record_s) / cycles
-    return {"cycles": int(cycles), "cycle_us": round(cycle_us, 1),
-            "gate_us_per_cycle": round(gate_us, 2), "record_us_per_cycle": round(record_us, 2),
-            "median_record_us": round(1e6 * statistics.median(t.record_s), 2) if t.record_s else 0.0,
-            # in-cycle effect of the gate: accepted draft tokens per cycle, same drafts and logits
-            "accepted_per_cycle_csd": round(statistics.mean(t.accepted_csd), 4),
-            "accepted_per_cycle_exact": round(statistics.mean(t.accepted_exact), 4),
-            "overhead_share": round((gate_us + record_us) / cycle_us, 5)}
+    return {
+        "cycles": int(cycles),
+        "cycle_us": round(cycle_us, 1),
+        "gate_us_per_cycle": round(gate_us, 2),
+        "record_us_per_cycle": round(record_us, 2),
+        "median_record_us": round(1e6 * statistics.median(t.record_s), 2) if t.record_s else 0.0,
+        # in-cycle effect of the gate: accepted draft tokens per cycle, same drafts and logits
+        "accepted_per_cycle_csd": round(statistics.mean(t.accepted_csd), 4),
+        "accepted_per_cycle_exact": round(statistics.mean(t.accepted_exact), 4),
+        "overhead_share": round((gate_us + record_us) / cycle_us, 5),
+    }
 
 
 def main() -> None:
@@ -91,19 +96,29 @@ def main() -> None:
     rows = {}
     for name, cfg in (("local", base), ("redis", replace(base, redis_url=args.redis_url))):
         engine = Engine(cfg)
-        measure(engine, prompts[:1], 16)   # warm-up
+        measure(engine, prompts[:1], 16)  # warm-up
         rows[name] = measure(engine, prompts, args.max_new_tokens)
         engine.close()
         print(f"[csd-overhead] {name}: {rows[name]}", file=sys.stderr, flush=True)
-    result = {"command": "python -m bench.csd_overhead " + " ".join(sys.argv[1:]), "workload": args.workload,
-              "limit": len(prompts), "max_new_tokens": args.max_new_tokens, "memories": rows}
-    lines = [f"### CSD overhead per cycle — {args.workload}, {len(prompts)} prompts", "",
-             "| memory | cycles | µs / cycle | gate µs / cycle | record µs / cycle | gate + memory share | "
-             "accepted / cycle, csd vs exact on the same cycles |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {k} | {r['cycles']} | {r['cycle_us']} | {r['gate_us_per_cycle']} | {r['record_us_per_cycle']} | "
-              f"{100 * r['overhead_share']:.2f} % | {r['accepted_per_cycle_csd']:.3f} vs {r['accepted_per_cycle_exact']:.3f} |"
-              for k, r in rows.items()]
+    result = {
+        "command": "python -m bench.csd_overhead " + " ".join(sys.argv[1:]),
+        "workload": args.workload,
+        "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "memories": rows,
+    }
+    lines = [
+        f"### CSD overhead per cycle — {args.workload}, {len(prompts)} prompts",
+        "",
+        "| memory | cycles | µs / cycle | gate µs / cycle | record µs / cycle | gate + memory share | "
+        "accepted / cycle, csd vs exact on the same cycles |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {r['cycles']} | {r['cycle_us']} | {r['gate_us_per_cycle']} | {r['record_us_per_cycle']} | "
+        f"{100 * r['overhead_share']:.2f} % | {r['accepted_per_cycle_csd']:.3f} vs {r['accepted_per_cycle_exact']:.3f} |"
+        for k, r in rows.items()
+    ]
     text = "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
     print(text)
     if args.out:

@@ -16,6 +16,7 @@ calibration snapshot before every gate, so gates do not learn from each other's 
 
     python -m bench.csd_quality --workload humaneval --limit 100 --out bench/results/csd_quality_humaneval.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ from services.common.config import EngineConfig, GateConfig
 from services.memory.correction_memory import LocalCorrectionMemory
 from services.verifier.policies import CalibratedGreedy
 
-EARLY = 2   # a first divergence within this many tokens counts as early
+EARLY = 2  # a first divergence within this many tokens counts as early
 
 
 def score(engine, method: str, prompts: list[list[int]], max_new: int, label: str) -> list[dict]:
@@ -39,12 +40,24 @@ def score(engine, method: str, prompts: list[list[int]], max_new: int, label: st
     for i, ids in enumerate(prompts):
         r = run_ours(engine, method, ids, max_new)
         nll, n = target_nll(engine, ids, r.ids)
-        out.append({"ids": r.ids, "nll": nll, "n": n, "cycles": r.stats["cycles"],
-                    "gen": r.stats["generated_tokens"], "rescued": r.stats.get("rescued_tokens", 0)})
+        out.append(
+            {
+                "ids": r.ids,
+                "nll": nll,
+                "n": n,
+                "cycles": r.stats["cycles"],
+                "gen": r.stats["generated_tokens"],
+                "rescued": r.stats.get("rescued_tokens", 0),
+            }
+        )
         if (i + 1) % 20 == 0 or i + 1 == len(prompts):
             rate = (time.time() - t0) / (i + 1)
-            print(f"[csd-quality] {label}: {i + 1}/{len(prompts)}  {rate:.2f} s/prompt  "
-                  f"eta {rate * (len(prompts) - i - 1):.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"[csd-quality] {label}: {i + 1}/{len(prompts)}  {rate:.2f} s/prompt  "
+                f"eta {rate * (len(prompts) - i - 1):.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return out
 
 
@@ -66,19 +79,22 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def compare(runs: list[dict], vanilla: list[dict], sd: list[dict], texts: list[str], v_texts: list[str],
-            prompt_texts: list[str]) -> dict:
+def compare(
+    runs: list[dict], vanilla: list[dict], sd: list[dict], texts: list[str], v_texts: list[str], prompt_texts: list[str]
+) -> dict:
     n = len(runs)
     every = list(range(n))
-    nll = lambda idx: pooled_ratio(runs, vanilla, "nll", "n", idx) - 1   # noqa: E731
-    tau = lambda idx: pooled_ratio(runs, sd, "gen", "cycles", idx)     # noqa: E731  (tokens per cycle)
+    nll = lambda idx: pooled_ratio(runs, vanilla, "nll", "n", idx) - 1  # noqa: E731
+    tau = lambda idx: pooled_ratio(runs, sd, "gen", "cycles", idx)  # noqa: E731  (tokens per cycle)
     div = [first_divergence(r["ids"], v["ids"]) for r, v in zip(runs, vanilla)]
     early = [i for i, d in enumerate(div) if d is not None and d < EARLY]
     late = [i for i, d in enumerate(div) if d is not None and d >= EARLY]
     tokens = sum(r["n"] for r in runs)
     return {
-        "nll_vs_vanilla": round(nll(every), 4), "nll_vs_vanilla_ci95": interval(nll, n),
-        "tau_vs_sd": round(tau(every), 4), "tau_vs_sd_ci95": interval(tau, n),
+        "nll_vs_vanilla": round(nll(every), 4),
+        "nll_vs_vanilla_ci95": interval(nll, n),
+        "tau_vs_sd": round(tau(every), 4),
+        "tau_vs_sd_ci95": interval(tau, n),
         "parse_rate": round(sum(parses(p, t) for p, t in zip(prompt_texts, texts)) / n, 3),
         "parse_rate_vanilla": round(sum(parses(p, t) for p, t in zip(prompt_texts, v_texts)) / n, 3),
         "exact_match_vs_vanilla": round(sum(d is None for d in div) / n, 3),
@@ -91,13 +107,17 @@ def compare(runs: list[dict], vanilla: list[dict], sd: list[dict], texts: list[s
 def parse_gate(spec: str) -> GateConfig:
     """``tau:top_k:min_count[:confirm]``."""
     tau, top_k, min_count, *confirm = spec.split(":")
-    return GateConfig(min_count=float(min_count), top_k=int(top_k), tau=float(tau), confirm=int(confirm[0]) if confirm else 0)
+    return GateConfig(
+        min_count=float(min_count), top_k=int(top_k), tau=float(tau), confirm=int(confirm[0]) if confirm else 0
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     workload_args(ap, "humaneval", 100, 128)
-    ap.add_argument("--gates", default="0.5:2:3", help="comma-separated tau:top_k:min_count[:confirm] (default: the shipped gate)")
+    ap.add_argument(
+        "--gates", default="0.5:2:3", help="comma-separated tau:top_k:min_count[:confirm] (default: the shipped gate)"
+    )
     ap.add_argument("--scg", action="store_true", help="also run each gate without the memory (scg)")
     args = ap.parse_args()
     import torch
@@ -109,7 +129,7 @@ def main() -> None:
     loaded = load(args.workload, args.limit)
     prompts = [engine.encode_fit(p.text, args.max_new_tokens) for p in loaded]
     prompt_texts = [p.text for p in loaded]
-    decode = lambda runs: [engine.tokenizer.decode(r["ids"]) for r in runs]   # noqa: E731
+    decode = lambda runs: [engine.tokenizer.decode(r["ids"]) for r in runs]  # noqa: E731
     prior = engine.memory.snapshot()
     vanilla = score(engine, "vanilla", prompts, args.max_new_tokens, "vanilla")
     sd = score(engine, "sd", prompts, args.max_new_tokens, "sd")
@@ -121,34 +141,49 @@ def main() -> None:
         fresh.restore(prior)
         engine.verifier.set_memory(fresh)
         engine.policies["csd"] = CalibratedGreedy(gate, engine.memory)
-        engine.policies["scg"] = CalibratedGreedy(GateConfig(top_k=gate.top_k, tau=gate.tau, use_memory=False,
-                                                               confirm=gate.confirm))
+        engine.policies["scg"] = CalibratedGreedy(
+            GateConfig(top_k=gate.top_k, tau=gate.tau, use_memory=False, confirm=gate.confirm)
+        )
         for method in ("csd", "scg") if args.scg else ("csd",):
             runs = score(engine, method, prompts, args.max_new_tokens, f"{method} {spec}")
-            rows.append({"method": method, "gate": spec, **compare(runs, vanilla, sd, decode(runs), v_texts, prompt_texts)})
-    result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "command": "python -m bench.csd_quality " + " ".join(sys.argv[1:]),
-              "sd_tau": round(sum(r["gen"] for r in sd) / sum(r["cycles"] for r in sd), 3),
-              "vanilla_nll": round(sum(r["nll"] for r in vanilla) / sum(r["n"] for r in vanilla), 4), "rows": rows}
+            rows.append(
+                {"method": method, "gate": spec, **compare(runs, vanilla, sd, decode(runs), v_texts, prompt_texts)}
+            )
+    result = {
+        "workload": args.workload,
+        "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "command": "python -m bench.csd_quality " + " ".join(sys.argv[1:]),
+        "sd_tau": round(sum(r["gen"] for r in sd) / sum(r["cycles"] for r in sd), 3),
+        "vanilla_nll": round(sum(r["nll"] for r in vanilla) / sum(r["n"] for r in vanilla), 4),
+        "rows": rows,
+    }
     report(result, args.out, markdown, plot)
 
 
 def markdown(result: dict) -> str:
-    lines = [f"### CSD quality on `{result['workload']}` — {result['limit']} prompts, {result['max_new_tokens']} "
-             f"new tokens, greedy (95 % bootstrap intervals over prompts)", "",
-             f"vanilla NLL {result['vanilla_nll']} per token; sd τ {result['sd_tau']}. Goals: τ ≥ 1.15× sd's, "
-             "NLL within 3 % of vanilla's, parse rate at most 1 point below vanilla's.", "",
-             "| method | gate τ:top-k:min-count[:confirm] | NLL vs vanilla | τ vs sd | parse (vanilla) | exact | rescues/1k "
-             "| early div: prompts, NLL | later div: prompts, NLL |", "|---|---|---|---|---|---|---|---|---|"]
-    pct = lambda x: f"{100 * x:+.1f} %"   # noqa: E731
+    lines = [
+        f"### CSD quality on `{result['workload']}` — {result['limit']} prompts, {result['max_new_tokens']} "
+        f"new tokens, greedy (95 % bootstrap intervals over prompts)",
+        "",
+        f"vanilla NLL {result['vanilla_nll']} per token; sd τ {result['sd_tau']}. Goals: τ ≥ 1.15× sd's, "
+        "NLL within 3 % of vanilla's, parse rate at most 1 point below vanilla's.",
+        "",
+        "| method | gate τ:top-k:min-count[:confirm] | NLL vs vanilla | τ vs sd | parse (vanilla) | exact | rescues/1k "
+        "| early div: prompts, NLL | later div: prompts, NLL |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    pct = lambda x: f"{100 * x:+.1f} %"  # noqa: E731
     for r in result["rows"]:
         lo, hi = r["nll_vs_vanilla_ci95"]
         tlo, thi = r["tau_vs_sd_ci95"]
         e, la = r["early_divergence"], r["late_divergence"]
-        lines.append(f"| {r['method']} | {r['gate']} | {pct(r['nll_vs_vanilla'])} [{pct(lo)}, {pct(hi)}] | "
-                     f"{r['tau_vs_sd']:.3f} [{tlo:.3f}, {thi:.3f}] | {r['parse_rate']} ({r['parse_rate_vanilla']}) | "
-                     f"{r['exact_match_vs_vanilla']} | {r['rescues_per_1k']} | {e['prompts']}, {pct(e['nll_vs_vanilla'])} | "
-                     f"{la['prompts']}, {pct(la['nll_vs_vanilla'])} |")
+        lines.append(
+            f"| {r['method']} | {r['gate']} | {pct(r['nll_vs_vanilla'])} [{pct(lo)}, {pct(hi)}] | "
+            f"{r['tau_vs_sd']:.3f} [{tlo:.3f}, {thi:.3f}] | {r['parse_rate']} ({r['parse_rate_vanilla']}) | "
+            f"{r['exact_match_vs_vanilla']} | {r['rescues_per_1k']} | {e['prompts']}, {pct(e['nll_vs_vanilla'])} | "
+            f"{la['prompts']}, {pct(la['nll_vs_vanilla'])} |"
+        )
     lines += ["", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
 
@@ -158,8 +193,15 @@ def plot(result: dict, path) -> None:
     for r in result["rows"]:
         x, y = r["tau_vs_sd"], 100 * r["nll_vs_vanilla"]
         (xl, xh), (yl, yh) = r["tau_vs_sd_ci95"], r["nll_vs_vanilla_ci95"]
-        ax.errorbar([x], [y], xerr=[[x - xl], [xh - x]], yerr=[[y - 100 * yl], [100 * yh - y]], fmt="o", capsize=3,
-                    color="tab:blue" if r["method"] == "csd" else "tab:orange")
+        ax.errorbar(
+            [x],
+            [y],
+            xerr=[[x - xl], [xh - x]],
+            yerr=[[y - 100 * yl], [100 * yh - y]],
+            fmt="o",
+            capsize=3,
+            color="tab:blue" if r["method"] == "csd" else "tab:orange",
+        )
         ax.annotate(f"{r['method']} {r['gate']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axhspan(-100, 3, xmin=0, xmax=1, color="tab:green", alpha=0.06)
     ax.axvline(1.15, color="tab:green", ls="--", lw=0.8)

@@ -7,6 +7,7 @@ stays within 3 % and the parse rate within 1 point of vanilla.
 
     python -m bench.csd_sweep --workload humaneval --limit 20 --out bench/results/csd_sweep.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,19 @@ def main() -> None:
     args = ap.parse_args()
     from services.router.engine import Engine
 
-    engine = Engine(EngineConfig(target=models_dir() / "target", draft=models_dir() / "draft", eagle3=None,
-                                 threads=args.threads))
+    engine = Engine(
+        EngineConfig(target=models_dir() / "target", draft=models_dir() / "draft", eagle3=None, threads=args.threads)
+    )
     prompts = load(args.workload, args.limit)
     base = {r["method"]: r for r in benchmark(engine, prompts, ["vanilla", "sd"], args.max_new_tokens, 1, None)}
     rows = []
-    grid = list(itertools.product([float(t) for t in args.taus.split(",")], [int(k) for k in args.top_ks.split(",")],
-                                  [float(c) for c in args.min_counts.split(",")]))
+    grid = list(
+        itertools.product(
+            [float(t) for t in args.taus.split(",")],
+            [int(k) for k in args.top_ks.split(",")],
+            [float(c) for c in args.min_counts.split(",")],
+        )
+    )
     for i, (tau, k, c) in enumerate(grid):
         gate = GateConfig(min_count=c, top_k=k, tau=tau)
         engine.policies["csd"] = CalibratedGreedy(gate, engine.memory)
@@ -44,15 +51,25 @@ def main() -> None:
         for r in benchmark(engine, prompts, ["vanilla", "csd", "scg"], args.max_new_tokens, 1, None):
             if r["method"] == "vanilla":
                 continue
-            r.update(gate_tau=tau, gate_top_k=k, gate_min_count=c,
-                     nll_vs_vanilla=round(r["target_nll"] / base["vanilla"]["target_nll"] - 1, 4),
-                     parse_vs_vanilla=round(r["parse_rate"] - base["vanilla"]["parse_rate"], 3),
-                     tau_vs_sd=round(r["tau"] / base["sd"]["tau"], 3))
+            r.update(
+                gate_tau=tau,
+                gate_top_k=k,
+                gate_min_count=c,
+                nll_vs_vanilla=round(r["target_nll"] / base["vanilla"]["target_nll"] - 1, 4),
+                parse_vs_vanilla=round(r["parse_rate"] - base["vanilla"]["parse_rate"], 3),
+                tau_vs_sd=round(r["tau"] / base["sd"]["tau"], 3),
+            )
             r.pop("rescued_kinds", None)
             rows.append(r)
         print(f"[csd-sweep] {i + 1}/{len(grid)} configurations", file=sys.stderr, flush=True)
-    result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "command": "python -m bench.csd_sweep " + " ".join(sys.argv[1:]), "baseline": base, "rows": rows}
+    result = {
+        "workload": args.workload,
+        "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "command": "python -m bench.csd_sweep " + " ".join(sys.argv[1:]),
+        "baseline": base,
+        "rows": rows,
+    }
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -8,6 +8,7 @@ the sweep picks the head and k together.
     python -m bench.eagle3_sweep --workload humaneval --heads models/eagle3,build/models/eagle3-ttt1 \
         --ks 1,2,3,4 --out bench/results/eagle3_sweep.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,16 @@ from pathlib import Path
 from bench.harness import benchmark, pyplot, report, table_markdown, workload_args, write_figure
 from bench.workloads import load
 
-KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_per_position",
-        "exact_match_vs_vanilla", "draft_ms_per_cycle", "verify_ms_per_cycle")
+KEYS = (
+    "tokens_per_s",
+    "speedup_vs_vanilla",
+    "tau",
+    "cycles_per_1k",
+    "acceptance_per_position",
+    "exact_match_vs_vanilla",
+    "draft_ms_per_cycle",
+    "verify_ms_per_cycle",
+)
 
 
 def use_head(engine, head_dir: Path, k: int, confidence: float | None = None) -> None:
@@ -37,8 +46,9 @@ def use_head(engine, head_dir: Path, k: int, confidence: float | None = None) ->
     core.max_draft["eagle3"] = engine.max_draft["eagle3"] = k
 
 
-def sweep(engine, prompts, max_new: int, heads: list[Path], ks: list[int],
-          confidences: list[float] | None = None) -> list[dict]:
+def sweep(
+    engine, prompts, max_new: int, heads: list[Path], ks: list[int], confidences: list[float] | None = None
+) -> list[dict]:
     rows = []
     for r in benchmark(engine, prompts, ["vanilla", "sd"], max_new, 1, None):
         if r["method"] == "sd":
@@ -57,23 +67,55 @@ def markdown(result: dict) -> str:
     return table_markdown(
         f"### EAGLE-3 chain-length sweep — {result['workload']}, {result['limit']} prompts, "
         f"{result['max_new_tokens']} new tokens",
-        ["method", "head", "k", "confidence", "tok/s", "speedup", "τ", "cycles / 1k", "draft ms / cycle",
-         "accepted at position 1.. (per cycle)"],
-        [[r["method"], r["head"] or "—", r["k"], r.get("confidence", "—"), r["tokens_per_s"], r["speedup_vs_vanilla"],
-          r["tau"], r["cycles_per_1k"], r.get("draft_ms_per_cycle", "—"),
-          ", ".join(f"{a:.2f}" for a in (r["acceptance_per_position"] or []))] for r in result["rows"]],
-        result["command"])
+        [
+            "method",
+            "head",
+            "k",
+            "confidence",
+            "tok/s",
+            "speedup",
+            "τ",
+            "cycles / 1k",
+            "draft ms / cycle",
+            "accepted at position 1.. (per cycle)",
+        ],
+        [
+            [
+                r["method"],
+                r["head"] or "—",
+                r["k"],
+                r.get("confidence", "—"),
+                r["tokens_per_s"],
+                r["speedup_vs_vanilla"],
+                r["tau"],
+                r["cycles_per_1k"],
+                r.get("draft_ms_per_cycle", "—"),
+                ", ".join(f"{a:.2f}" for a in (r["acceptance_per_position"] or [])),
+            ]
+            for r in result["rows"]
+        ],
+        result["command"],
+    )
 
 
 def plot(result: dict, path: Path) -> None:
     """Speedup and τ against chain length k, one line per head; `sd` as a dashed reference."""
     fig, axes = pyplot().subplots(1, 2, figsize=(9, 3.6))
     sd = next((r for r in result["rows"] if r["method"] == "sd"), None)
-    for ax, key, label in ((axes[0], "speedup_vs_vanilla", "speedup over vanilla"), (axes[1], "tau", "τ (tokens / target forward)")):
-        for head, c in dict.fromkeys((r["head"], r.get("confidence")) for r in result["rows"] if r["method"] == "eagle3"):
+    for ax, key, label in (
+        (axes[0], "speedup_vs_vanilla", "speedup over vanilla"),
+        (axes[1], "tau", "τ (tokens / target forward)"),
+    ):
+        for head, c in dict.fromkeys(
+            (r["head"], r.get("confidence")) for r in result["rows"] if r["method"] == "eagle3"
+        ):
             rows = [r for r in result["rows"] if r["head"] == head and r.get("confidence") == c]
-            ax.plot([r["k"] for r in rows], [r[key] for r in rows], marker="o",
-                    label=f"eagle3 {Path(head).name}" + ("" if c is None else f", confidence {c}"))
+            ax.plot(
+                [r["k"] for r in rows],
+                [r[key] for r in rows],
+                marker="o",
+                label=f"eagle3 {Path(head).name}" + ("" if c is None else f", confidence {c}"),
+            )
         if sd is not None:
             ax.axhline(sd[key], color="grey", linestyle="--", label=f"sd (k={sd['k']})")
         ax.set_xlabel("chain length k")
@@ -92,18 +134,30 @@ def main() -> None:
     workload_args(ap, "humaneval", 20, 128)
     ap.add_argument("--heads", default="models/eagle3", help="comma-separated EAGLE-3 head directories")
     ap.add_argument("--ks", default="1,2,3,4")
-    ap.add_argument("--confidences", default=None, help="comma-separated chain-stop confidences (default: the engine's)")
+    ap.add_argument(
+        "--confidences", default=None, help="comma-separated chain-stop confidences (default: the engine's)"
+    )
     args = ap.parse_args()
     engine = Engine(EngineConfig(threads=args.threads))
-    freeze_startup_heap()   # as `make bench` and a serving process do: no full collections of the start-up heap
+    freeze_startup_heap()  # as `make bench` and a serving process do: no full collections of the start-up heap
     if "eagle3" not in engine.verifier.drafters or "draft-lm" not in engine.verifier.drafters:
         sys.exit("error: the sweep needs models/eagle3 and models/draft")
     prompts = load(args.workload, args.limit)
-    rows = sweep(engine, prompts, args.max_new_tokens, [Path(h) for h in args.heads.split(",")],
-                 [int(k) for k in args.ks.split(",")],
-                 [float(c) for c in args.confidences.split(",")] if args.confidences else None)
-    result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "command": "python -m bench.eagle3_sweep " + " ".join(sys.argv[1:]), "rows": rows}
+    rows = sweep(
+        engine,
+        prompts,
+        args.max_new_tokens,
+        [Path(h) for h in args.heads.split(",")],
+        [int(k) for k in args.ks.split(",")],
+        [float(c) for c in args.confidences.split(",")] if args.confidences else None,
+    )
+    result = {
+        "workload": args.workload,
+        "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "command": "python -m bench.eagle3_sweep " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
     report(result, args.out, markdown, plot)
 
 

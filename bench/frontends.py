@@ -9,6 +9,7 @@ seconds subtracted), and HTTP − gRPC of each, which is what the HTTP edge cost
 
     python -m bench.frontends --methods vanilla,hybrid --limit 20 --out bench/results/frontends.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,27 @@ FRONTS = ("grpc", "http")
 
 def start(args) -> tuple[subprocess.Popen, int, int]:
     port, hport = free_port(), free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--http-port", str(hport),
-           "--metrics-port", "0", "--target", str(args.target), "--threads", "1", "--prefix-cache-mb", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**__import__("os").environ, **SERVER_ENV})
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--http-port",
+        str(hport),
+        "--metrics-port",
+        "0",
+        "--target",
+        str(args.target),
+        "--threads",
+        "1",
+        "--prefix-cache-mb",
+        "0",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**__import__("os").environ, **SERVER_ENV}
+    )
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         grpc.channel_ready_future(ch).result(timeout=300)
     return proc, port, hport
@@ -54,8 +72,13 @@ def via_grpc(stub, prompt: str, n: int, method: str) -> dict:
         text.append(m.text)
         final = m
     st = final.stats
-    return {"wall": time.perf_counter() - t0, "ttft": (first or time.perf_counter()) - t0, "text": "".join(text),
-            "cycles": st.cycles, "model_s": st.draft_s + st.verify_s}
+    return {
+        "wall": time.perf_counter() - t0,
+        "ttft": (first or time.perf_counter()) - t0,
+        "text": "".join(text),
+        "cycles": st.cycles,
+        "model_s": st.draft_s + st.verify_s,
+    }
 
 
 def via_http(conn: http.client.HTTPConnection, prompt: str, n: int, method: str) -> dict:
@@ -64,7 +87,7 @@ def via_http(conn: http.client.HTTPConnection, prompt: str, n: int, method: str)
     conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
     resp = conn.getresponse()
     first, text, spec = None, [], None
-    for line in resp:   # keep-alive connection, as an HTTP client pool holds one
+    for line in resp:  # keep-alive connection, as an HTTP client pool holds one
         if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
             continue
         choice = json.loads(line[6:])["choices"][0]
@@ -72,8 +95,13 @@ def via_http(conn: http.client.HTTPConnection, prompt: str, n: int, method: str)
             first = time.perf_counter()
         text.append(choice["text"])
         spec = choice.get("speculation", spec)
-    return {"wall": time.perf_counter() - t0, "ttft": (first or time.perf_counter()) - t0, "text": "".join(text),
-            "cycles": spec["cycles"], "model_s": spec["draft_s"] + spec["verify_s"]}
+    return {
+        "wall": time.perf_counter() - t0,
+        "ttft": (first or time.perf_counter()) - t0,
+        "text": "".join(text),
+        "cycles": spec["cycles"],
+        "model_s": spec["draft_s"] + spec["verify_s"],
+    }
 
 
 def measure(args, prompts: list[str], methods: list[str]) -> dict:
@@ -81,9 +109,11 @@ def measure(args, prompts: list[str], methods: list[str]) -> dict:
     try:
         stub = ggrpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         conn = http.client.HTTPConnection("127.0.0.1", hport, timeout=600)
-        calls = {"grpc": lambda p, m: via_grpc(stub, p, args.max_new_tokens, m),
-                 "http": lambda p, m: via_http(conn, p, args.max_new_tokens, m)}
-        for m in methods:   # warm-up: first requests pay lazy initialisation
+        calls = {
+            "grpc": lambda p, m: via_grpc(stub, p, args.max_new_tokens, m),
+            "http": lambda p, m: via_http(conn, p, args.max_new_tokens, m),
+        }
+        for m in methods:  # warm-up: first requests pay lazy initialisation
             for f in FRONTS:
                 calls[f](prompts[0], m)
         samples = {(m, f): [] for m in methods for f in FRONTS}
@@ -99,8 +129,10 @@ def measure(args, prompts: list[str], methods: list[str]) -> dict:
                         samples[(m, f)].append(got[f])
                     done += 1
                     rate = done / (time.time() - t0)
-                    print(f"[frontends] {done}/{total} requests pairs, {rate:.2f}/s, eta {(total - done) / rate:.0f}s",
-                          flush=True)
+                    print(
+                        f"[frontends] {done}/{total} requests pairs, {rate:.2f}/s, eta {(total - done) / rate:.0f}s",
+                        flush=True,
+                    )
         return samples
     finally:
         stop_processes([proc])
@@ -112,11 +144,14 @@ def rows(samples: dict, methods: list[str]) -> list[dict]:
         row = {"method": m}
         for f in FRONTS:
             s = samples[(m, f)]
-            row[f] = {"ms_per_request": round(1000 * statistics.median(x["wall"] for x in s), 3),
-                      "ttft_ms": round(1000 * statistics.median(x["ttft"] for x in s), 3),
-                      "ms_per_cycle": round(1000 * statistics.median(x["wall"] / x["cycles"] for x in s), 3),
-                      "outside_model_ms_per_cycle": round(
-                          1000 * statistics.median((x["wall"] - x["model_s"]) / x["cycles"] for x in s), 3)}
+            row[f] = {
+                "ms_per_request": round(1000 * statistics.median(x["wall"] for x in s), 3),
+                "ttft_ms": round(1000 * statistics.median(x["ttft"] for x in s), 3),
+                "ms_per_cycle": round(1000 * statistics.median(x["wall"] / x["cycles"] for x in s), 3),
+                "outside_model_ms_per_cycle": round(
+                    1000 * statistics.median((x["wall"] - x["model_s"]) / x["cycles"] for x in s), 3
+                ),
+            }
         row["http_minus_grpc"] = {k: round(row["http"][k] - row["grpc"][k], 3) for k in row["grpc"]}
         row["http_vs_grpc_time"] = round(row["http"]["ms_per_request"] / row["grpc"]["ms_per_request"], 4)
         out.append(row)
@@ -128,25 +163,51 @@ def markdown(result: dict) -> str:
     table = []
     for r in result["rows"]:
         for f in FRONTS:
-            table.append([r["method"], f, r[f]["ms_per_request"], r[f]["ttft_ms"], r[f]["ms_per_cycle"],
-                          r[f]["outside_model_ms_per_cycle"]])
+            table.append(
+                [
+                    r["method"],
+                    f,
+                    r[f]["ms_per_request"],
+                    r[f]["ttft_ms"],
+                    r[f]["ms_per_cycle"],
+                    r[f]["outside_model_ms_per_cycle"],
+                ]
+            )
         d = r["http_minus_grpc"]
-        table.append([r["method"], "**http − grpc**", f"{d['ms_per_request']:+}", f"{d['ttft_ms']:+}",
-                      f"{d['ms_per_cycle']:+}", f"{d['outside_model_ms_per_cycle']:+}"])
-    title = (f"### Front ends — {result['workload']}, {result['prompts']} prompts × {result['repeats']} rounds, "
-             f"{result['max_new_tokens']} new tokens, greedy, one embedded server (medians)")
-    return table_markdown(title, cols, table, result["command"], (
-        "Every HTTP output equals its gRPC output (checked per request). Outside model work = wall time minus "
-        "the stream's own draft and verify seconds, per cycle; a front end whose threads contend with the model "
-        "for the interpreter also slows the model's steps, which only the ms / cycle column shows.",))
+        table.append(
+            [
+                r["method"],
+                "**http − grpc**",
+                f"{d['ms_per_request']:+}",
+                f"{d['ttft_ms']:+}",
+                f"{d['ms_per_cycle']:+}",
+                f"{d['outside_model_ms_per_cycle']:+}",
+            ]
+        )
+    title = (
+        f"### Front ends — {result['workload']}, {result['prompts']} prompts × {result['repeats']} rounds, "
+        f"{result['max_new_tokens']} new tokens, greedy, one embedded server (medians)"
+    )
+    return table_markdown(
+        title,
+        cols,
+        table,
+        result["command"],
+        (
+            "Every HTTP output equals its gRPC output (checked per request). Outside model work = wall time minus "
+            "the stream's own draft and verify seconds, per cycle; a front end whose threads contend with the model "
+            "for the interpreter also slows the model's steps, which only the ms / cycle column shows.",
+        ),
+    )
 
 
 def plot(result: dict, path: Path) -> None:
     fig, ax = pyplot().subplots(figsize=(6, 3.5))
     ms = [r["method"] for r in result["rows"]]
     for j, f in enumerate(FRONTS):
-        ax.bar([i + 0.38 * j for i in range(len(ms))], [r[f]["ms_per_cycle"] for r in result["rows"]],
-               width=0.38, label=f)
+        ax.bar(
+            [i + 0.38 * j for i in range(len(ms))], [r[f]["ms_per_cycle"] for r in result["rows"]], width=0.38, label=f
+        )
     ax.set_xticks([i + 0.19 for i in range(len(ms))], ms)
     ax.set_ylabel("ms per cycle (median)")
     ax.legend()
@@ -167,8 +228,14 @@ def main(argv: list[str] | None = None) -> dict:
     methods = args.methods.split(",")
     prompts = [p.text for p in load(args.workload, args.limit)]
     samples = measure(args, prompts, methods)
-    result = {"command": command("bench.frontends", argv), "workload": args.workload, "prompts": len(prompts),
-              "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "rows": rows(samples, methods)}
+    result = {
+        "command": command("bench.frontends", argv),
+        "workload": args.workload,
+        "prompts": len(prompts),
+        "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens,
+        "rows": rows(samples, methods),
+    }
     print(markdown(result))
     if args.out:
         save(args.out, result, markdown, plot)

@@ -9,6 +9,7 @@ tokens (``gc.callbacks``) and the collections per generation over the whole run.
 
     python -m bench.gc_freeze --workload edit --limit 10 --max-new-tokens 256 --out bench/results/gc_freeze.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,7 +65,7 @@ def run(engine, ids: list[int], n: int, method: str, clock: PauseClock) -> tuple
     """(tokens/s, GC ms per 1,000 tokens, token ids)."""
     from services.router.engine import GenerationRequest
 
-    engine.verifier.clear_prefix_cache()   # every run prefills cold
+    engine.verifier.clear_prefix_cache()  # every run prefills cold
     before = clock.seconds()
     out = engine.generate(GenerationRequest(ids, n, method=method)).result()
     k = max(1, len(out["token_ids"]))
@@ -78,15 +79,18 @@ def measure(engine, prompts, methods, n: int, clock: PauseClock) -> dict:
     for i, p in enumerate(prompts):
         ids = engine.encode_fit(p.text, n)
         with past_outputs(engine):
-            for frozen in ((True, False) if i % 2 == 0 else (False, True)):
+            for frozen in (True, False) if i % 2 == 0 else (False, True):
                 set_frozen(frozen)
                 for m in methods:
                     tps, ms, _ = run(engine, ids, n, m, clock)
                     speed[m, frozen].append(tps)
                     pauses[m, frozen].append(ms)
         rate = (time.time() - t0) / (i + 1)
-        print(f"[gc-freeze] {i + 1}/{len(prompts)} prompts {rate:.1f} s/prompt eta {rate * (len(prompts) - i - 1):.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[gc-freeze] {i + 1}/{len(prompts)} prompts {rate:.1f} s/prompt eta {rate * (len(prompts) - i - 1):.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return {"speed": speed, "pauses": pauses}
 
 
@@ -111,32 +115,64 @@ def main() -> None:
     collections = list(clock.count)
     pause = {f: round(full_collection_ms(f), 1) for f in (True, False)}
     med = statistics.median
-    rows = [{"method": m, "tokens_per_s_frozen": round(med(r["speed"][m, True]), 1),
-             "tokens_per_s_unfrozen": round(med(r["speed"][m, False]), 1),
-             "frozen_vs_unfrozen": round(med(a / b for a, b in zip(r["speed"][m, True], r["speed"][m, False])), 3),
-             "gc_ms_per_1k_frozen": round(statistics.mean(r["pauses"][m, True]), 2),
-             "gc_ms_per_1k_unfrozen": round(statistics.mean(r["pauses"][m, False]), 2)} for m in methods]
+    rows = [
+        {
+            "method": m,
+            "tokens_per_s_frozen": round(med(r["speed"][m, True]), 1),
+            "tokens_per_s_unfrozen": round(med(r["speed"][m, False]), 1),
+            "frozen_vs_unfrozen": round(med(a / b for a, b in zip(r["speed"][m, True], r["speed"][m, False])), 3),
+            "gc_ms_per_1k_frozen": round(statistics.mean(r["pauses"][m, True]), 2),
+            "gc_ms_per_1k_unfrozen": round(statistics.mean(r["pauses"][m, False]), 2),
+        }
+        for m in methods
+    ]
     report(args, rows, len(prompts), pause, collections)
 
 
 def report(args, rows: list[dict], n_prompts: int, pause: dict, gens: list[int]) -> None:
     command = "python -m bench.gc_freeze " + " ".join(sys.argv[1:])
-    lines = [f"### Start-up heap frozen vs unfrozen — {args.workload}, {n_prompts} prompts, "
-             f"{args.max_new_tokens} new tokens, {args.threads} thread(s)", "",
-             "| method | tok/s frozen | tok/s unfrozen | frozen / unfrozen (median per prompt) | "
-             "GC ms per 1k tokens frozen (mean) | unfrozen (mean) |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['tokens_per_s_frozen']} | {r['tokens_per_s_unfrozen']} | {r['frozen_vs_unfrozen']} | "
-              f"{r['gc_ms_per_1k_frozen']} | {r['gc_ms_per_1k_unfrozen']} |" for r in rows]
-    text = "\n".join(lines + ["", f"Collections in the run, generations 0/1/2: {gens[0]}/{gens[1]}/{gens[2]}. "
-                              f"One full collection of this process after the run: {pause[True]} ms frozen, "
-                              f"{pause[False]} ms unfrozen.", "",
-                              f"Command: `{command}`", ""])
+    lines = [
+        f"### Start-up heap frozen vs unfrozen — {args.workload}, {n_prompts} prompts, "
+        f"{args.max_new_tokens} new tokens, {args.threads} thread(s)",
+        "",
+        "| method | tok/s frozen | tok/s unfrozen | frozen / unfrozen (median per prompt) | "
+        "GC ms per 1k tokens frozen (mean) | unfrozen (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['method']} | {r['tokens_per_s_frozen']} | {r['tokens_per_s_unfrozen']} | {r['frozen_vs_unfrozen']} | "
+        f"{r['gc_ms_per_1k_frozen']} | {r['gc_ms_per_1k_unfrozen']} |"
+        for r in rows
+    ]
+    text = "\n".join(
+        lines
+        + [
+            "",
+            f"Collections in the run, generations 0/1/2: {gens[0]}/{gens[1]}/{gens[2]}. "
+            f"One full collection of this process after the run: {pause[True]} ms frozen, "
+            f"{pause[False]} ms unfrozen.",
+            "",
+            f"Command: `{command}`",
+            "",
+        ]
+    )
     print(text)
     if args.out:
-        args.out.write_text(json.dumps({"command": command, "workload": args.workload, "limit": n_prompts,
-                                        "max_new_tokens": args.max_new_tokens,
-                                        "full_collection_ms": {"frozen": pause[True], "unfrozen": pause[False]},
-                                        "collections_per_generation": gens, "rows": rows}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "workload": args.workload,
+                    "limit": n_prompts,
+                    "max_new_tokens": args.max_new_tokens,
+                    "full_collection_ms": {"frozen": pause[True], "unfrozen": pause[False]},
+                    "collections_per_generation": gens,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         args.out.with_suffix(".md").write_text(text)
 
 

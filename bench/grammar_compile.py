@@ -4,6 +4,7 @@ compiler so nothing is cached. Past the limit a pattern is refused as too comple
 
     python -m bench.grammar_compile --out bench/results/grammar_compile.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,27 +39,42 @@ def run(tokenizer, vocab_size: int, timeout_s: float) -> list[dict]:
             outcome, states = str(e).split(":")[1].strip(), None
         finally:
             compiler.worker.close()
-        rows.append({"pattern": name, "regex_chars": len(pattern), "seconds": round(time.perf_counter() - t0, 3),
-                     "outcome": outcome, "states": states})
+        rows.append(
+            {
+                "pattern": name,
+                "regex_chars": len(pattern),
+                "seconds": round(time.perf_counter() - t0, 3),
+                "outcome": outcome,
+                "states": states,
+            }
+        )
         print(f"[grammar_compile] {name}: {rows[-1]['seconds']} s, {outcome}", flush=True)
     return rows
 
 
 def markdown(result: dict) -> str:
-    table = [[r["pattern"], r["regex_chars"], r["states"] if r["states"] is not None else "—", r["seconds"],
-              r["outcome"]] for r in result["rows"]]
-    return table_markdown(f"### Grammar compile time — bundled vocabulary, limit {result['timeout_s']:g} s",
-                          ["pattern", "regex characters", "automaton states", "seconds", "outcome"], table,
-                          result["command"], (f"Machine: {result['machine']}",
-                                              "Seconds include starting the compile worker (a fresh one per pattern)."))
+    table = [
+        [r["pattern"], r["regex_chars"], r["states"] if r["states"] is not None else "—", r["seconds"], r["outcome"]]
+        for r in result["rows"]
+    ]
+    return table_markdown(
+        f"### Grammar compile time — bundled vocabulary, limit {result['timeout_s']:g} s",
+        ["pattern", "regex characters", "automaton states", "seconds", "outcome"],
+        table,
+        result["command"],
+        (f"Machine: {result['machine']}", "Seconds include starting the compile worker (a fresh one per pattern)."),
+    )
 
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     rows = result["rows"]
-    ax.barh([r["pattern"] for r in rows], [r["seconds"] for r in rows],
-            color=["tab:blue" if r["outcome"] == "compiled" else "tab:red" for r in rows])
+    ax.barh(
+        [r["pattern"] for r in rows],
+        [r["seconds"] for r in rows],
+        color=["tab:blue" if r["outcome"] == "compiled" else "tab:red" for r in rows],
+    )
     ax.axvline(result["timeout_s"], color="grey", lw=0.8, ls="--")
     ax.set(xscale="log", xlabel="seconds to compile (red: refused at the limit)")
     write_figure(fig, path)
@@ -74,8 +90,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(str(models_dir() / "target"))
-    result = {"timeout_s": args.timeout_s, "machine": machine(), "command": command("bench.grammar_compile", argv),
-              "rows": run(tok, len(tok.get_vocab()), args.timeout_s)}
+    result = {
+        "timeout_s": args.timeout_s,
+        "machine": machine(),
+        "command": command("bench.grammar_compile", argv),
+        "rows": run(tok, len(tok.get_vocab()), args.timeout_s),
+    }
     report(result, args.out, markdown, plot)
     return result
 

@@ -5,6 +5,7 @@ For each prompt the methods run in a rotated order (prompt i starts at method i 
 medians over prompts (speedup = median of per-prompt wall(vanilla) / wall(method)).
 Greedy decoding, so every lossless method must reproduce `vanilla` exactly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,13 @@ from bench.workloads import Prompt, load
 HF_PEERS = ("hf-vanilla", "hf-assisted", "hf-pld")
 
 
-def workload_args(p: argparse.ArgumentParser, workload: str = "humaneval", limit: int = 20,
-                  max_new_tokens: int = 128, threads: bool = True) -> None:
+def workload_args(
+    p: argparse.ArgumentParser,
+    workload: str = "humaneval",
+    limit: int = 20,
+    max_new_tokens: int = 128,
+    threads: bool = True,
+) -> None:
     """The arguments every benchmark over a workload takes, with its own defaults."""
     p.add_argument("--workload", default=workload)
     p.add_argument("--limit", type=int, default=limit)
@@ -37,7 +43,7 @@ def workload_args(p: argparse.ArgumentParser, workload: str = "humaneval", limit
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    workload_args(p, threads=False)   # --threads comes with the engine's arguments
+    workload_args(p, threads=False)  # --threads comes with the engine's arguments
     p.add_argument("--methods", default="vanilla,sd,hf-vanilla,hf-assisted,hf-pld")
     p.add_argument("--repeats", type=int, default=1)
 
@@ -66,16 +72,26 @@ class HFPeers:
 
     @torch.inference_mode()
     def run(self, method: str, ids: list[int], max_new: int) -> Run:
-        extra = {"hf-vanilla": {}, "hf-assisted": {"assistant_model": self.draft},
-                 "hf-pld": {"prompt_lookup_num_tokens": 10}}[method]
+        extra = {
+            "hf-vanilla": {},
+            "hf-assisted": {"assistant_model": self.draft},
+            "hf-pld": {"prompt_lookup_num_tokens": 10},
+        }[method]
         x = torch.tensor([ids], device=self.device)
         t0 = time.perf_counter()
-        out = self.target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                   do_sample=False, eos_token_id=self.eos, pad_token_id=self.eos, **extra)
-        new = out[0, len(ids):].tolist()
+        out = self.target.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=self.eos,
+            pad_token_id=self.eos,
+            **extra,
+        )
+        new = out[0, len(ids) :].tolist()
         wall = time.perf_counter() - t0
         if self.eos in new:
-            new = new[:new.index(self.eos)]
+            new = new[: new.index(self.eos)]
         return Run(new, wall)
 
 
@@ -87,8 +103,9 @@ def run_ours(engine, method: str, ids: list[int], max_new: int, sampling=None, s
     from services.router.engine import GenerationRequest
 
     getattr(engine.verifier, "clear_prefix_cache", lambda: None)()
-    gen = engine.generate(GenerationRequest(ids, max_new, sampling=sampling or SamplingParams(), method=method,
-                                            structured=structured))
+    gen = engine.generate(
+        GenerationRequest(ids, max_new, sampling=sampling or SamplingParams(), method=method, structured=structured)
+    )
     r = gen.result()
     return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"], list(gen.stats.rescued_pairs), r["finish_reason"])
 
@@ -100,8 +117,8 @@ def target_nll(engine, prompt: list[int], out: list[int]) -> tuple[float, int]:
         return 0.0, 0
     device = next(engine.runner.model.parameters()).device
     x = torch.tensor([prompt + out], device=device)
-    logp = torch.log_softmax(engine.runner.model.forward_train(x)[0, len(prompt) - 1:-1].float(), -1)
-    return float(-logp[torch.arange(len(out), device=device), x[0, len(prompt):]].sum()), len(out)
+    logp = torch.log_softmax(engine.runner.model.forward_train(x)[0, len(prompt) - 1 : -1].float(), -1)
+    return float(-logp[torch.arange(len(out), device=device), x[0, len(prompt) :]].sum()), len(out)
 
 
 def cycle_profile(runs: list[Run], cycles: int) -> dict:
@@ -110,17 +127,31 @@ def cycle_profile(runs: list[Run], cycles: int) -> dict:
     draft = sum(r.stats.get("draft_s", 0.0) for r in runs)
     verify = sum(r.stats.get("verify_s", 0.0) for r in runs)
     wall = sum(r.wall for r in runs)
-    return {"draft_ms_per_cycle": round(1e3 * draft / cycles, 3), "verify_ms_per_cycle": round(1e3 * verify / cycles, 3),
-            "other_ms_per_cycle": round(1e3 * (wall - draft - verify) / cycles, 3)}
+    return {
+        "draft_ms_per_cycle": round(1e3 * draft / cycles, 3),
+        "verify_ms_per_cycle": round(1e3 * verify / cycles, 3),
+        "other_ms_per_cycle": round(1e3 * (wall - draft - verify) / cycles, 3),
+    }
 
 
-def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tuple[float, int],
-              refs: list[str | None], texts: list[str], prompts: list[str], tokenizer) -> dict:
+def summarize(
+    method: str,
+    runs: list[Run],
+    vanilla: list[Run] | None,
+    nll: tuple[float, int],
+    refs: list[str | None],
+    texts: list[str],
+    prompts: list[str],
+    tokenizer,
+) -> dict:
     tokens = [len(r.ids) for r in runs]
     row = {
         "method": method,
         "tokens_per_s": round(statistics.median(n / r.wall for n, r in zip(tokens, runs)), 2),
-        "speedup_vs_vanilla": None, "tau": None, "cycles_per_1k": None, "acceptance_rate": None,
+        "speedup_vs_vanilla": None,
+        "tau": None,
+        "cycles_per_1k": None,
+        "acceptance_rate": None,
         "exact_match_vs_vanilla": None,
         "target_nll": round(nll[0] / nll[1], 4) if nll[1] else None,
         "median_wall_s": round(statistics.median(r.wall for r in runs), 4),
@@ -158,8 +189,9 @@ def summarize(method: str, runs: list[Run], vanilla: list[Run] | None, nll: tupl
             row["rescue_rate"] = round(len(rescued) / (len(rescued) + rejections), 3)
             row["rescued_kinds"] = rescued_breakdown(tokenizer, rescued)
     if any(refs):
-        row["reference_exact"] = round(sum(t.startswith(ref) for t, ref in zip(texts, refs) if ref)
-                                       / sum(1 for ref in refs if ref), 3)
+        row["reference_exact"] = round(
+            sum(t.startswith(ref) for t, ref in zip(texts, refs) if ref) / sum(1 for ref in refs if ref), 3
+        )
     return row
 
 
@@ -170,9 +202,17 @@ def past_outputs(engine, keep: bool = True):
     return cache.deferred(keep) if cache is not None else contextlib.nullcontext()
 
 
-def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, repeats: int,
-              peers: HFPeers | None, warmed=lambda: None) -> list[dict]:
+def benchmark(
+    engine,
+    prompts: list[Prompt],
+    methods: list[str],
+    max_new: int,
+    repeats: int,
+    peers: HFPeers | None,
+    warmed=lambda: None,
+) -> list[dict]:
     """Rows per method; ``warmed`` is called after the warm-up, before the measured runs."""
+
     def once(m: str, ids: list[int], n: int) -> Run:
         return peers.run(m, ids, n) if m in HF_PEERS else run_ours(engine, m, ids, n)
 
@@ -184,18 +224,21 @@ def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, r
     runs: dict[str, list[Run]] = {m: [] for m in methods}
     t0 = time.time()
     for i, ids in enumerate(encoded):
-        order = methods[i % len(methods):] + methods[:i % len(methods)]
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
         per: dict[str, list[Run]] = {m: [] for m in methods}
         with past_outputs(engine):
             for _ in range(repeats):
                 for m in order:
                     per[m].append(once(m, ids, max_new))
-        for m in methods:   # the repeat with the median wall, with its own stats (they share tokens)
+        for m in methods:  # the repeat with the median wall, with its own stats (they share tokens)
             runs[m].append(sorted(per[m], key=lambda r: r.wall)[len(per[m]) // 2])
         done = i + 1
         rate = (time.time() - t0) / done
-        print(f"[bench] {done}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - done):.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[bench] {done}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - done):.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     refs = [p.reference for p in prompts]
     rows = []
     for m in methods:
@@ -205,21 +248,38 @@ def benchmark(engine, prompts: list[Prompt], methods: list[str], max_new: int, r
             nll[0] += s
             nll[1] += n
         texts = [engine.tokenizer.decode(r.ids) for r in runs[m]]
-        rows.append(summarize(m, runs[m], runs.get("vanilla"), tuple(nll), refs, texts,
-                              [p.text for p in prompts], engine.tokenizer))
+        rows.append(
+            summarize(
+                m, runs[m], runs.get("vanilla"), tuple(nll), refs, texts, [p.text for p in prompts], engine.tokenizer
+            )
+        )
     return rows
 
 
 def markdown(result: dict) -> str:
-    cols = ["method", "tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_rate",
-            "exact_match_vs_vanilla", "token_agreement", "target_nll", "parse_rate"]
+    cols = [
+        "method",
+        "tokens_per_s",
+        "speedup_vs_vanilla",
+        "tau",
+        "cycles_per_1k",
+        "acceptance_rate",
+        "exact_match_vs_vanilla",
+        "token_agreement",
+        "target_nll",
+        "parse_rate",
+    ]
     cols += ["draft_ms_per_cycle", "verify_ms_per_cycle", "other_ms_per_cycle"]
     if any("rescue_rate" in r for r in result["rows"]):
         cols.append("rescue_rate")
     if any("reference_exact" in r for r in result["rows"]):
         cols.append("reference_exact")
-    lines = [f"### `{result['workload']}` — {result['limit']} prompts, {result['max_new_tokens']} new tokens, greedy",
-             "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [
+        f"### `{result['workload']}` — {result['limit']} prompts, {result['max_new_tokens']} new tokens, greedy",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     for r in result["rows"]:
         lines.append("| " + " | ".join("—" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
     lines += ["", f"Command: `{result['command']}`", f"Machine: {result['machine']}", ""]
@@ -254,15 +314,22 @@ def main(args: argparse.Namespace) -> dict:
     unknown = [m for m in methods if m not in engine.methods() and m not in HF_PEERS]
     if unknown:
         sys.exit(f"error: unknown or unavailable methods {unknown}; available: {engine.methods() + list(HF_PEERS)}")
-    peers = (HFPeers(cfg.target, cfg.draft, engine.eos_id, cfg.device, cfg.dtype)
-             if any(m in HF_PEERS for m in methods) else None)
+    peers = (
+        HFPeers(cfg.target, cfg.draft, engine.eos_id, cfg.device, cfg.dtype)
+        if any(m in HF_PEERS for m in methods)
+        else None
+    )
     prompts = load(args.workload, args.limit)
     freeze_startup_heap()  # as a serving process does (services.common.grpc_server.run_until_signal)
     rows = benchmark(engine, prompts, methods, args.max_new_tokens, args.repeats, peers)
     result = {
-        "workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "num_speculative_tokens": cfg.num_speculative_tokens,
-        "threads": torch.get_num_threads(), "device": cfg.device,
+        "workload": args.workload,
+        "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "num_speculative_tokens": cfg.num_speculative_tokens,
+        "threads": torch.get_num_threads(),
+        "device": cfg.device,
         "machine": machine(),
         "command": "python -m bench " + " ".join(sys.argv[1:]),
         "rows": rows,
@@ -277,8 +344,10 @@ def machine() -> str:
     """Architecture, threads, torch, and the host's speed (``speed_probe``): hosts of one kind
     differ by 2× between sessions here, so results are comparable only beside their probe."""
     gemm, op = speed_probe()
-    return (f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"probe: GEMM {gemm:.3f} ms, op {op:.1f} µs")
+    return (
+        f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"probe: GEMM {gemm:.3f} ms, op {op:.1f} µs"
+    )
 
 
 def speed_probe(reps: int = 300) -> tuple[float, float]:
@@ -361,14 +430,21 @@ def save(out: Path, result: dict, markdown_fn, plot_fn=None) -> None:
         plot_fn(result, out.with_suffix(".png"))
 
 
-def run_settings(engine, methods: list[str], prompts: dict[str, list[list[int]]], options: dict[str, dict],
-                 max_new: int, repeats: int, tag: str) -> dict[tuple[str, str], list[Run]]:
+def run_settings(
+    engine,
+    methods: list[str],
+    prompts: dict[str, list[list[int]]],
+    options: dict[str, dict],
+    max_new: int,
+    repeats: int,
+    tag: str,
+) -> dict[tuple[str, str], list[Run]]:
     """Every (setting, method) cell on each prompt, ``repeats`` times in rotated order, in one
     process: setting s runs its own encoding of the prompt, ``prompts[s][i]``, with
     ``run_ours(**options[s])``. (setting, method) → per-prompt runs (each prompt's median-wall
     repeat), with a progress line per prompt."""
     cells = [(s, m) for s in prompts for m in methods]
-    with past_outputs(engine, keep=False):   # warm-up; its outputs would leak into prompt 0
+    with past_outputs(engine, keep=False):  # warm-up; its outputs would leak into prompt 0
         for s, m in cells:
             run_ours(engine, m, prompts[s][0], 16, **options[s])
     runs: dict[tuple[str, str], list[Run]] = {c: [] for c in cells}
@@ -376,15 +452,18 @@ def run_settings(engine, methods: list[str], prompts: dict[str, list[list[int]]]
     t0 = time.time()
     for i in range(n):
         per: dict[tuple[str, str], list[Run]] = {c: [] for c in cells}
-        with past_outputs(engine):   # no cell drafts from another cell's output of this prompt
+        with past_outputs(engine):  # no cell drafts from another cell's output of this prompt
             for _ in range(repeats):
-                for s, m in cells[i % len(cells):] + cells[:i % len(cells)]:
+                for s, m in cells[i % len(cells) :] + cells[: i % len(cells)]:
                     per[(s, m)].append(run_ours(engine, m, prompts[s][i], max_new, **options[s]))
         for c in cells:
             runs[c].append(sorted(per[c], key=lambda r: r.wall)[len(per[c]) // 2])
         rate = (time.time() - t0) / (i + 1)
-        print(f"[{tag}] {i + 1}/{n} prompts  {rate:.1f} s/prompt  eta {rate * (n - i - 1):.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{tag}] {i + 1}/{n} prompts  {rate:.1f} s/prompt  eta {rate * (n - i - 1):.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return runs
 
 
@@ -395,9 +474,15 @@ def setting_bars(result: dict, settings, ylabel: str, path: Path, label=str) -> 
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     width = 0.8 / len(settings)
     for j, s in enumerate(settings):
-        ax.bar([i + (j - (len(settings) - 1) / 2) * width for i in range(len(methods))],
-               [next(r["speedup_vs_vanilla"] for r in result["rows"] if r["setting"] == s and r["method"] == m)
-                for m in methods], width, label=label(s))
+        ax.bar(
+            [i + (j - (len(settings) - 1) / 2) * width for i in range(len(methods))],
+            [
+                next(r["speedup_vs_vanilla"] for r in result["rows"] if r["setting"] == s and r["method"] == m)
+                for m in methods
+            ],
+            width,
+            label=label(s),
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(methods)), methods)
     ax.set(ylabel=ylabel)
@@ -405,14 +490,16 @@ def setting_bars(result: dict, settings, ylabel: str, path: Path, label=str) -> 
     write_figure(fig, path)
 
 
-def settings_main(module: str, doc: str, argv: list[str] | None, settings: dict, run_fn, rows_fn, markdown_fn, plot_fn) -> dict:
+def settings_main(
+    module: str, doc: str, argv: list[str] | None, settings: dict, run_fn, rows_fn, markdown_fn, plot_fn
+) -> dict:
     """The command line of a benchmark of methods under settings (``bench.penalties``,
     ``bench.structured``): `vanilla` first, the baseline of each setting."""
     from services.cli import _engine_args
 
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     _engine_args(p)
-    workload_args(p, threads=False)   # --threads comes with the engine's arguments
+    workload_args(p, threads=False)  # --threads comes with the engine's arguments
     p.add_argument("--methods", default="vanilla,sd,suffix,eagle3,hybrid")
     p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args(argv)
@@ -420,8 +507,12 @@ def settings_main(module: str, doc: str, argv: list[str] | None, settings: dict,
     if methods[0] != "vanilla":
         raise SystemExit("--methods must start with vanilla (the baseline of each setting)")
     engine = bench_engine(args)
-    result = {"args": {k: getattr(args, k) for k in ("workload", "limit", "max_new_tokens", "repeats", "methods")},
-              "settings": settings, "machine": machine(), "command": command(module, argv),
-              "rows": rows_fn(engine, run_fn(engine, args), methods)}
+    result = {
+        "args": {k: getattr(args, k) for k in ("workload", "limit", "max_new_tokens", "repeats", "methods")},
+        "settings": settings,
+        "machine": machine(),
+        "command": command(module, argv),
+        "rows": rows_fn(engine, run_fn(engine, args), methods),
+    }
     report(result, args.out, markdown_fn, plot_fn)
     return result

@@ -10,6 +10,7 @@ speedups are medians over prompts of `vanilla`'s wall time over the cell's.
     python -m bench.heads --workload edit --limit 20 --max-new-tokens 256 \\
         --heads models/eagle3,build/models/eagle3-stage3 --methods eagle3,hybrid --out bench/results/heads_edit.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,22 +40,25 @@ def run(engines: dict[str, object], prompts, methods: list[str], max_new: int) -
     first = next(iter(engines.values()))
     cells = [("vanilla", "")] + [(m, h) for h in engines for m in methods]
     encoded = [first.encode_fit(p.text, max_new) for p in prompts]
-    for m, h in cells:   # warm-up; its outputs would leak into prompt 0
+    for m, h in cells:  # warm-up; its outputs would leak into prompt 0
         eng = engines[h] if h else first
         with past_outputs(eng, keep=False):
             run_ours(eng, m, encoded[0], 16)
     runs: dict[tuple[str, str], list] = {c: [] for c in cells}
     t0 = time.time()
     for i, ids in enumerate(encoded):
-        order = cells[i % len(cells):] + cells[:i % len(cells)]
-        with contextlib.ExitStack() as defer:   # no cell drafts from another cell's output of this prompt
+        order = cells[i % len(cells) :] + cells[: i % len(cells)]
+        with contextlib.ExitStack() as defer:  # no cell drafts from another cell's output of this prompt
             for eng in engines.values():
                 defer.enter_context(past_outputs(eng))
             for m, h in order:
                 runs[(m, h)].append(run_ours(engines[h] if h else first, m, ids, max_new))
         rate = (time.time() - t0) / (i + 1)
-        print(f"[heads] {i + 1}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - i - 1):.0f} s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[heads] {i + 1}/{len(encoded)} prompts  {rate:.1f} s/prompt  eta {rate * (len(encoded) - i - 1):.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     return runs
 
 
@@ -68,8 +72,16 @@ def rows(engine, prompts, runs, max_new: int) -> list[dict]:
             nll[0] += s
             nll[1] += n
         texts = [engine.tokenizer.decode(r.ids) for r in rs]
-        row = summarize(m, rs, runs[("vanilla", "")], tuple(nll), [None] * len(rs), texts,
-                        [p.text for p in prompts], engine.tokenizer)
+        row = summarize(
+            m,
+            rs,
+            runs[("vanilla", "")],
+            tuple(nll),
+            [None] * len(rs),
+            texts,
+            [p.text for p in prompts],
+            engine.tokenizer,
+        )
         out.append({"head": h or None, **row})
     return out
 
@@ -78,13 +90,34 @@ def markdown(result: dict) -> str:
     return table_markdown(
         f"### EAGLE-3 heads side by side — {result['workload']}, {result['limit']} prompts, "
         f"{result['max_new_tokens']} new tokens, greedy",
-        ["method", "head", "tok/s", "speedup", "τ", "cycles / 1k", "draft ms / cycle", "cycles by source",
-         "exact vs vanilla"],
-        [[r["method"], f"`{r['head']}`" if r["head"] else "—", r["tokens_per_s"], r["speedup_vs_vanilla"], r["tau"],
-          r["cycles_per_1k"], r.get("draft_ms_per_cycle", "—"),
-          ", ".join(f"{k} {v}" for k, v in sorted((r.get("cycles_by_source") or {}).items())) or "—",
-          r["exact_match_vs_vanilla"]] for r in result["rows"]],
-        result["command"], (f"Machine: {result['machine']}.",))
+        [
+            "method",
+            "head",
+            "tok/s",
+            "speedup",
+            "τ",
+            "cycles / 1k",
+            "draft ms / cycle",
+            "cycles by source",
+            "exact vs vanilla",
+        ],
+        [
+            [
+                r["method"],
+                f"`{r['head']}`" if r["head"] else "—",
+                r["tokens_per_s"],
+                r["speedup_vs_vanilla"],
+                r["tau"],
+                r["cycles_per_1k"],
+                r.get("draft_ms_per_cycle", "—"),
+                ", ".join(f"{k} {v}" for k, v in sorted((r.get("cycles_by_source") or {}).items())) or "—",
+                r["exact_match_vs_vanilla"],
+            ]
+            for r in result["rows"]
+        ],
+        result["command"],
+        (f"Machine: {result['machine']}.",),
+    )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -94,9 +127,15 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.4))
     width = 0.8 / len(heads)
     for j, h in enumerate(heads):
-        ax.bar([i + (j - (len(heads) - 1) / 2) * width for i in range(len(methods))],
-               [next(r["speedup_vs_vanilla"] for r in result["rows"] if r["method"] == m and r["head"] == h)
-                for m in methods], width, label=h)
+        ax.bar(
+            [i + (j - (len(heads) - 1) / 2) * width for i in range(len(methods))],
+            [
+                next(r["speedup_vs_vanilla"] for r in result["rows"] if r["method"] == m and r["head"] == h)
+                for m in methods
+            ],
+            width,
+            label=h,
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(methods)), methods)
     ax.set(ylabel="speedup over vanilla", title=f"EAGLE-3 heads — {result['workload']}")
@@ -115,17 +154,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--methods", default="eagle3,hybrid", help="methods that draft with the head")
     args = ap.parse_args(argv)
     engines = {h: Engine(EngineConfig(eagle3=Path(h), threads=args.threads or 1)) for h in args.heads.split(",")}
-    freeze_startup_heap()   # as `make bench` and a serving process do: no full collections of the start-up heap
+    freeze_startup_heap()  # as `make bench` and a serving process do: no full collections of the start-up heap
     for h, eng in engines.items():
         if "eagle3" not in eng.verifier.drafters:
             sys.exit(f"error: {h} is not an EAGLE-3 head for the target")
     prompts = load(args.workload, args.limit)
     methods = args.methods.split(",")
     runs = run(engines, prompts, methods, args.max_new_tokens)
-    result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "heads": list(engines), "methods": methods, "machine": machine(),
-              "command": command("bench.heads", argv), "rows": rows(next(iter(engines.values())), prompts, runs,
-                                                                    args.max_new_tokens)}
+    result = {
+        "workload": args.workload,
+        "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "heads": list(engines),
+        "methods": methods,
+        "machine": machine(),
+        "command": command("bench.heads", argv),
+        "rows": rows(next(iter(engines.values())), prompts, runs, args.max_new_tokens),
+    }
     report(result, args.out, markdown, plot)
     return result
 

@@ -5,6 +5,7 @@ its absolute tokens/s compare with another run's only at a like probe.
 
     python -m bench.host_speed --samples 24 --interval 5 --out bench/results/host_speed.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,21 @@ def main(argv: list[str] | None = None) -> None:
     from services.common.packed_linear import pack_linears
 
     model = Llama.from_pretrained(args.target)
-    pack_linears(model)   # as the verifier runs it
+    pack_linears(model)  # as the verifier runs it
     cache = model.new_cache(1, 1024)
     samples, t0 = [], time.perf_counter()
     with torch.inference_mode():
         model(torch.tensor([list(range(100))]), 0, cache)
         for i in range(args.samples):
             gemm, op = speed_probe()
-            samples.append({"t_s": round(time.perf_counter() - t0, 1), "gemm_ms": round(gemm, 3),
-                            "op_us": round(op, 2), "forward_ms": round(forward_ms(model, cache), 3)})
+            samples.append(
+                {
+                    "t_s": round(time.perf_counter() - t0, 1),
+                    "gemm_ms": round(gemm, 3),
+                    "op_us": round(op, 2),
+                    "forward_ms": round(forward_ms(model, cache), 3),
+                }
+            )
             print(f"[host_speed] {i + 1}/{args.samples}: {samples[-1]}", flush=True)
             if i + 1 < args.samples:
                 time.sleep(args.interval)
@@ -63,11 +70,23 @@ def main(argv: list[str] | None = None) -> None:
 
 def markdown(result: dict) -> str:
     names = {"gemm_ms": "probe GEMM, ms", "op_us": "probe op, µs", "forward_ms": "target 1-token forward, ms"}
-    rows = [[names[k], result[k]["min"], result[k]["median"], result[k]["max"], round(result[k]["max"] / result[k]["min"], 2)]
-            for k in names]
-    return table_markdown(f"### Host speed over time — {len(result['samples'])} samples",
-                          ["measure", "min", "median", "max", "max / min"], rows, result["command"],
-                          (f"Machine: {result['machine']}",))
+    rows = [
+        [
+            names[k],
+            result[k]["min"],
+            result[k]["median"],
+            result[k]["max"],
+            round(result[k]["max"] / result[k]["min"], 2),
+        ]
+        for k in names
+    ]
+    return table_markdown(
+        f"### Host speed over time — {len(result['samples'])} samples",
+        ["measure", "min", "median", "max", "max / min"],
+        rows,
+        result["command"],
+        (f"Machine: {result['machine']}",),
+    )
 
 
 def plot(result: dict, path: Path) -> None:

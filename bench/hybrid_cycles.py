@@ -9,6 +9,7 @@ the online calibration) with its true yield, known once verified or shadow-verif
 
     python -m bench.hybrid_cycles --workload humaneval --out bench/results/hybrid_cycles_humaneval.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ class Recorder:
 
         def timed_observe(req_id, tokens, target_states=None):
             st = hybrid.states[req_id]
-            if req_id in started and st.tracker.generated > 0:   # a request's first cycle holds its prefill
+            if req_id in started and st.tracker.generated > 0:  # a request's first cycle holds its prefill
                 t0, offered = started.pop(req_id)
                 self.cycles[(st.choice, length_bucket(offered))].append((len(tokens), time.perf_counter() - t0))
             started.pop(req_id, None)
@@ -59,11 +60,25 @@ class Recorder:
         cycles = []
         for (choice, bucket), xs in sorted(self.cycles.items()):
             tokens, secs = sum(k for k, _ in xs), sum(s for _, s in xs)
-            cycles.append({"choice": choice, "offered_bucket": bucket, "cycles": len(xs),
-                           "tokens_per_cycle": round(tokens / len(xs), 3), "ms_per_cycle": round(1e3 * secs / len(xs), 3),
-                           "tokens_per_s": round(tokens / secs, 1)})
-        yields = [{"bucket": b, "drafts": len(xs), "mean_raw_y_hat": round(sum(r for r, _ in xs) / len(xs), 3),
-                   "mean_y": round(sum(y for _, y in xs) / len(xs), 3)} for b, xs in sorted(self.yields.items())]
+            cycles.append(
+                {
+                    "choice": choice,
+                    "offered_bucket": bucket,
+                    "cycles": len(xs),
+                    "tokens_per_cycle": round(tokens / len(xs), 3),
+                    "ms_per_cycle": round(1e3 * secs / len(xs), 3),
+                    "tokens_per_s": round(tokens / secs, 1),
+                }
+            )
+        yields = [
+            {
+                "bucket": b,
+                "drafts": len(xs),
+                "mean_raw_y_hat": round(sum(r for r, _ in xs) / len(xs), 3),
+                "mean_y": round(sum(y for _, y in xs) / len(xs), 3),
+            }
+            for b, xs in sorted(self.yields.items())
+        ]
         return cycles, yields
 
 
@@ -73,25 +88,53 @@ def bucket_label(b: int) -> str:
 
 
 def markdown(result: dict) -> str:
-    parts = [table_markdown(
-        f"### Hybrid methods side by side — {result['workload']}, {result['limit']} prompts, "
-        f"{result['max_new_tokens']} new tokens, greedy",
-        ["method", "speedup", "τ", "cycles / 1k", "cycles by source"],
-        [[r["method"], r["speedup_vs_vanilla"], r["tau"], r["cycles_per_1k"],
-          ", ".join(f"{k} {v}" for k, v in sorted((r.get("cycles_by_source") or {}).items())) or "—"]
-         for r in result["rows"]], result["command"], (f"Machine: {result['machine']}.",))]
+    parts = [
+        table_markdown(
+            f"### Hybrid methods side by side — {result['workload']}, {result['limit']} prompts, "
+            f"{result['max_new_tokens']} new tokens, greedy",
+            ["method", "speedup", "τ", "cycles / 1k", "cycles by source"],
+            [
+                [
+                    r["method"],
+                    r["speedup_vs_vanilla"],
+                    r["tau"],
+                    r["cycles_per_1k"],
+                    ", ".join(f"{k} {v}" for k, v in sorted((r.get("cycles_by_source") or {}).items())) or "—",
+                ]
+                for r in result["rows"]
+            ],
+            result["command"],
+            (f"Machine: {result['machine']}.",),
+        )
+    ]
     for name, h in result["hybrids"].items():
-        parts.append(table_markdown(
-            f"#### `{name}`: cycles by choice and by the cache draft's length on offer",
-            ["choice", "cache draft on offer", "cycles", "tokens / cycle", "ms / cycle", "tokens / s"],
-            [[r["choice"], bucket_label(r["offered_bucket"]), r["cycles"], r["tokens_per_cycle"], r["ms_per_cycle"],
-              r["tokens_per_s"]] for r in h["cycles"]], result["command"]))
+        parts.append(
+            table_markdown(
+                f"#### `{name}`: cycles by choice and by the cache draft's length on offer",
+                ["choice", "cache draft on offer", "cycles", "tokens / cycle", "ms / cycle", "tokens / s"],
+                [
+                    [
+                        r["choice"],
+                        bucket_label(r["offered_bucket"]),
+                        r["cycles"],
+                        r["tokens_per_cycle"],
+                        r["ms_per_cycle"],
+                        r["tokens_per_s"],
+                    ]
+                    for r in h["cycles"]
+                ],
+                result["command"],
+            )
+        )
         if h["yields"]:
-            parts.append(table_markdown(
-                f"#### `{name}`: the predictor's raw ŷ against the true yield, by draft length",
-                ["draft length", "drafts", "mean raw ŷ", "mean yield"],
-                [[bucket_label(r["bucket"]), r["drafts"], r["mean_raw_y_hat"], r["mean_y"]] for r in h["yields"]],
-                result["command"]))
+            parts.append(
+                table_markdown(
+                    f"#### `{name}`: the predictor's raw ŷ against the true yield, by draft length",
+                    ["draft length", "drafts", "mean raw ŷ", "mean yield"],
+                    [[bucket_label(r["bucket"]), r["drafts"], r["mean_raw_y_hat"], r["mean_y"]] for r in h["yields"]],
+                    result["command"],
+                )
+            )
     return "\n".join(parts)
 
 
@@ -106,8 +149,12 @@ def plot(result: dict, path: Path) -> None:
         width = 0.8 / len(choices)
         for j, c in enumerate(choices):
             rate = {r["offered_bucket"]: r["tokens_per_s"] for r in rows if r["choice"] == c}
-            ax.bar([i + (j - (len(choices) - 1) / 2) * width for i in range(len(buckets))],
-                   [rate.get(b, 0) for b in buckets], width, label=c)
+            ax.bar(
+                [i + (j - (len(choices) - 1) / 2) * width for i in range(len(buckets))],
+                [rate.get(b, 0) for b in buckets],
+                width,
+                label=c,
+            )
         ax.set_xticks(range(len(buckets)), [bucket_label(b) for b in buckets])
         ax.set(xlabel="cache draft on offer (tokens)", ylabel="tokens / s", title=f"{name} — {result['workload']}")
         ax.legend(fontsize=8)
@@ -128,9 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [m for m in methods if m not in engine.methods()]
     if unknown:
         sys.exit(f"error: unknown or unavailable methods {unknown}; available: {engine.methods()}")
-    freeze_startup_heap()   # as `make bench` and a serving process do
-    result = {"workload": args.workload, "machine": machine(), "command": command("bench.hybrid_cycles", argv),
-              **measure(engine, load(args.workload, args.limit), methods, args.max_new_tokens)}
+    freeze_startup_heap()  # as `make bench` and a serving process do
+    result = {
+        "workload": args.workload,
+        "machine": machine(),
+        "command": command("bench.hybrid_cycles", argv),
+        **measure(engine, load(args.workload, args.limit), methods, args.max_new_tokens),
+    }
     report(result, args.out, markdown, plot)
     return result
 
@@ -141,14 +192,23 @@ def measure(engine, prompts, methods: list[str], max_new: int) -> dict:
     from services.drafter.hybrid import HybridDrafter
     from services.router.engine import METHODS
 
-    hybrids = {name: Recorder(d) for name, d in engine.drafters.items()
-               if isinstance(d, HybridDrafter) and any(METHODS[m].router_drafter == name for m in methods)}
-    rows = benchmark(engine, prompts, methods, max_new, 1, None,
-                     warmed=lambda: [rec.clear() for rec in hybrids.values()])
-    return {"limit": len(prompts), "max_new_tokens": max_new,
-            "rows": [{k: r[k] for k in ("method", "speedup_vs_vanilla", "tau", "cycles_per_1k", "cycles_by_source")}
-                     for r in rows],
-            "hybrids": {name: dict(zip(("cycles", "yields"), rec.rows())) for name, rec in hybrids.items()}}
+    hybrids = {
+        name: Recorder(d)
+        for name, d in engine.drafters.items()
+        if isinstance(d, HybridDrafter) and any(METHODS[m].router_drafter == name for m in methods)
+    }
+    rows = benchmark(
+        engine, prompts, methods, max_new, 1, None, warmed=lambda: [rec.clear() for rec in hybrids.values()]
+    )
+    return {
+        "limit": len(prompts),
+        "max_new_tokens": max_new,
+        "rows": [
+            {k: r[k] for k in ("method", "speedup_vs_vanilla", "tau", "cycles_per_1k", "cycles_by_source")}
+            for r in rows
+        ],
+        "hybrids": {name: dict(zip(("cycles", "yields"), rec.rows())) for name, rec in hybrids.items()},
+    }
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the fastest setting on `edit` that stays within 3 % of the best single source el
 
     python -m bench.hybrid_sweep --workload edit --limit 20 --out bench/results/hybrid_sweep_edit.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ from bench.harness import benchmark, pyplot, workload_args, write_figure
 from bench.workloads import load
 
 KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "exact_match_vs_vanilla")
-KNOBS = {"hybrid": "tau", "hybrid-rule": "threshold"}   # the rule attribute each sweep sets
+KNOBS = {"hybrid": "tau", "hybrid-rule": "threshold"}  # the rule attribute each sweep sets
 
 
 def sweep(engine, prompts, max_new: int, settings: dict[str, list[float]]) -> list[dict]:
@@ -50,19 +51,31 @@ def sweep(engine, prompts, max_new: int, settings: dict[str, list[float]]) -> li
 
 def best(rows: list[dict], method: str) -> dict:
     """The fastest threshold setting of ``method``."""
-    return max((r for r in rows if r["method"] == method and isinstance(r["setting"], float)),
-               key=lambda r: r["speedup_vs_vanilla"])
+    return max(
+        (r for r in rows if r["method"] == method and isinstance(r["setting"], float)),
+        key=lambda r: r["speedup_vs_vanilla"],
+    )
 
 
 def markdown(result: dict) -> str:
-    lines = [f"### HVD τ sweep — {result['workload']}, {result['limit']} prompts, {result['max_new_tokens']} new tokens",
-             "", "| method | setting | tok/s | speedup | tokens/cycle | cycles / 1k | exact vs vanilla |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### HVD τ sweep — {result['workload']}, {result['limit']} prompts, {result['max_new_tokens']} new tokens",
+        "",
+        "| method | setting | tok/s | speedup | tokens/cycle | cycles / 1k | exact vs vanilla |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        setting = r["setting"] if isinstance(r["setting"], str) else \
-            "—" if r["setting"] is None else f"{KNOBS[r['method']]} = {r['setting']}"
-        lines.append(f"| {r['method']} | {setting} | {r['tokens_per_s']} | {r['speedup_vs_vanilla']} | {r['tau']} "
-                     f"| {r['cycles_per_1k']} | {r['exact_match_vs_vanilla']} |")
+        setting = (
+            r["setting"]
+            if isinstance(r["setting"], str)
+            else "—"
+            if r["setting"] is None
+            else f"{KNOBS[r['method']]} = {r['setting']}"
+        )
+        lines.append(
+            f"| {r['method']} | {setting} | {r['tokens_per_s']} | {r['speedup_vs_vanilla']} | {r['tau']} "
+            f"| {r['cycles_per_1k']} | {r['exact_match_vs_vanilla']} |"
+        )
     return "\n".join(lines + ["", f"Command: `{result['command']}`", ""])
 
 
@@ -72,13 +85,17 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
     hyb = [r for r in rows if r["method"] == "hybrid" and isinstance(r["setting"], float)]
-    ax.plot([r["setting"] for r in hyb], [r["speedup_vs_vanilla"] for r in hyb], "o-", label="hybrid (predicted yield > τ)")
+    ax.plot(
+        [r["setting"] for r in hyb], [r["speedup_vs_vanilla"] for r in hyb], "o-", label="hybrid (predicted yield > τ)"
+    )
     for r in (r for r in rows if r["setting"] == "cost-aware"):
         ax.axhline(r["speedup_vs_vanilla"], ls="-", lw=1.2, color="C0", label="hybrid, cost-aware (default)")
     for i, r in enumerate(r for r in rows if r["setting"] is None):
         ax.axhline(r["speedup_vs_vanilla"], ls="--", lw=0.8, color=f"C{i + 1}", label=r["method"])
     rule = best(rows, "hybrid-rule")
-    ax.axhline(rule["speedup_vs_vanilla"], ls=":", lw=0.8, color="C4", label=f"hybrid-rule, best (score ≥ {rule['setting']})")
+    ax.axhline(
+        rule["speedup_vs_vanilla"], ls=":", lw=0.8, color="C4", label=f"hybrid-rule, best (score ≥ {rule['setting']})"
+    )
     ax.set_xlabel("τ")
     ax.set_ylabel("speedup vs vanilla")
     ax.set_title(f"HVD τ sweep — {result['workload']}")
@@ -97,17 +114,24 @@ def main() -> None:
     ap.add_argument("--thresholds", default="2,4,6,8,12")
     args = ap.parse_args()
     engine = Engine(EngineConfig(threads=args.threads))
-    freeze_startup_heap()   # as `make bench` and a serving process do: no full collections of the start-up heap
+    freeze_startup_heap()  # as `make bench` and a serving process do: no full collections of the start-up heap
     missing = [m for m in KNOBS if m not in engine.drafters]
     if missing:
         sys.exit(f"error: {missing} unavailable: the sweep needs models/eagle3 (or models/draft) and models/predictor")
-    settings = {"hybrid": [float(t) for t in args.taus.split(",")],
-                "hybrid-rule": [float(t) for t in args.thresholds.split(",")]}
+    settings = {
+        "hybrid": [float(t) for t in args.taus.split(",")],
+        "hybrid-rule": [float(t) for t in args.thresholds.split(",")],
+    }
     prompts = load(args.workload, args.limit)
     rows = sweep(engine, prompts, args.max_new_tokens, settings)
-    result = {"workload": args.workload, "limit": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "command": "python -m bench.hybrid_sweep " + " ".join(sys.argv[1:]), "rows": rows,
-              "best": {m: best(rows, m) for m in KNOBS}}
+    result = {
+        "workload": args.workload,
+        "limit": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "command": "python -m bench.hybrid_sweep " + " ".join(sys.argv[1:]),
+        "rows": rows,
+        "best": {m: best(rows, m) for m in KNOBS},
+    }
     print(markdown(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -19,6 +19,7 @@ machine after an idle wait as long as a step; the hop less the floor is what our
 
     python -m bench.link_hop --limit 12 --cycles 48 --out bench/results/link_hop.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,8 @@ def echo_serve(port: int) -> None:
             yield m
 
     handler = grpc.method_handlers_generic_handler(
-        "specmesh.bench.Echo", {"Chat": grpc.stream_stream_rpc_method_handler(chat)})
+        "specmesh.bench.Echo", {"Chat": grpc.stream_stream_rpc_method_handler(chat)}
+    )
     server = grpc.server(futures.ThreadPoolExecutor(4))
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -96,9 +98,32 @@ class Echo:
 def start_verifier(args, cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
     """A verifier process, of this checkout's code or of the checkout at ``cwd``."""
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--port", str(port),
-           "--metrics-port", "0", "--target", str(args.target), "--draft", str(args.draft), "--eagle3", "none",
-           "--threads", "1", "--prefix-cache-mb", "0", "--device", args.device, "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--role",
+        "verifier",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--target",
+        str(args.target),
+        "--draft",
+        str(args.draft),
+        "--eagle3",
+        "none",
+        "--threads",
+        "1",
+        "--prefix-cache-mb",
+        "0",
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     return proc, f"127.0.0.1:{port}"
 
@@ -107,12 +132,17 @@ def run_session(verifier, prompt_ids: list[int], method: str, cycles: int) -> li
     """Per cycle: seconds outside model work (round trip − reported draft and verify), and
     seconds of model work."""
     drafter = "draft-lm" if method == "sd" else None
-    spec = SessionSpec(prompt_ids=prompt_ids, max_new_tokens=cycles * 5 + 1, model_drafter=drafter,
-                       max_draft=4 if drafter else 0, ignore_eos=True)
+    spec = SessionSpec(
+        prompt_ids=prompt_ids,
+        max_new_tokens=cycles * 5 + 1,
+        model_drafter=drafter,
+        max_draft=4 if drafter else 0,
+        ignore_eos=True,
+    )
     req = CycleRequest(draft_with=drafter, budget=4) if drafter else CycleRequest()
     session = verifier.open(spec)
     try:
-        session.cycle(req)   # the prefill
+        session.cycle(req)  # the prefill
         out = []
         for _ in range(cycles):
             t0 = time.perf_counter()
@@ -135,9 +165,14 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", help="the models' device, in both processes (cpu or cuda)")
     ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
-                    help="also a Link to a verifier running DIR's code (a checkout of another commit, e.g. "
-                         "`git worktree add DIR REV`), interleaved with the others: an A/B of the verifier's side")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also a Link to a verifier running DIR's code (a checkout of another commit, e.g. "
+        "`git worktree add DIR REV`), interleaved with the others: an A/B of the verifier's side",
+    )
     ap.add_argument("--echo-serve", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.echo_serve:
@@ -146,8 +181,15 @@ def main(argv=None) -> None:
     from services.assembly import eos_id
 
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    cfg = EngineConfig(target=args.target, draft=args.draft, eagle3=None, threads=1, prefix_cache_mb=0,
-                       device=args.device, dtype=args.dtype)
+    cfg = EngineConfig(
+        target=args.target,
+        draft=args.draft,
+        eagle3=None,
+        threads=1,
+        prefix_cache_mb=0,
+        device=args.device,
+        dtype=args.dtype,
+    )
     core = VerifierCore.from_config(cfg, eos_id(cfg))
     proc, addr = start_verifier(args)
     remote = {"link": RemoteVerifier([addr], link=True), "stream": RemoteVerifier([addr], link=False)}
@@ -166,15 +208,18 @@ def main(argv=None) -> None:
         n, done, t_start = len(prompts) * len(methods), 0, time.perf_counter()
         for i, ids in enumerate(prompts):
             for m in methods:
-                order = list(paths.items())   # interleaved, each prompt in a rotated order
-                for t, v in order[i % len(order):] + order[:i % len(order)]:
+                order = list(paths.items())  # interleaved, each prompt in a rotated order
+                for t, v in order[i % len(order) :] + order[: i % len(order)]:
                     cycles[t, m] += run_session(v, ids, m, args.cycles)
                 # the floor: the embedded session's model times, replayed as busy time by the echo
-                cycles["echo", m] += echo.replay([w for _, w in cycles["embedded", m][-args.cycles:]])
+                cycles["echo", m] += echo.replay([w for _, w in cycles["embedded", m][-args.cycles :]])
                 done += 1
                 el = time.perf_counter() - t_start
-                print(f"[link_hop] {done}/{n} prompt×method, {done / el:.2f}/s, ETA {(n - done) * el / done:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[link_hop] {done}/{n} prompt×method, {done / el:.2f}/s, ETA {(n - done) * el / done:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         for v in remote.values():
             v.close()
@@ -203,40 +248,80 @@ def summarize(args, cycles: dict) -> dict:
     for (path, m), v in cycles.items():
         hop = None if path == "embedded" else med[path, m] - med["embedded", m]
         floor = med["echo", m] - med["embedded", m]
-        rows.append({"path": "bare gRPC echo" if path == "echo" else path, "method": m, "cycles": len(v),
-                     "model_ms": round(statistics.median(x for _, x in v) * 1e3, 3),
-                     "outside_ms": round(med[path, m], 3), "hop_ms": None if hop is None else round(hop, 3),
-                     "hop_over_floor_ms": None if hop is None else round(hop - floor, 3)})
-    return {"workload": args.workload, "limit": args.limit, "cycles_per_session": args.cycles, "rows": rows,
-            "command": "python -m bench.link_hop " + " ".join(sys.argv[1:]), "machine": machine(),
-            "baseline": _revision(args.baseline) if args.baseline else None}
+        rows.append(
+            {
+                "path": "bare gRPC echo" if path == "echo" else path,
+                "method": m,
+                "cycles": len(v),
+                "model_ms": round(statistics.median(x for _, x in v) * 1e3, 3),
+                "outside_ms": round(med[path, m], 3),
+                "hop_ms": None if hop is None else round(hop, 3),
+                "hop_over_floor_ms": None if hop is None else round(hop - floor, 3),
+            }
+        )
+    return {
+        "workload": args.workload,
+        "limit": args.limit,
+        "cycles_per_session": args.cycles,
+        "rows": rows,
+        "command": "python -m bench.link_hop " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "baseline": _revision(args.baseline) if args.baseline else None,
+    }
 
 
 def _revision(checkout: Path) -> str:
-    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or str(checkout)
+    return subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() or str(checkout)
 
 
 def markdown(r: dict) -> str:
     from bench.harness import table_markdown
 
-    dash = lambda v: "—" if v is None else v   # noqa: E731
+    dash = lambda v: "—" if v is None else v  # noqa: E731
     return table_markdown(
         f"### Link hop — {r['workload']}, {r['limit']} prompts × {r['cycles_per_session']} cycles",
-        ["path", "method", "cycles", "model ms / cycle", "outside model, ms / cycle", "hop over embedded, ms",
-         "hop − echo floor, ms"],
-        [[x["path"], x["method"], x["cycles"], x["model_ms"], dash(x["outside_ms"]), dash(x["hop_ms"]),
-          dash(x["hop_over_floor_ms"])] for x in r["rows"]],
+        [
+            "path",
+            "method",
+            "cycles",
+            "model ms / cycle",
+            "outside model, ms / cycle",
+            "hop over embedded, ms",
+            "hop − echo floor, ms",
+        ],
+        [
+            [
+                x["path"],
+                x["method"],
+                x["cycles"],
+                x["model_ms"],
+                dash(x["outside_ms"]),
+                dash(x["hop_ms"]),
+                dash(x["hop_over_floor_ms"]),
+            ]
+            for x in r["rows"]
+        ],
         r["command"],
-        ("Medians. Outside model: a cycle's round trip on the router's side less the drafting and verification "
-         "the verifier reports (for the echo: its round trip less the time its server computed). The echo rows "
-         "are a bare gRPC bidi echo between two processes (raw bytes, no protobuf, no threads of ours) whose "
-         "server computes, message by message, for as long as the embedded session's cycles took before "
-         "answering, run beside each prompt's sessions: the transport's own cost on this machine after an "
-         "idle wait as long as a step (the floor). Hop − floor is what our code adds to it.",
-         f"Machine: {r['machine']}")
-        + ((f"`link (baseline)`: the Link to a verifier running commit {r['baseline']}'s code, beside this "
-            "checkout's, interleaved.",) if r.get("baseline") else ()))
+        (
+            "Medians. Outside model: a cycle's round trip on the router's side less the drafting and verification "
+            "the verifier reports (for the echo: its round trip less the time its server computed). The echo rows "
+            "are a bare gRPC bidi echo between two processes (raw bytes, no protobuf, no threads of ours) whose "
+            "server computes, message by message, for as long as the embedded session's cycles took before "
+            "answering, run beside each prompt's sessions: the transport's own cost on this machine after an "
+            "idle wait as long as a step (the floor). Hop − floor is what our code adds to it.",
+            f"Machine: {r['machine']}",
+        )
+        + (
+            (
+                f"`link (baseline)`: the Link to a verifier running commit {r['baseline']}'s code, beside this "
+                "checkout's, interleaved.",
+            )
+            if r.get("baseline")
+            else ()
+        ),
+    )
 
 
 def plot(r: dict, path: Path) -> None:

@@ -10,6 +10,7 @@ before changing the CUDA step.
 
     python -m bench.op_profile --device cuda --methods vanilla,sd --out bench/results/cuda/op_profile.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,14 @@ import torch
 from bench.harness import report
 from bench.workloads import load
 
-WAITS = ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-         "cudaMemcpyAsync", "cudaMemcpy")
+WAITS = (
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpyAsync",
+    "cudaMemcpy",
+)
 
 
 def profile_method(engine, method: str, prompts: list[list[int]], max_new: int, top: int) -> dict:
@@ -31,20 +38,23 @@ def profile_method(engine, method: str, prompts: list[list[int]], max_new: int, 
 
     from services.router.engine import GenerationRequest
 
-    engine.generate(GenerationRequest(prompts[0], 16, method=method)).result()   # warm-up
+    engine.generate(GenerationRequest(prompts[0], 16, method=method)).result()  # warm-up
     cuda = engine.cfg.device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     cycles, t0 = 0, time.perf_counter()
     with profile(activities=acts) as prof:
         for ids in prompts:
-            engine.verifier.clear_prefix_cache()   # every run prefills cold
+            engine.verifier.clear_prefix_cache()  # every run prefills cold
             cycles += engine.generate(GenerationRequest(ids, max_new, method=method)).result()["stats"]["cycles"]
     wall = time.perf_counter() - t0
     events = prof.key_averages()
 
     def row(e) -> dict:
-        out = {"op": e.key, "calls_per_cycle": round(e.count / cycles, 2),
-               "self_cpu_us_per_cycle": round(e.self_cpu_time_total / cycles, 1)}
+        out = {
+            "op": e.key,
+            "calls_per_cycle": round(e.count / cycles, 2),
+            "self_cpu_us_per_cycle": round(e.self_cpu_time_total / cycles, 1),
+        }
         if cuda:
             out["self_device_us_per_cycle"] = round(getattr(e, "self_device_time_total", 0.0) / cycles, 1)
         return out
@@ -52,17 +62,29 @@ def profile_method(engine, method: str, prompts: list[list[int]], max_new: int, 
     by_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
     by_dev = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:top] if cuda else []
     waits = {e.key: round(e.count / cycles, 2) for e in events if e.key in WAITS}
-    return {"method": method, "cycles": cycles, "ms_per_cycle": round(1e3 * wall / cycles, 3),
-            "profiled_ms_per_cycle_note": "wall under the profiler, which adds its own cost per operator",
-            "top_cpu": [row(e) for e in by_cpu], "top_device": [row(e) for e in by_dev], "waits_per_cycle": waits}
+    return {
+        "method": method,
+        "cycles": cycles,
+        "ms_per_cycle": round(1e3 * wall / cycles, 3),
+        "profiled_ms_per_cycle_note": "wall under the profiler, which adds its own cost per operator",
+        "top_cpu": [row(e) for e in by_cpu],
+        "top_device": [row(e) for e in by_dev],
+        "waits_per_cycle": waits,
+    }
 
 
 def markdown(result: dict) -> str:
-    lines = [f"### Operator profile — {result['workload']}, {result['prompts']} prompts × {result['max_new_tokens']} "
-             f"tokens, {result['device']} {result['dtype']}, {result['threads']} threads", ""]
+    lines = [
+        f"### Operator profile — {result['workload']}, {result['prompts']} prompts × {result['max_new_tokens']} "
+        f"tokens, {result['device']} {result['dtype']}, {result['threads']} threads",
+        "",
+    ]
     for m in result["methods"]:
-        lines += [f"**{m['method']}**: {m['cycles']} cycles, {m['ms_per_cycle']} ms per cycle under the profiler; "
-                  f"host waits per cycle: {m['waits_per_cycle'] or 'none'}", ""]
+        lines += [
+            f"**{m['method']}**: {m['cycles']} cycles, {m['ms_per_cycle']} ms per cycle under the profiler; "
+            f"host waits per cycle: {m['waits_per_cycle'] or 'none'}",
+            "",
+        ]
         for key, title in (("top_cpu", "self CPU"), ("top_device", "self device")):
             if not m[key]:
                 continue
@@ -92,10 +114,16 @@ def main(argv: list[str] | None = None) -> dict:
     for m in args.methods.split(","):
         rows.append(profile_method(engine, m, prompts, args.max_new_tokens, args.top))
         print(f"[op-profile] {m}: {rows[-1]['ms_per_cycle']} ms per cycle", file=sys.stderr, flush=True)
-    result = {"workload": args.workload, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "device": engine.cfg.device, "dtype": engine.cfg.dtype, "threads": torch.get_num_threads(),
-              "command": "python -m bench.op_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "methods": rows}
+    result = {
+        "workload": args.workload,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "device": engine.cfg.device,
+        "dtype": engine.cfg.dtype,
+        "threads": torch.get_num_threads(),
+        "command": "python -m bench.op_profile " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "methods": rows,
+    }
     report(result, args.out, markdown)
     return result
 

@@ -7,6 +7,7 @@ the greedy outputs agree exactly (the two paths differ only in summation order).
 
     python -m bench.packed_gemm --workload humaneval --limit 10 --out bench/results/packed_gemm.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ from bench.workloads import load
 def run(engine, ids: list[int], n: int, method: str) -> tuple[float, list[int]]:
     from services.router.engine import GenerationRequest
 
-    engine.verifier.clear_prefix_cache()   # every run prefills cold
+    engine.verifier.clear_prefix_cache()  # every run prefills cold
     out = engine.generate(GenerationRequest(ids, n, method=method)).result()
     return len(out["token_ids"]) / out["stats"]["wall_s"], out["token_ids"]
 
@@ -53,22 +54,45 @@ def main() -> None:
                 speed[m, e].append(tps)
             same[m] += outs["on"] == outs["off"]
         print(f"[packed-gemm] {i + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
-    rows = [{"method": m, "tokens_per_s_on": round(statistics.median(speed[m, "on"]), 1),
-             "tokens_per_s_off": round(statistics.median(speed[m, "off"]), 1),
-             "on_vs_off": round(statistics.median(a / b for a, b in zip(speed[m, "on"], speed[m, "off"])), 3),
-             "identical_outputs": round(same[m] / len(prompts), 3)} for m in methods]
+    rows = [
+        {
+            "method": m,
+            "tokens_per_s_on": round(statistics.median(speed[m, "on"]), 1),
+            "tokens_per_s_off": round(statistics.median(speed[m, "off"]), 1),
+            "on_vs_off": round(statistics.median(a / b for a, b in zip(speed[m, "on"], speed[m, "off"])), 3),
+            "identical_outputs": round(same[m] / len(prompts), 3),
+        }
+        for m in methods
+    ]
     command = "python -m bench.packed_gemm " + " ".join(sys.argv[1:])
-    lines = [f"### Packed fp16-weight GEMMs on vs off — {args.workload}, {len(prompts)} prompts, "
-             f"{args.max_new_tokens} new tokens, {args.threads} thread(s)", "",
-             "| method | tok/s on | tok/s off | on / off (median per prompt) | identical greedy outputs |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['tokens_per_s_on']} | {r['tokens_per_s_off']} | {r['on_vs_off']} | "
-              f"{r['identical_outputs']:.0%} |" for r in rows]
+    lines = [
+        f"### Packed fp16-weight GEMMs on vs off — {args.workload}, {len(prompts)} prompts, "
+        f"{args.max_new_tokens} new tokens, {args.threads} thread(s)",
+        "",
+        "| method | tok/s on | tok/s off | on / off (median per prompt) | identical greedy outputs |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['method']} | {r['tokens_per_s_on']} | {r['tokens_per_s_off']} | {r['on_vs_off']} | "
+        f"{r['identical_outputs']:.0%} |"
+        for r in rows
+    ]
     text = "\n".join(lines + ["", f"Command: `{command}`", ""])
     print(text)
     if args.out:
-        args.out.write_text(json.dumps({"command": command, "workload": args.workload, "limit": len(prompts),
-                                        "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "command": command,
+                    "workload": args.workload,
+                    "limit": len(prompts),
+                    "max_new_tokens": args.max_new_tokens,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         args.out.with_suffix(".md").write_text(text)
 
 

@@ -4,6 +4,7 @@ CPU caches), against the same calls in a warm loop.
 
     python -m bench.predictor_cost --predictor models/predictor --out bench/results/predictor_cost.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,7 @@ def per_cycle_us(mlp: YieldMLP, target: Path, n: int) -> dict:
 
     torch.set_num_threads(1)
     model = Llama.from_pretrained(target)
-    pack_linears(model)   # as the engine serves it
+    pack_linears(model)  # as the engine serves it
     flags, tracker = TokenFlags(AutoTokenizer.from_pretrained(str(target))), YieldTracker(200, 128)
     draft = Draft(token_ids=[11, 12, 13, 14], source="suffix", token_probs=[0.6, 0.5, 0.4, 0.3])
     phi = featurize(draft, tracker, flags, 16)
@@ -81,13 +82,18 @@ def main() -> None:
     rows = {}
     for batch in (1, 16, 64):
         x = rng.normal(size=(batch, len(FEATURES))).astype(np.float32)
-        rows[str(batch)] = {"in_process_us": per_call_us(mlp.predict, x, args.calls),
-                            "grpc_us": per_call_us(remote.predict, x, args.calls)}
+        rows[str(batch)] = {
+            "in_process_us": per_call_us(mlp.predict, x, args.calls),
+            "grpc_us": per_call_us(remote.predict, x, args.calls),
+        }
         rows[str(batch)]["grpc_us_per_item"] = round(rows[str(batch)]["grpc_us"] / batch, 2)
     server.stop(0)
-    result = {"command": "python -m bench.predictor_cost " + " ".join(sys.argv[1:]),
-              "trained_model": (args.predictor / "config.json").exists(), "batch": rows,
-              "per_cycle_us": per_cycle_us(mlp, args.target, args.calls)}
+    result = {
+        "command": "python -m bench.predictor_cost " + " ".join(sys.argv[1:]),
+        "trained_model": (args.predictor / "config.json").exists(),
+        "batch": rows,
+        "per_cycle_us": per_cycle_us(mlp, args.target, args.calls),
+    }
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

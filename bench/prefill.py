@@ -15,6 +15,7 @@ against each request's single-request greedy output.
 
     python -m bench.prefill --method hybrid --chunks 0,256,128,64 --repeats 3 --out bench/results/prefill.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,14 +47,16 @@ def stream(engine, ids: list[int], max_new: int, method: str, rec: dict) -> None
 
 def scenario(engine, method: str, streams: list[list[int]], arrivals: list[list[int]], args) -> dict:
     """One run: the streams decode, the arrivals come in while they do."""
-    engine.verifier.clear_prefix_cache()   # every run prefills cold
+    engine.verifier.clear_prefix_cache()  # every run prefills cold
     recs = [{"times": [], "tokens": []} for _ in streams]
-    threads = [threading.Thread(target=stream, args=(engine, ids, args.stream_tokens, method, r))
-               for ids, r in zip(streams, recs)]
+    threads = [
+        threading.Thread(target=stream, args=(engine, ids, args.stream_tokens, method, r))
+        for ids, r in zip(streams, recs)
+    ]
     for t in threads:
         t.start()
     end = time.perf_counter() + 60
-    while not all(r["times"] for r in recs) and time.perf_counter() < end:   # every stream is decoding
+    while not all(r["times"] for r in recs) and time.perf_counter() < end:  # every stream is decoding
         time.sleep(0.002)
     arec = [{"times": [], "tokens": []} for _ in arrivals]
     athreads = []
@@ -66,25 +69,32 @@ def scenario(engine, method: str, streams: list[list[int]], arrivals: list[list[
         t.join(600)
     gaps = [b - a for r in recs for a, b in zip(r["times"], r["times"][1:])]
     first, last = min(r["t0"] for r in recs), max(r["times"][-1] for r in recs)
-    return {"gaps": gaps, "ttft": [r["times"][0] - r["t0"] for r in arec],
-            "stream_tok_s": sum(len(r["tokens"]) for r in recs) / (last - first),
-            "outputs": [r["tokens"] for r in recs + arec]}
+    return {
+        "gaps": gaps,
+        "ttft": [r["times"][0] - r["t0"] for r in arec],
+        "stream_tok_s": sum(len(r["tokens"]) for r in recs) / (last - first),
+        "outputs": [r["tokens"] for r in recs + arec],
+    }
 
 
 def run(engine, args) -> list[dict]:
     from services.router.engine import GenerationRequest
 
     streams = [engine.encode_fit(p.text, args.stream_tokens) for p in humaneval(args.streams)]
-    arrivals = [engine.encode_fit(p.text, args.arrival_tokens)
-                for p in stdlib_heldout(args.arrivals, prompt_chars=args.prompt_chars)]
-    refs = [engine.generate(GenerationRequest(ids, n, method=args.method)).result()["token_ids"]
-            for ids, n in [(s, args.stream_tokens) for s in streams] + [(a, args.arrival_tokens) for a in arrivals]]
+    arrivals = [
+        engine.encode_fit(p.text, args.arrival_tokens)
+        for p in stdlib_heldout(args.arrivals, prompt_chars=args.prompt_chars)
+    ]
+    refs = [
+        engine.generate(GenerationRequest(ids, n, method=args.method)).result()["token_ids"]
+        for ids, n in [(s, args.stream_tokens) for s in streams] + [(a, args.arrival_tokens) for a in arrivals]
+    ]
     chunks = [int(c) for c in args.chunks.split(",")]
     per: dict[int, list[dict]] = {c: [] for c in chunks}
     t0 = time.time()
     total = args.repeats * len(chunks)
     for rep in range(args.repeats):
-        order = chunks[rep % len(chunks):] + chunks[:rep % len(chunks)]
+        order = chunks[rep % len(chunks) :] + chunks[: rep % len(chunks)]
         for c in order:
             engine.verifier.prefill_chunk = c
             res = scenario(engine, args.method, streams, arrivals, args)
@@ -92,32 +102,57 @@ def run(engine, args) -> list[dict]:
             per[c].append(res)
             done = sum(map(len, per.values()))
             rate = (time.time() - t0) / done
-            print(f"[prefill] {done}/{total} runs  {rate:.1f} s/run  eta {rate * (total - done):.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[prefill] {done}/{total} runs  {rate:.1f} s/run  eta {rate * (total - done):.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = []
     med = statistics.median
     for c in chunks:
         runs = per[c]
-        rows.append({"prefill_chunk": c,
-                     "gap_p50_ms": round(1e3 * med(percentile(r["gaps"], 0.5) for r in runs), 2),
-                     "gap_p99_ms": round(1e3 * med(percentile(r["gaps"], 0.99) for r in runs), 2),
-                     "gap_max_ms": round(1e3 * med(max(r["gaps"]) for r in runs), 2),
-                     "arrival_ttft_ms": round(1e3 * med(med(r["ttft"]) for r in runs), 1),
-                     "stream_tok_s": round(med(r["stream_tok_s"] for r in runs), 1),
-                     "identical_outputs": all(r["same"] for r in runs)})
+        rows.append(
+            {
+                "prefill_chunk": c,
+                "gap_p50_ms": round(1e3 * med(percentile(r["gaps"], 0.5) for r in runs), 2),
+                "gap_p99_ms": round(1e3 * med(percentile(r["gaps"], 0.99) for r in runs), 2),
+                "gap_max_ms": round(1e3 * med(max(r["gaps"]) for r in runs), 2),
+                "arrival_ttft_ms": round(1e3 * med(med(r["ttft"]) for r in runs), 1),
+                "stream_tok_s": round(med(r["stream_tok_s"] for r in runs), 1),
+                "identical_outputs": all(r["same"] for r in runs),
+            }
+        )
     return rows
 
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    cols = ["prefill chunk", "stream gap p50 ms", "p99 ms", "max ms", "arrival TTFT ms", "streams tok/s",
-            "outputs = single-request"]
-    rows = [["whole prompt" if r["prefill_chunk"] == 0 else r["prefill_chunk"], r["gap_p50_ms"], r["gap_p99_ms"],
-             r["gap_max_ms"], r["arrival_ttft_ms"], r["stream_tok_s"], "yes" if r["identical_outputs"] else "NO"]
-            for r in result["rows"]]
-    title = (f"### Chunked prefill — `{a['method']}`: {a['streams']} streams decoding {a['stream_tokens']} tokens; "
-             f"{a['arrivals']} arrivals of ~{result['arrival_prompt_tokens']} prompt tokens, {a['gap_ms']} ms apart "
-             f"(medians over {a['repeats']} runs)")
+    cols = [
+        "prefill chunk",
+        "stream gap p50 ms",
+        "p99 ms",
+        "max ms",
+        "arrival TTFT ms",
+        "streams tok/s",
+        "outputs = single-request",
+    ]
+    rows = [
+        [
+            "whole prompt" if r["prefill_chunk"] == 0 else r["prefill_chunk"],
+            r["gap_p50_ms"],
+            r["gap_p99_ms"],
+            r["gap_max_ms"],
+            r["arrival_ttft_ms"],
+            r["stream_tok_s"],
+            "yes" if r["identical_outputs"] else "NO",
+        ]
+        for r in result["rows"]
+    ]
+    title = (
+        f"### Chunked prefill — `{a['method']}`: {a['streams']} streams decoding {a['stream_tokens']} tokens; "
+        f"{a['arrivals']} arrivals of ~{result['arrival_prompt_tokens']} prompt tokens, {a['gap_ms']} ms apart "
+        f"(medians over {a['repeats']} runs)"
+    )
     return table_markdown(title, cols, rows, result["command"], (f"Machine: {result['machine']}",))
 
 
@@ -156,13 +191,28 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     engine = bench_engine(args)
     rows = run(engine, args)
-    arrivals = [engine.encode_fit(q.text, args.arrival_tokens)
-                for q in stdlib_heldout(args.arrivals, prompt_chars=args.prompt_chars)]
-    keys = ("method", "chunks", "streams", "stream_tokens", "arrivals", "arrival_tokens", "prompt_chars", "gap_ms",
-            "repeats")
-    result = {"args": {k: getattr(args, k) for k in keys},
-              "arrival_prompt_tokens": int(statistics.median(map(len, arrivals))),
-              "machine": machine(), "command": command("bench.prefill", argv), "rows": rows}
+    arrivals = [
+        engine.encode_fit(q.text, args.arrival_tokens)
+        for q in stdlib_heldout(args.arrivals, prompt_chars=args.prompt_chars)
+    ]
+    keys = (
+        "method",
+        "chunks",
+        "streams",
+        "stream_tokens",
+        "arrivals",
+        "arrival_tokens",
+        "prompt_chars",
+        "gap_ms",
+        "repeats",
+    )
+    result = {
+        "args": {k: getattr(args, k) for k in keys},
+        "arrival_prompt_tokens": int(statistics.median(map(len, arrivals))),
+        "machine": machine(),
+        "command": command("bench.prefill", argv),
+        "rows": rows,
+    }
     report(result, args.out, markdown, plot)
     return result
 

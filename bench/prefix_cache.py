@@ -15,6 +15,7 @@ every output equals the cache-off output of the same request.
     python -m bench.prefix_cache --methods vanilla,sd,eagle3,hybrid --limit 16 --repeats 3 \
         --out bench/results/prefix_cache.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,12 @@ def one_pass(engine, method: str, encoded: list[list[int]], max_new: int, cold: 
             wall.append(r["stats"]["wall_s"])
             cached += r["cached_prompt_tokens"]
             outputs.append(r["token_ids"])
-    return {"ttft": statistics.median(ttft), "wall": statistics.median(wall),
-            "cached_share": cached / sum(map(len, encoded)), "outputs": outputs}
+    return {
+        "ttft": statistics.median(ttft),
+        "wall": statistics.median(wall),
+        "cached_share": cached / sum(map(len, encoded)),
+        "outputs": outputs,
+    }
 
 
 def run(engine, args) -> list[dict]:
@@ -60,14 +65,17 @@ def run(engine, args) -> list[dict]:
     per: dict[tuple[str, str], list[dict]] = {c: [] for c in cells}
     t0, total = time.time(), args.repeats * len(cells)
     for rep in range(args.repeats):
-        for m, s in cells[rep % len(cells):] + cells[:rep % len(cells)]:
+        for m, s in cells[rep % len(cells) :] + cells[: rep % len(cells)]:
             for owner, cache in caches.items():
                 owner.prefix = None if s == "off" else cache
             per[(m, s)].append(one_pass(engine, m, encoded, args.max_new_tokens, cold=s == "cold"))
             done = sum(map(len, per.values()))
             rate = (time.time() - t0) / done
-            print(f"[prefix-cache] {done}/{total} passes  {rate:.1f} s/pass  eta {rate * (total - done):.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[prefix-cache] {done}/{total} passes  {rate:.1f} s/pass  eta {rate * (total - done):.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     for owner, cache in caches.items():
         owner.prefix = cache
     med = statistics.median
@@ -76,11 +84,16 @@ def run(engine, args) -> list[dict]:
         ref = per[(m, "off")][0]["outputs"]
         for s in SETTINGS:
             runs = per[(m, s)]
-            rows.append({"method": m, "prefix_cache": s,
-                         "ttft_ms": round(1e3 * med(r["ttft"] for r in runs), 1),
-                         "latency_ms": round(1e3 * med(r["wall"] for r in runs), 1),
-                         "cached_share": round(med(r["cached_share"] for r in runs), 3),
-                         "identical_outputs": all(r["outputs"] == ref for r in runs)})
+            rows.append(
+                {
+                    "method": m,
+                    "prefix_cache": s,
+                    "ttft_ms": round(1e3 * med(r["ttft"] for r in runs), 1),
+                    "latency_ms": round(1e3 * med(r["wall"] for r in runs), 1),
+                    "cached_share": round(med(r["cached_share"] for r in runs), 3),
+                    "identical_outputs": all(r["outputs"] == ref for r in runs),
+                }
+            )
             if s != "off":
                 off = rows[-1 - SETTINGS.index(s)]
                 rows[-1]["ttft_ratio"] = round(rows[-1]["ttft_ms"] / off["ttft_ms"], 3)
@@ -90,14 +103,34 @@ def run(engine, args) -> list[dict]:
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    cols = ["method", "prefix cache", "TTFT ms", "/ off", "latency ms", "/ off", "prompt tokens cached",
-            "outputs = cache off"]
-    rows = [[r["method"], r["prefix_cache"], r["ttft_ms"], r.get("ttft_ratio", ""), r["latency_ms"],
-             r.get("latency_ratio", ""), f"{100 * r['cached_share']:.0f} %", "yes" if r["identical_outputs"] else "NO"]
-            for r in result["rows"]]
-    title = (f"### Prefix cache — {a['limit']} `humaneval-fewshot` requests one after another ({a['shots']} shared "
-             f"solved problems, ~{result['prompt_tokens']} prompt tokens), {a['max_new_tokens']} new tokens "
-             f"(medians over requests, then over {a['repeats']} passes)")
+    cols = [
+        "method",
+        "prefix cache",
+        "TTFT ms",
+        "/ off",
+        "latency ms",
+        "/ off",
+        "prompt tokens cached",
+        "outputs = cache off",
+    ]
+    rows = [
+        [
+            r["method"],
+            r["prefix_cache"],
+            r["ttft_ms"],
+            r.get("ttft_ratio", ""),
+            r["latency_ms"],
+            r.get("latency_ratio", ""),
+            f"{100 * r['cached_share']:.0f} %",
+            "yes" if r["identical_outputs"] else "NO",
+        ]
+        for r in result["rows"]
+    ]
+    title = (
+        f"### Prefix cache — {a['limit']} `humaneval-fewshot` requests one after another ({a['shots']} shared "
+        f"solved problems, ~{result['prompt_tokens']} prompt tokens), {a['max_new_tokens']} new tokens "
+        f"(medians over requests, then over {a['repeats']} passes)"
+    )
     return table_markdown(title, cols, rows, result["command"], (f"Machine: {result['machine']}",))
 
 
@@ -109,9 +142,12 @@ def plot(result: dict, path: Path) -> None:
     x = range(len(methods))
     for ax, key, label in ((a, "ttft_ms", "time to first token, ms"), (b, "latency_ms", "request latency, ms")):
         for j, setting in enumerate(SETTINGS):
-            ax.bar([i + (j - 1) * 0.27 for i in x],
-                   [next(r[key] for r in rows if r["method"] == m and r["prefix_cache"] == setting) for m in methods],
-                   0.27, label=f"prefix cache {setting}")
+            ax.bar(
+                [i + (j - 1) * 0.27 for i in x],
+                [next(r[key] for r in rows if r["method"] == m and r["prefix_cache"] == setting) for m in methods],
+                0.27,
+                label=f"prefix cache {setting}",
+            )
         ax.set_xticks(list(x), methods)
         ax.set(ylabel=label)
         ax.legend()
@@ -134,9 +170,13 @@ def main(argv: list[str] | None = None) -> dict:
     rows = run(engine, args)
     prompts = [engine.encode_fit(q.text, args.max_new_tokens) for q in humaneval_fewshot(args.limit, args.shots)]
     keys = ("methods", "limit", "shots", "max_new_tokens", "repeats")
-    result = {"args": {k: getattr(args, k) for k in keys},
-              "prompt_tokens": int(statistics.median(map(len, prompts))),
-              "machine": machine(), "command": command("bench.prefix_cache", argv), "rows": rows}
+    result = {
+        "args": {k: getattr(args, k) for k in keys},
+        "prompt_tokens": int(statistics.median(map(len, prompts))),
+        "machine": machine(),
+        "command": command("bench.prefix_cache", argv),
+        "rows": rows,
+    }
     report(result, args.out, markdown, plot)
     return result
 

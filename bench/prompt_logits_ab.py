@@ -6,6 +6,7 @@ and their outputs must be identical.
 
     python -m bench.prompt_logits_ab > bench/results/prompt_logits_ttft.md
 """
+
 import argparse
 import statistics as S
 
@@ -25,31 +26,49 @@ after = TargetRunner.verify_batch
 @torch.inference_mode()
 def before(self, items):
     pending = [st.pending for st, _ in items]
-    logits, hidden = self.model.forward_ragged([p + d for p, (_, d) in zip(pending, items)],
-                                               [st.cache_len for st, _ in items], [st.cache for st, _ in items],
-                                               self.capture_layers)
-    return [(lg[len(p) - 1:].float().cpu(), [h[None] for h in hs]) for p, lg, hs in zip(pending, logits, hidden)]
+    logits, hidden = self.model.forward_ragged(
+        [p + d for p, (_, d) in zip(pending, items)],
+        [st.cache_len for st, _ in items],
+        [st.cache for st, _ in items],
+        self.capture_layers,
+    )
+    return [(lg[len(p) - 1 :].float().cpu(), [h[None] for h in hs]) for p, lg, hs in zip(pending, logits, hidden)]
 
 
 prompts = load("stdlib-heldout", 20)
 encoded = [eng.encode_fit(p.text, 8) for p in prompts]
-lines = ["### Prompt logits: TTFT before/after — stdlib-heldout, 20 prompts, lone requests, 1 thread", "",
-         "| method | prompt tokens (median) | TTFT before, ms | TTFT after, ms | after / before (median per prompt) |",
-         "|---|---|---|---|---|"]
+lines = [
+    "### Prompt logits: TTFT before/after — stdlib-heldout, 20 prompts, lone requests, 1 thread",
+    "",
+    "| method | prompt tokens (median) | TTFT before, ms | TTFT after, ms | after / before (median per prompt) |",
+    "|---|---|---|---|---|",
+]
 for method in ("vanilla", "sd", "hybrid"):
     ttft = {"before": [], "after": []}
     for i, ids in enumerate(encoded):
-        order = [("before", before), ("after", after)][::1 if i % 2 else -1]
+        order = [("before", before), ("after", after)][:: 1 if i % 2 else -1]
         outs = {}
         for name, verify in order:
             TargetRunner.verify_batch = verify
-            eng.verifier.clear_prefix_cache()   # every run prefills cold
+            eng.verifier.clear_prefix_cache()  # every run prefills cold
             r = eng.generate(GenerationRequest(ids, 8, method=method)).result()
             ttft[name].append(r["stats"]["ttft_s"])
             outs[name] = r["token_ids"]
         assert outs["before"] == outs["after"], "outputs differ"
     ratio = S.median(a / b for b, a in zip(ttft["before"], ttft["after"]))
-    lines.append(f"| {method} | {S.median(map(len, encoded))} | {1e3 * S.median(ttft['before']):.1f} "
-                 f"| {1e3 * S.median(ttft['after']):.1f} | {ratio:.3f} |")
-print("\n".join(lines + ["", "Outputs identical before and after on every prompt.", "",
-                         "Command: `python -m bench.prompt_logits_ab`", ""]))
+    lines.append(
+        f"| {method} | {S.median(map(len, encoded))} | {1e3 * S.median(ttft['before']):.1f} "
+        f"| {1e3 * S.median(ttft['after']):.1f} | {ratio:.3f} |"
+    )
+print(
+    "\n".join(
+        lines
+        + [
+            "",
+            "Outputs identical before and after on every prompt.",
+            "",
+            "Command: `python -m bench.prompt_logits_ab`",
+            "",
+        ]
+    )
+)

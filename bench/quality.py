@@ -1,4 +1,5 @@
 """Output quality next to speed: agreement with vanilla, Python parse rate, rescued-token kinds."""
+
 from __future__ import annotations
 
 import ast
@@ -38,7 +39,7 @@ def token_kind(text: str) -> str:
         return "whitespace"
     if all(not c.isalnum() and c != "_" for c in s):
         return "punctuation"
-    if _NUMBER.match(s) or s[0] in "\"'" or s.startswith(("f\"", "b'", "b\"", "f'", "r'", "r\"")):
+    if _NUMBER.match(s) or s[0] in "\"'" or s.startswith(('f"', "b'", 'b"', "f'", "r'", 'r"')):
         return "literal"
     if s.isidentifier() or keyword.iskeyword(s):
         return "identifier"
@@ -57,6 +58,9 @@ def rescued_breakdown(tokenizer, pairs: list[tuple[int, int]], examples: int = 3
     return {
         "total": total,
         "share": {k: round(kinds[k] / total, 3) if total else 0.0 for k in KINDS},
-        "examples": {k: [{"draft": d, "target": t, "count": n} for (d, t), n in by_kind[k].most_common(examples)]
-                     for k in KINDS if by_kind[k]},
+        "examples": {
+            k: [{"draft": d, "target": t, "count": n} for (d, t), n in by_kind[k].most_common(examples)]
+            for k in KINDS
+            if by_kind[k]
+        },
     }

@@ -17,6 +17,7 @@ clients) runs in its own process, as real clients do.
 
     python -m bench.serving --methods sd --concurrency 1,4,8,16 --out bench/results/serving.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,14 +49,43 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
     """``specmesh serve`` as users run it: embedded (one process) or distributed (router +
     verifier processes on the ports after the router's)."""
     port = free_port()
-    pool = topology.endswith("-pool")   # e.g. embedded-pool: the same with --kv-pool
-    topology, _, link = topology.removesuffix("-pool").partition("-")   # distributed-stream: per-session streams
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--topology", topology, "--replicas", str(args.replicas),
-           "--verifier-link", link or "multiplex",
-           "--port", str(port), "--metrics-port", "0", "--http-port", "0", "--target", str(args.target), "--draft", str(args.draft),
-           "--eagle3", "none", "--max-sessions", "64", "--batch-window-ms", str(args.batch_window_ms),
-           "--threads", str(args.server_threads), "--spec-disable-batch", str(spec_disable_batch),
-           "--prefix-cache-mb", str(args.prefix_cache_mb), "--kv-pool" if pool else "--no-kv-pool"]
+    pool = topology.endswith("-pool")  # e.g. embedded-pool: the same with --kv-pool
+    topology, _, link = topology.removesuffix("-pool").partition("-")  # distributed-stream: per-session streams
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--topology",
+        topology,
+        "--replicas",
+        str(args.replicas),
+        "--verifier-link",
+        link or "multiplex",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--http-port",
+        "0",
+        "--target",
+        str(args.target),
+        "--draft",
+        str(args.draft),
+        "--eagle3",
+        "none",
+        "--max-sessions",
+        "64",
+        "--batch-window-ms",
+        str(args.batch_window_ms),
+        "--threads",
+        str(args.server_threads),
+        "--spec-disable-batch",
+        str(spec_disable_batch),
+        "--prefix-cache-mb",
+        str(args.prefix_cache_mb),
+        "--kv-pool" if pool else "--no-kv-pool",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
@@ -72,8 +102,9 @@ def one(stub, prompt: str, n: int, method: str) -> tuple[int, float, dict]:
     return final.usage.completion_tokens, wall, {"cycles": st.cycles, "model_s": st.draft_s + st.verify_s}
 
 
-def aggregate(stub, prompts: list[str], n: int, method: str, conc: int, window_s: float = 0.0,
-              warmup_s: float = 0.0) -> float:
+def aggregate(
+    stub, prompts: list[str], n: int, method: str, conc: int, window_s: float = 0.0, warmup_s: float = 0.0
+) -> float:
     """Tokens/s with ``conc`` streams in flight. With ``window_s``, steady state: each thread
     walks its share of the prompts round and round, starting a new request as soon as its
     last ends, until the window has passed; only tokens streamed between ``warmup_s`` and
@@ -85,11 +116,12 @@ def aggregate(stub, prompts: list[str], n: int, method: str, conc: int, window_s
     lo, hi = t0 + warmup_s, t0 + warmup_s + window_s
 
     def worker(k):
-        mine = prompts[k::conc] or prompts[k % len(prompts):][:1]
+        mine = prompts[k::conc] or prompts[k % len(prompts) :][:1]
         i = 0
         while True:
-            for msg in stub.Generate(gpb.GenerateRequest(prompt=mine[i % len(mine)], max_new_tokens=n, method=method),
-                                     timeout=600):
+            for msg in stub.Generate(
+                gpb.GenerateRequest(prompt=mine[i % len(mine)], max_new_tokens=n, method=method), timeout=600
+            ):
                 now = time.perf_counter()
                 if not window_s or lo <= now <= hi:
                     with lock:
@@ -110,12 +142,15 @@ def single_stream(addr: str, prompts: list[str], n: int, method: str) -> dict:
     """Median ms per cycle of one stream at a time, and its part outside model work."""
     stub = ggrpc.GenerationStub(grpc.insecure_channel(addr))
     rows = [one(stub, p, n, method) for p in prompts]
-    return {"ms_per_cycle": 1000 * statistics.median(w / s["cycles"] for _, w, s in rows),
-            "overhead_ms_per_cycle": 1000 * statistics.median((w - s["model_s"]) / s["cycles"] for _, w, s in rows)}
+    return {
+        "ms_per_cycle": 1000 * statistics.median(w / s["cycles"] for _, w, s in rows),
+        "overhead_ms_per_cycle": 1000 * statistics.median((w - s["model_s"]) / s["cycles"] for _, w, s in rows),
+    }
 
 
-def concurrent(addr: str, prompts: list[str], n: int, method: str, conc: int, window_s: float = 0.0,
-               warmup_s: float = 0.0) -> float:
+def concurrent(
+    addr: str, prompts: list[str], n: int, method: str, conc: int, window_s: float = 0.0, warmup_s: float = 0.0
+) -> float:
     return aggregate(ggrpc.GenerationStub(grpc.insecure_channel(addr)), prompts, n, method, conc, window_s, warmup_s)
 
 
@@ -131,22 +166,40 @@ def main() -> None:
     ap.add_argument("--overhead-prompts", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--batch-window-ms", type=float, default=5.0)
-    ap.add_argument("--topologies", default="embedded,distributed",
-                    help="embedded, distributed (router↔verifier over the multiplexed Link), distributed-stream "
-                         "(one Session stream per request); a -pool suffix (embedded-pool) adds --kv-pool")
-    ap.add_argument("--spec-disable-batch", default="0",
-                    help="comma-separated settings of the servers' --spec-disable-batch; each gets its own servers")
-    ap.add_argument("--server-threads", type=int, default=1,
-                    help="torch intra-op threads per server process (0 = torch's default). With two servers and the "
-                         "clients sharing the cores, intra-op threads must not spin (OMP_WAIT_POLICY=PASSIVE), and "
-                         "then waking them for every small decode GEMM costs more than they gain: on 2 cores, 1 "
-                         "thread served vanilla at 120 tok/s and 2 threads at 56 (one stream)")
-    ap.add_argument("--prefix-cache-mb", type=int, default=0,
-                    help="the servers' prefix cache; off by default: every cell repeats the same prompts, which "
-                         "would then skip their prefill after the first round (bench.prefix_cache measures it)")
-    ap.add_argument("--window-s", type=float, default=10.0,
-                    help="seconds of steady state measured per cell: every stream stays in flight through it "
-                         "(0: each stream runs its share of the prompts once, ramp-down included)")
+    ap.add_argument(
+        "--topologies",
+        default="embedded,distributed",
+        help="embedded, distributed (router↔verifier over the multiplexed Link), distributed-stream "
+        "(one Session stream per request); a -pool suffix (embedded-pool) adds --kv-pool",
+    )
+    ap.add_argument(
+        "--spec-disable-batch",
+        default="0",
+        help="comma-separated settings of the servers' --spec-disable-batch; each gets its own servers",
+    )
+    ap.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads per server process (0 = torch's default). With two servers and the "
+        "clients sharing the cores, intra-op threads must not spin (OMP_WAIT_POLICY=PASSIVE), and "
+        "then waking them for every small decode GEMM costs more than they gain: on 2 cores, 1 "
+        "thread served vanilla at 120 tok/s and 2 threads at 56 (one stream)",
+    )
+    ap.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=0,
+        help="the servers' prefix cache; off by default: every cell repeats the same prompts, which "
+        "would then skip their prefill after the first round (bench.prefix_cache measures it)",
+    )
+    ap.add_argument(
+        "--window-s",
+        type=float,
+        default=10.0,
+        help="seconds of steady state measured per cell: every stream stays in flight through it "
+        "(0: each stream runs its share of the prompts once, ramp-down included)",
+    )
     ap.add_argument("--warmup-s", type=float, default=2.0, help="seconds of each cell before its window")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     ap.add_argument("--out", type=Path, default=None)
@@ -154,10 +207,18 @@ def main() -> None:
     concs = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
     prompts = [p.text for p in load(args.workload, args.limit)]
-    result = {"command": " ".join(["python -m bench.serving"] + sys.argv[1:]), "workload": args.workload,
-              "max_new_tokens": args.max_new_tokens, "replicas": args.replicas, "repeats": args.repeats,
-              "window_s": args.window_s, "warmup_s": args.warmup_s,
-              "server_env": SERVER_ENV, "machine": _machine(), "rows": []}
+    result = {
+        "command": " ".join(["python -m bench.serving"] + sys.argv[1:]),
+        "workload": args.workload,
+        "max_new_tokens": args.max_new_tokens,
+        "replicas": args.replicas,
+        "repeats": args.repeats,
+        "window_s": args.window_s,
+        "warmup_s": args.warmup_s,
+        "server_env": SERVER_ENV,
+        "machine": _machine(),
+        "rows": [],
+    }
     settings = [int(x) for x in args.spec_disable_batch.split(",")]
     topologies = tuple((t, sdb) for sdb in settings for t in args.topologies.split(","))
     servers: dict[tuple, tuple[subprocess.Popen, str]] = {}
@@ -167,7 +228,7 @@ def main() -> None:
         for t in topologies:
             servers[t] = start_server(t[0], args, t[1])
             for m in methods:  # warm-up, not measured: first batched steps, allocator, caches
-                clients.submit(concurrent, servers[t][1], prompts[:max(concs)], 16, m, max(concs)).result()
+                clients.submit(concurrent, servers[t][1], prompts[: max(concs)], 16, m, max(concs)).result()
         total = args.repeats * len(methods) * (1 + len(concs)) * len(topologies)
         done, t0 = 0, time.perf_counter()
         for rnd in range(args.repeats):  # every round runs every cell once, topologies side by side
@@ -176,29 +237,37 @@ def main() -> None:
                     for t in topologies:
                         addr = servers[t][1]
                         if conc == 0:
-                            job = clients.submit(single_stream, addr, prompts[:args.overhead_prompts],
-                                                 args.max_new_tokens, m)
+                            job = clients.submit(
+                                single_stream, addr, prompts[: args.overhead_prompts], args.max_new_tokens, m
+                            )
                         else:
-                            job = clients.submit(concurrent, addr, prompts, args.max_new_tokens, m, conc,
-                                                 args.window_s, args.warmup_s)
+                            job = clients.submit(
+                                concurrent, addr, prompts, args.max_new_tokens, m, conc, args.window_s, args.warmup_s
+                            )
                         samples.setdefault((t, m, conc), []).append(job.result())
                         done += 1
                         eta = (time.perf_counter() - t0) / done * (total - done)
-                        print(f"[serving] round {rnd + 1}/{args.repeats} {t[0]} spec-off>{t[1]} {m} conc {conc or 1}"
-                              f"{' (overhead)' if conc == 0 else f': {samples[(t, m, conc)][-1]:.1f} tok/s'}"
-                              f" — {done}/{total}, ETA {eta / 60:.1f} min", flush=True)
+                        print(
+                            f"[serving] round {rnd + 1}/{args.repeats} {t[0]} spec-off>{t[1]} {m} conc {conc or 1}"
+                            f"{' (overhead)' if conc == 0 else f': {samples[(t, m, conc)][-1]:.1f} tok/s'}"
+                            f" — {done}/{total}, ETA {eta / 60:.1f} min",
+                            flush=True,
+                        )
     finally:
         clients.shutdown()
         stop_processes([proc for proc, _ in servers.values()])
     for t in topologies:
         for m in methods:
             single = samples[(t, m, 0)]
-            row = {"topology": t[0], "spec_disable_batch": t[1], "method": m,
-                   "median_ms_per_cycle": round(statistics.median(x["ms_per_cycle"] for x in single), 3),
-                   "median_overhead_ms_per_cycle": round(
-                       statistics.median(x["overhead_ms_per_cycle"] for x in single), 3),
-                   "tokens_per_s": {str(c): round(statistics.median(samples[(t, m, c)]), 2) for c in concs},
-                   "tokens_per_s_samples": {str(c): [round(x, 2) for x in samples[(t, m, c)]] for c in concs}}
+            row = {
+                "topology": t[0],
+                "spec_disable_batch": t[1],
+                "method": m,
+                "median_ms_per_cycle": round(statistics.median(x["ms_per_cycle"] for x in single), 3),
+                "median_overhead_ms_per_cycle": round(statistics.median(x["overhead_ms_per_cycle"] for x in single), 3),
+                "tokens_per_s": {str(c): round(statistics.median(samples[(t, m, c)]), 2) for c in concs},
+                "tokens_per_s_samples": {str(c): [round(x, 2) for x in samples[(t, m, c)]] for c in concs},
+            }
             base = row["tokens_per_s"][str(concs[0])]
             row["scaling_vs_first"] = {k: round(v / base, 3) for k, v in row["tokens_per_s"].items()}
             result["rows"].append(row)
@@ -231,7 +300,8 @@ def overhead_vs_embedded(rows: list[dict]) -> dict:
         e = emb.get((r["method"], r["spec_disable_batch"]))
         if r["topology"] != "embedded" and e is not None and not r["spec_disable_batch"]:
             out.setdefault(r["topology"], {})[r["method"]] = round(
-                r["median_overhead_ms_per_cycle"] - e["median_overhead_ms_per_cycle"], 3)
+                r["median_overhead_ms_per_cycle"] - e["median_overhead_ms_per_cycle"], 3
+            )
     return {"overhead_vs_embedded_ms_per_cycle": out} if out else {}
 
 
@@ -240,28 +310,46 @@ def write(result: dict, out: Path) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     concs = list(result["rows"][0]["tokens_per_s"])
     key = "8" if "8" in concs else concs[-1]
-    lines = [f"### Serving — {result['workload']}, {result['max_new_tokens']} new tokens, {result['replicas']} verifier replica(s)",
-             "", "| topology | no drafts above batch | method | ms / cycle (1 stream) | outside model, ms / cycle | "
-             + " | ".join(f"tok/s @{c}" for c in concs) + f" | ×{key} vs ×{concs[0]} |", "|" + "---|" * (5 + len(concs) + 1)]
+    lines = [
+        f"### Serving — {result['workload']}, {result['max_new_tokens']} new tokens, {result['replicas']} verifier replica(s)",
+        "",
+        "| topology | no drafts above batch | method | ms / cycle (1 stream) | outside model, ms / cycle | "
+        + " | ".join(f"tok/s @{c}" for c in concs)
+        + f" | ×{key} vs ×{concs[0]} |",
+        "|" + "---|" * (5 + len(concs) + 1),
+    ]
     for r in result["rows"]:
         sdb = r.get("spec_disable_batch") or "—"
-        lines.append(f"| {r['topology']} | {sdb} | {r['method']} | {r['median_ms_per_cycle']} | {r['median_overhead_ms_per_cycle']} | "
-                     + " | ".join(str(r["tokens_per_s"][c]) for c in concs) + f" | {r['scaling_vs_first'][key]} |")
+        lines.append(
+            f"| {r['topology']} | {sdb} | {r['method']} | {r['median_ms_per_cycle']} | {r['median_overhead_ms_per_cycle']} | "
+            + " | ".join(str(r["tokens_per_s"][c]) for c in concs)
+            + f" | {r['scaling_vs_first'][key]} |"
+        )
     for topology, by_method in result.get("overhead_vs_embedded_ms_per_cycle", {}).items():
-        lines += ["", f"{topology} − embedded, ms per cycle outside model work: "
-                  + ", ".join(f"{m} {v:+}" for m, v in by_method.items())]
+        lines += [
+            "",
+            f"{topology} − embedded, ms per cycle outside model work: "
+            + ", ".join(f"{m} {v:+}" for m, v in by_method.items()),
+        ]
     if result.get("window_s"):
-        lines += ["", f"Aggregate tokens/s in steady state: tokens streamed in a {result['window_s']:g} s window after "
-                  f"{result['warmup_s']:g} s, every stream in flight throughout (medians over {result['repeats']} rounds)."]
+        lines += [
+            "",
+            f"Aggregate tokens/s in steady state: tokens streamed in a {result['window_s']:g} s window after "
+            f"{result['warmup_s']:g} s, every stream in flight throughout (medians over {result['repeats']} rounds).",
+        ]
     lines += ["", f"Command: `{result['command']}`", f"Machine: {result.get('machine', 'not recorded')}", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
     from bench.harness import pyplot, write_figure  # lazily: the harness imports torch, which clients need not
 
     fig, ax = pyplot().subplots(figsize=(6.5, 4))
     for r in result["rows"]:
-        ax.plot([int(c) for c in concs], [r["tokens_per_s"][c] for c in concs], marker="o",
-                label=f"{r['topology']} {r['method']}" + (f" (no drafts > {r['spec_disable_batch']})"
-                                                          if r.get("spec_disable_batch") else ""))
+        ax.plot(
+            [int(c) for c in concs],
+            [r["tokens_per_s"][c] for c in concs],
+            marker="o",
+            label=f"{r['topology']} {r['method']}"
+            + (f" (no drafts > {r['spec_disable_batch']})" if r.get("spec_disable_batch") else ""),
+        )
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_xscale("log", base=2)

@@ -14,6 +14,7 @@ timed as the target's attention too.
     python -m bench.step_profile --batches 1,4,8 --repeats 4 --out bench/results/step_profile.json
     python -m bench.step_profile --batches 1,8,16 --kv-pools off,on --repeats 4 --out bench/results/kv_pool.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ def timed_attention(sink: list[float]):
             sync()
             sink[-1] += time.perf_counter() - t0
             return out
+
         return timed
 
     llama.attend_rows, Group.attend = timing(originals[0]), timing(originals[1])
@@ -69,7 +71,7 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict[str
     sessions = []
     for sid, p in zip(ids, prompts):
         st = runner.open(p, len(p) + 8 * cycles)
-        runner.verify(st, [])                                   # prefill
+        runner.verify(st, [])  # prefill
         runner.commit(st, Verdict(accepted=0, tokens=[p[-1]]))
         drafter.start(sid, p + [p[-1]], greedy, None, 8 * cycles)
         sessions.append(st)
@@ -98,7 +100,11 @@ def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict[str
 
 def summary(batch: int, times: dict[str, list[float]], pool: str = "off") -> dict:
     """Median ms per step of each part."""
-    row = {"kv_pool": pool, "batch": batch, **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}}
+    row = {
+        "kv_pool": pool,
+        "batch": batch,
+        **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()},
+    }
     row["attend_share_of_verify"] = round(row["verify_attention_ms"] / row["verify_ms"], 3) if row["verify_ms"] else 0.0
     return row
 
@@ -107,21 +113,44 @@ def markdown(result: dict) -> str:
     return table_markdown(
         f"### Verifier step profile — `sd` on {result['workload']}, median ms per step over {result['cycles']} cycles"
         f" × {result.get('repeats', 1)} rounds",
-        ["kv pool", "sessions", "draft", "of which attention", "target forward", "of which attention", "share",
-         "policy + commit"],
-        [[r.get("kv_pool", "off"), r["batch"], r["draft_ms"], r["draft_attention_ms"], r["verify_ms"], r["verify_attention_ms"],
-          f"{r['attend_share_of_verify']:.0%}", r["finish_ms"]] for r in result["rows"]],
-        result["command"], ("One session takes the plain path; its attention is not timed apart (0).",))
+        [
+            "kv pool",
+            "sessions",
+            "draft",
+            "of which attention",
+            "target forward",
+            "of which attention",
+            "share",
+            "policy + commit",
+        ],
+        [
+            [
+                r.get("kv_pool", "off"),
+                r["batch"],
+                r["draft_ms"],
+                r["draft_attention_ms"],
+                r["verify_ms"],
+                r["verify_attention_ms"],
+                f"{r['attend_share_of_verify']:.0%}",
+                r["finish_ms"],
+            ]
+            for r in result["rows"]
+        ],
+        result["command"],
+        ("One session takes the plain path; its attention is not timed apart (0).",),
+    )
 
 
 def plot(result: dict, path) -> None:
     """Stacked ms per step by part, one bar per batch size."""
     rows = result["rows"]
     fig, ax = pyplot().subplots(figsize=(6, 3.6))
-    parts = (("draft", [r["draft_ms"] for r in rows]),
-             ("target attention", [r["verify_attention_ms"] for r in rows]),
-             ("rest of the target forward", [r["verify_ms"] - r["verify_attention_ms"] for r in rows]),
-             ("policy + commit", [r["finish_ms"] for r in rows]))
+    parts = (
+        ("draft", [r["draft_ms"] for r in rows]),
+        ("target attention", [r["verify_attention_ms"] for r in rows]),
+        ("rest of the target forward", [r["verify_ms"] - r["verify_attention_ms"] for r in rows]),
+        ("policy + commit", [r["finish_ms"] for r in rows]),
+    )
     pools = {r.get("kv_pool", "off") for r in rows}
     labels = [f"{r['batch']}" + (f" {r.get('kv_pool', 'off')}" if len(pools) > 1 else "") for r in rows]
     bottom = [0.0] * len(rows)
@@ -141,7 +170,7 @@ def main() -> None:
     from services.cli import _engine_args, engine_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _engine_args(ap)   # the engine's flags (--device, --dtype, --threads, ...), as `specmesh serve` takes them
+    _engine_args(ap)  # the engine's flags (--device, --dtype, --threads, ...), as `specmesh serve` takes them
     ap.add_argument("--workload", default="humaneval")
     ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
     ap.add_argument("--batches", default="1,4,8")
@@ -149,11 +178,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds; each adds its cycles to the medians")
     ap.add_argument("--kv-pools", default="off", help="comma-separated: off, on (an engine each, interleaved)")
     args = ap.parse_args()
-    args.threads = args.threads or 1   # one torch thread unless set, as make bench
+    args.threads = args.threads or 1  # one torch thread unless set, as make bench
     from services.router.engine import Engine
 
     pools = args.kv_pools.split(",")
-    cfg = replace(engine_config(args), eagle3=None)   # sd only: no EAGLE-3 head to load
+    cfg = replace(engine_config(args), eagle3=None)  # sd only: no EAGLE-3 head to load
     engines = {pool: Engine(replace(cfg, kv_pool=pool == "on")) for pool in pools}
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [engines[pools[0]].encode_fit(p.text, 8 * args.cycles) for p in load(args.workload, max(batches))]
@@ -161,13 +190,18 @@ def main() -> None:
     for i, b in enumerate(batches):
         times = {pool: {k: [] for k in PARTS} for pool in pools}
         for _ in range(args.repeats):
-            for pool in pools:   # interleaved: each round profiles every setting
+            for pool in pools:  # interleaved: each round profiles every setting
                 for k, v in profile(engines[pool].verifier, prompts[:b], b, args.cycles).items():
                     times[pool][k].extend(v)
         rows += [summary(b, times[pool], pool) for pool in pools]
         print(f"[step-profile] {i + 1}/{len(batches)} batch sizes", file=sys.stderr, flush=True)
-    result = {"workload": args.workload, "cycles": args.cycles, "repeats": args.repeats,
-              "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]), "rows": rows}
+    result = {
+        "workload": args.workload,
+        "cycles": args.cycles,
+        "repeats": args.repeats,
+        "command": "python -m bench.step_profile " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
     report(result, args.out, markdown, plot)
 
 

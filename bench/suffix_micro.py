@@ -9,6 +9,7 @@ prefill (scaled from the longest prefill the context allows).
 
     python -m bench.suffix_micro --traces build/traces/edit-heldout.jsonl --out bench/results/suffix_micro.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,12 @@ def heldout_text_traces(n: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", type=Path, default=None, help="target traces (specmesh trace)")
-    ap.add_argument("--heldout-text", type=int, default=0,
-                    help="instead: N traces cut from held-out stdlib files (600-token prompt, 300-token text)")
+    ap.add_argument(
+        "--heldout-text",
+        type=int,
+        default=0,
+        help="instead: N traces cut from held-out stdlib files (600-token prompt, 300-token text)",
+    )
     ap.add_argument("--target", type=Path, default=models_dir() / "target")
     ap.add_argument("--cycle-ms", type=float, default=None, help="a measured `suffix` cycle (default: 1-token step)")
     ap.add_argument("--out", type=Path, default=None)
@@ -87,7 +92,8 @@ def main() -> None:
         "replay": rep,
         "vs_cpp": {k: round(rep[k] / v, 2) for k, v in CPP.items()},
         "speculate_plus_update_share_of_cycle": round(per_cycle_us / (1000 * cycle_ms), 4),
-        "index_2000_tokens_ms": round(index_ms, 2), "target_prefill_2000_tokens_ms_est": round(prefill_2k_ms, 2),
+        "index_2000_tokens_ms": round(index_ms, 2),
+        "target_prefill_2000_tokens_ms_est": round(prefill_2k_ms, 2),
         "index_share_of_prefill": round(index_ms / prefill_2k_ms, 4),
     }
     print(json.dumps(result, indent=2))

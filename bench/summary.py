@@ -3,6 +3,7 @@ over `vanilla` of the same run and the tokens per cycle (τ). It is the README's
 
     python -m bench.summary bench/results/humaneval.json bench/results/stdlib-heldout.json bench/results/edit.json
 """
+
 from __future__ import annotations
 
 import argparse

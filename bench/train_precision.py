@@ -10,6 +10,7 @@ loss of the same first batch from the same weights: what autocast changes in wha
 
     python -m bench.train_precision --rounds 5 --steps 3 --out bench/results/train_precision.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,36 +86,58 @@ def measure(job_cls, rows: int, rounds: int, steps: int) -> dict:
     """Median tokens/s per precision over ``rounds`` alternating rounds of ``steps`` steps."""
     fp32 = job_cls(rows)
     jobs = {False: fp32, True: copy.deepcopy(fp32)}
-    first = {bf16: job(bf16) for bf16, job in jobs.items()}     # also the warm-up step
+    first = {bf16: job(bf16) for bf16, job in jobs.items()}  # also the warm-up step
     tokens = fp32.x.numel() * steps
     rates: dict[bool, list[float]] = {False: [], True: []}
     t_start = time.time()
     for r in range(rounds):
-        for bf16 in ((False, True) if r % 2 == 0 else (True, False)):
+        for bf16 in (False, True) if r % 2 == 0 else (True, False):
             t0 = time.perf_counter()
             for _ in range(steps):
                 jobs[bf16](bf16)
             rates[bf16].append(tokens / (time.perf_counter() - t0))
         done = (r + 1) / rounds
-        print(f"[train_precision] {job_cls.name}: round {r + 1}/{rounds} "
-              f"eta {(time.time() - t_start) * (1 - done) / done:.0f}s", flush=True)
+        print(
+            f"[train_precision] {job_cls.name}: round {r + 1}/{rounds} "
+            f"eta {(time.time() - t_start) * (1 - done) / done:.0f}s",
+            flush=True,
+        )
     med = {k: statistics.median(v) for k, v in rates.items()}
-    return {"job": job_cls.name, "tokens_per_step": fp32.x.numel(), "fp32_tokens_per_s": round(med[False], 1),
-            "bf16_tokens_per_s": round(med[True], 1), "speedup": round(med[True] / med[False], 3),
-            "first_loss_fp32": round(first[False], 4), "first_loss_bf16": round(first[True], 4),
-            "rates": {"fp32": [round(x, 1) for x in rates[False]], "bf16": [round(x, 1) for x in rates[True]]}}
+    return {
+        "job": job_cls.name,
+        "tokens_per_step": fp32.x.numel(),
+        "fp32_tokens_per_s": round(med[False], 1),
+        "bf16_tokens_per_s": round(med[True], 1),
+        "speedup": round(med[True] / med[False], 3),
+        "first_loss_fp32": round(first[False], 4),
+        "first_loss_bf16": round(first[True], 4),
+        "rates": {"fp32": [round(x, 1) for x in rates[False]], "bf16": [round(x, 1) for x in rates[True]]},
+    }
 
 
 def markdown(result: dict) -> str:
-    rows = [[r["job"], r["tokens_per_step"], r["fp32_tokens_per_s"], r["bf16_tokens_per_s"], r["speedup"],
-             f"{r['first_loss_bf16'] - r['first_loss_fp32']:+.4f} (of {r['first_loss_fp32']})"]
-            for r in result["rows"]]
+    rows = [
+        [
+            r["job"],
+            r["tokens_per_step"],
+            r["fp32_tokens_per_s"],
+            r["bf16_tokens_per_s"],
+            r["speedup"],
+            f"{r['first_loss_bf16'] - r['first_loss_fp32']:+.4f} (of {r['first_loss_fp32']})",
+        ]
+        for r in result["rows"]
+    ]
     return table_markdown(
         f"### Training throughput, bf16 autocast on vs off — {result['threads']} thread(s), "
         f"median over {result['rounds']} rounds of {result['steps']} steps",
-        ["step", "tokens / step", "fp32 tok/s", "bf16 tok/s", "bf16 / fp32", "Δ first loss"], rows, result["command"],
-        (f"Machine: {result['machine']}; bf16 native here: {result['bf16_native']}.",
-         *([result["note"]] if result.get("note") else [])))
+        ["step", "tokens / step", "fp32 tok/s", "bf16 tok/s", "bf16 / fp32", "Δ first loss"],
+        rows,
+        result["command"],
+        (
+            f"Machine: {result['machine']}; bf16 native here: {result['bf16_native']}.",
+            *([result["note"]] if result.get("note") else []),
+        ),
+    )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -142,11 +165,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rows = [measure(DraftStep, args.draft_rows, args.rounds, args.steps),
-            measure(Eagle3Step, args.eagle3_rows, args.rounds, args.steps)]
-    result = {"rows": rows, "rounds": args.rounds, "steps": args.steps, "threads": args.threads,
-              "bf16_native": bf16_native(CPU), "machine": machine(),
-              "note": args.note, "command": command("bench.train_precision", argv)}
+    rows = [
+        measure(DraftStep, args.draft_rows, args.rounds, args.steps),
+        measure(Eagle3Step, args.eagle3_rows, args.rounds, args.steps),
+    ]
+    result = {
+        "rows": rows,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "threads": args.threads,
+        "bf16_native": bf16_native(CPU),
+        "machine": machine(),
+        "note": args.note,
+        "command": command("bench.train_precision", argv),
+    }
     report(result, args.out, markdown, plot)
     return result
 

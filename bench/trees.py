@@ -8,6 +8,7 @@ greedy, so τ and cycles compare the drafts and speed compares what verifying a 
 
     python -m bench.trees --workload humaneval --shapes 2:4:8:0,2:4:6:0.1 --out bench/results/trees_humaneval.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,16 @@ from bench.harness import (
 )
 from bench.workloads import load
 
-KEYS = ("tokens_per_s", "speedup_vs_vanilla", "tau", "cycles_per_1k", "acceptance_rate", "exact_match_vs_vanilla",
-        "draft_ms_per_cycle", "verify_ms_per_cycle")
+KEYS = (
+    "tokens_per_s",
+    "speedup_vs_vanilla",
+    "tau",
+    "cycles_per_1k",
+    "acceptance_rate",
+    "exact_match_vs_vanilla",
+    "draft_ms_per_cycle",
+    "verify_ms_per_cycle",
+)
 
 
 def parse_shape(text: str):
@@ -60,12 +69,24 @@ def markdown(result: dict) -> str:
     a = result["args"]
     return table_markdown(
         f"### Token trees against chains — {a['workload']}, {a['limit']} prompts, {a['max_new_tokens']} new tokens, greedy",
-        ["method", "tok/s", "speedup", "τ", "cycles / 1k", "acceptance", "exact vs vanilla", "draft ms / cycle",
-         "verify ms / cycle"],
+        [
+            "method",
+            "tok/s",
+            "speedup",
+            "τ",
+            "cycles / 1k",
+            "acceptance",
+            "exact vs vanilla",
+            "draft ms / cycle",
+            "verify ms / cycle",
+        ],
         [[r["method"], *(r[k] for k in KEYS)] for r in result["rows"]],
         result["command"],
-        (f"Machine: {result['machine']}. Shapes are topk:steps:tokens:min_score; `eagle3-tree` is the engine's "
-         f"({result['engine_shape']}).",))
+        (
+            f"Machine: {result['machine']}. Shapes are topk:steps:tokens:min_score; `eagle3-tree` is the engine's "
+            f"({result['engine_shape']}).",
+        ),
+    )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -73,7 +94,10 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = pyplot().subplots(1, 2, figsize=(11, 3.8))
     names = [r["method"] for r in rows]
     colors = ["tab:orange" if "tree" in n else "tab:blue" for n in names]
-    for ax, key, title in ((axes[0], "speedup_vs_vanilla", "speedup vs vanilla"), (axes[1], "tau", "τ (tokens / cycle)")):
+    for ax, key, title in (
+        (axes[0], "speedup_vs_vanilla", "speedup vs vanilla"),
+        (axes[1], "tau", "τ (tokens / cycle)"),
+    ):
         ax.bar(names, [r[key] for r in rows], color=colors)
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=35, labelsize=7)
@@ -98,11 +122,18 @@ def main(argv: list[str] | None = None) -> dict:
     methods = ["vanilla", "suffix", "suffix-tree", "eagle3", "eagle3-tree", *shapes, "hybrid", "hybrid-tree"]
     rows = benchmark(engine, load(args.workload, args.limit), methods, args.max_new_tokens, args.repeats, None)
     cfg = engine.cfg
-    result = {"args": {"workload": args.workload, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-                       "repeats": args.repeats},
-              "engine_shape": f"{cfg.eagle3_topk}:{cfg.eagle3_k}:{cfg.eagle3_tree_tokens}:{cfg.eagle3_tree_min_score}",
-              "machine": machine(), "command": command("bench.trees", argv),
-              "rows": [{"method": r["method"], **{k: r.get(k) for k in KEYS}} for r in rows]}
+    result = {
+        "args": {
+            "workload": args.workload,
+            "limit": args.limit,
+            "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats,
+        },
+        "engine_shape": f"{cfg.eagle3_topk}:{cfg.eagle3_k}:{cfg.eagle3_tree_tokens}:{cfg.eagle3_tree_min_score}",
+        "machine": machine(),
+        "command": command("bench.trees", argv),
+        "rows": [{"method": r["method"], **{k: r.get(k) for k in KEYS}} for r in rows],
+    }
     report(result, args.out, markdown, plot)
     return result
 

@@ -7,6 +7,7 @@
 - humaneval-fewshot: HumanEval prompts after the same few solved HumanEval problems (the
                   last ones of the set, with their canonical solutions): a shared prompt prefix.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -21,7 +22,7 @@ from training import corpus
 class Prompt:
     id: str
     text: str
-    reference: str | None = None   # expected output, where the workload defines one
+    reference: str | None = None  # expected output, where the workload defines one
 
 
 def _humaneval_rows() -> list[dict]:
@@ -41,8 +42,8 @@ def humaneval_fewshot(limit: int, shots: int = 2) -> list[Prompt]:
     (the set's last ones, never among the first ``limit``): few-shot prompting, whose
     examples every request shares."""
     rows = _humaneval_rows()
-    examples = "".join(r["prompt"] + r["canonical_solution"] + "\n\n" for r in rows[len(rows) - shots:])
-    return [Prompt(r["task_id"], examples + r["prompt"]) for r in rows[:min(limit, len(rows) - shots)]]
+    examples = "".join(r["prompt"] + r["canonical_solution"] + "\n\n" for r in rows[len(rows) - shots :])
+    return [Prompt(r["task_id"], examples + r["prompt"]) for r in rows[: min(limit, len(rows) - shots)]]
 
 
 def stdlib_heldout(limit: int, prompt_chars: int = 1200, split: str = "heldout") -> list[Prompt]:
@@ -50,7 +51,7 @@ def stdlib_heldout(limit: int, prompt_chars: int = 1200, split: str = "heldout")
     out = []
     files = [p for p in corpus.source_files(split) if (corpus.read_source(p) or "").count("\n") > 80]
     if split == "train":  # a fixed spread over the (large) training split
-        files = files[::max(1, len(files) // 200)]
+        files = files[:: max(1, len(files) // 200)]
     offset = 0
     while len(out) < limit and files:
         for path in files:

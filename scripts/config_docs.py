@@ -1,6 +1,7 @@
 """Write docs/configuration.md from the option table (``services.cli.build_parser``): every
 command's options with their defaults, environment variables and help. ``--check`` exits
 non-zero when the file is stale (CI runs it through tests/unit/test_docs.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,11 @@ def _default(a: argparse.Action) -> str:
     d = a.default
     if d is None or d == argparse.SUPPRESS or isinstance(a, argparse._HelpAction):
         return ""
-    if dataclasses.is_dataclass(d):   # MIN:MAX:K-style values
+    if dataclasses.is_dataclass(d):  # MIN:MAX:K-style values
         d = ":".join(str(v) for v in dataclasses.astuple(d))
     if isinstance(d, Path):
         parts = d.parts
-        d = "/".join(parts[parts.index("models"):]) if "models" in parts else d
+        d = "/".join(parts[parts.index("models") :]) if "models" in parts else d
     return f"`{d}`"
 
 

@@ -3,6 +3,7 @@ distributed (this router plus verifier processes it spawns or is given), and eac
 (verifier, predictor, drafter, memory); then serves the public gRPC API and the OpenAI-compatible
 HTTP API beside it until a signal, and shuts down losing nothing. (Under Ray Serve, the app in
 ``services/ray_app.py`` places the same components as deployments.)"""
+
 from __future__ import annotations
 
 import logging
@@ -23,12 +24,12 @@ log = logging.getLogger("specmesh")
 
 @dataclass(frozen=True)
 class Topology:
-    kind: str = "embedded"              # embedded | distributed
-    role: str = "all"                   # all | router | verifier | predictor | drafter | memory
-    verifiers: tuple[str, ...] = ()     # a router's verifier replicas (distributed: spawned when none)
-    replicas: int = 2                   # verifier processes a distributed topology spawns
-    multiplex: bool = True              # one Link per replica for all sessions, else a stream per session
-    affinity_slack: int | None = 2      # prefix-affinity placement's allowance (common/affinity.py)
+    kind: str = "embedded"  # embedded | distributed
+    role: str = "all"  # all | router | verifier | predictor | drafter | memory
+    verifiers: tuple[str, ...] = ()  # a router's verifier replicas (distributed: spawned when none)
+    replicas: int = 2  # verifier processes a distributed topology spawns
+    multiplex: bool = True  # one Link per replica for all sessions, else a stream per session
+    affinity_slack: int | None = 2  # prefix-affinity placement's allowance (common/affinity.py)
 
 
 def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[str, Any]) -> None:
@@ -65,8 +66,10 @@ def checked(engine: Engine, options: Mapping[str, Any]) -> Engine:
     want = (options.get("speculative_config") or {}).get("method")
     if want is not None and engine.default_method != engine.cfg.default_method:
         engine.close()
-        raise ValueError(f"speculative_config.method: {want!r} ({engine.cfg.default_method}) is not available on "
-                         f"these models (see the warnings above); available: {', '.join(engine.methods())}")
+        raise ValueError(
+            f"speculative_config.method: {want!r} ({engine.cfg.default_method}) is not available on "
+            f"these models (see the warnings above); available: {', '.join(engine.methods())}"
+        )
     return engine
 
 
@@ -112,8 +115,9 @@ def component_server(role: str, cfg: EngineConfig, host: str, port: int):
     from services.memory.grpc_server import build_memory_server
     from services.verifier.core import open_memory
 
-    server, _, bound = build_memory_server(open_memory(replace(cfg, memory_addr=None)), vocab, host, port,
-                                           publish=feed.publish if feed else None)
+    server, _, bound = build_memory_server(
+        open_memory(replace(cfg, memory_addr=None)), vocab, host, port, publish=feed.publish if feed else None
+    )
     return server, bound
 
 
@@ -129,9 +133,23 @@ def spawn_verifiers(options: Mapping[str, Any], topo: Topology, scfg: ServerConf
     children, addrs = [], []
     for i in range(topo.replicas):
         port = scfg.port + 1 + i
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--host", scfg.host,
-               "--port", str(port), "--metrics-port", str(scfg.metrics_port + 1 + i if scfg.metrics_port else 0),
-               "--max-sessions", str(scfg.max_sessions), *option_flags(options)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--role",
+            "verifier",
+            "--host",
+            scfg.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(scfg.metrics_port + 1 + i if scfg.metrics_port else 0),
+            "--max-sessions",
+            str(scfg.max_sessions),
+            *option_flags(options),
+        ]
         children.append(subprocess.Popen(cmd))
         addrs.append(f"{scfg.host}:{port}")
     return children, addrs
@@ -143,16 +161,25 @@ def _announce(what: str) -> None:
 
 def serve(engine: Engine, cfg: ServerConfig) -> None:
     server, servicer, port = build_server(engine, cfg)
-    log.info("specmesh serving %s on %s:%d (default method %s; available: %s; metrics :%d)", SERVICE_NAME,
-             cfg.host, port, engine.default_method, ", ".join(engine.methods()), cfg.metrics_port)
-    print(f"specmesh: serving on {cfg.host}:{port} — try: specmesh client --addr {cfg.host}:{port} --prompt 'def add(a, b):'",
-          flush=True)
+    log.info(
+        "specmesh serving %s on %s:%d (default method %s; available: %s; metrics :%d)",
+        SERVICE_NAME,
+        cfg.host,
+        port,
+        engine.default_method,
+        ", ".join(engine.methods()),
+        cfg.metrics_port,
+    )
+    print(
+        f"specmesh: serving on {cfg.host}:{port} — try: specmesh client --addr {cfg.host}:{port} --prompt 'def add(a, b):'",
+        flush=True,
+    )
     http = start_http(engine, cfg, servicer) if cfg.http_port else None
     try:
         run_until_signal(server, cfg.metrics_port, cfg.host, on_drain=http.drain if http else None)
     finally:
         if http:
-            http.stop()   # streams in flight finish (up to 10 s)
+            http.stop()  # streams in flight finish (up to 10 s)
     engine.close()  # flush suffix-feed outputs and correction-memory writes
 
 
@@ -166,7 +193,10 @@ def start_http(engine: Engine, cfg: ServerConfig, servicer: GenerationServicer):
     http = HttpServer(app, cfg, cfg.http_port)
     port = http.start()
     scheme = "https" if cfg.tls_cert else "http"
-    print(f"specmesh: OpenAI-compatible API on {scheme}://{cfg.host}:{port}/v1 (model `{'`, `'.join(names)}`) — try: curl "
-          f"{scheme}://{cfg.host}:{port}/v1/completions -H 'content-type: application/json' "
-          f"-d '{{\"prompt\": \"def add(a, b):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
+    print(
+        f"specmesh: OpenAI-compatible API on {scheme}://{cfg.host}:{port}/v1 (model `{'`, `'.join(names)}`) — try: curl "
+        f"{scheme}://{cfg.host}:{port}/v1/completions -H 'content-type: application/json' "
+        f'-d \'{{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}}\'',
+        flush=True,
+    )
     return http

@@ -1,4 +1,5 @@
 """`specmesh` command line: serve, generate, client, bench."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,13 @@ def _seconds(text: str) -> float:
 
 def _flag_type(kind: str):
     """An argparse type that parses as the option table's ``kind`` does (its message names the problem)."""
+
     def parse(text: str):
         try:
             return PARSE[kind](text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     parse.__name__ = kind
     return parse
 
@@ -43,8 +46,13 @@ def _add_options(ap: argparse.ArgumentParser, serve_only: bool) -> None:
         if opt.kind == "bool":
             ap.add_argument(*flags, action=argparse.BooleanOptionalAction, default=opt.fallback(), help=text)
         else:
-            ap.add_argument(*flags, type=_flag_type(opt.kind), default=opt.fallback(), help=text,
-                            metavar={"ngram": "MIN:MAX:K", "json": "JSON"}.get(opt.kind))
+            ap.add_argument(
+                *flags,
+                type=_flag_type(opt.kind),
+                default=opt.fallback(),
+                help=text,
+                metavar={"ngram": "MIN:MAX:K", "json": "JSON"}.get(opt.kind),
+            )
 
 
 def _engine_args(ap: argparse.ArgumentParser) -> None:
@@ -62,8 +70,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     except ValueError as e:
         sys.exit(f"error: {e}")
     if not (cfg.target / "config.json").exists():
-        sys.exit(f"error: no model at {cfg.target} (no config.json): pass --target DIR, or --models-dir DIR / env "
-                 "SPECMESH_MODELS for a directory holding target/, draft/, eagle3/ and predictor/")
+        sys.exit(
+            f"error: no model at {cfg.target} (no config.json): pass --target DIR, or --models-dir DIR / env "
+            "SPECMESH_MODELS for a directory holding target/, draft/, eagle3/ and predictor/"
+        )
     return cfg
 
 
@@ -74,22 +84,41 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from services.assembly import Topology, run
 
     cfg = engine_config(args)
-    token = Path(args.auth_token_file).read_text().strip() if args.auth_token_file else os.environ.get("SPECMESH_AUTH_TOKEN")
-    scfg = ServerConfig(host=args.host, port=args.port, max_sessions=args.max_sessions, max_queue=args.max_queue,
-                        metrics_port=args.metrics_port, http_port=args.http_port,
-                        served_model_name=tuple(args.served_model_name), chat_template=args.chat_template,
-                        vllm_metric_names=args.vllm_metric_names, health_check_timeout_s=args.health_check_timeout,
-                        allowed_origins=tuple(args.allowed_origins),
-                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                        auth_token=token or None)
+    token = (
+        Path(args.auth_token_file).read_text().strip()
+        if args.auth_token_file
+        else os.environ.get("SPECMESH_AUTH_TOKEN")
+    )
+    scfg = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_sessions=args.max_sessions,
+        max_queue=args.max_queue,
+        metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        served_model_name=tuple(args.served_model_name),
+        chat_template=args.chat_template,
+        vllm_metric_names=args.vllm_metric_names,
+        health_check_timeout_s=args.health_check_timeout,
+        allowed_origins=tuple(args.allowed_origins),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        auth_token=token or None,
+    )
     if args.tls_cert:  # component servers read their TLS settings from the environment
         os.environ.setdefault("SPECMESH_TLS_CERT", str(args.tls_cert))
         os.environ.setdefault("SPECMESH_TLS_KEY", str(args.tls_key))
         if args.tls_client_ca:
             os.environ.setdefault("SPECMESH_TLS_CLIENT_CA", str(args.tls_client_ca))
-    topo = Topology(kind=args.topology, role=args.role, verifiers=tuple(a for a in (args.verifiers or "").split(",") if a),
-                    replicas=args.replicas, multiplex=args.verifier_link == "multiplex",
-                    affinity_slack=args.affinity_slack)
+    topo = Topology(
+        kind=args.topology,
+        role=args.role,
+        verifiers=tuple(a for a in (args.verifiers or "").split(",") if a),
+        replicas=args.replicas,
+        multiplex=args.verifier_link == "multiplex",
+        affinity_slack=args.affinity_slack,
+    )
     options = {k: v for k, v in vars(args).items() if k in OPTIONS}
     try:
         run(cfg, topo, scfg, options)
@@ -101,8 +130,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens less likely than this times the most likely one (0 = off)")
+    p.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens less likely than this times the most likely one (0 = off)"
+    )
     p.add_argument("--seed", type=int, default=None)
 
 
@@ -111,16 +141,27 @@ def _stop_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="end before this string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", help="end after this token (repeatable)")
     p.add_argument("--include-stop-str", action="store_true", help="keep the stop string in the output")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="generate --max-new-tokens tokens; the end-of-sequence token does not end the output")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate --max-new-tokens tokens; the end-of-sequence token does not end the output",
+    )
     p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many tokens")
-    p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
-                   help="the tokenizer's special tokens add no text (--no-skip-special-tokens writes them)")
+    p.add_argument(
+        "--skip-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the tokenizer's special tokens add no text (--no-skip-special-tokens writes them)",
+    )
 
 
 def _penalty_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divide the logits of tokens seen in the prompt or output by this (> 0; 1 = off)")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide the logits of tokens seen in the prompt or output by this (> 0; 1 = off)",
+    )
     p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
     p.add_argument("--logit-bias", action="append", metavar="ID=BIAS", help="add BIAS to token ID's logit (repeatable)")
@@ -146,8 +187,12 @@ def _structured(args: argparse.Namespace) -> dict:
     schema = args.json_schema
     if schema and schema.startswith("@"):
         schema = Path(schema[1:]).read_text()
-    found = {"json_schema": schema, "regex": args.regex, "choice": tuple(args.choice or ()),
-             "json_object": args.json_object}
+    found = {
+        "json_schema": schema,
+        "regex": args.regex,
+        "choice": tuple(args.choice or ()),
+        "json_object": args.json_object,
+    }
     return {k: v for k, v in found.items() if v}
 
 
@@ -162,19 +207,38 @@ def cmd_generate(args: argparse.Namespace) -> None:
     except InvalidRequest as e:
         sys.exit(f"error: {e}")
     req = GenerationRequest(
-        prompt_ids=engine.encode(args.prompt, add_special_tokens=True), max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed, args.repetition_penalty,
-                                args.presence_penalty, args.frequency_penalty, _bias(args),
-                                tuple(args.allowed_token_id or ()), bad_words, args.min_p),
-        stop=tuple(args.stop or ()), stop_token_ids=tuple(args.stop_token_id or ()),
-        include_stop_str_in_output=args.include_stop_str, method=args.method, logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs, structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
-        n=args.n, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens, skip_special_tokens=args.skip_special_tokens)
+        prompt_ids=engine.encode(args.prompt, add_special_tokens=True),
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            args.seed,
+            args.repetition_penalty,
+            args.presence_penalty,
+            args.frequency_penalty,
+            _bias(args),
+            tuple(args.allowed_token_id or ()),
+            bad_words,
+            args.min_p,
+        ),
+        stop=tuple(args.stop or ()),
+        stop_token_ids=tuple(args.stop_token_id or ()),
+        include_stop_str_in_output=args.include_stop_str,
+        method=args.method,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        structured=StructuredOutput(**_structured(args)) if _structured(args) else None,
+        n=args.n,
+        ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        skip_special_tokens=args.skip_special_tokens,
+    )
     try:
         completions = engine.generate_all(req)
     except InvalidRequest as e:
         sys.exit(f"error: {e}")
-    if args.n > 1:   # completions stream interleaved: print each whole, in order
+    if args.n > 1:  # completions stream interleaved: print each whole, in order
         for _ in completions:
             pass
         results = [g.result() for g in completions.gens]
@@ -222,21 +286,38 @@ def cmd_client(args: argparse.Namespace) -> None:
     from services.common.security import TLSConfig
     from services.router.client import GenerateClient, finish_name
 
-    fields = dict(prompt=args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, method=args.method, stop=args.stop or [],
-                  stop_token_ids=args.stop_token_id or [], include_stop_str_in_output=args.include_stop_str,
-                  cache_salt=args.cache_salt, priority=args.priority, repetition_penalty=args.repetition_penalty,
-                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, n=args.n,
-                  logit_bias=dict(_bias(args)), allowed_token_ids=args.allowed_token_id or [],
-                  bad_words=args.bad_word or [], ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
-                  skip_special_tokens=args.skip_special_tokens, truncate_prompt_tokens=args.truncate_prompt_tokens,
-                  seed=args.seed)
+    fields = dict(
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        method=args.method,
+        stop=args.stop or [],
+        stop_token_ids=args.stop_token_id or [],
+        include_stop_str_in_output=args.include_stop_str,
+        cache_salt=args.cache_salt,
+        priority=args.priority,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        n=args.n,
+        logit_bias=dict(_bias(args)),
+        allowed_token_ids=args.allowed_token_id or [],
+        bad_words=args.bad_word or [],
+        ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        skip_special_tokens=args.skip_special_tokens,
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
+        seed=args.seed,
+    )
     token = args.token or os.environ.get("SPECMESH_AUTH_TOKEN")
     texts: dict[int, str] = {}
     with GenerateClient(args.addr, TLSConfig(args.tls_cert, args.tls_key, args.tls_ca), token) as client:
         try:
             for msg in client.generate(fields, _structured(args), timeout=args.timeout):
-                if args.n > 1:   # completions arrive interleaved: each is printed whole when it ends
+                if args.n > 1:  # completions arrive interleaved: each is printed whole when it ends
                     texts[msg.index] = texts.get(msg.index, "") + msg.text
                     if msg.finish_reason:
                         print(f"--- completion {msg.index}\n{texts[msg.index]}", end="", flush=True)
@@ -244,10 +325,12 @@ def cmd_client(args: argparse.Namespace) -> None:
                     print(msg.text, end="", flush=True)
                 if msg.finish_reason:
                     s = msg.stats
-                    print(f"\n[{finish_name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
-                          f"{s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}, "
-                          f"{msg.usage.cached_prompt_tokens} of {msg.usage.prompt_tokens} prompt tokens cached",
-                          file=sys.stderr)
+                    print(
+                        f"\n[{finish_name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
+                        f"{s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}, "
+                        f"{msg.usage.cached_prompt_tokens} of {msg.usage.prompt_tokens} prompt tokens cached",
+                        file=sys.stderr,
+                    )
         except Refusal as e:
             sys.exit(f"\nerror: {e}")
 
@@ -261,8 +344,14 @@ def cmd_replay(args: argparse.Namespace) -> None:
         sys.exit(f"error: --drafter {args.drafter!r}: replay supports the model-free drafter 'suffix'")
     cfg = SuffixConfig(max_depth=args.max_depth, spec=SpecParams(max_spec_tokens=args.max_draft), tree=args.tree)
     stats = replay(DRAFTERS["suffix"](cfg), load_traces(args.traces), args.max_draft, progress=True)
-    report = {"drafter": args.drafter, "tree": args.tree, "traces": str(args.traces), "max_draft": args.max_draft,
-              "max_depth": args.max_depth, **stats.report()}
+    report = {
+        "drafter": args.drafter,
+        "tree": args.tree,
+        "traces": str(args.traces),
+        "max_draft": args.max_draft,
+        "max_depth": args.max_depth,
+        **stats.report(),
+    }
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -275,44 +364,87 @@ def _serve_parser(sub) -> None:
     p.add_argument("--topology", choices=["embedded", "distributed"], default="embedded")
     p.add_argument("--role", choices=["all", "router", "verifier", "predictor", "drafter", "memory"], default="all")
     _add_options(p, serve_only=True)
-    p.add_argument("--verifiers", default=os.environ.get("SPECMESH_VERIFIERS", ""),
-                   help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)")
-    p.add_argument("--verifier-link", choices=["multiplex", "stream"],
-                   default=os.environ.get("SPECMESH_VERIFIER_LINK", "multiplex"),
-                   help="router: one multiplexed Link per verifier replica carrying every session (one message "
-                        "per step each way), or one Session stream per request (env SPECMESH_VERIFIER_LINK)")
-    p.add_argument("--affinity-slack", type=_flag_type("count"), default=int(os.environ.get("SPECMESH_AFFINITY_SLACK", "2")),
-                   help="router: a new session may go to a verifier replica with up to this many more sessions than "
-                        "the least loaded when it holds the longest start of the prompt in its prefix cache "
-                        "(env SPECMESH_AFFINITY_SLACK); 0 = only among the least loaded")
+    p.add_argument(
+        "--verifiers",
+        default=os.environ.get("SPECMESH_VERIFIERS", ""),
+        help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)",
+    )
+    p.add_argument(
+        "--verifier-link",
+        choices=["multiplex", "stream"],
+        default=os.environ.get("SPECMESH_VERIFIER_LINK", "multiplex"),
+        help="router: one multiplexed Link per verifier replica carrying every session (one message "
+        "per step each way), or one Session stream per request (env SPECMESH_VERIFIER_LINK)",
+    )
+    p.add_argument(
+        "--affinity-slack",
+        type=_flag_type("count"),
+        default=int(os.environ.get("SPECMESH_AFFINITY_SLACK", "2")),
+        help="router: a new session may go to a verifier replica with up to this many more sessions than "
+        "the least loaded when it holds the longest start of the prompt in its prefix cache "
+        "(env SPECMESH_AFFINITY_SLACK); 0 = only among the least loaded",
+    )
     p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")
-    p.add_argument("--auth-token-file", default=None,
-                   help="require `authorization: Bearer <token>` (token from this file, or env SPECMESH_AUTH_TOKEN)")
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="require `authorization: Bearer <token>` (token from this file, or env SPECMESH_AUTH_TOKEN)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions)
-    p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
-                   help="requests waiting for a session slot before RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=ServerConfig.max_queue,
+        help="requests waiting for a session slot before RESOURCE_EXHAUSTED",
+    )
     p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="Prometheus port (0 = off)")
-    p.add_argument("--http-port", type=int, default=ServerConfig.http_port,
-                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this "
-                        "port, router and embedded only (0 = off)")
-    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
-                   help="the model's names in the HTTP API: requests may use any, answers carry the first "
-                        "(vLLM's; default: the target's directory name)")
-    p.add_argument("--vllm-metric-names", action="store_true",
-                   help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
-                        "its model_name label, for dashboards written for vLLM (router and embedded)")
-    p.add_argument("--allowed-origins", nargs="+", default=list(ServerConfig.allowed_origins), metavar="ORIGIN",
-                   help="CORS: browser origins the HTTP API answers (vLLM's; default: any, *)")
-    p.add_argument("--health-check-timeout", type=_seconds, default=ServerConfig.health_check_timeout_s,
-                   metavar="SECONDS", help="GET /health_generate answers 503 when no token is generated within this "
-                                           "time (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)")
-    p.add_argument("--chat-template", type=Path, default=None,
-                   help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=ServerConfig.http_port,
+        help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this "
+        "port, router and embedded only (0 = off)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the model's names in the HTTP API: requests may use any, answers carry the first "
+        "(vLLM's; default: the target's directory name)",
+    )
+    p.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
+        "its model_name label, for dashboards written for vLLM (router and embedded)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=list(ServerConfig.allowed_origins),
+        metavar="ORIGIN",
+        help="CORS: browser origins the HTTP API answers (vLLM's; default: any, *)",
+    )
+    p.add_argument(
+        "--health-check-timeout",
+        type=_seconds,
+        default=ServerConfig.health_check_timeout_s,
+        metavar="SECONDS",
+        help="GET /health_generate answers 503 when no token is generated within this "
+        "time (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -328,10 +460,18 @@ def _generate_parser(sub) -> None:
     _penalty_args(p)
     _structured_args(p)
     p.add_argument("-n", "--n", type=int, default=1, help="completions of the prompt (1-16; --json prints a list)")
-    p.add_argument("--logprobs", type=int, default=None,
-                   help="with --json: each token's target log-probability and this many alternatives (0-20)")
-    p.add_argument("--prompt-logprobs", type=int, default=None,
-                   help="with --json: each prompt token's target log-probability and this many alternatives (0-20)")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="with --json: each token's target log-probability and this many alternatives (0-20)",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        help="with --json: each prompt token's target log-probability and this many alternatives (0-20)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     p.set_defaults(func=cmd_generate)
 
@@ -351,8 +491,12 @@ def _client_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--cache-salt", default="", help="share prefix-cache blocks only with requests of this salt")
     p.add_argument("--priority", type=int, default=0, help="admission order when the server is full: lower first")
-    p.add_argument("--truncate-prompt-tokens", type=int, default=None,
-                   help="keep only the prompt's last N tokens (-1: what fits the context)")
+    p.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=None,
+        help="keep only the prompt's last N tokens (-1: what fits the context)",
+    )
     p.add_argument("--tls-ca", type=Path, default=None, help="connect with TLS, trusting this CA")
     p.add_argument("--tls-cert", type=Path, default=None, help="client certificate for mTLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)
@@ -374,15 +518,32 @@ def _tool_parsers(sub) -> None:
 
     p = sub.add_parser("run-batch", help="answer an OpenAI batch file offline (vLLM's run-batch)")
     _engine_args(p)
-    p.add_argument("-i", "--input-file", required=True, help="JSONL: one request per line ({custom_id, method, url, "
-                                                             "body}); - for standard input")
-    p.add_argument("-o", "--output-file", required=True, help="JSONL: one answer per line, in input order; - for stdout")
-    p.add_argument("--concurrency", type=int, default=8, help="requests decoding at once (their cycles verified together)")
-    p.add_argument("--max-sessions", type=int, default=64,
-                   help="completions decoding at once over all requests (a request takes prompts × n); a request "
-                        "with more gets a 400")
-    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
-                   help="the model's names, as serve's (default: the target's directory name)")
+    p.add_argument(
+        "-i",
+        "--input-file",
+        required=True,
+        help="JSONL: one request per line ({custom_id, method, url, body}); - for standard input",
+    )
+    p.add_argument(
+        "-o", "--output-file", required=True, help="JSONL: one answer per line, in input order; - for stdout"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="requests decoding at once (their cycles verified together)"
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=64,
+        help="completions decoding at once over all requests (a request takes prompts × n); a request "
+        "with more gets a 400",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the model's names, as serve's (default: the target's directory name)",
+    )
     p.add_argument("--chat-template", type=Path, default=None, help="Jinja chat template for /v1/chat/completions")
     p.set_defaults(func=cmd_run_batch)
 

@@ -19,6 +19,7 @@
 
     serve run deploy/ray/serve.yaml          # or: import_path services.ray_app:app, args below
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,9 +55,25 @@ class SessionMissing(RuntimeError):
 
 # The app's own args (placement, admission, metrics); every other arg is an engine option of
 # the option table (``services/common/config.py``), as ``specmesh serve``'s flags.
-APP_ARGS = {"verifier_gpus", "verifier_replicas", "verifier_dtype", "max_sessions", "autoscaling", "cpus_per_replica",
-            "shared_memory", "remote_drafter", "metrics_port", "metrics_host", "max_streams", "max_queue",
-            "affinity_slack", "health_check_timeout", "ingress_replicas", "chat_template", "served_model_name"}
+APP_ARGS = {
+    "verifier_gpus",
+    "verifier_replicas",
+    "verifier_dtype",
+    "max_sessions",
+    "autoscaling",
+    "cpus_per_replica",
+    "shared_memory",
+    "remote_drafter",
+    "metrics_port",
+    "metrics_host",
+    "max_streams",
+    "max_queue",
+    "affinity_slack",
+    "health_check_timeout",
+    "ingress_replicas",
+    "chat_template",
+    "served_model_name",
+}
 
 
 def engine_config(args: dict) -> EngineConfig:
@@ -67,8 +84,10 @@ def engine_config(args: dict) -> EngineConfig:
 
     unknown = sorted(set(args) - APP_ARGS - set(OPTIONS))
     if unknown:
-        raise ValueError(f"unknown arg(s) {', '.join(unknown)}; the app's: {', '.join(sorted(APP_ARGS))}; "
-                         "the engine's: docs/configuration.md")
+        raise ValueError(
+            f"unknown arg(s) {', '.join(unknown)}; the app's: {', '.join(sorted(APP_ARGS))}; "
+            "the engine's: docs/configuration.md"
+        )
     values = {k: v for k, v in args.items() if k in OPTIONS}
     gpus = float(args.get("verifier_gpus", 0))
     values.setdefault("device", "cuda" if gpus > 0 else "cpu")
@@ -169,6 +188,7 @@ class DrafterDeployment:
     def __init__(self, args: dict):
         from services.common.runtime import freeze_startup_heap, tune_gc
         from services.drafter.suffix import SuffixDrafter
+
         node_metrics()
 
         tune_gc()
@@ -247,8 +267,11 @@ class VerifierDeployment:
         self._memory_handle = None
 
     def info(self) -> dict:
-        return {"context_len": self.core.context_len, "vocab_size": self.core.vocab_size,
-                "max_draft": dict(self.core.max_draft)}
+        return {
+            "context_len": self.core.context_len,
+            "vocab_size": self.core.vocab_size,
+            "max_draft": dict(self.core.max_draft),
+        }
 
     @serve.multiplexed(max_num_models_per_replica=64)
     async def _slot(self, session_id: str) -> _Slot:
@@ -287,13 +310,16 @@ class VerifierDeployment:
 
     def record_routing_stats(self) -> dict:
         """For the request routers of every ingress replica: the sessions open here."""
-        return {"sessions": list(self.core.sessions.copy()), "replica": serve.get_replica_context().replica_id.unique_id}
+        return {
+            "sessions": list(self.core.sessions.copy()),
+            "replica": serve.get_replica_context().replica_id.unique_id,
+        }
 
     async def close(self) -> None:
         (await self._slot(serve.get_multiplexed_model_id())).close()
 
 
-MAX_REPLICAS = 1024   # a prefix-cache reset that reaches more replicas than this is looping
+MAX_REPLICAS = 1024  # a prefix-cache reset that reaches more replicas than this is looping
 
 
 class RaySession:
@@ -302,15 +328,15 @@ class RaySession:
         self.h = handle.options(multiplexed_model_id=self.spec.session_id)
         self.tokens = list(spec.prompt_ids)
         self.cancelled = False
-        self._call = None   # the cycle call in flight
+        self._call = None  # the cycle call in flight
         self._open()
 
     def _open(self) -> None:
-        self.h.open.remote(self.spec.resumed(self.tokens[len(self.spec.prompt_ids):])).result()
+        self.h.open.remote(self.spec.resumed(self.tokens[len(self.spec.prompt_ids) :])).result()
 
     def _cycle(self, req: CycleRequest):
         self._call = self.h.cycle.remote(req)
-        if self.cancelled:   # cancel() came before this call existed
+        if self.cancelled:  # cancel() came before this call existed
             self._call.cancel()
         return self._call.result()
 
@@ -409,14 +435,14 @@ class GenerationIngress:
         self._engine = None
         self._lock = threading.Lock()
         self._origin = uuid.uuid4().hex
-        self._board = aborts   # AbortBoard, with more than one ingress replica
+        self._board = aborts  # AbortBoard, with more than one ingress replica
         # this replica's completions, gRPC and HTTP: what Abort reaches (and, through the board, the others')
         self._active = ActiveSessions(self._post_abort if aborts is not None else None)
         if aborts is not None:
             threading.Thread(target=self._relay_aborts, name="abort-relay", daemon=True).start()
 
     def _post_abort(self, request_id: str | None, wall: float) -> None:
-        self._board.post.remote(self._origin, request_id, wall)   # not awaited: the abort answers now
+        self._board.post.remote(self._origin, request_id, wall)  # not awaited: the abort answers now
 
     def _relay_aborts(self) -> None:
         """Apply the other ingress replicas' aborts as they come (a long poll on the board)."""
@@ -449,13 +475,18 @@ class GenerationIngress:
                     engine.drafters["suffix"] = RayDrafter(self._drafter)
                     engine.drafters["suffix-tree"] = RayDrafter(self._drafter, "suffix-tree", tree=True)
                     for name in [n for n in engine.drafters if n.startswith("hybrid")]:
-                        engine.drafters[name].cache = engine.drafters["suffix-tree" if name == "hybrid-tree" else "suffix"]
+                        engine.drafters[name].cache = engine.drafters[
+                            "suffix-tree" if name == "hybrid-tree" else "suffix"
+                        ]
                 if predictor is not None and engine.model_fallback:
                     from services.drafter.hybrid import PredictorRule
                     from services.predictor.features import TokenFlags
 
-                    engine.add_hybrid("hybrid", PredictorRule(RayPredictor(predictor), TokenFlags(engine.tokenizer),
-                                                              cfg.hybrid.tau), cost_aware=cfg.hybrid.cost_aware)
+                    engine.add_hybrid(
+                        "hybrid",
+                        PredictorRule(RayPredictor(predictor), TokenFlags(engine.tokenizer), cfg.hybrid.tau),
+                        cost_aware=cfg.hybrid.cost_aware,
+                    )
                 self._engine = engine
                 from services.common.runtime import freeze_startup_heap
 
@@ -512,12 +543,21 @@ class GenerationIngress:
         from services.router.http_server import build_app
 
         a = self._args
-        cfg = ServerConfig(max_sessions=int(a.get("max_streams", 64)), max_queue=int(a.get("max_queue", 32)),
-                           auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None,
-                           health_check_timeout_s=float(a.get("health_check_timeout", ServerConfig.health_check_timeout_s)))
+        cfg = ServerConfig(
+            max_sessions=int(a.get("max_streams", 64)),
+            max_queue=int(a.get("max_queue", 32)),
+            auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None,
+            health_check_timeout_s=float(a.get("health_check_timeout", ServerConfig.health_check_timeout_s)),
+        )
         template = Path(a["chat_template"]).read_text() if a.get("chat_template") else None
-        return build_app(lambda: self.engine, Admission(cfg.max_sessions, cfg.max_queue), cfg,
-                         oa.served_names(a.get("served_model_name") or "target"), template, active=self._active)
+        return build_app(
+            lambda: self.engine,
+            Admission(cfg.max_sessions, cfg.max_queue),
+            cfg,
+            oa.served_names(a.get("served_model_name") or "target"),
+            template,
+            active=self._active,
+        )
 
     def Check(self, request):
         from services.router.grpc_server import health_serving
@@ -539,29 +579,45 @@ def app(args: dict):
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
     """
     cpus = float(args.get("cpus_per_replica", 1))
-    env = {"env_vars": {"PROMETHEUS_MULTIPROC_DIR": f"/tmp/specmesh_metrics/{uuid.uuid4().hex[:12]}",
-                        METRICS_PORT_ENV: str(int(args.get("metrics_port", 9400))),
-                        METRICS_HOST_ENV: str(args.get("metrics_host", "0.0.0.0"))}}
+    env = {
+        "env_vars": {
+            "PROMETHEUS_MULTIPROC_DIR": f"/tmp/specmesh_metrics/{uuid.uuid4().hex[:12]}",
+            METRICS_PORT_ENV: str(int(args.get("metrics_port", 9400))),
+            METRICS_HOST_ENV: str(args.get("metrics_host", "0.0.0.0")),
+        }
+    }
 
     def actor(num_cpus: float, num_gpus: float = 0.0) -> dict:
         return {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": env}
 
     auto = args.get("autoscaling")
-    scaling = ({"autoscaling_config": {"min_replicas": auto["min_replicas"], "max_replicas": auto["max_replicas"],
-                                       "target_ongoing_requests": auto["target_ongoing_requests"]}}
-               if auto else {"num_replicas": int(args.get("verifier_replicas", 1))})
+    scaling = (
+        {
+            "autoscaling_config": {
+                "min_replicas": auto["min_replicas"],
+                "max_replicas": auto["max_replicas"],
+                "target_ongoing_requests": auto["target_ongoing_requests"],
+            }
+        }
+        if auto
+        else {"num_replicas": int(args.get("verifier_replicas", 1))}
+    )
     small = {"ray_actor_options": actor(min(cpus, 0.5))}
     memory = MemoryDeployment.options(**small).bind(args) if args.get("shared_memory") else None
     drafter = DrafterDeployment.options(**small).bind(args) if args.get("remote_drafter") else None
     # A session's open goes to the replica holding its prompt's start (services/ray_router.py).
     # Each replica reports its open sessions every second, for the routers of every ingress replica.
-    routing = RequestRouterConfig(request_router_class="services.ray_router:PrefixAffinityRequestRouter",
-                                  request_router_kwargs={"slack": int(args.get("affinity_slack", 2))},
-                                  request_routing_stats_period_s=1.0)
+    routing = RequestRouterConfig(
+        request_router_class="services.ray_router:PrefixAffinityRequestRouter",
+        request_router_kwargs={"slack": int(args.get("affinity_slack", 2))},
+        request_routing_stats_period_s=1.0,
+    )
     verifier = VerifierDeployment.options(
         ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
-        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4, request_router_config=routing,
-        **scaling).bind(args, memory)
+        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4,
+        request_router_config=routing,
+        **scaling,
+    ).bind(args, memory)
     cfg = engine_config(args)
     predictor = None
     if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():
@@ -572,5 +628,8 @@ def app(args: dict):
     ingress = int(args.get("ingress_replicas", 1))
     aborts = AbortBoard.options(ray_actor_options={"num_cpus": 0}).bind() if ingress > 1 else None
     return GenerationIngress.options(
-        num_replicas=ingress, ray_actor_options=actor(cpus), max_ongoing_requests=int(args.get("max_streams", 64)),
-        max_queued_requests=int(args.get("max_queue", 32))).bind(verifier, predictor, args, drafter, aborts)
+        num_replicas=ingress,
+        ray_actor_options=actor(cpus),
+        max_ongoing_requests=int(args.get("max_streams", 64)),
+        max_queued_requests=int(args.get("max_queue", 32)),
+    ).bind(verifier, predictor, args, drafter, aborts)

@@ -22,6 +22,7 @@ affinity, as the distributed router's placement does them (``services/common/aff
         request_router_class="services.ray_router:PrefixAffinityRequestRouter",
         request_router_kwargs={"slack": 2}, request_routing_stats_period_s=1.0))
 """
+
 from __future__ import annotations
 
 import time
@@ -51,15 +52,17 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
     def initialize_state(self, slack: int = 2, **kwargs) -> None:
         self.slack = slack
         self.affinity = PrefixAffinity()
-        self.placed: dict[str, tuple[str, float]] = {}   # session id → (replica id, when), sessions this router opened
-        self.closed: dict[str, float] = {}                # session id → when this router closed it
+        self.placed: dict[str, tuple[str, float]] = {}  # session id → (replica id, when), sessions this router opened
+        self.closed: dict[str, float] = {}  # session id → when this router closed it
 
     def loads(self, by_id: dict) -> dict[str, int]:
         """Open sessions per replica, every router's (``session_loads``)."""
         now = time.monotonic()
         self.closed = {s: t for s, t in self.closed.items() if now - t < REPORT_LAG_S}
-        reported = {rid: r.routing_stats["sessions"] for rid, r in by_id.items() if "sessions" in (r.routing_stats or {})}
-        for sid in unreported(self.placed, reported, now, REPORT_LAG_S):   # its close was cancelled with its stream
+        reported = {
+            rid: r.routing_stats["sessions"] for rid, r in by_id.items() if "sessions" in (r.routing_stats or {})
+        }
+        for sid in unreported(self.placed, reported, now, REPORT_LAG_S):  # its close was cancelled with its stream
             del self.placed[sid]
         return session_loads(by_id, reported, {s: rid for s, (rid, _) in self.placed.items()}, self.closed)
 
@@ -76,8 +79,9 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
             return [[by_id[home]]]
         if spec is None or not by_id:
             return await super().choose_replicas(candidate_replicas, pending_request)
-        best = choose(list(by_id), self.loads(by_id), self.affinity.holders(spec.prompt_ids, spec.cache_salt),
-                      self.slack)
+        best = choose(
+            list(by_id), self.loads(by_id), self.affinity.holders(spec.prompt_ids, spec.cache_salt), self.slack
+        )
         return [[by_id[best]], [r for rid, r in by_id.items() if rid != best]]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
@@ -86,7 +90,7 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         spec = _opened(pending_request)
         if spec is not None:
             self.affinity.placed(spec.prompt_ids, rid, spec.cache_salt)
-            self.placed[sid] = (rid, time.monotonic())   # a re-open moves the session
+            self.placed[sid] = (rid, time.monotonic())  # a re-open moves the session
             self.closed.pop(sid, None)
         elif pending_request.metadata.call_method == "close" and self.placed.pop(sid, None) is not None:
             self.closed[sid] = time.monotonic()

@@ -4,6 +4,7 @@ Tiny models keep the suite fast; their weights are scaled up so next-token distr
 are peaked (no argmax near-ties), and the draft is a perturbed copy of the target so that
 drafts are mostly but not always accepted (rollback gets exercised).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -29,10 +30,20 @@ torch.set_num_threads(1)
 def tiny_config(layers: int = 2, hidden: int = 64, max_pos: int = 256, **kw):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=kw.pop("kv_heads", 2),
-                       max_position_embeddings=max_pos, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
-                       pad_token_id=0, **kw)
+    return LlamaConfig(
+        vocab_size=8192,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kw.pop("kv_heads", 2),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 def make_tiny(path: Path, seed: int, layers: int = 2, base: dict | None = None, noise: float = 0.0, **kw) -> Path:
@@ -71,8 +82,18 @@ def tiny_engine(tiny_dirs):
 
     target, draft = tiny_dirs
     # Hermetic: none of the bundled zoo's extras (EAGLE-3 head, predictor, OCM prior) for the tiny pair.
-    return Engine(EngineConfig(target=target, draft=draft, num_speculative_tokens=4, draft_confidence=0.0,
-                               max_new_tokens_limit=200, eagle3=None, predictor=None, ocm_snapshot=None))
+    return Engine(
+        EngineConfig(
+            target=target,
+            draft=draft,
+            num_speculative_tokens=4,
+            draft_confidence=0.0,
+            max_new_tokens_limit=200,
+            eagle3=None,
+            predictor=None,
+            ocm_snapshot=None,
+        )
+    )
 
 
 def bundled_available() -> bool:
@@ -175,8 +196,11 @@ class RedisProcess:
 
         import redis
 
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for _ in range(100):
             try:
                 redis.Redis(port=self.port).ping()
@@ -221,21 +245,31 @@ def tiny_eagle3(tiny_dirs, tmp_path_factory) -> Path:
 def tiny_eagle_engine(tiny_dirs, tiny_eagle3):
     from services.router.engine import Engine
 
-    return Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tiny_eagle3, eagle3_k=4,
-                               max_new_tokens_limit=200))
+    return Engine(
+        EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tiny_eagle3, eagle3_k=4, max_new_tokens_limit=200)
+    )
 
 
 # -- a throw-away PKI (CA, server and client certificates for localhost) ----------------------
 def _cert(subject: str, issuer_cert, issuer_key, key, ca: bool = False):
     now = datetime.datetime.now(datetime.UTC)
-    b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-         .issuer_name(issuer_cert.subject if issuer_cert else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(
+            issuer_cert.subject if issuer_cert else x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+        )
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if not ca:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            False,
+        )
     return b.sign(issuer_key or key, hashes.SHA256())
 
 
@@ -248,15 +282,16 @@ def pki(tmp_path_factory):
     for name in ("server", "client"):
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _cert(f"specmesh-{name}", ca, ca_key, key)
-        (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+        (d / f"{name}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         (d / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         out[name] = (d / f"{name}.crt", d / f"{name}.key")
     (d / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     out["ca"] = d / "ca.crt"
     return out
-
-
 
 
 # -- markers by folder: `make test-fast` runs -m "unit or sim" ---------------------------------

@@ -1,5 +1,6 @@
 """Drive a drafter through every public method of the ``Drafter`` base class (listed from the
 class itself, so a method added there is exercised here too)."""
+
 import inspect
 
 import torch

@@ -1,4 +1,5 @@
 """``python -m training trace|calibrate`` (training/traces.py)."""
+
 import logging
 
 from training.traces import main

@@ -10,6 +10,7 @@ its later positions show what TTT buys.
         --heldout build/traces/stdlib-heldout.jsonl,build/traces/edit-heldout.jsonl \
         --out bench/results/eagle3_ablation.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,32 +31,46 @@ def score_head(head_dir: Path, target: Llama, seqs: list[list[int]], positions: 
     state = json.loads((head_dir / "training_state.json").read_text())
     head = Eagle3Head.from_pretrained(head_dir, target.embed_tokens.weight, torch.float32, "cpu").eval()
     agree, chain = chain_agreement(head, target, seqs, positions)
-    runs = stages(state)   # a continued head (--init): every stage's data counts
-    return {"head": str(head_dir), "ttt_steps": state["ttt_steps"], "train_tokens": sum(st["tokens"] for st in runs),
-            "stage_tokens": [st["tokens"] for st in runs],
-            "trace_fraction": state.get("trace_fraction", 1.0), "epochs": state["epochs"],
-            "steps": state["step"], "draft_vocab": head.draft_vocab,
-            "corpus_tokens": sum(st.get("corpus_tokens", 0) for st in runs),
-            "agreement_per_position": agree, "chain_acceptance_per_position": chain,
-            "mean_accepted_length": round(sum(chain), 4)}
+    runs = stages(state)  # a continued head (--init): every stage's data counts
+    return {
+        "head": str(head_dir),
+        "ttt_steps": state["ttt_steps"],
+        "train_tokens": sum(st["tokens"] for st in runs),
+        "stage_tokens": [st["tokens"] for st in runs],
+        "trace_fraction": state.get("trace_fraction", 1.0),
+        "epochs": state["epochs"],
+        "steps": state["step"],
+        "draft_vocab": head.draft_vocab,
+        "corpus_tokens": sum(st.get("corpus_tokens", 0) for st in runs),
+        "agreement_per_position": agree,
+        "chain_acceptance_per_position": chain,
+        "mean_accepted_length": round(sum(chain), 4),
+    }
 
 
 def table(rows: list[dict], heldout: str, n_seqs: int, command: str) -> str:
     k = len(rows[0]["agreement_per_position"])
     head = " | ".join(f"pos {j + 1}" for j in range(k))
-    lines = [f"### EAGLE-3 ablation — {n_seqs} held-out traces ({heldout})", "",
-             "Agreement per chain position (teacher-forced); in brackets, greedy chain acceptance.", "",
-             f"| head | TTT steps | draft vocabulary | train tokens (of them pretraining text) | {head} | "
-             f"mean accepted ({k}-token chain) |",
-             "|---|---|---|---|" + "---|" * k + "---|"]
+    lines = [
+        f"### EAGLE-3 ablation — {n_seqs} held-out traces ({heldout})",
+        "",
+        "Agreement per chain position (teacher-forced); in brackets, greedy chain acceptance.",
+        "",
+        f"| head | TTT steps | draft vocabulary | train tokens (of them pretraining text) | {head} | "
+        f"mean accepted ({k}-token chain) |",
+        "|---|---|---|---|" + "---|" * k + "---|",
+    ]
     for r in rows:
-        cells = " | ".join(f"{a:.1%} ({c:.1%})" for a, c in zip(r["agreement_per_position"],
-                                                              r["chain_acceptance_per_position"]))
+        cells = " | ".join(
+            f"{a:.1%} ({c:.1%})" for a, c in zip(r["agreement_per_position"], r["chain_acceptance_per_position"])
+        )
         corpus, vocab = r.get("corpus_tokens", 0), r.get("draft_vocab")
         tokens = " + ".join(f"{t:,}" for t in r.get("stage_tokens", [r["train_tokens"]]))
-        lines.append(f"| `{r['head']}` | {r['ttt_steps']} | {'—' if vocab is None else f'{vocab:,}'} | {tokens}"
-                     f"{f' ({corpus:,})' if corpus else ''} | {cells} | "
-                     f"{r['mean_accepted_length']:.2f} |")
+        lines.append(
+            f"| `{r['head']}` | {r['ttt_steps']} | {'—' if vocab is None else f'{vocab:,}'} | {tokens}"
+            f"{f' ({corpus:,})' if corpus else ''} | {cells} | "
+            f"{r['mean_accepted_length']:.2f} |"
+        )
     return "\n".join(lines + ["", f"Command: `{command}`", ""])
 
 
@@ -76,12 +91,18 @@ def main() -> None:
     for i, h in enumerate(heads):
         rows.append(score_head(h, target, seqs, args.positions))
         el = time.time() - t0
-        print(f"[ablation] {i + 1}/{len(heads)} heads scored, {el:.0f}s, eta {el / (i + 1) * (len(heads) - i - 1):.0f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ablation] {i + 1}/{len(heads)} heads scored, {el:.0f}s, eta {el / (i + 1) * (len(heads) - i - 1):.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     command = "python -m training.ablation " + " ".join(sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": command, "heldout": args.heldout, "heldout_sequences": len(seqs),
-                                    "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"command": command, "heldout": args.heldout, "heldout_sequences": len(seqs), "rows": rows}, indent=1
+        )
+    )
     args.out.with_suffix(".md").write_text(table(rows, args.heldout, len(seqs), command))
     print(args.out.with_suffix(".md").read_text())
 

@@ -10,6 +10,7 @@ Each card states what the model was trained on, how, and what it scores on held-
     python -m training.cards --eagle3 models/eagle3 --predictor models/predictor \
         --heldout build/traces/stdlib-heldout.jsonl,build/traces/edit-heldout.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,10 @@ def data_limited(heldout: list[float], train: list[float], tokens: int) -> str:
     memorised them: more data, not more steps, is what it needs."""
     if not train or train[0] - heldout[0] < 0.05:
         return ""
-    return (f"Position-1 agreement is {100 * (train[0] - heldout[0]):.0f} points higher on its training traces: "
-            f"the head is data-limited at {tokens:,} tokens (`--corpus-tokens` adds pretraining text).")
+    return (
+        f"Position-1 agreement is {100 * (train[0] - heldout[0]):.0f} points higher on its training traces: "
+        f"the head is data-limited at {tokens:,} tokens (`--corpus-tokens` adds pretraining text)."
+    )
 
 
 CARD_POSITIONS = 4  # chain positions every card reports, whatever the head was trained with
@@ -41,29 +44,38 @@ def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict
     seqs = build_sequences(heldout, max_len)
     train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], max_len)
     draft = Llama.from_pretrained(draft_dir) if (draft_dir / "config.json").exists() else None
-    return {"heldout_traces": [str(p) for p in heldout], "heldout_sequences": len(seqs),
-            "agreement_per_position": heldout_agreement(head, target, seqs, steps),
-            "train_agreement_per_position": heldout_agreement(head, target, train, steps) if train else [],
-            "draft_lm_agreement": lm_agreement(draft, target, seqs) if draft else None}
+    return {
+        "heldout_traces": [str(p) for p in heldout],
+        "heldout_sequences": len(seqs),
+        "agreement_per_position": heldout_agreement(head, target, seqs, steps),
+        "train_agreement_per_position": heldout_agreement(head, target, train, steps) if train else [],
+        "draft_lm_agreement": lm_agreement(draft, target, seqs) if draft else None,
+    }
 
 
 def data_row(state: dict) -> str:
     """Traces, and the pretraining-text windows beside them (``corpus_windows``: 512 tokens each)."""
     corpus = state.get("corpus_tokens", 0)
     windows = corpus // 512 if corpus else 0
-    text = (f"{state['sequences'] - windows} target generations of training prompts "
-            f"({state['tokens'] - windows * 512:,} tokens): `{state['traces']}`")
+    text = (
+        f"{state['sequences'] - windows} target generations of training prompts "
+        f"({state['tokens'] - windows * 512:,} tokens): `{state['traces']}`"
+    )
     if windows:
-        text += (f", and {windows * 512:,} tokens of pretraining text ({windows} windows; the target supplies "
-                 f"features and soft labels there too)")
+        text += (
+            f", and {windows * 512:,} tokens of pretraining text ({windows} windows; the target supplies "
+            f"features and soft labels there too)"
+        )
     return text
 
 
 def continued(chain: list[dict]) -> str:
     if len(chain) == 1:
         return ""
-    return (f" It was trained in {len(chain)} stages: each later stage continued the head before it "
-            f"(`--init`, same vocabulary) on new data.")
+    return (
+        f" It was trained in {len(chain)} stages: each later stage continued the head before it "
+        f"(`--init`, same vocabulary) on new data."
+    )
 
 
 def stages(state: dict) -> list[dict]:
@@ -84,21 +96,27 @@ def staged(chain: list[dict], cell) -> str:
 
 def recipe_row(state: dict) -> str:
     ttt = state["ttt_steps"] > 1
-    return (f"{state['epochs']} epoch{'s' if state['epochs'] != 1 else ''}, {state['ttt_steps']} TTT "
-            f"step{'s (step weight 0.8^j)' if ttt else ''}, peak LR {state['lr']}")
+    return (
+        f"{state['epochs']} epoch{'s' if state['epochs'] != 1 else ''}, {state['ttt_steps']} TTT "
+        f"step{'s (step weight 0.8^j)' if ttt else ''}, peak LR {state['lr']}"
+    )
 
 
 def steps_row(state: dict) -> str:
-    return (f"{state['step']}/{state['total_steps']}, {state['train_minutes']} min"
-            f"{'' if state['final'] else ' — **training still in progress**'}")
+    return (
+        f"{state['step']}/{state['total_steps']}, {state['train_minutes']} min"
+        f"{'' if state['final'] else ' — **training still in progress**'}"
+    )
 
 
 def vocab_row(state: dict, vocab: int) -> str:
     n = state.get("draft_vocab", vocab)
     if n >= vocab:
         return f"the whole target vocabulary ({vocab:,} tokens)"
-    return (f"{n:,} of {vocab:,} tokens, the most frequent in the training data "
-            f"({state['draft_vocab_coverage']:.1%} of its tokens); `d2t`/`t2d` map them to target ids")
+    return (
+        f"{n:,} of {vocab:,} tokens, the most frequent in the training data "
+        f"({state['draft_vocab_coverage']:.1%} of its tokens); `d2t`/`t2d` map them to target ids"
+    )
 
 
 def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir: Path) -> dict:
@@ -106,14 +124,21 @@ def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir
     target = Llama.from_pretrained(target_dir)
     head = Eagle3Head.from_pretrained(head_dir, target.embed_tokens.weight, torch.float32, "cpu").eval()
     ev = agreements(head, target, heldout, state, draft_dir)
-    agree, train_agree, draft = ev["agreement_per_position"], ev["train_agreement_per_position"], ev["draft_lm_agreement"]
+    agree, train_agree, draft = (
+        ev["agreement_per_position"],
+        ev["train_agreement_per_position"],
+        ev["draft_lm_agreement"],
+    )
     rows = " | ".join(f"{a:.1%}" for a in agree)
     name, ttt = head_dir.name, state["ttt_steps"] > 1
     chain = stages(state)
     seen = sum(st["tokens"] * st["epochs"] for st in chain)
-    how = ("with training-time test." if ttt else
-           "without training-time test (one step): the TTT ablation, and the head for 1-token chains, "
-           "which measured fastest on CPU (`bench/results/eagle3_sweep.md`).")
+    how = (
+        "with training-time test."
+        if ttt
+        else "without training-time test (one step): the TTT ablation, and the head for 1-token chains, "
+        "which measured fastest on CPU (`bench/results/eagle3_sweep.md`)."
+    )
     card = f"""# specmesh bundled model: `{name}`
 
 EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlayer`, `norm`,
@@ -121,23 +146,23 @@ EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlaye
 
 | | |
 |---|---|
-| fused target layers | {state['aux_layers']} (low, middle, high) |
+| fused target layers | {state["aux_layers"]} (low, middle, high) |
 | training data | {staged(chain, data_row)} |
 | recipe | {staged(chain, recipe_row)} |
 | draft vocabulary | {vocab_row(chain[0], target.s.vocab)} |
 | steps | {staged(chain, steps_row)} |
 
 Held-out agreement with the target's greedy token, per chain position (teacher-forced,
-{ev['heldout_sequences']} held-out traces). A chain position counts only when every earlier one was
+{ev["heldout_sequences"]} held-out traces). A chain position counts only when every earlier one was
 accepted, so acceptance falls with position faster than agreement does:
 
-| position | {' | '.join(str(j + 1) for j in range(len(agree)))} |
-|---|{'---|' * len(agree)}
+| position | {" | ".join(str(j + 1) for j in range(len(agree)))} |
+|---|{"---|" * len(agree)}
 | agreement | {rows} |
-| on its training traces | {' | '.join(f"{a:.1%}" for a in train_agree) or '—'} |
+| on its training traces | {" | ".join(f"{a:.1%}" for a in train_agree) or "—"} |
 
-For comparison, the draft LM (`sd`) agrees with the target on {'—' if draft is None else f"{draft:.1%}"} of the
-same held-out positions. {data_limited(agree, train_agree, sum(st['tokens'] for st in chain))}
+For comparison, the draft LM (`sd`) agrees with the target on {"—" if draft is None else f"{draft:.1%}"} of the
+same held-out positions. {data_limited(agree, train_agree, sum(st["tokens"] for st in chain))}
 Tokens seen in training, all stages and epochs: {seen:,}.
 
 Regenerate: `make traces {name}`. Card: `python -m training.cards --eagle3 models/{name}`.
@@ -157,21 +182,21 @@ def predictor_card(pred_dir: Path) -> dict:
 
     card = f"""# specmesh bundled model: `predictor`
 
-The HVD yield predictor: a small MLP ({cfg['layers']} × {cfg['hidden']}) that reads suffix-cache draft features and predicts how
+The HVD yield predictor: a small MLP ({cfg["layers"]} × {cfg["hidden"]}) that reads suffix-cache draft features and predicts how
 many tokens the target will accept; the router verifies the cache draft when the prediction
 pays for the cycle's measured cost (the default; `--no-hybrid-cost-aware`: when it exceeds τ),
-else EAGLE-3 drafts or a plain step runs. High-yield below means yield ≥ {h['tau']}. Trained by
-`training/predictor.py` on trace replays of training prompts ({ev['train_samples']:,} samples, `{ev['train_traces']}`), max draft {ev['max_draft']}.
+else EAGLE-3 drafts or a plain step runs. High-yield below means yield ≥ {h["tau"]}. Trained by
+`training/predictor.py` on trace replays of training prompts ({ev["train_samples"]:,} samples, `{ev["train_traces"]}`), max draft {ev["max_draft"]}.
 
-Held-out ({h['samples']:,} samples from `{ev['heldout_traces']}`; {h['predictor']['high_yield']} with yield ≥ τ):
+Held-out ({h["samples"]:,} samples from `{ev["heldout_traces"]}`; {h["predictor"]["high_yield"]} with yield ≥ τ):
 
 | selector | precision | recall | selected |
 |---|---|---|---|
-{row('predictor', h['predictor'])}
-{row(f"score rule (threshold {h['score_rule']['threshold']:.2f})", h['score_rule'])}
-{row('oracle', h['oracle'])}
+{row("predictor", h["predictor"])}
+{row(f"score rule (threshold {h['score_rule']['threshold']:.2f})", h["score_rule"])}
+{row("oracle", h["oracle"])}
 
-Regression MSE {h['mse']} (a constant predictor: {h['mse_constant_baseline']}).
+Regression MSE {h["mse"]} (a constant predictor: {h["mse_constant_baseline"]}).
 Regenerate: `make traces predictor`.
 """
     (pred_dir / "README.md").write_text(card)

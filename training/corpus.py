@@ -9,6 +9,7 @@ Rules:
   blocks: block, one instruction line naming the edits, the block rewritten with exactly
   those edits.
 """
+
 from __future__ import annotations
 
 import keyword
@@ -21,8 +22,20 @@ from pathlib import Path
 # Held out for evaluation, never trained on. A name matches a module file (`difflib.py`),
 # a package directory (`json/`) and the test module `test/test_<name>.py` or `test/test_<name>/`.
 HELD_OUT: tuple[str, ...] = (
-    "bisect", "calendar", "colorsys", "csv", "difflib", "fractions", "graphlib",
-    "heapq", "ipaddress", "json", "shlex", "statistics", "textwrap", "tomllib",
+    "bisect",
+    "calendar",
+    "colorsys",
+    "csv",
+    "difflib",
+    "fractions",
+    "graphlib",
+    "heapq",
+    "ipaddress",
+    "json",
+    "shlex",
+    "statistics",
+    "textwrap",
+    "tomllib",
 )
 
 EOS = "<|endoftext|>"
@@ -85,9 +98,9 @@ _RENAME_SUFFIXES = ("_value", "_args", "_item", "_new", "_ref", "_data", "2", "_
 @dataclass(frozen=True)
 class EditDocument:
     path: str
-    block: str          # original lines, newline-terminated
-    instruction: str    # "# edit: ..." line, newline-terminated
-    edited: str         # block with the edits applied, newline-terminated
+    block: str  # original lines, newline-terminated
+    instruction: str  # "# edit: ..." line, newline-terminated
+    edited: str  # block with the edits applied, newline-terminated
 
     @property
     def prompt(self) -> str:
@@ -121,8 +134,11 @@ def _rename(block: list[str], rng: random.Random) -> tuple[str, str] | None:
             continue
         for m in _IDENT.finditer(ln):
             counts[m.group()] = counts.get(m.group(), 0) + 1
-    names = sorted(n for n, c in counts.items() if c >= 2 and not keyword.iskeyword(n)
-                   and n not in ("self", "cls", "None", "True", "False"))
+    names = sorted(
+        n
+        for n, c in counts.items()
+        if c >= 2 and not keyword.iskeyword(n) and n not in ("self", "cls", "None", "True", "False")
+    )
     if not names:
         return None
     old = rng.choice(names)
@@ -133,8 +149,7 @@ def _rename(block: list[str], rng: random.Random) -> tuple[str, str] | None:
 
 
 def _literal_change(block: list[str], rng: random.Random) -> tuple[str, str] | None:
-    found = sorted({m.group() for ln in block for m in _INT.finditer(ln)
-                    if not ln.lstrip().startswith("#")})
+    found = sorted({m.group() for ln in block for m in _INT.finditer(ln) if not ln.lstrip().startswith("#")})
     if not found:
         return None
     old = rng.choice(found)
@@ -156,7 +171,7 @@ def make_edit_document(path: Path, rng: random.Random, max_chars: int = 1500) ->
     span = _pick_block(lines, rng, max_chars)
     if span is None:
         return None
-    block = lines[span[0]:span[1]]
+    block = lines[span[0] : span[1]]
     edits: list[str] = []
     new = list(block)
     rename = _rename(block, rng)

@@ -13,6 +13,7 @@ section is added.
 
     python -m training.distill --draft models/draft --traces T1.jsonl,T2.jsonl --out build/models/draft
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,10 @@ def train(args: argparse.Namespace) -> None:
         print(f"[distill] {args.draft} is already distilled toward {args.target} ({done['step']} steps); nothing to do")
         return
     if done.get("final"):  # distilled toward other target weights: start a new distillation from it
-        print(f"[distill] {args.draft} was distilled toward other target weights; distilling toward {args.target}", flush=True)
+        print(
+            f"[distill] {args.draft} was distilled toward other target weights; distilling toward {args.target}",
+            flush=True,
+        )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = Llama.from_pretrained(args.target, device=device).requires_grad_(False)
     draft = Llama.from_pretrained(args.draft, device=device).train()
@@ -74,9 +78,17 @@ def train(args: argparse.Namespace) -> None:
     def save() -> None:
         torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "progress": prog}, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
-        distill = {"traces": args.traces, "sequences": len(seqs), "epochs": args.epochs, "step": prog["step"],
-                   "total_steps": total, "lr": args.lr, "train_minutes": round(prog["elapsed"] / 60, 1),
-                   "final": prog["step"] >= total, "target": toward}
+        distill = {
+            "traces": args.traces,
+            "sequences": len(seqs),
+            "epochs": args.epochs,
+            "step": prog["step"],
+            "total_steps": total,
+            "lr": args.lr,
+            "train_minutes": round(prog["elapsed"] / 60, 1),
+            "final": prog["step"] >= total,
+            "target": toward,
+        }
         export(draft, args.draft, args.out, {**state, "distill": distill})
 
     stop = {"now": False}
@@ -108,8 +120,11 @@ def run_epochs(args, target, draft, opt, seqs, prog, total, save, stop) -> None:
             t_seg, ema = now, loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
             if prog["step"] % args.log_every == 0:
                 eta = (total - prog["step"]) * prog["elapsed"] / prog["step"]
-                print(f"[distill] epoch {prog['epoch']} step {prog['step']}/{total} soft-CE {ema:.3f} "
-                      f"{prog['step'] * args.batch_tokens / prog['elapsed']:,.0f} tok/s eta {eta / 60:.0f} min", flush=True)
+                print(
+                    f"[distill] epoch {prog['epoch']} step {prog['step']}/{total} soft-CE {ema:.3f} "
+                    f"{prog['step'] * args.batch_tokens / prog['elapsed']:,.0f} tok/s eta {eta / 60:.0f} min",
+                    flush=True,
+                )
             if now - t_last > args.ckpt_minutes * 60:
                 save()
                 t_last = t_seg = time.time()

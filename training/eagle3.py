@@ -14,6 +14,7 @@ The attention pattern is exactly what chain drafting sees at inference.
 
     python -m training.eagle3 --traces T1.jsonl,T2.jsonl --out models/eagle3 [--ttt-steps 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,13 +52,13 @@ def ttt_unroll(head: Eagle3Head, feats: torch.Tensor, ids: torch.Tensor, steps: 
     scale = 1.0 / math.sqrt(s.head_dim)
     rep = s.heads // s.kv_heads
     idx = torch.arange(L, device=ids.device)
-    causal = idx[None, :] <= idx[:, None]                       # [L(query), L(key)]
+    causal = idx[None, :] <= idx[:, None]  # [L(query), L(key)]
     h = head.fc(feats)
     k0 = v0 = None
     diag_k: list[torch.Tensor] = []
     diag_v: list[torch.Tensor] = []
     for j in range(steps):
-        tok = torch.roll(ids, -(1 + j), dims=1)                 # x_{i+1+j}; the wrapped tail is masked
+        tok = torch.roll(ids, -(1 + j), dims=1)  # x_{i+1+j}; the wrapped tail is masked
         cos, sin = head.rope((idx + j).clamp_max(head.rope_cos.shape[0] - 1), h.dtype)
         q, k, v = head.midlayer.qkv(head.midlayer.input_layernorm(head.embed_tokens(tok)), h, cos, sin)
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -68,7 +69,7 @@ def ttt_unroll(head: Eagle3Head, feats: torch.Tensor, ids: torch.Tensor, steps: 
             diag_v.append(v)
         main = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
         if diag_k:
-            diag = torch.stack([(q * dk).sum(-1) * scale for dk in diag_k], -1)   # [B, nh, L, j]
+            diag = torch.stack([(q * dk).sum(-1) * scale for dk in diag_k], -1)  # [B, nh, L, j]
             w = torch.softmax(torch.cat([main, diag], -1), -1)
             attn = w[..., :L] @ v0 + (w[..., L:, None] * torch.stack(diag_v, -2)).sum(-2)
         else:
@@ -78,8 +79,15 @@ def ttt_unroll(head: Eagle3Head, feats: torch.Tensor, ids: torch.Tensor, steps: 
         h = out
 
 
-def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor,
-             lengths: torch.Tensor, steps: int, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+def ttt_loss(
+    head: Eagle3Head,
+    feats: torch.Tensor,
+    probs: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    steps: int,
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[float]]:
     """Σ_j 0.8^j · mean over valid i of soft-CE(head_j(i), p_{i+1+j}); probs [B, L, V_draft].
     ``keep`` [B, L] marks the positions whose label counts (a reduced draft vocabulary drops
     those whose target token it cannot draft)."""
@@ -93,7 +101,7 @@ def ttt_loss(head: Eagle3Head, feats: torch.Tensor, probs: torch.Tensor, ids: to
         if keep is not None:
             valid = valid & torch.roll(keep, -(1 + j), dims=1)
         loss_j = (-(target * logp).sum(-1) * valid).sum() / valid.sum().clamp_min(1)
-        total = total + (STEP_WEIGHT ** j) * loss_j
+        total = total + (STEP_WEIGHT**j) * loss_j
         per_step.append(float(loss_j.detach()))
     return total, per_step
 
@@ -106,8 +114,9 @@ def heldout_agreement(head: Eagle3Head, target: Llama, seqs: list[list[int]], st
 
 
 @torch.no_grad()
-def chain_agreement(head: Eagle3Head, target: Llama, seqs: list[list[int]], steps: int
-                    ) -> tuple[list[float], list[float]]:
+def chain_agreement(
+    head: Eagle3Head, target: Llama, seqs: list[list[int]], steps: int
+) -> tuple[list[float], list[float]]:
     """(agreement per position, chain acceptance per position). A greedy chain keeps position
     j only when positions 1..j all agree, and then the teacher-forced inputs are exactly the
     drafted ones: chain acceptance is greedy acceptance, and its sum the mean accepted length."""
@@ -174,8 +183,9 @@ def evenly(seqs: list, fraction: float) -> list:
     return [s for i, s in enumerate(seqs) if int((i + 1) * fraction) > int(i * fraction)]
 
 
-def corpus_windows(n_tokens: int, width: int = 512, corpus_dir: Path | None = None,
-                   offset: float = 0.0) -> list[list[int]]:
+def corpus_windows(
+    n_tokens: int, width: int = 512, corpus_dir: Path | None = None, offset: float = 0.0
+) -> list[list[int]]:
     """``n_tokens`` of the pretraining stream as evenly spaced ``width``-token windows (more
     data for the head: the target still supplies features and soft labels). The stream is
     the one cached in ``corpus_dir`` (default: pre-training's), encoded there if missing;
@@ -187,7 +197,7 @@ def corpus_windows(n_tokens: int, width: int = 512, corpus_dir: Path | None = No
     stream, _ = encode_corpus(Path("models/tokenizer"), corpus_dir or default_work_dir("corpus"))
     n = max(1, n_tokens // width)
     starts = [int((i + offset % 1.0) * (len(stream) - width) / n) for i in range(n)]
-    return [stream[s:s + width].astype("int64").tolist() for s in starts]
+    return [stream[s : s + width].astype("int64").tolist() for s in starts]
 
 
 def batches(seqs: list[list[int]], tokens_per_batch: int, seed: int):
@@ -209,12 +219,13 @@ def pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor
     L = max(len(s) for s in batch)
     ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
     for r, s in enumerate(batch):
-        ids[r, :len(s)] = torch.tensor(s)
+        ids[r, : len(s)] = torch.tensor(s)
     return ids, torch.tensor([len(s) for s in batch])
 
 
-def new_head(target: Llama, aux: tuple[int, ...], seqs: list[list[int]], draft_vocab: int, device
-             ) -> tuple[Eagle3Head, torch.Tensor]:
+def new_head(
+    target: Llama, aux: tuple[int, ...], seqs: list[list[int]], draft_vocab: int, device
+) -> tuple[Eagle3Head, torch.Tensor]:
     """A fresh head: the target's embeddings (frozen), its LM head rows for the draft
     vocabulary (chosen from ``seqs``), small random weights elsewhere; and the vocabulary's target ids."""
     vocab = target.s.vocab
@@ -229,15 +240,18 @@ def new_head(target: Llama, aux: tuple[int, ...], seqs: list[list[int]], draft_v
     return head, vocab_ids
 
 
-def warm_head(path: Path, target: Llama, aux: tuple[int, ...], draft_vocab: int, device
-              ) -> tuple[Eagle3Head, torch.Tensor]:
+def warm_head(
+    path: Path, target: Llama, aux: tuple[int, ...], draft_vocab: int, device
+) -> tuple[Eagle3Head, torch.Tensor]:
     """A published head to train on: same target, feature layers and draft-vocabulary size,
     and it keeps its own vocabulary (d2t) so its LM head rows stay meaningful."""
     head = Eagle3Head.from_pretrained(path, target_embed=target.embed_tokens.weight, device=device, target=target.s)
     layers = tuple(head.cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
     if layers != tuple(aux) or head.draft_vocab != draft_vocab:
-        raise SystemExit(f"--init {path}: head has feature layers {layers} and draft vocabulary {head.draft_vocab}; "
-                         f"this run asks for {tuple(aux)} and {draft_vocab}")
+        raise SystemExit(
+            f"--init {path}: head has feature layers {layers} and draft vocabulary {head.draft_vocab}; "
+            f"this run asks for {tuple(aux)} and {draft_vocab}"
+        )
     head.train()
     vocab_ids = head.d2t + torch.arange(head.draft_vocab, device=head.d2t.device)
     return head, vocab_ids
@@ -259,7 +273,9 @@ def train(args: argparse.Namespace) -> None:
     draft_vocab = args.draft_vocab if 0 < args.draft_vocab < vocab else vocab
     if args.init:
         if Path(args.init).resolve() == Path(args.out).resolve():
-            raise SystemExit(f"--init {args.init}: write the continued head elsewhere (--out), the start must stay as it is")
+            raise SystemExit(
+                f"--init {args.init}: write the continued head elsewhere (--out), the start must stay as it is"
+            )
         head, vocab_ids = warm_head(args.init, target, aux, draft_vocab, device)
     else:
         head, vocab_ids = new_head(target, aux, seqs, draft_vocab, device)
@@ -269,40 +285,83 @@ def train(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt.pt"
     epoch, done_in_epoch, step, elapsed = 0, 0, 0, 0.0
-    toward = weights_digest(args.target)   # a checkpoint of a head for other target weights is not resumed,
-    start = weights_digest(args.init) if args.init else ""   # nor one of another draft vocabulary size or --init
-    st = load_checkpoint(ckpt, f"{toward}:{draft_vocab}:{start}",
-                         lambda c: f"{c.get('target')}:{c.get('draft_vocab', vocab)}:{c.get('init', '')}", "eagle3", device)
+    toward = weights_digest(args.target)  # a checkpoint of a head for other target weights is not resumed,
+    start = weights_digest(args.init) if args.init else ""  # nor one of another draft vocabulary size or --init
+    st = load_checkpoint(
+        ckpt,
+        f"{toward}:{draft_vocab}:{start}",
+        lambda c: f"{c.get('target')}:{c.get('draft_vocab', vocab)}:{c.get('init', '')}",
+        "eagle3",
+        device,
+    )
     if st:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
         print(f"[eagle3] resumed at epoch {epoch} step {step}", flush=True)
-    total_steps = sum(1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e))  # packing varies by epoch
+    total_steps = sum(
+        1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e)
+    )  # packing varies by epoch
     covered = coverage(seqs, vocab_ids.cpu(), vocab)
-    print(f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
-          f"TTT steps {args.ttt_steps}, draft vocabulary {draft_vocab} ({covered:.1%} of training tokens), "
-          f"bf16 autocast {'on' if bf16 else 'off'}", flush=True)
-    init_state = json.loads((args.init / "training_state.json").read_text()) if args.init and \
-        (args.init / "training_state.json").exists() else None
+    print(
+        f"[eagle3] aux layers {aux}, {len(seqs)} sequences, {n_tokens:,} tokens, {total_steps} steps, "
+        f"TTT steps {args.ttt_steps}, draft vocabulary {draft_vocab} ({covered:.1%} of training tokens), "
+        f"bf16 autocast {'on' if bf16 else 'off'}",
+        flush=True,
+    )
+    init_state = (
+        json.loads((args.init / "training_state.json").read_text())
+        if args.init and (args.init / "training_state.json").exists()
+        else None
+    )
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
 
     def save():
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": epoch, "done": done_in_epoch,
-                    "step": step, "elapsed": elapsed, "target": toward, "draft_vocab": draft_vocab, "init": start},
-                   ckpt.with_suffix(".tmp"))
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "opt": opt.state_dict(),
+                "epoch": epoch,
+                "done": done_in_epoch,
+                "step": step,
+                "elapsed": elapsed,
+                "target": toward,
+                "draft_vocab": draft_vocab,
+                "init": start,
+            },
+            ckpt.with_suffix(".tmp"),
+        )
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
         head.save_pretrained(args.out)
-        (Path(args.out) / "training_state.json").write_text(json.dumps({
-            "traces": args.traces, "sequences": len(seqs), "tokens": n_tokens, "epochs": args.epochs,
-            "step": step, "total_steps": total_steps, "ttt_steps": args.ttt_steps, "aux_layers": list(aux),
-            "train_minutes": round(elapsed / 60, 1), "final": step >= total_steps, "lr": args.lr,
-            "trace_fraction": args.trace_fraction, "corpus_tokens": args.corpus_tokens,
-            "corpus_offset": args.corpus_offset, "target": toward, "bf16": bf16,
-            "draft_vocab": draft_vocab, "draft_vocab_coverage": round(covered, 4), "init": init_state},
-            indent=2) + "\n")
+        (Path(args.out) / "training_state.json").write_text(
+            json.dumps(
+                {
+                    "traces": args.traces,
+                    "sequences": len(seqs),
+                    "tokens": n_tokens,
+                    "epochs": args.epochs,
+                    "step": step,
+                    "total_steps": total_steps,
+                    "ttt_steps": args.ttt_steps,
+                    "aux_layers": list(aux),
+                    "train_minutes": round(elapsed / 60, 1),
+                    "final": step >= total_steps,
+                    "lr": args.lr,
+                    "trace_fraction": args.trace_fraction,
+                    "corpus_tokens": args.corpus_tokens,
+                    "corpus_offset": args.corpus_offset,
+                    "target": toward,
+                    "bf16": bf16,
+                    "draft_vocab": draft_vocab,
+                    "draft_vocab_coverage": round(covered, 4),
+                    "init": init_state,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     t_last, t_seg, ema, seen, t_run = time.time(), time.time(), None, 0, time.time()
     while epoch < args.epochs and not stop["now"]:
@@ -315,13 +374,17 @@ def train(args: argparse.Namespace) -> None:
                 with torch.no_grad():
                     logits, hidden = target.forward_train(ids, capture=aux)
                     feats, keep = torch.cat(hidden, -1), None
-                    if draft_vocab < vocab:   # labels renormalised over the draft vocabulary (as EAGLE-3's)
+                    if draft_vocab < vocab:  # labels renormalised over the draft vocabulary (as EAGLE-3's)
                         keep = head.t2d[logits.argmax(-1)]
                         logits = logits[..., vocab_ids]
                     probs = torch.softmax(logits.float(), -1)
                 loss, per_step = ttt_loss(head, feats, probs, ids, lengths, args.ttt_steps, keep)
             warmup = min(50, max(1, total_steps // 10))
-            lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
+            lr = (
+                args.lr
+                * min(1.0, (step + 1) / warmup)
+                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps)))
+            )
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
@@ -337,9 +400,12 @@ def train(args: argparse.Namespace) -> None:
             ema = per_step if ema is None else [0.9 * a + 0.1 * b for a, b in zip(ema, per_step)]
             if step % args.log_every == 0:
                 eta = (total_steps - step) * elapsed / step
-                print(f"[eagle3] epoch {epoch} step {step}/{total_steps} loss/step "
-                      f"{' '.join(f'{x:.2f}' for x in ema)} lr {lr:.1e} {seen / (now - t_run):,.0f} tok/s "
-                      f"eta {eta / 60:.0f} min", flush=True)
+                print(
+                    f"[eagle3] epoch {epoch} step {step}/{total_steps} loss/step "
+                    f"{' '.join(f'{x:.2f}' for x in ema)} lr {lr:.1e} {seen / (now - t_run):,.0f} tok/s "
+                    f"eta {eta / 60:.0f} min",
+                    flush=True,
+                )
             if now - t_last > args.ckpt_minutes * 60:
                 save()
                 t_last = t_seg = time.time()
@@ -358,26 +424,54 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("models/eagle3"))
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache/specmesh/train/eagle3"))
     ap.add_argument("--aux-layers", type=int, nargs=3, default=None)
-    ap.add_argument("--ttt-steps", type=int, default=4,
-                    help="unrolled training-time-test steps (1 = no TTT); serve the head with --eagle3-k at most this")
+    ap.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=4,
+        help="unrolled training-time-test steps (1 = no TTT); serve the head with --eagle3-k at most this",
+    )
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
-                    help="bf16 autocast: auto = where bf16 matmuls are native (CUDA; a CPU with AMX or AVX-512 BF16)")
+    ap.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 autocast: auto = where bf16 matmuls are native (CUDA; a CPU with AMX or AVX-512 BF16)",
+    )
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--trace-fraction", type=float, default=1.0, help="train on this share of the traces (ablation)")
-    ap.add_argument("--corpus-tokens", type=int, default=0,
-                    help="add this many pretraining-corpus tokens (512-token windows) to the traces")
-    ap.add_argument("--corpus-dir", type=Path, default=None,
-                    help="where the encoded pre-training stream is cached (a GPU run carries it: build/corpus)")
-    ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="LM head over the N most frequent training tokens (EAGLE-3's draft vocabulary, d2t/t2d); "
-                         "0 = the whole target vocabulary")
-    ap.add_argument("--init", type=Path, default=None,
-                    help="continue training this published head (same target, feature layers, vocabulary size) "
-                         "instead of a fresh one: more data at the cost of only the new tokens")
-    ap.add_argument("--corpus-offset", type=float, default=0.0,
-                    help="shift the corpus windows by this fraction of their spacing (0.5 = between a "
-                         "previous run's windows of the same count)")
+    ap.add_argument(
+        "--corpus-tokens",
+        type=int,
+        default=0,
+        help="add this many pretraining-corpus tokens (512-token windows) to the traces",
+    )
+    ap.add_argument(
+        "--corpus-dir",
+        type=Path,
+        default=None,
+        help="where the encoded pre-training stream is cached (a GPU run carries it: build/corpus)",
+    )
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="LM head over the N most frequent training tokens (EAGLE-3's draft vocabulary, d2t/t2d); "
+        "0 = the whole target vocabulary",
+    )
+    ap.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="continue training this published head (same target, feature layers, vocabulary size) "
+        "instead of a fresh one: more data at the cost of only the new tokens",
+    )
+    ap.add_argument(
+        "--corpus-offset",
+        type=float,
+        default=0.0,
+        help="shift the corpus windows by this fraction of their spacing (0.5 = between a "
+        "previous run's windows of the same count)",
+    )
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))

@@ -8,6 +8,7 @@ imports, docstrings, ``__all__`` lists) loops far more often and is reported apa
 
     python -m training.evaluate --model models/target [--prompts 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,20 +47,20 @@ def ends_in_loop(tokens: list[int]) -> bool:
 def seq_rep(tokens: list[int], n: int = 4) -> float:
     """Share of a sequence's n-grams that repeat an earlier one (Welleck et al.'s seq-rep-n):
     near-loops that vary a token each cycle escape ``ends_in_loop`` but not this."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def text_seq_rep(held: np.ndarray, windows: int = 40, n_tokens: int = 128) -> float:
     """seq-rep-4 of held-out source itself: ``windows`` spaced 128-token windows (the reference)."""
     step = (len(held) - n_tokens) // windows
-    return float(np.mean([seq_rep(held[i * step:i * step + n_tokens].tolist()) for i in range(windows)]))
+    return float(np.mean([seq_rep(held[i * step : i * step + n_tokens].tolist()) for i in range(windows)]))
 
 
 @torch.inference_mode()
 def greedy(model: Llama, prompt: list[int], n: int, eos: int) -> list[int]:
     """Greedy continuation of up to ``n`` tokens, stopping at EOS or the end of the context."""
-    prompt = prompt[-(model.s.max_positions - 1):]
+    prompt = prompt[-(model.s.max_positions - 1) :]
     n = min(n, model.s.max_positions - len(prompt))
     runner = TargetRunner(model)
     st = runner.open(prompt, len(prompt) + n + 1)
@@ -79,7 +80,7 @@ def heldout_loss(model: Llama, held: np.ndarray, windows: int = 64) -> float:
     step = max(1, (len(held) - SEQ_LEN - 1) // windows)
     losses = []
     for i in range(windows):
-        x = torch.from_numpy(held[i * step:i * step + SEQ_LEN].astype(np.int64))[None]
+        x = torch.from_numpy(held[i * step : i * step + SEQ_LEN].astype(np.int64))[None]
         logits = model.forward_train(x)[0, :-1]
         losses.append(float(torch.nn.functional.cross_entropy(logits, x[0, 1:])))
     return float(np.mean(losses))
@@ -112,12 +113,20 @@ def evaluate(model_dir: Path, n_prompts: int, n_edit: int) -> dict:
         exact += tok.decode(out).startswith(p.reference)
         print(f"[eval] edit {i + 1}/{len(edits)} ({time.time() - t0:.0f}s)", flush=True)
     rate, heads = np.mean(loop_flags), len({p.id.rsplit(":", 1)[0] for p in prompts})
-    return {"heldout_loss": round(loss, 4), "loop_rate": round(float(rate), 3), "loop_prompts": len(prompts),
-            "loop_rate_stderr": round(float((rate * (1 - rate) / len(prompts)) ** 0.5), 3),
-            "loop_rate_file_heads": round(float(np.mean(loop_flags[:heads])), 3), "file_heads": heads,
-            "seq_rep_4": round(float(np.mean(reps)), 3), "text_seq_rep_4": round(text_seq_rep(held), 3),
-            "edit_exact_rate": round(exact / max(1, len(edits)), 3), "edit_prompts": len(edits),
-            "samples": samples, "eval_seconds": round(time.time() - t0, 1)}
+    return {
+        "heldout_loss": round(loss, 4),
+        "loop_rate": round(float(rate), 3),
+        "loop_prompts": len(prompts),
+        "loop_rate_stderr": round(float((rate * (1 - rate) / len(prompts)) ** 0.5), 3),
+        "loop_rate_file_heads": round(float(np.mean(loop_flags[:heads])), 3),
+        "file_heads": heads,
+        "seq_rep_4": round(float(np.mean(reps)), 3),
+        "text_seq_rep_4": round(text_seq_rep(held), 3),
+        "edit_exact_rate": round(exact / max(1, len(edits)), 3),
+        "edit_prompts": len(edits),
+        "samples": samples,
+        "eval_seconds": round(time.time() - t0, 1),
+    }
 
 
 def distill_row(state: dict) -> str:
@@ -125,9 +134,11 @@ def distill_row(state: dict) -> str:
     d = state.get("distill")
     if not d:
         return ""
-    return (f"| distillation | then {d['step']}/{d['total_steps']} steps ({d['epochs']} epochs, {d['train_minutes']} min)"
-            f" toward the target's distribution on its generations of {d['sequences']} training prompts"
-            f"{'' if d['final'] else ' — **in progress**'} |\n")
+    return (
+        f"| distillation | then {d['step']}/{d['total_steps']} steps ({d['epochs']} epochs, {d['train_minutes']} min)"
+        f" toward the target's distribution on its generations of {d['sequences']} training prompts"
+        f"{'' if d['final'] else ' — **in progress**'} |\n"
+    )
 
 
 def unlikelihood_row(state: dict) -> str:
@@ -139,20 +150,26 @@ def unlikelihood_row(state: dict) -> str:
     first, last = rounds[0]["history"][0], u["history"][-1]
     steps = " + ".join(f"{r['step']}/{r['total_steps']} (LR {r['lr']:g})" for r in rounds)
     minutes = round(sum(r["train_minutes"] for r in rounds), 1)
-    return (f"| unlikelihood fine-tuning | then {steps} steps ({minutes} min): MLE on "
-            f"{u['mle_batch']} windows + sequence-level unlikelihood (α = {u['alpha']}) on {u['ul_batch']} greedy "
-            f"{u['continuation']}-token continuations of training prompts per step; loop rate on {u['monitor_prompts']} monitored "
-            f"training prompts {first['monitor_loop_rate']:.1%} → {last['monitor_loop_rate']:.1%}"
-            f"{'' if u['final'] else ' — **in progress**'} |\n")
+    return (
+        f"| unlikelihood fine-tuning | then {steps} steps ({minutes} min): MLE on "
+        f"{u['mle_batch']} windows + sequence-level unlikelihood (α = {u['alpha']}) on {u['ul_batch']} greedy "
+        f"{u['continuation']}-token continuations of training prompts per step; loop rate on {u['monitor_prompts']} monitored "
+        f"training prompts {first['monitor_loop_rate']:.1%} → {last['monitor_loop_rate']:.1%}"
+        f"{'' if u['final'] else ' — **in progress**'} |\n"
+    )
 
 
 def loop_row(ev: dict) -> str:
-    row = (f"**{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle "
-           f"(the target's gate: ≤ 25 %)")
+    row = (
+        f"**{ev['loop_rate']:.1%}** of {ev['loop_prompts']} 128-token greedy continuations end in an n-gram cycle "
+        f"(the target's gate: ≤ 25 %)"
+    )
     if "loop_rate_stderr" not in ev:
         return row
-    return (row + f", standard error {ev['loop_rate_stderr']:.1%}; the {ev['file_heads']} windows at file heads "
-            f"(the first of each file's windows) alone: {ev['loop_rate_file_heads']:.1%}")
+    return (
+        row + f", standard error {ev['loop_rate_stderr']:.1%}; the {ev['file_heads']} windows at file heads "
+        f"(the first of each file's windows) alone: {ev['loop_rate_file_heads']:.1%}"
+    )
 
 
 def write_card(model_dir: Path, ev: dict) -> None:
@@ -162,27 +179,27 @@ def write_card(model_dir: Path, ev: dict) -> None:
     card = f"""# specmesh bundled model: `{model_dir.name}`
 
 Llama-architecture causal LM in Hugging Face format (config.json + fp16 safetensors), trained
-from scratch by `training/pretrain.py` (preset `{state['preset']}`) — no hub download.
+from scratch by `training/pretrain.py` (preset `{state["preset"]}`) — no hub download.
 
 | | |
 |---|---|
-| layers × hidden | {cfg['num_hidden_layers']} × {cfg['hidden_size']} (MLP {cfg['intermediate_size']}, {cfg['num_attention_heads']} heads) |
-| vocabulary | {cfg['vocab_size']} byte-level BPE (`models/tokenizer`) |
-| context | {cfg['max_position_embeddings']} tokens, trained on {state['seq_len']}-token windows |
-| training data | Python {__import__('sys').version.split()[0]} stdlib sources + edit documents, held-out modules excluded |
-| tokens seen | {state['tokens_seen']:,} of {state['tokens']:,} planned (step {state['step']}/{state['total_steps']}){'' if state['final'] else ' — **training still in progress**'} |
-| training time | {state['train_minutes']} min on {'a GPU' if state.get('device') == 'cuda' else str(state['threads']) + ' CPU thread(s)'} |
-{distill_row(state)}{unlikelihood_row(state)}| held-out loss | **{ev['heldout_loss']}** nats/token |
+| layers × hidden | {cfg["num_hidden_layers"]} × {cfg["hidden_size"]} (MLP {cfg["intermediate_size"]}, {cfg["num_attention_heads"]} heads) |
+| vocabulary | {cfg["vocab_size"]} byte-level BPE (`models/tokenizer`) |
+| context | {cfg["max_position_embeddings"]} tokens, trained on {state["seq_len"]}-token windows |
+| training data | Python {__import__("sys").version.split()[0]} stdlib sources + edit documents, held-out modules excluded |
+| tokens seen | {state["tokens_seen"]:,} of {state["tokens"]:,} planned (step {state["step"]}/{state["total_steps"]}){"" if state["final"] else " — **training still in progress**"} |
+| training time | {state["train_minutes"]} min on {"a GPU" if state.get("device") == "cuda" else str(state["threads"]) + " CPU thread(s)"} |
+{distill_row(state)}{unlikelihood_row(state)}| held-out loss | **{ev["heldout_loss"]}** nats/token |
 | loop rate | {loop_row(ev)} |
-| seq-rep-4 | {ev['seq_rep_4']:.1%} of the continuations' 4-grams repeat an earlier one (held-out source text itself: {ev['text_seq_rep_4']:.1%}) |
-| edit exact rate | {ev['edit_exact_rate']:.1%} of {ev['edit_prompts']} held-out edit prompts rewritten exactly |
+| seq-rep-4 | {ev["seq_rep_4"]:.1%} of the continuations' 4-grams repeat an earlier one (held-out source text itself: {ev["text_seq_rep_4"]:.1%}) |
+| edit exact rate | {ev["edit_exact_rate"]:.1%} of {ev["edit_prompts"]} held-out edit prompts rewritten exactly |
 
-Held-out modules (never trained on): {', '.join(HELD_OUT)} (and their `test/test_*` files).
+Held-out modules (never trained on): {", ".join(HELD_OUT)} (and their `test/test_*` files).
 
 Regenerate: `make models` (deterministic, seeded). Evaluate: `python -m training.evaluate --model models/{model_dir.name}`.
 
 ## Samples (greedy, held-out prompts)
-{n.join(f"{n}```python{n}{s['prompt_tail']}⟪{s['continuation']}⟫{n}```" for s in ev['samples'])}
+{n.join(f"{n}```python{n}{s['prompt_tail']}⟪{s['continuation']}⟫{n}```" for s in ev["samples"])}
 """
     (model_dir / "README.md").write_text(card)
     (model_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")

@@ -5,6 +5,7 @@ under autocast take bf16 inputs and accumulate in fp32; weights, optimizer state
 stay fp32 (``bench/results/train_precision.md`` measures both on this CPU). Elsewhere bf16
 would be emulated, slower than fp32, so autocast stays off.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ def bf16_native(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     cpu = torch.cpu
-    return device.type == "cpu" and any(getattr(cpu, f, lambda: False)()
-                                        for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return device.type == "cpu" and any(
+        getattr(cpu, f, lambda: False)() for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    )
 
 
 def use_bf16(choice: str, device: torch.device) -> bool:

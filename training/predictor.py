@@ -9,6 +9,7 @@ in order, as on a server.
 
     python -m training.predictor --train T1.jsonl,T2.jsonl --heldout H1.jsonl --out models/predictor
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ from services.predictor.features import FEATURES, HIGH_YIELD, TokenFlags, YieldT
 from services.predictor.mlp import YieldMLP
 
 
-def replay_dataset(traces: list[Trace], flags: TokenFlags, max_draft: int = 16,
-                   progress: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def replay_dataset(
+    traces: list[Trace], flags: TokenFlags, max_draft: int = 16, progress: str = ""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(φ [N, F], labels [N], suffix scores [N]) at every cycle start with a non-empty cache draft."""
     drafter = SuffixDrafter(SuffixConfig(spec=SpecParams(max_spec_tokens=max_draft)))
     xs, ys, scores = [], [], []
@@ -47,23 +49,30 @@ def replay_dataset(traces: list[Trace], flags: TokenFlags, max_draft: int = 16,
                 xs.append(featurize(draft, tracker, flags, budget))
                 ys.append(label)
                 scores.append(draft.score)
-            emitted = truth[pos:pos + label + 1]
+            emitted = truth[pos : pos + label + 1]
             drafter.observe(rid, emitted)
             tracker.update(draft.token_ids if draft else [], emitted)
             pos += len(emitted)
         drafter.stop(rid)
         if progress and (n + 1) % 25 == 0:
             rate = (time.time() - t0) / (n + 1)
-            print(f"[predictor] {progress}: {n + 1}/{len(traces)} traces, {len(ys)} samples, "
-                  f"eta {rate * (len(traces) - n - 1):.0f}s", flush=True)
+            print(
+                f"[predictor] {progress}: {n + 1}/{len(traces)} traces, {len(ys)} samples, "
+                f"eta {rate * (len(traces) - n - 1):.0f}s",
+                flush=True,
+            )
     return np.stack(xs), np.asarray(ys, np.float32), np.asarray(scores, np.float32)
 
 
 def precision_recall(pred_pos: np.ndarray, labels: np.ndarray) -> dict:
     true_pos = labels >= HIGH_YIELD
     tp = float((pred_pos & true_pos).sum())
-    return {"precision": round(tp / max(1, pred_pos.sum()), 4), "recall": round(tp / max(1, true_pos.sum()), 4),
-            "selected": int(pred_pos.sum()), "high_yield": int(true_pos.sum())}
+    return {
+        "precision": round(tp / max(1, pred_pos.sum()), 4),
+        "recall": round(tp / max(1, true_pos.sum()), 4),
+        "selected": int(pred_pos.sum()),
+        "high_yield": int(true_pos.sum()),
+    }
 
 
 def best_score_rule(scores: np.ndarray, labels: np.ndarray) -> tuple[float, dict]:
@@ -91,7 +100,7 @@ def fit(x: np.ndarray, y: np.ndarray, epochs: int, lr: float, seed: int = 0, hid
         perm = torch.randperm(len(xt), generator=gen)
         total = 0.0
         for i in range(0, len(xt), 512):
-            idx = perm[i:i + 512]
+            idx = perm[i : i + 512]
             loss = torch.nn.functional.mse_loss(model(xt[idx]), yt[idx])
             opt.zero_grad()
             loss.backward()
@@ -99,8 +108,11 @@ def fit(x: np.ndarray, y: np.ndarray, epochs: int, lr: float, seed: int = 0, hid
             total += loss.item() * len(idx)
         if (ep + 1) % max(1, epochs // 10) == 0:
             el = time.time() - t0
-            print(f"[predictor] epoch {ep + 1}/{epochs} train mse {total / len(xt):.3f} "
-                  f"eta {el / (ep + 1) * (epochs - ep - 1):.0f}s", flush=True)
+            print(
+                f"[predictor] epoch {ep + 1}/{epochs} train mse {total / len(xt):.3f} "
+                f"eta {el / (ep + 1) * (epochs - ep - 1):.0f}s",
+                flush=True,
+            )
     return model.eval()
 
 
@@ -108,10 +120,13 @@ def report(model: YieldMLP, x: np.ndarray, y: np.ndarray, scores: np.ndarray, ta
     pred = model.predict(x)
     thr, rule = best_score_rule(scores, y)
     return {
-        "samples": len(y), "mse": round(float(((pred - y) ** 2).mean()), 4),
+        "samples": len(y),
+        "mse": round(float(((pred - y) ** 2).mean()), 4),
         "mse_constant_baseline": round(float(((y.mean() - y) ** 2).mean()), 4),
-        "predictor": precision_recall(pred > tau, y), "tau": tau,
-        "score_rule": {"threshold": thr, **rule}, "oracle": precision_recall(y >= HIGH_YIELD, y),
+        "predictor": precision_recall(pred > tau, y),
+        "tau": tau,
+        "score_rule": {"threshold": thr, **rule},
+        "oracle": precision_recall(y >= HIGH_YIELD, y),
     }
 
 
@@ -125,7 +140,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("models/predictor"))
     ap.add_argument("--epochs", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--hidden", type=int, default=64, help="MLP width (2 hidden layers; 64 matched 256 held-out, see the card)")
+    ap.add_argument(
+        "--hidden", type=int, default=64, help="MLP width (2 hidden layers; 64 matched 256 held-out, see the card)"
+    )
     ap.add_argument("--tau", type=float, default=HIGH_YIELD)
     ap.add_argument("--max-draft", type=int, default=16)
     args = ap.parse_args()
@@ -134,8 +151,13 @@ def main() -> None:
     x, y, _ = replay_dataset(load(args.train), flags, args.max_draft, progress="train")
     hx, hy, hs = replay_dataset(load(args.heldout), flags, args.max_draft, progress="heldout")
     model = fit(x, y, args.epochs, args.lr, hidden=args.hidden)
-    rep = {"train_samples": len(y), "heldout": report(model, hx, hy, hs, args.tau),
-           "train_traces": args.train, "heldout_traces": args.heldout, "max_draft": args.max_draft}
+    rep = {
+        "train_samples": len(y),
+        "heldout": report(model, hx, hy, hs, args.tau),
+        "train_traces": args.train,
+        "heldout_traces": args.heldout,
+        "max_draft": args.max_draft,
+    }
     model.save(args.out, {"tau": args.tau, "max_draft": args.max_draft})
     (args.out / "eval.json").write_text(json.dumps(rep, indent=2) + "\n")
     print(json.dumps(rep, indent=2))

@@ -7,6 +7,7 @@ continues from it. Each checkpoint also exports the fp16 Hugging Face model to `
     python -m training.pretrain --preset target --out models/target
     python -m training.pretrain --preset draft  --out models/draft
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ class Preset:
     hidden: int
     intermediate: int
     heads: int
-    tokens: int          # total training tokens (sets the LR schedule)
-    batch: int           # sequences per step
+    tokens: int  # total training tokens (sets the LR schedule)
+    batch: int  # sequences per step
     lr: float
 
 
@@ -102,10 +103,19 @@ def build_model(p: Preset, vocab: int, eos: int) -> Llama:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=p.hidden, intermediate_size=p.intermediate,
-        num_hidden_layers=p.layers, num_attention_heads=p.heads, num_key_value_heads=p.heads,
-        max_position_embeddings=SEQ_LEN, rope_theta=10000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=vocab,
+        hidden_size=p.hidden,
+        intermediate_size=p.intermediate,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.heads,
+        max_position_embeddings=SEQ_LEN,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
@@ -138,7 +148,7 @@ def batch_at(stream: np.ndarray, step: int, batch: int, seed: int) -> torch.Tens
     """Random ``SEQ_LEN``-token windows; a pure function of step so resumes are exact."""
     rng = np.random.default_rng(seed * 1_000_003 + step)
     starts = rng.integers(0, len(stream) - SEQ_LEN - 1, size=batch)
-    return torch.from_numpy(np.stack([stream[s:s + SEQ_LEN] for s in starts]).astype(np.int64))
+    return torch.from_numpy(np.stack([stream[s : s + SEQ_LEN] for s in starts]).astype(np.int64))
 
 
 @torch.no_grad()
@@ -147,7 +157,7 @@ def heldout_loss(model, held: np.ndarray, windows: int = 24) -> float:
     step = max(1, (len(held) - SEQ_LEN - 1) // windows)
     losses = []
     for i in range(windows):
-        x = torch.from_numpy(held[i * step:i * step + SEQ_LEN].astype(np.int64))[None]
+        x = torch.from_numpy(held[i * step : i * step + SEQ_LEN].astype(np.int64))[None]
         losses.append(lm_loss(model, x.to(next(model.parameters()).device)).item())
     model.train()
     return float(np.mean(losses))
@@ -169,6 +179,7 @@ class _Stop:
     def install(cls) -> None:
         def handler(signum, frame):
             cls.requested = True
+
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
@@ -211,26 +222,47 @@ def train(args: argparse.Namespace) -> None:
         print(f"[{args.preset}] warm start from {args.warm_start} at step {step}", flush=True)
     total_steps = budget_steps or p.tokens // (p.batch * SEQ_LEN)
     nparams = sum(x.numel() for x in model.parameters())
-    print(f"[{args.preset}] params={nparams / 1e6:.2f}M steps={total_steps} "
-          f"tokens={p.tokens / 1e6:.0f}M train_stream={len(train_ids) / 1e6:.1f}M", flush=True)
+    print(
+        f"[{args.preset}] params={nparams / 1e6:.2f}M steps={total_steps} "
+        f"tokens={p.tokens / 1e6:.0f}M train_stream={len(train_ids) / 1e6:.1f}M",
+        flush=True,
+    )
     _Stop.install()
     model.train()
 
     def save(final: bool = False) -> None:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": elapsed, "budget_steps": budget_steps}, ckpt.with_suffix(".tmp"))
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "elapsed": elapsed,
+                "budget_steps": budget_steps,
+            },
+            ckpt.with_suffix(".tmp"),
+        )
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
-        state = {"preset": args.preset, **asdict(p), "tokens": total_steps * p.batch * SEQ_LEN,
-                 "seq_len": SEQ_LEN, "step": step, "device": device.type,
-                 "total_steps": total_steps, "tokens_seen": step * p.batch * SEQ_LEN,
-                 "train_minutes": round(elapsed / 60, 1), "final": final,
-                 "heldout_loss": round(heldout_loss(model, held_ids), 4), "threads": args.threads, "bf16": bf16}
+        state = {
+            "preset": args.preset,
+            **asdict(p),
+            "tokens": total_steps * p.batch * SEQ_LEN,
+            "seq_len": SEQ_LEN,
+            "step": step,
+            "device": device.type,
+            "total_steps": total_steps,
+            "tokens_seen": step * p.batch * SEQ_LEN,
+            "train_minutes": round(elapsed / 60, 1),
+            "final": final,
+            "heldout_loss": round(heldout_loss(model, held_ids), 4),
+            "threads": args.threads,
+            "bf16": bf16,
+        }
         export(model, args.tokenizer, args.out, state)
         print(f"[{args.preset}] checkpoint step={step} heldout_loss={state['heldout_loss']}", flush=True)
 
     last_ckpt, t_seg, loss_ema = time.time(), time.time(), None
     t_start, step_start = time.time(), step
-    t_mark = t_start   # reset at step_start + 20: steps 20-40 time the rate
+    t_mark = t_start  # reset at step_start + 20: steps 20-40 time the rate
     while step < total_steps and not _Stop.requested:
         if args.max_minutes and step == step_start + 40:
             # A wall-clock budget (a lent GPU) fixes the schedule's length once, from the rate
@@ -239,8 +271,11 @@ def train(args: argparse.Namespace) -> None:
                 per_step = (time.time() - t_mark) / 20
                 left = args.max_minutes * 60 - (time.time() - t_start) - 30
                 total_steps = budget_steps = budgeted_total(total_steps, step, per_step, left)
-                print(f"[{args.preset}] time budget: {total_steps} steps "
-                      f"({total_steps * p.batch * SEQ_LEN / 1e6:.0f}M tokens)", flush=True)
+                print(
+                    f"[{args.preset}] time budget: {total_steps} steps "
+                    f"({total_steps * p.batch * SEQ_LEN / 1e6:.0f}M tokens)",
+                    flush=True,
+                )
         if step == step_start + 20:
             t_mark = time.time()
         for g in opt.param_groups:
@@ -260,9 +295,11 @@ def train(args: argparse.Namespace) -> None:
         if step % args.log_every == 0 or step == total_steps:
             rate = step * p.batch * SEQ_LEN / max(elapsed, 1e-9)
             eta = (total_steps - step) * p.batch * SEQ_LEN / max(rate, 1e-9)
-            print(f"[{args.preset}] step {step}/{total_steps} loss {loss_ema:.3f} "
-                  f"lr {lr_at(step, total_steps, p.lr):.2e} {rate:,.0f} tok/s eta {eta / 60:.0f} min",
-                  flush=True)
+            print(
+                f"[{args.preset}] step {step}/{total_steps} loss {loss_ema:.3f} "
+                f"lr {lr_at(step, total_steps, p.lr):.2e} {rate:,.0f} tok/s eta {eta / 60:.0f} min",
+                flush=True,
+            )
         if now - last_ckpt > args.ckpt_minutes * 60:
             save()
             last_ckpt = t_seg = time.time()
@@ -281,14 +318,30 @@ def main() -> None:
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
-                    help="bf16 autocast: auto = where bf16 matmuls are native (CUDA; a CPU with AMX or AVX-512 BF16)")
-    ap.add_argument("--warm-start", type=Path, default=None,
-                    help="without a checkpoint, continue from this published model directory and its step")
-    ap.add_argument("--max-minutes", type=float, default=0.0,
-                    help="fit the schedule to this wall-clock budget, measured at step 40 (a lent GPU)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                    help="torch.compile the training forward (default on)")
+    ap.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 autocast: auto = where bf16 matmuls are native (CUDA; a CPU with AMX or AVX-512 BF16)",
+    )
+    ap.add_argument(
+        "--warm-start",
+        type=Path,
+        default=None,
+        help="without a checkpoint, continue from this published model directory and its step",
+    )
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="fit the schedule to this wall-clock budget, measured at step 40 (a lent GPU)",
+    )
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch.compile the training forward (default on)",
+    )
     train(ap.parse_args())
 
 

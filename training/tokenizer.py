@@ -3,6 +3,7 @@
 `python -m training.tokenizer --out models/tokenizer` trains it on the training split and
 saves `tokenizer.json` + `tokenizer_config.json`, loadable with `AutoTokenizer`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,18 +26,27 @@ def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> N
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
     )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=None, pad_token=EOS,
-        model_max_length=1024, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        bos_token=EOS,
+        eos_token=EOS,
+        unk_token=None,
+        pad_token=EOS,
+        model_max_length=1024,
+        clean_up_tokenization_spaces=False,
     )
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
-    print(f"[tokenizer] vocab={tok.get_vocab_size()} docs={len(texts)} "
-          f"time={time.time() - t0:.1f}s -> {out}", flush=True)
+    print(
+        f"[tokenizer] vocab={tok.get_vocab_size()} docs={len(texts)} time={time.time() - t0:.1f}s -> {out}", flush=True
+    )
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """``python -m training trace|calibrate``: the target's greedy generations of a workload as replay
 traces (what the EAGLE-3 head, the draft's distillation and the yield predictor train on), and the
 correction memory's calibration prior. From a checkout: the workloads are ``bench.workloads``."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,8 +13,9 @@ from services.cli import _engine_args, engine_config
 from services.common.progress import run_concurrently
 
 
-def record_traces(engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla",
-                  concurrency: int = 1) -> list:
+def record_traces(
+    engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla", concurrency: int = 1
+) -> list:
     """Greedy target generations of ``prompts`` as replayable traces. ``method`` must be lossless
     (vanilla, sd, suffix, eagle3, hybrid): their greedy tokens are the target's."""
     from services.drafter.replay import Trace
@@ -35,8 +37,9 @@ def cmd_trace(args: argparse.Namespace) -> None:
     engine = Engine(engine_config(args))
     if args.method not in ("vanilla", "sd", "suffix", "eagle3", "hybrid"):
         sys.exit(f"error: --method {args.method!r} is not lossless; traces must be the target's own tokens")
-    traces = record_traces(engine, load(args.workload, args.limit), args.max_new_tokens, method=args.method,
-                           concurrency=args.concurrency)
+    traces = record_traces(
+        engine, load(args.workload, args.limit), args.max_new_tokens, method=args.method, concurrency=args.concurrency
+    )
     save_traces(args.out, traces)
     print(f"wrote {len(traces)} traces to {args.out}")
 
@@ -53,13 +56,27 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     # no shared store and no prior: the engine's memory starts empty and in-process
     engine = Engine(replace(cfg, redis_url=None, ocm_snapshot=None, memory_addr=None))
     prompts = load(args.workload, args.limit)
-    run_concurrently(lambda p: engine.generate(GenerationRequest(
-        engine.encode_fit(p.text, args.max_new_tokens), args.max_new_tokens, method="sd")).result(),
-        prompts, args.concurrency, "calibrate", status=lambda: f", {len(engine.memory)} pairs")
+    run_concurrently(
+        lambda p: engine.generate(
+            GenerationRequest(engine.encode_fit(p.text, args.max_new_tokens), args.max_new_tokens, method="sd")
+        ).result(),
+        prompts,
+        args.concurrency,
+        "calibrate",
+        status=lambda: f", {len(engine.memory)} pairs",
+    )
     counts = engine.memory.snapshot()
-    save_snapshot(args.out, counts, {"workload": args.workload, "prompts": len(prompts),
-                                     "max_new_tokens": args.max_new_tokens, "target": str(cfg.target),
-                                     "draft": str(cfg.draft)})
+    save_snapshot(
+        args.out,
+        counts,
+        {
+            "workload": args.workload,
+            "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "target": str(cfg.target),
+            "draft": str(cfg.draft),
+        },
+    )
     print(f"wrote {len(counts)} pairs ({int(sum(counts.values()))} rejections) to {args.out}")
     if args.redis_url:
         from services.memory.redis_link import RedisLink

@@ -19,6 +19,7 @@ ignored when those differ.
 
     python -m training.unlikelihood --model models/target --out build/models/target
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,7 @@ def cycle_mask(tokens: list[int]) -> list[bool]:
     n = len(tokens)
     mask = [False] * n
     for p in range(1, MAX_PERIOD + 1):
-        run, need = 0, max(2 * p, MIN_SPAN) - p   # a p-periodic span of length L has L − p matches
+        run, need = 0, max(2 * p, MIN_SPAN) - p  # a p-periodic span of length L has L − p matches
         for t in range(p, n):
             run = run + 1 if tokens[t] == tokens[t - p] else 0
             if run >= need:
@@ -78,7 +79,7 @@ def ul_loss(model: Llama, prompts: torch.Tensor, cont: torch.Tensor, mask: torch
     """Mean over continuation tokens of mask·(−log(1 − p(y_t))); mask [B, n] (float)."""
     seq = torch.cat([prompts, cont], 1)
     plen = prompts.shape[1]
-    logits = model.forward_train(seq)[:, plen - 1:-1].float()
+    logits = model.forward_train(seq)[:, plen - 1 : -1].float()
     p = torch.softmax(logits, -1).gather(-1, cont[..., None])[..., 0]
     return (-torch.log1p(-p.clamp(max=1 - 1e-5)) * mask).mean()
 
@@ -103,13 +104,14 @@ class PromptPool:
         from transformers import AutoTokenizer
 
         from bench.workloads import stdlib_heldout
+
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         texts = [p.text for p in stdlib_heldout(size + n_monitor, split="train")]
         ids = [tok(t, add_special_tokens=False)["input_ids"][-max_len:] for t in texts]
         self.train, self.monitor = ids[:-n_monitor], ids[-n_monitor:]
 
     def batch(self, step: int, b: int) -> torch.Tensor:
-        rng = np.random.default_rng(7_000_003 + step)   # step counts on across rounds (global_step)
+        rng = np.random.default_rng(7_000_003 + step)  # step counts on across rounds (global_step)
         return stack_left_truncated([self.train[i] for i in rng.choice(len(self.train), b, replace=False)])
 
 
@@ -120,9 +122,16 @@ def stack_left_truncated(rows: list[list[int]]) -> torch.Tensor:
 
 
 def monitor(model: Llama, pool: PromptPool, held_ids: np.ndarray, step: int) -> dict:
-    row = {"step": step, "monitor_loop_rate": monitor_loop_rate(model, pool), "heldout_loss": round(heldout_loss(model, held_ids), 4)}
-    print(f"[unlikelihood] step {step} monitor loop rate {row['monitor_loop_rate']:.1%} "
-          f"held-out loss {row['heldout_loss']}", flush=True)
+    row = {
+        "step": step,
+        "monitor_loop_rate": monitor_loop_rate(model, pool),
+        "heldout_loss": round(heldout_loss(model, held_ids), 4),
+    }
+    print(
+        f"[unlikelihood] step {step} monitor loop rate {row['monitor_loop_rate']:.1%} "
+        f"held-out loss {row['heldout_loss']}",
+        flush=True,
+    )
     return row
 
 
@@ -131,7 +140,7 @@ def monitor_loop_rate(model: Llama, pool: PromptPool, n: int = 128) -> float:
 
     loops = 0
     for i in range(0, len(pool.monitor), 8):  # similar lengths: batches of 8 keep truncation small
-        cont = greedy_batch(model, stack_left_truncated(pool.monitor[i:i + 8]), n)
+        cont = greedy_batch(model, stack_left_truncated(pool.monitor[i : i + 8]), n)
         loops += sum(ends_in_loop(r) for r in cont.tolist())
     return loops / len(pool.monitor)
 
@@ -150,7 +159,7 @@ def ul_step(model, opt, args, pool, train_ids, step: int, eos: int) -> tuple[flo
     """One MLE update and one unlikelihood update; returns (mle loss, ul loss, share of loop tokens)."""
     for g in opt.param_groups:
         g["lr"] = lr_at(step, args.steps, args.lr)
-    step += args.step_offset   # a later round draws windows and prompts the earlier ones did not
+    step += args.step_offset  # a later round draws windows and prompts the earlier ones did not
     x = batch_at(train_ids, step, args.mle_batch, seed=11)
     mle = lm_loss(model, x)
     opt.zero_grad(set_to_none=True)
@@ -225,10 +234,21 @@ def train(args: argparse.Namespace) -> None:
     def save() -> None:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "progress": prog}, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
-        ul = {"step": prog["step"], "total_steps": args.steps, "lr": args.lr, "alpha": args.alpha,
-              "ul_batch": args.ul_batch, "monitor_prompts": args.monitor, "mle_batch": args.mle_batch, "continuation": args.continuation,
-              "train_minutes": round(prog["elapsed"] / 60, 1), "history": prog["history"],
-              "heldout_loss": round(heldout_loss(model, held_ids), 4), "final": prog["step"] >= args.steps, "source": source}
+        ul = {
+            "step": prog["step"],
+            "total_steps": args.steps,
+            "lr": args.lr,
+            "alpha": args.alpha,
+            "ul_batch": args.ul_batch,
+            "monitor_prompts": args.monitor,
+            "mle_batch": args.mle_batch,
+            "continuation": args.continuation,
+            "train_minutes": round(prog["elapsed"] / 60, 1),
+            "history": prog["history"],
+            "heldout_loss": round(heldout_loss(model, held_ids), 4),
+            "final": prog["step"] >= args.steps,
+            "source": source,
+        }
         if earlier:
             ul["previous"] = earlier
         export(model, args.model, args.out, {**base, "unlikelihood": ul})
@@ -249,12 +269,19 @@ def run(args, model, opt, pool, streams, eos, prog, save, stop) -> None:
         now = time.time()
         prog.update(step=prog["step"] + 1, elapsed=prog["elapsed"] + now - t_seg)
         t_seg = now
-        ema = (mle, ul, loop_share) if ema is None else tuple(0.9 * e + 0.1 * v for e, v in zip(ema, (mle, ul, loop_share)))
+        ema = (
+            (mle, ul, loop_share)
+            if ema is None
+            else tuple(0.9 * e + 0.1 * v for e, v in zip(ema, (mle, ul, loop_share)))
+        )
         step = prog["step"]
         if step % args.log_every == 0:
             eta = (args.steps - step) * prog["elapsed"] / step
-            print(f"[unlikelihood] step {step}/{args.steps} mle {ema[0]:.3f} ul {ema[1]:.4f} "
-                  f"loop tokens {ema[2]:.1%} {prog['elapsed'] / step:.1f} s/step eta {eta / 60:.0f} min", flush=True)
+            print(
+                f"[unlikelihood] step {step}/{args.steps} mle {ema[0]:.3f} ul {ema[1]:.4f} "
+                f"loop tokens {ema[2]:.1%} {prog['elapsed'] / step:.1f} s/step eta {eta / 60:.0f} min",
+                flush=True,
+            )
         if step % args.monitor_every == 0 or step == args.steps:
             prog["history"].append(monitor(model, pool, held_ids, step))
             t_seg = time.time()
@@ -281,7 +308,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--ckpt-minutes", type=float, default=5.0)
     ap.add_argument("--log-every", type=int, default=5)
-    ap.add_argument("--round", type=int, default=1, help="which fine-tuning round this run is; a finished one is skipped")
+    ap.add_argument(
+        "--round", type=int, default=1, help="which fine-tuning round this run is; a finished one is skipped"
+    )
     train(ap.parse_args())
 
 

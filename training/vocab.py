@@ -4,6 +4,7 @@ prompts, and ship the ranking beside a drafter (``--draft-vocab N`` serves its N
     python -m training.vocab --traces build/traces/stdlib-train.jsonl,build/traces/edit-train.jsonl \
         --out models/draft
 """
+
 from __future__ import annotations
 
 import argparse

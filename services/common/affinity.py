@@ -7,6 +7,7 @@ the tokens of every block before them, so a replica that was given block j of th
 start was given blocks 0..j-1 with it. It is a guess: a replica may have evicted the blocks
 since, and a wrong guess costs a prefill, never an output. Bounded LRU over block keys.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,9 +22,9 @@ class PrefixAffinity:
         self._lock = threading.Lock()
 
     def _keys(self, tokens: list[int], salt: str) -> list[int]:
-        keys, parent = [], hash(salt)   # blocks are shared only within a cache salt
-        for b0 in range(0, len(tokens) - self.block, self.block):   # a prompt's newest token is never cached
-            parent = hash((parent, tuple(tokens[b0:b0 + self.block])))
+        keys, parent = [], hash(salt)  # blocks are shared only within a cache salt
+        for b0 in range(0, len(tokens) - self.block, self.block):  # a prompt's newest token is never cached
+            parent = hash((parent, tuple(tokens[b0 : b0 + self.block])))
             keys.append(parent)
         return keys
 
@@ -62,16 +63,18 @@ def choose(live: list[str], load: dict[str, int], held: dict[str, int], slack: i
     return max(near, key=lambda a: (held.get(a, 0), -load[a]))
 
 
-def unreported(placed: Mapping[str, tuple[str, float]], reported: Mapping[str, Iterable[str]], now: float,
-               lag: float) -> list[str]:
+def unreported(
+    placed: Mapping[str, tuple[str, float]], reported: Mapping[str, Iterable[str]], now: float, lag: float
+) -> list[str]:
     """Sessions this router placed (session → (replica, when)) more than ``lag`` ago that their
     replica's report no longer lists: closed without this router's close (a cancel)."""
     listed = {a: set(s) for a, s in reported.items()}
     return [s for s, (a, t) in placed.items() if now - t > lag and a in listed and s not in listed[a]]
 
 
-def session_loads(live: Iterable[str], reported: Mapping[str, Iterable[str]], placed: Mapping[str, str],
-                  closed: Container[str]) -> dict[str, int]:
+def session_loads(
+    live: Iterable[str], reported: Mapping[str, Iterable[str]], placed: Mapping[str, str], closed: Container[str]
+) -> dict[str, int]:
     """Open sessions per replica, as one of several routers sees them: those the replica's last
     report lists (every router's), less those this router closed since, plus those it placed
     there since (a report lags by its period)."""

@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses. Nothing here reads the environment at import: the
 models directory and the options a deployment sets through environment variables are read when
 a configuration is built (``models_dir``, ``env_default``), at start."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from typing import Any
 from services.common.speculative_config import apply_speculative_config
 
 CHECKOUT_MODELS = Path(__file__).resolve().parents[2] / "models"
-INSTALLED_MODELS = ("share", "specmesh", "models")   # under the install prefix (pyproject's data-files)
+INSTALLED_MODELS = ("share", "specmesh", "models")  # under the install prefix (pyproject's data-files)
 
 
 def models_dir() -> Path:
@@ -33,24 +34,22 @@ def _bundled(name: str):
     return field(default_factory=lambda: models_dir() / name)
 
 
-
-
 @dataclass(frozen=True)
 class SpecParams:
     """SuffixDecoding speculation limits (ArcticInference's defaults)."""
 
-    max_spec_tokens: int = 16      # cap on draft length
-    max_spec_factor: float = 1.0   # draft length ≤ match_len · factor + offset
+    max_spec_tokens: int = 16  # cap on draft length
+    max_spec_factor: float = 1.0  # draft length ≤ match_len · factor + offset
     max_spec_offset: float = 0.0
-    min_token_prob: float = 0.1    # stop when the running probability falls below this
+    min_token_prob: float = 0.1  # stop when the running probability falls below this
 
 
 @dataclass(frozen=True)
 class SuffixConfig:
     max_depth: int = 64
-    max_cached_requests: int = 1000   # global tree keeps the outputs of the last N requests (FIFO)
+    max_cached_requests: int = 1000  # global tree keeps the outputs of the last N requests (FIFO)
     spec: SpecParams = SpecParams()
-    tree: bool = False                # draft speculation trees (lossless verification walks them), not paths
+    tree: bool = False  # draft speculation trees (lossless verification walks them), not paths
 
 
 @dataclass(frozen=True)
@@ -85,9 +84,9 @@ class GateConfig:
 
 @dataclass(frozen=True)
 class HybridConfig:
-    tau: float = 2.0                 # verify the cache draft when the predicted yield exceeds tau (bench.hybrid_sweep)
-    score_threshold: float = 2.0     # hybrid-rule baseline: verify when the suffix score reaches this (its best too)
-    cost_aware: bool = True          # hybrid: weigh ŷ against measured cycle costs instead of tau (drafter/hybrid.py)
+    tau: float = 2.0  # verify the cache draft when the predicted yield exceeds tau (bench.hybrid_sweep)
+    score_threshold: float = 2.0  # hybrid-rule baseline: verify when the suffix score reaches this (its best too)
+    cost_aware: bool = True  # hybrid: weigh ŷ against measured cycle costs instead of tau (drafter/hybrid.py)
 
 
 @dataclass(frozen=True)
@@ -97,8 +96,8 @@ class EngineConfig:
     # EAGLE-3: the TTT head; 4-token chains. For the stage-2 head k = 3 and k = 4 tie by speed on
     # CPU (bench/results/eagle3_sweep*.md, eagle3_k_*.md) and k = 4 has the higher τ (2.62
     # against 2.42 on humaneval); it is also the GPU's choice. The stage-1 head's best was k = 3.
-    eagle3: Path | None = _bundled("eagle3")            # loaded when the directory holds a head
-    eagle3_k: int = 4                                   # EAGLE-3 chain length
+    eagle3: Path | None = _bundled("eagle3")  # loaded when the directory holds a head
+    eagle3_k: int = 4  # EAGLE-3 chain length
     # EAGLE-3 chains stop after a token with max q below this. On CPU a cheaper cycle beats a longer
     # chain: 0.35 against 0.1 gave 1.39× against 1.35× on humaneval and 1.24× against 1.18× on
     # stdlib-heldout, at τ 2.35 against 2.62 and 2.15 against 2.35 (bench/results/eagle3_confidence_*.md).
@@ -107,40 +106,40 @@ class EngineConfig:
     # speculative_num_draft_tokens): top-k children per expanded node, nodes kept for verification.
     eagle3_topk: int = 2
     eagle3_tree_tokens: int = 8
-    eagle3_tree_min_score: float = 0.0   # nodes whose path probability is below it are not drafted
-    predictor: Path | None = _bundled("predictor")      # HVD yield predictor, loaded when present
+    eagle3_tree_min_score: float = 0.0  # nodes whose path probability is below it are not drafted
+    predictor: Path | None = _bundled("predictor")  # HVD yield predictor, loaded when present
     hybrid: HybridConfig = HybridConfig()
     device: str = "cpu"
     dtype: str = "float32"
-    num_speculative_tokens: int = 4       # k for model drafters; tuned by `python -m bench`
-    packed_gemm: bool = True              # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
-    kv_pool: bool = False                 # pooled K/V slots: one attention call per layer for a step's sessions
+    num_speculative_tokens: int = 4  # k for model drafters; tuned by `python -m bench`
+    packed_gemm: bool = True  # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
+    kv_pool: bool = False  # pooled K/V slots: one attention call per layer for a step's sessions
     #                                       (services/common/kv_pool.py; no gain on this CPU, meant for GPUs)
-    draft_confidence: float = 0.3         # draft-LM chains stop after a token with max q below this
-    draft_vocab: int = -1                 # draft LM's head over the N most frequent tokens (FR-Spec); 0 = all;
+    draft_confidence: float = 0.3  # draft-LM chains stop after a token with max q below this
+    draft_vocab: int = -1  # draft LM's head over the N most frequent tokens (FR-Spec); 0 = all;
     #                                       -1 = 4,096 where a ranking ships beside the draft, else all
     max_new_tokens_limit: int = 1024
-    max_model_len: int = 0                # prompt + max_new_tokens at most this (vLLM's); 0 = the target's positions
+    max_model_len: int = 0  # prompt + max_new_tokens at most this (vLLM's); 0 = the target's positions
     default_max_new_tokens: int = 128
-    default_method: str = "hybrid"        # lossless; falls back, see Engine
-    threads: int = 0                      # torch intra-op threads; 0 = torch default
-    max_batch: int = 16                   # sessions verified together in one step
-    spec_disable_batch: int = 0           # no drafts while a
+    default_method: str = "hybrid"  # lossless; falls back, see Engine
+    threads: int = 0  # torch intra-op threads; 0 = torch default
+    max_batch: int = 16  # sessions verified together in one step
+    spec_disable_batch: int = 0  # no drafts while a
     #                                       verifier step batches more sessions than this; 0 = never (bench.serving)
-    batch_window_ms: float = 5.0          # a step waits at most this long for the sessions it expects
-    prefill_chunk: int = 128              # beside decoding sessions, a
+    batch_window_ms: float = 5.0  # a step waits at most this long for the sessions it expects
+    prefill_chunk: int = 128  # beside decoding sessions, a
     #                                       prompt prefills at most this many tokens per step; 0 = whole (bench.prefill)
-    prefix_cache_mb: int = 256            # verified state of full
+    prefix_cache_mb: int = 256  # verified state of full
     #                                       blocks (target, draft LM, EAGLE-3 head) kept for later prompts; 0 = off (bench.prefix_cache)
-    prefix_block: int = 32                # tokens per prefix-cache block: a prompt reuses whole blocks only
+    prefix_block: int = 32  # tokens per prefix-cache block: a prompt reuses whole blocks only
     suffix: SuffixConfig = SuffixConfig()
     ngram: NgramConfig = NgramConfig()
-    redis_url: str | None = None          # shared state across replicas; None = process-local only
+    redis_url: str | None = None  # shared state across replicas; None = process-local only
     gate: GateConfig = GateConfig()
-    predictor_addr: str | None = None     # use a remote Predictor service instead of the in-process MLP
-    drafter_addr: str | None = None       # use a remote suffix-cache Drafter service
-    memory_addr: str | None = None        # share the correction memory through the Memory service
-    ocm_snapshot: Path | None = _bundled("ocm_snapshot.json")   # calibration prior, loaded when present
+    predictor_addr: str | None = None  # use a remote Predictor service instead of the in-process MLP
+    drafter_addr: str | None = None  # use a remote suffix-cache Drafter service
+    memory_addr: str | None = None  # share the correction memory through the Memory service
+    ocm_snapshot: Path | None = _bundled("ocm_snapshot.json")  # calibration prior, loaded when present
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], methods: Mapping[str, Any] | None = None) -> EngineConfig:
@@ -154,7 +153,9 @@ class EngineConfig:
             raise ValueError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(OPTIONS))}")
         v: dict[str, Any] = {name: opt.value(values) for name, opt in OPTIONS.items()}
         models = v.pop("models_dir") or models_dir()
-        paths: dict[str, Any] = {name: v.pop(name) or models / name for name in ("target", "draft", "eagle3", "predictor")}
+        paths: dict[str, Any] = {
+            name: v.pop(name) or models / name for name in ("target", "draft", "eagle3", "predictor")
+        }
         for name in ("draft", "eagle3"):
             if not (paths[name] / "config.json").exists():
                 paths[name] = None
@@ -251,12 +252,12 @@ class Option:
     flag; its default is EngineConfig's field of that name unless ``default`` says otherwise."""
 
     name: str
-    kind: str                      # a key of PARSE
+    kind: str  # a key of PARSE
     help: str
-    env: str | None = None         # the environment variable that sets it when it is left out
-    default: Any = "field"         # "field": EngineConfig's default; else this value
-    short: str | None = None       # a one-letter flag
-    serve_only: bool = False       # a flag of `specmesh serve` only (remote components)
+    env: str | None = None  # the environment variable that sets it when it is left out
+    default: Any = "field"  # "field": EngineConfig's default; else this value
+    short: str | None = None  # a one-letter flag
+    serve_only: bool = False  # a flag of `specmesh serve` only (remote components)
 
     def parse(self, value: Any) -> Any:
         try:
@@ -278,85 +279,173 @@ class Option:
         return self.parse(values[self.name]) if values.get(self.name) is not None else self.fallback()
 
 
-OPTIONS: dict[str, Option] = {o.name: o for o in [
-    Option("models_dir", "path", "where target, draft, eagle3 and predictor default to: env SPECMESH_MODELS, else a "
-           "checkout's models/, else the bundled models a wheel installed under <prefix>/share/specmesh",
-           env="SPECMESH_MODELS", default=None),
-    Option("target", "path", "HF model directory of the target (default: MODELS/target)", default=None),
-    Option("draft", "path", "HF model directory of the draft LM (default: MODELS/draft)", default=None),
-    Option("eagle3", "path", "EAGLE-3 head directory, ours or a published one for the same target "
-           "(default: MODELS/eagle3)", default=None),
-    Option("predictor", "path", "HVD yield predictor directory (default: MODELS/predictor)", default=None),
-    Option("device", "str", "cpu or cuda (default: cuda when available)", default=None),
-    Option("dtype", "str", "float32 (CPU default), float16, bfloat16 (CUDA default)", default=None),
-    Option("num_speculative_tokens", "positive", "the longest draft-LM chain (vLLM's num_speculative_tokens)",
-           short="-k"),
-    Option("eagle3_k", "positive", "the longest EAGLE-3 chain"),
-    Option("eagle3_confidence", "float", "EAGLE-3: end a chain after a token whose head probability is below this"),
-    Option("ngram", "ngram", "the ngram method: match the last MIN..MAX tokens, draft K (vLLM's prompt_lookup_min, "
-           "prompt_lookup_max, num_speculative_tokens)"),
-    Option("eagle3_topk", "positive", "eagle3-tree / hybrid-tree: children per expanded node of an EAGLE draft tree "
-           "(1: no tree methods)"),
-    Option("eagle3_tree_tokens", "positive", "eagle3-tree: draft-tree nodes verified per cycle"),
-    Option("eagle3_tree_min_score", "float", "eagle3-tree: leave out nodes whose path probability under the head "
-           "is below this"),
-    Option("hybrid_tau", "float", "HVD: verify the suffix-cache draft when its predicted yield exceeds this "
-           "(bench.hybrid_sweep); used with --no-hybrid-cost-aware"),
-    Option("hybrid_cost_aware", "bool", "HVD: weigh the predicted yield against measured cycle costs (model drafter "
-           "or plain step)"),
-    Option("packed_gemm", "bool", "CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)"),
-    Option("kv_pool", "bool", "keep sessions' K/V in pooled slots, so a batched step attends for all of them in one "
-           "call per layer instead of one per session (for accelerators; no gain on a CPU: bench/results/kv_pool*.md)"),
-    Option("draft_confidence", "float", "draft LM: end a chain after a token whose draft probability is below this"),
-    Option("draft_vocab", "int", "draft LM: LM head over the N most frequent tokens (FR-Spec; needs the ranking shipped "
-           "beside the draft, python -m training.vocab); 0 = the whole vocabulary; -1 = 4096 where a ranking ships, "
-           "else the whole vocabulary"),
-    Option("threads", "count", "torch intra-op threads (0 = torch's default)"),
-    Option("batch_window_ms", "float", "verifier: how long a step waits for the other open sessions' cycles"),
-    Option("prefill_chunk", "count", "verifier: while other sessions are decoding, a new prompt is prefilled at most "
-           "this many tokens per step; 0 = whole prompts in one step", env="SPECMESH_PREFILL_CHUNK"),
-    Option("prefix_cache_mb", "count", "verifier: keep the verified state of full prompt blocks, up to this many MB on "
-           "the model's device, for later prompts that start the same way; 0 = off", env="SPECMESH_PREFIX_CACHE_MB"),
-    Option("spec_disable_batch", "count", "router: draft nothing while the verifier batches more sessions than this "
-           "per step; 0 = always speculate", env="SPECMESH_SPEC_DISABLE_BATCH"),
-    Option("max_model_len", "count", "verifier: a request's prompt + max_new_tokens may fill at most this many tokens "
-           "(vLLM's --max-model-len); 0 = the target's max_position_embeddings"),
-    Option("max_new_tokens_limit", "positive", "the most new tokens a request may ask for"),
-    Option("default_method", "str", "the method of requests that name none (lossless; falls back to eagle3, sd, "
-           "vanilla where models are missing, with a warning at start)", env="SPECMESH_DEFAULT_METHOD"),
-    Option("redis_url", "str", "share state across replicas through Redis; default: none", env="SPECMESH_REDIS_URL"),
-    Option("speculative_config", "json", "vLLM's speculative config, e.g. '{\"method\": \"eagle3\", \"model\": DIR, "
-           "\"num_speculative_tokens\": 4}': its method becomes the default, its keys set the drafter "
-           "(services/common/speculative_config.py); applied over the options above", default=None),
-    Option("predictor_addr", "str", "router: use this Predictor service", env="SPECMESH_PREDICTOR_ADDR",
-           serve_only=True),
-    Option("drafter_addr", "str", "router: use this suffix-cache Drafter service", env="SPECMESH_DRAFTER_ADDR",
-           serve_only=True),
-    Option("memory_addr", "str", "verifier: share the correction memory through this Memory service",
-           env="SPECMESH_MEMORY_ADDR", serve_only=True),
-]}
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in [
+        Option(
+            "models_dir",
+            "path",
+            "where target, draft, eagle3 and predictor default to: env SPECMESH_MODELS, else a "
+            "checkout's models/, else the bundled models a wheel installed under <prefix>/share/specmesh",
+            env="SPECMESH_MODELS",
+            default=None,
+        ),
+        Option("target", "path", "HF model directory of the target (default: MODELS/target)", default=None),
+        Option("draft", "path", "HF model directory of the draft LM (default: MODELS/draft)", default=None),
+        Option(
+            "eagle3",
+            "path",
+            "EAGLE-3 head directory, ours or a published one for the same target (default: MODELS/eagle3)",
+            default=None,
+        ),
+        Option("predictor", "path", "HVD yield predictor directory (default: MODELS/predictor)", default=None),
+        Option("device", "str", "cpu or cuda (default: cuda when available)", default=None),
+        Option("dtype", "str", "float32 (CPU default), float16, bfloat16 (CUDA default)", default=None),
+        Option(
+            "num_speculative_tokens",
+            "positive",
+            "the longest draft-LM chain (vLLM's num_speculative_tokens)",
+            short="-k",
+        ),
+        Option("eagle3_k", "positive", "the longest EAGLE-3 chain"),
+        Option("eagle3_confidence", "float", "EAGLE-3: end a chain after a token whose head probability is below this"),
+        Option(
+            "ngram",
+            "ngram",
+            "the ngram method: match the last MIN..MAX tokens, draft K (vLLM's prompt_lookup_min, "
+            "prompt_lookup_max, num_speculative_tokens)",
+        ),
+        Option(
+            "eagle3_topk",
+            "positive",
+            "eagle3-tree / hybrid-tree: children per expanded node of an EAGLE draft tree (1: no tree methods)",
+        ),
+        Option("eagle3_tree_tokens", "positive", "eagle3-tree: draft-tree nodes verified per cycle"),
+        Option(
+            "eagle3_tree_min_score",
+            "float",
+            "eagle3-tree: leave out nodes whose path probability under the head is below this",
+        ),
+        Option(
+            "hybrid_tau",
+            "float",
+            "HVD: verify the suffix-cache draft when its predicted yield exceeds this "
+            "(bench.hybrid_sweep); used with --no-hybrid-cost-aware",
+        ),
+        Option(
+            "hybrid_cost_aware",
+            "bool",
+            "HVD: weigh the predicted yield against measured cycle costs (model drafter or plain step)",
+        ),
+        Option("packed_gemm", "bool", "CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)"),
+        Option(
+            "kv_pool",
+            "bool",
+            "keep sessions' K/V in pooled slots, so a batched step attends for all of them in one "
+            "call per layer instead of one per session (for accelerators; no gain on a CPU: bench/results/kv_pool*.md)",
+        ),
+        Option(
+            "draft_confidence", "float", "draft LM: end a chain after a token whose draft probability is below this"
+        ),
+        Option(
+            "draft_vocab",
+            "int",
+            "draft LM: LM head over the N most frequent tokens (FR-Spec; needs the ranking shipped "
+            "beside the draft, python -m training.vocab); 0 = the whole vocabulary; -1 = 4096 where a ranking ships, "
+            "else the whole vocabulary",
+        ),
+        Option("threads", "count", "torch intra-op threads (0 = torch's default)"),
+        Option("batch_window_ms", "float", "verifier: how long a step waits for the other open sessions' cycles"),
+        Option(
+            "prefill_chunk",
+            "count",
+            "verifier: while other sessions are decoding, a new prompt is prefilled at most "
+            "this many tokens per step; 0 = whole prompts in one step",
+            env="SPECMESH_PREFILL_CHUNK",
+        ),
+        Option(
+            "prefix_cache_mb",
+            "count",
+            "verifier: keep the verified state of full prompt blocks, up to this many MB on "
+            "the model's device, for later prompts that start the same way; 0 = off",
+            env="SPECMESH_PREFIX_CACHE_MB",
+        ),
+        Option(
+            "spec_disable_batch",
+            "count",
+            "router: draft nothing while the verifier batches more sessions than this per step; 0 = always speculate",
+            env="SPECMESH_SPEC_DISABLE_BATCH",
+        ),
+        Option(
+            "max_model_len",
+            "count",
+            "verifier: a request's prompt + max_new_tokens may fill at most this many tokens "
+            "(vLLM's --max-model-len); 0 = the target's max_position_embeddings",
+        ),
+        Option("max_new_tokens_limit", "positive", "the most new tokens a request may ask for"),
+        Option(
+            "default_method",
+            "str",
+            "the method of requests that name none (lossless; falls back to eagle3, sd, "
+            "vanilla where models are missing, with a warning at start)",
+            env="SPECMESH_DEFAULT_METHOD",
+        ),
+        Option(
+            "redis_url", "str", "share state across replicas through Redis; default: none", env="SPECMESH_REDIS_URL"
+        ),
+        Option(
+            "speculative_config",
+            "json",
+            'vLLM\'s speculative config, e.g. \'{"method": "eagle3", "model": DIR, '
+            '"num_speculative_tokens": 4}\': its method becomes the default, its keys set the drafter '
+            "(services/common/speculative_config.py); applied over the options above",
+            default=None,
+        ),
+        Option(
+            "predictor_addr",
+            "str",
+            "router: use this Predictor service",
+            env="SPECMESH_PREDICTOR_ADDR",
+            serve_only=True,
+        ),
+        Option(
+            "drafter_addr",
+            "str",
+            "router: use this suffix-cache Drafter service",
+            env="SPECMESH_DRAFTER_ADDR",
+            serve_only=True,
+        ),
+        Option(
+            "memory_addr",
+            "str",
+            "verifier: share the correction memory through this Memory service",
+            env="SPECMESH_MEMORY_ADDR",
+            serve_only=True,
+        ),
+    ]
+}
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    max_sessions: int = 8                 # concurrent Generate streams
-    max_queue: int = 32                   # requests waiting for a stream slot; beyond → RESOURCE_EXHAUSTED
+    max_sessions: int = 8  # concurrent Generate streams
+    max_queue: int = 32  # requests waiting for a stream slot; beyond → RESOURCE_EXHAUSTED
     workers: int = 16
     max_message_bytes: int = 4 * 1024 * 1024
-    metrics_port: int = 9400              # Prometheus /metrics; 0 = off
-    tls_cert: Path | None = None          # serve TLS with this certificate + key
+    metrics_port: int = 9400  # Prometheus /metrics; 0 = off
+    tls_cert: Path | None = None  # serve TLS with this certificate + key
     tls_key: Path | None = None
-    tls_client_ca: Path | None = None     # and require client certificates signed by this CA (mTLS)
-    auth_token: str | None = None         # require `authorization: Bearer <token>` on the public API
-    http_port: int = 8000                 # OpenAI-compatible HTTP API (/v1/completions, ...); 0 = off
-    served_model_name: tuple[str, ...] | str = ()   # the model's names in the HTTP API (answers carry the
+    tls_client_ca: Path | None = None  # and require client certificates signed by this CA (mTLS)
+    auth_token: str | None = None  # require `authorization: Bearer <token>` on the public API
+    http_port: int = 8000  # OpenAI-compatible HTTP API (/v1/completions, ...); 0 = off
+    served_model_name: tuple[str, ...] | str = ()  # the model's names in the HTTP API (answers carry the
     #                                       first); empty = the target's directory name
-    chat_template: Path | None = None     # Jinja chat template for /v1/chat/completions; None = the tokenizer's
-    vllm_metric_names: bool = False       # /metrics also under vLLM's names (services/common/vllm_metrics.py)
+    chat_template: Path | None = None  # Jinja chat template for /v1/chat/completions; None = the tokenizer's
+    vllm_metric_names: bool = False  # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)
-    allowed_origins: tuple[str, ...] = ("*",)   # CORS: browser origins the HTTP API answers (vLLM's default)
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS: browser origins the HTTP API answers (vLLM's default)
 
 
 def option_flags(values: Mapping[str, Any]) -> list[str]:

@@ -5,6 +5,7 @@ Rule: a compilation gets ``timeout_s`` seconds and an address-space cap; past ei
 worker is killed (and respawned for the next pattern) and the pattern is refused as too
 complex. The child imports only outlines-core.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
     while True:
         try:
             pattern = conn.recv()
-        except EOFError:   # the server went away
+        except EOFError:  # the server went away
             return
         if pattern is None:
             return
@@ -62,7 +63,7 @@ class IndexWorker:
                 raise CompileTimeout(f"its automaton did not build within {self.timeout_s:g} s")
             try:
                 ok, payload = conn.recv()
-            except EOFError:   # the worker died (the address-space cap)
+            except EOFError:  # the worker died (the address-space cap)
                 self._kill()
                 raise CompileTimeout("its automaton outgrew the compile worker's memory") from None
         if not ok:
@@ -76,12 +77,15 @@ class IndexWorker:
             ours, theirs = socket.socketpair()
             root = str(Path(__file__).resolve().parents[2])
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-            self._proc = subprocess.Popen([sys.executable, "-m", "services.common.grammar_worker", str(theirs.fileno()),
-                                           str(self.memory_bytes)], pass_fds=[theirs.fileno()], env=env)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "services.common.grammar_worker", str(theirs.fileno()), str(self.memory_bytes)],
+                pass_fds=[theirs.fileno()],
+                env=env,
+            )
             theirs.close()
             self._conn = Connection(ours.detach())
             self._conn.send_bytes(self.blob)
-        assert self._conn is not None   # made with the process above
+        assert self._conn is not None  # made with the process above
         return self._conn
 
     def _kill(self) -> None:

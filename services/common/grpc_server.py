@@ -1,4 +1,5 @@
 """One way to build a specmesh gRPC server: explicit message limits, health, reflection."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common import refusals
 from services.common.security import DENIED, TLSConfig, bearer_ok
 
-EXEMPT = ("/grpc.health.v1.Health/",)   # Kubernetes probes carry no token
+EXEMPT = ("/grpc.health.v1.Health/",)  # Kubernetes probes carry no token
 
 # Each refusal's gRPC status (the HTTP edge has its own table).
 STATUS_OF: dict[type[refusals.Refusal], grpc.StatusCode] = {
@@ -49,25 +50,37 @@ def refusal_of(e: grpc.RpcError, peer: str) -> refusals.Refusal:
     return kind(message) if kind is not None else Failed(e.code(), message)
 
 
-def build_grpc_server(register: Callable[[grpc.Server], None], service_names: list[str], host: str, port: int,
-                      workers: int = 16, max_message_bytes: int = 4 * 1024 * 1024, tls: TLSConfig | None = None,
-                      auth_token: str | None = None) -> tuple[grpc.Server, int]:
+def build_grpc_server(
+    register: Callable[[grpc.Server], None],
+    service_names: list[str],
+    host: str,
+    port: int,
+    workers: int = 16,
+    max_message_bytes: int = 4 * 1024 * 1024,
+    tls: TLSConfig | None = None,
+    auth_token: str | None = None,
+) -> tuple[grpc.Server, int]:
     """A server with the services ``register`` adds, all reported SERVING; ``server.health``
     is kept for graceful shutdown. Port 0 binds any free port; the bound port is returned.
     ``tls`` (default from the environment: SPECMESH_TLS_CERT / _KEY, and SPECMESH_TLS_CLIENT_CA
     to require client certificates) serves TLS; ``auth_token`` requires a bearer token."""
     tls = tls if tls is not None else TLSConfig.server_from_env()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                         interceptors=[BearerAuth(auth_token)] if auth_token else [],
-                         options=[("grpc.max_receive_message_length", max_message_bytes),
-                                  ("grpc.max_send_message_length", max_message_bytes)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers),
+        interceptors=[BearerAuth(auth_token)] if auth_token else [],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
     register(server)
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     for name in ("", *service_names):
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     addr = f"{host}:{port}"
     bound = server.add_secure_port(addr, server_credentials(tls)) if tls.enabled else server.add_insecure_port(addr)
     if bound == 0:
@@ -88,8 +101,9 @@ def channel(addr: str, max_message_bytes: int = 4 * 1024 * 1024, tls: TLSConfig 
     return grpc.insecure_channel(addr, options=opts)
 
 
-def run_until_signal(server: grpc.Server, metrics_port: int = 0, host: str = "127.0.0.1", grace_s: float = 10.0,
-                     on_drain=None) -> None:
+def run_until_signal(
+    server: grpc.Server, metrics_port: int = 0, host: str = "127.0.0.1", grace_s: float = 10.0, on_drain=None
+) -> None:
     """Start ``server`` (and /metrics); on SIGTERM/SIGINT report NOT_SERVING, call ``on_drain``
     (long-lived streams end once their work is done), drain in-flight calls for up to
     ``grace_s``, then return so the caller can flush shared state."""
@@ -132,15 +146,17 @@ def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     if tls.cert is None or tls.key is None:
         raise ValueError("TLS: a server needs both a certificate and a key")
     ca = tls.ca.read_bytes() if tls.ca else None
-    return grpc.ssl_server_credentials([(tls.key.read_bytes(), tls.cert.read_bytes())], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(tls.key.read_bytes(), tls.cert.read_bytes())], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
         root_certificates=tls.ca.read_bytes() if tls.ca else None,
         private_key=tls.key.read_bytes() if tls.key else None,
-        certificate_chain=tls.cert.read_bytes() if tls.cert else None)
+        certificate_chain=tls.cert.read_bytes() if tls.cert else None,
+    )
 
 
 class BearerAuth(grpc.ServerInterceptor):
@@ -160,11 +176,19 @@ def _deny(handler):
     def abort(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
-    kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
-            else "stream_unary" if handler.stream_unary else "stream_stream")
+    kind = (
+        "unary_unary"
+        if handler.unary_unary
+        else "unary_stream"
+        if handler.unary_stream
+        else "stream_unary"
+        if handler.stream_unary
+        else "stream_stream"
+    )
     make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(abort, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return make(
+        abort, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 class TokenCredentials(grpc.AuthMetadataPlugin):

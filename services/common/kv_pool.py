@@ -19,6 +19,7 @@ Rules:
 - a cache above ``max_capacity`` positions, or whose slot would exceed ``max_slot_bytes``, is
   not pooled: it keeps its own buffers and attends alone.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -33,8 +34,10 @@ class Segment:
 
     def __init__(self, s, slots: int, capacity: int, dtype, device):
         shape = (slots, s.kv_heads, capacity, s.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(s.layers)]
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(s.layers)
+        ]
         self.slots = slots
         self._free = list(range(slots))
         self._lock = threading.Lock()
@@ -55,10 +58,23 @@ class Segment:
 class KVPool:
     """Segments of pooled slots for one model's batch-1 caches (``Llama.kv_pool``)."""
 
-    def __init__(self, s, dtype, device, slots: int = 8, min_capacity: int = 128, max_capacity: int = 8192,
-                 max_slot_bytes: int = 256 * 2**20):
+    def __init__(
+        self,
+        s,
+        dtype,
+        device,
+        slots: int = 8,
+        min_capacity: int = 128,
+        max_capacity: int = 8192,
+        max_slot_bytes: int = 256 * 2**20,
+    ):
         self.s, self.dtype, self.device = s, dtype, device
-        self.slots, self.min_capacity, self.max_capacity, self.max_slot_bytes = slots, min_capacity, max_capacity, max_slot_bytes
+        self.slots, self.min_capacity, self.max_capacity, self.max_slot_bytes = (
+            slots,
+            min_capacity,
+            max_capacity,
+            max_slot_bytes,
+        )
         self.segments: dict[int, list[Segment]] = {}
         self._lock = threading.Lock()
 
@@ -94,7 +110,7 @@ def pooled_cache(cache_cls, seg: Segment, slot: int, capacity: int):
     """A ``cache_cls`` (``KVCache``) whose layers are views of ``seg``'s slot, freed with it."""
     cache = cache_cls.__new__(cache_cls)
     cache.capacity, cache.segment, cache.slot = capacity, seg, slot
-    cache.layers = [(k[slot:slot + 1, :, :capacity], v[slot:slot + 1, :, :capacity]) for k, v in seg.layers]
+    cache.layers = [(k[slot : slot + 1, :, :capacity], v[slot : slot + 1, :, :capacity]) for k, v in seg.layers]
     weakref.finalize(cache, seg.give, slot)
     return cache
 
@@ -103,8 +119,18 @@ class Group:
     """Rows of one ragged forward whose caches share a segment: the indices every layer's
     batched attention needs, built once per forward."""
 
-    def __init__(self, seg: Segment, rows: list[int], offsets: list[int], lens: list[int], starts: list[int],
-                 slots: list[int], masks: list[torch.Tensor | None], n_tokens: int, device):
+    def __init__(
+        self,
+        seg: Segment,
+        rows: list[int],
+        offsets: list[int],
+        lens: list[int],
+        starts: list[int],
+        slots: list[int],
+        masks: list[torch.Tensor | None],
+        n_tokens: int,
+        device,
+    ):
         self.seg = seg
         lo, hi = min(slots), max(slots) + 1
         self.lo, self.hi = lo, hi
@@ -112,14 +138,14 @@ class Group:
         self.lmax = max(starts[r] + lens[r] for r in rows)
         tokens, slot_idx, pos_idx, qpos = [], [], [], []
         mask = torch.zeros(hi - lo, 1, self.tmax, self.lmax, dtype=torch.bool, device=device)
-        mask[..., 0] = True   # padding queries see one finite key (their outputs are dropped), never none
+        mask[..., 0] = True  # padding queries see one finite key (their outputs are dropped), never none
         for r, slot in zip(rows, slots):
             n, st, g = lens[r], starts[r], slot - lo
             tokens += range(offsets[r], offsets[r] + n)
             slot_idx += [slot] * n
             pos_idx += range(st, st + n)
             qpos += range(g * self.tmax, g * self.tmax + n)
-            mask[g, 0, :n, :st + n] = True if masks[r] is None else masks[r]   # on the device already
+            mask[g, 0, :n, : st + n] = True if masks[r] is None else masks[r]  # on the device already
         whole = tokens == list(range(n_tokens))
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         self.tokens = None if whole else as_index(tokens)
@@ -138,12 +164,16 @@ class Group:
         g = self.hi - self.lo
         qp = q.new_zeros(heads, g * self.tmax, d).index_copy_(1, self.qpos, q)
         o = torch.nn.functional.scaled_dot_product_attention(
-            qp.view(heads, g, self.tmax, d).transpose(0, 1), kc[self.lo:self.hi, :, :self.lmax],
-            vc[self.lo:self.hi, :, :self.lmax], attn_mask=self.mask, enable_gqa=gqa)
+            qp.view(heads, g, self.tmax, d).transpose(0, 1),
+            kc[self.lo : self.hi, :, : self.lmax],
+            vc[self.lo : self.hi, :, : self.lmax],
+            attn_mask=self.mask,
+            enable_gqa=gqa,
+        )
         return o.transpose(0, 1).reshape(heads, g * self.tmax, d).index_select(1, self.qpos)
 
 
-GROUP_MAX_ROW = 16   # longer rows (prompt chunks) attend alone: a group pads every row to its longest
+GROUP_MAX_ROW = 16  # longer rows (prompt chunks) attend alone: a group pads every row to its longest
 
 
 def plan_groups(caches, offsets, lens, starts, masks, n_tokens: int, device) -> tuple[list[Group], list[int]]:
@@ -159,7 +189,18 @@ def plan_groups(caches, offsets, lens, starts, masks, n_tokens: int, device) -> 
     groups, grouped = [], set()
     for rows in by_seg.values():
         if len(rows) > 1:
-            groups.append(Group(caches[rows[0]].segment, rows, offsets, lens, starts, [caches[r].slot for r in rows],
-                                masks, n_tokens, device))
+            groups.append(
+                Group(
+                    caches[rows[0]].segment,
+                    rows,
+                    offsets,
+                    lens,
+                    starts,
+                    [caches[r].slot for r in rows],
+                    masks,
+                    n_tokens,
+                    device,
+                )
+            )
             grouped.update(rows)
     return groups, [r for r in range(len(caches)) if r not in grouped]

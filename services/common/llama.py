@@ -9,6 +9,7 @@ by weights this forward would not use, rather than run wrong.
 Why our own forward: at small sizes Python overhead dominates, and owning the pass makes
 rollback (a length reset), ragged batching and capturing EAGLE-3's hidden states simple.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,16 +51,20 @@ class LlamaShape:
     max_positions: int
     tie_embeddings: bool
     attention_bias: bool
-    qk_norm: bool = False      # Qwen3: RMSNorm over each head's q and k before RoPE
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
 
     @classmethod
     def from_hf(cls, cfg) -> "LlamaShape":
         heads = cfg.num_attention_heads
         return cls(
-            vocab=cfg.vocab_size, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
-            heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            vocab=cfg.vocab_size,
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+            intermediate=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps,
             max_positions=cfg.max_position_embeddings,
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without declaring `attention_bias`.
@@ -68,20 +73,24 @@ class LlamaShape:
         )
 
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")   # config.json model_type this forward runs exactly
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")  # config.json model_type this forward runs exactly
 
 
 def check_supported(cfg, path) -> None:
     """ValueError for a checkpoint this forward would run wrong: another architecture, or
     attention over a sliding window shorter than the context."""
     if cfg.model_type not in SUPPORTED:
-        raise ValueError(f"{path}: model_type {cfg.model_type!r} is not supported; the target and draft must be one "
-                         f"of {', '.join(SUPPORTED)} (Llama-family attention and MLP)")
+        raise ValueError(
+            f"{path}: model_type {cfg.model_type!r} is not supported; the target and draft must be one "
+            f"of {', '.join(SUPPORTED)} (Llama-family attention and MLP)"
+        )
     window = getattr(cfg, "sliding_window", None)
     uses_window = getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
     if uses_window and window is not None and window < cfg.max_position_embeddings:
-        raise ValueError(f"{path}: sliding-window attention ({window} of {cfg.max_position_embeddings} positions) is "
-                         "not supported; serve a checkpoint with full attention")
+        raise ValueError(
+            f"{path}: sliding-window attention ({window} of {cfg.max_position_embeddings} positions) is "
+            "not supported; serve a checkpoint with full attention"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +100,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:   # one fused kernel, same values
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused kernel, same values
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -117,10 +126,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
         if s.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(s.head_dim, s.eps), RMSNorm(s.head_dim, s.eps)
-        self.qkv: nn.Module | None = None   # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
+        self.qkv: nn.Module | None = None  # inference: one fused q|k|v GEMM (packed_linear.pack_linears)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., T, hidden] → rotated q [..., heads, T, d], rotated k and v [..., kv_heads, T, d].
         With the fused q|k|v GEMM, q and k are rotated in one pass over their adjacent columns
         (the same elementwise ops per value, so the same values)."""
@@ -131,7 +141,9 @@ class Attention(nn.Module):
             if self.qkv is None:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             else:
-                q, k, v = self.qkv(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
+                q, k, v = self.qkv(x).split(
+                    [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1
+                )
             q, k, v = heads(q, s.heads), heads(k, s.kv_heads), heads(v, s.kv_heads)
             if s.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -140,7 +152,7 @@ class Attention(nn.Module):
         n_qk = (s.heads + s.kv_heads) * s.head_dim
         qk = heads(qkv[..., :n_qk], s.heads + s.kv_heads)
         qk = qk * cos + rotate_half(qk) * sin
-        return qk[..., :s.heads, :, :], qk[..., s.heads:, :, :], heads(qkv[..., n_qk:], s.kv_heads)
+        return qk[..., : s.heads, :, :], qk[..., s.heads :, :, :], heads(qkv[..., n_qk:], s.kv_heads)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor] | None, start: int, mask):
         """x: [B, T, H]; cos/sin: [T, D]; kv: this layer's cache ([B, kvh, S, D] each) or None."""
@@ -151,17 +163,24 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
         else:
             kc, vc = kv
-            kc[:, :, start:start + t] = k
-            vc[:, :, start:start + t] = v
-            k, v = kc[:, :, :start + t], vc[:, :, :start + t]
+            kc[:, :, start : start + t] = k
+            vc[:, :, start : start + t] = v
+            k, v = kc[:, :, : start + t], vc[:, :, : start + t]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=s.kv_heads != s.heads)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
 
 
-def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
-                     layer: int = 0, groups: list[Group] = (), alone: list[int] | None = None,
-                     lens: list[int] | None = None) -> torch.Tensor:
+def ragged_attention(
+    attn: "Attention",
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
+    layer: int = 0,
+    groups: list[Group] = (),
+    alone: list[int] | None = None,
+    lens: list[int] | None = None,
+) -> torch.Tensor:
     """Attention for concatenated rows: x [N, H]; rows = (offset, start, (k_cache, v_cache), mask).
 
     Projections run once over all N tokens. Rows of each pooled ``groups`` entry attend in one
@@ -170,9 +189,9 @@ def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin:
     s = attn.s
     n = x.shape[0]
     gqa = s.kv_heads != s.heads
-    q, k, v = attn.project(x, cos, sin)                        # [heads, N, d]
+    q, k, v = attn.project(x, cos, sin)  # [heads, N, d]
     if not groups:
-        o = attend_rows(q, k, v, rows, gqa)                    # [heads, N, d]
+        o = attend_rows(q, k, v, rows, gqa)  # [heads, N, d]
     else:
         o = q.new_empty(q.shape)
         for g in groups:
@@ -185,9 +204,14 @@ def ragged_attention(attn: "Attention", x: torch.Tensor, cos: torch.Tensor, sin:
     return attn.o_proj(o.transpose(0, 1).reshape(n, s.heads * s.head_dim))
 
 
-def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
-                gqa: bool, last_only: bool = False) -> torch.Tensor:
+def attend_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
+    gqa: bool,
+    last_only: bool = False,
+) -> torch.Tensor:
     """q [heads, N, d], k/v [kv_heads, N, d] of concatenated rows; row r's tokens start at
     ``offset`` and sit at positions ``start``.. of its batch-1 cache: write its K/V there and
     attend over the cache prefix with ``mask`` (None for one token). Returns [heads, N, d].
@@ -197,18 +221,23 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ends = [row[0] for row in rows[1:]] + [k.shape[1]]
     for r, ((off, start, (kc, vc), mask), end) in enumerate(zip(rows, ends)):
         t = end - off
-        kc[0, :, start:start + t] = k[:, off:end]
-        vc[0, :, start:start + t] = v[:, off:end]
-        qr, mask = (q[None, :, r:r + 1], None) if last_only else (q[None, :, off:end], mask)
-        outs.append(F.scaled_dot_product_attention(qr, kc[:, :, :start + t], vc[:, :, :start + t],
-                                                   attn_mask=mask, enable_gqa=gqa)[0])
+        kc[0, :, start : start + t] = k[:, off:end]
+        vc[0, :, start : start + t] = v[:, off:end]
+        qr, mask = (q[None, :, r : r + 1], None) if last_only else (q[None, :, off:end], mask)
+        outs.append(
+            F.scaled_dot_product_attention(
+                qr, kc[:, :, : start + t], vc[:, :, : start + t], attn_mask=mask, enable_gqa=gqa
+            )[0]
+        )
     return torch.cat(outs, dim=1)
 
 
 def causal_masks(starts: list[int], lens: list[int], device) -> list[torch.Tensor | None]:
     """Per-row masks for rows of ``lens`` new tokens after ``starts`` cached ones."""
-    return [torch.ones(n, st + n, dtype=torch.bool, device=device).tril(st) if n > 1 else None
-            for st, n in zip(starts, lens)]
+    return [
+        torch.ones(n, st + n, dtype=torch.bool, device=device).tril(st) if n > 1 else None
+        for st, n in zip(starts, lens)
+    ]
 
 
 def row_positions(start: int, n: int, tree: list[int] | None, device) -> torch.Tensor:
@@ -217,8 +246,7 @@ def row_positions(start: int, n: int, tree: list[int] | None, device) -> torch.T
     if tree is None:
         return torch.arange(start, start + n, device=device)
     lead = n - len(tree)
-    return torch.tensor(list(range(start, start + lead)) + [start + lead - 1 + d for d in depths(tree)],
-                        device=device)
+    return torch.tensor(list(range(start, start + lead)) + [start + lead - 1 + d for d in depths(tree)], device=device)
 
 
 def tree_mask(start: int, n: int, tree: list[int], device) -> torch.Tensor:
@@ -226,7 +254,7 @@ def tree_mask(start: int, n: int, tree: list[int], device) -> torch.Tensor:
     sees those and its ancestors."""
     m = torch.ones(n, start + n, dtype=torch.bool).tril(start)
     k = len(tree)
-    m[n - k:, start + n - k:] = ancestor_mask(tree)
+    m[n - k :, start + n - k :] = ancestor_mask(tree)
     return m.to(device)
 
 
@@ -236,7 +264,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
-        self.gate_up: nn.Module | None = None   # inference: one fused gate|up GEMM (packed_linear.pack_linears)
+        self.gate_up: nn.Module | None = None  # inference: one fused gate|up GEMM (packed_linear.pack_linears)
 
     def forward(self, x):
         if self.gate_up is None:
@@ -265,13 +293,16 @@ class KVCache:
     overwritten by the next forward. A pooled cache's layers are views of one slot of a
     ``kv_pool.Segment`` (``segment``, ``slot``); an unpooled one has its own buffers.
     """
+
     segment = None
     slot = 0
 
     def __init__(self, s: LlamaShape, batch: int, capacity: int, dtype, device):
         shape = (batch, s.kv_heads, capacity, s.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(s.layers)]
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(s.layers)
+        ]
         self.capacity = capacity
 
 
@@ -308,9 +339,17 @@ class Llama(nn.Module):
         return (logits, [seen[i] for i in capture]) if capture else logits
 
     # -- inference: T new tokens at positions start..start+T-1 of every row ---------------
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache,
-                capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None,
-                tail: int | None = None, tree: list[int] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        start: int,
+        cache: KVCache,
+        capture: tuple[int, ...] = (),
+        last_only: bool = False,
+        head: nn.Module | None = None,
+        tail: int | None = None,
+        tree: list[int] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits ``[B, T, V]`` (of the last ``tail`` positions only when given, ``[B, 1, V]``
         with ``last_only``; from ``head`` instead of the LM head when given) and the residual
         stream entering each layer in ``capture``. ``tree``: the last len(tree) tokens are a
@@ -331,13 +370,20 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, cache.layers[i], start, mask)
         tail = 1 if last_only else tail
         if tail is not None:
-            x = x[:, t - tail:]
+            x = x[:, t - tail :]
         return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
-    def forward_ragged(self, seqs: list[list[int]], starts: list[int], caches: list[KVCache],
-                       capture: tuple[int, ...] = (), last_only: bool = False, head: nn.Module | None = None,
-                       tails: list[int] | None = None, trees: list[list[int] | None] | None = None
-                       ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    def forward_ragged(
+        self,
+        seqs: list[list[int]],
+        starts: list[int],
+        caches: list[KVCache],
+        capture: tuple[int, ...] = (),
+        last_only: bool = False,
+        head: nn.Module | None = None,
+        tails: list[int] | None = None,
+        trees: list[list[int] | None] | None = None,
+    ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
         ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] and captured states
         [T_r, H]. The LM head runs only where logits are wanted: on each row's last ``tails[r]``
@@ -352,8 +398,15 @@ class Llama(nn.Module):
             tails = [1] * len(seqs)
         trees = trees if trees and any(t is not None for t in trees) else None
         if len(seqs) == 1:
-            logits, hidden = self(torch.tensor([seqs[0]], dtype=torch.long, device=dev), starts[0], caches[0], capture,
-                                  head=head, tail=tails[0] if tails else None, tree=trees[0] if trees else None)
+            logits, hidden = self(
+                torch.tensor([seqs[0]], dtype=torch.long, device=dev),
+                starts[0],
+                caches[0],
+                capture,
+                head=head,
+                tail=tails[0] if tails else None,
+                tree=trees[0] if trees else None,
+            )
             return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
@@ -362,8 +415,10 @@ class Llama(nn.Module):
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         offsets = [sum(lens[:r]) for r in range(len(lens))]
-        masks = [tree_mask(st, n, tree, dev) if tree is not None else mk   # built once, shared by every layer
-                 for st, n, tree, mk in zip(starts, lens, trees, causal_masks(starts, lens, dev))]
+        masks = [
+            tree_mask(st, n, tree, dev) if tree is not None else mk  # built once, shared by every layer
+            for st, n, tree, mk in zip(starts, lens, trees, causal_masks(starts, lens, dev))
+        ]
         groups, alone = plan_groups(caches, offsets, lens, starts, masks, len(ids), dev)
         seen = {}
         for i, layer in enumerate(self.layers):
@@ -378,11 +433,14 @@ class Llama(nn.Module):
         head = head or self.lm_head
         if tails is None:
             return split(head(self.norm(x))), hidden
-        keep = torch.tensor([j for off, n, t in zip(offsets, lens, tails) for j in range(off + n - t, off + n)],
-                            dtype=torch.long, device=dev)
+        keep = torch.tensor(
+            [j for off, n, t in zip(offsets, lens, tails) for j in range(off + n - t, off + n)],
+            dtype=torch.long,
+            device=dev,
+        )
         return list(torch.split(head(self.norm(x[keep])), tails)), hidden
 
-    kv_pool: KVPool | None = None   # set (``use_kv_pool``): batch-1 caches come from pooled slots
+    kv_pool: KVPool | None = None  # set (``use_kv_pool``): batch-1 caches come from pooled slots
 
     def use_kv_pool(self, **kwargs) -> KVPool:
         """Serve batch-1 caches from pooled slots (``kv_pool``), so that the ragged forward
@@ -420,8 +478,10 @@ class Llama(nn.Module):
         unused = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
         unused = [k for k in unused if not k.endswith("rotary_emb.inv_freq")]
         if unused:
-            raise ValueError(f"{path}: the checkpoint has weights this Llama-family forward does not use "
-                             f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}); it would run wrong")
+            raise ValueError(
+                f"{path}: the checkpoint has weights this Llama-family forward does not use "
+                f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}); it would run wrong"
+            )
         if model.s.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         cos, sin = _rope_tables(cfg, model.s.max_positions)
@@ -456,14 +516,19 @@ class Llama(nn.Module):
             size += nbytes
         for old in path.glob("model*.safetensors*"):
             old.unlink()
-        names = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        names = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
         for fname, shard in zip(names, shards):
             save_file(shard, str(path / (fname + ".tmp")), metadata={"format": "pt"})
             os.replace(path / (fname + ".tmp"), path / fname)
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                     "weight_map": {n: f for f, sh in zip(names, shards) for n in sh}}
+            index = {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                "weight_map": {n: f for f, sh in zip(names, shards) for n in sh},
+            }
             (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         self.hf_config.dtype = str(dtype).removeprefix("torch.")
         self.hf_config.save_pretrained(str(path))

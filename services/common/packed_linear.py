@@ -14,6 +14,7 @@ Fusing took the target's 1-token forward from 6.4 to 5.4 ms here, with bit-ident
 
 Packing is for inference only: packed layers carry no gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ from torch import nn
 
 
 def fp16_gemm_available() -> bool:
-    return hasattr(torch.ops.quantized, "linear_prepack_fp16") and \
-        any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
+    return hasattr(torch.ops.quantized, "linear_prepack_fp16") and any(
+        e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm")
+    )
 
 
 class PackedLinear(nn.Module):
@@ -44,15 +46,15 @@ class PackedLinear(nn.Module):
 def _packable(lin: nn.Linear) -> bool:
     w = lin.weight
     exact = lambda t: torch.equal(t, t.half().float())  # noqa: E731
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and exact(w)
-            and (lin.bias is None or exact(lin.bias)))
+    return w.device.type == "cpu" and w.dtype == torch.float32 and exact(w) and (lin.bias is None or exact(lin.bias))
 
 
 def _fused(*parts: nn.Linear) -> PackedLinear:
     """One packed GEMM computing the parts' outputs side by side; its buffers stay out of
     ``state_dict`` (the parts keep theirs)."""
-    lin = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                    device="meta")
+    lin = nn.Linear(
+        parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None, device="meta"
+    )
     lin.weight = nn.Parameter(torch.cat([p.weight for p in parts]))
     if lin.bias is not None:
         lin.bias = nn.Parameter(torch.cat([p.bias for p in parts]))

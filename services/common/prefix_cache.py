@@ -15,6 +15,7 @@ The payload is the owner's (the target runner stores K/V per layer and the EAGLE
 of the block's positions, the draft LM its K/V); this module keys, bounds and finds it, and
 moves K/V between a model's cache and blocks. Calls from several threads are safe.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,8 @@ import torch
 
 from services.common.llama import KVCache
 
-ROOT = b""   # the parent key of a prompt's first block
-MAX_CACHE_SALT = 256   # characters
+ROOT = b""  # the parent key of a prompt's first block
+MAX_CACHE_SALT = 256  # characters
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: list[int], limit: int, root: bytes = ROOT
-              ) -> tuple[list[bytes], list[tuple[torch.Tensor, ...]]]:
+    def match(
+        self, tokens: list[int], limit: int, root: bytes = ROOT
+    ) -> tuple[list[bytes], list[tuple[torch.Tensor, ...]]]:
         """The longest run of cached blocks that starts ``tokens`` and ends by ``limit``:
         (their keys, their payloads), first block first. ``root``: the first block's parent."""
         keys, payloads, parent = [], [], root
         with self._lock:
             for b0 in range(0, limit - self.block + 1, self.block):
-                block = tuple(tokens[b0:b0 + self.block])
+                block = tuple(tokens[b0 : b0 + self.block])
                 key = block_key(parent, block)
                 e = self._entries.get(key)
                 if e is None or e.parent != parent or e.tokens != block:
@@ -99,7 +101,7 @@ class PrefixCache:
             if old is not None and old.parent == parent and old.tokens == tokens:
                 self._entries.move_to_end(key)
                 return key
-            if old is not None:   # a colliding key: the newer block takes it
+            if old is not None:  # a colliding key: the newer block takes it
                 self._drop(key)
             if nbytes > self.budget:
                 return key
@@ -117,20 +119,23 @@ class PrefixCache:
             self._entries.clear()
             self.bytes = 0
 
-    def store(self, keys: list[bytes], tokens: list[int], upto: int, payload: Callable[[int], tuple],
-              root: bytes = ROOT) -> None:
+    def store(
+        self, keys: list[bytes], tokens: list[int], upto: int, payload: Callable[[int], tuple], root: bytes = ROOT
+    ) -> None:
         """Insert each full block of ``tokens[:upto]`` after the ``len(keys)`` blocks already
         stored, appending its key to ``keys``; ``payload(b0)`` makes the block starting at b0."""
         n = self.block
         while (len(keys) + 1) * n <= upto:
             b0 = len(keys) * n
-            keys.append(self.insert(keys[-1] if keys else root, tuple(tokens[b0:b0 + n]), payload(b0)))
+            keys.append(self.insert(keys[-1] if keys else root, tuple(tokens[b0 : b0 + n]), payload(b0)))
 
 
 def kv_block(cache: KVCache, b0: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of K and V at positions b0..b0+n-1 of a batch-1 cache: [layers, kv_heads, n, head_dim] each."""
-    return (torch.stack([k[0, :, b0:b0 + n] for k, _ in cache.layers]),
-            torch.stack([v[0, :, b0:b0 + n] for _, v in cache.layers]))
+    return (
+        torch.stack([k[0, :, b0 : b0 + n] for k, _ in cache.layers]),
+        torch.stack([v[0, :, b0 : b0 + n] for _, v in cache.layers]),
+    )
 
 
 def load_kv(cache: KVCache, blocks: list[tuple[torch.Tensor, ...]]) -> int:

@@ -2,6 +2,7 @@
 bounded number in flight, and their progress: items done of a total, with a rate and an ETA,
 as tqdm's bar where asked and installed, else a line on stderr (every ``every_s`` seconds and
 at the end). Safe to advance from several threads."""
+
 from __future__ import annotations
 
 import sys
@@ -12,8 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 class Progress:
-    def __init__(self, total: int, label: str, unit: str, bar: bool = False, every_s: float = 5.0,
-                 status: Callable[[], str] = lambda: ""):
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        unit: str,
+        bar: bool = False,
+        every_s: float = 5.0,
+        status: Callable[[], str] = lambda: "",
+    ):
         """``status``: appended to each line (e.g. the correction memory's size)."""
         self.total, self.label, self.unit, self.every_s, self.status = total, label, unit, every_s, status
         self.done = self.failed = self.tokens = 0
@@ -40,19 +48,32 @@ class Progress:
                 self.last = now
                 failed_part = f" ({self.failed} failed)" if self.failed else ""
                 tokens_part = f", {self.tokens / el:.0f} output tok/s" if self.tokens else ""
-                print(f"[{self.label}] {self.done}/{self.total} {self.unit}{failed_part}{self.status()}, "
-                      f"{self.done / el:.2f}/s"
-                      f"{tokens_part}, ETA {(self.total - self.done) * el / self.done:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{self.label}] {self.done}/{self.total} {self.unit}{failed_part}{self.status()}, "
+                    f"{self.done / el:.2f}/s"
+                    f"{tokens_part}, ETA {(self.total - self.done) * el / self.done:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-def run_concurrently(fn, items, concurrency: int, label: str, unit: str = "prompts", progress: bool = True,
-                     bar: bool = False, every_s: float = 0.0, status: Callable[[], str] = lambda: "",
-                     tokens: Callable = lambda out: 0, failed: Callable = lambda out: False) -> list:
+def run_concurrently(
+    fn,
+    items,
+    concurrency: int,
+    label: str,
+    unit: str = "prompts",
+    progress: bool = True,
+    bar: bool = False,
+    every_s: float = 0.0,
+    status: Callable[[], str] = lambda: "",
+    tokens: Callable = lambda out: 0,
+    failed: Callable = lambda out: False,
+) -> list:
     """``[fn(x) for x in items]`` with ``concurrency`` in flight (the verifier batches their
     cycles), in order; ``tokens(out)`` and ``failed(out)`` feed the progress line."""
     items = list(items)

@@ -1,6 +1,7 @@
 """Refusals: why a request is not served, as plain values. Admission and validation raise or
 return these; each edge maps them to its own code (gRPC status in ``common/grpc_server.py``,
 HTTP status in ``router/http_server.py``), so no algorithm knows a transport."""
+
 from __future__ import annotations
 
 

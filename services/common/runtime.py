@@ -1,4 +1,5 @@
 """Process-wide runtime settings applied by every `specmesh` entry point."""
+
 from __future__ import annotations
 
 import gc

@@ -3,6 +3,7 @@
 The same transform (temperature, then min-p, top-k, top-p, in vLLM's order) is applied to the
 target's p and the drafter's q, so rejection sampling compares like with like.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ from services.common.types import SamplingParams, TokenLogprob
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """[..., V] logits → [..., V] float32 probabilities under ``sp`` (temperature > 0)."""
     x = logits.float() / sp.temperature
-    if sp.min_p > 0.0:   # keep p ≥ min_p · max p, i.e. logits ≥ max logit + log min_p
+    if sp.min_p > 0.0:  # keep p ≥ min_p · max p, i.e. logits ≥ max logit + log min_p
         x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(sp.min_p), float("-inf"))
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
@@ -30,8 +31,14 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
-def apply_penalties(logits: torch.Tensor, tokens: list[int], output_from: int, draft: list[int],
-                    sp: SamplingParams, columns: torch.Tensor | None = None) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    tokens: list[int],
+    output_from: int,
+    draft: list[int],
+    sp: SamplingParams,
+    columns: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``SamplingParams``' penalties on verification rows [k+1, V]. Row i predicts the token after
     ``tokens`` (the prompt, then the output from ``output_from`` on) plus draft[:i], so it
     counts those draft tokens too: every row is penalized as a plain decoding step there would be.
@@ -41,7 +48,7 @@ def apply_penalties(logits: torch.Tensor, tokens: list[int], output_from: int, d
     vocab = max(width if columns is None else int(columns.max()) + 1, max(tokens + draft, default=0) + 1)
     counts = torch.zeros(rows, vocab, device=dev)
     counts[:] = torch.bincount(torch.tensor(tokens[output_from:], dtype=torch.long, device=dev), minlength=vocab)
-    for i, d in enumerate(draft[:rows - 1], 1):
+    for i, d in enumerate(draft[: rows - 1], 1):
         counts[i:, d] += 1
     seen = None
     if sp.repetition_penalty != 1.0:
@@ -65,8 +72,9 @@ def apply_bias(logits: torch.Tensor, sp: SamplingParams, columns: torch.Tensor |
     x = logits.float()
     if sp.logit_bias:
         bias = torch.zeros(vocab, device=dev)
-        bias[torch.tensor([i for i, _ in sp.logit_bias], device=dev)] = torch.tensor([b for _, b in sp.logit_bias],
-                                                                                    device=dev)
+        bias[torch.tensor([i for i, _ in sp.logit_bias], device=dev)] = torch.tensor(
+            [b for _, b in sp.logit_bias], device=dev
+        )
         x = x + bias[cols]
     if sp.allowed_token_ids:
         allowed = torch.zeros(vocab, dtype=torch.bool, device=dev)
@@ -82,19 +90,20 @@ def banned_tokens(context: list[int], bad_words: tuple[tuple[int, ...], ...]) ->
     out = []
     for w in bad_words:
         k = len(w) - 1
-        if k == 0 or (len(context) >= k and tuple(context[len(context) - k:]) == w[:-1]):
+        if k == 0 or (len(context) >= k and tuple(context[len(context) - k :]) == w[:-1]):
             out.append(w[-1])
     return out
 
 
-def ban_bad_words(logits: torch.Tensor, output: list[int], draft: list[int],
-                  bad_words: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+def ban_bad_words(
+    logits: torch.Tensor, output: list[int], draft: list[int], bad_words: tuple[tuple[int, ...], ...]
+) -> torch.Tensor:
     """Row r of ``logits`` follows ``output`` + ``draft[:r]``: a bad word's last token gets −inf
     in every row whose context ends with the word's other tokens."""
     longest = max(len(w) for w in bad_words)
     rows, cols = [], []
     for r in range(logits.shape[0]):
-        tail = (output + draft[:r])[-(longest - 1):] if longest > 1 else []
+        tail = (output + draft[:r])[-(longest - 1) :] if longest > 1 else []
         for t in banned_tokens(tail, bad_words):
             rows.append(r)
             cols.append(t)
@@ -136,15 +145,15 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-MAX_LOGPROBS = 20   # alternatives a request may ask for per token
-MAX_LOGIT_BIAS = 300   # tokens a request may bias (OpenAI's limit)
-MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 64, 32   # bad words per request (two token sequences each), tokens per word
+MAX_LOGPROBS = 20  # alternatives a request may ask for per token
+MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's limit)
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 64, 32  # bad words per request (two token sequences each), tokens per word
 
 
 def sampling_error(sp: SamplingParams) -> str | None:
     """What is out of range in ``sp``, starting with the field's name; None when all is valid.
     (Token ids are checked where the vocabulary is known.)"""
-    if not 0 <= sp.temperature < float("inf"):   # nan fails too; inf would turn masked logits into nan
+    if not 0 <= sp.temperature < float("inf"):  # nan fails too; inf would turn masked logits into nan
         return f"temperature: must be a finite number >= 0, got {sp.temperature}"
     if not 0 < sp.top_p <= 1:
         return f"top_p: must be in (0, 1], got {sp.top_p}"
@@ -167,9 +176,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> tuple[T
     log-probability under the raw logits, and the ``top`` most likely tokens there."""
     if not tokens:
         return ()
-    lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
     chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
     if top <= 0:
         return tuple(TokenLogprob(t, c) for t, c in zip(tokens, chosen))
     vals, ids = lp.topk(top, dim=-1)
-    return tuple(TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist()))
+    return tuple(
+        TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist())
+    )

@@ -7,6 +7,7 @@ mechanics, credentials and the interceptor, are in ``grpc_server``).
   method except health checks (Kubernetes probes carry no token); a missing or wrong token
   is UNAUTHENTICATED. Plaintext without a token stays the default only for loopback use.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -17,9 +18,9 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class TLSConfig:
-    cert: Path | None = None           # PEM certificate (server side, or client side for mTLS)
+    cert: Path | None = None  # PEM certificate (server side, or client side for mTLS)
     key: Path | None = None
-    ca: Path | None = None             # server: CA of required client certs; client: CA to trust
+    ca: Path | None = None  # server: CA of required client certs; client: CA to trust
 
     @classmethod
     def from_env(cls, prefix: str = "SPECMESH_TLS_") -> "TLSConfig":

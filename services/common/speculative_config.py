@@ -16,6 +16,7 @@ Keys, as vLLM names them:
   ``disable_by_batch_size`` (``--spec-disable-batch``).
 Any other key, or one the method does not use, is refused with a message naming it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -23,16 +24,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:   # annotations only: config.py applies this module
+if TYPE_CHECKING:  # annotations only: config.py applies this module
     from services.common.config import EngineConfig
 
-VLLM_METHODS = {"eagle3": "eagle3", "draft_model": "sd", "ngram": "ngram", "suffix": "suffix"}   # vLLM's "eagle"
+VLLM_METHODS = {"eagle3": "eagle3", "draft_model": "sd", "ngram": "ngram", "suffix": "suffix"}  # vLLM's "eagle"
 # (EAGLE-1/2 heads) is not among them: the engine loads EAGLE-3 heads only
 SUFFIX_DRAFTERS = {"suffix", "suffix-tree", "hybrid", "hybrid-rule", "hybrid-tree", "hybrid-lm"}
-SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
-               "suffix_decoding_max_cached_requests"}
-KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-        "disable_by_batch_size"} | SUFFIX_KEYS
+SUFFIX_KEYS = {
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+    "suffix_decoding_max_cached_requests",
+}
+KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+} | SUFFIX_KEYS
 
 
 def apply_speculative_config(cfg: EngineConfig, spec, methods: Mapping[str, Any]) -> EngineConfig:
@@ -40,15 +51,19 @@ def apply_speculative_config(cfg: EngineConfig, spec, methods: Mapping[str, Any]
     each with its ``router_drafter`` and ``model_drafter``. Raises ValueError naming the key
     to fix."""
     if not isinstance(spec, dict):
-        raise ValueError("speculative_config: must be a JSON object, e.g. {\"method\": \"eagle3\", \"model\": DIR}")
+        raise ValueError('speculative_config: must be a JSON object, e.g. {"method": "eagle3", "model": DIR}')
     unknown = sorted(set(spec) - KEYS)
     if unknown:
-        raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(KEYS))}")
+        raise ValueError(
+            f"speculative_config: unsupported key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(KEYS))}"
+        )
     name = spec.get("method")
     method = VLLM_METHODS.get(name, name) if isinstance(name, str) else None
     if method is None or method not in methods:
-        raise ValueError(f"speculative_config.method: {name!r} is not supported; choose vLLM's "
-                         f"{', '.join(VLLM_METHODS)} or one of specmesh's {', '.join(methods)}")
+        raise ValueError(
+            f"speculative_config.method: {name!r} is not supported; choose vLLM's "
+            f"{', '.join(VLLM_METHODS)} or one of specmesh's {', '.join(methods)}"
+        )
     router, model = methods[method].router_drafter, methods[method].model_drafter
     eagle = model in ("eagle3", "eagle3-tree", "model")
     cfg = replace(cfg, default_method=method)
@@ -69,8 +84,10 @@ def apply_speculative_config(cfg: EngineConfig, spec, methods: Mapping[str, Any]
         cfg = replace(cfg, ngram=replace(cfg.ngram, min_n=lo, max_n=hi))
     if SUFFIX_KEYS & set(spec):
         if router not in SUFFIX_DRAFTERS:
-            raise ValueError(f"speculative_config.suffix_decoding_*: only with methods that draft from the suffix "
-                             f"cache, not {name!r}")
+            raise ValueError(
+                f"speculative_config.suffix_decoding_*: only with methods that draft from the suffix "
+                f"cache, not {name!r}"
+            )
         cfg = replace(cfg, suffix=_suffix(cfg, spec))
     if "disable_by_batch_size" in spec:
         cfg = replace(cfg, spec_disable_batch=_count(spec, "disable_by_batch_size", 1))
@@ -93,14 +110,22 @@ def _suffix(cfg: EngineConfig, spec: dict):
     s = cfg.suffix
     depth = _count(spec, "suffix_decoding_max_tree_depth", 1, s.max_depth)
     cached = _count(spec, "suffix_decoding_max_cached_requests", 0, s.max_cached_requests)
-    factor = float(_typed(spec, "suffix_decoding_max_spec_factor", (int, float), "a number > 0", s.spec.max_spec_factor))
-    prob = float(_typed(spec, "suffix_decoding_min_token_prob", (int, float), "a number in [0, 1]", s.spec.min_token_prob))
+    factor = float(
+        _typed(spec, "suffix_decoding_max_spec_factor", (int, float), "a number > 0", s.spec.max_spec_factor)
+    )
+    prob = float(
+        _typed(spec, "suffix_decoding_min_token_prob", (int, float), "a number in [0, 1]", s.spec.min_token_prob)
+    )
     if factor <= 0:
         raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor: must be > 0, got {factor}")
     if not 0 <= prob <= 1:
         raise ValueError(f"speculative_config.suffix_decoding_min_token_prob: must be in [0, 1], got {prob}")
-    return replace(s, max_depth=depth, max_cached_requests=cached,
-                   spec=replace(s.spec, max_spec_factor=factor, min_token_prob=prob))
+    return replace(
+        s,
+        max_depth=depth,
+        max_cached_requests=cached,
+        spec=replace(s.spec, max_spec_factor=factor, min_token_prob=prob),
+    )
 
 
 def _typed(spec: dict, key: str, kinds, what: str, default=None):

@@ -9,6 +9,7 @@ token the grammar forbids is simply rejected, and every lossless method still eq
 ``vanilla`` under the same constraint. The automaton is outlines-core's ``Index`` (a regex
 DFA walked over each token's bytes); JSON schemas become regexes first.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,10 +24,10 @@ import torch
 
 from services.common.grammar_worker import CompileTimeout, IndexWorker
 
-MAX_SPEC_CHARS = 32768        # a schema, regex or all choices together
+MAX_SPEC_CHARS = 32768  # a schema, regex or all choices together
 MAX_CHOICES = 256
-MAX_REGEX_CHARS = 65536       # the regex a schema expands to
-MASKS_CACHED = 256            # token masks kept per compiled pattern (a mask is one bool per vocabulary entry)
+MAX_REGEX_CHARS = 65536  # the regex a schema expands to
+MASKS_CACHED = 256  # token masks kept per compiled pattern (a mask is one bool per vocabulary entry)
 
 
 class GrammarError(ValueError):
@@ -48,8 +49,9 @@ class StructuredOutput:
         """The regular expression the output must match as a whole."""
         kinds = [k for k in ("json_schema", "regex", "choice", "json_object") if getattr(self, k)]
         if len(kinds) != 1:
-            raise GrammarError("structured_output: set exactly one of json_schema, regex, choice, json_object "
-                               f"(got {kinds or 'none'})")
+            raise GrammarError(
+                f"structured_output: set exactly one of json_schema, regex, choice, json_object (got {kinds or 'none'})"
+            )
         if self.json_object:
             return JSON_OBJECT
         size = len(self.json_schema) + len(self.regex) + sum(len(c) for c in self.choice)
@@ -80,7 +82,7 @@ def _json_object(depth: int) -> str:
     raise ValueError(f"depth must be >= 0, got {depth}")
 
 
-JSON_OBJECT = _json_object(1)   # bundled vocabulary: depth 1 compiles in 0.3 s, depth 2 in 13 s (bench.grammar_compile)
+JSON_OBJECT = _json_object(1)  # bundled vocabulary: depth 1 compiles in 0.3 s, depth 2 in 13 s (bench.grammar_compile)
 
 _META = re.compile(r"([\\.+*?()|\[\]{}^$#&\-~])")
 
@@ -100,8 +102,10 @@ def schema_regex(schema: str) -> str:
     except (ValueError, TypeError) as e:
         raise GrammarError(f"structured_output.json_schema: not a usable JSON schema: {e}") from None
     if len(pattern) > MAX_REGEX_CHARS:
-        raise GrammarError(f"structured_output.json_schema: too complex (its regex has {len(pattern)} characters, "
-                           f"at most {MAX_REGEX_CHARS}); bound nesting or drop open-ended objects")
+        raise GrammarError(
+            f"structured_output.json_schema: too complex (its regex has {len(pattern)} characters, "
+            f"at most {MAX_REGEX_CHARS}); bound nesting or drop open-ended objects"
+        )
     return pattern
 
 
@@ -171,7 +175,9 @@ class TokenGrammar:
             self._masks.move_to_end(key)
         return mask
 
-    def mask_columns(self, logits: torch.Tensor, state: int, columns: torch.Tensor | None = None) -> torch.Tensor | None:
+    def mask_columns(
+        self, logits: torch.Tensor, state: int, columns: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """A drafter's logits over ``columns`` (target ids; None: the whole
         vocabulary) with what the grammar forbids at −inf; None where it allows none of them."""
         allowed = self.allowed(state, logits.device)
@@ -235,11 +241,15 @@ class GrammarCompiler:
             grammar = TokenGrammar(self.worker.compile(pattern), self.vocab_size, self.eos_id)
         except CompileTimeout as e:
             GRAMMAR_COMPILES.labels("too_complex").inc()
-            raise GrammarError(f"structured_output: too complex: {e}; use fewer or smaller bounded repetitions "
-                               "(x{0,100}), e.g. an unbounded x* or a shorter maxLength") from None
+            raise GrammarError(
+                f"structured_output: too complex: {e}; use fewer or smaller bounded repetitions "
+                "(x{0,100}), e.g. an unbounded x* or a shorter maxLength"
+            ) from None
         except ValueError as e:
             GRAMMAR_COMPILES.labels("invalid").inc()
-            raise GrammarError(f"structured_output: the pattern cannot be compiled: {_regex_detail(pattern) or e}") from None
+            raise GrammarError(
+                f"structured_output: the pattern cannot be compiled: {_regex_detail(pattern) or e}"
+            ) from None
         GRAMMAR_COMPILES.labels("compiled").inc()
         GRAMMAR_COMPILE_SECONDS.observe(time.perf_counter() - t0)
         with self._lock:

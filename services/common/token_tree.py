@@ -14,6 +14,7 @@ plain greedy decoding and sampled output follows the target's distribution.
 
 Pure: no gRPC, Redis or Ray.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -27,8 +28,10 @@ def check_tree(parents: Sequence[int]) -> None:
     """ValueError unless every parent is -1 or an earlier node."""
     for i, p in enumerate(parents):
         if not -1 <= p < i:
-            raise ValueError(f"parents[{i}] = {p}: a node's parent must be -1 (the last committed token) "
-                             f"or an earlier node (0..{i - 1})")
+            raise ValueError(
+                f"parents[{i}] = {p}: a node's parent must be -1 (the last committed token) "
+                f"or an earlier node (0..{i - 1})"
+            )
 
 
 def children(parents: Sequence[int]) -> dict[int, list[int]]:
@@ -58,8 +61,9 @@ def depths(parents: Sequence[int]) -> list[int]:
     return out
 
 
-def graft(token_ids: Sequence[int], parents: Sequence[int], branch: Sequence[int], limit: int
-          ) -> tuple[list[int], list[int]]:
+def graft(
+    token_ids: Sequence[int], parents: Sequence[int], branch: Sequence[int], limit: int
+) -> tuple[list[int], list[int]]:
     """The tree with the chain ``branch`` added under the root: it follows the tree while the
     tree holds its tokens, and what is left becomes new nodes after the tree's (so the main
     chain is unchanged), at most ``limit`` nodes in all."""
@@ -70,7 +74,7 @@ def graft(token_ids: Sequence[int], parents: Sequence[int], branch: Sequence[int
         nxt = next((c for c in kids.get(cur, ()) if toks[c] == t), None)
         if nxt is None:
             room = max(0, limit - len(toks))
-            for t2 in branch[i:i + room]:
+            for t2 in branch[i : i + room]:
                 toks.append(t2)
                 pars.append(cur)
                 cur = len(toks) - 1
@@ -79,8 +83,7 @@ def graft(token_ids: Sequence[int], parents: Sequence[int], branch: Sequence[int
     return toks, pars
 
 
-def walk(token_ids: Sequence[int], parents: Sequence[int], next_token: Callable[[int], int]
-         ) -> tuple[list[int], int]:
+def walk(token_ids: Sequence[int], parents: Sequence[int], next_token: Callable[[int], int]) -> tuple[list[int], int]:
     """The accepted path and the token emitted after it. ``next_token(node)`` is the target's
     choice after ``node`` (-1: after the last committed token)."""
     kids = children(parents)

@@ -1,4 +1,5 @@
 """Types shared by every component: sampling parameters, drafts, verdicts, statistics."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -6,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from services.common.token_tree import is_chain, main_chain
 
-if TYPE_CHECKING:   # annotations only: this module is imported where torch is not
+if TYPE_CHECKING:  # annotations only: this module is imported where torch is not
     import torch
 
 
-SAMPLING_EPS = 1e-5   # temperatures below it are greedy (vLLM's _SAMPLING_EPS): dividing logits by less overflows
+SAMPLING_EPS = 1e-5  # temperatures below it are greedy (vLLM's _SAMPLING_EPS): dividing logits by less overflows
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,14 @@ class Draft:
         if not self.is_tree:
             return self
         keep = main_chain(self.parents)
-        return replace(self, token_ids=[self.token_ids[i] for i in keep], parents=[],
-                       probs=None if self.probs is None else self.probs[keep],
-                       token_probs=[self.token_probs[i] for i in keep] if self.token_probs else [],
-                       features=dict(self.features))
+        return replace(
+            self,
+            token_ids=[self.token_ids[i] for i in keep],
+            parents=[],
+            probs=None if self.probs is None else self.probs[keep],
+            token_probs=[self.token_probs[i] for i in keep] if self.token_probs else [],
+            features=dict(self.features),
+        )
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class SpecStats:
     cycles: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    first_rejections: int = 0          # cycles ending in a true (unrescued) rejection
+    first_rejections: int = 0  # cycles ending in a true (unrescued) rejection
     generated_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafts_by_source: dict[str, int] = field(default_factory=dict)
@@ -174,10 +179,14 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         return {
-            "cycles": self.cycles, "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens, "rescued_tokens": self.rescued_tokens,
-            "first_rejections": self.first_rejections, "rescue_rate": round(self.rescue_rate, 4),
-            "generated_tokens": self.generated_tokens, "tau": round(self.tau, 4),
+            "cycles": self.cycles,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "rescued_tokens": self.rescued_tokens,
+            "first_rejections": self.first_rejections,
+            "rescue_rate": round(self.rescue_rate, 4),
+            "generated_tokens": self.generated_tokens,
+            "tau": round(self.tau, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "accepted_per_position": list(self.accepted_per_position),
             "drafts_by_source": dict(self.drafts_by_source),
@@ -205,18 +214,18 @@ class SessionSpec:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     policy: str = "lossless"
-    model_drafter: str | None = None     # verifier-side drafter this session may use
-    on_demand: bool = False              # it drafts only when a cycle asks (a hybrid): no eager catch-up
-    max_draft: int = 0                   # longest draft the session will see (KV capacity)
+    model_drafter: str | None = None  # verifier-side drafter this session may use
+    on_demand: bool = False  # it drafts only when a cycle asks (a hybrid): no eager catch-up
+    max_draft: int = 0  # longest draft the session will see (KV capacity)
     session_id: str = ""
-    deadline_s: float | None = None      # the client's remaining time; remote verifiers get it as deadline
-    logprobs: int | None = None          # per committed token: its target log-probability and this many alternatives
-    cache_salt: str = ""                 # prefix-cache blocks are shared only among sessions of the same salt
-    ignore_eos: bool = False             # commit past the end-of-sequence token
-    min_tokens: int = 0                  # no end-of-sequence token before this many new tokens
-    generated: int = 0                   # the last this many prompt_ids are output already (a re-open)
-    prompt_logprobs: int | None = None   # per prompt token after the first: its log-probability and alternatives
-    grammar: str | None = None           # structured output: the whole output matches this regex
+    deadline_s: float | None = None  # the client's remaining time; remote verifiers get it as deadline
+    logprobs: int | None = None  # per committed token: its target log-probability and this many alternatives
+    cache_salt: str = ""  # prefix-cache blocks are shared only among sessions of the same salt
+    ignore_eos: bool = False  # commit past the end-of-sequence token
+    min_tokens: int = 0  # no end-of-sequence token before this many new tokens
+    generated: int = 0  # the last this many prompt_ids are output already (a re-open)
+    prompt_logprobs: int | None = None  # per prompt token after the first: its log-probability and alternatives
+    grammar: str | None = None  # structured output: the whole output matches this regex
 
     def resumed(self, committed: list[int]) -> "SessionSpec":
         """The spec that re-opens this session elsewhere after ``committed`` output tokens
@@ -225,32 +234,37 @@ class SessionSpec:
         n = len(committed)
         if not n:
             return self
-        return replace(self, prompt_ids=self.prompt_ids + list(committed),
-                       max_new_tokens=max(1, self.max_new_tokens - n), min_tokens=max(0, self.min_tokens - n),
-                       generated=self.generated + n, prompt_logprobs=None)
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids + list(committed),
+            max_new_tokens=max(1, self.max_new_tokens - n),
+            min_tokens=max(0, self.min_tokens - n),
+            generated=self.generated + n,
+            prompt_logprobs=None,
+        )
 
 
 @dataclass(frozen=True)
 class CycleRequest:
-    draft_ids: tuple[int, ...] = ()      # a draft made by the router (suffix cache)
+    draft_ids: tuple[int, ...] = ()  # a draft made by the router (suffix cache)
     draft_parents: tuple[int, ...] = ()  # its token tree's parents (token_tree); empty: a chain
     draft_source: str = "none"
-    draft_with: str | None = None        # or: draft here with this verifier-side drafter (and, where the
-                                         # session takes trees, verify draft_ids, a chain, beside its draft)
+    draft_with: str | None = None  # or: draft here with this verifier-side drafter (and, where the
+    # session takes trees, verify draft_ids, a chain, beside its draft)
     budget: int = 0
 
 
 @dataclass(frozen=True)
 class CycleResult:
-    committed: list[int]                 # tokens the request keeps: the verdict's, cut after EOS
+    committed: list[int]  # tokens the request keeps: the verdict's, cut after EOS
     drafted: int
-    accepted: int                        # draft tokens kept among ``committed``
+    accepted: int  # draft tokens kept among ``committed``
     source: str
     rescued_pairs: tuple[tuple[int, int], ...] = ()
-    rejected: bool = False               # the cycle ended at a true rejection
+    rejected: bool = False  # the cycle ended at a true rejection
     draft_s: float = 0.0
     verify_s: float = 0.0
-    batch_size: int = 1                  # sessions verified in the same target forward
-    cached_tokens: int = 0               # prompt positions the prefix cache gave (a session's first cycle)
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # a session's first cycle, when it asked
-    logprobs: tuple[TokenLogprob, ...] = ()   # one per committed token, when the session asked
+    batch_size: int = 1  # sessions verified in the same target forward
+    cached_tokens: int = 0  # prompt positions the prefix cache gave (a session's first cycle)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # a session's first cycle, when it asked
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token, when the session asked

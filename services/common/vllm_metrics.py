@@ -9,6 +9,7 @@ reports one speculative method. The decode path is untouched. Finish reasons map
 Registered by the router (``serve``, embedded or router role), where requests and cycles are
 counted; a Ray Serve node's multiprocess exporter keeps specmesh's names only.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -79,7 +80,7 @@ class VllmNames(Collector):
             buckets[lab["le"]] += v
         total = sum(v for _, v in _samples(metric, "_sum"))
         h = HistogramMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name"])
-        if buckets:   # none until a method observes one
+        if buckets:  # none until a method observes one
             h.add_metric([self.model_name], sorted(buckets.items(), key=lambda kv: float(kv[0])), total)
         return h
 

@@ -1,4 +1,5 @@
 """The one drafter protocol, and the registry drafters are looked up in by name."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -35,8 +36,9 @@ class Drafter(ABC):
     prefix: PrefixCache | None = None
 
     @abstractmethod
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
-              max_new_tokens: int = 0) -> None: ...
+    def start(
+        self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None, max_new_tokens: int = 0
+    ) -> None: ...
 
     @abstractmethod
     def propose(self, req_id: str, budget: int) -> Draft: ...
@@ -72,6 +74,7 @@ def register(name: str):
     def deco(factory):
         DRAFTERS[name] = factory
         return factory
+
     return deco
 
 

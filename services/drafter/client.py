@@ -1,4 +1,5 @@
 """``RemoteDrafter``: the Drafter interface over `specmesh.v1.Drafter` (a shared suffix-cache service)."""
+
 from __future__ import annotations
 
 from services.common.grpc_server import channel
@@ -18,12 +19,16 @@ class RemoteDrafter(Drafter):
         self.name, self.timeout_s, self.tree = name, timeout_s, tree
 
     def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0) -> None:
-        self.stub.Start(pb.DrafterStart(session_id=req_id, prompt_ids=prompt, max_new_tokens=max_new_tokens),
-                        timeout=self.timeout_s)
+        self.stub.Start(
+            pb.DrafterStart(session_id=req_id, prompt_ids=prompt, max_new_tokens=max_new_tokens), timeout=self.timeout_s
+        )
 
     def propose(self, req_id, budget) -> Draft:
-        return draft_from_pb(self.stub.Propose(pb.DrafterPropose(session_id=req_id, budget=budget, tree=self.tree),
-                                               timeout=self.timeout_s))
+        return draft_from_pb(
+            self.stub.Propose(
+                pb.DrafterPropose(session_id=req_id, budget=budget, tree=self.tree), timeout=self.timeout_s
+            )
+        )
 
     def verified(self, req_id, n) -> None:
         """The service keeps no per-draft state, so a cut draft needs no call."""

@@ -1,4 +1,5 @@
 """Draft-LM drafter: a small causal LM with its own static KV cache and rollback."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,15 +23,16 @@ class _State:
     vocab_size: int
     cache_len: int = 0
     drafted: list[int] = field(default_factory=list)
-    keys: list[bytes] | None = None      # prefix-cache keys of the blocks stored (None: not looked up yet)
-    root: bytes = ROOT                   # the first block's parent: the request's cache salt
-    prompt_len: int = 0                  # tokens after it are output (the penalties count them)
+    keys: list[bytes] | None = None  # prefix-cache keys of the blocks stored (None: not looked up yet)
+    root: bytes = ROOT  # the first block's parent: the request's cache salt
+    prompt_len: int = 0  # tokens after it are output (the penalties count them)
     grammar: GrammarCursor | None = None  # structured output: drafts stay inside the grammar
 
 
 @dataclass
 class _Row:
     """One request's draft in progress: tokens to feed next at ``pos``, tokens drafted."""
+
     st: _State
     budget: int
     feed: list[int]
@@ -38,36 +40,41 @@ class _Row:
     out: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
     confident: bool = True
-    state: int | None = None             # the grammar's state after the output and ``out``
+    state: int | None = None  # the grammar's state after the output and ``out``
 
     @classmethod
     def of(cls, st: _State, budget: int) -> "_Row":
         # K/V of an earlier draft that was never committed is stale; at least one token stays pending.
         st.cache_len = min(st.cache_len, len(st.tokens) - 1)
         budget = max(0, min(budget, st.cache.capacity - len(st.tokens)))
-        return cls(st, budget, st.tokens[st.cache_len:], st.cache_len,
-                   state=st.grammar.state if st.grammar else None)
+        return cls(st, budget, st.tokens[st.cache_len :], st.cache_len, state=st.grammar.state if st.grammar else None)
 
     def constrain(self, logits: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor | None:
         """The row's logits under its request's penalties, bias, bad words and grammar (None:
         they allow none of the columns, so the chain ends)."""
         st = self.st
-        if st.sp.penalized:   # drafts follow the request's penalties and bias, as the target will
+        if st.sp.penalized:  # drafts follow the request's penalties and bias, as the target will
             logits = apply_penalties(logits[None], st.tokens + self.out, st.prompt_len, [], st.sp, columns)[0]
         if st.sp.biased:
             logits = apply_bias(logits, st.sp, columns)
-        if st.sp.bad_words:   # nor do they complete a bad word the target would ban
-            logits = ban_columns(logits, banned_tokens(st.tokens[st.prompt_len:] + self.out, st.sp.bad_words), columns)
+        if st.sp.bad_words:  # nor do they complete a bad word the target would ban
+            logits = ban_columns(logits, banned_tokens(st.tokens[st.prompt_len :] + self.out, st.sp.bad_words), columns)
         # Only an allow-list can leave no token (bias is finite; bad words ban a few): checked
         # only then, as the check waits for the device.
         if st.sp.allowed_token_ids and not bool(torch.isfinite(logits).any()):
-            return None   # none of the allowed tokens is left in the draft vocabulary
+            return None  # none of the allowed tokens is left in the draft vocabulary
         if st.grammar is not None:
             return st.grammar.automaton.mask_columns(logits, self.state, columns)
         return logits
 
-    def take(self, greedy_tok: int | None, logits: torch.Tensor, p_max: float, min_confidence: float,
-             vocab: torch.Tensor | None = None) -> None:
+    def take(
+        self,
+        greedy_tok: int | None,
+        logits: torch.Tensor,
+        p_max: float,
+        min_confidence: float,
+        vocab: torch.Tensor | None = None,
+    ) -> None:
         """Greedy requests draft argmax tokens (q one-hot); sampled ones sample from q, which
         lives on the draft vocabulary ``vocab`` when the logits cover only it (zero elsewhere).
         The chain ends after a token whose draft probability (max of q) is below ``min_confidence``."""
@@ -115,8 +122,13 @@ class DraftLMDrafter(Drafter):
 
     name = "draft-lm"
 
-    def __init__(self, model: Llama, min_confidence: float = 0.0, vocab: torch.Tensor | None = None,
-                 prefix: PrefixCache | None = None):
+    def __init__(
+        self,
+        model: Llama,
+        min_confidence: float = 0.0,
+        vocab: torch.Tensor | None = None,
+        prefix: PrefixCache | None = None,
+    ):
         self.model = model
         self.min_confidence = min_confidence
         self.vocab = vocab
@@ -126,12 +138,28 @@ class DraftLMDrafter(Drafter):
             self.head = restricted_head(model.lm_head, vocab)
         self.states: dict[str, _State] = {}
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
-              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None,
-              trees: bool = False) -> None:
+    def start(
+        self,
+        req_id: str,
+        prompt: list[int],
+        sp: SamplingParams,
+        rng: torch.Generator,
+        max_new_tokens: int = 0,
+        cache_root: bytes = ROOT,
+        grammar: GrammarCursor | None = None,
+        trees: bool = False,
+    ) -> None:
         """Chains only: ``trees`` is not taken up."""
-        self.states[req_id] = _State(list(prompt), self.model.new_cache(1), sp, rng, self.model.s.vocab,
-                                     root=cache_root, prompt_len=len(prompt), grammar=grammar)
+        self.states[req_id] = _State(
+            list(prompt),
+            self.model.new_cache(1),
+            sp,
+            rng,
+            self.model.s.vocab,
+            root=cache_root,
+            prompt_len=len(prompt),
+            grammar=grammar,
+        )
 
     def kv_bytes_per_position(self) -> int:
         return kv_bytes_per_position(self.model.new_cache(1, 1))
@@ -145,14 +173,19 @@ class DraftLMDrafter(Drafter):
         rows = [_Row.of(self._attached(req_id), budget) for req_id, budget in asks]
         active = [r for r in rows if r.budget > 0]
         while active:
-            logits, _ = self.model.forward_ragged([r.feed for r in active], [r.pos for r in active],
-                                                  [r.st.cache for r in active], last_only=True, head=self.head)
+            logits, _ = self.model.forward_ragged(
+                [r.feed for r in active],
+                [r.pos for r in active],
+                [r.st.cache for r in active],
+                last_only=True,
+                head=self.head,
+            )
             stacked = torch.stack([lg[-1] for lg in logits])
             for j, r in enumerate(active):
                 if r.st.sp.penalized or r.st.sp.biased or r.st.sp.bad_words or r.st.grammar is not None:
                     row = r.constrain(stacked[j], self.vocab)
                     if row is None:
-                        r.budget = len(r.out)   # nothing allowed: the chain ends here
+                        r.budget = len(r.out)  # nothing allowed: the chain ends here
                     else:
                         stacked[j] = row
             ended = {id(r) for r in active if not r.drafting}
@@ -177,7 +210,7 @@ class DraftLMDrafter(Drafter):
         st = self._attached(req_id)
         upto = min(upto, len(st.tokens) - 1)
         if upto > st.cache_len:
-            self.model.forward_ragged([st.tokens[st.cache_len:upto]], [st.cache_len], [st.cache], tails=[0])
+            self.model.forward_ragged([st.tokens[st.cache_len : upto]], [st.cache_len], [st.cache], tails=[0])
             st.cache_len = upto
             self._keep(st)
 
@@ -194,8 +227,9 @@ class DraftLMDrafter(Drafter):
 
     def _keep(self, st: _State) -> None:
         if self.prefix is not None and st.keys is not None:
-            self.prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, self.prefix.block),
-                              st.root)
+            self.prefix.store(
+                st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, self.prefix.block), st.root
+            )
 
     def verified(self, req_id: str, n: int) -> None:
         """Its drafts follow the request's grammar and bad words already, so none is cut."""

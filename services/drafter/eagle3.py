@@ -13,6 +13,7 @@ Checkpoint format = published EAGLE-3 heads (config.json + safetensors): ``fc.*`
 and ``eagle_config.eagle_aux_hidden_state_layer_ids``. Embeddings are the target's, frozen
 (loaded from the checkpoint when it carries ``embed_tokens.weight``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,7 +34,7 @@ class MidLayer(nn.Module):
         self.s = s
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.hidden_norm = RMSNorm(s.hidden, s.eps)
-        self.self_attn = Attention(s, in_features=2 * s.hidden, bias=False)   # its projections and RoPE
+        self.self_attn = Attention(s, in_features=2 * s.hidden, bias=False)  # its projections and RoPE
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
         self.mlp = MLP(s)
 
@@ -67,8 +68,8 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(s.hidden, self.draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(s.vocab, dtype=torch.bool))
-        self.remaps_vocab = self.draft_vocab != s.vocab   # set from d2t on load; training keeps d2t = 0
-        self._embed_in, self._embed_in_key = None, None   # inference: see embed_in
+        self.remaps_vocab = self.draft_vocab != s.vocab  # set from d2t on load; training keeps d2t = 0
+        self._embed_in, self._embed_in_key = None, None  # inference: see embed_in
         self._d2t, self._d2t_key = None, None
         cos, sin = _rope_tables(cfg, s.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -122,15 +123,20 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rope(slice(start, start + t), h.dtype)
         q, k, v = self.midlayer.qkv(self.embed_in(tokens), h, cos, sin, slice(t - 1, t))
         kc, vc = cache.layers[0]
-        kc[:, :, start:start + t] = k
-        vc[:, :, start:start + t] = v
-        o = F.scaled_dot_product_attention(q, kc[:, :, :start + t], vc[:, :, :start + t],  # the last sees all
-                                           enable_gqa=self.s.kv_heads != self.s.heads)
+        kc[:, :, start : start + t] = k
+        vc[:, :, start : start + t] = v
+        o = F.scaled_dot_product_attention(
+            q,
+            kc[:, :, : start + t],
+            vc[:, :, : start + t],  # the last sees all
+            enable_gqa=self.s.kv_heads != self.s.heads,
+        )
         out = self.midlayer.finish(o, h[:, -1:])
         return self.lm_head(self.norm(out)), out
 
-    def step_ragged(self, hs: list[torch.Tensor], tokens: list[list[int]], starts: list[int],
-                    caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def step_ragged(
+        self, hs: list[torch.Tensor], tokens: list[list[int]], starts: list[int], caches: list[KVCache]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``step`` for several requests at once: row r runs ``tokens[r]`` with inputs hs[r]
         [T_r, H] at positions starts[r].. of caches[r]. Projections and MLP run once over all
         rows, attention per row. Returns per-row draft-vocab logits [1, V_d] and prenorm [1, H]
@@ -154,8 +160,13 @@ class Eagle3Head(nn.Module):
         logits = self.lm_head(self.norm(out))
         return list(logits[:, None]), list(out[:, None])
 
-    def step_tree(self, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                  rows: list[tuple[int, torch.Tensor, torch.Tensor, KVCache]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_tree(
+        self,
+        h: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: list[tuple[int, torch.Tensor, torch.Tensor, KVCache]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Expand token-tree nodes, of several requests at once: node j runs ``tokens[j]`` on
         input h[j] ([M, H]) at RoPE position positions[j]. ``rows``: per request (its first
         node's index, the cache slots of its nodes [m], the mask [m, S] of what each may
@@ -168,11 +179,18 @@ class Eagle3Head(nn.Module):
         for off, slots, mask, cache in rows:
             m = len(slots)
             kc, vc = cache.layers[0]
-            kc[0].index_copy_(1, slots, k[0, :, off:off + m])
-            vc[0].index_copy_(1, slots, v[0, :, off:off + m])
+            kc[0].index_copy_(1, slots, k[0, :, off : off + m])
+            vc[0].index_copy_(1, slots, v[0, :, off : off + m])
             end = mask.shape[-1]
-            outs.append(F.scaled_dot_product_attention(q[:, :, off:off + m], kc[:, :, :end], vc[:, :, :end],
-                                                       attn_mask=mask, enable_gqa=self.s.kv_heads != self.s.heads))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, off : off + m],
+                    kc[:, :, :end],
+                    vc[:, :, :end],
+                    attn_mask=mask,
+                    enable_gqa=self.s.kv_heads != self.s.heads,
+                )
+            )
         out = self.midlayer.finish(torch.cat(outs, dim=2), h[None])[0]
         return self.lm_head(self.norm(out)), out
 
@@ -187,15 +205,24 @@ class Eagle3Head(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to("cpu", dtype) if v.is_floating_point() else v.cpu()).contiguous()
-                 for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
+        state = {
+            k: (v.to("cpu", dtype) if v.is_floating_point() else v.cpu()).contiguous()
+            for k, v in self.state_dict().items()
+            if not k.startswith("embed_tokens")
+        }
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         self.cfg.dtype = str(dtype).removeprefix("torch.")
         self.cfg.save_pretrained(str(path))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target_embed: torch.Tensor | None = None,
-                        dtype=torch.float32, device="cpu", target: LlamaShape | None = None) -> "Eagle3Head":
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        target_embed: torch.Tensor | None = None,
+        dtype=torch.float32,
+        device="cpu",
+        target: LlamaShape | None = None,
+    ) -> "Eagle3Head":
         """With ``target``, a head trained for another target raises ``HeadMismatch``."""
         from safetensors.torch import load_file
         from transformers import LlamaConfig
@@ -231,25 +258,36 @@ def check_fits(raw: dict, target: LlamaShape, path) -> None:
     """A head serves only a target of its hidden size and vocabulary with its feature layers."""
     hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
     layers = raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    if hidden != target.hidden or raw.get("vocab_size") != target.vocab or not all(0 <= i < target.layers for i in layers):
-        raise HeadMismatch(f"EAGLE-3 head {path} was trained for a target of hidden {hidden}, vocabulary "
-                           f"{raw.get('vocab_size')}, feature layers {layers}; this target has hidden "
-                           f"{target.hidden}, vocabulary {target.vocab}, {target.layers} layers")
+    if (
+        hidden != target.hidden
+        or raw.get("vocab_size") != target.vocab
+        or not all(0 <= i < target.layers for i in layers)
+    ):
+        raise HeadMismatch(
+            f"EAGLE-3 head {path} was trained for a target of hidden {hidden}, vocabulary "
+            f"{raw.get('vocab_size')}, feature layers {layers}; this target has hidden "
+            f"{target.hidden}, vocabulary {target.vocab}, {target.layers} layers"
+        )
 
 
-def eagle3_config(target_cfg, aux_layers: tuple[int, int, int], intermediate: int | None = None,
-                  draft_vocab: int | None = None):
+def eagle3_config(
+    target_cfg, aux_layers: tuple[int, int, int], intermediate: int | None = None, draft_vocab: int | None = None
+):
     """Head config for ``target_cfg``: same hidden size, heads, vocabulary and RoPE as the
     target; the LM head covers ``draft_vocab`` tokens (default: the whole vocabulary)."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(
-        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,
-        intermediate_size=intermediate or target_cfg.intermediate_size, num_hidden_layers=1,
+        vocab_size=target_cfg.vocab_size,
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=intermediate or target_cfg.intermediate_size,
+        num_hidden_layers=1,
         num_attention_heads=target_cfg.num_attention_heads,
         num_key_value_heads=getattr(target_cfg, "num_key_value_heads", None) or target_cfg.num_attention_heads,
-        max_position_embeddings=target_cfg.max_position_embeddings, rms_norm_eps=target_cfg.rms_norm_eps,
-        rope_parameters=getattr(target_cfg, "rope_parameters", None), tie_word_embeddings=False,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        rope_parameters=getattr(target_cfg, "rope_parameters", None),
+        tie_word_embeddings=False,
         architectures=["LlamaForCausalLMEagle3"],
     )
     cfg.draft_vocab_size = draft_vocab or target_cfg.vocab_size

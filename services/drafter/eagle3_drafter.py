@@ -10,6 +10,7 @@ With ``prefix`` (a ``PrefixCache`` of its own), a request's first catch-up start
 longest cached run of the head's blocks. Head position i depends on the tokens up to i + 1,
 so its blocks are keyed by the tokens one position on (the first token is the chain's root).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ class TreeShape:
 
     topk: int = 2
     steps: int = 4
-    min_score: float = 0.0   # nodes scoring below it are neither expanded nor kept (the best child always is)
+    min_score: float = 0.0  # nodes scoring below it are neither expanded nor kept (the best child always is)
 
 
 @dataclass
@@ -42,15 +43,15 @@ class _State:
     cache: KVCache
     sp: SamplingParams
     rng: torch.Generator | None
-    feats: list[torch.Tensor] = field(default_factory=list)   # unprocessed [n, 3·H_t] chunks
-    n_feats: int = 0          # target positions with features (processed or not)
-    real_len: int = 0         # head cache positions computed from real features
+    feats: list[torch.Tensor] = field(default_factory=list)  # unprocessed [n, 3·H_t] chunks
+    n_feats: int = 0  # target positions with features (processed or not)
+    real_len: int = 0  # head cache positions computed from real features
     last_feat: torch.Tensor | None = None
-    keys: list[bytes] | None = None   # prefix-cache keys of the head blocks stored (None: not looked up yet)
-    root: bytes = ROOT                # the head blocks' chain root: the cache salt and the first token
-    prompt_len: int = 0               # tokens after it are output (the penalties count them)
-    grammar: GrammarCursor | None = None   # structured output: drafts stay inside the grammar
-    trees: bool = False               # its drafts may be token trees (the session walks them)
+    keys: list[bytes] | None = None  # prefix-cache keys of the head blocks stored (None: not looked up yet)
+    root: bytes = ROOT  # the head blocks' chain root: the cache salt and the first token
+    prompt_len: int = 0  # tokens after it are output (the penalties count them)
+    grammar: GrammarCursor | None = None  # structured output: drafts stay inside the grammar
+    trees: bool = False  # its drafts may be token trees (the session walks them)
 
 
 @dataclass
@@ -59,12 +60,12 @@ class _Row:
     budget: int
     drafted: list[int] = field(default_factory=list)
     qs: list[torch.Tensor] = field(default_factory=list)
-    h: torch.Tensor | None = None      # the head's last prenorm output, input of the next step
+    h: torch.Tensor | None = None  # the head's last prenorm output, input of the next step
     confident: bool = True
-    state: int | None = None           # the grammar's state after the output and ``drafted``
+    state: int | None = None  # the grammar's state after the output and ``drafted``
 
     def take(self, pick: tuple[int, torch.Tensor | None, float] | None, h: torch.Tensor, min_confidence: float) -> None:
-        if pick is None:   # the grammar allows none of the head's tokens: the chain ends
+        if pick is None:  # the grammar allows none of the head's tokens: the chain ends
             self.budget = len(self.drafted)
             return
         tok, q, p_max = pick
@@ -78,7 +79,9 @@ class _Row:
 
     @property
     def drafting(self) -> bool:
-        return self.confident and len(self.drafted) < self.budget and (self.st.grammar is None or self.state is not None)
+        return (
+            self.confident and len(self.drafted) < self.budget and (self.st.grammar is None or self.state is not None)
+        )
 
 
 @dataclass
@@ -110,11 +113,15 @@ class _Tree:
     def to_expand(self, depth: int) -> list[int]:
         """The newest nodes worth a step at ``depth`` (the ``topk`` best); none once the best
         scores below the floor, the budget's depth is reached, or the cache is full."""
-        grow = sorted(self.frontier, key=lambda j: (-self.scores[j], j))[:self.shape.topk]
+        grow = sorted(self.frontier, key=lambda j: (-self.scores[j], j))[: self.shape.topk]
         self.frontier = []
         base = self.st.n_feats + len(self.slot_of)
-        if (not grow or depth >= self.budget or self.scores[grow[0]] < self.shape.min_score
-                or base + len(grow) > self.st.cache.capacity):
+        if (
+            not grow
+            or depth >= self.budget
+            or self.scores[grow[0]] < self.shape.min_score
+            or base + len(grow) > self.st.cache.capacity
+        ):
             return []
         self.slot_of.update(zip(grow, range(base, base + len(grow))))
         return grow
@@ -124,7 +131,7 @@ class _Tree:
         prefix, its ancestors' slots and its own."""
         slots = [self.slot_of[j] for j in grow]
         mask = torch.zeros(len(grow), slots[-1] + 1, dtype=torch.bool)
-        mask[:, :self.st.n_feats] = True
+        mask[:, : self.st.n_feats] = True
         for r, j in enumerate(grow):
             while j >= 0:
                 mask[r, self.slot_of[j]] = True
@@ -135,11 +142,15 @@ class _Tree:
         """The ``budget`` best-scoring nodes, those below the floor left out (the best one
         kept). A node scores no more than its parent, so they form a tree (ties go to the
         parent, the lower index)."""
-        ranked = sorted(range(len(self.toks)), key=lambda j: (-self.scores[j], j))[:self.budget]
+        ranked = sorted(range(len(self.toks)), key=lambda j: (-self.scores[j], j))[: self.budget]
         keep = sorted(j for n, j in enumerate(ranked) if n == 0 or self.scores[j] >= self.shape.min_score)
         index = {j: n for n, j in enumerate(keep)}
-        return Draft(token_ids=[self.toks[j] for j in keep], parents=[index.get(self.parents[j], -1) for j in keep],
-                     token_probs=[self.scores[j] for j in keep], source=source)
+        return Draft(
+            token_ids=[self.toks[j] for j in keep],
+            parents=[index.get(self.parents[j], -1) for j in keep],
+            token_probs=[self.scores[j] for j in keep],
+            source=source,
+        )
 
 
 @register("eagle3")
@@ -151,23 +162,44 @@ class Eagle3Drafter(Drafter):
     name = "eagle3"
     needs_target_states = True
 
-    def __init__(self, head: Eagle3Head, min_confidence: float = 0.0, prefix: PrefixCache | None = None,
-                 tree: TreeShape | None = None, name: str = "eagle3"):
+    def __init__(
+        self,
+        head: Eagle3Head,
+        min_confidence: float = 0.0,
+        prefix: PrefixCache | None = None,
+        tree: TreeShape | None = None,
+        name: str = "eagle3",
+    ):
         self.head = head
         self.min_confidence = min_confidence
         self.prefix = prefix
         self.tree = tree
         self.name = name
         self.states: dict[str, _State] = {}
-        self._columns: torch.Tensor | None = None   # target ids of the draft vocabulary (penalties)
+        self._columns: torch.Tensor | None = None  # target ids of the draft vocabulary (penalties)
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
-              max_new_tokens: int = 0, cache_root: bytes = ROOT, grammar: GrammarCursor | None = None,
-              trees: bool = False) -> None:
+    def start(
+        self,
+        req_id: str,
+        prompt: list[int],
+        sp: SamplingParams,
+        rng: torch.Generator | None,
+        max_new_tokens: int = 0,
+        cache_root: bytes = ROOT,
+        grammar: GrammarCursor | None = None,
+        trees: bool = False,
+    ) -> None:
         """``trees``: the session walks token trees (lossless policy, no per-row reshaping of logits)."""
-        self.states[req_id] = _State(list(prompt), self.head.new_cache(self.head.s.max_positions), sp, rng,
-                                     root=root_key("eagle3", cache_root, prompt[0]), prompt_len=len(prompt),
-                                     grammar=grammar, trees=trees and self.tree is not None)
+        self.states[req_id] = _State(
+            list(prompt),
+            self.head.new_cache(self.head.s.max_positions),
+            sp,
+            rng,
+            root=root_key("eagle3", cache_root, prompt[0]),
+            prompt_len=len(prompt),
+            grammar=grammar,
+            trees=trees and self.tree is not None,
+        )
 
     def verified(self, req_id: str, n: int) -> None:
         """Its drafts follow the request's grammar and bad words already, so none is cut."""
@@ -179,30 +211,35 @@ class Eagle3Drafter(Drafter):
             st.feats.append(target_states)
             st.n_feats += len(target_states)
 
-    def _pick(self, st: _State, logits: torch.Tensor, drafted: list[int],
-              state: int | None = None) -> tuple[int, torch.Tensor | None, float] | None:
+    def _pick(
+        self, st: _State, logits: torch.Tensor, drafted: list[int], state: int | None = None
+    ) -> tuple[int, torch.Tensor | None, float] | None:
         """Draft-vocabulary logits → (target token, q over the target vocabulary for sampled
         requests, max q; 1.0 when no confidence cut is set). Drafts follow the request's
         penalties, as the target will, counting the chain's tokens so far as output, its logit
         bias, its bad words and its grammar (at ``state``): None when they allow none of the
         head's tokens."""
         if st.sp.penalized:
-            logits = apply_penalties(logits[None], st.tokens + drafted, st.prompt_len, [], st.sp,
-                                     self._target_columns(logits.device))[0]
+            logits = apply_penalties(
+                logits[None], st.tokens + drafted, st.prompt_len, [], st.sp, self._target_columns(logits.device)
+            )[0]
         if st.sp.biased:
             logits = apply_bias(logits, st.sp, self._target_columns(logits.device))
         if st.sp.bad_words:
-            logits = ban_columns(logits, banned_tokens(st.tokens[st.prompt_len:] + drafted, st.sp.bad_words),
-                                 self._target_columns(logits.device))
+            logits = ban_columns(
+                logits,
+                banned_tokens(st.tokens[st.prompt_len :] + drafted, st.sp.bad_words),
+                self._target_columns(logits.device),
+            )
         # Only an allow-list can leave no token (bias is finite; bad words ban a few): checked
         # only then, as the check waits for the device.
         if st.sp.allowed_token_ids and not bool(torch.isfinite(logits).any()):
-            return None   # none of the allowed tokens is left in the draft vocabulary
+            return None  # none of the allowed tokens is left in the draft vocabulary
         if st.grammar is not None:
             logits = st.grammar.automaton.mask_columns(logits, state, self._target_columns(logits.device))
             if logits is None:
                 return None
-        if st.sp.greedy:   # on the draft vocabulary: its max q is the head's own confidence
+        if st.sp.greedy:  # on the draft vocabulary: its max q is the head's own confidence
             tok = self.head.greedy(logits)
             if self.min_confidence <= 0:
                 return tok, None, 1.0
@@ -249,9 +286,10 @@ class Eagle3Drafter(Drafter):
     def _keep(self, st: _State) -> None:
         """Store the head blocks computed from real features (positions before ``real_len``)."""
         if self.prefix is None or st.keys is None or (len(st.keys) + 1) * self.prefix.block > st.real_len:
-            return   # no block completed (the usual cycle): no copy of the tokens
-        self.prefix.store(st.keys, st.tokens[1:], st.real_len, lambda b0: kv_block(st.cache, b0, self.prefix.block),
-                          st.root)
+            return  # no block completed (the usual cycle): no copy of the tokens
+        self.prefix.store(
+            st.keys, st.tokens[1:], st.real_len, lambda b0: kv_block(st.cache, b0, self.prefix.block), st.root
+        )
 
     def _catch_up(self, st: _State) -> tuple[torch.Tensor, list[int], int]:
         """Head inputs for the positions not yet run on real features: fc(f), tokens, start."""
@@ -266,7 +304,7 @@ class Eagle3Drafter(Drafter):
             f, start = st.last_feat, st.n_feats - 1
         st.real_len = st.n_feats
         h = head.fc(f.to(head.fc.weight.device, head.fc.weight.dtype))
-        return h, st.tokens[start + 1:st.n_feats + 1], start
+        return h, st.tokens[start + 1 : st.n_feats + 1], start
 
     @torch.inference_mode()
     def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
@@ -276,31 +314,50 @@ class Eagle3Drafter(Drafter):
         for req_id, budget in asks:
             st = self.states[req_id]
             budget = min(budget, st.cache.capacity - st.n_feats)
-            rows.append(_Row(st, budget, state=st.grammar.state if st.grammar else None)
-                        if st.n_feats > 0 and budget > 0 else None)
+            rows.append(
+                _Row(st, budget, state=st.grammar.state if st.grammar else None)
+                if st.n_feats > 0 and budget > 0
+                else None
+            )
         active = [r for r in rows if r is not None]
         if active:
             inputs = [self._catch_up(r.st) for r in active]
-            logits, outs = self.head.step_ragged([i[0] for i in inputs], [i[1] for i in inputs],
-                                                 [i[2] for i in inputs], [r.st.cache for r in active])
+            logits, outs = self.head.step_ragged(
+                [i[0] for i in inputs], [i[1] for i in inputs], [i[2] for i in inputs], [r.st.cache for r in active]
+            )
             for r in active:
                 self._keep(r.st)
             grown = [(r, lg[-1], out[-1:]) for r, lg, out in zip(active, logits, outs) if r.st.trees]
-            trees = dict(zip((id(r) for r, _, _ in grown),
-                             self._grow([(r.st, lg, out, r.budget) for r, lg, out in grown]) if grown else []))
-            logits, outs = ([lg for r, lg in zip(active, logits) if not r.st.trees],
-                            [out for r, out in zip(active, outs) if not r.st.trees])
+            trees = dict(
+                zip(
+                    (id(r) for r, _, _ in grown),
+                    self._grow([(r.st, lg, out, r.budget) for r, lg, out in grown]) if grown else [],
+                )
+            )
+            logits, outs = (
+                [lg for r, lg in zip(active, logits) if not r.st.trees],
+                [out for r, out in zip(active, outs) if not r.st.trees],
+            )
             active = [r for r in active if not r.st.trees]
         while active:
             for r, lg, out in zip(active, logits, outs):
                 r.take(self._pick(r.st, lg[-1], r.drafted, r.state), out[-1:], self.min_confidence)
             active = [r for r in active if r.drafting]
             if active:
-                logits, outs = self.head.step_ragged([r.h for r in active], [[r.drafted[-1]] for r in active],
-                                                     [r.st.n_feats + len(r.drafted) - 1 for r in active],
-                                                     [r.st.cache for r in active])
-        return [Draft.empty() if r is None else trees[id(r)] if r.st.trees else
-                Draft(token_ids=r.drafted, probs=torch.stack(r.qs) if r.qs else None, source=self.name) for r in rows]
+                logits, outs = self.head.step_ragged(
+                    [r.h for r in active],
+                    [[r.drafted[-1]] for r in active],
+                    [r.st.n_feats + len(r.drafted) - 1 for r in active],
+                    [r.st.cache for r in active],
+                )
+        return [
+            Draft.empty()
+            if r is None
+            else trees[id(r)]
+            if r.st.trees
+            else Draft(token_ids=r.drafted, probs=torch.stack(r.qs) if r.qs else None, source=self.name)
+            for r in rows
+        ]
 
     def _grow(self, rows: list[tuple[_State, torch.Tensor, torch.Tensor, int]]) -> list[Draft]:
         """EAGLE-2's dynamic draft trees (as SGLang's ``speculative_eagle_topk``) for several
@@ -313,8 +370,9 @@ class Eagle3Drafter(Drafter):
         samples (no q), so a sampled session verifies them by drawing the target's tokens."""
         d2t = self.head._d2t_list() if self.head.remaps_vocab else None
         trees = [_Tree(st, budget, self.tree) for st, _, _, budget in rows]
-        self._children(trees, [[-1]] * len(trees), torch.stack([lg for _, lg, _, _ in rows]),
-                       [out for _, _, out, _ in rows], d2t)
+        self._children(
+            trees, [[-1]] * len(trees), torch.stack([lg for _, lg, _, _ in rows]), [out for _, _, out, _ in rows], d2t
+        )
         for depth in range(1, self.tree.steps):
             work = [(t, g) for t in trees if (g := t.to_expand(depth))]
             if not work:
@@ -330,12 +388,17 @@ class Eagle3Drafter(Drafter):
                 off += len(g)
             logits, outs = self.head.step_tree(h, tokens, positions, spans)
             per = [len(g) for _, g in work]
-            self._children([t for t, _ in work], [g for _, g in work], logits,
-                           list(torch.split(outs, per)), d2t)
+            self._children([t for t, _ in work], [g for _, g in work], logits, list(torch.split(outs, per)), d2t)
         return [t.draft(self.name) for t in trees]
 
-    def _children(self, trees: list["_Tree"], parents: list[list[int]], logits: torch.Tensor,
-                  outs: list[torch.Tensor], d2t: list[int] | None) -> None:
+    def _children(
+        self,
+        trees: list["_Tree"],
+        parents: list[list[int]],
+        logits: torch.Tensor,
+        outs: list[torch.Tensor],
+        d2t: list[int] | None,
+    ) -> None:
         """Each tree's ``parents[i]`` nodes get their ``topk`` children, from their head logits
         (rows of ``logits``, in order) and prenorm outputs (``outs[i]`` [m_i, H])."""
         top = torch.softmax(logits.float(), -1).topk(self.tree.topk)
@@ -343,7 +406,7 @@ class Eagle3Drafter(Drafter):
         row = 0
         for t, nodes, h in zip(trees, parents, outs):
             for r, parent in enumerate(nodes):
-                t.add(parent, values[row], [i + d2t[i] if d2t else i for i in ids[row]], h[r:r + 1])
+                t.add(parent, values[row], [i + d2t[i] if d2t else i for i in ids[row]], h[r : r + 1])
                 row += 1
 
     def stop(self, req_id: str) -> None:

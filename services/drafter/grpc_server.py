@@ -1,5 +1,6 @@
 """`specmesh.v1.Drafter`: the suffix-cache drafter as a service. Sessions a router forgets to
 stop are reaped after ``idle_s`` without calls."""
+
 from __future__ import annotations
 
 import threading
@@ -68,6 +69,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
 def build_drafter_server(drafter: SuffixDrafter, vocab_size: int, host: str, port: int, workers: int = 16):
     servicer = DrafterServicer(drafter, vocab_size)
-    server, bound = build_grpc_server(lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s), [SERVICE_NAME],
-                                      host, port, workers)
+    server, bound = build_grpc_server(
+        lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s), [SERVICE_NAME], host, port, workers
+    )
     return server, servicer, bound

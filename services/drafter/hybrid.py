@@ -31,6 +31,7 @@ longer gap is followed by another.
 running bias against the true yields that verification and shadow verification reveal is
 added to it before it is compared with what the draft needs.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,7 +47,7 @@ from services.drafter.base import Drafter
 from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize
 from services.predictor.mlp import YieldMLP
 
-CACHE, MODEL, PLAIN = "cache", "model", "plain"   # a hybrid's choices per cycle
+CACHE, MODEL, PLAIN = "cache", "model", "plain"  # a hybrid's choices per cycle
 
 
 class _Means:
@@ -102,9 +103,9 @@ class _CycleCost(_Means):
         cnk, cns, cks = m["nk"] - m["n"] * m["k"], m["ns"] - m["n"] * m["s"], m["ks"] - m["k"] * m["s"]
         det = vn * vk - cnk * cnk
         b = c = 0.0
-        if vn > 0.25 and vk > 0.25 and det > 0.05 * vn * vk:   # both vary, and not in lockstep
+        if vn > 0.25 and vk > 0.25 and det > 0.05 * vn * vk:  # both vary, and not in lockstep
             b, c = (cns * vk - cks * cnk) / det, (cks * vn - cns * cnk) / det
-            if b < 0 or c < 0:   # refit on the other alone
+            if b < 0 or c < 0:  # refit on the other alone
                 b, c = (0.0, max(0.0, cks / vk)) if b < 0 else (max(0.0, cns / vn), 0.0)
         elif vn > 0.25:
             b = max(0.0, cns / vn)
@@ -139,7 +140,7 @@ class PredictionValue:
     def __init__(self, warmup: int = 16, explore_every: int = 16, alpha: float = 0.05):
         self.warmup, self.explore_every, self.alpha = warmup, explore_every, alpha
         self.gain: dict[int, _Means] = {}
-        self.cost = _Means()              # seconds per prediction
+        self.cost = _Means()  # seconds per prediction
         self._skipped: dict[int, int] = {}
 
     def worth(self, length: int, rate: float) -> bool:
@@ -175,14 +176,21 @@ class CycleCosts:
         self.warmup, self.explore_every, self.alpha, self.steady_every = warmup, explore_every, alpha, steady_every
         self.ema = {c: _Ema() for c in (CACHE, MODEL, PLAIN)}
         self.cache_cost = _CycleCost()
-        self.model_cost = _CycleCost()     # seconds over (catch-up gap, tokens committed)
+        self.model_cost = _CycleCost()  # seconds over (catch-up gap, tokens committed)
         self._since_steady = steady_every  # model cycles since the last back-to-back one
         self.prediction = PredictionValue()
         self._fallbacks = 0
         self._lock = threading.Lock()
 
-    def record(self, choice: str, tokens: int, seconds: float, drafted: int = 0, gap: int | None = None,
-               back_to_back: bool = False) -> None:
+    def record(
+        self,
+        choice: str,
+        tokens: int,
+        seconds: float,
+        drafted: int = 0,
+        gap: int | None = None,
+        back_to_back: bool = False,
+    ) -> None:
         """One finished cycle: tokens committed, its seconds, (cache cycles) the draft length and
         (model cycles) the catch-up gap, tokens committed since the model drafter last drafted,
         and whether the cycle before was the model's too."""
@@ -205,7 +213,7 @@ class CycleCosts:
         e = self.ema[choice]
         if choice != MODEL or self.model_cost.n < self.warmup:
             return e.rate()
-        return e.tokens / self.model_cost.seconds(e.tokens, e.tokens)   # back to back, the gap is a cycle's tokens
+        return e.tokens / self.model_cost.seconds(e.tokens, e.tokens)  # back to back, the gap is a cycle's tokens
 
     def fallback(self) -> str:
         """The model drafter or a plain step: whichever yields more tokens per second."""
@@ -269,8 +277,9 @@ def passes(y_hat: float, need: float | None, tau: float) -> bool:
 class DecisionRule(Protocol):
     name: str
 
-    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str,
-                     costs: CycleCosts | None) -> bool: ...
+    def verify_cache(
+        self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str, costs: CycleCosts | None
+    ) -> bool: ...
 
     def realize(self, length: int, raw: float, y: int) -> None:
         """A predicted n-token draft's true yield ``y`` is known; ``raw`` was the predictor's ŷ."""
@@ -307,12 +316,13 @@ class PredictorRule:
     def realize(self, length: int, raw: float, y: int) -> None:
         self.calibration.realize(length, raw, y)
 
-    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
-                     costs: CycleCosts | None = None) -> bool:
+    def verify_cache(
+        self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL, costs: CycleCosts | None = None
+    ) -> bool:
         n = len(draft.token_ids)
         need, worth = costs.plan(n, fallback) if costs is not None else (None, True)
         if not worth:
-            return True     # any ŷ ≥ 0 passes, or a decline would not repay the prediction
+            return True  # any ŷ ≥ 0 passes, or a decline would not repay the prediction
         t0 = time.perf_counter()
         raw = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
         y_hat = self.calibration(n, raw)
@@ -329,8 +339,9 @@ class ScoreRule:
     def __init__(self, threshold: float):
         self.threshold = threshold
 
-    def verify_cache(self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL,
-                     costs: CycleCosts | None = None) -> bool:
+    def verify_cache(
+        self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL, costs: CycleCosts | None = None
+    ) -> bool:
         return draft.score >= self.threshold
 
     def realize(self, length: int, raw: float, y: int) -> None:
@@ -352,11 +363,11 @@ class Delegate:
 class _Prediction:
     """What a consulted prediction said of a cache draft, kept until its true yield is known."""
 
-    high: bool                     # ŷ ≥ HIGH_YIELD (precision / recall metrics)
-    raw: float                     # the predictor's own ŷ, before calibration
+    high: bool  # ŷ ≥ HIGH_YIELD (precision / recall metrics)
+    raw: float  # the predictor's own ŷ, before calibration
     length: int
-    need: float | None             # None: decided by τ, not by measured costs
-    declined: bool                 # the draft was not verified
+    need: float | None  # None: decided by τ, not by measured costs
+    declined: bool  # the draft was not verified
 
 
 @dataclass
@@ -367,10 +378,10 @@ class _State:
     predicted: _Prediction | None = None
     choice: str = CACHE
     started: float = 0.0
-    model_used: bool = False    # the model drafter has drafted for this request
-    since_model: int = 0        # tokens committed since it last drafted: its catch-up gap
-    follow_up: bool = False     # the next cycle is the model's, to measure it back to back
-    prev: str = CACHE           # the choice of the cycle before
+    model_used: bool = False  # the model drafter has drafted for this request
+    since_model: int = 0  # tokens committed since it last drafted: its catch-up gap
+    follow_up: bool = False  # the next cycle is the model's, to measure it back to back
+    prev: str = CACHE  # the choice of the cycle before
 
 
 class HybridDrafter(Drafter):
@@ -380,36 +391,56 @@ class HybridDrafter(Drafter):
     a delegated cycle also carries the declined cache draft, verified beside the model's
     (``Delegate.also``)."""
 
-    def __init__(self, name: str, cache, model: str, rule: DecisionRule, max_cache: int, max_model: int,
-                 costs: CycleCosts | None = None, both: bool = False):
+    def __init__(
+        self,
+        name: str,
+        cache,
+        model: str,
+        rule: DecisionRule,
+        max_cache: int,
+        max_model: int,
+        costs: CycleCosts | None = None,
+        both: bool = False,
+    ):
         self.name, self.cache, self.model, self.rule = name, cache, model, rule
         self.max_cache, self.max_model = max_cache, max_model
         self.costs, self.both = costs, both
         self.states: dict[str, _State] = {}
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None,
-              max_new_tokens: int = 0) -> None:
+    def start(
+        self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None, max_new_tokens: int = 0
+    ) -> None:
         self.cache.start(req_id, prompt, sp, rng)
         self.states[req_id] = _State(YieldTracker(len(prompt), max_new_tokens), [])
 
     def propose(self, req_id: str, budget: int) -> Draft | Delegate:
         st = self.states[req_id]
         st.started, st.prev = time.perf_counter(), st.choice
-        if st.follow_up:   # the model again, to measure it back to back (CycleCosts.follow_up)
+        if st.follow_up:  # the model again, to measure it back to back (CycleCosts.follow_up)
             st.follow_up, st.cache_draft, st.chose_cache, st.predicted = False, [], False, None
             return self._chosen(st, MODEL, Draft.empty(), budget)
         draft = self.cache.propose(req_id, min(budget, self.max_cache))
-        chain = draft.chain()   # what the rule and the predictor read (trained on paths); a tree goes out whole
+        chain = draft.chain()  # what the rule and the predictor read (trained on paths); a tree goes out whole
         st.cache_draft = chain.token_ids
         fallback = self.costs.fallback() if self.costs else MODEL
-        st.chose_cache = bool(chain.token_ids) and self.rule.verify_cache(chain, st.tracker, budget, fallback,
-                                                                        self.costs)
+        st.chose_cache = bool(chain.token_ids) and self.rule.verify_cache(
+            chain, st.tracker, budget, fallback, self.costs
+        )
         y_hat = chain.features.get("predicted_yield")
-        st.predicted = None if y_hat is None else _Prediction(y_hat >= HIGH_YIELD, chain.features["raw_yield"],
-                                                              len(chain.token_ids),
-                                                              chain.features.get("yield_needed"), not st.chose_cache)
-        return self._chosen(st, CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL,
-                            draft, budget)
+        st.predicted = (
+            None
+            if y_hat is None
+            else _Prediction(
+                y_hat >= HIGH_YIELD,
+                chain.features["raw_yield"],
+                len(chain.token_ids),
+                chain.features.get("yield_needed"),
+                not st.chose_cache,
+            )
+        )
+        return self._chosen(
+            st, CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL, draft, budget
+        )
 
     def _chosen(self, st: _State, choice: str, draft: Draft, budget: int) -> Draft | Delegate:
         st.choice = choice

@@ -9,6 +9,7 @@ arrive (O(max_n − min_n + 1) per token), so a proposal is a few dictionary rea
 
 Pure Python: no torch, gRPC, Redis or Ray.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from services.drafter.base import Drafter, register
 @dataclass
 class _Req:
     tokens: list[int] = field(default_factory=list)
-    first_end: dict[tuple[int, ...], int] = field(default_factory=dict)   # n-gram → end of its first occurrence
+    first_end: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram → end of its first occurrence
 
 
 @register("ngram")
@@ -34,8 +35,9 @@ class NgramDrafter(Drafter):
         self.cfg = cfg
         self.states: dict[str, _Req] = {}
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams | None = None, rng=None,
-              max_new_tokens: int = 0) -> None:
+    def start(
+        self, req_id: str, prompt: list[int], sp: SamplingParams | None = None, rng=None, max_new_tokens: int = 0
+    ) -> None:
         self.states[req_id] = st = _Req()
         self._extend(st, prompt)
 
@@ -44,16 +46,16 @@ class NgramDrafter(Drafter):
             st.tokens.append(t)
             end = len(st.tokens)
             for n in range(self.cfg.min_n, min(self.cfg.max_n, end) + 1):
-                st.first_end.setdefault(tuple(st.tokens[end - n:]), end)
+                st.first_end.setdefault(tuple(st.tokens[end - n :]), end)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         """The tokens after the earliest earlier occurrence of the longest matching suffix."""
         st = self.states[req_id]
         toks, end = st.tokens, len(st.tokens)
         for n in range(min(self.cfg.max_n, end - 1), self.cfg.min_n - 1, -1):
-            first = st.first_end.get(tuple(toks[end - n:]))
+            first = st.first_end.get(tuple(toks[end - n :]))
             if first is not None and first < end:
-                return Draft(token_ids=toks[first:first + min(budget, self.cfg.k)], source=self.name, match_len=n)
+                return Draft(token_ids=toks[first : first + min(budget, self.cfg.k)], source=self.name, match_len=n)
         return Draft.empty()
 
     def verified(self, req_id: str, n: int) -> None:

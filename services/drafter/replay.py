@@ -7,6 +7,7 @@ and one more token is emitted,
 so τ, acceptance and draft lengths equal those of a real run over the same prompts in the
 same order (tests/sim checks this against the engine).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,9 @@ from services.drafter.base import Drafter
 class Trace:
     id: str
     prompt_ids: list[int]
-    output_ids: list[int]          # without EOS
+    output_ids: list[int]  # without EOS
     max_new_tokens: int
-    eos_id: int | None = None      # set when the target stopped at EOS
+    eos_id: int | None = None  # set when the target stopped at EOS
 
     @property
     def continuation(self) -> list[int]:
@@ -76,13 +77,16 @@ class ReplayStats:
         us = 1e6
         return {
             "tau": round(self.generated / self.cycles, 4) if self.cycles else 0.0,
-            "cycles": self.cycles, "generated_tokens": self.generated,
+            "cycles": self.cycles,
+            "generated_tokens": self.generated,
             "cycles_per_1k": round(1000 * self.cycles / self.generated, 1) if self.generated else None,
-            "draft_tokens": self.drafted, "accepted_tokens": self.accepted,
+            "draft_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             "draft_length_histogram": {str(k): v for k, v in sorted(self.draft_lengths.items())},
-            "acceptance_per_position": [round(a / d, 4) for a, d in zip(self.accepted_per_position,
-                                                                        self.drafts_per_position)],
+            "acceptance_per_position": [
+                round(a / d, 4) for a, d in zip(self.accepted_per_position, self.drafts_per_position)
+            ],
             "us_per_speculate_call": round(us * self.speculate_s / max(1, self.speculate_calls), 2),
             "us_per_speculated_token": round(us * self.speculate_s / max(1, self.drafted), 2),
             "us_per_update_token": round(us * self.update_s / max(1, self.update_tokens), 2),
@@ -107,7 +111,7 @@ def replay(drafter: Drafter, traces: list[Trace], max_draft: int, progress: bool
             draft = drafter.propose(rid, budget) if budget else Draft.empty()
             t1 = time.perf_counter()
             accepted = len(accepted_by(draft.token_ids, draft.parents, truth[pos:]))
-            emitted = truth[pos:pos + accepted + 1]
+            emitted = truth[pos : pos + accepted + 1]
             drafter.observe(rid, emitted)
             t2 = time.perf_counter()
             if budget:

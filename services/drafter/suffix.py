@@ -1,5 +1,6 @@
 """SuffixDecoding drafter: a per-request tree over prompt + output, and a global tree over
 past outputs; each cycle both speculate and the higher-scoring draft wins."""
+
 from __future__ import annotations
 
 import threading
@@ -98,17 +99,28 @@ class SuffixDrafter(Drafter):
 
     name = "suffix"
 
-    def __init__(self, cfg: SuffixConfig = SuffixConfig(), global_cache: GlobalSuffixCache | None = None,
-                 on_finish: Callable[[list[int]], None] | None = None):
+    def __init__(
+        self,
+        cfg: SuffixConfig = SuffixConfig(),
+        global_cache: GlobalSuffixCache | None = None,
+        on_finish: Callable[[list[int]], None] | None = None,
+    ):
         self.cfg = cfg
         self.on_finish = on_finish  # e.g. publish to the replicas' shared feed
-        self.global_cache = global_cache if global_cache is not None else GlobalSuffixCache(
-            cfg.max_depth, cfg.max_cached_requests)
+        self.global_cache = (
+            global_cache if global_cache is not None else GlobalSuffixCache(cfg.max_depth, cfg.max_cached_requests)
+        )
         self.trees: dict[str, SuffixTree] = {}
         self.states: dict[str, _Req] = {}
 
-    def start(self, req_id: str, prompt: list[int], sp: SamplingParams | None = None,
-              rng: torch.Generator | None = None, max_new_tokens: int = 0) -> None:
+    def start(
+        self,
+        req_id: str,
+        prompt: list[int],
+        sp: SamplingParams | None = None,
+        rng: torch.Generator | None = None,
+        max_new_tokens: int = 0,
+    ) -> None:
         tree = SuffixTree(self.cfg.max_depth)
         seq: list[int] = []
         actives = tree.extend(seq, prompt)
@@ -136,10 +148,15 @@ class SuffixDrafter(Drafter):
         cand, which = self.speculate(req_id, budget, tree)
         st = self.states[req_id]
         st.drafted = cand.token_ids
-        return Draft(token_ids=list(cand.token_ids), parents=list(cand.parents), score=cand.score, source=self.name,
-                     match_len=cand.match_len, token_probs=list(cand.probs),
-                     features={"tree": which, "prompt_len": st.prompt_len,
-                               "generated_len": len(st.seq) - st.prompt_len})
+        return Draft(
+            token_ids=list(cand.token_ids),
+            parents=list(cand.parents),
+            score=cand.score,
+            source=self.name,
+            match_len=cand.match_len,
+            token_probs=list(cand.probs),
+            features={"tree": which, "prompt_len": st.prompt_len, "generated_len": len(st.seq) - st.prompt_len},
+        )
 
     def verified(self, req_id: str, n: int) -> None:
         st = self.states[req_id]
@@ -161,7 +178,7 @@ class SuffixDrafter(Drafter):
         self.trees.pop(req_id, None)
         if st is None:
             return []
-        output = st.seq[st.prompt_len:]
+        output = st.seq[st.prompt_len :]
         self.global_cache.insert(output)
         if self.on_finish is not None:
             self.on_finish(output)

@@ -17,6 +17,7 @@ Representation (ours, shaped for Python speed and memory):
 
 Pure Python: no torch, gRPC, Redis or Ray.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -33,7 +34,7 @@ class Node:
         self.count = 1
         self.children: dict[int, Node] | None = None
         self.depth = depth
-        self.seq = seq          # one occurrence: this node's string is seq[end-depth:end]
+        self.seq = seq  # one occurrence: this node's string is seq[end-depth:end]
         self.end = end
         self.best: Node | None = None
 
@@ -44,7 +45,7 @@ class Candidate:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
-    parents: list[int] = field(default_factory=list)   # a tree's (token_tree); empty: a chain
+    parents: list[int] = field(default_factory=list)  # a tree's (token_tree); empty: a chain
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class SuffixTree:
 
     def match_context(self, context: list[int]) -> list[Match]:
         matches: list[Match] = []
-        for t in context[-self.max_depth:]:
+        for t in context[-self.max_depth :]:
             matches = self.advance(matches, t)
         return matches
 
@@ -179,7 +180,7 @@ class SuffixTree:
                 room = min(limit - len(ids), len(node.seq) - i, self.max_depth - node.depth - extra)
                 if room <= 0:
                     break
-                ids.extend(node.seq[i:i + room])
+                ids.extend(node.seq[i : i + room])
                 probs.extend([prob] * room)
                 break
             child = node.best
@@ -201,7 +202,7 @@ class SuffixTree:
         path of the same length scores no more. Siblings are taken most probable first, so
         first children form the most probable path."""
         c = Candidate()
-        order = 0   # ties pop in push order
+        order = 0  # ties pop in push order
         heap: list = []
 
         def push(parent: int, n: Node, x: int, prob: float) -> None:
@@ -223,13 +224,13 @@ class SuffixTree:
     def _next_tokens(self, node: Node, extra: int, prob: float, min_prob: float):
         """(token, node, extra, running probability) of each continuation of a match worth
         drafting, most frequent first."""
-        if node.children is None:   # single occurrence: its next token, probability unchanged
+        if node.children is None:  # single occurrence: its next token, probability unchanged
             i = node.end + extra
             if i < len(node.seq) and node.depth + extra < self.max_depth:
                 yield node.seq[i], node, extra + 1, prob
             return
         if node.best is None or prob * node.best.count < min_prob * node.count:
-            return   # not even the most frequent child is worth it (the common case: no scan)
+            return  # not even the most frequent child is worth it (the common case: no scan)
         need = min_prob * node.count / prob
         for child in sorted((ch for ch in node.children.values() if ch.count >= need), key=lambda ch: -ch.count):
             yield child.token, child, 0, prob * child.count / node.count

@@ -9,6 +9,7 @@ it (zero elsewhere), and rejection sampling uses that same q.
 The ranking (every token id, most frequent next token first; ties by id) is computed from
 token sequences of the target's generations and shipped with the drafter as JSON.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The correction memory over `specmesh.v1.Memory`: a store for ``WriteBehindMemory``."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -30,14 +31,18 @@ class GrpcStore:
         return Counter({(p.draft, p.target): p.count for p in snap.pairs})
 
     def write(self, batch: Counter) -> None:
-        self._call(self.stub.RecordPairs, pb.RecordPairsRequest(
-            pairs=[pb.PairCount(draft=d, target=t, count=n) for (d, t), n in batch.items()]))
+        self._call(
+            self.stub.RecordPairs,
+            pb.RecordPairsRequest(pairs=[pb.PairCount(draft=d, target=t, count=n) for (d, t), n in batch.items()]),
+        )
 
     def has_prior(self) -> bool:
         return True
 
     def replace_prior(self, counts: dict[Pair, float]) -> None:
-        raise StoreUnavailable("set the calibration prior on the memory service (python -m training calibrate --redis-url)")
+        raise StoreUnavailable(
+            "set the calibration prior on the memory service (python -m training calibrate --redis-url)"
+        )
 
     def retry_in(self) -> float:
         return 0.5

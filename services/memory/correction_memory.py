@@ -9,6 +9,7 @@ replaced) + a sliding window of online *buckets* of ``bucket_seconds`` each; onl
 
 This module is pure: the Redis backend (``redis_memory``) shares the same window rule.
 """
+
 from __future__ import annotations
 
 import threading

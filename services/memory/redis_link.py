@@ -5,6 +5,7 @@ raise ``RedisUnavailable`` immediately until the next retry time (redis-py's
 ``ExponentialBackoff``, 0.5 s doubling to 30 s; calls themselves are never retried in line); the outage is logged once when it starts and once when it ends, counted in
 ``specmesh_redis_errors_total`` and shown in ``specmesh_redis_up``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,12 +33,15 @@ class RedisLink:
         """``rediss://`` URLs use TLS; a private CA comes from SPECMESH_REDIS_CA (a PEM file)."""
         self.url = url
         self.component = component
-        tls = {"ssl_ca_certs": os.environ["SPECMESH_REDIS_CA"]} if url.startswith("rediss://") and \
-            os.environ.get("SPECMESH_REDIS_CA") else {}
+        tls = (
+            {"ssl_ca_certs": os.environ["SPECMESH_REDIS_CA"]}
+            if url.startswith("rediss://") and os.environ.get("SPECMESH_REDIS_CA")
+            else {}
+        )
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls)
         self.healthy = True
         self._backoff = ExponentialBackoff(cap=30.0, base=0.5)
-        self._failures = 0   # in a row: the backoff's exponent
+        self._failures = 0  # in a row: the backoff's exponent
         self._retry_at = 0.0
         self._lock = threading.Lock()
         REDIS_UP.labels(component).set(1)

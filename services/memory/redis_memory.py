@@ -5,6 +5,7 @@ Keys (``prefix`` = ``specmesh:ocm``): ``{prefix}:prior`` — calibration counts,
 window (Redis 7.0 has no per-field expiry). Fields are ``"draft:target"``. Writes are one
 pipelined HINCRBY per pair + EXPIRE.
 """
+
 from __future__ import annotations
 
 import time
@@ -79,7 +80,13 @@ class RedisStore:
 class RedisCorrectionMemory(WriteBehindMemory):
     """The OCM every verifier replica shares through Redis."""
 
-    def __init__(self, link: RedisLink, cfg: OCMConfig = OCMConfig(), prefix: str = "specmesh:ocm",
-                 flush_interval_s: float = 0.5, refresh_interval_s: float = 2.0):
+    def __init__(
+        self,
+        link: RedisLink,
+        cfg: OCMConfig = OCMConfig(),
+        prefix: str = "specmesh:ocm",
+        flush_interval_s: float = 0.5,
+        refresh_interval_s: float = 2.0,
+    ):
         self.link = link
         super().__init__(RedisStore(link, cfg, prefix), flush_interval_s, refresh_interval_s)

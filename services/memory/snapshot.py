@@ -1,4 +1,5 @@
 """OCM snapshot files: JSON {"format": "specmesh-ocm/1", "pairs": [[draft, target, count], ...], "meta": {...}}."""
+
 from __future__ import annotations
 
 import json

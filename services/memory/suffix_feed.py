@@ -8,6 +8,7 @@
 - ``start`` first warms the tree with the whole stream (a restarted replica's cache).
 - ``close`` flushes queued outputs before returning.
 """
+
 from __future__ import annotations
 
 import array
@@ -37,8 +38,14 @@ def unpack(data: bytes) -> list[int]:
 
 
 class SuffixFeed:
-    def __init__(self, link: RedisLink, cache: GlobalSuffixCache, maxlen: int = 10_000,
-                 origin: str | None = None, stream: str = STREAM):
+    def __init__(
+        self,
+        link: RedisLink,
+        cache: GlobalSuffixCache,
+        maxlen: int = 10_000,
+        origin: str | None = None,
+        stream: str = STREAM,
+    ):
         self.link, self.cache, self.maxlen, self.stream = link, cache, maxlen, stream
         self.origin = origin or uuid.uuid4().hex[:12]
         self.last_id = b"0-0"
@@ -70,8 +77,11 @@ class SuffixFeed:
         log.info("suffix feed: warmed global tree with %d outputs", len(entries))
 
     def _xadd(self, tokens: list[int]) -> None:
-        self.link.call(lambda r: r.xadd(self.stream, {"origin": self.origin, "tokens": pack(tokens)},
-                                        maxlen=self.maxlen, approximate=True))
+        self.link.call(
+            lambda r: r.xadd(
+                self.stream, {"origin": self.origin, "tokens": pack(tokens)}, maxlen=self.maxlen, approximate=True
+            )
+        )
         SUFFIX_FEED_PUBLISHED.inc()
 
     def _write_loop(self) -> None:

@@ -5,6 +5,7 @@ view and a pending batch. A background thread flushes the batch and refreshes th
 (store counts + still-pending counts) every few seconds. Store down: the view keeps serving,
 pending counts are kept and re-sent on the store's retry schedule; ``close`` flushes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,7 @@ class StoreUnavailable(RuntimeError):
 
 
 class MemoryStore(Protocol):
-    def read(self) -> Counter: ...                       # prior + live online counts
+    def read(self) -> Counter: ...  # prior + live online counts
 
     def write(self, batch: Counter) -> None: ...
 

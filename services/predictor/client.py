@@ -1,4 +1,5 @@
 """``RemotePredictor``: ``YieldMLP.predict`` over `specmesh.v1.Predictor`."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,6 +18,7 @@ class RemotePredictor:
 
     def predict(self, phi: np.ndarray) -> np.ndarray:
         rows = np.atleast_2d(phi)
-        resp = self.stub.PredictYield(pb.PredictYieldRequest(items=[pb.FeatureVector(values=r.tolist()) for r in rows]),
-                                      timeout=self.timeout_s)
+        resp = self.stub.PredictYield(
+            pb.PredictYieldRequest(items=[pb.FeatureVector(values=r.tolist()) for r in rows]), timeout=self.timeout_s
+        )
         return np.asarray(resp.predicted_yield, dtype=np.float32)

@@ -9,6 +9,7 @@ matched, the draft is *shadow-verified* against the next cycles' tokens until it
 runs out. Recording the censored prefix instead (≤ 1 after a plain step) would bias the
 history low, and the predictor would decline ever more drafts.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,30 @@ from services.common.types import Draft
 from services.drafter.base import common_prefix
 
 FEATURES = (
-    "score", "match_len", "draft_len", "mean_token_prob", "last_token_prob", "from_global_tree",
-    "log_prompt_len", "log_generated_len", "relative_position", "cache_selection_rate",
-    "yield_1", "yield_2", "yield_3", "accepted_1", "accepted_2", "accepted_3", "yield_ema",
-    "frac_whitespace", "frac_punctuation", "frac_brackets", "frac_delimiters", "frac_newline",
-    "first_has_newline", "budget",
+    "score",
+    "match_len",
+    "draft_len",
+    "mean_token_prob",
+    "last_token_prob",
+    "from_global_tree",
+    "log_prompt_len",
+    "log_generated_len",
+    "relative_position",
+    "cache_selection_rate",
+    "yield_1",
+    "yield_2",
+    "yield_3",
+    "accepted_1",
+    "accepted_2",
+    "accepted_3",
+    "yield_ema",
+    "frac_whitespace",
+    "frac_punctuation",
+    "frac_brackets",
+    "frac_delimiters",
+    "frac_newline",
+    "first_has_newline",
+    "budget",
 )
 FLAG_NAMES = ("whitespace", "punctuation", "brackets", "delimiters", "newline")
 
@@ -39,10 +59,17 @@ class TokenFlags:
         for i in range(len(tokenizer)):
             s = tokenizer.decode([i])
             t = s.strip()
-            rows.append((not t, bool(t) and all(not c.isalnum() and c != "_" for c in t),
-                         any(c in "()[]{}" for c in s), any(c in ",;:" for c in s), "\n" in s))
+            rows.append(
+                (
+                    not t,
+                    bool(t) and all(not c.isalnum() and c != "_" for c in t),
+                    any(c in "()[]{}" for c in s),
+                    any(c in ",;:" for c in s),
+                    "\n" in s,
+                )
+            )
         self.table = np.asarray(rows, dtype=np.float32)
-        self.rows = [tuple(map(float, r)) for r in rows]   # per-cycle lookups stay in Python (below)
+        self.rows = [tuple(map(float, r)) for r in rows]  # per-cycle lookups stay in Python (below)
 
     def of(self, tokens: list[int]) -> list[float]:
         """Mean flags of ``tokens``. Plain Python: the router calls this once per cycle, right
@@ -82,13 +109,14 @@ class YieldTracker:
     yield_ema: float = 0.0
     shadows: list[_Shadow] = field(default_factory=list)
 
-    def update(self, cache_draft: list[int], committed: list[int], verified: bool = True,
-               tag: object = None) -> list[tuple[object, int]]:
+    def update(
+        self, cache_draft: list[int], committed: list[int], verified: bool = True, tag: object = None
+    ) -> list[tuple[object, int]]:
         """Record a cycle; returns (tag, yield) of every draft whose yield became known."""
         known = [(sh.tag, sh.matched) for sh in self.shadows if not self._advance(sh, committed)]
         self.shadows = [sh for sh in self.shadows if sh.rest]
         y = common_prefix(cache_draft, committed)
-        if not verified and y == len(committed) < len(cache_draft):   # censored: yield ≥ y
+        if not verified and y == len(committed) < len(cache_draft):  # censored: yield ≥ y
             self.shadows.append(_Shadow(cache_draft[y:], y, tag))
         else:
             known.append((tag, y))
@@ -119,10 +147,24 @@ def featurize(draft: Draft, tracker: YieldTracker, flags: TokenFlags, budget: in
     probs = draft.token_probs or [0.0]
     f = flags.of(draft.token_ids)
     t = tracker
-    return np.asarray([
-        draft.score, draft.match_len, len(draft), sum(probs) / len(probs), probs[-1],
-        float(draft.features.get("tree") == "global"),
-        math.log1p(t.prompt_len), math.log1p(t.generated), t.generated / max(1, t.max_new_tokens),
-        t.selection_rate, *t.yields, *t.accepted, t.yield_ema,
-        *f, float(bool(draft.token_ids) and flags.rows[draft.token_ids[0]][4] > 0), budget,
-    ], dtype=np.float32)
+    return np.asarray(
+        [
+            draft.score,
+            draft.match_len,
+            len(draft),
+            sum(probs) / len(probs),
+            probs[-1],
+            float(draft.features.get("tree") == "global"),
+            math.log1p(t.prompt_len),
+            math.log1p(t.generated),
+            t.generated / max(1, t.max_new_tokens),
+            t.selection_rate,
+            *t.yields,
+            *t.accepted,
+            t.yield_ema,
+            *f,
+            float(bool(draft.token_ids) and flags.rows[draft.token_ids[0]][4] > 0),
+            budget,
+        ],
+        dtype=np.float32,
+    )

@@ -1,4 +1,5 @@
 """`specmesh.v1.Predictor`: the HVD yield predictor as a service."""
+
 from __future__ import annotations
 
 import grpc
@@ -22,8 +23,10 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"items: send 1..{MAX_BATCH} feature vectors, got {n}")
         bad = next((i for i, it in enumerate(request.items) if len(it.values) != len(FEATURES)), None)
         if bad is not None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"items[{bad}]: expected {len(FEATURES)} values in the order {list(FEATURES)}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"items[{bad}]: expected {len(FEATURES)} values in the order {list(FEATURES)}",
+            )
         phi = np.asarray([list(it.values) for it in request.items], dtype=np.float32)
         if not np.isfinite(phi).all():
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "items: values must be finite numbers")
@@ -32,5 +35,6 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
 def build_predictor_server(mlp: YieldMLP, host: str, port: int, workers: int = 8):
     servicer = PredictorServicer(mlp)
-    return build_grpc_server(lambda s: pb_grpc.add_PredictorServicer_to_server(servicer, s), [SERVICE_NAME],
-                             host, port, workers)
+    return build_grpc_server(
+        lambda s: pb_grpc.add_PredictorServicer_to_server(servicer, s), [SERVICE_NAME], host, port, workers
+    )

@@ -1,6 +1,7 @@
 """g_θ: MLP regression of a cache draft's accepted length from φ_t, MSE. HVD starts from 2 × 256;
 the bundled predictor is 2 × 64, which matched 2 × 256 on held-out traces at a quarter of the
 per-cycle cost (bench/results/predictor_width.md)."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ class YieldMLP(nn.Module):
         self.register_buffer("mean", torch.zeros(n_features))
         self.register_buffer("std", torch.ones(n_features))
 
-    mean: torch.Tensor   # buffers: the features' normalisation, fitted with the weights
+    mean: torch.Tensor  # buffers: the features' normalisation, fitted with the weights
     std: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,8 +69,9 @@ class YieldMLP(nn.Module):
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))
         hidden = self.net[0].out_features
         layers = sum(isinstance(m, nn.Linear) for m in self.net) - 1
-        (path / "config.json").write_text(json.dumps(
-            {"features": list(FEATURES), "hidden": hidden, "layers": layers, **meta}, indent=2) + "\n")
+        (path / "config.json").write_text(
+            json.dumps({"features": list(FEATURES), "hidden": hidden, "layers": layers, **meta}, indent=2) + "\n"
+        )
 
     @classmethod
     def load(cls, path: Path) -> "YieldMLP":

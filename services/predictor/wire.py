@@ -1,4 +1,5 @@
 """The predictor service's protobuf edge: its service name and limits."""
+
 from __future__ import annotations
 
 from specmesh.v1 import predictor_pb2 as pb

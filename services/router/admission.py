@@ -1,6 +1,7 @@
 """Who decodes now: admission to session slots (a bounded, prioritised queue), the registry
 of active completions, and aborts shared across front-end replicas. Pure: every front end
 (gRPC, HTTP, Ray, batch files) maps a refusal to its own code."""
+
 from __future__ import annotations
 
 import heapq
@@ -35,7 +36,7 @@ class Admission:
         self.max_sessions, self.max_queue = max_sessions, max_queue
         self._cond = threading.Condition()
         self.running = 0
-        self._queue: list[tuple[int, int]] = []   # heap of (priority, ticket)
+        self._queue: list[tuple[int, int]] = []  # heap of (priority, ticket)
         self._tickets = itertools.count()
 
     @property
@@ -52,8 +53,10 @@ class Admission:
                 self.running += n
                 return None
             if len(self._queue) >= self.max_queue:
-                return Overloaded(f"server is at its limit of {self.max_sessions} concurrent sessions and "
-                                  f"{self.max_queue} queued requests; retry later")
+                return Overloaded(
+                    f"server is at its limit of {self.max_sessions} concurrent sessions and "
+                    f"{self.max_queue} queued requests; retry later"
+                )
             me = (priority, next(self._tickets))
             heapq.heappush(self._queue, me)
             QUEUE_DEPTH.set(len(self._queue))
@@ -71,7 +74,7 @@ class Admission:
                 self._queue.remove(me)
                 heapq.heapify(self._queue)
                 QUEUE_DEPTH.set(len(self._queue))
-                self._cond.notify_all()   # a new head, which free slots may fit
+                self._cond.notify_all()  # a new head, which free slots may fit
 
     def release(self, n: int = 1) -> None:
         with self._cond:
@@ -79,7 +82,7 @@ class Admission:
             self._cond.notify_all()
 
 
-ABORT_WINDOW_S = 60.0   # an abort also ends the requests made before it that start within this time
+ABORT_WINDOW_S = 60.0  # an abort also ends the requests made before it that start within this time
 
 
 class ActiveSessions:
@@ -92,7 +95,7 @@ class ActiveSessions:
     def __init__(self, publish: Callable[[str | None, float], None] | None = None):
         self._lock = threading.Lock()
         self._gens: dict[str, Generation] = {}
-        self._aborts: dict[str | None, float] = {}   # request id (None: all) → when aborted
+        self._aborts: dict[str | None, float] = {}  # request id (None: all) → when aborted
         self.publish = publish
 
     def add(self, gens) -> None:
@@ -120,8 +123,12 @@ class ActiveSessions:
         with self._lock:
             self._aborts = {r: t for r, t in self._aborts.items() if now - t < ABORT_WINDOW_S}
             self._aborts[request_id] = max(when, self._aborts.get(request_id, when))
-            hit = [g for g in self._gens.values() if g.timings.start < when or at is None
-                   if request_id is None or request_id in oa.request_ids(g.req.request_id)]
+            hit = [
+                g
+                for g in self._gens.values()
+                if g.timings.start < when or at is None
+                if request_id is None or request_id in oa.request_ids(g.req.request_id)
+            ]
         for g in hit:
             g.abort()
         if at is None and self.publish is not None:

@@ -10,6 +10,7 @@ own; nothing stops the file. Bodies are parsed and answered by the same function
 API (``openai_api``); up to ``concurrency`` requests decode at once, their cycles in shared
 verifier steps.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,13 +49,20 @@ class _Offline:
 def _take_sessions(admission: Admission, k: int) -> None:
     """A line's k completions wait for their slots (the server's admission, queue unbounded)."""
     if k > admission.max_sessions:
-        raise BatchLineError(f"n: at most {admission.max_sessions} completions in all (prompts × n, or × best_of "
-                             "when larger; --max-sessions)")
+        raise BatchLineError(
+            f"n: at most {admission.max_sessions} completions in all (prompts × n, or × best_of "
+            "when larger; --max-sessions)"
+        )
     admission.acquire(_Offline(), k)
 
 
-def answer_line(engine: Engine, line: str, served: str | tuple[str, ...], chat_template: str | None,
-                admission: Admission | None = None) -> dict:
+def answer_line(
+    engine: Engine,
+    line: str,
+    served: str | tuple[str, ...],
+    chat_template: str | None,
+    admission: Admission | None = None,
+) -> dict:
     """One input line's output line."""
     rid = f"batch-{uuid.uuid4().hex}"
     custom_id = None
@@ -62,23 +70,30 @@ def answer_line(engine: Engine, line: str, served: str | tuple[str, ...], chat_t
         req = _request_line(line)
         custom_id = req["custom_id"]
         body = _answer(engine, req["url"], req["body"], served, chat_template, admission or Admission(1 << 30, 1 << 30))
-        return {"id": rid, "custom_id": custom_id, "response": {"status_code": 200, "request_id": rid, "body": body},
-                "error": None}
+        return {
+            "id": rid,
+            "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body},
+            "error": None,
+        }
     except (BatchLineError, InvalidRequest) as e:
         custom_id = custom_id if custom_id is not None else getattr(e, "custom_id", None)
         message = oa.openai_message(e) if isinstance(e, InvalidRequest) else str(e)
         code = 404 if isinstance(e, oa.ModelNotFound) else 400
         kind = "not_found_error" if code == 404 else "invalid_request_error"
         return _error_line(rid, custom_id, code, kind, message)
-    except Exception as e:   # a failure while decoding: this line's answer, and the file goes on
+    except Exception as e:  # a failure while decoding: this line's answer, and the file goes on
         log.exception("batch line %s failed", custom_id)
         return _error_line(rid, custom_id, 500, "server_error", f"internal error: {type(e).__name__}: {e}")
 
 
 def _error_line(rid: str, custom_id, code: int, kind: str, message: str) -> dict:
-    return {"id": rid, "custom_id": custom_id,
-            "response": {"status_code": code, "request_id": rid, "body": oa.error_body(message, kind, code)},
-            "error": message}
+    return {
+        "id": rid,
+        "custom_id": custom_id,
+        "response": {"status_code": code, "request_id": rid, "body": oa.error_body(message, kind, code)},
+        "error": message,
+    }
 
 
 def _request_line(line: str) -> dict:
@@ -102,8 +117,11 @@ def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | N
     """The HTTP API's answer to ``body`` at ``url`` (a request that does not stream)."""
     if body.get("stream"):
         raise BatchLineError("stream: a batch file's answers are whole; leave stream out")
-    api = (oa.completion_request(body, engine, served) if url == URLS[0]
-           else oa.chat_request(body, engine, served, chat_template))
+    api = (
+        oa.completion_request(body, engine, served)
+        if url == URLS[0]
+        else oa.chat_request(body, engine, served, chat_template)
+    )
     completions = Completions([g for r in api.gens for g in engine.generate_all(r).gens])
     k = len(completions.gens)
     _take_sessions(admission, k)
@@ -114,11 +132,25 @@ def _answer(engine: Engine, url: str, body: dict, served, chat_template: str | N
     return oa.response_body(api, oa.new_id(api.chat), int(time.time()), choices, completions.gens, engine.tokenizer)
 
 
-def run_batch(engine: Engine, lines: Iterable[str], served, chat_template: str | None = None, concurrency: int = 8,
-              max_sessions: int = 64, progress: bool = True) -> list[dict]:
+def run_batch(
+    engine: Engine,
+    lines: Iterable[str],
+    served,
+    chat_template: str | None = None,
+    concurrency: int = 8,
+    max_sessions: int = 64,
+    progress: bool = True,
+) -> list[dict]:
     """Output lines in input order (blank input lines skipped). ``concurrency`` lines decode
     at once, with at most ``max_sessions`` completions among them."""
     admission = Admission(max_sessions, max_queue=1 << 30)
-    return run_concurrently(lambda line: answer_line(engine, line, served, chat_template, admission),
-                            [line for line in lines if line.strip()], concurrency, "run-batch", "requests",
-                            progress, every_s=5.0, failed=lambda out: out["error"] is not None)
+    return run_concurrently(
+        lambda line: answer_line(engine, line, served, chat_template, admission),
+        [line for line in lines if line.strip()],
+        concurrency,
+        "run-batch",
+        "requests",
+        progress,
+        every_s=5.0,
+        failed=lambda out: out["error"] is not None,
+    )

@@ -5,6 +5,7 @@ One cycle = draft (here, or delegated to a verifier-side drafter) → ``session.
 target forward, policy, commit) → router drafters observe → stream the new text. The
 verifier is in-process (embedded) or remote (distributed); the loop is the same.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,39 +39,61 @@ MODEL = "model"  # a hybrid's fallback: the verifier's EAGLE-3 head, else its dr
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    router_drafter: str | None    # drafter run by the router (suffix cache, hybrid decision)
-    model_drafter: str | None     # drafter run beside the target (draft-lm, eagle3, or MODEL)
-    policy: str                   # acceptance policy, see services.verifier.policies
+    router_drafter: str | None  # drafter run by the router (suffix cache, hybrid decision)
+    model_drafter: str | None  # drafter run beside the target (draft-lm, eagle3, or MODEL)
+    policy: str  # acceptance policy, see services.verifier.policies
     description: str
 
 
-METHODS: dict[str, MethodSpec] = {m.name: m for m in (
-    MethodSpec("vanilla", None, None, "lossless", "target model alone, one token per forward"),
-    MethodSpec("sd", None, "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
-    MethodSpec("suffix", "suffix", None, "lossless", "suffix-cache drafts (prompt + past outputs), lossless"),
-    MethodSpec("suffix-tree", "suffix-tree", None, "lossless",
-               "suffix-cache speculation trees (SuffixDecoding), verified by walking the tree"),
-    MethodSpec("ngram", "ngram", None, "lossless", "prompt lookup (vLLM's ngram): the tokens after the last n-gram's "
-               "earliest match in the prompt and output"),
-    MethodSpec("eagle3", None, "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states"),
-    MethodSpec("eagle3-tree", None, "eagle3-tree", "lossless", "EAGLE-3 head draft trees (EAGLE-2's dynamic tree)"),
-    MethodSpec("hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"),
-    MethodSpec("hybrid-csd", "hybrid", MODEL, "csd", "HVD drafting + calibrated verification (the full system)"),
-    MethodSpec("hybrid-rule", "hybrid-rule", MODEL, "lossless", "baseline hybrid: suffix draft when score >= threshold"),
-    MethodSpec("hybrid-tree", "hybrid-tree", "eagle3-tree", "lossless",
-               "HVD on trees: suffix-cache speculation trees, else EAGLE-3 draft trees"),
-    MethodSpec("hybrid-lm", "hybrid-lm", "draft-lm", "lossless", "HVD with the draft LM as its model fallback"),
-    MethodSpec("csd", None, "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate)"),
-    MethodSpec("scg", None, "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
-)}
+METHODS: dict[str, MethodSpec] = {
+    m.name: m
+    for m in (
+        MethodSpec("vanilla", None, None, "lossless", "target model alone, one token per forward"),
+        MethodSpec("sd", None, "draft-lm", "lossless", "draft LM chain drafts, lossless verification"),
+        MethodSpec("suffix", "suffix", None, "lossless", "suffix-cache drafts (prompt + past outputs), lossless"),
+        MethodSpec(
+            "suffix-tree",
+            "suffix-tree",
+            None,
+            "lossless",
+            "suffix-cache speculation trees (SuffixDecoding), verified by walking the tree",
+        ),
+        MethodSpec(
+            "ngram",
+            "ngram",
+            None,
+            "lossless",
+            "prompt lookup (vLLM's ngram): the tokens after the last n-gram's earliest match in the prompt and output",
+        ),
+        MethodSpec("eagle3", None, "eagle3", "lossless", "EAGLE-3 head chain drafts on the target's hidden states"),
+        MethodSpec("eagle3-tree", None, "eagle3-tree", "lossless", "EAGLE-3 head draft trees (EAGLE-2's dynamic tree)"),
+        MethodSpec(
+            "hybrid", "hybrid", MODEL, "lossless", "HVD: suffix draft when its predicted yield > tau, else EAGLE-3"
+        ),
+        MethodSpec("hybrid-csd", "hybrid", MODEL, "csd", "HVD drafting + calibrated verification (the full system)"),
+        MethodSpec(
+            "hybrid-rule", "hybrid-rule", MODEL, "lossless", "baseline hybrid: suffix draft when score >= threshold"
+        ),
+        MethodSpec(
+            "hybrid-tree",
+            "hybrid-tree",
+            "eagle3-tree",
+            "lossless",
+            "HVD on trees: suffix-cache speculation trees, else EAGLE-3 draft trees",
+        ),
+        MethodSpec("hybrid-lm", "hybrid-lm", "draft-lm", "lossless", "HVD with the draft LM as its model fallback"),
+        MethodSpec("csd", None, "draft-lm", "csd", "draft LM + calibrated verification (correction memory + gate)"),
+        MethodSpec("scg", None, "draft-lm", "scg", "ablation of csd: the gate without the correction memory"),
+    )
+}
 
 
 class InvalidRequest(Invalid):
     """A request field is out of range; the message names the field and what to fix."""
 
 
-MAX_STOPS, MAX_STOP_CHARS = 16, 256   # stop strings (and stop token ids) per request; characters per string
-MAX_N = 16                            # completions per request
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings (and stop token ids) per request; characters per string
+MAX_N = 16  # completions per request
 
 
 def validate_sampling(sp: SamplingParams) -> None:
@@ -83,34 +106,35 @@ def validate_token_ids(sp: SamplingParams, vocab: int) -> None:
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"{name}: every token id must be in [0, {vocab})")
 
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()   # generation ends after any of these (kept in the output)
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (kept in the output)
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None    # per prompt token after the first: its log-probability and alternatives
+    prompt_logprobs: int | None = None  # per prompt token after the first: its log-probability and alternatives
     method: str = "sd"
     request_id: str = ""
-    deadline_s: float | None = None   # time the client allows, from the request's arrival
-    logprobs: int | None = None       # per generated token: its target log-probability and this many alternatives
-    cache_salt: str = ""              # prefix-cache blocks are shared only among requests of the same salt
-    ignore_eos: bool = False          # generate max_new_tokens tokens; EOS is a token like any other
-    min_tokens: int = 0               # no end-of-sequence token before this many new tokens
-    structured: StructuredOutput | None = None   # the output must match this schema, regex or choice
-    n: int = 1                        # independent completions of the prompt (vLLM's n)
-    priority: int = 0                 # admission order: lower first (vLLM's), then arrival
+    deadline_s: float | None = None  # time the client allows, from the request's arrival
+    logprobs: int | None = None  # per generated token: its target log-probability and this many alternatives
+    cache_salt: str = ""  # prefix-cache blocks are shared only among requests of the same salt
+    ignore_eos: bool = False  # generate max_new_tokens tokens; EOS is a token like any other
+    min_tokens: int = 0  # no end-of-sequence token before this many new tokens
+    structured: StructuredOutput | None = None  # the output must match this schema, regex or choice
+    n: int = 1  # independent completions of the prompt (vLLM's n)
+    priority: int = 0  # admission order: lower first (vLLM's), then arrival
     skip_special_tokens: bool = True  # the tokenizer's special tokens add no text (vLLM's default)
-    log_metrics: bool = True          # False: kept out of the request metrics (a health probe)
+    log_metrics: bool = True  # False: kept out of the request metrics (a health probe)
 
 
 @dataclass
 class StepOutput:
     token_ids: list[int]
     text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per token, when the request asked
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked
 
 
 @dataclass
@@ -151,30 +175,45 @@ class Engine:
         if cfg.drafter_addr:
             from services.drafter.client import RemoteDrafter
 
-            self.drafters = {"suffix": RemoteDrafter(cfg.drafter_addr),
-                             "suffix-tree": RemoteDrafter(cfg.drafter_addr, "suffix-tree", tree=True)}
+            self.drafters = {
+                "suffix": RemoteDrafter(cfg.drafter_addr),
+                "suffix-tree": RemoteDrafter(cfg.drafter_addr, "suffix-tree", tree=True),
+            }
         else:
             publish = self.suffix_feed.publish if self.suffix_feed else None
-            self.drafters = {"suffix": SuffixDrafter(replace(cfg.suffix, tree=False), self.suffix_cache, publish),
-                             "suffix-tree": SuffixDrafter(replace(cfg.suffix, tree=True), self.suffix_cache, publish)}
+            self.drafters = {
+                "suffix": SuffixDrafter(replace(cfg.suffix, tree=False), self.suffix_cache, publish),
+                "suffix-tree": SuffixDrafter(replace(cfg.suffix, tree=True), self.suffix_cache, publish),
+            }
         self.drafters["ngram"] = NgramDrafter(cfg.ngram)
-        self.max_draft = {**self.verifier.max_draft, "suffix": cfg.suffix.spec.max_spec_tokens,
-                          "suffix-tree": cfg.suffix.spec.max_spec_tokens, "ngram": cfg.ngram.k}
+        self.max_draft = {
+            **self.verifier.max_draft,
+            "suffix": cfg.suffix.spec.max_spec_tokens,
+            "suffix-tree": cfg.suffix.spec.max_spec_tokens,
+            "ngram": cfg.ngram.k,
+        }
         self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
         self._ids = itertools.count()
         self._grammars = None
-        if self.default_method != cfg.default_method:   # said once, not per request
-            log.warning("default method %s cannot run on these models (a drafter is missing); requests that "
-                        "name no method get %s", cfg.default_method, self.default_method)
+        if self.default_method != cfg.default_method:  # said once, not per request
+            log.warning(
+                "default method %s cannot run on these models (a drafter is missing); requests that "
+                "name no method get %s",
+                cfg.default_method,
+                self.default_method,
+            )
 
     @property
     def grammars(self) -> GrammarCompiler:
         """Structured-output patterns over the tokenizer: the in-process verifier's compiler, so
         each pattern compiles once per process."""
         if self._grammars is None:
-            self._grammars = (self.verifier.grammars if isinstance(self.verifier, VerifierCore)
-                              else GrammarCompiler(self.tokenizer, self.verifier.vocab_size))
+            self._grammars = (
+                self.verifier.grammars
+                if isinstance(self.verifier, VerifierCore)
+                else GrammarCompiler(self.tokenizer, self.verifier.vocab_size)
+            )
         return self._grammars
 
     def _add_hybrids(self, cfg: EngineConfig) -> None:
@@ -189,8 +228,9 @@ class Engine:
         if cfg.predictor_addr:
             from services.predictor.client import RemotePredictor
 
-            rules["hybrid"] = PredictorRule(RemotePredictor(cfg.predictor_addr), TokenFlags(self.tokenizer),
-                                            cfg.hybrid.tau)
+            rules["hybrid"] = PredictorRule(
+                RemotePredictor(cfg.predictor_addr), TokenFlags(self.tokenizer), cfg.hybrid.tau
+            )
         elif cfg.predictor is not None and (Path(cfg.predictor) / "config.json").exists():
             from services.predictor.mlp import YieldMLP
 
@@ -198,21 +238,35 @@ class Engine:
         for name, rule in rules.items():
             self.add_hybrid(name, rule, cost_aware=cfg.hybrid.cost_aware and name == "hybrid")
         if "hybrid" in rules and "suffix-tree" in self.drafters and "eagle3-tree" in self.verifier.max_draft:
-            self.add_hybrid("hybrid-tree", rules["hybrid"], cfg.hybrid.cost_aware, cache="suffix-tree",
-                            fallback="eagle3-tree", both=True)
+            self.add_hybrid(
+                "hybrid-tree",
+                rules["hybrid"],
+                cfg.hybrid.cost_aware,
+                cache="suffix-tree",
+                fallback="eagle3-tree",
+                both=True,
+            )
         if "hybrid" in rules and self.model_fallback != "draft-lm" and "draft-lm" in self.verifier.max_draft:
             self.add_hybrid("hybrid-lm", rules["hybrid"], cfg.hybrid.cost_aware, fallback="draft-lm")
 
-    def add_hybrid(self, name: str, rule, cost_aware: bool = False, fallback: str | None = None,
-                   cache: str = "suffix", both: bool = False) -> None:
+    def add_hybrid(
+        self,
+        name: str,
+        rule,
+        cost_aware: bool = False,
+        fallback: str | None = None,
+        cache: str = "suffix",
+        both: bool = False,
+    ) -> None:
         """A hybrid of the suffix cache (drafter ``cache``) and ``fallback`` (default: the EAGLE-3
         head, else the draft LM); ``both``: its model cycles verify the cache draft too."""
         from services.drafter.hybrid import CycleCosts, HybridDrafter
 
         model = fallback or self.model_fallback
         limits = (self.max_draft["suffix"], self.max_draft[model])
-        self.drafters[name] = HybridDrafter(name, self.drafters[cache], model, rule, *limits,
-                                            costs=CycleCosts() if cost_aware else None, both=both)
+        self.drafters[name] = HybridDrafter(
+            name, self.drafters[cache], model, rule, *limits, costs=CycleCosts() if cost_aware else None, both=both
+        )
         self.max_draft[name] = max(limits)
 
     # -- compatibility views onto the in-process verifier (tests, bench, calibration) ------------
@@ -255,8 +309,10 @@ class Engine:
     def methods(self) -> list[str]:
         def available(m: MethodSpec) -> bool:
             model = self.model_drafter(m)
-            return ((m.router_drafter is None or m.router_drafter in self.drafters)
-                    and (m.model_drafter is None or model in self.verifier.max_draft))
+            return (m.router_drafter is None or m.router_drafter in self.drafters) and (
+                m.model_drafter is None or model in self.verifier.max_draft
+            )
+
         return [m.name for m in METHODS.values() if available(m)]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -274,7 +330,7 @@ class Engine:
         if len(ids) <= room:
             return ids
         lead = ids[:1] if ids[0] in self.tokenizer.all_special_ids else []
-        return lead + ids[len(ids) - room + len(lead):]
+        return lead + ids[len(ids) - room + len(lead) :]
 
     def bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as token sequences: each word as written and with one leading space
@@ -295,8 +351,10 @@ class Engine:
         if keep == -1:
             keep = max(1, self.context_len - max_new_tokens)
         if keep < 1:
-            raise InvalidRequest(f"truncate_prompt_tokens: must be >= 1 (tokens kept from the prompt's end), or -1 "
-                                 f"(keep what fits the context), got {keep}")
+            raise InvalidRequest(
+                f"truncate_prompt_tokens: must be >= 1 (tokens kept from the prompt's end), or -1 "
+                f"(keep what fits the context), got {keep}"
+            )
         return ids[-keep:]
 
     def validate(self, req: GenerationRequest) -> None:
@@ -306,11 +364,14 @@ class Engine:
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             raise InvalidRequest(f"prompt_token_ids: every id must be in [0, {vocab})")
         if not 0 < req.max_new_tokens <= self.cfg.max_new_tokens_limit:
-            raise InvalidRequest(f"max_new_tokens: must be in [1, {self.cfg.max_new_tokens_limit}], got {req.max_new_tokens}")
+            raise InvalidRequest(
+                f"max_new_tokens: must be in [1, {self.cfg.max_new_tokens_limit}], got {req.max_new_tokens}"
+            )
         if len(req.prompt_ids) + req.max_new_tokens > self.context_len:
             raise InvalidRequest(
                 f"prompt: {len(req.prompt_ids)} prompt tokens + max_new_tokens {req.max_new_tokens} exceed "
-                f"the context of {self.context_len} tokens; shorten the prompt or lower max_new_tokens")
+                f"the context of {self.context_len} tokens; shorten the prompt or lower max_new_tokens"
+            )
         validate_sampling(req.sampling)
         validate_token_ids(req.sampling, vocab)
         for name in ("logprobs", "prompt_logprobs"):
@@ -318,7 +379,9 @@ class Engine:
             if n is not None and not 0 <= n <= MAX_LOGPROBS:
                 raise InvalidRequest(f"{name}: must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {n}")
         if not 0 <= req.min_tokens <= req.max_new_tokens:
-            raise InvalidRequest(f"min_tokens: must be in [0, max_new_tokens={req.max_new_tokens}], got {req.min_tokens}")
+            raise InvalidRequest(
+                f"min_tokens: must be in [0, max_new_tokens={req.max_new_tokens}], got {req.min_tokens}"
+            )
         if len(req.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in req.stop):
             raise InvalidRequest(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
         if len(req.stop_token_ids) > MAX_STOPS or any(not 0 <= t < vocab for t in req.stop_token_ids):
@@ -335,8 +398,10 @@ class Engine:
     def _validate_structured(self, req: GenerationRequest) -> None:
         """The pattern compiles, and nothing else decides where the output ends."""
         if req.ignore_eos or req.min_tokens:
-            raise InvalidRequest("structured_output: cannot be combined with ignore_eos or min_tokens "
-                                 "(the grammar decides where the output may end)")
+            raise InvalidRequest(
+                "structured_output: cannot be combined with ignore_eos or min_tokens "
+                "(the grammar decides where the output may end)"
+            )
         try:
             self.grammars.compile(req.structured.pattern())
         except GrammarError as e:
@@ -356,8 +421,16 @@ class Engine:
         if req.n == 1:
             return Completions([Generation(self, req, rid)])
         sp = req.sampling
-        return Completions([Generation(self, replace(req, n=1, sampling=sp if sp.seed is None else replace(sp, seed=sp.seed + i)),
-                                       f"{rid}-{i}") for i in range(req.n)])
+        return Completions(
+            [
+                Generation(
+                    self,
+                    replace(req, n=1, sampling=sp if sp.seed is None else replace(sp, seed=sp.seed + i)),
+                    f"{rid}-{i}",
+                )
+                for i in range(req.n)
+            ]
+        )
 
 
 class Completions:
@@ -382,12 +455,14 @@ class Completions:
                 for step in steps:
                     yield 0, step
             finally:
-                steps.close()   # frees the session even when the consumer stopped early
+                steps.close()  # frees the session even when the consumer stopped early
             yield 0, None
             return
         out: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._run, args=(i, g, out), daemon=True, name=f"completion-{i}")
-                         for i, g in enumerate(self.gens)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(i, g, out), daemon=True, name=f"completion-{i}")
+            for i, g in enumerate(self.gens)
+        ]
         for t in self._threads:
             t.start()
         try:
@@ -406,11 +481,11 @@ class Completions:
             steps = iter(gen)
             for step in steps:
                 if self._stop.is_set():
-                    steps.close()   # frees the session now
+                    steps.close()  # frees the session now
                     raise SessionCancelled(f"request {gen.req_id} was cancelled")
                 out.put((i, step))
             out.put((i, None))
-        except BaseException as e:   # the consumer re-raises it
+        except BaseException as e:  # the consumer re-raises it
             out.put((i, e))
 
     def close(self) -> None:
@@ -429,22 +504,23 @@ class Generation:
         self.method = METHODS[req.method]
         self.drafter = engine.drafters[self.method.router_drafter] if self.method.router_drafter else None
         self.model_drafter = engine.model_drafter(self.method)
-        self.max_draft = max(engine.max_draft.get(self.method.router_drafter, 0),
-                             engine.max_draft.get(self.model_drafter, 0))
+        self.max_draft = max(
+            engine.max_draft.get(self.method.router_drafter, 0), engine.max_draft.get(self.model_drafter, 0)
+        )
         self.stats = SpecStats()
         self.timings = Timings()
         self.metrics = MethodMetrics.of(req.method, req.log_metrics)
         self.output_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
-        self.matched: int | str | None = None   # what stopped it: the EOS or stop token id, or the stop string
+        self.matched: int | str | None = None  # what stopped it: the EOS or stop token id, or the stop string
         self._detok = Detokenizer(engine.tokenizer, req.skip_special_tokens)
         self._raw = ""  # all detokenized output; ``text`` is the part already streamed
         self._stop_window = max((len(s) for s in req.stop), default=1)
         self._batch = 1  # sessions in the verifier step of the last cycle
         self.cached_tokens = 0  # prompt tokens the verifier's prefix cache gave
-        self.logprobs: list[TokenLogprob] = []   # per output token, when the request asked
-        self.prompt_logprobs: list[TokenLogprob] = []   # per prompt token after the first, when asked
+        self.logprobs: list[TokenLogprob] = []  # per output token, when the request asked
+        self.prompt_logprobs: list[TokenLogprob] = []  # per prompt token after the first, when asked
         self._session = None
         self._cancelled = self._aborted = False
         self.pattern = req.structured.pattern() if req.structured else None
@@ -472,12 +548,25 @@ class Generation:
 
     def __iter__(self) -> Iterator[StepOutput]:
         req = self.req
-        session = self._session = self.engine.verifier.open(SessionSpec(
-            prompt_ids=req.prompt_ids, max_new_tokens=req.max_new_tokens, sampling=req.sampling,
-            policy=self.method.policy, model_drafter=self.model_drafter, max_draft=self.max_draft,
-            on_demand=self.drafter is not None and self.model_drafter is not None, session_id=self.req_id, deadline_s=req.deadline_s, logprobs=req.logprobs, cache_salt=req.cache_salt,
-            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, prompt_logprobs=req.prompt_logprobs,
-            grammar=self.pattern))
+        session = self._session = self.engine.verifier.open(
+            SessionSpec(
+                prompt_ids=req.prompt_ids,
+                max_new_tokens=req.max_new_tokens,
+                sampling=req.sampling,
+                policy=self.method.policy,
+                model_drafter=self.model_drafter,
+                max_draft=self.max_draft,
+                on_demand=self.drafter is not None and self.model_drafter is not None,
+                session_id=self.req_id,
+                deadline_s=req.deadline_s,
+                logprobs=req.logprobs,
+                cache_salt=req.cache_salt,
+                ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                prompt_logprobs=req.prompt_logprobs,
+                grammar=self.pattern,
+            )
+        )
         if self._cancelled:
             self.cancel()
         if self.drafter:
@@ -499,7 +588,7 @@ class Generation:
     def _ended_by_abort(self) -> StepOutput:
         """The text held back for stop strings, as the last step."""
         self.finish_reason = "abort"
-        delta = self._raw[len(self.text):]
+        delta = self._raw[len(self.text) :]
         self.text += delta
         return StepOutput([], delta)
 
@@ -510,15 +599,20 @@ class Generation:
         if self.drafter is None:
             return CycleRequest(draft_with=self.model_drafter, budget=budget) if self.model_drafter else CycleRequest()
         choice = self.drafter.propose(self.req_id, budget)
-        if isinstance(choice, Delegate):   # the cache draft beside it, unless a grammar or bad words must vet it
+        if isinstance(choice, Delegate):  # the cache draft beside it, unless a grammar or bad words must vet it
             also = choice.also if self.grammar is None and not self.req.sampling.bad_words else ()
-            return CycleRequest(draft_with=choice.drafter, budget=min(budget, choice.budget), draft_ids=also,
-                                draft_source="suffix" if also else "none")
+            return CycleRequest(
+                draft_with=choice.drafter,
+                budget=min(budget, choice.budget),
+                draft_ids=also,
+                draft_source="suffix" if also else "none",
+            )
         if choice.is_tree and (self.grammar is not None or self.req.sampling.bad_words):
-            choice = choice.chain()   # the checks below read a chain
+            choice = choice.chain()  # the checks below read a chain
         if choice.is_tree:
-            return CycleRequest(draft_ids=tuple(choice.token_ids), draft_parents=tuple(choice.parents),
-                                draft_source=choice.source)
+            return CycleRequest(
+                draft_ids=tuple(choice.token_ids), draft_parents=tuple(choice.parents), draft_source=choice.source
+            )
         draft = self._without_bad_words(self._grammatical(choice.token_ids))
         if len(draft) < len(choice.token_ids):
             self.drafter.verified(self.req_id, len(draft))
@@ -540,12 +634,12 @@ class Generation:
         words = self.req.sampling.bad_words
         if not words:
             return draft
-        keep = max(len(w) for w in words) - 1       # the context a word's match can reach back
-        context = self.output_ids[max(0, len(self.output_ids) - keep):] if keep else []
+        keep = max(len(w) for w in words) - 1  # the context a word's match can reach back
+        context = self.output_ids[max(0, len(self.output_ids) - keep) :] if keep else []
         for i, t in enumerate(draft):
             if t in banned_tokens(context, words):
                 return draft[:i]
-            context = (context + [t])[max(0, len(context) + 1 - keep):] if keep else []
+            context = (context + [t])[max(0, len(context) + 1 - keep) :] if keep else []
         return draft
 
     def _budget(self) -> int:
@@ -578,11 +672,20 @@ class Generation:
         self.timings.verify_s += res.verify_s
         self.stats.add(res.drafted, res.accepted, res.source, res.rescued_pairs, res.rejected)
         out = self._emit(res.committed)
-        if self.req.logprobs is not None:   # the emitted tokens are a prefix of the committed ones
-            out.logprobs = list(res.logprobs[:len(out.token_ids)])
+        if self.req.logprobs is not None:  # the emitted tokens are a prefix of the committed ones
+            out.logprobs = list(res.logprobs[: len(out.token_ids)])
             self.logprobs += out.logprobs
-        self.metrics.cycle(res.source, res.drafted, res.accepted, len(out.token_ids), len(res.rescued_pairs),
-                           res.rejected, t2 - t0, draft_s, res.verify_s)
+        self.metrics.cycle(
+            res.source,
+            res.drafted,
+            res.accepted,
+            len(out.token_ids),
+            len(res.rescued_pairs),
+            res.rejected,
+            t2 - t0,
+            draft_s,
+            res.verify_s,
+        )
         return out
 
     def _emit(self, tokens: list[int]) -> StepOutput:
@@ -604,7 +707,7 @@ class Generation:
             self._raw += self._detok.push(tok)
             if self._find_stop(before) or tok in self.req.stop_token_ids:
                 self.finish_reason = "stop"
-                if self.matched is None:   # a stop token (a stop string sets it in _find_stop)
+                if self.matched is None:  # a stop token (a stop string sets it in _find_stop)
                     self.matched = tok
                 break
             if len(self.output_ids) >= self.req.max_new_tokens:
@@ -612,7 +715,7 @@ class Generation:
                 break
         self.stats.generated_tokens = len(self.output_ids) + (self.finish_reason == "eos")
         safe = len(self._raw) if self.finish_reason else max(0, len(self._raw) - self._stop_window + 1)
-        delta = self._raw[len(self.text):max(safe, len(self.text))]
+        delta = self._raw[len(self.text) : max(safe, len(self.text))]
         self.text += delta
         if new_ids and self.timings.first_token is None:
             self.timings.first_token = time.perf_counter()
@@ -628,8 +731,8 @@ class Generation:
             if i != -1 and (first is None or i < first[0]):
                 first = (i, len(s))
         if first is not None:
-            self.matched = self._raw[first[0]:first[0] + first[1]]
-            self._raw = self._raw[:first[0] + first[1] * self.req.include_stop_str_in_output]
+            self.matched = self._raw[first[0] : first[0] + first[1]]
+            self._raw = self._raw[: first[0] + first[1] * self.req.include_stop_str_in_output]
         return first is not None
 
     def result(self) -> dict:
@@ -638,13 +741,29 @@ class Generation:
             pass
         t = self.timings
         stats = self.stats.to_dict()
-        stats.update(wall_s=round(t.wall_s, 4), ttft_s=round(t.ttft_s or 0.0, 4),
-                     verify_s=round(t.verify_s, 4), draft_s=round(t.draft_s, 4))
-        out = {"text": self.text, "token_ids": list(self.output_ids), "finish_reason": self.finish_reason,
-               "method": self.req.method, "prompt_tokens": len(self.req.prompt_ids),
-               "cached_prompt_tokens": self.cached_tokens, "stats": stats}
+        stats.update(
+            wall_s=round(t.wall_s, 4),
+            ttft_s=round(t.ttft_s or 0.0, 4),
+            verify_s=round(t.verify_s, 4),
+            draft_s=round(t.draft_s, 4),
+        )
+        out = {
+            "text": self.text,
+            "token_ids": list(self.output_ids),
+            "finish_reason": self.finish_reason,
+            "method": self.req.method,
+            "prompt_tokens": len(self.req.prompt_ids),
+            "cached_prompt_tokens": self.cached_tokens,
+            "stats": stats,
+        }
         for name, lps in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if getattr(self.req, name) is not None:
-                out[name] = [{"token_id": x.token_id, "logprob": round(x.logprob, 6),
-                              "top": [[i, round(v, 6)] for i, v in x.top]} for x in lps]
+                out[name] = [
+                    {
+                        "token_id": x.token_id,
+                        "logprob": round(x.logprob, 6),
+                        "top": [[i, round(v, 6)] for i, v in x.top],
+                    }
+                    for x in lps
+                ]
         return out

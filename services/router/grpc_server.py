@@ -1,6 +1,7 @@
 """The public gRPC front end: `specmesh.v1.Generation` (Generate, Abort) over an ``Engine``:
 admission to session slots, the client's deadline and cancellation, refusals as status codes.
 Conversions are in ``wire``."""
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,7 @@ from specmesh.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specmesh.router")
 
-NO_DEADLINE_S = 1e8   # gRPC reports "no deadline" as the time left to the end of its clock (~3e11 years)
+NO_DEADLINE_S = 1e8  # gRPC reports "no deadline" as the time left to the end of its clock (~3e11 years)
 
 
 def client_deadline(context) -> float | None:
@@ -39,8 +40,8 @@ def client_deadline(context) -> float | None:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, engine: Engine, cfg: ServerConfig):
         self.engine = engine
-        self.admission = Admission(cfg.max_sessions, cfg.max_queue)   # shared with the HTTP API
-        self.active = ActiveSessions()   # shared with the HTTP API
+        self.admission = Admission(cfg.max_sessions, cfg.max_queue)  # shared with the HTTP API
+        self.active = ActiveSessions()  # shared with the HTTP API
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         try:
@@ -63,7 +64,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             REQUESTS_REJECTED.labels(status_of(refused).name).inc()
             context.abort(status_of(refused), str(refused))
         self.active.add(completions.gens)
-        context.add_callback(completions.cancel)   # a cancelled stream stops its cycles in flight (after an end: no-op)
+        context.add_callback(completions.cancel)  # a cancelled stream stops its cycles in flight (after an end: no-op)
         steps = iter(completions)
         try:
             for i, step in steps:
@@ -74,7 +75,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except SessionCancelled:
             log.info("request %s cancelled by the client during a cycle", completions.gens[0].req_id)
             return
-        except Refusal as e:   # no live verifier, or a verifier's own status (e.g. the propagated deadline)
+        except Refusal as e:  # no live verifier, or a verifier's own status (e.g. the propagated deadline)
             context.abort(status_of(e), str(e))
         finally:
             steps.close()  # frees the sessions and drafter state even when the client went away mid-stream
@@ -92,8 +93,16 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
     tls = TLSConfig(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls_cert else None
     # every admitted stream and every queued request holds a handler thread; health checks need one more
     workers = max(cfg.workers, cfg.max_sessions + cfg.max_queue + 2)
-    server, port = build_grpc_server(lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s), [SERVICE_NAME],
-                                     cfg.host, cfg.port, workers, cfg.max_message_bytes, tls, cfg.auth_token)
+    server, port = build_grpc_server(
+        lambda s: pb_grpc.add_GenerationServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        cfg.host,
+        cfg.port,
+        workers,
+        cfg.max_message_bytes,
+        tls,
+        cfg.auth_token,
+    )
     return server, servicer, port
 
 

@@ -11,6 +11,7 @@ take seconds to compile), admission, the decode cycles and the session's release
 there; the event loop only moves JSON. A client that disconnects cancels its cycles and frees
 its sessions.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,15 +38,28 @@ from services.router.tools import ToolStream
 log = logging.getLogger("specmesh.http")
 
 # Each refusal's HTTP status (the gRPC edge has its own table).
-_HTTP_OF: dict[type[refusals.Refusal], int] = {refusals.Invalid: 400, refusals.Overloaded: 429,
-                                              refusals.DeadlineExceeded: 504, refusals.Unavailable: 503,
-                                              refusals.Cancelled: 499}
+_HTTP_OF: dict[type[refusals.Refusal], int] = {
+    refusals.Invalid: 400,
+    refusals.Overloaded: 429,
+    refusals.DeadlineExceeded: 504,
+    refusals.Unavailable: 503,
+    refusals.Cancelled: 499,
+}
 
 
 def http_status(refusal: refusals.Refusal) -> int:
     return next((_HTTP_OF[k] for k in type(refusal).__mro__ if k in _HTTP_OF), 500)
-_KIND_OF = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+_KIND_OF = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 def _version() -> str:
@@ -68,8 +82,9 @@ class _Run:
     """One request's completions on a thread of its own; events reach the event loop as
     ("start",), ("step", index, step | None), ("done",) or ("error", status, message)."""
 
-    def __init__(self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active,
-                 describe=oa.openai_message):
+    def __init__(
+        self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active, describe=oa.openai_message
+    ):
         self.get_engine, self.parse, self.body, self.describe = get_engine, parse, body, describe
         self.admission, self.loop, self.active = admission, loop, active
         self.engine: Engine | None = None
@@ -98,13 +113,13 @@ class _Run:
     def _run(self) -> None:
         try:
             self._admit()
-        except Exception as e:   # never leave the event loop waiting
+        except Exception as e:  # never leave the event loop waiting
             log.exception("request failed before decoding")
             self._put("error", 500, f"internal error: {type(e).__name__}")
 
     def _admit(self) -> None:
         self.engine = self.get_engine()
-        try:   # tokenizing, rendering a chat template and compiling a grammar take time: here, not in the loop
+        try:  # tokenizing, rendering a chat template and compiling a grammar take time: here, not in the loop
             self.api = self.parse(self.body, self.engine)
             parts = [self.engine.generate_all(r) for r in self.api.gens]
         except InvalidRequest as e:
@@ -113,8 +128,12 @@ class _Run:
         completions = Completions([g for c in parts for g in c.gens])
         n = len(completions.gens)
         if n > self.admission.max_sessions:
-            return self._put("error", 400, f"n: at most {self.admission.max_sessions} completions in all "
-                                           "(prompts × n, or × best_of when larger; this server's sessions)")
+            return self._put(
+                "error",
+                400,
+                f"n: at most {self.admission.max_sessions} completions in all "
+                "(prompts × n, or × best_of when larger; this server's sessions)",
+            )
         refused = self.admission.acquire(self, n, self.api.gens[0].priority)
         if refused is not None:
             REQUESTS_REJECTED.labels(rejected_code(refused)).inc()
@@ -137,18 +156,24 @@ class _Run:
             self._put("done")
         except SessionCancelled:
             pass
-        except Refusal as e:   # no live verifier, or a verifier's own status
+        except Refusal as e:  # no live verifier, or a verifier's own status
             self._put("error", http_status(e), str(e))
-        except Exception as e:   # the client gets a status, the log the trace
+        except Exception as e:  # the client gets a status, the log the trace
             log.exception("request failed")
             self._put("error", 500, f"internal error: {type(e).__name__}")
         finally:
-            steps.close()   # frees the sessions even when the client went away mid-stream
+            steps.close()  # frees the sessions even when the client went away mid-stream
             self.active.remove(completions.gens)
 
 
-def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tuple[str, ...], chat_template: str | None = None,
-              active=None) -> FastAPI:
+def build_app(
+    get_engine,
+    admission,
+    cfg: ServerConfig,
+    served_model: str | tuple[str, ...],
+    chat_template: str | None = None,
+    active=None,
+) -> FastAPI:
     """``get_engine()``: the engine, called on request threads only (Ray Serve builds it on first use);
     ``active``: the ``ActiveSessions`` registry shared with the gRPC front end."""
     app = FastAPI(title="specmesh", docs_url=None, redoc_url=None, openapi_url=None)
@@ -169,11 +194,12 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
 
     # Outermost (added last): a browser's preflight is answered before the bearer check, which
     # it cannot pass (it carries no Authorization header). No credentials: the token is a header.
-    app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["*"],
-                       allow_headers=["*"])
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+    )
 
     @app.api_route("/health", methods=["GET"])
-    @app.api_route("/ping", methods=["GET", "POST"])   # vLLM's (SageMaker's) name
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name
     async def health():
         return Response(status_code=503 if app.state.draining else 200)
 
@@ -196,7 +222,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
                     event = ("waiting",)
                 if event[0] == "done" or decoding_totals()[1] > before:
                     return Response(status_code=200)
-                if event[0] == "error" and event[1] != 429:   # refused as full: others may still progress
+                if event[0] == "error" and event[1] != 429:  # refused as full: others may still progress
                     return error(503, f"health check: {event[2]}")
             return error(503, f"health check: no token generated within {cfg.health_check_timeout_s:g} s")
         finally:
@@ -214,7 +240,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
         return sgl.model_info(await asyncio.to_thread(get_engine))
 
     @app.api_route("/get_server_info", methods=["GET"])
-    @app.api_route("/server_info", methods=["GET"])   # SGLang's newer name
+    @app.api_route("/server_info", methods=["GET"])  # SGLang's newer name
     async def get_server_info():
         engine = await asyncio.to_thread(get_engine)
         return sgl.server_info(engine, admission, oa.served_names(served_model)[0], _version())
@@ -279,7 +305,7 @@ def build_app(get_engine, admission, cfg: ServerConfig, served_model: str | tupl
             return None, error(413, f"body: at most {cfg.max_message_bytes} bytes")
         try:
             return json.loads(raw), None
-        except ValueError as e:   # not JSON, or not UTF-8
+        except ValueError as e:  # not JSON, or not UTF-8
             return None, error(400, f"body: not valid JSON ({e})")
 
     async def _plain(request: Request, answer):
@@ -329,7 +355,7 @@ async def _sse(run: _Run, step_chunks, done_chunks):
                 break
         yield "data: [DONE]\n\n"
     finally:
-        run.leave()   # no-op after the end; else the client left and its cycles stop
+        run.leave()  # no-op after the end; else the client left and its cycles stop
 
 
 def _events(run: _Run):
@@ -386,8 +412,9 @@ class _Chunks:
         """The prompt (in chat, the last message), with its logprobs when asked."""
         api, gen = self.api, self.gens[i]
         text = api.chat_echo if api.chat else self.tokenizer.decode(gen.req.prompt_ids)
-        chunk = oa.stream_chunk(api, self.rid, self.created, i, text, (), self.tokenizer,
-                                prompt_ids=gen.req.prompt_ids, first=api.chat)
+        chunk = oa.stream_chunk(
+            api, self.rid, self.created, i, text, (), self.tokenizer, prompt_ids=gen.req.prompt_ids, first=api.chat
+        )
         if api.logprobs and not api.chat:
             chunk["choices"][0]["logprobs"] = oa.echo_logprobs(oa.logprob_tokens(api, self.tokenizer), gen)
         self.offsets[i], self.started[i] = len(text), True
@@ -396,13 +423,24 @@ class _Chunks:
     def _text(self, i: int, step) -> dict:
         gen = self.gens[i]
         if step is None:
-            chunk = oa.stream_chunk(self.api, self.rid, self.created, i, None, (), self.tokenizer,
-                                    finish=gen.finish_reason)
+            chunk = oa.stream_chunk(
+                self.api, self.rid, self.created, i, None, (), self.tokenizer, finish=gen.finish_reason
+            )
             chunk["choices"][0] |= {"stop_reason": gen.stop_reason, "speculation": oa.speculation(gen)}
             return chunk
-        chunk = oa.stream_chunk(self.api, self.rid, self.created, i, step.text, step.logprobs, self.tokenizer,
-                                offset=self.offsets[i], first=not self.started[i], token_ids=step.token_ids,
-                                prompt_ids=None if self.started[i] else gen.req.prompt_ids)
+        chunk = oa.stream_chunk(
+            self.api,
+            self.rid,
+            self.created,
+            i,
+            step.text,
+            step.logprobs,
+            self.tokenizer,
+            offset=self.offsets[i],
+            first=not self.started[i],
+            token_ids=step.token_ids,
+            prompt_ids=None if self.started[i] else gen.req.prompt_ids,
+        )
         self.offsets[i] += len(step.text)
         self.started[i] = True
         self.streamed += len(step.token_ids)
@@ -412,16 +450,27 @@ class _Chunks:
         api, gen, first = self.api, self.gens[i], not self.started[i]
         if step is None:
             content, deltas, called = self.calls[i].finish()
-            chunk = oa.tool_chunk(api, self.rid, self.created, i, content, deltas, (), self.tokenizer, first,
-                                  gen.finish_reason, called)
+            chunk = oa.tool_chunk(
+                api, self.rid, self.created, i, content, deltas, (), self.tokenizer, first, gen.finish_reason, called
+            )
             chunk["choices"][0] |= {"stop_reason": gen.stop_reason, "speculation": oa.speculation(gen)}
         else:
             content, deltas = self.calls[i].feed(step.text)
             self.streamed += len(step.token_ids)
             if not (content or deltas or (api.logprobs and step.logprobs) or api.token_ids):
                 return None
-            chunk = oa.tool_chunk(api, self.rid, self.created, i, content, deltas, step.logprobs, self.tokenizer,
-                                  first, token_ids=step.token_ids)
+            chunk = oa.tool_chunk(
+                api,
+                self.rid,
+                self.created,
+                i,
+                content,
+                deltas,
+                step.logprobs,
+                self.tokenizer,
+                first,
+                token_ids=step.token_ids,
+            )
         self.started[i] = True
         return chunk
 
@@ -491,14 +540,23 @@ class HttpServer:
         ssl = {}
         if cfg.tls_cert:
             ssl = {"ssl_certfile": str(cfg.tls_cert), "ssl_keyfile": str(cfg.tls_key)}
-            if cfg.tls_client_ca:   # mutual TLS, as the gRPC port
+            if cfg.tls_client_ca:  # mutual TLS, as the gRPC port
                 import ssl as _ssl
 
                 ssl |= {"ssl_ca_certs": str(cfg.tls_client_ca), "ssl_cert_reqs": _ssl.CERT_REQUIRED}
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=port, log_level="warning",
-                                                    access_log=False, lifespan="off", timeout_graceful_shutdown=10,
-                                                    **ssl))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=cfg.host,
+                port=port,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=10,
+                **ssl,
+            )
+        )
         self._thread = threading.Thread(target=self.server.run, daemon=True, name="http-server")
 
     def start(self, timeout_s: float = 30.0) -> int:

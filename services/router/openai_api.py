@@ -21,6 +21,7 @@ Rules kept from OpenAI and vLLM:
   chunk, and ``prompt_token_ids``: per choice for completions (in its first chunk when
   streaming), once per response (in the first chunk) for chat.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,21 +35,60 @@ from services.router.engine import MAX_N, GenerationRequest, InvalidRequest
 from services.router.tools import ToolError, Tools, parse_tools, template_messages
 from services.router.tools import message as tool_message
 
-FINISH = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}   # vLLM's names
+FINISH = {"length": "length", "eos": "stop", "stop": "stop", "abort": "abort"}  # vLLM's names
 DEFAULT_COMPLETION_TOKENS = 16
-MAX_PROMPTS = 16   # prompts in one /v1/completions request
+MAX_PROMPTS = 16  # prompts in one /v1/completions request
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-           "presence_penalty", "frequency_penalty", "logit_bias", "seed", "user", "response_format",
-           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-           "include_stop_str_in_output", "allowed_token_ids", "structured_outputs", "cache_salt",
-           "request_id", "method", "truncate_prompt_tokens", "bad_words", "return_token_ids",
-           "return_tokens_as_token_ids", "priority", "skip_special_tokens", "spaces_between_special_tokens",
-           "add_special_tokens"}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "user",
+    "response_format",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "structured_outputs",
+    "cache_salt",
+    "request_id",
+    "method",
+    "truncate_prompt_tokens",
+    "bad_words",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "priority",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "add_special_tokens",
+}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "prompt_logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                         "tool_choice", "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs",
-                         "continue_final_message", "echo"}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "echo",
+}
 # engine field names as a client of this API knows them
 _FIELD_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
@@ -61,6 +101,7 @@ def openai_message(e: InvalidRequest, api: "ApiRequest | None" = None) -> str:
 
 
 # ---- typed field access: each names the field and what it must be -----------------------------
+
 
 def _typed(body: dict, key: str, kinds: tuple, what: str, default=None):
     v = body.get(key)
@@ -105,7 +146,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     try:
         pairs = sorted((int(k), float(b)) for k, b in v.items() if not isinstance(b, bool))
     except (TypeError, ValueError):
-        raise InvalidRequest("logit_bias: keys must be token ids (\"1234\") and values numbers") from None
+        raise InvalidRequest('logit_bias: keys must be token ids ("1234") and values numbers') from None
     if len(pairs) != len(v):
         raise InvalidRequest("logit_bias: values must be numbers")
     return tuple(pairs)
@@ -121,15 +162,21 @@ def _bad_words(body: dict, engine) -> tuple[tuple[int, ...], ...]:
 def _sampling(body: dict, engine) -> SamplingParams:
     top_k = _int(body, "top_k", 0)
     seed = _int(body, "seed", None)
-    if seed is not None and not 0 <= seed < 2 ** 63 - MAX_N:
+    if seed is not None and not 0 <= seed < 2**63 - MAX_N:
         raise InvalidRequest(f"seed: must be in [0, 2**63 - {MAX_N}), got {seed}")
     return SamplingParams(
-        temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
+        temperature=_num(body, "temperature", 1.0),
+        top_p=_num(body, "top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1 = off
-        seed=seed, repetition_penalty=_num(body, "repetition_penalty", 1.0),
-        presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
-        logit_bias=_logit_bias(body), allowed_token_ids=_ids(body, "allowed_token_ids"),
-        bad_words=_bad_words(body, engine), min_p=_num(body, "min_p", 0.0))
+        seed=seed,
+        repetition_penalty=_num(body, "repetition_penalty", 1.0),
+        presence_penalty=_num(body, "presence_penalty", 0.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0),
+        logit_bias=_logit_bias(body),
+        allowed_token_ids=_ids(body, "allowed_token_ids"),
+        bad_words=_bad_words(body, engine),
+        min_p=_num(body, "min_p", 0.0),
+    )
 
 
 def _structured(body: dict) -> StructuredOutput | None:
@@ -143,14 +190,14 @@ def _structured(body: dict) -> StructuredOutput | None:
     if rf is None:
         return None
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest("response_format: must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+        raise InvalidRequest('response_format: must be {"type": "text" | "json_object" | "json_schema"}')
     if rf["type"] == "text":
         return None
     if rf["type"] == "json_object":
         return StructuredOutput(json_object=True)
     schema = (rf.get("json_schema") or {}).get("schema") if isinstance(rf.get("json_schema"), dict) else None
     if not isinstance(schema, dict):
-        raise InvalidRequest("response_format: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        raise InvalidRequest('response_format: json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
     return StructuredOutput(json_schema=json.dumps(schema))
 
 
@@ -168,20 +215,25 @@ def structured_outputs(so) -> StructuredOutput:
         return StructuredOutput(choice=tuple(v))
     if kinds[0] == "json_object" and v is True:
         return StructuredOutput(json_object=True)
-    raise InvalidRequest(f"structured_outputs.{kinds[0]}: wrong type (regex: a string, choice: a list of "
-                         "strings, json: a schema object or string, json_object: true)")
+    raise InvalidRequest(
+        f"structured_outputs.{kinds[0]}: wrong type (regex: a string, choice: a list of "
+        "strings, json: a schema object or string, json_object: true)"
+    )
 
 
 def _refuse_fields(body: dict, allowed: set[str], unsupported: dict[str, str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise InvalidRequest(f"{unknown[0]}: unknown field; this server accepts {', '.join(sorted(allowed - set(unsupported)))}")
+        raise InvalidRequest(
+            f"{unknown[0]}: unknown field; this server accepts {', '.join(sorted(allowed - set(unsupported)))}"
+        )
     for key, why in unsupported.items():
         if body.get(key) not in (None, False, [], {}):
             raise InvalidRequest(f"{key}: {why}")
 
 
 # ---- requests ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ApiRequest:
@@ -192,15 +244,15 @@ class ApiRequest:
     include_usage: bool
     model: str
     chat: bool = False
-    logprobs: bool = False       # per-token logprobs in the answer
-    structured_field: str = "response_format"   # which field set the grammar, for error messages
-    echo: bool = False           # completions: the prompt precedes the output in text and logprobs
-    token_ids: bool = False      # return_token_ids: prompt and output token ids beside the text
+    logprobs: bool = False  # per-token logprobs in the answer
+    structured_field: str = "response_format"  # which field set the grammar, for error messages
+    echo: bool = False  # completions: the prompt precedes the output in text and logprobs
+    token_ids: bool = False  # return_token_ids: prompt and output token ids beside the text
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob entries name tokens "token_id:N"
-    continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
-    tools: Tools | None = None   # chat: the request's tools and tool_choice
-    chat_echo: str = ""          # chat echo: the last (assistant) message, which the answer repeats first
-    n: int = 0                   # completions: choices returned per prompt, of the gens' n (best_of) made; 0: all
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
+    tools: Tools | None = None  # chat: the request's tools and tool_choice
+    chat_echo: str = ""  # chat echo: the last (assistant) message, which the answer repeats first
+    n: int = 0  # completions: choices returned per prompt, of the gens' n (best_of) made; 0: all
 
     @property
     def calls_tools(self) -> bool:
@@ -208,25 +260,41 @@ class ApiRequest:
         return self.tools is not None and self.tools.choice != "none"
 
 
-def _request(body: dict, prompt_ids: list[int], engine, max_tokens: int, n: int, logprobs: int | None,
-             prompt_logprobs: int | None) -> GenerationRequest:
+def _request(
+    body: dict,
+    prompt_ids: list[int],
+    engine,
+    max_tokens: int,
+    n: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> GenerationRequest:
     keep = _int(body, "truncate_prompt_tokens", None)
     _typed(body, "spaces_between_special_tokens", (bool,), "true or false", True)
     return GenerationRequest(
         prompt_ids=engine.truncate(prompt_ids, keep, max_tokens),
-        max_new_tokens=max_tokens, sampling=_sampling(body, engine),
-        stop=_stops(body), stop_token_ids=_ids(body, "stop_token_ids"),
+        max_new_tokens=max_tokens,
+        sampling=_sampling(body, engine),
+        stop=_stops(body),
+        stop_token_ids=_ids(body, "stop_token_ids"),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
-        prompt_logprobs=prompt_logprobs, method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,
-        request_id=_typed(body, "request_id", (str,), "a string", ""), logprobs=logprobs,
-        cache_salt=_typed(body, "cache_salt", (str,), "a string", ""), ignore_eos=_bool(body, "ignore_eos"),
-        min_tokens=_int(body, "min_tokens", 0), structured=_structured(body), n=n, priority=_priority(body),
-        skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false", True))
+        prompt_logprobs=prompt_logprobs,
+        method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,
+        request_id=_typed(body, "request_id", (str,), "a string", ""),
+        logprobs=logprobs,
+        cache_salt=_typed(body, "cache_salt", (str,), "a string", ""),
+        ignore_eos=_bool(body, "ignore_eos"),
+        min_tokens=_int(body, "min_tokens", 0),
+        structured=_structured(body),
+        n=n,
+        priority=_priority(body),
+        skip_special_tokens=_typed(body, "skip_special_tokens", (bool,), "true or false", True),
+    )
 
 
 def _priority(body: dict) -> int:
     v = _int(body, "priority", 0)
-    if not -2 ** 31 <= v < 2 ** 31:
+    if not -(2**31) <= v < 2**31:
         raise InvalidRequest(f"priority: must fit in 32 bits, got {v}")
     return v
 
@@ -248,7 +316,7 @@ def _stream_opts(body: dict, stream: bool) -> tuple[bool, bool]:
     return flags[0], flags[0] and flags[1]
 
 
-PROMPT_SUFFIX = "-p"   # request id of prompt i of a batched request: its id + "-p" + i
+PROMPT_SUFFIX = "-p"  # request id of prompt i of a batched request: its id + "-p" + i
 
 
 def request_ids(request_id: str) -> tuple[str, ...]:
@@ -287,7 +355,7 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     stream = _bool(body, "stream")
     if best_of < n:
         raise InvalidRequest(f"best_of: must be at least n ({n}), got {best_of}")
-    if best_of > MAX_N:   # checked here, where the field that asks for them is known (the engine names n)
+    if best_of > MAX_N:  # checked here, where the field that asks for them is known (the engine names n)
         raise InvalidRequest(f"best_of: at most {MAX_N} completions per prompt, got {best_of}")
     if best_of > n and stream:
         raise InvalidRequest("best_of: the best completions are known only at the end; use it without stream")
@@ -295,17 +363,27 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     logprobs, prompt_lp = _int(body, "logprobs", None), _int(body, "prompt_logprobs", None)
     echo = _bool(body, "echo")
     if echo and logprobs is not None and prompt_lp is None:
-        prompt_lp = logprobs   # the echoed prompt's tokens carry log-probabilities too (lm-eval's loglikelihood)
-    ranked = 0 if best_of > n and logprobs is None else logprobs   # best_of ranks by the tokens' log-probabilities
-    first = _request(body, prompts[0], engine, max_tokens, best_of, ranked, prompt_lp)   # fields parsed once
+        prompt_lp = logprobs  # the echoed prompt's tokens carry log-probabilities too (lm-eval's loglikelihood)
+    ranked = 0 if best_of > n and logprobs is None else logprobs  # best_of ranks by the tokens' log-probabilities
+    first = _request(body, prompts[0], engine, max_tokens, best_of, ranked, prompt_lp)  # fields parsed once
     keep = _int(body, "truncate_prompt_tokens", None)
     gens = (first,) + tuple(replace(first, prompt_ids=engine.truncate(ids, keep, max_tokens)) for ids in prompts[1:])
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
         gens = tuple(replace(g, request_id=f"{g.request_id}{PROMPT_SUFFIX}{i}") for i, g in enumerate(gens))
     include, continuous = _stream_opts(body, stream)
-    return ApiRequest(gens, stream, include, model, logprobs=logprobs is not None, continuous_usage=continuous,
-                      structured_field=_structured_field(body), echo=echo, token_ids=_bool(body, "return_token_ids"),
-                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), n=n)
+    return ApiRequest(
+        gens,
+        stream,
+        include,
+        model,
+        logprobs=logprobs is not None,
+        continuous_usage=continuous,
+        structured_field=_structured_field(body),
+        echo=echo,
+        token_ids=_bool(body, "return_token_ids"),
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
+        n=n,
+    )
 
 
 def chat_request(body, engine, served_model: str | tuple[str, ...], template: str | None) -> ApiRequest:
@@ -317,7 +395,7 @@ def chat_request(body, engine, served_model: str | tuple[str, ...], template: st
         tools = parse_tools(body)
     except ToolError as e:
         raise InvalidRequest(str(e)) from None
-    _bool(body, "parallel_tool_calls")   # accepted: calls are as many as the model makes
+    _bool(body, "parallel_tool_calls")  # accepted: calls are as many as the model makes
     messages = checked_messages(body)
     ids = _chat_ids(body, engine, messages, template, tools)
     # vLLM's chat echo: the answer starts with the last message when it is the assistant's
@@ -338,10 +416,20 @@ def chat_request(body, engine, served_model: str | tuple[str, ...], template: st
             raise InvalidRequest(f"tool_choice: a forced tool call cannot be combined with {_structured_field(body)}")
         gen = replace(gen, structured=forced)
     include, continuous = _stream_opts(body, stream)
-    return ApiRequest((gen,), stream, include, model, chat=True, logprobs=want, continuous_usage=continuous,
-                      structured_field="tool_choice" if forced else _structured_field(body),
-                      token_ids=_bool(body, "return_token_ids"), tools=tools, chat_echo=echoed,
-                      tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
+    return ApiRequest(
+        (gen,),
+        stream,
+        include,
+        model,
+        chat=True,
+        logprobs=want,
+        continuous_usage=continuous,
+        structured_field="tool_choice" if forced else _structured_field(body),
+        token_ids=_bool(body, "return_token_ids"),
+        tools=tools,
+        chat_echo=echoed,
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids"),
+    )
 
 
 def _chat_ids(body: dict, engine, messages: list[dict], template: str | None, tools) -> list[int]:
@@ -350,10 +438,15 @@ def _chat_ids(body: dict, engine, messages: list[dict], template: str | None, to
     if cont and (body.get("add_generation_prompt") is True or messages[-1]["role"] != "assistant"):
         raise InvalidRequest("continue_final_message: needs a final assistant message and add_generation_prompt false")
     kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object", {})
-    return chat_prompt(engine.tokenizer, template_messages(messages), template,
-                       add_generation_prompt=not cont and body.get("add_generation_prompt", True) is not False,
-                       kwargs={**kwargs, "continue_final_message": True} if cont else kwargs,
-                       tools=list(tools.specs) if tools else None, add_special_tokens=_bool(body, "add_special_tokens"))
+    return chat_prompt(
+        engine.tokenizer,
+        template_messages(messages),
+        template,
+        add_generation_prompt=not cont and body.get("add_generation_prompt", True) is not False,
+        kwargs={**kwargs, "continue_final_message": True} if cont else kwargs,
+        tools=list(tools.specs) if tools else None,
+        add_special_tokens=_bool(body, "add_special_tokens"),
+    )
 
 
 def _structured_field(body: dict) -> str:
@@ -371,8 +464,10 @@ def _model(body: dict, served: str | tuple[str, ...]) -> str:
     names = served_names(served)
     model = _typed(body, "model", (str,), "a string", names[0])
     if model not in names:
-        raise ModelNotFound(f"model: `{model}` is not served here; this server serves "
-                            f"{', '.join(f'`{n}`' for n in names)} (GET /v1/models)")
+        raise ModelNotFound(
+            f"model: `{model}` is not served here; this server serves "
+            f"{', '.join(f'`{n}`' for n in names)} (GET /v1/models)"
+        )
     return names[0]
 
 
@@ -385,17 +480,25 @@ def checked_messages(body: dict) -> list[dict]:
     tool's its ``tool_call_id``."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise InvalidRequest("messages: required, a non-empty list of {\"role\": ..., \"content\": ...}")
+        raise InvalidRequest('messages: required, a non-empty list of {"role": ..., "content": ...}')
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}]: must be an object with a string `role`")
         calls = m.get("tool_calls")
-        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
-                                  or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
-            raise InvalidRequest(f"messages[{i}].tool_calls: an assistant's list of "
-                                 "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
-        msg = {"role": m["role"], "content": "" if calls and m.get("content") is None else _content(m.get("content"), i)}
+        if calls is not None and (
+            m["role"] != "assistant"
+            or not isinstance(calls, list)
+            or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)
+        ):
+            raise InvalidRequest(
+                f"messages[{i}].tool_calls: an assistant's list of "
+                '{"id", "type": "function", "function": {"name", "arguments"}}'
+            )
+        msg = {
+            "role": m["role"],
+            "content": "" if calls and m.get("content") is None else _content(m.get("content"), i),
+        }
         msg.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None})
         out.append(msg)
     return out
@@ -405,30 +508,49 @@ def _content(c, i: int) -> str:
     """A string, or a list of text parts (other part types are refused)."""
     if isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   for p in c):
+    if isinstance(c, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c
+    ):
         return "".join(p["text"] for p in c)
-    raise InvalidRequest(f"messages[{i}].content: must be a string or a list of {{\"type\": \"text\", \"text\": ...}} "
-                         "parts (this model reads text only)")
+    raise InvalidRequest(
+        f'messages[{i}].content: must be a string or a list of {{"type": "text", "text": ...}} '
+        "parts (this model reads text only)"
+    )
 
 
-def chat_prompt(tokenizer, messages: list[dict], template: str | None, add_generation_prompt: bool = True,
-                kwargs: dict | None = None, tools: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
+def chat_prompt(
+    tokenizer,
+    messages: list[dict],
+    template: str | None,
+    add_generation_prompt: bool = True,
+    kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
     """The conversation (and the tools, if any) rendered by the chat template (the server's,
     else the tokenizer's); the template writes any BOS token itself, so the tokenizer adds
     its special tokens only when asked (vLLM's chat default)."""
     if template is None and not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest("messages: the served model has no chat template; start the server with "
-                             "--chat-template FILE, or use /v1/completions")
+        raise InvalidRequest(
+            "messages: the served model has no chat template; start the server with "
+            "--chat-template FILE, or use /v1/completions"
+        )
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
-                                             add_generation_prompt=add_generation_prompt, **(kwargs or {}))
-    except Exception as e:   # a template error names what the template expected
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=False,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **(kwargs or {}),
+        )
+    except Exception as e:  # a template error names what the template expected
         raise InvalidRequest(f"messages: the chat template failed: {e}") from None
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 # ---- responses --------------------------------------------------------------------------------
+
 
 @dataclass
 class Choice:
@@ -488,9 +610,12 @@ def logprob_tokens(api: ApiRequest, tokenizer):
 def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
     """The legacy completions format; ``offset``: characters of the choice's text before these."""
     tokens = [_tok(tokenizer, x.token_id) for x in lps]
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{_tok(tokenizer, i): v for i, v in x.top} for x in lps],
-            "text_offset": _offsets(tokens, offset)}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [x.logprob for x in lps],
+        "top_logprobs": [{_tok(tokenizer, i): v for i, v in x.top} for x in lps],
+        "text_offset": _offsets(tokens, offset),
+    }
 
 
 def echo_logprobs(tokenizer, g) -> dict:
@@ -498,8 +623,12 @@ def echo_logprobs(tokenizer, g) -> dict:
     log-probability given the tokens before (``prompt_logprobs``)."""
     first = _tok(tokenizer, g.req.prompt_ids[0])
     rest = completion_logprobs(tokenizer, g.prompt_logprobs, len(first))
-    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
-            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+    return {
+        "tokens": [first] + rest["tokens"],
+        "token_logprobs": [None] + rest["token_logprobs"],
+        "top_logprobs": [None] + rest["top_logprobs"],
+        "text_offset": [0] + rest["text_offset"],
+    }
 
 
 def joined_logprobs(a: dict, b: dict) -> dict:
@@ -519,25 +648,35 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
         s = _tok(tokenizer, token_id)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
-    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(i, v) for i, v in x.top]}
-                        for x in lps]}
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(i, v) for i, v in x.top]} for x in lps]}
 
 
 def usage(gens, completion_tokens: int | None = None) -> dict:
     """The request's usage; ``completion_tokens``: those streamed so far (default: all)."""
     prompt = sum(len(g.req.prompt_ids) for g in gens)
     done = sum(len(g.output_ids) for g in gens) if completion_tokens is None else completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "total_tokens": prompt + done,
+        "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
+    }
 
 
 def speculation(g) -> dict:
     """specmesh's extension: how the completion was decoded."""
     s = g.stats
-    return {"method": g.req.method, "cycles": s.cycles, "draft_tokens": s.draft_tokens,
-            "accepted_tokens": s.accepted_tokens, "rescued_tokens": s.rescued_tokens,
-            "tau": round(s.tau, 4), "acceptance_rate": round(s.acceptance_rate, 4),
-            "draft_s": round(g.timings.draft_s, 6), "verify_s": round(g.timings.verify_s, 6)}
+    return {
+        "method": g.req.method,
+        "cycles": s.cycles,
+        "draft_tokens": s.draft_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "rescued_tokens": s.rescued_tokens,
+        "tau": round(s.tau, 4),
+        "acceptance_rate": round(s.acceptance_rate, 4),
+        "draft_s": round(g.timings.draft_s, 6),
+        "verify_s": round(g.timings.verify_s, 6),
+    }
 
 
 def best_of(api: ApiRequest, choices: list[Choice], gens) -> tuple[list[Choice], list]:
@@ -550,8 +689,10 @@ def best_of(api: ApiRequest, choices: list[Choice], gens) -> tuple[list[Choice],
     keep_c, keep_g = [], []
     for start in range(0, len(choices), made):
         group = range(start, start + made)
-        top = sorted(group, key=lambda k: -sum(x.logprob for x in choices[k].logprobs) / max(1, len(choices[k].logprobs)))
-        for k in top[:api.n]:
+        top = sorted(
+            group, key=lambda k: -sum(x.logprob for x in choices[k].logprobs) / max(1, len(choices[k].logprobs))
+        )
+        for k in top[: api.n]:
             keep_c.append(replace(choices[k], index=len(keep_c)))
             keep_g.append(gens[k])
     return keep_c, keep_g
@@ -572,8 +713,13 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
         elif api.logprobs:
             lp = completion_logprobs(named, c.logprobs, len(echoed))
             lp = joined_logprobs(echo_logprobs(named, g), lp) if api.echo else lp
-        base = {"index": c.index, "logprobs": lp, "finish_reason": FINISH.get(c.finish_reason or "", "stop"),
-                "stop_reason": g.stop_reason, "speculation": speculation(g)}
+        base = {
+            "index": c.index,
+            "logprobs": lp,
+            "finish_reason": FINISH.get(c.finish_reason or "", "stop"),
+            "stop_reason": g.stop_reason,
+            "speculation": speculation(g),
+        }
         if api.token_ids:
             base["token_ids"] = list(c.token_ids)
         if api.chat:
@@ -590,8 +736,14 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
             if api.token_ids:
                 base["prompt_token_ids"] = list(g.req.prompt_ids)
         out.append(base)
-    body = {"id": rid, "object": "chat.completion" if api.chat else "text_completion", "created": created,
-            "model": api.model, "choices": out, "usage": usage(all_gens)}
+    body = {
+        "id": rid,
+        "object": "chat.completion" if api.chat else "text_completion",
+        "created": created,
+        "model": api.model,
+        "choices": out,
+        "usage": usage(all_gens),
+    }
     if api.chat and api.token_ids:
         body["prompt_token_ids"] = list(gens[0].req.prompt_ids)
     return body
@@ -607,9 +759,20 @@ def _prompt_logprobs(tokenizer, g) -> list:
     return rows
 
 
-def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str | None, lps, tokenizer,
-                 offset: int = 0, finish: str | None = None, first: bool = False, token_ids=(),
-                 prompt_ids=None) -> dict:
+def stream_chunk(
+    api: ApiRequest,
+    rid: str,
+    created: int,
+    index: int,
+    text: str | None,
+    lps,
+    tokenizer,
+    offset: int = 0,
+    finish: str | None = None,
+    first: bool = False,
+    token_ids=(),
+    prompt_ids=None,
+) -> dict:
     """One SSE event: new text (and ``token_ids``) of choice ``index`` (or, with ``finish``, its
     end); ``prompt_ids`` go in the choice's first chunk when the request asked for token ids."""
     lp = None
@@ -624,8 +787,13 @@ def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str 
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    chunk = {"id": rid, "object": "chat.completion.chunk" if api.chat else "text_completion", "created": created,
-             "model": api.model, "choices": [choice]}
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk" if api.chat else "text_completion",
+        "created": created,
+        "model": api.model,
+        "choices": [choice],
+    }
     if api.token_ids:
         choice["token_ids"] = list(token_ids)
         if prompt_ids is not None:
@@ -633,12 +801,25 @@ def stream_chunk(api: ApiRequest, rid: str, created: int, index: int, text: str 
     return chunk
 
 
-def tool_chunk(api: ApiRequest, rid: str, created: int, index: int, content: str, deltas: list[dict], lps,
-               tokenizer, first: bool, finish: str | None = None, called: bool = False, token_ids=()) -> dict:
+def tool_chunk(
+    api: ApiRequest,
+    rid: str,
+    created: int,
+    index: int,
+    content: str,
+    deltas: list[dict],
+    lps,
+    tokenizer,
+    first: bool,
+    finish: str | None = None,
+    called: bool = False,
+    token_ids=(),
+) -> dict:
     """A chat stream chunk under tools: content and tool-call deltas (``ToolStream``'s), and at
     the end the finish reason, "tool_calls" when the model called tools."""
-    chunk = stream_chunk(api, rid, created, index, content or None, lps, tokenizer, finish=finish, first=first,
-                         token_ids=token_ids)
+    chunk = stream_chunk(
+        api, rid, created, index, content or None, lps, tokenizer, finish=finish, first=first, token_ids=token_ids
+    )
     choice = chunk["choices"][0]
     if deltas:
         choice["delta"]["tool_calls"] = deltas
@@ -648,8 +829,14 @@ def tool_chunk(api: ApiRequest, rid: str, created: int, index: int, content: str
 
 
 def usage_chunk(api: ApiRequest, rid: str, created: int, gens) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if api.chat else "text_completion", "created": created,
-            "model": api.model, "choices": [], "usage": usage(gens)}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if api.chat else "text_completion",
+        "created": created,
+        "model": api.model,
+        "choices": [],
+        "usage": usage(gens),
+    }
 
 
 def tokenize_body(body, engine, served_model: str | tuple[str, ...], template: str | None) -> dict:
@@ -657,8 +844,21 @@ def tokenize_body(body, engine, served_model: str | tuple[str, ...], template: s
     this server's tokenizer."""
     if not isinstance(body, dict):
         raise InvalidRequest("body: must be a JSON object")
-    _refuse_fields(body, {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message",
-                          "chat_template_kwargs", "tools", "add_special_tokens", "return_token_strs"}, {})
+    _refuse_fields(
+        body,
+        {
+            "model",
+            "prompt",
+            "messages",
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template_kwargs",
+            "tools",
+            "add_special_tokens",
+            "return_token_strs",
+        },
+        {},
+    )
     _model(body, served_model)
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("prompt: set either `prompt` or `messages`")
@@ -669,8 +869,10 @@ def tokenize_body(body, engine, served_model: str | tuple[str, ...], template: s
             raise InvalidRequest(str(e)) from None
         ids = _chat_ids(body, engine, checked_messages(body), template, tools)
     else:
-        ids = engine.encode(_typed(body, "prompt", (str,), "a string", ""),
-                            _typed(body, "add_special_tokens", (bool,), "true or false", True))
+        ids = engine.encode(
+            _typed(body, "prompt", (str,), "a string", ""),
+            _typed(body, "add_special_tokens", (bool,), "true or false", True),
+        )
     out = {"count": len(ids), "max_model_len": engine.context_len, "tokens": ids}
     if _bool(body, "return_token_strs"):
         out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
@@ -697,8 +899,20 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
 def models_body(served: str | tuple[str, ...], max_model_len: int, created: int | None = None) -> dict:
     """Every name of the served model, each rooted at the first."""
     names, created = served_names(served), created or int(time.time())
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "specmesh",
-                                        "root": names[0], "max_model_len": max_model_len} for n in names]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": n,
+                "object": "model",
+                "created": created,
+                "owned_by": "specmesh",
+                "root": names[0],
+                "max_model_len": max_model_len,
+            }
+            for n in names
+        ],
+    }
 
 
 def served_model(engine, cfg) -> tuple[str, ...]:

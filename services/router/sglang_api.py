@@ -21,6 +21,7 @@ Also SGLang's ``GET /get_model_info`` (``model_info``), ``GET /get_server_info``
 with ``avg_spec_accept_length``), the request ``GET /health_generate`` sends (``health_request``)
 and ``POST /abort_request``'s body (``abort_target``).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,12 +35,34 @@ from services.router.engine import GenerationRequest, InvalidRequest
 FIELDS = {"text", "input_ids", "sampling_params", "stream", "rid", "method"}
 DEFAULT_MAX_NEW_TOKENS = 128
 # SGLang's sampling parameter → the completions field carrying it (the same name where omitted)
-RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str_in_output",
-           "sampling_seed": "seed"}
-SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-            "spaces_between_special_tokens", "no_stop_trim", "min_new_tokens", "sampling_seed", "n", "logit_bias",
-            "json_schema", "regex"}
+RENAMED = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+    "sampling_seed": "seed",
+}
+SAMPLING = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "min_new_tokens",
+    "sampling_seed",
+    "n",
+    "logit_bias",
+    "json_schema",
+    "regex",
+}
 # a field named in an error (the completions' or the engine's name) → SGLang's, where they differ
 _NAMES = {v: k for k, v in RENAMED.items()}
 
@@ -50,10 +73,10 @@ class NativeInvalid(InvalidRequest):
 
 @dataclass(frozen=True)
 class NativeRequest:
-    gens: tuple                   # GenerationRequest per prompt (each completed n times)
+    gens: tuple  # GenerationRequest per prompt (each completed n times)
     stream: bool
-    many: bool                    # the answer is a list (several prompts, or n > 1)
-    structured_field: str = "json_schema"   # the sampling parameter that set the grammar, for errors
+    many: bool  # the answer is a list (several prompts, or n > 1)
+    structured_field: str = "json_schema"  # the sampling parameter that set the grammar, for errors
 
 
 def message(e: InvalidRequest, api: NativeRequest | None = None, structured: str = "json_schema") -> str:
@@ -84,9 +107,14 @@ def generate_request(body, engine) -> NativeRequest:
         raise NativeInvalid(f"sampling_params.{unknown[0]}: unknown field; it accepts {', '.join(sorted(SAMPLING))}")
     prompt = body["text"] if body.get("text") is not None else body["input_ids"]
     many_prompts = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-    completions = {"prompt": prompt, "stream": body.get("stream", False), "request_id": body.get("rid"),
-                   "method": body.get("method"), "max_tokens": sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
-                   "structured_outputs": _structured(sp)}
+    completions = {
+        "prompt": prompt,
+        "stream": body.get("stream", False),
+        "request_id": body.get("rid"),
+        "method": body.get("method"),
+        "max_tokens": sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+        "structured_outputs": _structured(sp),
+    }
     completions |= {RENAMED.get(k, k): v for k, v in sp.items() if k not in ("max_new_tokens", "json_schema", "regex")}
     structured = "regex" if sp.get("regex") is not None else "json_schema"
     try:
@@ -116,10 +144,16 @@ def finish_reason(g) -> dict | None:
 def completion(g, index: int, text: str, output_ids: list[int], final: bool, streamed: bool = False) -> dict:
     """A completion's object: whole (``final``), or as streamed so far (``text`` and
     ``output_ids`` are what the stream's steps carried; no finish reason before its last)."""
-    meta = {"id": g.req_id, "finish_reason": finish_reason(g) if final else None,
-            "prompt_tokens": len(g.req.prompt_ids), "completion_tokens": len(output_ids),
-            "cached_tokens": g.cached_tokens, "e2e_latency": round(g.timings.wall_s, 6),
-            "spec_verify_ct": g.stats.cycles, "speculation": oa.speculation(g)}
+    meta = {
+        "id": g.req_id,
+        "finish_reason": finish_reason(g) if final else None,
+        "prompt_tokens": len(g.req.prompt_ids),
+        "completion_tokens": len(output_ids),
+        "cached_tokens": g.cached_tokens,
+        "e2e_latency": round(g.timings.wall_s, 6),
+        "spec_verify_ct": g.stats.cycles,
+        "speculation": oa.speculation(g),
+    }
     out = {"text": text, "output_ids": list(output_ids), "meta_info": meta}
     if streamed:
         out["index"] = index
@@ -128,8 +162,9 @@ def completion(g, index: int, text: str, output_ids: list[int], final: bool, str
 
 def health_request(_body, engine) -> NativeRequest:
     """SGLang's health probe: one greedy token after token id 0, kept out of the request metrics."""
-    return NativeRequest((GenerationRequest([0], 1, method=engine.default_method, log_metrics=False),),
-                         stream=False, many=False)
+    return NativeRequest(
+        (GenerationRequest([0], 1, method=engine.default_method, log_metrics=False),), stream=False, many=False
+    )
 
 
 def model_info(engine) -> dict:
@@ -138,10 +173,17 @@ def model_info(engine) -> dict:
         config = json.loads((Path(engine.cfg.target) / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    return {"model_path": str(engine.cfg.target), "tokenizer_path": str(engine.cfg.target), "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": config.get("model_type"),
-            "architectures": config.get("architectures")}
+    return {
+        "model_path": str(engine.cfg.target),
+        "tokenizer_path": str(engine.cfg.target),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+    }
 
 
 def server_info(engine, admission, served_model: str, version: str) -> dict:
@@ -149,15 +191,28 @@ def server_info(engine, admission, served_model: str, version: str) -> dict:
     and SGLang's ``avg_spec_accept_length``: tokens emitted per target verification pass (τ) over every
     request this process has decoded, null before the first."""
     cycles, tokens = decoding_totals()
-    return {"version": version, "model_path": str(engine.cfg.target), "served_model_name": served_model,
-            "context_length": engine.context_len, "max_running_requests": admission.max_sessions,
-            "max_queued_requests": admission.max_queue, "speculative_algorithm": engine.default_method,
-            "methods": engine.methods(), "max_draft_tokens": dict(engine.max_draft),
-            # SGLang's names for the EAGLE-3 shape (chains: depth; eagle3-tree: top-k and nodes verified)
-            "speculative_num_steps": engine.cfg.eagle3_k, "speculative_eagle_topk": engine.cfg.eagle3_topk,
-            "speculative_num_draft_tokens": engine.cfg.eagle3_tree_tokens,
-            "internal_states": [{"avg_spec_accept_length": round(tokens / cycles, 4) if cycles else None,
-                                 "num_running_reqs": admission.running, "num_waiting_reqs": admission.waiting}]}
+    return {
+        "version": version,
+        "model_path": str(engine.cfg.target),
+        "served_model_name": served_model,
+        "context_length": engine.context_len,
+        "max_running_requests": admission.max_sessions,
+        "max_queued_requests": admission.max_queue,
+        "speculative_algorithm": engine.default_method,
+        "methods": engine.methods(),
+        "max_draft_tokens": dict(engine.max_draft),
+        # SGLang's names for the EAGLE-3 shape (chains: depth; eagle3-tree: top-k and nodes verified)
+        "speculative_num_steps": engine.cfg.eagle3_k,
+        "speculative_eagle_topk": engine.cfg.eagle3_topk,
+        "speculative_num_draft_tokens": engine.cfg.eagle3_tree_tokens,
+        "internal_states": [
+            {
+                "avg_spec_accept_length": round(tokens / cycles, 4) if cycles else None,
+                "num_running_reqs": admission.running,
+                "num_waiting_reqs": admission.waiting,
+            }
+        ],
+    }
 
 
 def abort_target(body) -> str | None:

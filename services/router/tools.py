@@ -18,6 +18,7 @@ arguments stream as they are generated; "required" sends its calls whole at the 
 
 No HTTP here: bodies in, dataclasses and dicts out.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,8 @@ class Tools:
     """The request's tools (OpenAI's dicts, for the template) and how to call them."""
 
     specs: tuple[dict, ...]
-    choice: str                 # "auto" | "required" | "none" | "named"
-    name: str | None = None     # the function a named choice forces
+    choice: str  # "auto" | "required" | "none" | "named"
+    name: str | None = None  # the function a named choice forces
 
     @property
     def names(self) -> list[str]:
@@ -57,10 +58,15 @@ class Tools:
         if self.choice == "named":
             return StructuredOutput(json_schema=json.dumps(self.parameters(self.name)))
         if self.choice == "required":
-            calls = [{"type": "object", "properties": {"name": {"enum": [n]}, "parameters": self.parameters(n)},
-                      "required": ["name", "parameters"]} for n in self.names]
-            return StructuredOutput(json_schema=json.dumps({"type": "array", "minItems": 1,
-                                                            "items": {"anyOf": calls}}))
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"enum": [n]}, "parameters": self.parameters(n)},
+                    "required": ["name", "parameters"],
+                }
+                for n in self.names
+            ]
+            return StructuredOutput(json_schema=json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
         return None
 
 
@@ -73,14 +79,21 @@ def parse_tools(body: dict) -> Tools | None:
             raise ToolError("tool_choice: needs `tools`")
         return None
     if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
-        raise ToolError(f"tools: must be a list of 1 to {MAX_TOOLS} {{\"type\": \"function\", \"function\": {{...}}}}")
+        raise ToolError(f'tools: must be a list of 1 to {MAX_TOOLS} {{"type": "function", "function": {{...}}}}')
     specs = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_\-\.]{1,64}", fn["name"]):
-            raise ToolError(f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                            "\"description\": ..., \"parameters\": {...}}}} with a name of 1-64 letters, digits, _ - .")
+        if (
+            not isinstance(t, dict)
+            or t.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not re.fullmatch(r"[A-Za-z0-9_\-\.]{1,64}", fn["name"])
+        ):
+            raise ToolError(
+                f'tools[{i}]: must be {{"type": "function", "function": {{"name": ..., '
+                '"description": ..., "parameters": {...}}}} with a name of 1-64 letters, digits, _ - .'
+            )
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise ToolError(f"tools[{i}].function.parameters: must be a JSON Schema object")
         specs.append({"type": "function", "function": fn})
@@ -89,11 +102,15 @@ def parse_tools(body: dict) -> Tools | None:
         raise ToolError("tools: function names must be unique")
     if choice is None or choice in ("auto", "required", "none"):
         return Tools(tuple(specs), choice or "auto")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None
+    name = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+        else None
+    )
     if name is None:
-        raise ToolError("tool_choice: must be \"auto\", \"required\", \"none\" or "
-                        "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        raise ToolError(
+            'tool_choice: must be "auto", "required", "none" or {"type": "function", "function": {"name": ...}}'
+        )
     if name not in names:
         raise ToolError(f"tool_choice: no tool is named {name!r} (tools: {', '.join(names)})")
     return Tools(tuple(specs), "named", name)
@@ -121,8 +138,11 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 def call(name: str, arguments: str) -> dict:
     """One tool call in OpenAI's response form."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def message(tools: Tools, text: str) -> tuple[str | None, list[dict], bool]:
@@ -155,7 +175,7 @@ def hermes(text: str, names: set[str]) -> tuple[str | None, list[dict], bool]:
             calls.append(call(name, args if isinstance(args, str) else json.dumps(args)))
     if not calls:
         return text, [], False
-    content = text[:text.index("<tool_call>")].strip()
+    content = text[: text.index("<tool_call>")].strip()
     return content or None, calls, True
 
 
@@ -166,8 +186,8 @@ class ToolStream:
 
     def __init__(self, tools: Tools):
         self.tools = tools
-        self.held = ""           # text not sent yet: a possible tag start, or the calls part
-        self.in_calls = False    # auto: a <tool_call> tag has begun
+        self.held = ""  # text not sent yet: a possible tag start, or the calls part
+        self.in_calls = False  # auto: a <tool_call> tag has begun
         self.named_started = False
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
@@ -186,9 +206,8 @@ class ToolStream:
         if at >= 0:
             content, self.held, self.in_calls = self.held[:at], self.held[at:], True
             return content, []
-        keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1)
-                     if OPEN.startswith(self.held[-k:])), 0)
-        content, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        keep = next((k for k in range(min(len(OPEN) - 1, len(self.held)), 0, -1) if OPEN.startswith(self.held[-k:])), 0)
+        content, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return content, []
 
     def finish(self) -> tuple[str, list[dict], bool]:

@@ -1,6 +1,7 @@
 """The public API's protobuf edge: ``specmesh.v1.GenerateRequest`` -> ``GenerationRequest`` and
 each step / final answer -> ``GenerateResponse``. The only module besides the router's
 ``grpc_server`` and ``client`` that sees the generated code."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,8 +12,12 @@ from services.router.engine import Engine, Generation, GenerationRequest, Invali
 from specmesh.v1 import generate_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH = {"length": pb.FINISH_REASON_LENGTH, "eos": pb.FINISH_REASON_EOS, "stop": pb.FINISH_REASON_STOP,
-          "abort": pb.FINISH_REASON_ABORT}
+FINISH = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP,
+    "abort": pb.FINISH_REASON_ABORT,
+}
 
 
 def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
@@ -22,15 +27,23 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
     ids = list(r.prompt_token_ids) if r.prompt_token_ids else engine.encode(r.prompt, special) if r.prompt else []
     max_new = r.max_new_tokens if r.HasField("max_new_tokens") else engine.cfg.default_max_new_tokens
     return GenerationRequest(
-        prompt_ids=engine.truncate(ids, r.truncate_prompt_tokens if r.HasField("truncate_prompt_tokens") else None, max_new),
+        prompt_ids=engine.truncate(
+            ids, r.truncate_prompt_tokens if r.HasField("truncate_prompt_tokens") else None, max_new
+        ),
         max_new_tokens=max_new,
         sampling=SamplingParams(
-            temperature=r.temperature, top_p=r.top_p if r.HasField("top_p") else 1.0,
-            top_k=r.top_k, seed=r.seed if r.HasField("seed") else None,
+            temperature=r.temperature,
+            top_p=r.top_p if r.HasField("top_p") else 1.0,
+            top_k=r.top_k,
+            seed=r.seed if r.HasField("seed") else None,
             repetition_penalty=r.repetition_penalty if r.HasField("repetition_penalty") else 1.0,
-            presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
-            logit_bias=tuple(sorted(r.logit_bias.items())), allowed_token_ids=tuple(r.allowed_token_ids),
-            bad_words=engine.bad_word_ids(r.bad_words), min_p=r.min_p),
+            presence_penalty=r.presence_penalty,
+            frequency_penalty=r.frequency_penalty,
+            logit_bias=tuple(sorted(r.logit_bias.items())),
+            allowed_token_ids=tuple(r.allowed_token_ids),
+            bad_words=engine.bad_word_ids(r.bad_words),
+            min_p=r.min_p,
+        ),
         stop=tuple(s for s in r.stop if s),
         stop_token_ids=tuple(r.stop_token_ids),
         include_stop_str_in_output=r.include_stop_str_in_output,
@@ -60,30 +73,46 @@ def structured_from_pb(s: pb.StructuredOutput) -> StructuredOutput:
 def step_to_pb(step, index: int = 0) -> pb.GenerateResponse:
     """One cycle's output of completion ``index``: new tokens, new text and, when asked, the
     tokens' log-probabilities."""
-    return pb.GenerateResponse(token_ids=step.token_ids, text=step.text, logprobs=logprobs_to_pb(step.logprobs),
-                               index=index)
+    return pb.GenerateResponse(
+        token_ids=step.token_ids, text=step.text, logprobs=logprobs_to_pb(step.logprobs), index=index
+    )
 
 
 def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_ids=[i for i, _ in x.top],
-                            top_logprobs=[v for _, v in x.top]) for x in lps]
+    return [
+        pb.TokenLogprob(
+            token_id=x.token_id, logprob=x.logprob, top_ids=[i for i, _ in x.top], top_logprobs=[v for _, v in x.top]
+        )
+        for x in lps
+    ]
 
 
 def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
     s = gen.stats
     reason = gen.stop_reason
-    stopped: dict[str, Any] = {} if reason is None else {"stop_string" if isinstance(reason, str) else "stop_token_id": reason}
+    stopped: dict[str, Any] = (
+        {} if reason is None else {"stop_string" if isinstance(reason, str) else "stop_token_id": reason}
+    )
     return pb.GenerateResponse(
         **stopped,
         index=index,
         finish_reason=FINISH.get(gen.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
-        usage=pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.output_ids),
-                       cached_prompt_tokens=gen.cached_tokens),
+        usage=pb.Usage(
+            prompt_tokens=len(gen.req.prompt_ids),
+            completion_tokens=len(gen.output_ids),
+            cached_prompt_tokens=gen.cached_tokens,
+        ),
         stats=pb.SpeculationStats(
-            cycles=s.cycles, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
-            rescued_tokens=s.rescued_tokens, tau=s.tau, acceptance_rate=s.acceptance_rate,
+            cycles=s.cycles,
+            draft_tokens=s.draft_tokens,
+            accepted_tokens=s.accepted_tokens,
+            rescued_tokens=s.rescued_tokens,
+            tau=s.tau,
+            acceptance_rate=s.acceptance_rate,
             accepted_per_position=s.accepted_per_position,
-            draft_s=gen.timings.draft_s, verify_s=gen.timings.verify_s),
+            draft_s=gen.timings.draft_s,
+            verify_s=gen.timings.verify_s,
+        ),
         method=gen.req.method,
         prompt_logprobs=logprobs_to_pb(gen.prompt_logprobs),
     )

@@ -17,6 +17,7 @@ would not wait for anyone.
 A step may leave an item unfinished (``again``: its prompt is being prefilled in chunks); the
 item goes back to the head of the queue for the next step, and its caller keeps waiting.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ class Pending:
     error: BaseException | None = None
     done: bool = False
     on_done: Callable[["Pending"], None] | None = None
-    again: bool = False       # set by a step that advanced the cycle without finishing it (a prefill chunk)
+    again: bool = False  # set by a step that advanced the cycle without finishing it (a prefill chunk)
 
 
 class CycleBatcher:
@@ -46,8 +47,8 @@ class CycleBatcher:
         self.step, self.max_batch, self.window_s = step, max_batch, window_s
         self._cond = threading.Condition()
         self._queue: list[Pending] = []
-        self._expected: set[int] = set()   # id() of the sessions served by the last step
-        self._fresh: set[int] = set()      # id() of sessions opened since the last step began
+        self._expected: set[int] = set()  # id() of the sessions served by the last step
+        self._fresh: set[int] = set()  # id() of sessions opened since the last step began
         self._running = False
         self._stepper: threading.Thread | None = None
 
@@ -108,7 +109,7 @@ class CycleBatcher:
         end = time.perf_counter() + self.window_s
         while not self._ready() and time.perf_counter() < end:
             self._cond.wait(end - time.perf_counter())
-        batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+        batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
         self._expected = {id(b.session) for b in batch}
         self._fresh = set()  # had their window; those opened from now on are awaited next
         self._cond.release()
@@ -123,7 +124,7 @@ class CycleBatcher:
             self._running = False
             again: list[Pending] = []
             finished: list[Pending] = []
-            for b in batch:   # an unfinished item without an error goes first in the next step
+            for b in batch:  # an unfinished item without an error goes first in the next step
                 (again if b.again and b.result is None and b.error is None else finished).append(b)
                 b.again = False
             self._queue[:0] = again

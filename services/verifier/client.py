@@ -3,6 +3,7 @@ interface as an in-process ``VerifierCore`` (``open`` -> session with ``cycle`` 
 ``close``) and fails a session over to another replica, re-opened with every token committed
 so far. Sessions travel on a replica's multiplexed ``Link`` (``ReplicaLink``) or on a stream
 of their own (``SessionStream``)."""
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,7 @@ class NoReplica(Unavailable):
     """Every verifier replica failed; the router answers UNAVAILABLE."""
 
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-              grpc.StatusCode.CANCELLED}
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
 
 class SessionStream:
@@ -68,7 +68,7 @@ class RemoteSession:
     def _connect(self, exclude: set[str]) -> None:
         """Open the session (prompt + committed so far) on a live replica: the least loaded, or
         one nearly as loaded that holds the prompt's start in its prefix cache."""
-        spec = self.spec.resumed(self.tokens[len(self.spec.prompt_ids):])
+        spec = self.spec.resumed(self.tokens[len(self.spec.prompt_ids) :])
         while True:
             addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
             try:
@@ -128,8 +128,14 @@ class RemoteVerifier:
     """Router-side view of verifier replicas: least-loaded placement with prefix affinity,
     session affinity."""
 
-    def __init__(self, addresses: list[str], timeout_s: float | None = None, max_message_bytes: int = 4 << 20,
-                 link: bool = True, affinity_slack: int | None = 2):
+    def __init__(
+        self,
+        addresses: list[str],
+        timeout_s: float | None = None,
+        max_message_bytes: int = 4 << 20,
+        link: bool = True,
+        affinity_slack: int | None = 2,
+    ):
         """``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
         message per step each way); else each session has its own ``Session`` stream.
         ``affinity_slack``: a new session may go to a replica with up to this many sessions
@@ -224,7 +230,7 @@ class LinkError(grpc.RpcError):
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _BROKEN = object()
-_CLOSED = object()   # put in a session's inbox when the router closes it: a waiting cycle ends
+_CLOSED = object()  # put in a session's inbox when the router closes it: a waiting cycle ends
 
 
 class ReplicaLink:
@@ -269,8 +275,10 @@ class ReplicaLink:
                     if box is not None:
                         box.put(r)
         except grpc.RpcError as e:
-            err = LinkError(e.code() if e.code() in _RETRYABLE else grpc.StatusCode.UNAVAILABLE,
-                            f"link to {self.addr}: {e.details()}")
+            err = LinkError(
+                e.code() if e.code() in _RETRYABLE else grpc.StatusCode.UNAVAILABLE,
+                f"link to {self.addr}: {e.details()}",
+            )
         self.broken = err
         for box in list(self._inbox.values()):
             box.put(_BROKEN)
@@ -282,12 +290,12 @@ class ReplicaLink:
             self.release(sid)
             raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
         if r is _BROKEN:
-            assert self.broken is not None   # set before _BROKEN is posted
+            assert self.broken is not None  # set before _BROKEN is posted
             raise self.broken
         if r is _CLOSED:
             raise LinkError(grpc.StatusCode.CANCELLED, "the session was closed by the router")
         if r.WhichOneof("kind") == "error":
-            self._inbox.pop(sid, None)   # the verifier closed the session
+            self._inbox.pop(sid, None)  # the verifier closed the session
             raise LinkError(_CODES.get(r.error.code, grpc.StatusCode.UNKNOWN), r.error.message)
         return r
 

@@ -8,6 +8,7 @@ local drafter observe (with the target's fused hidden states), record the first 
 rejection. The router calls it in-process (embedded topology) or over a gRPC stream
 (distributed); the code is the same.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -46,13 +47,26 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
 
 
 class VerifierCore:
-    def __init__(self, runner: TargetRunner, drafters: dict[str, Drafter], max_draft: dict[str, int],
-                 policies: dict, memory, eos_id: int, max_batch: int = 16, batch_window_ms: float = 5.0,
-                 prefill_chunk: int = 0, tokenizer_dir: Path | None = None, max_model_len: int = 0):
+    def __init__(
+        self,
+        runner: TargetRunner,
+        drafters: dict[str, Drafter],
+        max_draft: dict[str, int],
+        policies: dict,
+        memory,
+        eos_id: int,
+        max_batch: int = 16,
+        batch_window_ms: float = 5.0,
+        prefill_chunk: int = 0,
+        tokenizer_dir: Path | None = None,
+        max_model_len: int = 0,
+    ):
         """``max_model_len``: the context a request may fill, at most the target's positions (0: those)."""
         if max_model_len > runner.max_positions:
-            raise ValueError(f"max_model_len: {max_model_len} exceeds the target's {runner.max_positions} positions "
-                             "(max_position_embeddings); set at most that, or 0 for it")
+            raise ValueError(
+                f"max_model_len: {max_model_len} exceeds the target's {runner.max_positions} positions "
+                "(max_position_embeddings); set at most that, or 0 for it"
+            )
         self.context_len = max_model_len or runner.max_positions
         self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
         self.tokenizer_dir, self._grammars = tokenizer_dir, None
@@ -60,7 +74,7 @@ class VerifierCore:
         self.prefill_chunk = prefill_chunk
         self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000)
         self._ids = itertools.count()
-        self.sessions: set[str] = set()   # open sessions' ids (set add/discard are atomic)
+        self.sessions: set[str] = set()  # open sessions' ids (set add/discard are atomic)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, eos_id: int) -> "VerifierCore":
@@ -71,16 +85,18 @@ class VerifierCore:
         drafters: dict[str, Drafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:
-            drafters["draft-lm"] = DRAFTERS["draft-lm"](_load(cfg.draft, cfg), cfg.draft_confidence,
-                                                        draft_vocabulary(cfg))
+            drafters["draft-lm"] = DRAFTERS["draft-lm"](
+                _load(cfg.draft, cfg), cfg.draft_confidence, draft_vocabulary(cfg)
+            )
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
             from services.drafter.eagle3 import Eagle3Head, HeadMismatch
             from services.drafter.eagle3_drafter import TreeShape
 
             try:  # a head trained for another target is left out: `eagle3` is unavailable
-                head = Eagle3Head.from_pretrained(cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device,
-                                                  target=runner.model.s)
+                head = Eagle3Head.from_pretrained(
+                    cfg.eagle3, runner.model.embed_tokens.weight, dtype, cfg.device, target=runner.model.s
+                )
             except HeadMismatch as e:
                 log.warning("%s: eagle3 is unavailable", e)
             else:
@@ -89,20 +105,36 @@ class VerifierCore:
                 runner.capture_layers = head.aux_layers
                 drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
                 max_draft["eagle3"] = cfg.eagle3_k
-                if cfg.eagle3_topk > 1:   # the same head, drafting trees
-                    drafters["eagle3-tree"] = DRAFTERS["eagle3"](head, tree=TreeShape(cfg.eagle3_topk, cfg.eagle3_k,
-                                                                                             cfg.eagle3_tree_min_score),
-                                                                 name="eagle3-tree")
+                if cfg.eagle3_topk > 1:  # the same head, drafting trees
+                    drafters["eagle3-tree"] = DRAFTERS["eagle3"](
+                        head,
+                        tree=TreeShape(cfg.eagle3_topk, cfg.eagle3_k, cfg.eagle3_tree_min_score),
+                        name="eagle3-tree",
+                    )
                     max_draft["eagle3-tree"] = cfg.eagle3_tree_tokens
         if cfg.prefix_cache_mb > 0:
             share_prefix_cache(cfg, runner, [drafters[d] for d in ("draft-lm", "eagle3") if d in drafters])
-            if "eagle3-tree" in drafters:   # one head: its blocks serve both
+            if "eagle3-tree" in drafters:  # one head: its blocks serve both
                 drafters["eagle3-tree"].prefix = drafters["eagle3"].prefix
         memory = open_memory(cfg)
-        policies = {**POLICIES, "csd": CalibratedGreedy(cfg.gate, memory),
-                    "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False))}
-        return cls(runner, drafters, max_draft, policies, memory, eos_id, cfg.max_batch, cfg.batch_window_ms,
-                   cfg.prefill_chunk, Path(cfg.target), cfg.max_model_len)
+        policies = {
+            **POLICIES,
+            "csd": CalibratedGreedy(cfg.gate, memory),
+            "scg": CalibratedGreedy(replace(cfg.gate, use_memory=False)),
+        }
+        return cls(
+            runner,
+            drafters,
+            max_draft,
+            policies,
+            memory,
+            eos_id,
+            cfg.max_batch,
+            cfg.batch_window_ms,
+            cfg.prefill_chunk,
+            Path(cfg.target),
+            cfg.max_model_len,
+        )
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -147,7 +179,7 @@ class VerifierCore:
         """One step for a batch of sessions' cycles: draft, one target forward, finish each.
         Long prompts beside other sessions' cycles advance by a chunk instead (``_chunks``)."""
         t0 = time.perf_counter()
-        for b in batch:   # a cancelled session's cycle (a prompt mid-prefill, say) stops here
+        for b in batch:  # a cancelled session's cycle (a prompt mid-prefill, say) stops here
             if b.session.cancelled:
                 b.error = SessionCancelled(f"session {b.session.session_id} was cancelled")
         self._attach([b for b in batch if b.error is None])
@@ -158,13 +190,15 @@ class VerifierCore:
         t1 = time.perf_counter()
         live = [b for b in cycles if b.error is None]
         filling = [b for b in batch if chunks.get(id(b))]
-        for b in batch:   # a prompt fed a chunk, or none (out of budget), goes on next step
+        for b in batch:  # a prompt fed a chunk, or none (out of budget), goes on next step
             b.again = id(b) in chunks
         if not live and not filling:
             return
-        outs, states = self.runner.step([(b.session.target, drafts[id(b)].token_ids) for b in live],
-                                        [(b.session.target, chunks[id(b)]) for b in filling],
-                                        [drafts[id(b)].parents if drafts[id(b)].is_tree else None for b in live])
+        outs, states = self.runner.step(
+            [(b.session.target, drafts[id(b)].token_ids) for b in live],
+            [(b.session.target, chunks[id(b)]) for b in filling],
+            [drafts[id(b)].parents if drafts[id(b)].is_tree else None for b in live],
+        )
         for b, fused in zip(filling, states):
             try:
                 b.session.prefilled(fused)
@@ -244,7 +278,7 @@ class VerifierCore:
                 # sampled draft with a q keeps rejection sampling, which accepts it more often than a walk)
                 toks, parents = graft(d.token_ids, d.parents, b.request.draft_ids, b.session.spec.max_draft)
                 drafts[id(b)] = d = replace(d, token_ids=toks, parents=parents, probs=None, token_probs=[])
-            if d.is_tree and not b.session.takes_trees:   # a session that cannot verify a tree takes its main chain
+            if d.is_tree and not b.session.takes_trees:  # a session that cannot verify a tree takes its main chain
                 drafts[id(b)] = d.chain()
         return drafts
 
@@ -269,7 +303,7 @@ def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, drafters: list[D
         owner.prefix = PrefixCache(cfg.prefix_block, int(budget * size / sum(sizes)))
 
 
-AUTO_DRAFT_VOCAB = 4096   # FR-Spec on the bundled draft: drafting −4–7 %, τ within 1 % (bench.draft_vocab)
+AUTO_DRAFT_VOCAB = 4096  # FR-Spec on the bundled draft: drafting −4–7 %, τ within 1 % (bench.draft_vocab)
 
 
 def draft_vocabulary(cfg: EngineConfig) -> torch.Tensor | None:
@@ -324,43 +358,64 @@ class VerifierSession:
         self.rng = make_rng(s.sampling.seed)
         self.policy = self.core.policies[s.policy]
         root = salt_root(s.cache_salt)
-        self.target = self.core.runner.open(s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1, root,
-                                            s.prompt_logprobs)
+        self.target = self.core.runner.open(
+            s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1, root, s.prompt_logprobs
+        )
         self.core.batcher.opened(self)
         self.core.sessions.add(self.session_id)
         self._closed = False
         self.cancelled = False
-        self.grammar = None   # structured output: where the output so far left the grammar
+        self.grammar = None  # structured output: where the output so far left the grammar
         if s.grammar:
-            self.grammar = GrammarCursor.after(self.core.grammars.compile(s.grammar),
-                                               s.prompt_ids[len(s.prompt_ids) - s.generated:])
+            self.grammar = GrammarCursor.after(
+                self.core.grammars.compile(s.grammar), s.prompt_ids[len(s.prompt_ids) - s.generated :]
+            )
         self.drafter = self.core.drafters.get(s.model_drafter) if s.model_drafter else None
         if self.drafter:
-            self.drafter.start(self.session_id, s.prompt_ids, s.sampling, self.rng, s.max_new_tokens, cache_root=root,
-                               grammar=self.grammar, trees=self.takes_trees)
+            self.drafter.start(
+                self.session_id,
+                s.prompt_ids,
+                s.sampling,
+                self.rng,
+                s.max_new_tokens,
+                cache_root=root,
+                grammar=self.grammar,
+                trees=self.takes_trees,
+            )
 
     def cycle(self, req: CycleRequest) -> CycleResult:
         """Draft (or take the router's draft), verify, commit; batched with the replica's
         other sessions that cycle at the same time."""
         return self.core.batcher.submit(self, req)
 
-    def finish(self, draft: Draft, logits: torch.Tensor, hidden: list[torch.Tensor], draft_s: float,
-               verify_start: float, batch_size: int = 1) -> CycleResult:
+    def finish(
+        self,
+        draft: Draft,
+        logits: torch.Tensor,
+        hidden: list[torch.Tensor],
+        draft_s: float,
+        verify_start: float,
+        batch_size: int = 1,
+    ) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
-        verdict: Verdict = self.policy(draft, self._constrained(self._no_early_eos(self._shaped(logits, draft)),
-                                                                draft), self.spec.sampling, self.rng)
+        verdict: Verdict = self.policy(
+            draft,
+            self._constrained(self._no_early_eos(self._shaped(logits, draft)), draft),
+            self.spec.sampling,
+            self.rng,
+        )
         pending = len(self.target.pending)
         kept = pending + verdict.accepted
-        if verdict.path is not None:   # a tree: its accepted path's rows, in order
+        if verdict.path is not None:  # a tree: its accepted path's rows, in order
             logits = logits[[0] + [n + 1 for n in verdict.path]]
             hidden = [h[:, list(range(pending)) + [pending + n for n in verdict.path]] for h in hidden]
-        states = None   # the kept positions' fused target states, for EAGLE-3 and the prefix cache
+        states = None  # the kept positions' fused target states, for EAGLE-3 and the prefix cache
         if hidden and (self._needs_states or self.core.runner.prefix is not None):
             states = torch.cat(hidden, dim=-1)[0, :kept]
         self.core.runner.commit(self.target, verdict, states)
         eos = self.core.eos_id
         cut = eos in verdict.tokens and not self.spec.ignore_eos
-        committed = verdict.tokens[:verdict.tokens.index(eos) + 1] if cut else verdict.tokens
+        committed = verdict.tokens[: verdict.tokens.index(eos) + 1] if cut else verdict.tokens
         if self.grammar is not None:
             self.grammar.advance(committed)
         if self.drafter:
@@ -369,13 +424,20 @@ class VerifierSession:
             self.core.memory.record([verdict.first_rejection])
         accepted = min(verdict.accepted, len(committed))
         return CycleResult(
-            committed=committed, drafted=len(draft), accepted=accepted, source=draft.source,
+            committed=committed,
+            drafted=len(draft),
+            accepted=accepted,
+            source=draft.source,
             # a cycle cut short by EOS keeps no rescue statistics
             rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
             rejected=verdict.first_rejection is not None and accepted < len(committed),
-            draft_s=draft_s, verify_s=time.perf_counter() - verify_start, batch_size=batch_size,
-            cached_tokens=self._report_cached(), prompt_logprobs=self._report_prompt_logprobs(),
-            logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else ())
+            draft_s=draft_s,
+            verify_s=time.perf_counter() - verify_start,
+            batch_size=batch_size,
+            cached_tokens=self._report_cached(),
+            prompt_logprobs=self._report_prompt_logprobs(),
+            logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else (),
+        )
 
     def _shaped(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """The request's penalties (``SamplingParams``), over its output so far (the re-opened
@@ -424,9 +486,12 @@ class VerifierSession:
         ``_sampled_walk``), on logits no per-row rule (penalties, bias, bad words, grammar,
         min_tokens) reshapes: those read rows as a chain. CSD relaxes chains only."""
         s, sp = self.spec, self.spec.sampling
-        return (s.policy in ("lossless", "exact") and not (sp.penalized or sp.biased or sp.bad_words)
-                and self.grammar is None
-                and s.min_tokens <= len(self.target.tokens) - len(s.prompt_ids))
+        return (
+            s.policy in ("lossless", "exact")
+            and not (sp.penalized or sp.biased or sp.bad_words)
+            and self.grammar is None
+            and s.min_tokens <= len(self.target.tokens) - len(s.prompt_ids)
+        )
 
     @property
     def _needs_states(self) -> bool:

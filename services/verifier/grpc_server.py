@@ -1,6 +1,7 @@
 """The verifier's gRPC edge (`specmesh.v1.Verifier`): a thin servicer over a ``Replica``
 (admission, checks) and its ``VerifierCore``; the multiplexed ``Link`` stream's server end.
 Refusals become status codes here (``status_of``); conversions are in ``wire``."""
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def Info(self, request, context):
         core, s = self.sessions.core, self.sessions
-        return pb.InfoResponse(context_len=core.context_len, vocab_size=core.vocab_size, max_draft=core.max_draft,
-                               active_sessions=len(s.active), max_sessions=s.max_sessions, replica=s.replica)
+        return pb.InfoResponse(
+            context_len=core.context_len,
+            vocab_size=core.vocab_size,
+            max_draft=core.max_draft,
+            active_sessions=len(s.active),
+            max_sessions=s.max_sessions,
+            replica=s.replica,
+        )
 
     def ResetPrefixCache(self, request, context):
         self.sessions.core.clear_prefix_cache()
@@ -67,7 +74,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             session = self.sessions.admit(spec)
         except Refusal as e:
             context.abort(status_of(e), str(e))
-        context.add_callback(session.cancel)   # the router went away: a cycle in flight stops at the next step
+        context.add_callback(session.cancel)  # the router went away: a cycle in flight stops at the next step
         try:
             yield pb.SessionResponse(opened=pb.Opened(session_id=session.session_id, replica=self.sessions.replica))
             for msg in request_iterator:
@@ -81,14 +88,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 yield pb.SessionResponse(result=result_to_pb(session.cycle(req)))
-        except SessionCancelled:   # the router's stream ended mid-cycle: no one to answer
+        except SessionCancelled:  # the router's stream ended mid-cycle: no one to answer
             log.info("session %s: cancelled mid-cycle", session.session_id)
         finally:
             self.sessions.release(session)
 
     def Link(self, request_iterator, context):
         link = LinkServer(self, request_iterator, context)
-        context.add_callback(link.end)           # a cancelled or broken link unblocks the writer
+        context.add_callback(link.end)  # a cancelled or broken link unblocks the writer
         self.links.add(link)
         try:
             while (replies := link.next_replies()) is not None:
@@ -98,7 +105,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self.links.discard(link)
 
 
-_READ = object()   # in the reply queue: the reader thread hands reading back to the writer
+_READ = object()  # in the reply queue: the reader thread hands reading back to the writer
 
 
 class LinkServer:
@@ -120,15 +127,15 @@ class LinkServer:
         self.servicer = servicer
         self.sessions: dict[str, Any] = {}
         self.busy: set[str] = set()
-        self.opening: set[str] = set()   # sessions opening on a thread of their own (``_open``)
+        self.opening: set[str] = set()  # sessions opening on a thread of their own (``_open``)
         self.closing: set[str] = set()
         self.ended = self._stopped = False
         self._lock = threading.Lock()
-        self._turn = threading.Condition(self._lock)   # the reader thread waits here for its turn
+        self._turn = threading.Condition(self._lock)  # the reader thread waits here for its turn
         self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._posts: list = []    # cycles of the message being read, posted together after it
+        self._posts: list = []  # cycles of the message being read, posted together after it
         self._requests, self._context = requests, context
-        self._reader = "writer"   # who reads the next message: "writer" or "thread"
+        self._reader = "writer"  # who reads the next message: "writer" or "thread"
         self._writer_reading = False
         self._thread: threading.Thread | None = None
 
@@ -174,7 +181,7 @@ class LinkServer:
                     if back:
                         self._reader = "writer"
                 if back:
-                    self._out.put(_READ)   # the writer may be waiting for a reply that is not coming
+                    self._out.put(_READ)  # the writer may be waiting for a reply that is not coming
         finally:
             self.end()
 
@@ -221,10 +228,10 @@ class LinkServer:
             except queue.Empty:
                 return replies
             if r is None:
-                self._out.put(None)   # every later call sees the end too
+                self._out.put(None)  # every later call sees the end too
                 return replies or None
             if r is _READ:
-                block = False   # the writer reads next: take what is queued, wait for nothing
+                block = False  # the writer reads next: take what is queued, wait for nothing
             else:
                 replies.append(r)
 
@@ -262,8 +269,9 @@ class LinkServer:
             if later:
                 self.opening.add(sid)
         if later:
-            threading.Thread(target=self._guarded, args=(sid, "open", self._admit, sid, spec), daemon=True,
-                             name=f"open-{sid}").start()
+            threading.Thread(
+                target=self._guarded, args=(sid, "open", self._admit, sid, spec), daemon=True, name=f"open-{sid}"
+            ).start()
         else:
             self._admit(sid, spec)
 
@@ -274,7 +282,7 @@ class LinkServer:
             with self._lock:
                 self.opening.discard(sid)
         with self._lock:
-            gone = self.ended or sid in self.closing   # closed (or the link ended) while it opened
+            gone = self.ended or sid in self.closing  # closed (or the link ended) while it opened
             if not gone:
                 self.sessions[sid] = session
         if gone:
@@ -283,8 +291,11 @@ class LinkServer:
                 self.closing.discard(sid)
             self.end_if_drained()
             return
-        self._out.put(pb.LinkReply(session_id=sid, opened=pb.Opened(session_id=session.session_id,
-                                                                   replica=self.servicer.sessions.replica)))
+        self._out.put(
+            pb.LinkReply(
+                session_id=sid, opened=pb.Opened(session_id=session.session_id, replica=self.servicer.sessions.replica)
+            )
+        )
 
     def _cycle(self, sid: str, req: CycleRequest) -> None:
         with self._lock:
@@ -304,12 +315,15 @@ class LinkServer:
             reply = pb.LinkReply(session_id=sid, result=result_to_pb(item.result))
         elif isinstance(item.error, SessionCancelled):
             log.info("session %s: %s", sid, item.error)
-            reply = pb.LinkReply(session_id=sid, error=pb.SessionError(
-                code=grpc.StatusCode.CANCELLED.value[0], message=str(item.error)))
+            reply = pb.LinkReply(
+                session_id=sid, error=pb.SessionError(code=grpc.StatusCode.CANCELLED.value[0], message=str(item.error))
+            )
         else:
             log.error("session %s failed: %s", sid, item.error)
-            reply = pb.LinkReply(session_id=sid, error=pb.SessionError(
-                code=grpc.StatusCode.INTERNAL.value[0], message=f"cycle failed: {item.error}"))
+            reply = pb.LinkReply(
+                session_id=sid,
+                error=pb.SessionError(code=grpc.StatusCode.INTERNAL.value[0], message=f"cycle failed: {item.error}"),
+            )
         with self._lock:
             self.busy.discard(sid)
             release = self.ended or item.error is not None or sid in self.closing
@@ -325,11 +339,11 @@ class LinkServer:
     def _close(self, sid: str) -> None:
         with self._lock:
             if sid in self.opening:
-                self.closing.add(sid)   # released by _admit once it has opened
+                self.closing.add(sid)  # released by _admit once it has opened
                 return
             if sid in self.busy:
-                self.closing.add(sid)   # closed by _done once its cycle is through,
-                self.sessions[sid].cancel()   # which stops at the next step
+                self.closing.add(sid)  # closed by _done once its cycle is through,
+                self.sessions[sid].cancel()  # which stops at the next step
                 return
             self.closing.discard(sid)
             session = self.sessions.pop(sid, None)
@@ -350,7 +364,7 @@ class LinkServer:
             self.ended = True
             idle = [sid for sid in self.sessions if sid not in self.busy]
             self._turn.notify_all()
-            blocked = self._writer_reading   # waiting for a message that may never come (a drain)
+            blocked = self._writer_reading  # waiting for a message that may never come (a drain)
         for sid in idle:
             self._close(sid)
         self._stop_when_idle()
@@ -365,9 +379,21 @@ class LinkServer:
             self._out.put(None)
 
 
-def build_verifier_server(core: VerifierCore, host: str, port: int, max_sessions: int = 16, workers: int = 32,
-                          max_message_bytes: int = 4 * 1024 * 1024):
+def build_verifier_server(
+    core: VerifierCore,
+    host: str,
+    port: int,
+    max_sessions: int = 16,
+    workers: int = 32,
+    max_message_bytes: int = 4 * 1024 * 1024,
+):
     servicer = VerifierServicer(Replica(core, max_sessions))
-    server, bound = build_grpc_server(lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s), [SERVICE_NAME],
-                                      host, port, workers, max_message_bytes)
+    server, bound = build_grpc_server(
+        lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        host,
+        port,
+        workers,
+        max_message_bytes,
+    )
     return server, servicer, bound

@@ -9,6 +9,7 @@ Every cycle therefore emits ``accepted + 1`` tokens.
 ``logits`` is [k+1, V]: row i is the target's prediction for the position of draft token
 i (row k predicts the bonus token).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,12 +24,10 @@ from services.common.types import Draft, SamplingParams, Verdict
 
 
 class AcceptancePolicy(Protocol):
-    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams,
-                 rng: torch.Generator) -> Verdict: ...
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict: ...
 
 
-def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
-                 rng: torch.Generator) -> Verdict:
+def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
     """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus).
     A tree draft: follow the child carrying each argmax (``token_tree.walk``)."""
     target = greedy_ids(logits)
@@ -53,8 +52,12 @@ def _walked(draft: Draft, path: list[int], t: int) -> Verdict:
     last = path[-1] if path else -1
     first_child = next((i for i, p in enumerate(draft.parents) if p == last), None)
     first = (draft.token_ids[first_child], t) if first_child is not None else None
-    return Verdict(accepted=len(path), tokens=[draft.token_ids[i] for i in path] + [t], first_rejection=first,
-                   path=tuple(path) if draft.is_tree else None)
+    return Verdict(
+        accepted=len(path),
+        tokens=[draft.token_ids[i] for i in path] + [t],
+        first_rejection=first,
+        path=tuple(path) if draft.is_tree else None,
+    )
 
 
 def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
@@ -65,12 +68,12 @@ def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: t
     (accept d with probability p(d), else sample p with d removed), drawn differently:
     every emitted token is the target's sample, taken in order, one draw each, so a seeded
     request emits exactly the tokens vanilla sampling would."""
-    return _walked(draft, *walk(draft.token_ids, draft.parents,
-                                lambda node: sample(probs_from_logits(logits[node + 1], sp), rng)))
+    return _walked(
+        draft, *walk(draft.token_ids, draft.parents, lambda node: sample(probs_from_logits(logits[node + 1], sp), rng))
+    )
 
 
-def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
-                       rng: torch.Generator) -> Verdict:
+def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
     """Lossless speculative sampling.
 
     Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a
@@ -116,8 +119,7 @@ class CalibratedGreedy:
         self.memory = memory if gate.use_memory else None
         self.log_tau = math.log(gate.tau)
 
-    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams,
-                 rng: torch.Generator) -> Verdict:
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
         if not sp.greedy:
             return rejection_sampling(draft, logits, sp, rng)
         target = greedy_ids(logits)
@@ -136,20 +138,19 @@ class CalibratedGreedy:
     def _confirmed(self, d: list[int], target: list[int], m: int) -> bool:
         """The target, given d_m, takes the next ``confirm`` draft tokens exactly."""
         c = self.gate.confirm
-        return m + c < len(d) and d[m + 1:m + 1 + c] == target[m + 1:m + 1 + c]
+        return m + c < len(d) and d[m + 1 : m + 1 + c] == target[m + 1 : m + 1 + c]
 
     def _rescue(self, d: int, t: int, row: torch.Tensor) -> bool:
         if self.memory is not None and self.memory.lookup(d, t) < self.gate.min_count:
             return False
-        row = row.numpy() if row.device.type == "cpu" else row   # scalar reads: numpy's are ~1 µs
+        row = row.numpy() if row.device.type == "cpu" else row  # scalar reads: numpy's are ~1 µs
         gap = float(row[d] - row[t])  # ≤ 0: t is the argmax
         if gap < self.log_tau:
             return False
         return int((row > row[d]).sum()) < self.gate.top_k  # d ranks within the top-k
 
 
-def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams,
-             rng: torch.Generator) -> Verdict:
+def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
     """Exact match when greedy, rejection sampling otherwise: output distribution = target's."""
     policy = exact_greedy if sp.greedy else rejection_sampling
     return policy(draft, logits, sp, rng)

@@ -1,6 +1,7 @@
 """A verifier replica's sessions: what it admits (every field of an open and of a cycle checked
 against the loaded target and drafters) and the slots it holds. Refusals are plain values
 (``services/common/refusals.py``); the gRPC edge maps them to status codes."""
+
 from __future__ import annotations
 
 import threading
@@ -33,7 +34,10 @@ class Replica:
             raise Invalid("open.prompt_ids: must not be empty")
         if any(t >= self.core.vocab_size for t in s.prompt_ids):
             raise Invalid(f"open.prompt_ids: ids must be < {self.core.vocab_size}")
-        if not 0 < s.max_new_tokens or len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1 > self.core.context_len + 64:
+        if (
+            not 0 < s.max_new_tokens
+            or len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1 > self.core.context_len + 64
+        ):
             raise Invalid(f"open.max_new_tokens: prompt + max_new_tokens must fit {self.core.context_len} tokens")
         if s.policy not in self.core.policies:
             raise Invalid(f"open.policy: unknown policy {s.policy!r}; known: {sorted(self.core.policies)}")
@@ -61,10 +65,13 @@ class Replica:
             raise Invalid(f"open.sampling.logit_bias: ids must be < {vocab}")
         if any(not 0 <= t < vocab for t in sp.allowed_token_ids):
             raise Invalid(f"open.sampling.allowed_token_ids: ids must be < {vocab}")
-        if len(sp.bad_words) > 2 * MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS or max(w) >= vocab
-                                                         for w in sp.bad_words):
-            raise Invalid(f"open.sampling.bad_words: at most {2 * MAX_BAD_WORDS} sequences of 1 to "
-                             f"{MAX_BAD_WORD_TOKENS} ids < {vocab}")
+        if len(sp.bad_words) > 2 * MAX_BAD_WORDS or any(
+            not 0 < len(w) <= MAX_BAD_WORD_TOKENS or max(w) >= vocab for w in sp.bad_words
+        ):
+            raise Invalid(
+                f"open.sampling.bad_words: at most {2 * MAX_BAD_WORDS} sequences of 1 to "
+                f"{MAX_BAD_WORD_TOKENS} ids < {vocab}"
+            )
 
     def _check_grammar(self, s: SessionSpec) -> None:
         assert s.grammar is not None
@@ -76,7 +83,7 @@ class Replica:
             grammar = self.core.grammars.compile(s.grammar)
         except GrammarError as e:
             raise Invalid(f"open.grammar: {e}") from None
-        if grammar.walk(grammar.initial, s.prompt_ids[len(s.prompt_ids) - s.generated:]) is None:
+        if grammar.walk(grammar.initial, s.prompt_ids[len(s.prompt_ids) - s.generated :]) is None:
             raise Invalid("open.generated: the output so far does not follow open.grammar")
 
     def check_cycle(self, c: CycleRequest, spec: SessionSpec) -> None:
@@ -88,8 +95,10 @@ class Replica:
             raise Invalid(f"cycle.draft_ids: ids must be < {self.core.vocab_size}")
         if c.draft_parents:
             if len(c.draft_parents) != len(c.draft_ids):
-                raise Invalid(f"cycle.draft_parents: {len(c.draft_parents)} given for {len(c.draft_ids)} draft_ids; "
-                                 "give one per draft token, or none for a chain")
+                raise Invalid(
+                    f"cycle.draft_parents: {len(c.draft_parents)} given for {len(c.draft_ids)} draft_ids; "
+                    "give one per draft token, or none for a chain"
+                )
             try:
                 check_tree(c.draft_parents)
             except ValueError as e:

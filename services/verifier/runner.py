@@ -7,6 +7,7 @@ prefix and drops the rest (rollback = not advancing ``cache_len``).
 
 The runner is not thread-safe: one caller at a time (the verifier's ``CycleBatcher``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,18 +26,18 @@ class TargetSession:
     tokens: list[int]
     cache: KVCache
     cache_len: int = 0
-    attached: bool = False                  # the prefix cache was looked up (first step)
-    cached: int = 0                         # prompt positions taken from the prefix cache
-    keys: list[bytes] | None = field(default_factory=list)   # prefix-cache keys of blocks 0.. (None: stores none)
-    feats: list[torch.Tensor] = field(default_factory=list)   # fused features from block len(keys) on
-    root: bytes = ROOT                      # the first block's parent: the request's cache salt
-    prompt_top: int | None = None           # prompt logprobs wanted, with this many alternatives
+    attached: bool = False  # the prefix cache was looked up (first step)
+    cached: int = 0  # prompt positions taken from the prefix cache
+    keys: list[bytes] | None = field(default_factory=list)  # prefix-cache keys of blocks 0.. (None: stores none)
+    feats: list[torch.Tensor] = field(default_factory=list)  # fused features from block len(keys) on
+    root: bytes = ROOT  # the first block's parent: the request's cache salt
+    prompt_top: int | None = None  # prompt logprobs wanted, with this many alternatives
     prompt_len: int = 0
-    prompt_lps: list = field(default_factory=list)   # prompt logprobs computed, not yet reported
+    prompt_lps: list = field(default_factory=list)  # prompt logprobs computed, not yet reported
 
     @property
     def pending(self) -> list[int]:
-        return self.tokens[self.cache_len:]
+        return self.tokens[self.cache_len :]
 
 
 def keep_path(cache: KVCache, at: int, path: tuple[int, ...]) -> None:
@@ -65,24 +66,34 @@ class TargetRunner:
     def max_positions(self) -> int:
         return self.model.s.max_positions
 
-    def open(self, prompt: list[int], capacity: int, root: bytes = ROOT, prompt_top: int | None = None
-             ) -> TargetSession:
-        return TargetSession(tokens=list(prompt), cache=self.model.new_cache(1, min(capacity, self.max_positions)),
-                             root=root, prompt_top=prompt_top, prompt_len=len(prompt))
+    def open(
+        self, prompt: list[int], capacity: int, root: bytes = ROOT, prompt_top: int | None = None
+    ) -> TargetSession:
+        return TargetSession(
+            tokens=list(prompt),
+            cache=self.model.new_cache(1, min(capacity, self.max_positions)),
+            root=root,
+            prompt_top=prompt_top,
+            prompt_len=len(prompt),
+        )
 
     def verify(self, st: TargetSession, draft: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Target logits [k+1, V] for the draft positions (row k = bonus) and the captured
         hidden states [1, len(pending) + k, H] of the fed positions, one per capture layer."""
         return self.verify_batch([(st, draft)])[0]
 
-    def verify_batch(self, items: list[tuple[TargetSession, list[int]]]
-                     ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    def verify_batch(
+        self, items: list[tuple[TargetSession, list[int]]]
+    ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         return self.step(items, [])[0]
 
     @torch.inference_mode()
-    def step(self, verify: list[tuple[TargetSession, list[int]]], prefill: list[tuple[TargetSession, int]],
-             trees: list[list[int] | None] | None = None
-             ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], list[torch.Tensor | None]]:
+    def step(
+        self,
+        verify: list[tuple[TargetSession, list[int]]],
+        prefill: list[tuple[TargetSession, int]],
+        trees: list[list[int] | None] | None = None,
+    ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], list[torch.Tensor | None]]:
         """One ragged forward over every session. ``verify`` sessions feed their pending tokens
         plus a draft → per session target logits [k+1, V] (the draft positions and the bonus)
         and captured states [1, len(pending) + k, H] per capture layer; ``trees[i]``, when not
@@ -96,12 +107,17 @@ class TargetRunner:
         sessions = [st for st, _ in verify] + [st for st, _ in prefill]
         # Rows before a verification's (its pending prompt tokens but the newest) and a prefill
         # chunk's get the LM head too when the session wants its prompt's logprobs.
-        extra = ([self._prompt_rows(st, len(st.pending) - 1) for st, _ in verify]
-                 + [self._prompt_rows(st, n) for st, n in prefill])
+        extra = [self._prompt_rows(st, len(st.pending) - 1) for st, _ in verify] + [
+            self._prompt_rows(st, n) for st, n in prefill
+        ]
         logits, hidden = self.model.forward_ragged(
-            seqs, [st.cache_len for st in sessions], [st.cache for st in sessions], self.capture_layers,
-            tails=[len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify):],
-            trees=trees and trees + [None] * len(prefill))
+            seqs,
+            [st.cache_len for st in sessions],
+            [st.cache for st in sessions],
+            self.capture_layers,
+            tails=[len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify) :],
+            trees=trees and trees + [None] * len(prefill),
+        )
         if any(extra):
             for st, lg, e in zip(sessions, logits, extra):
                 if e:
@@ -127,7 +143,7 @@ class TargetRunner:
     @staticmethod
     def _prompt_logprobs(st: TargetSession, logits: torch.Tensor) -> None:
         """Logits of positions cache_len.. predict the prompt tokens after them."""
-        nxt = st.tokens[st.cache_len + 1:st.cache_len + 1 + len(logits)]
+        nxt = st.tokens[st.cache_len + 1 : st.cache_len + 1 + len(logits)]
         st.prompt_lps += token_logprobs(logits.float().cpu(), nxt, st.prompt_top)
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
@@ -148,10 +164,10 @@ class TargetRunner:
         if st.attached:
             return 0, None
         st.attached = True
-        if self.prefix is None:   # a session that started without the cache stores nothing
+        if self.prefix is None:  # a session that started without the cache stores nothing
             st.keys = None
             return 0, None
-        if st.prompt_top is not None:   # its prompt's logprobs need every position's logits
+        if st.prompt_top is not None:  # its prompt's logprobs need every position's logits
             return 0, None
         keys, blocks = self.prefix.match(st.tokens, min(len(st.tokens) - 1, st.cache.capacity), st.root)
         PREFIX_CACHE.labels("queried").inc(len(st.tokens) - 1)
@@ -174,7 +190,7 @@ class TargetRunner:
         if self.prefix is None or st.keys is None:
             return
         if self.capture_layers:
-            if states is None:   # no features for these positions: this session stores no more
+            if states is None:  # no features for these positions: this session stores no more
                 st.keys = None
                 return
             st.feats.append(states)

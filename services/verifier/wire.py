@@ -1,6 +1,7 @@
 """The verifier's protobuf edge: ``specmesh.v1.verifier`` messages <-> the shared dataclasses
 (``SessionSpec``, ``CycleRequest``, ``CycleResult``). The only module besides the verifier's
 ``grpc_server`` and ``client`` that sees its generated code."""
+
 from __future__ import annotations
 
 from services.common.types import CycleRequest, CycleResult, SamplingParams, SessionSpec, TokenLogprob
@@ -11,70 +12,134 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 def spec_to_pb(s: SessionSpec) -> pb.Open:
     sp = s.sampling
-    return pb.Open(session_id=s.session_id, prompt_ids=s.prompt_ids, max_new_tokens=s.max_new_tokens,
-                   sampling=pb.Sampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=sp.seed,
-                                        repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
-                                        frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias),
-                                        allowed_token_ids=sp.allowed_token_ids,
-                                        bad_words=[pb.TokenIds(ids=w) for w in sp.bad_words], min_p=sp.min_p),
-                   policy=s.policy, model_drafter=s.model_drafter or "", on_demand=s.on_demand, max_draft=s.max_draft,
-                   logprobs=s.logprobs, cache_salt=s.cache_salt, ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
-                   generated=s.generated, prompt_logprobs=s.prompt_logprobs, grammar=s.grammar or "")
+    return pb.Open(
+        session_id=s.session_id,
+        prompt_ids=s.prompt_ids,
+        max_new_tokens=s.max_new_tokens,
+        sampling=pb.Sampling(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            seed=sp.seed,
+            repetition_penalty=sp.repetition_penalty,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            logit_bias=dict(sp.logit_bias),
+            allowed_token_ids=sp.allowed_token_ids,
+            bad_words=[pb.TokenIds(ids=w) for w in sp.bad_words],
+            min_p=sp.min_p,
+        ),
+        policy=s.policy,
+        model_drafter=s.model_drafter or "",
+        on_demand=s.on_demand,
+        max_draft=s.max_draft,
+        logprobs=s.logprobs,
+        cache_salt=s.cache_salt,
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        generated=s.generated,
+        prompt_logprobs=s.prompt_logprobs,
+        grammar=s.grammar or "",
+    )
 
 
 def spec_from_pb(o: pb.Open) -> SessionSpec:
     sp = o.sampling
-    return SessionSpec(prompt_ids=list(o.prompt_ids), max_new_tokens=o.max_new_tokens,
-                       sampling=SamplingParams(sp.temperature, sp.top_p or 1.0, sp.top_k,
-                                               sp.seed if sp.HasField("seed") else None,
-                                               sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
-                                               sp.presence_penalty, sp.frequency_penalty,
-                                               tuple(sorted(sp.logit_bias.items())), tuple(sp.allowed_token_ids),
-                                               tuple(tuple(w.ids) for w in sp.bad_words), sp.min_p),
-                       policy=o.policy or "lossless", model_drafter=o.model_drafter or None,
-                       on_demand=o.on_demand, max_draft=o.max_draft, session_id=o.session_id,
-                       logprobs=o.logprobs if o.HasField("logprobs") else None, cache_salt=o.cache_salt,
-                       ignore_eos=o.ignore_eos, min_tokens=o.min_tokens, generated=o.generated,
-                       prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,
-                       grammar=o.grammar or None)
+    return SessionSpec(
+        prompt_ids=list(o.prompt_ids),
+        max_new_tokens=o.max_new_tokens,
+        sampling=SamplingParams(
+            sp.temperature,
+            sp.top_p or 1.0,
+            sp.top_k,
+            sp.seed if sp.HasField("seed") else None,
+            sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
+            sp.presence_penalty,
+            sp.frequency_penalty,
+            tuple(sorted(sp.logit_bias.items())),
+            tuple(sp.allowed_token_ids),
+            tuple(tuple(w.ids) for w in sp.bad_words),
+            sp.min_p,
+        ),
+        policy=o.policy or "lossless",
+        model_drafter=o.model_drafter or None,
+        on_demand=o.on_demand,
+        max_draft=o.max_draft,
+        session_id=o.session_id,
+        logprobs=o.logprobs if o.HasField("logprobs") else None,
+        cache_salt=o.cache_salt,
+        ignore_eos=o.ignore_eos,
+        min_tokens=o.min_tokens,
+        generated=o.generated,
+        prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,
+        grammar=o.grammar or None,
+    )
 
 
 def cycle_to_pb(c: CycleRequest) -> pb.Cycle:
-    return pb.Cycle(draft_ids=c.draft_ids, draft_source=c.draft_source, draft_with=c.draft_with or "",
-                    budget=c.budget, draft_parents=c.draft_parents)
+    return pb.Cycle(
+        draft_ids=c.draft_ids,
+        draft_source=c.draft_source,
+        draft_with=c.draft_with or "",
+        budget=c.budget,
+        draft_parents=c.draft_parents,
+    )
 
 
 def cycle_from_pb(c: pb.Cycle) -> CycleRequest:
-    return CycleRequest(draft_ids=tuple(c.draft_ids), draft_source=c.draft_source or "none",
-                        draft_with=c.draft_with or None, budget=c.budget, draft_parents=tuple(c.draft_parents))
+    return CycleRequest(
+        draft_ids=tuple(c.draft_ids),
+        draft_source=c.draft_source or "none",
+        draft_with=c.draft_with or None,
+        budget=c.budget,
+        draft_parents=tuple(c.draft_parents),
+    )
 
 
 def result_to_pb(r: CycleResult) -> pb.CycleResult:
-    return pb.CycleResult(committed=r.committed, drafted=r.drafted, accepted=r.accepted, source=r.source,
-                          rescued=[pb.RescuedPair(draft=d, target=t) for d, t in r.rescued_pairs],
-                          rejected=r.rejected, draft_s=r.draft_s, verify_s=r.verify_s, batch_size=r.batch_size,
-                          cached_tokens=r.cached_tokens, logprobs=[x.logprob for x in r.logprobs],
-                          top_ids=[i for x in r.logprobs for i, _ in x.top],
-                          top_logprobs=[v for x in r.logprobs for _, v in x.top],
-                          prompt_ids=[x.token_id for x in r.prompt_logprobs],
-                          prompt_logprobs=[x.logprob for x in r.prompt_logprobs],
-                          prompt_top_ids=[i for x in r.prompt_logprobs for i, _ in x.top],
-                          prompt_top_logprobs=[v for x in r.prompt_logprobs for _, v in x.top])
+    return pb.CycleResult(
+        committed=r.committed,
+        drafted=r.drafted,
+        accepted=r.accepted,
+        source=r.source,
+        rescued=[pb.RescuedPair(draft=d, target=t) for d, t in r.rescued_pairs],
+        rejected=r.rejected,
+        draft_s=r.draft_s,
+        verify_s=r.verify_s,
+        batch_size=r.batch_size,
+        cached_tokens=r.cached_tokens,
+        logprobs=[x.logprob for x in r.logprobs],
+        top_ids=[i for x in r.logprobs for i, _ in x.top],
+        top_logprobs=[v for x in r.logprobs for _, v in x.top],
+        prompt_ids=[x.token_id for x in r.prompt_logprobs],
+        prompt_logprobs=[x.logprob for x in r.prompt_logprobs],
+        prompt_top_ids=[i for x in r.prompt_logprobs for i, _ in x.top],
+        prompt_top_logprobs=[v for x in r.prompt_logprobs for _, v in x.top],
+    )
 
 
 def result_from_pb(r: pb.CycleResult) -> CycleResult:
-    return CycleResult(committed=list(r.committed), drafted=r.drafted, accepted=r.accepted, source=r.source,
-                       rescued_pairs=tuple((p.draft, p.target) for p in r.rescued), rejected=r.rejected,
-                       draft_s=r.draft_s, verify_s=r.verify_s, batch_size=max(1, r.batch_size),
-                       cached_tokens=r.cached_tokens,
-                       logprobs=logprobs_from_pb(r.committed, r.logprobs, r.top_ids, r.top_logprobs),
-                       prompt_logprobs=logprobs_from_pb(r.prompt_ids, r.prompt_logprobs, r.prompt_top_ids,
-                                                        r.prompt_top_logprobs))
+    return CycleResult(
+        committed=list(r.committed),
+        drafted=r.drafted,
+        accepted=r.accepted,
+        source=r.source,
+        rescued_pairs=tuple((p.draft, p.target) for p in r.rescued),
+        rejected=r.rejected,
+        draft_s=r.draft_s,
+        verify_s=r.verify_s,
+        batch_size=max(1, r.batch_size),
+        cached_tokens=r.cached_tokens,
+        logprobs=logprobs_from_pb(r.committed, r.logprobs, r.top_ids, r.top_logprobs),
+        prompt_logprobs=logprobs_from_pb(r.prompt_ids, r.prompt_logprobs, r.prompt_top_ids, r.prompt_top_logprobs),
+    )
 
 
 def logprobs_from_pb(tokens, lps, top_ids, top_lps) -> tuple[TokenLogprob, ...]:
     """Per token: its log-probability and an equal share of the flattened alternatives."""
     n = len(lps)
     k = len(top_ids) // n if n else 0
-    return tuple(TokenLogprob(t, lp, tuple(zip(top_ids[j * k:(j + 1) * k], top_lps[j * k:(j + 1) * k])))
-                 for j, (t, lp) in enumerate(zip(tokens, lps)))
+    return tuple(
+        TokenLogprob(t, lp, tuple(zip(top_ids[j * k : (j + 1) * k], top_lps[j * k : (j + 1) * k])))
+        for j, (t, lp) in enumerate(zip(tokens, lps))
+    )

@@ -1,4 +1,5 @@
 """The Grafana dashboard only queries metrics the code exports."""
+
 import json
 import re
 from pathlib import Path
@@ -34,8 +35,16 @@ def test_every_dashboard_query_names_exported_metrics():
 
 def test_dashboard_covers_the_acceptance_story():
     titles = " ".join(p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]).lower()
-    for needle in ("acceptance rate", "accepted length", "cycles per 1,000", "source mix", "rescue rate",
-                   "precision", "first token", "throughput"):
+    for needle in (
+        "acceptance rate",
+        "accepted length",
+        "cycles per 1,000",
+        "source mix",
+        "rescue rate",
+        "precision",
+        "first token",
+        "throughput",
+    ):
         assert needle in titles, needle
 
 

@@ -1,4 +1,5 @@
 """gRPC contract of specmesh.v1.Generation: streaming, final message, every error status."""
+
 import time
 
 import grpc
@@ -44,7 +45,9 @@ def test_stream_matches_engine_and_ends_with_final(served, tiny_engine):
     ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 40, method="vanilla")).result()
     assert ids == ref["token_ids"]
     assert "".join(m.text for m in msgs) == ref["text"]
-    assert final.usage.completion_tokens == 40 and final.usage.prompt_tokens == len(tiny_engine.encode("def add(a, b):\n"))
+    assert final.usage.completion_tokens == 40 and final.usage.prompt_tokens == len(
+        tiny_engine.encode("def add(a, b):\n")
+    )
     s = final.stats
     assert s.cycles == len(msgs) - 1 or s.cycles >= len(msgs) - 1
     assert abs(s.tau - 40 / s.cycles) < 1e-6 and s.accepted_tokens <= s.draft_tokens
@@ -67,12 +70,14 @@ def test_cache_salt_keeps_prefix_cache_blocks_within_a_tenant(served, tiny_engin
     n = len(tiny_engine.encode(prompt))
 
     def cached(salt: str) -> int:
-        return collect(stub, prompt=prompt, max_new_tokens=4, method="sd", cache_salt=salt)[-1].usage.cached_prompt_tokens
+        return collect(stub, prompt=prompt, max_new_tokens=4, method="sd", cache_salt=salt)[
+            -1
+        ].usage.cached_prompt_tokens
 
     assert cached("tenant-a") == 0
-    assert cached("tenant-b") == 0 and cached("") == 0       # other salts, and none, do not see tenant a's blocks
+    assert cached("tenant-b") == 0 and cached("") == 0  # other salts, and none, do not see tenant a's blocks
     assert cached("tenant-a") == (n - 1) // 32 * 32 > 0
-    assert cached("") == (n - 1) // 32 * 32                  # no salt shares with no salt
+    assert cached("") == (n - 1) // 32 * 32  # no salt shares with no salt
 
 
 def test_logprobs_are_the_target_log_probabilities_of_each_streamed_token(served, tiny_engine):
@@ -94,7 +99,7 @@ def test_logprobs_are_the_target_log_probabilities_of_each_streamed_token(served
         for j, (t, x) in enumerate(zip(out, lps)):
             row = ref[len(ids) - 1 + j]
             assert x.token_id == t and abs(x.logprob - float(row[t])) < 1e-4, (method, j)
-            assert len(x.top_ids) == 4 and x.top_ids[0] == t              # greedy: the token is the best
+            assert len(x.top_ids) == 4 and x.top_ids[0] == t  # greedy: the token is the best
             assert list(x.top_logprobs) == sorted(x.top_logprobs, reverse=True)
             assert abs(x.top_logprobs[1] - float(row[x.top_ids[1]])) < 1e-4
     assert not any(m.logprobs for m in collect(stub, prompt=prompt, max_new_tokens=4, method="sd"))
@@ -122,8 +127,10 @@ def test_prompt_logprobs_are_the_targets_and_bypass_the_prefix_cache(served, tin
     prompt = "".join(f"def plp_{i}(x):\n    return x + {i}\n" for i in range(6))
     ids = tiny_engine.encode(prompt)
     assert len(ids) > 64
-    warm = collect(stub, prompt=prompt, max_new_tokens=4, method="sd")   # its blocks are now cached
-    assert not warm[-1].prompt_logprobs and collect(stub, prompt=prompt, max_new_tokens=4)[-1].usage.cached_prompt_tokens
+    warm = collect(stub, prompt=prompt, max_new_tokens=4, method="sd")  # its blocks are now cached
+    assert (
+        not warm[-1].prompt_logprobs and collect(stub, prompt=prompt, max_new_tokens=4)[-1].usage.cached_prompt_tokens
+    )
     for method in ("vanilla", "sd", "suffix"):
         msgs = collect(stub, prompt=prompt, max_new_tokens=4, method=method, prompt_logprobs=3)
         assert msgs[-1].usage.cached_prompt_tokens == 0
@@ -163,9 +170,9 @@ def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     msgs = collect(stub, prompt="x = [", max_new_tokens=60, stop=[stop], method="sd")
     text = "".join(m.text for m in msgs)
     assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
-    assert text == full[:full.index(stop)] and stop not in text
+    assert text == full[: full.index(stop)] and stop not in text
     msgs = collect(stub, prompt="x = [", max_new_tokens=60, stop=[stop], method="sd", include_stop_str_in_output=True)
-    assert "".join(m.text for m in msgs) == full[:full.index(stop) + len(stop)]
+    assert "".join(m.text for m in msgs) == full[: full.index(stop) + len(stop)]
     assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
@@ -173,11 +180,13 @@ def test_stop_token_ids_end_the_stream_after_the_token(served, tiny_engine):
     """The first generated stop token ends the stream and is part of it, whichever method
     committed tokens past it in the same cycle."""
     stub, _, _ = served
-    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("x = ["), 40, method="vanilla")).result()["token_ids"]
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("x = ["), 40, method="vanilla")).result()[
+        "token_ids"
+    ]
     stop = ref[9]
     for method in ("vanilla", "sd"):
         msgs = collect(stub, prompt="x = [", max_new_tokens=40, stop_token_ids=[stop, 8191], method=method)
-        assert [t for m in msgs for t in m.token_ids] == ref[:ref.index(stop) + 1], method
+        assert [t for m in msgs for t in m.token_ids] == ref[: ref.index(stop) + 1], method
         assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
@@ -186,55 +195,69 @@ def test_a_temperature_below_vllms_epsilon_decodes_greedily(served):
     1e-5 it is greedy, as in vLLM, with every method."""
     stub, servicer, _ = served
     for method in ("vanilla", "sd", "suffix"):
-        greedy = [t for m in collect(stub, prompt="def add(a, b):", max_new_tokens=12, method=method) for t in m.token_ids]
-        tiny = [t for m in collect(stub, prompt="def add(a, b):", max_new_tokens=12, method=method, temperature=1e-45,
-                                   seed=7) for t in m.token_ids]
+        greedy = [
+            t for m in collect(stub, prompt="def add(a, b):", max_new_tokens=12, method=method) for t in m.token_ids
+        ]
+        tiny = [
+            t
+            for m in collect(stub, prompt="def add(a, b):", max_new_tokens=12, method=method, temperature=1e-45, seed=7)
+            for t in m.token_ids
+        ]
         assert tiny == greedy, method
     assert wait_idle(servicer)
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"prompt": "", "max_new_tokens": 5}, "prompt"),
-    ({"prompt": "a", "prompt_token_ids": [1], "max_new_tokens": 5}, "prompt"),
-    ({"prompt": "a", "max_new_tokens": 0}, "max_new_tokens"),
-    ({"prompt": "a", "max_new_tokens": -3}, "max_new_tokens"),
-    ({"prompt": "a", "max_new_tokens": 100000}, "max_new_tokens"),
-    ({"prompt": "a", "max_new_tokens": 5, "temperature": -0.5}, "temperature"),
-    ({"prompt": "a", "max_new_tokens": 5, "temperature": float("nan")}, "temperature"),
-    ({"prompt": "a", "max_new_tokens": 5, "temperature": float("inf")}, "temperature"),
-    ({"prompt": "a", "max_new_tokens": 5, "top_p": 0.0}, "top_p"),
-    ({"prompt": "a", "max_new_tokens": 5, "top_p": 1.5}, "top_p"),
-    ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),
-    ({"prompt": "a", "max_new_tokens": 5, "min_p": 1.5}, "min_p"),
-    ({"prompt": "a", "max_new_tokens": 5, "min_p": -0.25}, "min_p"),
-    ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
-    ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
-    ({"prompt": "a", "max_new_tokens": 5, "prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"prompt": "a", "max_new_tokens": 5, "cache_salt": "s" * 257}, "cache_salt"),
-    ({"prompt": "a", "max_new_tokens": 5, "min_tokens": 6}, "min_tokens"),
-    ({"prompt": "a", "max_new_tokens": 5, "stop": ["s"] * 17}, "stop"),
-    ({"prompt": "a", "max_new_tokens": 5, "stop": ["s" * 257]}, "stop"),
-    ({"prompt": "a", "max_new_tokens": 5, "stop_token_ids": [9000]}, "stop_token_ids"),
-    ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": float("inf")}, "repetition_penalty"),
-    ({"prompt": "a", "max_new_tokens": 5, "presence_penalty": 2.5}, "presence_penalty"),
-    ({"prompt": "a", "max_new_tokens": 5, "frequency_penalty": float("nan")}, "frequency_penalty"),
-    ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
-    ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
-    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "(a"}}, "structured_output"),
-    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"json_schema": "{"}}, "structured_output.json_schema"),
-    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {}}, "structured_output"),
-    ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "a+"}, "ignore_eos": True}, "structured_output"),
-    ({"prompt": "a", "max_new_tokens": 5, "n": 0}, "n"),
-    ({"prompt": "a", "max_new_tokens": 5, "logit_bias": {5: 101.0}}, "logit_bias"),
-    ({"prompt": "a", "max_new_tokens": 5, "logit_bias": {9000: 1.0}}, "logit_bias"),
-    ({"prompt": "a", "max_new_tokens": 5, "allowed_token_ids": [1, 9000]}, "allowed_token_ids"),
-    ({"prompt": "a", "max_new_tokens": 5, "n": 3}, "n"),   # more completions than the server's 2 sessions
-    ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"prompt": "a", "max_new_tokens": 5, "bad_words": ["w"] * 65}, "bad_words"),
-    ({"prompt": "a", "max_new_tokens": 5, "bad_words": ["word " * 40]}, "bad_words"),
-    ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"prompt": "", "max_new_tokens": 5}, "prompt"),
+        ({"prompt": "a", "prompt_token_ids": [1], "max_new_tokens": 5}, "prompt"),
+        ({"prompt": "a", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "a", "max_new_tokens": -3}, "max_new_tokens"),
+        ({"prompt": "a", "max_new_tokens": 100000}, "max_new_tokens"),
+        ({"prompt": "a", "max_new_tokens": 5, "temperature": -0.5}, "temperature"),
+        ({"prompt": "a", "max_new_tokens": 5, "temperature": float("nan")}, "temperature"),
+        ({"prompt": "a", "max_new_tokens": 5, "temperature": float("inf")}, "temperature"),
+        ({"prompt": "a", "max_new_tokens": 5, "top_p": 0.0}, "top_p"),
+        ({"prompt": "a", "max_new_tokens": 5, "top_p": 1.5}, "top_p"),
+        ({"prompt": "a", "max_new_tokens": 5, "top_k": -1}, "top_k"),
+        ({"prompt": "a", "max_new_tokens": 5, "min_p": 1.5}, "min_p"),
+        ({"prompt": "a", "max_new_tokens": 5, "min_p": -0.25}, "min_p"),
+        ({"prompt": "a", "max_new_tokens": 5, "method": "warp-drive"}, "method"),
+        ({"prompt": "a", "max_new_tokens": 5, "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "max_new_tokens": 5, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "a", "max_new_tokens": 5, "cache_salt": "s" * 257}, "cache_salt"),
+        ({"prompt": "a", "max_new_tokens": 5, "min_tokens": 6}, "min_tokens"),
+        ({"prompt": "a", "max_new_tokens": 5, "stop": ["s"] * 17}, "stop"),
+        ({"prompt": "a", "max_new_tokens": 5, "stop": ["s" * 257]}, "stop"),
+        ({"prompt": "a", "max_new_tokens": 5, "stop_token_ids": [9000]}, "stop_token_ids"),
+        ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"prompt": "a", "max_new_tokens": 5, "repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"prompt": "a", "max_new_tokens": 5, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "a", "max_new_tokens": 5, "frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"prompt_token_ids": [9000], "max_new_tokens": 5}, "prompt_token_ids"),
+        ({"prompt": "word " * 400, "max_new_tokens": 5}, "prompt"),  # longer than the 256-token context
+        ({"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "(a"}}, "structured_output"),
+        (
+            {"prompt": "a", "max_new_tokens": 5, "structured_output": {"json_schema": "{"}},
+            "structured_output.json_schema",
+        ),
+        ({"prompt": "a", "max_new_tokens": 5, "structured_output": {}}, "structured_output"),
+        (
+            {"prompt": "a", "max_new_tokens": 5, "structured_output": {"regex": "a+"}, "ignore_eos": True},
+            "structured_output",
+        ),
+        ({"prompt": "a", "max_new_tokens": 5, "n": 0}, "n"),
+        ({"prompt": "a", "max_new_tokens": 5, "logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"prompt": "a", "max_new_tokens": 5, "logit_bias": {9000: 1.0}}, "logit_bias"),
+        ({"prompt": "a", "max_new_tokens": 5, "allowed_token_ids": [1, 9000]}, "allowed_token_ids"),
+        ({"prompt": "a", "max_new_tokens": 5, "n": 3}, "n"),  # more completions than the server's 2 sessions
+        ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"prompt": "a", "max_new_tokens": 5, "bad_words": ["w"] * 65}, "bad_words"),
+        ({"prompt": "a", "max_new_tokens": 5, "bad_words": ["word " * 40]}, "bad_words"),
+        ({"prompt": "a", "max_new_tokens": 5, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ],
+)
 def test_invalid_argument_names_the_field(served, kw, field):
     stub, servicer, _ = served
     with pytest.raises(grpc.RpcError) as e:
@@ -250,14 +273,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(served, tiny_engine):
     stub, _, _ = served
     prompt = "".join(f"def trunc_{i}(x):\n    return x + {i}\n\n" for i in range(30))
     ids = tiny_engine.encode(prompt)
-    assert len(ids) > 256   # longer than the tiny model's context
-    for keep, kept in ((40, ids[-40:]), (-1, ids[-(256 - 16):])):
+    assert len(ids) > 256  # longer than the tiny model's context
+    for keep, kept in ((40, ids[-40:]), (-1, ids[-(256 - 16) :])):
         msgs = collect(stub, prompt=prompt, max_new_tokens=16, method="sd", truncate_prompt_tokens=keep)
         ref = tiny_engine.generate(GenerationRequest(kept, 16, method="vanilla")).result()
         assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
         assert msgs[-1].usage.prompt_tokens == len(kept)
-    assert collect(stub, prompt="ab", max_new_tokens=4, truncate_prompt_tokens=100)[-1].usage.prompt_tokens == \
-        len(tiny_engine.encode("ab"))
+    assert collect(stub, prompt="ab", max_new_tokens=4, truncate_prompt_tokens=100)[-1].usage.prompt_tokens == len(
+        tiny_engine.encode("ab")
+    )
 
 
 def test_deadline_exceeded_frees_session(served):
@@ -284,14 +308,14 @@ def test_admission_queues_then_refuses(served):
     stub, servicer, _ = served
     adm = servicer.admission
     with adm._cond:
-        adm.running = adm.max_sessions          # every slot taken
+        adm.running = adm.max_sessions  # every slot taken
     result = {}
     waiter = threading.Thread(target=lambda: result.setdefault("msgs", collect(stub, prompt="a", max_new_tokens=3)))
     waiter.start()
     end = time.time() + 5
     while adm.waiting == 0 and time.time() < end:
         time.sleep(0.01)
-    assert adm.waiting == 1 and "msgs" not in result      # queued, not refused
+    assert adm.waiting == 1 and "msgs" not in result  # queued, not refused
     old_queue, adm.max_queue = adm.max_queue, 1
     try:
         with pytest.raises(grpc.RpcError) as e:
@@ -339,7 +363,9 @@ def test_health_and_reflection(served):
     _, _, channel = served
     health = health_pb2_grpc.HealthStub(channel)
     for name in ("", SERVICE_NAME):
-        assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        )
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
     services = ProtoReflectionDescriptorDatabase(channel).get_services()
@@ -354,12 +380,23 @@ def test_generated_code_is_up_to_date(tmp_path):
     root = Path(__file__).resolve().parents[2]
     protos = sorted((root / "protos/specmesh/v1").glob("*.proto"))
     assert len(protos) == 5
-    assert protoc.main(["protoc", f"-I{root / 'protos'}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-                        *map(str, protos)]) == 0
+    assert (
+        protoc.main(
+            [
+                "protoc",
+                f"-I{root / 'protos'}",
+                f"--python_out={tmp_path}",
+                f"--grpc_python_out={tmp_path}",
+                *map(str, protos),
+            ]
+        )
+        == 0
+    )
     for proto in protos:
         for name in (f"{proto.stem}_pb2.py", f"{proto.stem}_pb2_grpc.py"):
-            assert (tmp_path / "specmesh/v1" / name).read_text() == (root / "specmesh/v1" / name).read_text(), \
+            assert (tmp_path / "specmesh/v1" / name).read_text() == (root / "specmesh/v1" / name).read_text(), (
                 f"specmesh/v1/{name} is stale: run `make protos`"
+            )
 
 
 def test_cancelled_stream_stops_its_prompt_prefill_at_the_next_step(served, tiny_engine):
@@ -379,8 +416,9 @@ def test_cancelled_stream_stops_its_prompt_prefill_at_the_next_step(served, tiny
     try:
         other = stub.Generate(pb.GenerateRequest(prompt="#", max_new_tokens=150, method="vanilla"), timeout=60)
         next(other)
-        call = stub.Generate(pb.GenerateRequest(prompt_token_ids=list(range(300, 500)), max_new_tokens=4,
-                                                method="vanilla"), timeout=60)
+        call = stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=list(range(300, 500)), max_new_tokens=4, method="vanilla"), timeout=60
+        )
         end = time.time() + 30
         while len(chunks) < 3 and time.time() < end:
             time.sleep(0.001)
@@ -389,12 +427,12 @@ def test_cancelled_stream_stops_its_prompt_prefill_at_the_next_step(served, tiny
         end = time.time() + 10
         while len(servicer.active) > 1 and time.time() < end:
             time.sleep(0.005)
-        assert len(servicer.active) == 1                     # the cancelled request is gone
+        assert len(servicer.active) == 1  # the cancelled request is gone
         fed = len(chunks)
         time.sleep(0.2)
-        assert len(chunks) == fed                             # it stopped, and before the end (100
-        assert sum(chunks) < 150                              # chunks of 2 when fed whole)
-        assert sum(len(m.token_ids) for m in other) > 0      # the other stream finishes
+        assert len(chunks) == fed  # it stopped, and before the end (100
+        assert sum(chunks) < 150  # chunks of 2 when fed whole)
+        assert sum(len(m.token_ids) for m in other) > 0  # the other stream finishes
     finally:
         core.runner.step, core.prefill_chunk = step, tiny_engine.cfg.prefill_chunk
     assert wait_idle(servicer)
@@ -408,18 +446,39 @@ def test_structured_output_streams_a_json_instance_of_the_schema(served, tiny_en
     from services.common.structured import StructuredOutput
 
     stub, servicer, _ = served
-    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
-                         "required": ["ok", "tag"]})
-    msgs = collect(stub, prompt="def add(a, b):\n", max_new_tokens=60, method="sd",
-                   structured_output=pb.StructuredOutput(json_schema=schema))
-    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 60, method="vanilla",
-                                                 structured=StructuredOutput(json_schema=schema))).result()
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
+            "required": ["ok", "tag"],
+        }
+    )
+    msgs = collect(
+        stub,
+        prompt="def add(a, b):\n",
+        max_new_tokens=60,
+        method="sd",
+        structured_output=pb.StructuredOutput(json_schema=schema),
+    )
+    ref = tiny_engine.generate(
+        GenerationRequest(
+            tiny_engine.encode("def add(a, b):\n"),
+            60,
+            method="vanilla",
+            structured=StructuredOutput(json_schema=schema),
+        )
+    ).result()
     assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
     assert msgs[-1].finish_reason == pb.FINISH_REASON_EOS
     obj = json.loads("".join(m.text for m in msgs))
     assert isinstance(obj["ok"], bool) and obj["tag"] in ("a", "b")
-    choice = collect(stub, prompt="x = ", max_new_tokens=20, method="sd",
-                     structured_output=pb.StructuredOutput(choice=pb.Choices(values=["None", "True", "[1, 2]"])))
+    choice = collect(
+        stub,
+        prompt="x = ",
+        max_new_tokens=20,
+        method="sd",
+        structured_output=pb.StructuredOutput(choice=pb.Choices(values=["None", "True", "[1, 2]"])),
+    )
     assert "".join(m.text for m in choice) in ("None", "True", "[1, 2]")
     assert wait_idle(servicer)
 
@@ -434,8 +493,14 @@ def test_n_completions_stream_with_their_index_and_a_final_each(served, tiny_eng
     finals = [m for m in msgs if m.finish_reason]
     assert sorted(m.index for m in finals) == [0, 1] and msgs[-1].finish_reason
     for i in (0, 1):
-        single = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 24, method="sd",
-                                                        sampling=SamplingParams(temperature=1.0, seed=5 + i))).result()
+        single = tiny_engine.generate(
+            GenerationRequest(
+                tiny_engine.encode("def add(a, b):\n"),
+                24,
+                method="sd",
+                sampling=SamplingParams(temperature=1.0, seed=5 + i),
+            )
+        ).result()
         assert [t for m in msgs if m.index == i for t in m.token_ids] == single["token_ids"]
         assert next(m for m in finals if m.index == i).usage.completion_tokens == len(single["token_ids"])
     assert wait_idle(servicer)
@@ -448,8 +513,9 @@ def test_skip_special_tokens(served, tiny_engine, skip):
     stub = served[0]
     eos = tiny_engine.eos_id
     kw = {} if skip is None else {"skip_special_tokens": skip}
-    msgs = collect(stub, prompt="def f():\n", max_new_tokens=3, method="vanilla", ignore_eos=True,
-                   allowed_token_ids=[eos], **kw)
+    msgs = collect(
+        stub, prompt="def f():\n", max_new_tokens=3, method="vanilla", ignore_eos=True, allowed_token_ids=[eos], **kw
+    )
     assert [t for m in msgs for t in m.token_ids] == [eos] * 3
     assert "".join(m.text for m in msgs) == ("" if skip in (None, True) else "<|endoftext|>" * 3)
 

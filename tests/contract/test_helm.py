@@ -1,4 +1,5 @@
 """Helm chart, offline: strict lint, schema, render for several values files, kubernetes-validate."""
+
 import json
 from pathlib import Path
 
@@ -34,9 +35,14 @@ def container(doc):
     return doc["spec"]["template"]["spec"]["containers"][0]
 
 
-VALUES = [{}, {"mode": "services"}, values_file("services-cpu-external-redis-values.yaml"),
-          values_file("services-tls-auth-values.yaml"),
-          values_file("services-gpu-values.yaml"), values_file("ray-values.yaml")]
+VALUES = [
+    {},
+    {"mode": "services"},
+    values_file("services-cpu-external-redis-values.yaml"),
+    values_file("services-tls-auth-values.yaml"),
+    values_file("services-gpu-values.yaml"),
+    values_file("ray-values.yaml"),
+]
 
 
 @pytest.mark.parametrize("values", VALUES)
@@ -51,11 +57,19 @@ def test_lint_strict_and_kubernetes_validate(values):
 
 def test_schema_rejects_bad_values():
     chart = helm.Chart.load(str(CHART))
-    for bad in ({"mode": "swarm"}, {"verifier": {"gpus": -1}}, {"redis": {"bundled": False, "externalUrl": ""}},
-                {"models": {"source": "s3"}}, {"router": {"port": 70000}}, {"router": {"verifierLink": "udp"}},
-                {"verifier": {"prefillChunk": -1}}, {"verifier": {"prefixCacheMb": -1}}, {"verifier": {"maxModelLen": -1}},
-                {"verifier": {"kvPool": "yes"}},
-                {"router": {"affinitySlack": -1}}):
+    for bad in (
+        {"mode": "swarm"},
+        {"verifier": {"gpus": -1}},
+        {"redis": {"bundled": False, "externalUrl": ""}},
+        {"models": {"source": "s3"}},
+        {"router": {"port": 70000}},
+        {"router": {"verifierLink": "udp"}},
+        {"verifier": {"prefillChunk": -1}},
+        {"verifier": {"prefixCacheMb": -1}},
+        {"verifier": {"maxModelLen": -1}},
+        {"verifier": {"kvPool": "yes"}},
+        {"router": {"affinitySlack": -1}},
+    ):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
 
@@ -67,7 +81,9 @@ def test_services_mode_gpu_workloads():
     assert ver["spec"]["replicas"] == 2
     c = container(ver)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and "--device=cuda" in c["args"]
-    assert "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"] and "--max-model-len=0" in c["args"]
+    assert (
+        "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"] and "--max-model-len=0" in c["args"]
+    )
     assert "--no-kv-pool" in c["args"]
     pooled = values_file("services-gpu-values.yaml")
     pooled["verifier"] = {**pooled.get("verifier", {}), "kvPool": True}
@@ -78,15 +94,21 @@ def test_services_mode_gpu_workloads():
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
     router = container(named(docs, "Deployment", "-router"))
     verifiers = next(a for a in router["args"] if a.startswith("--verifiers=")).split("=", 1)[1].split(",")
-    assert verifiers == ["demo-specmesh-verifier-0.demo-specmesh-verifier:50052",
-                         "demo-specmesh-verifier-1.demo-specmesh-verifier:50052"]
+    assert verifiers == [
+        "demo-specmesh-verifier-0.demo-specmesh-verifier:50052",
+        "demo-specmesh-verifier-1.demo-specmesh-verifier:50052",
+    ]
     assert {"name": "SPECMESH_VERIFIER_LINK", "value": "multiplex"} in router["env"]
     assert {"name": "SPECMESH_AFFINITY_SLACK", "value": "2"} in router["env"]
     assert "--http-port=8000" in router["args"] and {"name": "http", "containerPort": 8000} in router["ports"]
     svc = named(docs, "Service", "demo-specmesh")
     assert {"name": "http", "port": 8000, "targetPort": 8000} in svc["spec"]["ports"]
     assert {d["metadata"]["name"] for d in kinds(docs, "Deployment")} == {
-        "demo-specmesh-router", "demo-specmesh-drafter", "demo-specmesh-predictor", "demo-specmesh-memory"}
+        "demo-specmesh-router",
+        "demo-specmesh-drafter",
+        "demo-specmesh-predictor",
+        "demo-specmesh-memory",
+    }
     sm = kinds(docs, "ServiceMonitor")[0]
     assert sm["metadata"]["labels"]["release"] == "prometheus" and sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert named(docs, "StatefulSet", "-redis")  # bundled Redis
@@ -113,13 +135,18 @@ def test_services_mode_cpu_external_redis_pvc():
 
 def test_ray_mode_rayservice():
     docs = render(values_file("ray-values.yaml"))
-    assert not kinds(docs, "Deployment") and not [d for d in kinds(docs, "StatefulSet") if "verifier" in d["metadata"]["name"]]
+    assert not kinds(docs, "Deployment") and not [
+        d for d in kinds(docs, "StatefulSet") if "verifier" in d["metadata"]["name"]
+    ]
     rs = kinds(docs, "RayService")[0]
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
     assert serve["applications"][0]["import_path"] == "services.ray_app:app"
-    assert "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server" in serve["grpc_options"]["grpc_servicer_functions"]
+    assert (
+        "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server"
+        in serve["grpc_options"]["grpc_servicer_functions"]
+    )
     assert serve["applications"][0]["args"]["verifier_gpus"] == 4
-    assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}   # the OpenAI-compatible API
+    assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}  # the OpenAI-compatible API
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
     assert serve["applications"][0]["args"]["max_model_len"] == 0
@@ -140,8 +167,10 @@ def test_ray_mode_rayservice():
     pm = kinds(docs, "PodMonitor")[0]
     assert not kinds(docs, "ServiceMonitor") and pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     expr = pm["spec"]["selector"]["matchExpressions"][0]
-    assert set(expr["values"]) == {head["metadata"]["labels"]["app.kubernetes.io/component"],
-                                   worker["template"]["metadata"]["labels"]["app.kubernetes.io/component"]}
+    assert set(expr["values"]) == {
+        head["metadata"]["labels"]["app.kubernetes.io/component"],
+        worker["template"]["metadata"]["labels"]["app.kubernetes.io/component"],
+    }
 
 
 def test_dashboard_configmap_carries_the_dashboard():
@@ -183,20 +212,34 @@ def test_router_takes_vllm_metric_names_when_asked():
 def test_router_http_settings_reach_its_flags():
     """router.servedModelName, allowedOrigins and healthCheckTimeout become the router's flags
     (and the Ray app's args); the schema refuses an empty origin list and a zero timeout."""
-    docs = render({"mode": "services", "router": {"servedModelName": ["code-v2", "code"],
-                                                   "allowedOrigins": ["https://ui.example"], "healthCheckTimeout": 5}})
+    docs = render(
+        {
+            "mode": "services",
+            "router": {
+                "servedModelName": ["code-v2", "code"],
+                "allowedOrigins": ["https://ui.example"],
+                "healthCheckTimeout": 5,
+            },
+        }
+    )
     args = container(named(docs, "Deployment", "-router"))["args"]
     i = args.index("--served-model-name")
-    assert args[i + 1:i + 3] == ["code-v2", "code"]
+    assert args[i + 1 : i + 3] == ["code-v2", "code"]
     assert args[args.index("--allowed-origins") + 1] == "https://ui.example" and "--health-check-timeout=5" in args
     default = container(named(render({"mode": "services"}), "Deployment", "-router"))["args"]
     assert "--served-model-name" not in default and default[default.index("--allowed-origins") + 1] == "*"
-    serve = yaml.safe_load(kinds(render({"mode": "ray", "router": {"servedModelName": ["code"]}}), "RayService")[0]
-                           ["spec"]["serveConfigV2"])
+    serve = yaml.safe_load(
+        kinds(render({"mode": "ray", "router": {"servedModelName": ["code"]}}), "RayService")[0]["spec"][
+            "serveConfigV2"
+        ]
+    )
     assert serve["applications"][0]["args"]["served_model_name"] == ["code"]
     assert serve["applications"][0]["args"]["health_check_timeout"] == 20
-    for bad in ({"router": {"allowedOrigins": []}}, {"router": {"healthCheckTimeout": 0}},
-                {"router": {"servedModelName": [""]}}):
+    for bad in (
+        {"router": {"allowedOrigins": []}},
+        {"router": {"healthCheckTimeout": 0}},
+        {"router": {"servedModelName": [""]}},
+    ):
         with pytest.raises(helm.HelmValuesError):
             helm.Chart.load(str(CHART)).validate_schema(bad)
 
@@ -208,7 +251,10 @@ def test_eagle_tree_settings_reach_the_verifiers():
     args = container(named(docs, "StatefulSet", "-verifier"))["args"]
     assert "--eagle3-topk=3" in args and "--eagle3-tree-tokens=12" in args
     serve = yaml.safe_load(kinds(render({"mode": "ray"}), "RayService")[0]["spec"]["serveConfigV2"])
-    assert serve["applications"][0]["args"]["eagle3_topk"] == 2 and serve["applications"][0]["args"]["eagle3_tree_tokens"] == 8
+    assert (
+        serve["applications"][0]["args"]["eagle3_topk"] == 2
+        and serve["applications"][0]["args"]["eagle3_tree_tokens"] == 8
+    )
     for bad in ({"models": {"eagle3Topk": 0}}, {"models": {"eagle3TreeTokens": 65}}, {"ray": {"ingressReplicas": 0}}):
         with pytest.raises(helm.HelmValuesError):
             helm.Chart.load(str(CHART)).validate_schema(bad)
@@ -225,15 +271,20 @@ def test_speculative_config_reaches_router_verifiers_and_the_ray_app():
     for kind, suffix in (("StatefulSet", "-verifier"), ("Deployment", "-router")):
         (arg,) = [a for a in container(named(docs, kind, suffix))["args"] if a.startswith("--speculative-config=")]
         assert _json_object(arg.split("=", 1)[1]) == spec
-    serve = yaml.safe_load(kinds(render({"mode": "ray", "models": {"speculativeConfig": spec}}), "RayService")[0]
-                           ["spec"]["serveConfigV2"])
+    serve = yaml.safe_load(
+        kinds(render({"mode": "ray", "models": {"speculativeConfig": spec}}), "RayService")[0]["spec"]["serveConfigV2"]
+    )
     assert serve["applications"][0]["args"]["speculative_config"] == spec
     plain = render({"mode": "services"})
     assert not [a for a in container(named(plain, "StatefulSet", "-verifier"))["args"] if "speculative" in a]
-    assert "speculative_config" not in yaml.safe_load(kinds(render({}), "RayService")[0]["spec"]["serveConfigV2"]
-                                                      )["applications"][0]["args"]
-    for bad in ({"models": {"speculativeConfig": "eagle3"}},
-                {"models": {"speculativeConfig": {"method": "eagle3", "num_speculative_tokens": 0}}}):
+    assert (
+        "speculative_config"
+        not in yaml.safe_load(kinds(render({}), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    )
+    for bad in (
+        {"models": {"speculativeConfig": "eagle3"}},
+        {"models": {"speculativeConfig": {"method": "eagle3", "num_speculative_tokens": 0}}},
+    ):
         with pytest.raises(helm.HelmValuesError):
             helm.Chart.load(str(CHART)).validate_schema(bad)
 
@@ -253,7 +304,7 @@ def test_every_rendered_configuration_goes_through_the_option_table(values):
     for d in kinds(docs, "Deployment") + kinds(docs, "StatefulSet"):
         args = container(d).get("args") or []
         if args[:1] != ["serve"]:
-            continue   # Redis
+            continue  # Redis
         ns = build_parser().parse_args(args)
         cfg = EngineConfig.from_mapping({k: v for k, v in vars(ns).items() if k in OPTIONS}, METHODS)
         assert str(cfg.target) == "/models/target"

@@ -1,4 +1,5 @@
 """Contracts of the internal services: predictor, drafter, memory (parity + every bad input)."""
+
 import math
 
 import grpc
@@ -40,8 +41,9 @@ def code_of(fn, *a):
 
 
 def fuzz(addr: str, method: str):
-    call = grpc.insecure_channel(addr).unary_unary(method, request_serializer=lambda b: b,
-                                                   response_deserializer=lambda b: b)
+    call = grpc.insecure_channel(addr).unary_unary(
+        method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     for blob in (b"\xff\xfe\x00garbage", corrupt_bytes(48)):
         with pytest.raises(grpc.RpcError) as e:
             call(blob, timeout=10)
@@ -89,10 +91,18 @@ def test_drafter_service_matches_local_and_guards_sessions():
         stub = dgrpc.DrafterStub(grpc.insecure_channel(addr))
         assert code_of(stub.Start, dpb.DrafterStart(session_id="s", prompt_ids=[1])) == grpc.StatusCode.ALREADY_EXISTS
         assert code_of(stub.Start, dpb.DrafterStart(session_id="", prompt_ids=[1])) == grpc.StatusCode.INVALID_ARGUMENT
-        assert code_of(stub.Start, dpb.DrafterStart(session_id="x", prompt_ids=[VOCAB])) == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            code_of(stub.Start, dpb.DrafterStart(session_id="x", prompt_ids=[VOCAB]))
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
         assert code_of(stub.Propose, dpb.DrafterPropose(session_id="nope", budget=4)) == grpc.StatusCode.NOT_FOUND
-        assert code_of(stub.Propose, dpb.DrafterPropose(session_id="s", budget=10_000)) == grpc.StatusCode.INVALID_ARGUMENT
-        assert code_of(stub.Observe, dpb.DrafterObserve(session_id="s", tokens=[VOCAB + 5])) == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            code_of(stub.Propose, dpb.DrafterPropose(session_id="s", budget=10_000)) == grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert (
+            code_of(stub.Observe, dpb.DrafterObserve(session_id="s", tokens=[VOCAB + 5]))
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
         remote.stop("s")
         assert "s" not in servicer.drafter.states and "s" not in servicer.last_seen
         servicer.idle_s = 0.0  # forgotten sessions are reaped on the next Start
@@ -122,8 +132,12 @@ def test_memory_service_aggregates_clients_and_rejects_bad_input():
         assert c.lookup(3, 4) == 3  # a new verifier starts from the shared counts
         c.close()
         stub = mgrpc.MemoryStub(grpc.insecure_channel(addr))
-        for bad in (mpb.PairCount(draft=VOCAB, target=1, count=1), mpb.PairCount(draft=1, target=2, count=0),
-                    mpb.PairCount(draft=1, target=2, count=0.5), mpb.PairCount(draft=1, target=2, count=1e9)):
+        for bad in (
+            mpb.PairCount(draft=VOCAB, target=1, count=1),
+            mpb.PairCount(draft=1, target=2, count=0),
+            mpb.PairCount(draft=1, target=2, count=0.5),
+            mpb.PairCount(draft=1, target=2, count=1e9),
+        ):
             assert code_of(stub.RecordPairs, mpb.RecordPairsRequest(pairs=[bad])) == grpc.StatusCode.INVALID_ARGUMENT
         assert code_of(stub.PublishOutput, mpb.PublishOutputRequest(tokens=[1])) == grpc.StatusCode.FAILED_PRECONDITION
         for m in ("RecordPairs", "FetchSnapshot", "PublishOutput"):

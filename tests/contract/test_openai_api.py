@@ -1,6 +1,7 @@
 """Contract of the OpenAI-compatible HTTP API, through the official `openai` client: the same
 tokens as the engine, streaming, n and batched prompts, logprobs, chat through a template,
 structured output, and every error status (400, 401, 404, 429) with the field to fix."""
+
 import json
 import re
 import socket
@@ -18,8 +19,10 @@ from services.router.grpc_server import build_server
 from tests.conftest import corrupt_bytes, finish_order_by_priority, wait_for
 
 PROMPT = "def add(a, b):\n"
-TEMPLATE = ("{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}# assistant:\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}# {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
 
 
 @contextmanager
@@ -56,8 +59,9 @@ def idle(servicer) -> bool:
 @pytest.mark.parametrize("method", ["vanilla", "sd", "suffix"])
 def test_completion_equals_the_engines_greedy_output(api, tiny_engine, method):
     client, servicer, _ = api
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0,
-                                    extra_body={"method": method})
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"method": method}
+    )
     ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30)
     (c,) = out.choices
     assert c.text == ref["text"] and c.finish_reason == "length" and c.index == 0
@@ -69,8 +73,17 @@ def test_completion_equals_the_engines_greedy_output(api, tiny_engine, method):
 
 def test_stream_concatenates_to_the_whole_answer_then_usage_then_done(api, tiny_engine):
     client, servicer, _ = api
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"method": "sd"}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"method": "sd"},
+        )
+    )
     ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30)
     texts = [ch.choices[0].text for ch in chunks if ch.choices]
     assert len(texts) >= 3 and "".join(texts) == ref["text"]
@@ -84,13 +97,19 @@ def test_stream_concatenates_to_the_whole_answer_then_usage_then_done(api, tiny_
 def test_seeded_n_and_batched_prompts_index_choices_prompt_major(api, tiny_engine):
     client, _, _ = api
     prompts = [PROMPT, "class Stack:\n"]
-    out = client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=12, temperature=1.0, seed=7,
-                                    extra_body={"method": "sd"})
+    out = client.completions.create(
+        model="tiny", prompt=prompts, n=2, max_tokens=12, temperature=1.0, seed=7, extra_body={"method": "sd"}
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     for p, prompt in enumerate(prompts):
         for j in range(2):
-            ref = greedy(tiny_engine, tiny_engine.encode(prompt), 12, method="sd",
-                         sampling=SamplingParams(temperature=1.0, seed=7 + j))
+            ref = greedy(
+                tiny_engine,
+                tiny_engine.encode(prompt),
+                12,
+                method="sd",
+                sampling=SamplingParams(temperature=1.0, seed=7 + j),
+            )
             assert out.choices[p * 2 + j].text == ref["text"], (p, j)
     assert out.usage.completion_tokens == 4 * 12
 
@@ -101,13 +120,23 @@ def test_best_of_returns_the_n_likeliest_of_its_candidates(api, tiny_engine):
     counts all three. Without logprobs asked, none are returned."""
     client, servicer, _ = api
     ids = tiny_engine.encode(PROMPT)
-    cands = [greedy(tiny_engine, ids, 10, method="sd", logprobs=0, sampling=SamplingParams(temperature=1.5, seed=11 + j))
-             for j in range(3)]
+    cands = [
+        greedy(tiny_engine, ids, 10, method="sd", logprobs=0, sampling=SamplingParams(temperature=1.5, seed=11 + j))
+        for j in range(3)
+    ]
     mean = [sum(x["logprob"] for x in c["logprobs"]) / len(c["logprobs"]) for c in cands]
     order = sorted(range(3), key=lambda j: -mean[j])
-    assert len({c["text"] for c in cands}) == 3   # the ranking matters
-    out = client.completions.create(model="tiny", prompt=PROMPT, n=2, best_of=3, max_tokens=10, temperature=1.5,
-                                    seed=11, extra_body={"method": "sd"})
+    assert len({c["text"] for c in cands}) == 3  # the ranking matters
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        n=2,
+        best_of=3,
+        max_tokens=10,
+        temperature=1.5,
+        seed=11,
+        extra_body={"method": "sd"},
+    )
     assert [c.text for c in out.choices] == [cands[j]["text"] for j in order[:2]]
     assert [c.index for c in out.choices] == [0, 1] and out.choices[0].logprobs is None
     assert out.usage.completion_tokens == sum(len(c["token_ids"]) for c in cands)
@@ -122,8 +151,14 @@ def test_min_p_reaches_the_sampler(api, tiny_engine):
     texts = {}
     for min_p in (0.0, 0.3):
         sp = SamplingParams(temperature=3.0, seed=5, min_p=min_p)
-        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=3.0, seed=5,
-                                        extra_body={"method": "sd", "min_p": min_p})
+        out = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=3.0,
+            seed=5,
+            extra_body={"method": "sd", "min_p": min_p},
+        )
         texts[min_p] = out.choices[0].text
         assert texts[min_p] == greedy(tiny_engine, ids, 16, method="sd", sampling=sp)["text"], min_p
     assert texts[0.0] != texts[0.3]
@@ -133,18 +168,29 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(api, tiny_en
     """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
     streamed up to it, so the counts rise to the final usage."""
     client, _, _ = api
-    chunks = list(client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stream=True, extra_body={"method": "sd"},
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            extra_body={"method": "sd"},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     counts = [ch.usage.completion_tokens for ch in chunks if ch.choices]
     assert counts == sorted(counts) and counts[-1] == 30 and len(set(counts)) >= 3
     prompt = len(tiny_engine.encode(PROMPT))
-    assert all(ch.usage.prompt_tokens == prompt and ch.usage.total_tokens == prompt + ch.usage.completion_tokens
-               for ch in chunks)
+    assert all(
+        ch.usage.prompt_tokens == prompt and ch.usage.total_tokens == prompt + ch.usage.completion_tokens
+        for ch in chunks
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
     with pytest.raises(openai.BadRequestError, match="stream_options.include_usag: unknown field"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, stream=True,
-                                  stream_options={"include_usag": True})
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=3, stream=True, stream_options={"include_usag": True}
+        )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -153,10 +199,16 @@ def test_return_token_ids_gives_prompt_and_output_ids(api, tiny_engine, stream):
     the engine's (streamed: the chunks' ids concatenate to them, the first chunk has the prompt's)."""
     client, _, _ = api
     prompts = [PROMPT, "class Stack:\n"]
-    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0, stream=stream,
-                                    extra_body={"method": "sd", "return_token_ids": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=prompts,
+        max_tokens=12,
+        temperature=0,
+        stream=stream,
+        extra_body={"method": "sd", "return_token_ids": True},
+    )
     got: dict[int, dict] = {}
-    for ch in (out if stream else [out]):
+    for ch in out if stream else [out]:
         for c in ch.choices:
             g = got.setdefault(c.index, {"ids": [], "prompt": []})
             g["ids"] += c.model_extra["token_ids"]
@@ -170,8 +222,13 @@ def test_return_token_ids_gives_prompt_and_output_ids(api, tiny_engine, stream):
 
 def test_chat_return_token_ids_puts_the_prompt_ids_on_the_response(api, tiny_engine):
     client, _, _ = api
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "add"}], max_tokens=8,
-                                         temperature=0, extra_body={"return_token_ids": True})
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "add"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     prompt = out.model_extra["prompt_token_ids"]
     assert tiny_engine.tokenizer.decode(prompt).endswith("# assistant:\n")
     assert out.choices[0].model_extra["token_ids"] == greedy(tiny_engine, prompt, 8)["token_ids"]
@@ -183,8 +240,8 @@ def test_token_id_prompts_and_stop_strings(api, tiny_engine):
     ref = greedy(tiny_engine, ids, 30)["text"]
     stop = ref[10:14]
     out = client.completions.create(model="tiny", prompt=ids, max_tokens=30, temperature=0, stop=[stop])
-    assert out.choices[0].text == ref[:ref.index(stop)] and out.choices[0].finish_reason == "stop"
-    assert out.choices[0].stop_reason == stop   # vLLM's: what stopped it
+    assert out.choices[0].text == ref[: ref.index(stop)] and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].stop_reason == stop  # vLLM's: what stopped it
 
 
 def test_stop_reason_names_the_stop_string_or_token(api, tiny_engine):
@@ -196,8 +253,9 @@ def test_stop_reason_names_the_stop_string_or_token(api, tiny_engine):
     for stream in (False, True):
         for extra, reason in (({"stop_token_ids": [third]}, third), ({"stop": [word]}, word), ({}, None)):
             stop = extra.pop("stop", None)
-            out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=stream,
-                                            stop=stop, extra_body=extra)
+            out = client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=stream, stop=stop, extra_body=extra
+            )
             last = [ch.choices[0] for ch in out if ch.choices][-1] if stream else out.choices[0]
             assert last.stop_reason == reason and last.finish_reason == ("length" if reason is None else "stop")
 
@@ -205,8 +263,9 @@ def test_stop_reason_names_the_stop_string_or_token(api, tiny_engine):
 def test_truncate_prompt_tokens(api, tiny_engine):
     client, _, _ = api
     ids = tiny_engine.encode(PROMPT * 4)
-    out = client.completions.create(model="tiny", prompt=PROMPT * 4, max_tokens=8, temperature=0,
-                                    extra_body={"truncate_prompt_tokens": 6})
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT * 4, max_tokens=8, temperature=0, extra_body={"truncate_prompt_tokens": 6}
+    )
     assert out.usage.prompt_tokens == 6 and out.choices[0].text == greedy(tiny_engine, ids[-6:], 8)["text"]
     with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens: must be >= 1"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"truncate_prompt_tokens": 0})
@@ -218,8 +277,9 @@ def test_bad_words_never_appear(api, tiny_engine):
     word = next(w for w in plain.split() if w.isalpha() and len(w) > 2)
     sp = SamplingParams(bad_words=tiny_engine.bad_word_ids([word]))
     ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30, sampling=sp)["text"]
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0,
-                                    extra_body={"bad_words": [word], "method": "sd"})
+    out = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"bad_words": [word], "method": "sd"}
+    )
     assert out.choices[0].text == ref != plain and word not in ref.split()
     with pytest.raises(openai.BadRequestError, match="bad_words: must be a list of strings"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"bad_words": "x"})
@@ -234,8 +294,10 @@ def test_logprobs_are_the_engines(api, tiny_engine):
     assert lp.token_logprobs == pytest.approx([x["logprob"] for x in ref["logprobs"]], abs=1e-4)
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    assert all(len(top) <= 3 and max(top.values()) == pytest.approx(v, abs=1e-5)   # greedy: the token is the best
-               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(
+        len(top) <= 3 and max(top.values()) == pytest.approx(v, abs=1e-5)  # greedy: the token is the best
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs)
+    )
 
 
 def test_logprob_entries_name_token_ids_when_asked(api, tiny_engine):
@@ -247,21 +309,36 @@ def test_logprob_entries_name_token_ids_when_asked(api, tiny_engine):
     named = [f"token_id:{x['token_id']}" for x in ref["logprobs"]]
     asked = {"return_tokens_as_token_ids": True}
     for stream in (False, True):
-        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
-                                        stream=stream, extra_body=asked)
+        out = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, stream=stream, extra_body=asked
+        )
         chunks = [ch.choices[0] for ch in out if ch.choices] if stream else out.choices
         tokens = sum((c.logprobs.tokens for c in chunks if c.logprobs), [])
         assert tokens == named and "".join(c.text for c in chunks) == ref["text"], stream
-        assert all(k.startswith("token_id:") for c in chunks if c.logprobs for top in c.logprobs.top_logprobs
-                   for k in top)
-    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
-                                       echo=True, extra_body=asked).choices[0].logprobs.tokens
-    assert echoed[:len(ids)] == [f"token_id:{t}" for t in ids]
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=1, extra_body=asked)
+        assert all(
+            k.startswith("token_id:") for c in chunks if c.logprobs for top in c.logprobs.top_logprobs for k in top
+        )
+    echoed = (
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True, extra_body=asked
+        )
+        .choices[0]
+        .logprobs.tokens
+    )
+    assert echoed[: len(ids)] == [f"token_id:{t}" for t in ids]
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body=asked,
+    )
     entries = chat.choices[0].logprobs.content
-    assert len(entries) == 4 and all(e.token.startswith("token_id:") and e.bytes == list(e.token.encode())
-                                     for e in entries)
+    assert len(entries) == 4 and all(
+        e.token.startswith("token_id:") and e.bytes == list(e.token.encode()) for e in entries
+    )
 
 
 def test_special_tokens_read_as_text_only_when_not_skipped(api, tiny_engine):
@@ -274,8 +351,9 @@ def test_special_tokens_read_as_text_only_when_not_skipped(api, tiny_engine):
     for skip, text in ((None, ""), (True, ""), (False, "<|endoftext|>" * 3)):
         extra = asked if skip is None else {**asked, "skip_special_tokens": skip, "spaces_between_special_tokens": True}
         for stream in (False, True):
-            out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
-                                            stream=stream, extra_body=extra)
+            out = client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, stream=stream, extra_body=extra
+            )
             chunks = [ch.choices[0] for ch in out if ch.choices] if stream else out.choices
             assert "".join(c.text for c in chunks) == text, (skip, stream)
             assert sum((c.token_ids or [] for c in chunks), []) == [tiny_engine.eos_id] * 3
@@ -292,17 +370,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(api, tiny_engine):
     ids = tiny_engine.encode(prompt)
     ref = greedy(tiny_engine, ids, 1, prompt_logprobs=1, logprobs=1)
     for stream in (False, True):
-        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
-                                        echo=True, stream=stream)
+        out = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=stream
+        )
         if stream:
             chunks = [ch.choices[0] for ch in out if ch.choices]
             text = "".join(c.text for c in chunks)
-            lp = {k: sum((getattr(c.logprobs, k) for c in chunks if c.logprobs), []) for k in
-                  ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            lp = {
+                k: sum((getattr(c.logprobs, k) for c in chunks if c.logprobs), [])
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            }
         else:
             text, lp = out.choices[0].text, out.choices[0].logprobs.model_dump()
         assert text == prompt + ref["text"], stream
-        assert lp["tokens"][:len(ids)] == [tiny_engine.tokenizer.decode([t]) for t in ids] and len(lp["tokens"]) == len(ids) + 1
+        assert (
+            lp["tokens"][: len(ids)] == [tiny_engine.tokenizer.decode([t]) for t in ids]
+            and len(lp["tokens"]) == len(ids) + 1
+        )
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         want = [x["logprob"] for x in ref["prompt_logprobs"]] + [ref["logprobs"][0]["logprob"]]
         assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
@@ -312,15 +396,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(api, tiny_engine):
 def test_chat_renders_the_template_and_answers_as_the_assistant(api, tiny_engine):
     client, _, _ = api
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
-    out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, logprobs=True,
-                                         top_logprobs=2)
+    out = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2
+    )
     rendered = "# system: You write Python.\n# user: def add(a, b):\n# assistant:\n"
     ref = greedy(tiny_engine, tiny_engine.tokenizer(rendered, add_special_tokens=False)["input_ids"], 20)
     c = out.choices[0]
     assert c.message.role == "assistant" and c.message.content == ref["text"] and out.object == "chat.completion"
     assert len(c.logprobs.content) == 20 and all(len(x.top_logprobs) == 2 for x in c.logprobs.content)
-    streamed = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0,
-                                                   stream=True))
+    streamed = list(
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, stream=True)
+    )
     assert streamed[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == ref["text"]
     assert streamed[-1].choices[0].finish_reason == "length"
@@ -331,9 +417,18 @@ def test_chat_continues_a_final_assistant_message_and_echoes_it(api, tiny_engine
     it); echo makes the answer start with that turn, streamed or not."""
     client, _, _ = api
     msgs = [{"role": "user", "content": "add"}, {"role": "assistant", "content": "def add(a, b):"}]
-    kw = dict(model="tiny", messages=msgs, max_tokens=10, temperature=0,
-              extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True,
-                          "return_token_ids": True})
+    kw = dict(
+        model="tiny",
+        messages=msgs,
+        max_tokens=10,
+        temperature=0,
+        extra_body={
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "echo": True,
+            "return_token_ids": True,
+        },
+    )
     out = client.chat.completions.create(**kw)
     prompt = out.model_extra["prompt_token_ids"]
     assert tiny_engine.tokenizer.decode(prompt) == "# user: add\n# assistant: def add(a, b):"
@@ -343,44 +438,60 @@ def test_chat_continues_a_final_assistant_message_and_echoes_it(api, tiny_engine
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == "def add(a, b):"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "def add(a, b):" + ref
     with pytest.raises(openai.BadRequestError, match="continue_final_message: needs a final assistant message"):
-        client.chat.completions.create(model="tiny", messages=msgs[:1], max_tokens=3,
-                                       extra_body={"continue_final_message": True})
+        client.chat.completions.create(
+            model="tiny", messages=msgs[:1], max_tokens=3, extra_body={"continue_final_message": True}
+        )
 
 
 def test_json_schema_response_format_gives_a_valid_instance(api):
     client, _, _ = api
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
-                                    extra_body={"response_format": {"type": "json_schema",
-                                                                    "json_schema": {"name": "x", "schema": schema}}})
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+    }
+    out = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+    )
     c = out.choices[0]
     assert c.finish_reason == "stop"
     value = json.loads(c.text)
     assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
-    choice = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0,
-                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    choice = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
     assert choice.choices[0].text in ("yes", "no")
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"max_tokens": 0}, r"^max_tokens: must be in \[1, "),
-    ({"temperature": -1}, r"^temperature: must be a finite number >= 0"),
-    ({"extra_body": {"temprature": 0}}, r"^temprature: unknown field"),
-    ({"extra_body": {"top_k": "3"}}, r"^top_k: must be an integer"),
-    ({"extra_body": {"min_p": 2}}, r"^min_p: must be in \[0, 1\]"),
-    ({"extra_body": {"priority": 2 ** 40}}, r"^priority: must fit in 32 bits"),
-    ({"suffix": "x"}, r"^suffix: not supported"),
-    ({"n": 2, "best_of": 1}, r"^best_of: must be at least n \(2\)"),
-    ({"best_of": 2, "stream": True}, r"^best_of: the best completions are known only at the end"),
-    ({"best_of": 100}, r"^best_of: at most 16 completions per prompt, got 100"),
-    ({"n": 5}, r"^n: at most 4 completions"),
-    ({"logit_bias": {"x": 1}}, r"^logit_bias: keys must be token ids"),
-    ({"extra_body": {"method": "magic"}}, r"^method: unknown method 'magic'"),
-    ({"extra_body": {"response_format": {"type": "xml"}}}, r"^response_format: must be"),
-    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, r"^structured_outputs: the pattern cannot"),
-    ({"stream_options": {"include_usage": True}}, r"^stream_options: only allowed when stream is true"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"max_tokens": 0}, r"^max_tokens: must be in \[1, "),
+        ({"temperature": -1}, r"^temperature: must be a finite number >= 0"),
+        ({"extra_body": {"temprature": 0}}, r"^temprature: unknown field"),
+        ({"extra_body": {"top_k": "3"}}, r"^top_k: must be an integer"),
+        ({"extra_body": {"min_p": 2}}, r"^min_p: must be in \[0, 1\]"),
+        ({"extra_body": {"priority": 2**40}}, r"^priority: must fit in 32 bits"),
+        ({"suffix": "x"}, r"^suffix: not supported"),
+        ({"n": 2, "best_of": 1}, r"^best_of: must be at least n \(2\)"),
+        ({"best_of": 2, "stream": True}, r"^best_of: the best completions are known only at the end"),
+        ({"best_of": 100}, r"^best_of: at most 16 completions per prompt, got 100"),
+        ({"n": 5}, r"^n: at most 4 completions"),
+        ({"logit_bias": {"x": 1}}, r"^logit_bias: keys must be token ids"),
+        ({"extra_body": {"method": "magic"}}, r"^method: unknown method 'magic'"),
+        ({"extra_body": {"response_format": {"type": "xml"}}}, r"^response_format: must be"),
+        ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, r"^structured_outputs: the pattern cannot"),
+        ({"stream_options": {"include_usage": True}}, r"^stream_options: only allowed when stream is true"),
+    ],
+)
 def test_invalid_requests_get_400_naming_the_field(api, kw, match):
     client, servicer, _ = api
     with pytest.raises(openai.BadRequestError) as e:
@@ -402,7 +513,7 @@ def test_tokenize_and_detokenize_round_trip(api, tiny_engine):
     assert status == 200 and json.loads(out)["prompt"] == PROMPT
     status, out = raw_post(port, json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), "/tokenize")
     assert status == 200 and json.loads(out)["tokens"] == tiny_engine.encode("# user: hi\n# assistant:\n")
-    status, out = raw_post(port, json.dumps({"tokens": [10 ** 6]}).encode(), "/detokenize")
+    status, out = raw_post(port, json.dumps({"tokens": [10**6]}).encode(), "/detokenize")
     assert status == 400 and json.loads(out)["error"]["message"].startswith("tokens: every id must be in")
     status, out = raw_post(port, b'{"prompt": "a", "messages": []}', "/tokenize")
     assert status == 400
@@ -415,15 +526,22 @@ def test_unknown_model_is_404_and_chat_without_messages_is_400(api):
     with pytest.raises(openai.BadRequestError, match="messages: required"):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match=r"tools\[0\]: must be"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                       tools=[{"type": "function", "function": {"name": "f g"}}])
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
+            tools=[{"type": "function", "function": {"name": "f g"}}],
+        )
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
 def raw_post(port: int, body: bytes, path: str = "/v1/completions") -> tuple[int, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -433,10 +551,17 @@ def raw_post(port: int, body: bytes, path: str = "/v1/completions") -> tuple[int
 
 def test_malformed_bodies_get_400_never_a_crash(api):
     _, servicer, port = api
-    for body in [b"not json", b"[1, 2]", b'{"prompt": {"a": 1}}', b'{"prompt": ""}', b'{"prompt": [true]}',
-                 b'{"prompt": "x", "max_tokens": 1e999}', b'{"prompt": "x", "n": null, "seed": -1}',
-                 b'{"prompt": "x", "logit_bias": {"1": "high"}}', b'{"prompt": [[1, 2], "x"]}'] + \
-            [corrupt_bytes(64, seed) for seed in range(5)]:
+    for body in [
+        b"not json",
+        b"[1, 2]",
+        b'{"prompt": {"a": 1}}',
+        b'{"prompt": ""}',
+        b'{"prompt": [true]}',
+        b'{"prompt": "x", "max_tokens": 1e999}',
+        b'{"prompt": "x", "n": null, "seed": -1}',
+        b'{"prompt": "x", "logit_bias": {"1": "high"}}',
+        b'{"prompt": [[1, 2], "x"]}',
+    ] + [corrupt_bytes(64, seed) for seed in range(5)]:
         status, out = raw_post(port, body)
         assert status == 400, (body, out)
         assert json.loads(out)["error"]["message"]
@@ -447,8 +572,15 @@ def test_malformed_bodies_get_400_never_a_crash(api):
 
 def test_a_client_that_leaves_mid_stream_frees_its_sessions(api, tiny_engine):
     client, servicer, _ = api
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, temperature=1.0, n=2,
-                                       stream=True, extra_body={"method": "sd", "ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=200,
+        temperature=1.0,
+        n=2,
+        stream=True,
+        extra_body={"method": "sd", "ignore_eos": True},
+    )
     next(iter(stream))
     assert servicer.active
     stream.close()
@@ -458,8 +590,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_sessions(api, tiny_engine):
 def test_overload_is_429_and_the_limit_is_shared_with_grpc(tiny_engine):
     with http_api(tiny_engine, max_sessions=1, max_queue=0) as (port, servicer):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = client.completions.create(prompt=PROMPT, model="target", max_tokens=200, stream=True,
-                                           extra_body={"method": "vanilla", "ignore_eos": True})
+        stream = client.completions.create(
+            prompt=PROMPT,
+            model="target",
+            max_tokens=200,
+            stream=True,
+            extra_body={"method": "vanilla", "ignore_eos": True},
+        )
         next(iter(stream))
         with pytest.raises(openai.RateLimitError, match="concurrent sessions"):
             client.completions.create(prompt=PROMPT, model="target", max_tokens=4)
@@ -474,8 +611,12 @@ def test_http_priority_orders_the_admission_queue(tiny_engine):
     later one with priority -1 is admitted first."""
     with http_api(tiny_engine, max_sessions=1, max_queue=4) as (port, servicer):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        send = lambda p: client.completions.create(model="target", prompt=PROMPT, max_tokens=3,  # noqa: E731
-                                                   extra_body={"priority": p})
+        send = lambda p: client.completions.create(
+            model="target",
+            prompt=PROMPT,
+            max_tokens=3,  # noqa: E731
+            extra_body={"priority": p},
+        )
         assert finish_order_by_priority(servicer.admission, send) == ["urgent", "first"]
         assert idle(servicer)
 
@@ -513,12 +654,13 @@ def test_reset_prefix_cache_forgets_cached_prompt_blocks(api, tiny_engine):
     cached()
     assert cached() > 0
     for path, method, text in (("/reset_prefix_cache", "POST", ""), ("/flush_cache", "GET", "Cache flushed.\n")):
-        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
-                                     data=b"" if method == "POST" else None)
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}", method=method, data=b"" if method == "POST" else None
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200 and r.read().decode() == text
-        assert REGISTRY.get_sample_value("specmesh_prefix_cache_bytes") == 0   # the gauge follows at once
-        assert cached() == 0 and cached() > 0   # cold once, then cached again
+        assert REGISTRY.get_sample_value("specmesh_prefix_cache_bytes") == 0  # the gauge follows at once
+        assert cached() == 0 and cached() > 0  # cold once, then cached again
 
 
 def test_max_model_len_caps_the_context(tiny_dirs):
@@ -535,8 +677,9 @@ def test_max_model_len_caps_the_context(tiny_dirs):
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
             assert client.models.list().data[0].model_extra["max_model_len"] == 40
             ids = engine.encode(PROMPT)
-            assert client.completions.create(model="target", prompt=ids, max_tokens=40 - len(ids),
-                                             temperature=0).usage.completion_tokens == 40 - len(ids)
+            assert client.completions.create(
+                model="target", prompt=ids, max_tokens=40 - len(ids), temperature=0
+            ).usage.completion_tokens == 40 - len(ids)
             with pytest.raises(openai.BadRequestError, match="the context of 40 tokens"):
                 client.completions.create(model="target", prompt=ids, max_tokens=41 - len(ids))
     finally:
@@ -551,7 +694,9 @@ def test_a_model_served_under_several_names(tiny_engine):
     with http_api(tiny_engine, served_model_name=("tiny-2026-12", "tiny")) as (port, _):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         models = client.models.list().data
-        assert [m.id for m in models] == ["tiny-2026-12", "tiny"] and {m.model_extra["root"] for m in models} == {"tiny-2026-12"}
+        assert [m.id for m in models] == ["tiny-2026-12", "tiny"] and {m.model_extra["root"] for m in models} == {
+            "tiny-2026-12"
+        }
         for name in ("tiny", "tiny-2026-12"):
             assert client.completions.create(model=name, prompt=PROMPT, max_tokens=2).model == "tiny-2026-12"
         with pytest.raises(openai.NotFoundError, match="this server serves `tiny-2026-12`, `tiny`"):
@@ -563,9 +708,15 @@ def cors(port: int, origin: str, path: str = "/v1/completions") -> tuple[int, di
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="OPTIONS", headers={
-        "Origin": origin, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        method="OPTIONS",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, dict(r.headers)
@@ -598,13 +749,18 @@ def bos_engine(tiny_dirs, tmp_path_factory):
     shutil.copytree(tiny_dirs[0], target)
     tok = json.loads((target / "tokenizer.json").read_text())
     bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
-    tok["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                             "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                             "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
-                                                                  "tokens": ["<|endoftext|>"]}}}
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    }
     (target / "tokenizer.json").write_text(json.dumps(tok))
-    engine = Engine(EngineConfig(target=target, draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None,
-                                 max_new_tokens_limit=200))
+    engine = Engine(
+        EngineConfig(
+            target=target, draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None, max_new_tokens_limit=200
+        )
+    )
     yield engine
     engine.close()
 
@@ -617,7 +773,7 @@ def test_offline_tools_encode_prompts_as_the_api_does(bos_engine):
     long = PROMPT * 200
     full = bos_engine.encode(long)
     fit = bos_engine.encode_fit(long, 56)
-    assert len(fit) == bos_engine.context_len - 56 and fit[0] == 0 and fit[1:] == full[len(full) - len(fit) + 1:]
+    assert len(fit) == bos_engine.context_len - 56 and fit[0] == 0 and fit[1:] == full[len(full) - len(fit) + 1 :]
 
 
 def test_text_prompts_take_the_tokenizers_special_tokens(bos_engine, tmp_path):
@@ -649,11 +805,13 @@ def test_text_prompts_take_the_tokenizers_special_tokens(bos_engine, tmp_path):
         ref = greedy(bos_engine, [0, *ids], 8)
         out = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0)
         assert out.usage.prompt_tokens == len(ids) + 1 and out.choices[0].text == ref["text"]
-        out = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0,
-                                        extra_body={"add_special_tokens": False})
+        out = client.completions.create(
+            model="target", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"add_special_tokens": False}
+        )
         assert out.usage.prompt_tokens == len(ids)
-        assert client.chat.completions.create(model="target", messages=messages, max_tokens=2,
-                                              temperature=0).usage.prompt_tokens == len(chat)
+        assert client.chat.completions.create(
+            model="target", messages=messages, max_tokens=2, temperature=0
+        ).usage.prompt_tokens == len(chat)
 
     server, _, port = build_server(bos_engine, ServerConfig(port=0, max_sessions=2))
     server.start()

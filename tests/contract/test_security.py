@@ -1,4 +1,5 @@
 """TLS, mutual TLS and bearer-token auth on the public API, with a throw-away CA."""
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,8 +16,9 @@ TOKEN = "s3cret-token"
 
 def serve(engine, pki, mtls: bool):
     cert, key = pki["server"]
-    cfg = ServerConfig(port=0, metrics_port=0, tls_cert=cert, tls_key=key,
-                       tls_client_ca=pki["ca"] if mtls else None, auth_token=TOKEN)
+    cfg = ServerConfig(
+        port=0, metrics_port=0, tls_cert=cert, tls_key=key, tls_client_ca=pki["ca"] if mtls else None, auth_token=TOKEN
+    )
     server, _, port = build_server(engine, cfg)
     server.start()
     return server, f"localhost:{port}"
@@ -24,8 +26,11 @@ def serve(engine, pki, mtls: bool):
 
 def generate(ch, token=None):
     md = [("authorization", f"Bearer {token}")] if token else None
-    return list(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(prompt="def f():", max_new_tokens=4),
-                                                    timeout=10, metadata=md))
+    return list(
+        pb_grpc.GenerationStub(ch).Generate(
+            pb.GenerateRequest(prompt="def f():", max_new_tokens=4), timeout=10, metadata=md
+        )
+    )
 
 
 def test_tls_and_token(tiny_engine, pki):

@@ -1,6 +1,7 @@
 """/metrics under vLLM's names (``--vllm-metric-names``): the same counts as specmesh's own
 series in one scrape, summed over methods and draft sources, with vLLM's ``model_name`` label
 and finish reasons."""
+
 import urllib.request
 from collections import defaultdict
 
@@ -41,34 +42,42 @@ def test_vllm_names_count_what_specmesh_counts(tiny_engine):
             stub = pb_grpc.GenerationStub(ch)
             prompt = "def add(a, b):\n    return a + b\n\ndef add"
             first = []
-            for method in ("sd", "suffix", "sd"):   # the last stops at the output's third token
+            for method in ("sd", "suffix", "sd"):  # the last stops at the output's third token
                 kw = {"stop_token_ids": [first[2]]} if first else {}
-                msgs = list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=24, method=method, **kw),
-                                          timeout=60))
+                msgs = list(
+                    stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=24, method=method, **kw), timeout=60)
+                )
                 first = first or [t for msg in msgs for t in msg.token_ids]
         assert wait_for(lambda: not servicer.active)
         m = scrape(http_port)
     finally:
         http.stop()
         server.stop(0)
-    for ours, theirs in (("specmesh_spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
-                         ("specmesh_spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
-                         ("specmesh_spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
-                         ("specmesh_generated_tokens_total", "vllm:generation_tokens_total"),
-                         ("specmesh_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
-                         ("specmesh_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
-                         ("specmesh_active_sessions", "vllm:num_requests_running")):
+    for ours, theirs in (
+        ("specmesh_spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
+        ("specmesh_spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"),
+        ("specmesh_spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"),
+        ("specmesh_generated_tokens_total", "vllm:generation_tokens_total"),
+        ("specmesh_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("specmesh_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
+        ("specmesh_active_sessions", "vllm:num_requests_running"),
+    ):
         assert [lab["model_name"] for lab, _ in m[theirs]] == ["tiny-vllm"], theirs
         assert total(m[theirs]) == total(m[ours]), (theirs, m[theirs], m[ours])
     assert total(m["vllm:spec_decode_num_accepted_tokens_total"]) > 0 and total(m["vllm:generation_tokens_total"]) >= 3
     positions = {lab["position"] for lab, _ in m["vllm:spec_decode_num_accepted_tokens_per_pos_total"]}
     assert "0" in positions
     for p in positions:
-        assert total(m["vllm:spec_decode_num_accepted_tokens_per_pos_total"], position=p) == \
-            total(m["specmesh_spec_decode_num_accepted_tokens_per_pos_total"], position=p)
+        assert total(m["vllm:spec_decode_num_accepted_tokens_per_pos_total"], position=p) == total(
+            m["specmesh_spec_decode_num_accepted_tokens_per_pos_total"], position=p
+        )
     ours = m["specmesh_requests_total"]
     theirs = m["vllm:request_success_total"]
-    assert total(theirs, finished_reason="stop") == total(ours, finish_reason="eos") + total(ours, finish_reason="stop") > 0
+    assert (
+        total(theirs, finished_reason="stop")
+        == total(ours, finish_reason="eos") + total(ours, finish_reason="stop")
+        > 0
+    )
     assert total(theirs, finished_reason="length") == total(ours, finish_reason="length") > 0
     buckets = sorted((float(lab["le"]), v) for lab, v in m["vllm:time_to_first_token_seconds_bucket"])
     assert buckets[-1][0] == float("inf") and buckets[-1][1] == total(m["vllm:time_to_first_token_seconds_count"])

@@ -1,4 +1,5 @@
 """Concurrent sessions are verified together (one ragged forward) and stay exact."""
+
 import threading
 
 from services.common.metrics import VERIFY_BATCH
@@ -15,8 +16,9 @@ def histogram(suffix: str) -> float:
 def concurrently_equal_vanilla(eng, prompts: list[str], methods: tuple[str, ...], n: int) -> dict:
     """Every (prompt, method) at once, each output checked against vanilla's alone; the
     sessions must have shared forwards. → (prompt, method) → its result."""
-    refs = {p: eng.generate(GenerationRequest(eng.encode(p), n, method="vanilla")).result()["token_ids"]
-            for p in prompts}
+    refs = {
+        p: eng.generate(GenerationRequest(eng.encode(p), n, method="vanilla")).result()["token_ids"] for p in prompts
+    }
     before_forwards, before_rows = histogram("_count"), histogram("_sum")
     out = {}
 
@@ -55,6 +57,7 @@ def test_speculation_stops_while_the_verifier_step_is_loaded(tiny_dirs, tiny_eng
             cycle = s.cycle
             s.cycle = lambda req: replace(cycle(req), batch_size=batch)
             return s
+
         engine.verifier.open = open_loaded
         return engine
 
@@ -63,7 +66,7 @@ def test_speculation_stops_while_the_verifier_step_is_loaded(tiny_dirs, tiny_eng
     ref = tiny_engine.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
     busy = loaded(Engine(cfg), batch=5).generate(GenerationRequest(ids, 40, method="sd")).result()
     assert busy["token_ids"] == ref
-    assert busy["stats"]["draft_tokens"] <= 4      # only the first cycle, before any batch was seen
+    assert busy["stats"]["draft_tokens"] <= 4  # only the first cycle, before any batch was seen
     calm = loaded(Engine(cfg), batch=4).generate(GenerationRequest(ids, 40, method="sd")).result()
     assert calm["token_ids"] == ref and calm["stats"]["draft_tokens"] > 4
 
@@ -76,11 +79,21 @@ def test_chunked_prefill_beside_decoding_sessions_keeps_every_output(tiny_dirs, 
     from services.common.config import EngineConfig
     from services.router.engine import Engine
 
-    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, num_speculative_tokens=4,
-                              draft_confidence=0.0, max_new_tokens_limit=200, predictor=None, ocm_snapshot=None,
-                              prefill_chunk=3))
+    eng = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=tiny_dirs[1],
+            eagle3=tiny_eagle3,
+            num_speculative_tokens=4,
+            draft_confidence=0.0,
+            max_new_tokens_limit=200,
+            predictor=None,
+            ocm_snapshot=None,
+            prefill_chunk=3,
+        )
+    )
     runner = eng.verifier.runner
-    steps: list[tuple[list[int], list[int]]] = []      # per forward: cycles' pending tokens, prefill chunks
+    steps: list[tuple[list[int], list[int]]] = []  # per forward: cycles' pending tokens, prefill chunks
     decoding = threading.Event()
     step = runner.step
 
@@ -92,8 +105,11 @@ def test_chunked_prefill_beside_decoding_sessions_keeps_every_output(tiny_dirs, 
 
     long_prompts = [p * 4 for p in PROMPTS[:4]]
     methods = ("vanilla", "sd", "suffix", "eagle3")
-    refs = {(p, m): eng.generate(GenerationRequest(eng.encode(p), 40, method=m)).result()["token_ids"]
-            for p in PROMPTS[:2] + long_prompts for m in methods}
+    refs = {
+        (p, m): eng.generate(GenerationRequest(eng.encode(p), 40, method=m)).result()["token_ids"]
+        for p in PROMPTS[:2] + long_prompts
+        for m in methods
+    }
     runner.step = logged
     out = {}
 
@@ -111,7 +127,7 @@ def test_chunked_prefill_beside_decoding_sessions_keeps_every_output(tiny_dirs, 
     runner.step = step
     assert out == {(p, m): refs[p, m] for p, m, _ in jobs}
     chunked = [(v, c) for v, c in steps if c]
-    assert any(1 in v for v, _ in chunked)               # chunks rode beside other sessions' cycles
+    assert any(1 in v for v, _ in chunked)  # chunks rode beside other sessions' cycles
     # a step that carries a decoding cycle (one pending token) feeds at most 3 prompt tokens in all
     assert all(sum(x for x in v if x > 1) + sum(c) <= 3 for v, c in steps if 1 in v)
 
@@ -153,13 +169,22 @@ def test_a_cancelled_prompt_stops_prefilling_at_the_next_step(tiny_dirs):
     from services.common.types import SessionCancelled
     from services.router.engine import Engine
 
-    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None,
-                              max_new_tokens_limit=200, prefill_chunk=4))
+    eng = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=tiny_dirs[1],
+            eagle3=None,
+            predictor=None,
+            ocm_snapshot=None,
+            max_new_tokens_limit=200,
+            prefill_chunk=4,
+        )
+    )
     runner = eng.verifier.runner
     short = eng.encode(PROMPTS[0])
     ref = eng.generate(GenerationRequest(short, 120, method="sd")).result()["token_ids"]
     long_ids = eng.encode(" ".join(PROMPTS * 12))[:200]
-    fed: list[int] = []                                   # prompt chunks fed for the long request's session
+    fed: list[int] = []  # prompt chunks fed for the long request's session
     step = runner.step
     long_gen = eng.generate(GenerationRequest(long_ids, 8, method="sd"))
 
@@ -194,8 +219,8 @@ def test_a_cancelled_prompt_stops_prefilling_at_the_next_step(tiny_dirs):
     t_long.join(30)
     t_short.join(60)
     runner.step = step
-    assert "long" in err and len(fed) <= at_cancel + 1      # at most the step already running
-    assert sum(fed) < len(long_ids) - 1                      # the prompt was never fed whole
+    assert "long" in err and len(fed) <= at_cancel + 1  # at most the step already running
+    assert sum(fed) < len(long_ids) - 1  # the prompt was never fed whole
     assert long_gen._session.closed and long_gen._session.session_id not in eng.verifier.sessions
     assert out["short"] == ref
 
@@ -215,8 +240,17 @@ def test_closing_a_busy_session_on_the_link_cancels_its_prefill(tiny_dirs):
     from specmesh.v1 import verifier_pb2 as vpb
     from specmesh.v1 import verifier_pb2_grpc as vgrpc
 
-    core = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
-                               max_new_tokens_limit=200, prefill_chunk=2)).verifier
+    core = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=None,
+            eagle3=None,
+            predictor=None,
+            ocm_snapshot=None,
+            max_new_tokens_limit=200,
+            prefill_chunk=2,
+        )
+    ).verifier
     server, servicer, port = build_verifier_server(core, "127.0.0.1", 0)
     server.start()
     chunks: list[int] = []
@@ -234,7 +268,7 @@ def test_closing_a_busy_session_on_the_link_cancels_its_prefill(tiny_dirs):
         items.put(vpb.LinkItem(session_id="long", open=vpb.Open(prompt_ids=list(range(300, 500)), max_new_tokens=4)))
         items.put(vpb.LinkItem(session_id="long", cycle=vpb.Cycle()))
         end = time.time() + 30
-        while len(chunks) < 3 and time.time() < end:      # the open idle session makes "long" prefill in chunks
+        while len(chunks) < 3 and time.time() < end:  # the open idle session makes "long" prefill in chunks
             time.sleep(0.001)
         assert len(chunks) >= 3
         items.put(vpb.LinkItem(session_id="long", close=vpb.Close()))
@@ -244,11 +278,11 @@ def test_closing_a_busy_session_on_the_link_cancels_its_prefill(tiny_dirs):
             if any(r.WhichOneof("kind") != "opened" for r in got):
                 break
         assert got[-1].error.code == grpc.StatusCode.CANCELLED.value[0], got[-1]
-        assert sum(chunks) < 150                          # stopped long before the whole prompt
+        assert sum(chunks) < 150  # stopped long before the whole prompt
         end = time.time() + 5
         while len(servicer.active) > 1 and time.time() < end:
             time.sleep(0.01)
-        assert len(servicer.active) == 1                  # "long" is closed, "idle" is still open
+        assert len(servicer.active) == 1  # "long" is closed, "idle" is still open
         items.put(None)
     finally:
         core.runner.step = step
@@ -259,13 +293,15 @@ def test_concurrent_tree_sessions_verify_together_and_match_vanilla(tiny_eagle_e
     """eagle3-tree and suffix-tree sessions beside chain ones: their trees grow in one head
     step per depth, verify in one ragged forward with tree masks, and every output is
     vanilla's."""
-    out = concurrently_equal_vanilla(tiny_eagle_engine, [p * 2 for p in PROMPTS], ("eagle3-tree", "suffix-tree", "eagle3"),
-                                     48)
+    out = concurrently_equal_vanilla(
+        tiny_eagle_engine, [p * 2 for p in PROMPTS], ("eagle3-tree", "suffix-tree", "eagle3"), 48
+    )
     assert sum(r["stats"]["draft_tokens"] for (_, m), r in out.items() if m == "eagle3-tree") > 0
 
 
-def test_pooled_kv_sessions_verify_together_match_vanilla_and_give_their_slots_back(tiny_dirs, tiny_eagle3,
-                                                                                     tiny_engine):
+def test_pooled_kv_sessions_verify_together_match_vanilla_and_give_their_slots_back(
+    tiny_dirs, tiny_eagle3, tiny_engine
+):
     """--kv-pool: the target's and the draft LM's sessions sit in pooled slots and attend in one
     call per layer; chains, trees and the prefix cache's loads into slots keep every output
     equal to vanilla's without the pool, and once the requests end no slot is held."""
@@ -274,18 +310,31 @@ def test_pooled_kv_sessions_verify_together_match_vanilla_and_give_their_slots_b
     from services.common.config import EngineConfig
     from services.router.engine import Engine
 
-    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, eagle3_k=4,
-                              num_speculative_tokens=4, draft_confidence=0.0, max_new_tokens_limit=200,
-                              predictor=None, ocm_snapshot=None, kv_pool=True))
+    eng = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=tiny_dirs[1],
+            eagle3=tiny_eagle3,
+            eagle3_k=4,
+            num_speculative_tokens=4,
+            draft_confidence=0.0,
+            max_new_tokens_limit=200,
+            predictor=None,
+            ocm_snapshot=None,
+            kv_pool=True,
+        )
+    )
     target, draft = eng.runner.model, eng.verifier.drafters["draft-lm"].model
     assert target.kv_pool is not None and draft.kv_pool is not None
     prompts = [p * 2 for p in PROMPTS]
-    refs = {p: tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()["token_ids"]
-            for p in prompts}
-    for _ in range(2):   # the second round loads the first's prompt blocks from the prefix cache into slots
+    refs = {
+        p: tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()["token_ids"]
+        for p in prompts
+    }
+    for _ in range(2):  # the second round loads the first's prompt blocks from the prefix cache into slots
         out = concurrently_equal_vanilla(eng, prompts, ("sd", "suffix-tree", "eagle3-tree"), 40)
         assert all(r["token_ids"] == refs[p] for (p, _), r in out.items())
     assert eng.runner.prefix is not None and eng.runner.prefix.bytes > 0
-    assert max(len(segs) for segs in target.kv_pool.segments.values()) >= 2   # 18 sessions: several segments
+    assert max(len(segs) for segs in target.kv_pool.segments.values()) >= 2  # 18 sessions: several segments
     gc.collect()
     assert target.kv_pool.used == 0 and draft.kv_pool.used == 0

@@ -1,4 +1,5 @@
 """bench.harness on the tiny models: interleaved rows, lossless exact match, cycle profile."""
+
 import pytest
 
 from bench.harness import benchmark, markdown
@@ -17,8 +18,9 @@ def test_benchmark_rows_and_cycle_profile(tiny_engine):
     assert abs(sum(sd["cycles_by_source"].values()) - cycles) <= 1.5
     per_token = 1e3 / sd["tokens_per_s"]
     assert sd["other_ms_per_cycle"] >= 0 and sd["verify_ms_per_cycle"] < per_token * sd["tau"] * 1.5
-    table = markdown({"workload": "t", "limit": 2, "max_new_tokens": 24, "command": "c", "machine": "m",
-                      "rows": list(rows.values())})
+    table = markdown(
+        {"workload": "t", "limit": 2, "max_new_tokens": 24, "command": "c", "machine": "m", "rows": list(rows.values())}
+    )
     assert "draft_ms_per_cycle" in table and table.count("\n| ") >= 3
 
 
@@ -29,7 +31,7 @@ def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(t
     cache = tiny_engine.suffix_cache
     before = list(cache.outputs)
     benchmark(tiny_engine, prompts, ["vanilla", "suffix", "hybrid-rule"], 24, 2, None)
-    new = list(cache.outputs)[len(before):]
+    new = list(cache.outputs)[len(before) :]
     assert len(new) == 2 and new[0] != new[1]
 
 
@@ -42,12 +44,26 @@ def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_p
     from services.common.config import EngineConfig
     from services.router.engine import Engine
 
-    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, draft_confidence=0.0,
-                              eagle3_confidence=0.0, predictor=None, ocm_snapshot=None))
+    eng = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=tiny_dirs[1],
+            eagle3=tiny_eagle3,
+            draft_confidence=0.0,
+            eagle3_confidence=0.0,
+            predictor=None,
+            ocm_snapshot=None,
+        )
+    )
     prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "x = [1, 2, 3]\ny = [1, 2, 3]\n")]
     rows = sweep(eng, prompts, 20, [tiny_eagle3], [1, 3], [0.0, 1.01])
     assert [(r["method"], r["k"], r.get("confidence")) for r in rows] == [
-        ("sd", 4, None), ("eagle3", 1, 0.0), ("eagle3", 1, 1.01), ("eagle3", 3, 0.0), ("eagle3", 3, 1.01)]
+        ("sd", 4, None),
+        ("eagle3", 1, 0.0),
+        ("eagle3", 1, 1.01),
+        ("eagle3", 3, 0.0),
+        ("eagle3", 3, 1.01),
+    ]
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
     assert len(rows[1]["acceptance_per_position"]) <= 1 and len(rows[3]["acceptance_per_position"]) <= 3
     assert len(rows[4]["acceptance_per_position"]) <= 1
@@ -71,8 +87,20 @@ def test_draft_vocab_bench_rows(tiny_dirs, tmp_path):
     d = tmp_path / "draft"
     shutil.copytree(draft, d)
     save_ranking(d / RANKING_FILE, frequency_ranking([list(range(2000))], 8192), "test")
-    engines = {n: Engine(EngineConfig(target=target, draft=d, draft_vocab=n, eagle3=None, predictor=None,
-                                      ocm_snapshot=None, max_new_tokens_limit=200)) for n in (0, 4096)}
+    engines = {
+        n: Engine(
+            EngineConfig(
+                target=target,
+                draft=d,
+                draft_vocab=n,
+                eagle3=None,
+                predictor=None,
+                ocm_snapshot=None,
+                max_new_tokens_limit=200,
+            )
+        )
+        for n in (0, 4096)
+    }
     first = engines[0]
     prompts = [first.encode("def add(a, b):\n"), first.encode("import os\n")]
     rows = measure(engines, prompts, 16)
@@ -121,10 +149,27 @@ def test_prefill_bench_runs_every_chunk_setting_on_the_same_outputs(tiny_dirs, t
     from services.common.metrics import PREFILL_CHUNKS
     from services.router.engine import Engine
 
-    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None,
-                              max_new_tokens_limit=200))
-    args = argparse.Namespace(method="sd", chunks="0,8", streams=2, stream_tokens=40, arrivals=2, arrival_tokens=4,
-                              prompt_chars=600, gap_ms=10.0, repeats=1)
+    eng = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=tiny_dirs[1],
+            eagle3=None,
+            predictor=None,
+            ocm_snapshot=None,
+            max_new_tokens_limit=200,
+        )
+    )
+    args = argparse.Namespace(
+        method="sd",
+        chunks="0,8",
+        streams=2,
+        stream_tokens=40,
+        arrivals=2,
+        arrival_tokens=4,
+        prompt_chars=600,
+        gap_ms=10.0,
+        repeats=1,
+    )
     before = PREFILL_CHUNKS._value.get()
     rows = run(eng, args)
     assert [r["prefill_chunk"] for r in rows] == [0, 8] and all(r["identical_outputs"] for r in rows)
@@ -144,8 +189,18 @@ def test_op_profile_counts_operators_per_cycle(tiny_dirs):
     row = profile_method(eng, "sd", [eng.encode("def add(a, b):\n")], 12, 5)
     assert row["cycles"] > 0 and len(row["top_cpu"]) == 5 and row["top_device"] == []
     assert any(r["op"].startswith("aten::") and r["calls_per_cycle"] > 0 for r in row["top_cpu"])
-    text = markdown({"workload": "w", "prompts": 1, "max_new_tokens": 12, "device": "cpu", "dtype": "float32",
-                     "threads": 1, "command": "c", "methods": [row]})
+    text = markdown(
+        {
+            "workload": "w",
+            "prompts": 1,
+            "max_new_tokens": 12,
+            "device": "cpu",
+            "dtype": "float32",
+            "threads": 1,
+            "command": "c",
+            "methods": [row],
+        }
+    )
     assert "**sd**" in text and "self CPU" in text
 
 
@@ -161,8 +216,11 @@ def test_prefix_cache_bench_rows_off_cold_on(tmp_path):
     from tests.conftest import make_tiny
 
     target = make_tiny(tmp_path / "long-target", seed=0, max_pos=1024)
-    eng = Engine(EngineConfig(target=target, draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
-                              max_new_tokens_limit=200))
+    eng = Engine(
+        EngineConfig(
+            target=target, draft=None, eagle3=None, predictor=None, ocm_snapshot=None, max_new_tokens_limit=200
+        )
+    )
     args = argparse.Namespace(methods="vanilla", limit=3, shots=1, max_new_tokens=4, repeats=1)
     rows = run(eng, args)
     assert [r["prefix_cache"] for r in rows] == ["off", "cold", "on"]
@@ -182,14 +240,15 @@ def test_train_precision_times_both_precisions_of_both_training_steps(tmp_path, 
     import bench.train_precision as tp
 
     monkeypatch.setattr(tp, "corpus_batch", lambda rows, width, offset: torch.randint(0, 8192, (rows, width)))
-    result = tp.main(["--rounds", "2", "--steps", "1", "--draft-rows", "1", "--eagle3-rows", "1",
-                      "--out", str(tmp_path / "t.json")])
+    result = tp.main(
+        ["--rounds", "2", "--steps", "1", "--draft-rows", "1", "--eagle3-rows", "1", "--out", str(tmp_path / "t.json")]
+    )
     assert [r["job"] for r in result["rows"]] == ["draft LM", "EAGLE-3 head"]
     for r in result["rows"]:
         assert len(r["rates"]["fp32"]) == len(r["rates"]["bf16"]) == 2
         # the ratio of the unrounded medians: the rounded rates may give another last digit
         assert r["speedup"] == pytest.approx(r["bf16_tokens_per_s"] / r["fp32_tokens_per_s"], abs=2e-3)
-        assert abs(r["first_loss_bf16"] - r["first_loss_fp32"]) < 0.1   # autocast, not another model
+        assert abs(r["first_loss_bf16"] - r["first_loss_fp32"]) < 0.1  # autocast, not another model
     assert "| draft LM | 1024 |" in (tmp_path / "t.md").read_text() and (tmp_path / "t.png").stat().st_size > 0
 
 
@@ -206,13 +265,27 @@ def test_heads_runs_every_method_under_each_head_beside_vanilla(tiny_dirs, tiny_
 
     copy = tmp_path / "head-copy"
     shutil.copytree(tiny_eagle3, copy)
-    engines = {str(h): Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=h, predictor=None,
-                                           ocm_snapshot=None, max_new_tokens_limit=200)) for h in (tiny_eagle3, copy)}
+    engines = {
+        str(h): Engine(
+            EngineConfig(
+                target=tiny_dirs[0], draft=None, eagle3=h, predictor=None, ocm_snapshot=None, max_new_tokens_limit=200
+            )
+        )
+        for h in (tiny_eagle3, copy)
+    }
     prompts = [Prompt(f"p{i}", t) for i, t in enumerate(["def f(x):\n", "class A:\n    def g(self):\n"])]
     methods = ["eagle3", "hybrid-rule"]
     runs = run(engines, prompts, methods, 24)
-    result = {"workload": "w", "limit": 2, "max_new_tokens": 24, "heads": list(engines), "methods": methods,
-              "machine": "m", "command": "c", "rows": rows(next(iter(engines.values())), prompts, runs, 24)}
+    result = {
+        "workload": "w",
+        "limit": 2,
+        "max_new_tokens": 24,
+        "heads": list(engines),
+        "methods": methods,
+        "machine": "m",
+        "command": "c",
+        "rows": rows(next(iter(engines.values())), prompts, runs, 24),
+    }
     got = {(r["method"], r["head"]): r for r in result["rows"]}
     assert set(got) == {("vanilla", None)} | {(m, h) for h in engines for m in methods}
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in result["rows"])
@@ -230,8 +303,12 @@ def test_hybrid_cycles_books_each_measured_cycle_of_a_hybrid_by_its_choice(tiny_
     from bench.hybrid_cycles import markdown, measure, plot
 
     prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "import os\n\nclass Config:\n")]
-    result = {"workload": "w", "machine": "m", "command": "c",
-              **measure(tiny_engine, prompts, ["vanilla", "hybrid-rule"], 24)}
+    result = {
+        "workload": "w",
+        "machine": "m",
+        "command": "c",
+        **measure(tiny_engine, prompts, ["vanilla", "hybrid-rule"], 24),
+    }
     row = next(r for r in result["rows"] if r["method"] == "hybrid-rule")
     booked = result["hybrids"]["hybrid-rule"]["cycles"]
     assert booked and {r["choice"] for r in booked} <= {"cache", "model", "plain"}

@@ -1,4 +1,5 @@
 """The `specmesh` entry point as a user runs it: generate --json, serve + client in real processes."""
+
 import json
 import os
 import subprocess
@@ -14,12 +15,30 @@ CLI = [sys.executable, "-m", "services.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-
 def test_generate_json(tiny_dirs):
     target, draft = tiny_dirs
-    out = subprocess.run(CLI + ["generate", "--target", str(target), "--draft", str(draft), "--method", "sd",
-                                "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--json"],
-                         capture_output=True, text=True, env=ENV, timeout=120, check=True)
+    out = subprocess.run(
+        CLI
+        + [
+            "generate",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--method",
+            "sd",
+            "--prompt",
+            "def add(a, b):",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+        check=True,
+    )
     obj = json.loads(out.stdout)
     assert set(obj) >= {"text", "token_ids", "stats"} and len(obj["token_ids"]) == 12
     assert set(obj["stats"]) >= {"cycles", "draft_tokens", "accepted_tokens", "tau", "wall_s"}
@@ -28,15 +47,26 @@ def test_generate_json(tiny_dirs):
 
 def test_generate_reports_invalid_input(tiny_dirs):
     target, draft = tiny_dirs
-    out = subprocess.run(CLI + ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x",
-                                "--max-new-tokens", "0"], capture_output=True, text=True, env=ENV, timeout=120)
+    out = subprocess.run(
+        CLI + ["generate", "--target", str(target), "--draft", str(draft), "--prompt", "x", "--max-new-tokens", "0"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert out.returncode != 0 and "max_new_tokens" in out.stderr
     for flag in ("--prefill-chunk", "--spec-disable-batch", "--prefix-cache-mb", "--max-model-len"):
-        out = subprocess.run(CLI + ["generate", "--prompt", "x", flag, "-1"], capture_output=True, text=True, env=ENV,
-                             timeout=120)
+        out = subprocess.run(
+            CLI + ["generate", "--prompt", "x", flag, "-1"], capture_output=True, text=True, env=ENV, timeout=120
+        )
         assert out.returncode == 2 and f"{flag}: expected a whole number >= 0" in out.stderr
-    out = subprocess.run(CLI + ["serve", "--role", "router", "--affinity-slack", "-1"], capture_output=True, text=True,
-                         env=ENV, timeout=120)
+    out = subprocess.run(
+        CLI + ["serve", "--role", "router", "--affinity-slack", "-1"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--affinity-slack: expected a whole number >= 0" in out.stderr
 
 
@@ -57,17 +87,53 @@ def scrape(port: int) -> dict[str, float]:
 def test_serve_then_client_streams(tiny_dirs):
     target, draft = tiny_dirs
     port, mport, hport = free_port(), free_port(), free_port()
-    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--port", str(port),
-                                     "--metrics-port", str(mport), "--http-port", str(hport)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    server = subprocess.Popen(
+        CLI
+        + [
+            "serve",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(mport),
+            "--http-port",
+            str(hport),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=90)
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
             assert status == health_pb2.HealthCheckResponse.SERVING
-        out = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "import os",
-                                    "--max-new-tokens", "10", "--method", "sd", "--priority", "-2", "--min-p", "0.1"],
-                             capture_output=True, text=True, env=ENV, timeout=60)
+        out = subprocess.run(
+            CLI
+            + [
+                "client",
+                "--addr",
+                f"127.0.0.1:{port}",
+                "--prompt",
+                "import os",
+                "--max-new-tokens",
+                "10",
+                "--method",
+                "sd",
+                "--priority",
+                "-2",
+                "--min-p",
+                "0.1",
+            ],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert "FINISH_REASON_LENGTH" in out.stderr and "10 tokens" in out.stderr
         assert "prompt tokens cached" in out.stderr
@@ -81,14 +147,20 @@ def test_serve_then_client_streams(tiny_dirs):
         assert m["specmesh_generated_tokens_total{method=sd}"] == 10 == accepted + cycles
         assert m["specmesh_requests_total{finish_reason=length,method=sd}"] == 1
         assert m["specmesh_time_to_first_token_seconds_count{method=sd}"] == 1
-        bad = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "x", "--method", "nope"],
-                             capture_output=True, text=True, env=ENV, timeout=60)
+        bad = subprocess.run(
+            CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", "x", "--method", "nope"],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=60,
+        )
         assert bad.returncode != 0 and "INVALID_ARGUMENT" in bad.stderr and "method" in bad.stderr
         assert scrape(mport)["specmesh_requests_rejected_total{code=INVALID_ARGUMENT}"] == 1
         body = json.dumps({"prompt": "import os", "max_tokens": 10, "temperature": 0, "method": "sd"}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{hport}/v1/completions", body,
-                                     {"content-type": "application/json"})
-        answer = json.loads(urllib.request.urlopen(req, timeout=60).read())   # the OpenAI-compatible API beside gRPC
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{hport}/v1/completions", body, {"content-type": "application/json"}
+        )
+        answer = json.loads(urllib.request.urlopen(req, timeout=60).read())  # the OpenAI-compatible API beside gRPC
         assert answer["usage"]["completion_tokens"] == 10 and answer["choices"][0]["finish_reason"] == "length"
         assert scrape(mport)["specmesh_generated_tokens_total{method=sd}"] == 20
     finally:
@@ -107,14 +179,34 @@ def test_calibrate_writes_snapshot_and_loads_redis_prior(tiny_dirs, tmp_path, re
 
     target, draft = tiny_dirs
     out = tmp_path / "ocm.json"
-    base = [sys.executable, "-m", "training", "calibrate", "--target", str(target), "--draft", str(draft), "--limit", "3",
-                  "--max-new-tokens", "24", "--out", str(out)]
+    base = [
+        sys.executable,
+        "-m",
+        "training",
+        "calibrate",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--limit",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--out",
+        str(out),
+    ]
     bad = subprocess.run(base + ["--workload", "humaneval"], capture_output=True, text=True, env=ENV, timeout=120)
     assert bad.returncode != 0 and "evaluation set" in bad.stderr
     r = redis.Redis.from_url(redis_url)
     r.delete("specmesh:ocm:prior")
-    subprocess.run(base + ["--workload", "stdlib-train", "--redis-url", redis_url], capture_output=True, text=True,
-                   env=ENV, timeout=300, check=True)
+    subprocess.run(
+        base + ["--workload", "stdlib-train", "--redis-url", redis_url],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        check=True,
+    )
     counts = load_snapshot(out)
     assert counts and all(n >= 1 for n in counts.values())
     prior = r.hgetall("specmesh:ocm:prior")
@@ -130,10 +222,32 @@ def test_component_roles_run_standalone(tiny_dirs, tmp_path):
     try:
         for role in ("predictor", "drafter", "memory"):
             port = free_port()
-            procs.append((role, port, subprocess.Popen(
-                CLI + ["serve", "--role", role, "--port", str(port), "--metrics-port", "0", "--target",
-                       str(tiny_dirs[0]), "--predictor", str(tmp_path / "predictor")],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)))
+            procs.append(
+                (
+                    role,
+                    port,
+                    subprocess.Popen(
+                        CLI
+                        + [
+                            "serve",
+                            "--role",
+                            role,
+                            "--port",
+                            str(port),
+                            "--metrics-port",
+                            "0",
+                            "--target",
+                            str(tiny_dirs[0]),
+                            "--predictor",
+                            str(tmp_path / "predictor"),
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        env=ENV,
+                    ),
+                )
+            )
         for role, port, _ in procs:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 grpc.channel_ready_future(ch).result(timeout=90)
@@ -157,24 +271,46 @@ def test_serve_takes_vllms_speculative_config(tiny_dirs, tiny_engine):
     target, draft = tiny_dirs
     port, http = free_port(), free_port()
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--eagle3", "none",
-                                     "--port", str(port), "--metrics-port", "0", "--http-port", str(http),
-                                     "--speculative-config", json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    server = subprocess.Popen(
+        CLI
+        + [
+            "serve",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--eagle3",
+            "none",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--http-port",
+            str(http),
+            "--speculative-config",
+            json.dumps(spec),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     prompt = "x = 1\nx = 1\nx = 1\nx = 1\n"
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=90)
-            msgs = list(ggrpc.GenerationStub(ch).Generate(gpb.GenerateRequest(prompt=prompt, max_new_tokens=24),
-                                                          timeout=60))
+            msgs = list(
+                ggrpc.GenerationStub(ch).Generate(gpb.GenerateRequest(prompt=prompt, max_new_tokens=24), timeout=60)
+            )
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/get_server_info", timeout=30) as r:
             info = json.loads(r.read())
     finally:
         server.terminate()
         server.wait(timeout=20)
     assert info["speculative_algorithm"] == "ngram" and info["max_draft_tokens"]["ngram"] == 3
-    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(prompt, add_special_tokens=True), 24,
-                                                 method="vanilla")).result()
+    ref = tiny_engine.generate(
+        GenerationRequest(tiny_engine.encode(prompt, add_special_tokens=True), 24, method="vanilla")
+    ).result()
     assert msgs[-1].method == "ngram" and msgs[-1].stats.draft_tokens > 0
     assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
 
@@ -183,10 +319,30 @@ def test_serve_stops_when_the_speculative_method_cannot_run(tiny_dirs):
     """--speculative-config asks for eagle3, but no EAGLE-3 head loads: the server says so and
     exits instead of serving another method."""
     target, draft = tiny_dirs
-    out = subprocess.run(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--eagle3", "none",
-                                "--port", str(free_port()), "--metrics-port", "0", "--http-port", "0",
-                                "--speculative-config", '{"method": "eagle3"}'],
-                         capture_output=True, text=True, env=ENV, timeout=120)
+    out = subprocess.run(
+        CLI
+        + [
+            "serve",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--eagle3",
+            "none",
+            "--port",
+            str(free_port()),
+            "--metrics-port",
+            "0",
+            "--http-port",
+            "0",
+            "--speculative-config",
+            '{"method": "eagle3"}',
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "speculative_config.method: 'eagle3' (eagle3) is not available on these models" in out.stderr
     assert "available: vanilla, sd" in out.stderr
@@ -198,18 +354,51 @@ def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
     Σ accepted + cycles, and one hybrid decision per cycle that had a budget."""
     target, draft = tiny_dirs
     port, mport = free_port(), free_port()
-    server = subprocess.Popen(CLI + ["serve", "--target", str(target), "--draft", str(draft), "--eagle3",
-                                     str(tiny_eagle3), "--port", str(port), "--metrics-port", str(mport),
-                                     "--http-port", "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    server = subprocess.Popen(
+        CLI
+        + [
+            "serve",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--eagle3",
+            str(tiny_eagle3),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(mport),
+            "--http-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=90)
         total = 0
         for prompt in ("x = 1\nx = 1\nx = 1\nx = 1\nx = 1\nx = 1\n", "def add(a, b):\n    return a + b\n" * 3):
-            out = subprocess.run(CLI + ["client", "--addr", f"127.0.0.1:{port}", "--prompt", prompt,
-                                        "--max-new-tokens", "40", "--method", "hybrid-rule"],
-                                 capture_output=True, text=True, env=ENV, timeout=60)
+            out = subprocess.run(
+                CLI
+                + [
+                    "client",
+                    "--addr",
+                    f"127.0.0.1:{port}",
+                    "--prompt",
+                    prompt,
+                    "--max-new-tokens",
+                    "40",
+                    "--method",
+                    "hybrid-rule",
+                ],
+                capture_output=True,
+                text=True,
+                env=ENV,
+                timeout=60,
+            )
             assert out.returncode == 0, out.stderr
             total += 40
         m = scrape(mport)
@@ -217,14 +406,23 @@ def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
         server.terminate()
         server.wait(timeout=20)
     label = "method=hybrid-rule"
-    drafted = {k.split("source=")[1][:-1]: v for k, v in m.items()
-               if k.startswith("specmesh_spec_decode_num_draft_tokens_total{") and label in k}
-    accepted = {k.split("source=")[1][:-1]: v for k, v in m.items()
-                if k.startswith("specmesh_spec_decode_num_accepted_tokens_total{") and label in k}
+    drafted = {
+        k.split("source=")[1][:-1]: v
+        for k, v in m.items()
+        if k.startswith("specmesh_spec_decode_num_draft_tokens_total{") and label in k
+    }
+    accepted = {
+        k.split("source=")[1][:-1]: v
+        for k, v in m.items()
+        if k.startswith("specmesh_spec_decode_num_accepted_tokens_total{") and label in k
+    }
     assert {"suffix", "eagle3"} <= {s for s, v in drafted.items() if v > 0}, drafted
     assert all(accepted.get(s, 0) <= d for s, d in drafted.items())
-    per_pos = sum(v for k, v in m.items()
-                  if k.startswith("specmesh_spec_decode_num_accepted_tokens_per_pos_total{") and label in k)
+    per_pos = sum(
+        v
+        for k, v in m.items()
+        if k.startswith("specmesh_spec_decode_num_accepted_tokens_per_pos_total{") and label in k
+    )
     cycles = m[f"specmesh_cycles_total{{{label}}}"]
     assert per_pos == sum(accepted.values())
     assert m[f"specmesh_generated_tokens_total{{{label}}}"] == total == sum(accepted.values()) + cycles
@@ -238,9 +436,32 @@ def test_generate_writes_special_tokens_only_when_asked(tiny_dirs):
     target, draft = tiny_dirs
     texts = []
     for flag in ("--skip-special-tokens", "--no-skip-special-tokens"):
-        out = subprocess.run(CLI + ["generate", "--target", str(target), "--draft", str(draft), "--method", "vanilla",
-                                    "--prompt", "x", "--max-new-tokens", "3", "--ignore-eos", "--allowed-token-id", "0",
-                                    flag, "--json"], capture_output=True, text=True, env=ENV, timeout=120, check=True)
+        out = subprocess.run(
+            CLI
+            + [
+                "generate",
+                "--target",
+                str(target),
+                "--draft",
+                str(draft),
+                "--method",
+                "vanilla",
+                "--prompt",
+                "x",
+                "--max-new-tokens",
+                "3",
+                "--ignore-eos",
+                "--allowed-token-id",
+                "0",
+                flag,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=120,
+            check=True,
+        )
         obj = json.loads(out.stdout)
         assert obj["token_ids"] == [0, 0, 0] and obj["finish_reason"] == "length"
         texts.append(obj["text"])

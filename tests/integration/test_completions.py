@@ -1,5 +1,6 @@
 """n completions of one prompt (vLLM's n): each is its own session, completion i of a seeded
 request equals the single request with seed + i, and stopping early frees every session."""
+
 from collections import defaultdict
 
 import pytest
@@ -29,11 +30,15 @@ def test_seeded_completions_equal_single_requests_with_seed_plus_index(tiny_engi
     completions = eng.generate_all(GenerationRequest(ids, 30, sampling=sp, method=method, n=4))
     steps, ended = collect(completions)
     assert sorted(ended) == [0, 1, 2, 3]
-    singles = [eng.generate(GenerationRequest(ids, 30, sampling=SamplingParams(temperature=1.0, seed=11 + i),
-                                              method=method)).result()["token_ids"] for i in range(4)]
+    singles = [
+        eng.generate(
+            GenerationRequest(ids, 30, sampling=SamplingParams(temperature=1.0, seed=11 + i), method=method)
+        ).result()["token_ids"]
+        for i in range(4)
+    ]
     assert [steps[i] for i in range(4)] == singles
     assert [g.output_ids for g in completions.gens] == singles
-    assert len({tuple(s) for s in singles}) > 1   # different seeds, different samples
+    assert len({tuple(s) for s in singles}) > 1  # different seeds, different samples
     assert wait_for(lambda: not eng.verifier.sessions)
 
 
@@ -47,8 +52,11 @@ def test_greedy_completions_are_the_greedy_output(tiny_engine):
 
 def test_stopping_early_frees_every_session(tiny_engine):
     eng = tiny_engine
-    it = iter(eng.generate_all(GenerationRequest(eng.encode(PROMPT), 200, sampling=SamplingParams(temperature=1.0),
-                                                 method="sd", n=3)))
+    it = iter(
+        eng.generate_all(
+            GenerationRequest(eng.encode(PROMPT), 200, sampling=SamplingParams(temperature=1.0), method="sd", n=3)
+        )
+    )
     for _ in range(4):
         next(it)
     it.close()

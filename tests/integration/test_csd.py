@@ -1,4 +1,5 @@
 """CSD end to end on the engine: lossless when the gate is closed, rescues when it opens."""
+
 import torch
 
 from services.common.config import GateConfig

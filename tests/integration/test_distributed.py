@@ -3,6 +3,7 @@
 Same outputs as embedded, a replica killed mid-stream loses nothing, a bounded load test
 leaves no session behind, malformed verifier input gets a clear status.
 """
+
 import os
 import subprocess
 import sys
@@ -27,13 +28,32 @@ from tests.conftest import corrupt_bytes
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\nimport os\n", "class A:\n    pass\n\nclass", "x = [1, 2"]
 
 
-
 def start_verifier(tiny_dirs, delay_ms: int = 0) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECMESH_FAULT_CYCLE_DELAY_MS": str(delay_ms)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--role", "verifier", "--port", str(port),
-                             "--metrics-port", "0", "--target", str(tiny_dirs[0]), "--draft", str(tiny_dirs[1]),
-                             "--max-sessions", "16"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "--role",
+            "verifier",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--target",
+            str(tiny_dirs[0]),
+            "--draft",
+            str(tiny_dirs[1]),
+            "--max-sessions",
+            "16",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
         grpc.channel_ready_future(ch).result(timeout=90)
@@ -97,8 +117,9 @@ def test_a_token_tree_crosses_the_link_and_its_second_branch_is_kept(cluster, ti
     wrong = (ref[0] + 1) % 256
     session = engine.verifier.open(SessionSpec(ids, 6, max_draft=4))
     try:
-        first = session.cycle(CycleRequest(draft_ids=(wrong, ref[0], ref[1]), draft_parents=(-1, -1, 1),
-                                           draft_source="suffix"))
+        first = session.cycle(
+            CycleRequest(draft_ids=(wrong, ref[0], ref[1]), draft_parents=(-1, -1, 1), draft_source="suffix")
+        )
         assert first.committed == ref[:3] and first.accepted == 2 and first.drafted == 3
         second = session.cycle(CycleRequest(draft_ids=(ref[3], ref[4]), draft_source="suffix"))
         assert second.committed == ref[3:6]
@@ -122,11 +143,12 @@ def test_a_new_session_goes_where_its_prompt_start_is_cached(cluster):
         again = pool.open(SessionSpec(ids, 4))
         sessions.append(again)
         assert again.addr == first.addr and again.cycle(CycleRequest()).cached_tokens == (len(ids) - 1) // 32 * 32 > 0
-        for slack in (0, None):   # no slack, or affinity off: the idle replica
+        for slack in (0, None):  # no slack, or affinity off: the idle replica
             pool.affinity_slack = slack
             elsewhere = pool.open(SessionSpec(ids, 4))
             assert elsewhere.addr != first.addr and elsewhere.cycle(CycleRequest()).cached_tokens == (
-                0 if slack == 0 else (len(ids) - 1) // 32 * 32)
+                0 if slack == 0 else (len(ids) - 1) // 32 * 32
+            )
             elsewhere.close()
     finally:
         pool.affinity_slack = 2
@@ -140,8 +162,9 @@ def test_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
         req = gpb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=24, method=method, logprobs=3)
         msgs = list(stub.Generate(req, timeout=60))
         got = [x for m in msgs for x in m.logprobs]
-        ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPTS[0]), 24, method=method,
-                                                     logprobs=3)).result()["logprobs"]
+        ref = tiny_engine.generate(
+            GenerationRequest(tiny_engine.encode(PROMPTS[0]), 24, method=method, logprobs=3)
+        ).result()["logprobs"]
         assert [x.token_id for x in got] == [x["token_id"] for x in ref] and len(got) == 24
         for x, r in zip(got, ref):
             assert abs(x.logprob - r["logprob"]) < 1e-4 and list(x.top_ids) == [i for i, _ in r["top"]]
@@ -150,10 +173,14 @@ def test_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
 
 def test_prompt_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
     _, stub, _, _ = cluster
-    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPTS[0]), 8, method="sd",
-                                                 prompt_logprobs=2)).result()["prompt_logprobs"]
-    msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=8, method="sd",
-                                                  prompt_logprobs=2), timeout=60))
+    ref = tiny_engine.generate(
+        GenerationRequest(tiny_engine.encode(PROMPTS[0]), 8, method="sd", prompt_logprobs=2)
+    ).result()["prompt_logprobs"]
+    msgs = list(
+        stub.Generate(
+            gpb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=8, method="sd", prompt_logprobs=2), timeout=60
+        )
+    )
     got = msgs[-1].prompt_logprobs
     assert [x.token_id for x in got] == [x["token_id"] for x in ref] == tiny_engine.encode(PROMPTS[0])[1:]
     for x, r in zip(got, ref):
@@ -171,19 +198,39 @@ def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
     ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=sp, method="vanilla")).result()["token_ids"]
     assert ref != tiny_engine.generate(GenerationRequest(ids, 32, method="vanilla")).result()["token_ids"]
     for method in ("vanilla", "sd"):
-        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method,
-                                                      repetition_penalty=1.3, presence_penalty=0.3,
-                                                      frequency_penalty=0.4), timeout=60))
+        msgs = list(
+            stub.Generate(
+                gpb.GenerateRequest(
+                    prompt=PROMPTS[1],
+                    max_new_tokens=32,
+                    method=method,
+                    repetition_penalty=1.3,
+                    presence_penalty=0.3,
+                    frequency_penalty=0.4,
+                ),
+                timeout=60,
+            )
+        )
         assert [t for m in msgs for t in m.token_ids] == ref, method
     bias = SamplingParams(logit_bias=((ref[0], -8.0), (ref[1], 3.0)), allowed_token_ids=tuple(range(0, 4000)))
     ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=bias, method="vanilla")).result()["token_ids"]
-    for method in ("vanilla", "sd"):   # and the logit bias
-        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method,
-                                                      logit_bias=dict(bias.logit_bias),
-                                                      allowed_token_ids=bias.allowed_token_ids), timeout=60))
+    for method in ("vanilla", "sd"):  # and the logit bias
+        msgs = list(
+            stub.Generate(
+                gpb.GenerateRequest(
+                    prompt=PROMPTS[1],
+                    max_new_tokens=32,
+                    method=method,
+                    logit_bias=dict(bias.logit_bias),
+                    allowed_token_ids=bias.allowed_token_ids,
+                ),
+                timeout=60,
+            )
+        )
         assert [t for m in msgs for t in m.token_ids] == ref, method
     plain = tiny_engine.generate(GenerationRequest(ids, 32, method="vanilla")).result()
-    def bannable(t: int) -> bool:   # one token that a word (as written or after a space) encodes to
+
+    def bannable(t: int) -> bool:  # one token that a word (as written or after a space) encodes to
         d = tiny_engine.tokenizer.decode([t])
         return bool(d.strip()) and d in (d.lstrip(), " " + d.lstrip()) and tiny_engine.encode(d) == [t]
 
@@ -191,9 +238,12 @@ def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
     banned = SamplingParams(bad_words=tiny_engine.bad_word_ids([word]))
     ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=banned, method="vanilla")).result()["token_ids"]
     assert ref != plain["token_ids"]
-    for method in ("vanilla", "sd"):   # and bad words
-        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method,
-                                                      bad_words=[word]), timeout=60))
+    for method in ("vanilla", "sd"):  # and bad words
+        msgs = list(
+            stub.Generate(
+                gpb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=32, method=method, bad_words=[word]), timeout=60
+            )
+        )
         assert [t for m in msgs for t in m.token_ids] == ref, method
 
 
@@ -205,11 +255,21 @@ def test_structured_output_over_the_link_equals_embedded(cluster, tiny_engine):
     _, stub, _, _ = cluster
     regex = r"(def|class) [a-z_]{1,12}\([a-z, ]{0,16}\):\n    return [a-z0-9 +*]{1,20}\n"
     ids = tiny_engine.encode(PROMPTS[0])
-    ref = tiny_engine.generate(GenerationRequest(ids, 48, method="vanilla",
-                                                 structured=StructuredOutput(regex=regex))).result()["token_ids"]
+    ref = tiny_engine.generate(
+        GenerationRequest(ids, 48, method="vanilla", structured=StructuredOutput(regex=regex))
+    ).result()["token_ids"]
     for method in ("vanilla", "sd"):
-        msgs = list(stub.Generate(gpb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, method=method,
-                                                      structured_output=gpb.StructuredOutput(regex=regex)), timeout=60))
+        msgs = list(
+            stub.Generate(
+                gpb.GenerateRequest(
+                    prompt=PROMPTS[0],
+                    max_new_tokens=48,
+                    method=method,
+                    structured_output=gpb.StructuredOutput(regex=regex),
+                ),
+                timeout=60,
+            )
+        )
         assert [t for m in msgs for t in m.token_ids] == ref, method
 
 
@@ -246,7 +306,7 @@ def test_cancelled_stream_frees_its_session_on_the_replica(cluster):
     while (servicer.active or any(active(a) for a in addrs)) and time.time() < end:
         time.sleep(0.05)
     assert not servicer.active and all(active(a) == 0 for a in addrs)
-    assert len(stream_ids(stub, PROMPTS[0], 20, "sd")) == 20   # the same link serves the next request
+    assert len(stream_ids(stub, PROMPTS[0], 20, "sd")) == 20  # the same link serves the next request
 
 
 def test_per_session_streams_equal_embedded(cluster, tiny_dirs, tiny_engine):
@@ -303,10 +363,10 @@ def test_reset_prefix_cache_reaches_every_replica(cluster):
         assert s.cycle(CycleRequest()).cached_tokens == 0
     finally:
         s.close()
-    raw = grpc.insecure_channel(cluster[2][0]).unary_unary("/specmesh.v1.Verifier/ResetPrefixCache",
-                                                          request_serializer=lambda b: b,
-                                                          response_deserializer=lambda b: b)
-    with pytest.raises(grpc.RpcError) as e:   # bytes no message parses from: a clear status, and the replica lives
+    raw = grpc.insecure_channel(cluster[2][0]).unary_unary(
+        "/specmesh.v1.Verifier/ResetPrefixCache", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+    with pytest.raises(grpc.RpcError) as e:  # bytes no message parses from: a clear status, and the replica lives
         raw(b"\xff\x00\x13garbage", timeout=20)
     assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
     assert active(cluster[2][0]) == 0
@@ -316,20 +376,28 @@ def test_malformed_verifier_input_gets_clear_status(cluster):
     _, _, addrs, _ = cluster
     stub = vgrpc.VerifierStub(grpc.insecure_channel(addrs[0]))
     bad = [
-        [vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1]))],                                   # cycle before open
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[], max_new_tokens=5))],                    # empty prompt
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, policy="nope"))],    # unknown policy
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[99999], max_new_tokens=5))],               # id out of vocab
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=4_000_000))],           # huge
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, logprobs=21))],      # too many alternatives
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=2)),
-         vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3, 4, 5]))],                        # draft too long
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=4)),
-         vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3], draft_parents=[-1, 1, 0]))],  # a parent after its child
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=4)),
-         vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3], draft_parents=[-1, 0]))],     # parents ≠ draft_ids
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, grammar="(a"))],     # bad grammar
-        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1, 2], max_new_tokens=5, grammar="a+", generated=1))],  # output off it
+        [vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1]))],  # cycle before open
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[], max_new_tokens=5))],  # empty prompt
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, policy="nope"))],  # unknown policy
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[99999], max_new_tokens=5))],  # id out of vocab
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=4_000_000))],  # huge
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, logprobs=21))],  # too many alternatives
+        [
+            vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=2)),
+            vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3, 4, 5])),
+        ],  # draft too long
+        [
+            vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=4)),
+            vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3], draft_parents=[-1, 1, 0])),
+        ],  # a parent after its child
+        [
+            vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, max_draft=4)),
+            vpb.SessionRequest(cycle=vpb.Cycle(draft_ids=[1, 2, 3], draft_parents=[-1, 0])),
+        ],  # parents ≠ draft_ids
+        [vpb.SessionRequest(open=vpb.Open(prompt_ids=[1], max_new_tokens=5, grammar="(a"))],  # bad grammar
+        [
+            vpb.SessionRequest(open=vpb.Open(prompt_ids=[1, 2], max_new_tokens=5, grammar="a+", generated=1))
+        ],  # output off it
     ]
     for msgs in bad:
         with pytest.raises(grpc.RpcError) as e:
@@ -341,8 +409,9 @@ def test_malformed_verifier_input_gets_clear_status(cluster):
 
 def random_bytes_get_a_clear_status(addr: str, rpc: str) -> None:
     """Random bytes instead of a protobuf message on a Verifier stream."""
-    raw = grpc.insecure_channel(addr).stream_stream(f"/specmesh.v1.Verifier/{rpc}", request_serializer=lambda b: b,
-                                                    response_deserializer=lambda b: b)
+    raw = grpc.insecure_channel(addr).stream_stream(
+        f"/specmesh.v1.Verifier/{rpc}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     for blob in (b"\xff\x00\x13garbage", corrupt_bytes(64)):
         with pytest.raises(grpc.RpcError) as e:
             list(raw(iter([blob]), timeout=20))
@@ -355,15 +424,18 @@ def test_link_answers_each_session_and_each_bad_item_alone(cluster):
     _, _, addrs, _ = cluster
     stub = vgrpc.VerifierStub(grpc.insecure_channel(addrs[1]))
     ok = vpb.Open(prompt_ids=[5, 6, 7], max_new_tokens=8, max_draft=2)
-    items = [vpb.LinkItem(session_id="a", open=ok), vpb.LinkItem(session_id="b", open=ok),
-             vpb.LinkItem(session_id="a", cycle=vpb.Cycle(draft_ids=[5, 6])),
-             vpb.LinkItem(session_id="b", cycle=vpb.Cycle()),
-             vpb.LinkItem(session_id="x", cycle=vpb.Cycle()),                              # never opened
-             vpb.LinkItem(session_id="y"),                                                 # no kind
-             vpb.LinkItem(session_id="", open=ok),                                         # no session id
-             vpb.LinkItem(session_id="e", open=vpb.Open(prompt_ids=[], max_new_tokens=5)),  # empty prompt
-             vpb.LinkItem(session_id="h", open=vpb.Open(prompt_ids=[1], max_new_tokens=4_000_000)),
-             vpb.LinkItem(session_id="p", open=vpb.Open(prompt_ids=[1], max_new_tokens=5, policy="nope"))]
+    items = [
+        vpb.LinkItem(session_id="a", open=ok),
+        vpb.LinkItem(session_id="b", open=ok),
+        vpb.LinkItem(session_id="a", cycle=vpb.Cycle(draft_ids=[5, 6])),
+        vpb.LinkItem(session_id="b", cycle=vpb.Cycle()),
+        vpb.LinkItem(session_id="x", cycle=vpb.Cycle()),  # never opened
+        vpb.LinkItem(session_id="y"),  # no kind
+        vpb.LinkItem(session_id="", open=ok),  # no session id
+        vpb.LinkItem(session_id="e", open=vpb.Open(prompt_ids=[], max_new_tokens=5)),  # empty prompt
+        vpb.LinkItem(session_id="h", open=vpb.Open(prompt_ids=[1], max_new_tokens=4_000_000)),
+        vpb.LinkItem(session_id="p", open=vpb.Open(prompt_ids=[1], max_new_tokens=5, policy="nope")),
+    ]
     replies = [r for msg in stub.Link(iter([vpb.LinkRequest(items=items)]), timeout=30) for r in msg.replies]
     by_id = {}
     for r in replies:
@@ -371,15 +443,21 @@ def test_link_answers_each_session_and_each_bad_item_alone(cluster):
     assert [r.WhichOneof("kind") for r in by_id["a"]] == ["opened", "result"]
     assert [r.WhichOneof("kind") for r in by_id["b"]] == ["opened", "result"]
     assert len(by_id["b"][1].result.committed) == 1 and 1 <= len(by_id["a"][1].result.committed) <= 3
-    for sid, field in (("x", "not open"), ("y", "set one of"), ("", "session_id"), ("e", "prompt_ids"),
-                       ("h", "max_new_tokens"), ("p", "policy")):
+    for sid, field in (
+        ("x", "not open"),
+        ("y", "set one of"),
+        ("", "session_id"),
+        ("e", "prompt_ids"),
+        ("h", "max_new_tokens"),
+        ("p", "policy"),
+    ):
         (err,) = by_id[sid]
         assert err.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and field in err.error.message, err
     random_bytes_get_a_clear_status(addrs[1], "Link")
     end = time.time() + 5
     while active(addrs[1]) and time.time() < end:
         time.sleep(0.05)
-    assert active(addrs[1]) == 0   # the half-closed link closed both sessions
+    assert active(addrs[1]) == 0  # the half-closed link closed both sessions
 
 
 def test_a_lone_session_on_a_link_crosses_no_thread_of_ours_and_two_hand_reading_over(tiny_dirs, tiny_engine):
@@ -389,30 +467,48 @@ def test_a_lone_session_on_a_link_crosses_no_thread_of_ours_and_two_hand_reading
     equals vanilla's, and nothing is left open."""
     from services.verifier.grpc_server import build_verifier_server
 
-    core = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None,
-                               ocm_snapshot=None, max_new_tokens_limit=200)).verifier
+    core = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=tiny_dirs[1],
+            eagle3=None,
+            predictor=None,
+            ocm_snapshot=None,
+            max_new_tokens_limit=200,
+        )
+    ).verifier
     server, servicer, port = build_verifier_server(core, "127.0.0.1", 0)
     server.start()
-    engine = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, max_new_tokens_limit=200),
-                    verifier=RemoteVerifier([f"127.0.0.1:{port}"], link=True))
-    readers = lambda: [t for t in threading.enumerate() if t.name == "verifier-link"]   # noqa: E731
+    engine = Engine(
+        EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, max_new_tokens_limit=200),
+        verifier=RemoteVerifier([f"127.0.0.1:{port}"], link=True),
+    )
+    readers = lambda: [t for t in threading.enumerate() if t.name == "verifier-link"]  # noqa: E731
     try:
-        refs = {p: tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()
-                for p in PROMPTS}
+        refs = {
+            p: tiny_engine.generate(GenerationRequest(tiny_engine.encode(p), 40, method="vanilla")).result()
+            for p in PROMPTS
+        }
         for method in ("vanilla", "sd"):
             got = engine.generate(GenerationRequest(engine.encode(PROMPTS[1]), 40, method=method)).result()
             assert got["token_ids"] == refs[PROMPTS[1]]["token_ids"], method
-        assert not readers()        # every message was read by the writer
+        assert not readers()  # every message was read by the writer
         outs = {}
-        threads = [threading.Thread(target=lambda p=p: outs.__setitem__(p, engine.generate(
-            GenerationRequest(engine.encode(p), 40, method="sd")).result())) for p in PROMPTS]
+        threads = [
+            threading.Thread(
+                target=lambda p=p: outs.__setitem__(
+                    p, engine.generate(GenerationRequest(engine.encode(p), 40, method="sd")).result()
+                )
+            )
+            for p in PROMPTS
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
         assert {p: o["token_ids"] for p, o in outs.items()} == {p: r["token_ids"] for p, r in refs.items()}
         (link,) = servicer.links
-        assert link._thread is not None   # cycles were in flight while others arrived
+        assert link._thread is not None  # cycles were in flight while others arrived
         got = engine.generate(GenerationRequest(engine.encode(PROMPTS[0]), 40, method="sd")).result()
         assert got["token_ids"] == refs[PROMPTS[0]]["token_ids"] and link._reader == "writer"
         end = time.time() + 5
@@ -440,18 +536,26 @@ def test_a_grammar_compiling_on_the_verifier_does_not_stall_its_link(cluster):
         for msg in call:
             for r in msg.replies:
                 inbox[r.session_id].put((time.monotonic(), r))
+
     threading.Thread(target=read, daemon=True).start()
-    outbox.put(vpb.LinkRequest(items=[
-        vpb.LinkItem(session_id="a", open=vpb.Open(prompt_ids=[5, 6, 7], max_new_tokens=60)),
-        vpb.LinkItem(session_id="slow", open=vpb.Open(prompt_ids=[5], max_new_tokens=8,
-                                                      grammar=r"(    [ -~]{0,100}\n){1,16}"))]))
+    outbox.put(
+        vpb.LinkRequest(
+            items=[
+                vpb.LinkItem(session_id="a", open=vpb.Open(prompt_ids=[5, 6, 7], max_new_tokens=60)),
+                vpb.LinkItem(
+                    session_id="slow",
+                    open=vpb.Open(prompt_ids=[5], max_new_tokens=8, grammar=r"(    [ -~]{0,100}\n){1,16}"),
+                ),
+            ]
+        )
+    )
     t0, opened = inbox["a"].get(timeout=10)
     assert opened.WhichOneof("kind") == "opened"
     for _ in range(20):
         outbox.put(vpb.LinkRequest(items=[vpb.LinkItem(session_id="a", cycle=vpb.Cycle())]))
         t, r = inbox["a"].get(timeout=10)
         assert r.WhichOneof("kind") == "result"
-    assert t - t0 < 5   # 20 cycles answered while the other open compiled (10 s)
+    assert t - t0 < 5  # 20 cycles answered while the other open compiled (10 s)
     t_slow, err = inbox["slow"].get(timeout=30)
     assert err.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "too complex" in err.error.message
     assert t_slow > t
@@ -521,17 +625,27 @@ def test_cancel_stops_a_remote_prefill_at_the_next_step(tiny_dirs, link):
     from services.common.types import SessionCancelled, SessionSpec
     from services.verifier.grpc_server import build_verifier_server
 
-    core = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
-                               max_new_tokens_limit=200, prefill_chunk=2)).verifier
+    core = Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=None,
+            eagle3=None,
+            predictor=None,
+            ocm_snapshot=None,
+            max_new_tokens_limit=200,
+            prefill_chunk=2,
+        )
+    ).verifier
     server, servicer, port = build_verifier_server(core, "127.0.0.1", 0)
     server.start()
-    idle = core.open(SessionSpec([5], 4))        # another open session: prompts prefill in chunks
+    idle = core.open(SessionSpec([5], 4))  # another open session: prompts prefill in chunks
     chunks: list[int] = []
     step = core.runner.step
     core.runner.step = lambda v, p, t=None: chunks.extend(n for _, n in p) or step(v, p, t)
     remote = RemoteVerifier([f"127.0.0.1:{port}"], link=link)
-    engine = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, max_new_tokens_limit=200),
-                    verifier=remote)
+    engine = Engine(
+        EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, max_new_tokens_limit=200), verifier=remote
+    )
     gen = engine.generate(GenerationRequest(list(range(300, 500)), 4, method="vanilla"))
     err = {}
 
@@ -554,7 +668,7 @@ def test_cancel_stops_a_remote_prefill_at_the_next_step(tiny_dirs, link):
         end = time.time() + 10
         while len(servicer.active) and time.time() < end:
             time.sleep(0.01)
-        assert not servicer.active and sum(chunks) < 150     # closed; the prompt was never fed whole
+        assert not servicer.active and sum(chunks) < 150  # closed; the prompt was never fed whole
     finally:
         core.runner.step = step
         idle.close()

@@ -1,6 +1,7 @@
 """Every drafter the system builds is a ``Drafter`` and answers every one of its methods: the
 registered ones, the hybrids and the remote one over a real gRPC drafter service. (The Ray
 one: tests/integration/test_ray_serve.py.)"""
+
 import pytest
 
 from services.drafter.base import DRAFTERS, Drafter
@@ -10,10 +11,18 @@ PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
 
 
 def test_the_base_class_names_the_lifecycle_and_refuses_a_partial_drafter():
-    assert {"start", "propose", "verified", "observe", "stop", "propose_batch", "absorb",
-            "kv_bytes_per_position"} <= set(METHODS)
+    assert {
+        "start",
+        "propose",
+        "verified",
+        "observe",
+        "stop",
+        "propose_batch",
+        "absorb",
+        "kv_bytes_per_position",
+    } <= set(METHODS)
 
-    class Partial(Drafter):   # no observe, no stop
+    class Partial(Drafter):  # no observe, no stop
         def start(self, req_id, prompt, sp, rng, max_new_tokens=0): ...
 
         def propose(self, req_id, budget): ...
@@ -26,8 +35,11 @@ def test_every_drafter_an_engine_builds_answers_every_method(tiny_dirs, tiny_eag
     from services.common.config import EngineConfig
     from services.router.engine import Engine
 
-    engine = Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, predictor=None,
-                                 max_new_tokens_limit=200))
+    engine = Engine(
+        EngineConfig(
+            target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, predictor=None, max_new_tokens_limit=200
+        )
+    )
     core = engine.verifier
     router_side, verifier_side = dict(engine.drafters), dict(core.drafters)
     assert {"suffix", "ngram"} <= set(router_side) and {"draft-lm", "eagle3"} <= set(verifier_side)

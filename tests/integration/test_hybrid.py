@@ -1,4 +1,5 @@
 """Hybrid router: lossless, mixes sources per cycle, decisions visible in stats."""
+
 import torch
 
 from services.common.types import SamplingParams
@@ -7,8 +8,12 @@ from services.predictor.features import TokenFlags
 from services.predictor.mlp import YieldMLP
 from services.router.engine import GenerationRequest
 
-TEXTS = ["def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n", "import os\nimport sys\nimport os\n",
-         "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "for i in range(3):\n    print(i)\nfor i in range(3):\n"]
+TEXTS = [
+    "def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n",
+    "import os\nimport sys\nimport os\n",
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [",
+    "for i in range(3):\n    print(i)\nfor i in range(3):\n",
+]
 
 
 class MatchLenMLP(YieldMLP):
@@ -66,7 +71,7 @@ def test_cost_aware_hybrid_does_not_charge_a_prefill_to_a_choice(tiny_eagle_engi
     eng = tiny_eagle_engine
     eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
     hybrid = eng.drafters["hybrid"]
-    chosen = []                                   # (request, delegated) of cycles the hybrid decided
+    chosen = []  # (request, delegated) of cycles the hybrid decided
     propose = hybrid.propose
 
     def spy(req_id, budget):
@@ -95,13 +100,15 @@ def test_consulted_predictions_are_booked_with_their_true_yields(tiny_eagle_engi
     eng = tiny_eagle_engine
     eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
     costs = eng.drafters["hybrid"].costs
-    for _ in range(costs.warmup):                  # a cache cycle costs 100 plain steps: every draft needs a yield
+    for _ in range(costs.warmup):  # a cache cycle costs 100 plain steps: every draft needs a yield
         costs.record(PLAIN, 1, 1e-4)
         costs.record(CACHE, 1, 1e-2, drafted=4)
-    eng.suffix_cache.clear()                       # no earlier test's outputs to draft from
+    eng.suffix_cache.clear()  # no earlier test's outputs to draft from
     booked = []
     realize = costs.realize_prediction
-    costs.realize_prediction = lambda n, need, declined, y: booked.append((n, need, declined, y)) or realize(n, need, declined, y)
+    costs.realize_prediction = lambda n, need, declined, y: (
+        booked.append((n, need, declined, y)) or realize(n, need, declined, y)
+    )
     run_all(eng, "hybrid")
     run_all(eng, "hybrid")
     consulted = costs.prediction.cost.n
@@ -112,9 +119,9 @@ def test_consulted_predictions_are_booked_with_their_true_yields(tiny_eagle_engi
 
 def test_hybrid_score_rule_extremes(tiny_eagle_engine):
     eng = tiny_eagle_engine
-    eng.add_hybrid("hybrid-rule", ScoreRule(1e9))   # never trust the cache
+    eng.add_hybrid("hybrid-rule", ScoreRule(1e9))  # never trust the cache
     assert set(run_all(eng, "hybrid-rule")) == {"eagle3"}
-    eng.add_hybrid("hybrid-rule", ScoreRule(0.0))   # always verify a non-empty cache draft
+    eng.add_hybrid("hybrid-rule", ScoreRule(0.0))  # always verify a non-empty cache draft
     assert run_all(eng, "hybrid-rule").get("suffix", 0) > 0
 
 
@@ -129,13 +136,25 @@ def test_tau_sweep_rows_and_extremes(tiny_eagle_engine, tmp_path):
     prompts = [Prompt(f"p{i}", t) for i, t in enumerate(TEXTS[:2])]
     rows = sweep(eng, prompts, 24, {"hybrid": [1.0, 1e9], "hybrid-rule": [0.0, 1e9]})
     assert [(r["method"], r["setting"]) for r in rows] == [
-        ("suffix", None), ("eagle3", None), ("hybrid", "cost-aware"), ("hybrid", 1.0), ("hybrid", 1e9),
-        ("hybrid-rule", 0.0), ("hybrid-rule", 1e9)]
+        ("suffix", None),
+        ("eagle3", None),
+        ("hybrid", "cost-aware"),
+        ("hybrid", 1.0),
+        ("hybrid", 1e9),
+        ("hybrid-rule", 0.0),
+        ("hybrid-rule", 1e9),
+    ]
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
     by = {(r["method"], r["setting"]): r for r in rows}
     assert by["hybrid", 1e9]["cycles_per_1k"] == by["eagle3", None]["cycles_per_1k"]
-    result = {"workload": "t", "limit": 2, "max_new_tokens": 24, "command": "test", "rows": rows,
-              "best": {m: best(rows, m) for m in ("hybrid", "hybrid-rule")}}
+    result = {
+        "workload": "t",
+        "limit": 2,
+        "max_new_tokens": 24,
+        "command": "test",
+        "rows": rows,
+        "best": {m: best(rows, m) for m in ("hybrid", "hybrid-rule")},
+    }
     assert "| hybrid | tau = 1.0 |" in markdown(result) and "| hybrid | cost-aware |" in markdown(result)
     plot(result, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
@@ -153,19 +172,21 @@ def test_a_delegated_cycle_verifies_the_cache_draft_beside_the_models(tiny_eagle
     ref = eng.generate(GenerationRequest(ids, 12, method="vanilla")).result()["token_ids"]
     session = eng.verifier.open(SessionSpec(ids, 12, model_drafter="eagle3", max_draft=8))
     try:
-        first = session.cycle(CycleRequest())                      # the prompt's cycle: one token
+        first = session.cycle(CycleRequest())  # the prompt's cycle: one token
         assert first.committed == ref[:1]
-        both = session.cycle(CycleRequest(draft_with="eagle3", budget=3, draft_ids=tuple(ref[1:5]),
-                                          draft_source="suffix"))
-        assert both.committed == ref[1:1 + len(both.committed)] and len(both.committed) >= 5
+        both = session.cycle(
+            CycleRequest(draft_with="eagle3", budget=3, draft_ids=tuple(ref[1:5]), draft_source="suffix")
+        )
+        assert both.committed == ref[1 : 1 + len(both.committed)] and len(both.committed) >= 5
         assert both.drafted >= 4
     finally:
         session.close()
-    sampled = eng.verifier.open(SessionSpec(ids, 12, SamplingParams(temperature=1.0, seed=3), model_drafter="eagle3",
-                                            max_draft=8))
+    sampled = eng.verifier.open(
+        SessionSpec(ids, 12, SamplingParams(temperature=1.0, seed=3), model_drafter="eagle3", max_draft=8)
+    )
     try:
         sampled.cycle(CycleRequest())
         out = sampled.cycle(CycleRequest(draft_with="eagle3", budget=3, draft_ids=(1, 2, 3, 4), draft_source="suffix"))
-        assert out.drafted <= 3                                    # the head's chain only
+        assert out.drafted <= 3  # the head's chain only
     finally:
         sampled.close()

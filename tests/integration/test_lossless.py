@@ -1,4 +1,5 @@
 """Lossless methods reproduce vanilla greedy exactly; sampling stays distribution-preserving."""
+
 import pytest
 import torch
 
@@ -7,9 +8,18 @@ from services.common.sampling import probs_from_logits
 from services.common.types import SamplingParams
 from services.router.engine import GenerationRequest
 
-PROMPTS = ["def add(a, b):\n", "import os\n\nclass Config:\n    def __init__(self", "x = [", "# utils\n",
-           "for i in range(10):\n    ", "\"\"\"Docstring.\"\"\"\n", "return", "try:\n    import json\nexcept",
-           "with open(path) as f:\n", "lambda x:"]
+PROMPTS = [
+    "def add(a, b):\n",
+    "import os\n\nclass Config:\n    def __init__(self",
+    "x = [",
+    "# utils\n",
+    "for i in range(10):\n    ",
+    '"""Docstring."""\n',
+    "return",
+    "try:\n    import json\nexcept",
+    "with open(path) as f:\n",
+    "lambda x:",
+]
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -52,8 +62,18 @@ def test_lossless_methods_equal_vanilla_bundled_humaneval_and_stdlib(bundled_eng
     """On the shipped models (the fixture fails, never skips, if they are missing): every
     lossless method, the EAGLE-3 head and the trained yield predictor included."""
     eng = bundled_engine
-    lossless = ("sd", "suffix", "eagle3", "hybrid", "hybrid-rule", "hybrid-lm", "suffix-tree", "eagle3-tree", "hybrid-tree",
-                "ngram")
+    lossless = (
+        "sd",
+        "suffix",
+        "eagle3",
+        "hybrid",
+        "hybrid-rule",
+        "hybrid-lm",
+        "suffix-tree",
+        "eagle3-tree",
+        "hybrid-tree",
+        "ngram",
+    )
     assert set(lossless) <= set(eng.methods())
     prompts = load("humaneval", 12) + load("stdlib-heldout", 10)
     for i, p in enumerate(prompts):
@@ -66,9 +86,14 @@ def test_lossless_methods_equal_vanilla_bundled_humaneval_and_stdlib(bundled_eng
             assert out["text"] == van["text"]
 
 
-@pytest.mark.parametrize("min_confidence,sp", [(0.0, SamplingParams(temperature=1.5, top_k=6)),
-                                               (0.2, SamplingParams(temperature=1.5, top_k=6)),
-                                               (0.0, SamplingParams(temperature=1.5, min_p=0.02))])
+@pytest.mark.parametrize(
+    "min_confidence,sp",
+    [
+        (0.0, SamplingParams(temperature=1.5, top_k=6)),
+        (0.2, SamplingParams(temperature=1.5, top_k=6)),
+        (0.0, SamplingParams(temperature=1.5, min_p=0.02)),
+    ],
+)
 def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_confidence, sp, monkeypatch):
     """Empirical distribution of sd's first sampled token equals the target's p (chi-square),
     with fixed and with dynamic (confidence-cut) draft lengths, under top-k and under min-p
@@ -118,7 +143,7 @@ def test_ignore_eos_runs_to_the_length_limit_and_stays_lossless(eos_in_output):
     eng, ids, ref, eos = eos_in_output
     for method in ("vanilla", "sd", "suffix"):
         stopped = eng.generate(GenerationRequest(ids, 40, method=method)).result()
-        assert stopped["finish_reason"] == "eos" and stopped["token_ids"] == ref[:ref.index(eos)]
+        assert stopped["finish_reason"] == "eos" and stopped["token_ids"] == ref[: ref.index(eos)]
         full = eng.generate(GenerationRequest(ids, 40, method=method, ignore_eos=True)).result()
         assert full["finish_reason"] == "length" and full["token_ids"] == ref, method
 
@@ -128,13 +153,19 @@ def test_min_tokens_holds_eos_back_and_stays_lossless(eos_in_output):
     logit is −inf before token 20), and every method verifies against that same
     distribution: equal outputs, no EOS before 20, for sampling too."""
     eng, ids, ref, eos = eos_in_output
-    outs = {m: eng.generate(GenerationRequest(ids, 40, method=m, min_tokens=20)).result()
-            for m in ("vanilla", "sd", "suffix")}
+    outs = {
+        m: eng.generate(GenerationRequest(ids, 40, method=m, min_tokens=20)).result()
+        for m in ("vanilla", "sd", "suffix")
+    }
     van = outs["vanilla"]["token_ids"]
     assert len(van) >= 20 and eos not in van[:20] and van[:10] == ref[:10] and van[10] != eos
     assert all(o["token_ids"] == van for o in outs.values())
-    sampled = [eng.generate(GenerationRequest(ids, 24, sampling=SamplingParams(1.0, seed=s), method="sd",
-                                              min_tokens=24)).result() for s in range(4)]
+    sampled = [
+        eng.generate(
+            GenerationRequest(ids, 24, sampling=SamplingParams(1.0, seed=s), method="sd", min_tokens=24)
+        ).result()
+        for s in range(4)
+    ]
     assert all(len(r["token_ids"]) == 24 and eos not in r["token_ids"] for r in sampled)
 
 
@@ -170,9 +201,9 @@ def test_penalties_stay_lossless_and_equal_a_plain_penalized_loop(tiny_engine):
         for method in ("vanilla", "sd", "suffix"):
             out = eng.generate(GenerationRequest(ids, 40, sampling=PENALTIES, method=method)).result()
             got = out["token_ids"]
-            assert got == ref[:len(got)] and (len(got) == 40 or got[-1] == eng.eos_id), (text, method)
+            assert got == ref[: len(got)] and (len(got) == 40 or got[-1] == eng.eos_id), (text, method)
             accepted += out["stats"]["accepted_tokens"] if method != "vanilla" else 0
-    assert accepted > 0   # drafts were verified under penalties, not only plain steps
+    assert accepted > 0  # drafts were verified under penalties, not only plain steps
 
 
 def plain_greedy(model, ids: list[int], n: int, eos: int, pick) -> list[int]:
@@ -191,8 +222,13 @@ def plain_greedy(model, ids: list[int], n: int, eos: int, pick) -> list[int]:
 def biased_greedy(model, ids: list[int], n: int, sp: SamplingParams, eos: int) -> list[int]:
     """The bias added, argmax over the allowed tokens."""
     bias = dict(sp.logit_bias)
-    return plain_greedy(model, ids, n, eos, lambda x, out: max(sp.allowed_token_ids or range(x.shape[0]),
-                                                                key=lambda t: float(x[t]) + bias.get(t, 0.0)))
+    return plain_greedy(
+        model,
+        ids,
+        n,
+        eos,
+        lambda x, out: max(sp.allowed_token_ids or range(x.shape[0]), key=lambda t: float(x[t]) + bias.get(t, 0.0)),
+    )
 
 
 @pytest.mark.parametrize("engine", ["tiny_engine", "tiny_eagle_engine"])
@@ -205,8 +241,10 @@ def test_logit_bias_and_allowed_tokens_stay_lossless(request, engine):
     ids = eng.encode(PROMPTS[0] * 2)
     plain = eng.generate(GenerationRequest(ids, 30, method="vanilla")).result()["token_ids"]
     allowed = tuple(sorted(set(plain[::2]) | set(range(200, 400)) | {eng.eos_id}))
-    for sp in (SamplingParams(logit_bias=tuple((t, -5.0) for t in plain[:6]) + ((77, 4.0),)),
-               SamplingParams(allowed_token_ids=allowed, logit_bias=((plain[0], -100.0),))):
+    for sp in (
+        SamplingParams(logit_bias=tuple((t, -5.0) for t in plain[:6]) + ((77, 4.0),)),
+        SamplingParams(allowed_token_ids=allowed, logit_bias=((plain[0], -100.0),)),
+    ):
         ref = biased_greedy(model, ids, 30, sp, eng.eos_id)
         assert ref != plain
         for method in methods:
@@ -217,9 +255,10 @@ def test_logit_bias_and_allowed_tokens_stay_lossless(request, engine):
 
 def banned_greedy(model, ids: list[int], n: int, words, eos: int) -> list[int]:
     """Argmax after banning each bad word's last token where the output ends with the rest."""
+
     def pick(x, out):
         for w in words:
-            if len(w) == 1 or len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1]:
+            if len(w) == 1 or len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1 :]) == w[:-1]:
                 x[w[-1]] = float("-inf")
         return int(x.argmax())
 
@@ -235,13 +274,15 @@ def test_bad_words_stay_lossless(request, engine):
     methods = [m for m in ("vanilla", "sd", "suffix", "eagle3", "hybrid") if m in eng.methods()]
     ids = eng.encode(PROMPTS[0] * 2)
     plain = eng.generate(GenerationRequest(ids, 30, method="vanilla")).result()["token_ids"]
-    words = ((plain[3],), (plain[8], plain[9]), tuple(plain[12:15]))   # one, two and three tokens long
+    words = ((plain[3],), (plain[8], plain[9]), tuple(plain[12:15]))  # one, two and three tokens long
     ref = banned_greedy(model, ids, 30, words, eng.eos_id)
     assert ref != plain
     for method in methods:
         got = eng.generate(GenerationRequest(ids, 30, sampling=SamplingParams(bad_words=words), method=method)).result()
         assert got["token_ids"] == ref, method
-        assert not any(tuple(got["token_ids"][i:i + len(w)]) == w for w in words for i in range(len(got["token_ids"])))
+        assert not any(
+            tuple(got["token_ids"][i : i + len(w)]) == w for w in words for i in range(len(got["token_ids"]))
+        )
 
 
 def test_the_draft_lm_does_not_draft_a_bad_words_last_token(tiny_engine):
@@ -277,7 +318,7 @@ def test_router_drafts_end_before_a_bad_words_last_token():
 
     assert cut([1, 2], [3, 4, 5], ()) == [3, 4, 5]
     assert cut([1, 2], [3, 4, 5], ((4,),)) == [3]
-    assert cut([1, 2], [3, 4, 5], ((2, 3),)) == []                 # the word starts in the output
+    assert cut([1, 2], [3, 4, 5], ((2, 3),)) == []  # the word starts in the output
     assert cut([1, 2], [3, 4, 5], ((1, 2, 3, 9), (3, 4, 5))) == [3, 4]
     assert cut([], [7, 8, 9], ((6, 7),)) == [7, 8, 9]
 
@@ -307,7 +348,7 @@ def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
         if len(whole) < 30:
             continue
         assert resume(ids, whole[:15], 15) == whole[15:], text
-        differs += resume(ids, whole[:15], 0) != whole[15:]   # counted as prompt: not penalized
+        differs += resume(ids, whole[:15], 0) != whole[15:]  # counted as prompt: not penalized
     assert differs > 0
 
 
@@ -320,8 +361,9 @@ def test_seeded_sampling_over_deterministic_drafts_is_vanillas_own(tiny_eagle_en
     eng = tiny_eagle_engine
     accepted = 0
     for i, text in enumerate(PROMPTS[:6]):
-        sp = SamplingParams(temperature=0.8, top_p=0.95, top_k=40 if i % 2 else 0, min_p=0.02 if i % 3 == 0 else 0.0,
-                            seed=100 + i)
+        sp = SamplingParams(
+            temperature=0.8, top_p=0.95, top_k=40 if i % 2 else 0, min_p=0.02 if i % 3 == 0 else 0.0, seed=100 + i
+        )
         ids = eng.encode(text * 2)
         van = eng.generate(GenerationRequest(ids, 40, sp, method="vanilla")).result()["token_ids"]
         for method in ("suffix", "suffix-tree", "eagle3-tree", "ngram"):

@@ -1,5 +1,6 @@
 """Prefix cache on the engine: prompts that share a start reuse its verified blocks, outputs
 do not change, the hit is reported, and drafters fed by the target's states get theirs."""
+
 from __future__ import annotations
 
 import threading
@@ -18,9 +19,19 @@ METHODS = ("vanilla", "sd", "suffix", "eagle3", "hybrid-rule")
 @pytest.fixture(scope="module")
 def engine(tiny_dirs, tiny_eagle3):
     """Every method's drafter beside the target: the draft LM and an EAGLE-3 head."""
-    return Engine(EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, num_speculative_tokens=4,
-                               draft_confidence=0.0, max_new_tokens_limit=200, predictor=None, ocm_snapshot=None,
-                               prefix_block=16))
+    return Engine(
+        EngineConfig(
+            target=tiny_dirs[0],
+            draft=tiny_dirs[1],
+            eagle3=tiny_eagle3,
+            num_speculative_tokens=4,
+            draft_confidence=0.0,
+            max_new_tokens_limit=200,
+            predictor=None,
+            ocm_snapshot=None,
+            prefix_block=16,
+        )
+    )
 
 
 def generate(eng, text: str, method: str, n: int = 32) -> dict:
@@ -39,7 +50,7 @@ def test_prompts_sharing_a_start_reuse_its_blocks_and_keep_their_outputs(engine,
     core.clear_prefix_cache()
     warm = [generate(engine, p, method) for p in PROMPTS]
     assert [r["token_ids"] for r in warm] == [r["token_ids"] for r in cold]
-    if method in ("sd", "eagle3"):   # model drafters draft as they did cold (the suffix cache has learnt since)
+    if method in ("sd", "eagle3"):  # model drafters draft as they did cold (the suffix cache has learnt since)
         drafts = lambda runs: [(r["stats"]["cycles"], r["stats"]["accepted_tokens"]) for r in runs]  # noqa: E731
         assert drafts(warm) == drafts(cold)
     # whole blocks of the start a prompt shares with an earlier one, never past where they differ
@@ -83,7 +94,7 @@ def test_eagle3_gets_the_cached_positions_target_features(engine):
         drafter.observe = observe
     n = len(engine.encode(PROMPTS[1]))
     assert hit >= 32 and len(warm) >= n - 1 and len(cold) >= n - 1
-    torch.testing.assert_close(warm[:n - 1], cold[:n - 1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(warm[: n - 1], cold[: n - 1], rtol=1e-4, atol=1e-5)
 
 
 def test_a_hybrid_session_leaves_its_eagle3_head_idle_until_it_delegates(engine):
@@ -142,17 +153,19 @@ def test_concurrent_sessions_with_chunked_prefill_keep_every_output(engine):
     finally:
         core.prefill_chunk = chunk
     assert out == refs
-    assert sum(hits.values()) > 0      # later sessions found blocks the earlier ones had stored
+    assert sum(hits.values()) > 0  # later sessions found blocks the earlier ones had stored
 
 
 def test_off_keeps_nothing_and_the_budget_bounds_what_is_kept(tiny_dirs):
-    off = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
-                              prefix_cache_mb=0))
+    off = Engine(
+        EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None, prefix_cache_mb=0)
+    )
     assert off.verifier.runner.prefix is None
     assert generate(off, PROMPTS[0], "vanilla")["cached_prompt_tokens"] == 0
     assert generate(off, PROMPTS[0], "vanilla")["cached_prompt_tokens"] == 0
-    small = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None,
-                                prefix_block=16))
+    small = Engine(
+        EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None, prefix_block=16)
+    )
     cache = small.verifier.runner.prefix
     generate(small, PROMPTS[0], "vanilla")
     per_block = cache.bytes // len(cache)
@@ -178,7 +191,7 @@ def test_the_draft_lm_starts_from_the_cached_blocks_kv(engine):
     rng = torch.Generator()
     cached.start("a", a, SamplingParams(), rng)
     cached.propose("a", 4)
-    cached.observe("a", [7])            # commits no draft: the prompt's K/V stay, stored as blocks
+    cached.observe("a", [7])  # commits no draft: the prompt's K/V stay, stored as blocks
     for d in (cached, cold):
         d.start("b", b, SamplingParams(), rng)
     drafts = [d.propose("b", 4).token_ids for d in (cached, cold)]
@@ -206,14 +219,14 @@ def test_the_eagle3_head_starts_from_the_cached_blocks_kv(engine):
     width = head.fc.weight.shape[1]
     table = torch.randn(8192, width, generator=torch.Generator().manual_seed(3))
 
-    def features(ids):   # stand-in target features: any function of the prefix up to each position
+    def features(ids):  # stand-in target features: any function of the prefix up to each position
         return table[torch.tensor(ids)]
 
     cached = Eagle3Drafter(head, prefix=PrefixCache(16, 1 << 24))
     cold = Eagle3Drafter(head)
     a, b = (engine.encode(p) for p in PROMPTS[:2])
     cached.start("a", a, SamplingParams(), None)
-    cached.observe("a", [], features(a[:-1]))      # the target verified all but the newest token
+    cached.observe("a", [], features(a[:-1]))  # the target verified all but the newest token
     cached.propose("a", 4)
     for d in (cached, cold):
         d.start("b", b, SamplingParams(), None)

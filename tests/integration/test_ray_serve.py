@@ -33,22 +33,47 @@ def serve_app(tiny_dirs, tmp_path_factory):
     # server once wrote no port file at all (no log either) and started at the next try.
     for attempt in range(2):
         try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+            )
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the raylet's
             ray.shutdown()
             if attempt or not any(m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
                 raise
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[
-                    "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
-                    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]))
-    serve.run(app({"models_dir": str(models), "verifier_gpus": 0, "verifier_replicas": 2, "cpus_per_replica": 0.25,
-                   "max_new_tokens_limit": 200, "shared_memory": True, "remote_drafter": True,
-                   "metrics_port": metrics_port, "metrics_host": "127.0.0.1", "max_streams": 2, "max_queue": 1,
-                   "prefill_chunk": 1}),   # beside an open session, a new prompt prefills 1 token a step
-              name="specmesh", route_prefix="/")
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": http_port},
+        grpc_options=gRPCOptions(
+            port=port,
+            grpc_servicer_functions=[
+                "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
+                "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+            ],
+        ),
+    )
+    serve.run(
+        app(
+            {
+                "models_dir": str(models),
+                "verifier_gpus": 0,
+                "verifier_replicas": 2,
+                "cpus_per_replica": 0.25,
+                "max_new_tokens_limit": 200,
+                "shared_memory": True,
+                "remote_drafter": True,
+                "metrics_port": metrics_port,
+                "metrics_host": "127.0.0.1",
+                "max_streams": 2,
+                "max_queue": 1,
+                "prefill_chunk": 1,
+            }
+        ),  # beside an open session, a new prompt prefills 1 token a step
+        name="specmesh",
+        route_prefix="/",
+    )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield pb_grpc.GenerationStub(channel), channel, metrics_port, http_port
     channel.close()
@@ -59,8 +84,9 @@ def serve_app(tiny_dirs, tmp_path_factory):
 def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
     stub = serve_app[0]
     for method in ("vanilla", "sd", "suffix", "csd"):
-        msgs = list(stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n", max_new_tokens=24, method=method),
-                                  timeout=120))
+        msgs = list(
+            stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n", max_new_tokens=24, method=method), timeout=120)
+        )
         ids = [t for m in msgs for t in m.token_ids]
         ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 24, method="vanilla"))
         if method == "csd":  # relaxed: only its length is fixed
@@ -75,14 +101,22 @@ def test_openai_api_through_the_serve_http_proxy(serve_app, tiny_engine):
     greedy tokens, a stream, and a 400 naming the field."""
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_app[3]}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{serve_app[3]}/v1", api_key="unused", max_retries=0, timeout=120)
     ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 24, method="vanilla")).result()
-    out = client.completions.create(model="target", prompt="def add(a, b):\n", max_tokens=24, temperature=0,
-                                    extra_body={"method": "sd"})
+    out = client.completions.create(
+        model="target", prompt="def add(a, b):\n", max_tokens=24, temperature=0, extra_body={"method": "sd"}
+    )
     assert out.choices[0].text == ref["text"] and out.usage.completion_tokens == 24
-    chunks = list(client.completions.create(model="target", prompt="def add(a, b):\n", max_tokens=24, temperature=0,
-                                            stream=True, extra_body={"method": "suffix"}))
+    chunks = list(
+        client.completions.create(
+            model="target",
+            prompt="def add(a, b):\n",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"method": "suffix"},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == ref["text"] and chunks[-1].choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="^Error code: 400.*top_p: must be in"):
         client.completions.create(model="target", prompt="x", max_tokens=4, top_p=2)
@@ -95,10 +129,23 @@ def test_n_completions_under_a_grammar_through_the_proxy(serve_app, tiny_engine)
 
     stub = serve_app[0]
     regex = r"(def|class) [a-z_]{1,12}\([a-z, ]{0,16}\):\n    return [a-z0-9 +*]{1,20}\n"
-    msgs = list(stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n", max_new_tokens=40, method="sd", n=2,
-                                                 structured_output=pb.StructuredOutput(regex=regex)), timeout=120))
-    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode("def add(a, b):\n"), 40, method="vanilla",
-                                                 structured=StructuredOutput(regex=regex))).result()["token_ids"]
+    msgs = list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt="def add(a, b):\n",
+                max_new_tokens=40,
+                method="sd",
+                n=2,
+                structured_output=pb.StructuredOutput(regex=regex),
+            ),
+            timeout=120,
+        )
+    )
+    ref = tiny_engine.generate(
+        GenerationRequest(
+            tiny_engine.encode("def add(a, b):\n"), 40, method="vanilla", structured=StructuredOutput(regex=regex)
+        )
+    ).result()["token_ids"]
     assert sorted(m.index for m in msgs if m.finish_reason) == [0, 1]
     for i in (0, 1):
         assert [t for m in msgs if m.index == i for t in m.token_ids] == ref, i
@@ -135,15 +182,30 @@ def test_an_abort_reaches_the_ingress_replica_that_holds_the_request(serve_app, 
     stub = serve_app[0]
     for name, src in (("target", tiny_dirs[0]), ("draft", tiny_dirs[1])):
         shutil.copytree(src, tmp_path / name)
-    serve.run(app({"models_dir": str(tmp_path), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.1,
-                   "ingress_replicas": 2, "max_new_tokens_limit": 240}), name="two-ingress", route_prefix="/two")
+    serve.run(
+        app(
+            {
+                "models_dir": str(tmp_path),
+                "verifier_gpus": 0,
+                "verifier_replicas": 1,
+                "cpus_per_replica": 0.1,
+                "ingress_replicas": 2,
+                "max_new_tokens_limit": 240,
+            }
+        ),
+        name="two-ingress",
+        route_prefix="/two",
+    )
     meta = (("application", "two-ingress"),)
     try:
         relayed = 0
         for trial in range(6):
             rid = f"long-{trial}"
-            call = stub.Generate(pb.GenerateRequest(prompt="#", max_new_tokens=230, method="vanilla", request_id=rid),
-                                 metadata=meta, timeout=120)
+            call = stub.Generate(
+                pb.GenerateRequest(prompt="#", max_new_tokens=230, method="vanilla", request_id=rid),
+                metadata=meta,
+                timeout=120,
+            )
             first = next(call)
             local = stub.Abort(pb.AbortRequest(request_id=rid), metadata=meta, timeout=60).aborted
             msgs = [first, *call]
@@ -170,8 +232,11 @@ def test_memory_and_drafter_deployments_are_shared(serve_app):
     while not memory.read.remote().result() and time.time() < end:
         time.sleep(0.2)
     assert memory.read.remote().result()  # pairs flushed by the verifier's write-behind
-    msgs = list(stub.Generate(pb.GenerateRequest(prompt="x = 1\nx = 1\nx = 1\n", max_new_tokens=16,
-                                                 method="suffix"), timeout=120))
+    msgs = list(
+        stub.Generate(
+            pb.GenerateRequest(prompt="x = 1\nx = 1\nx = 1\n", max_new_tokens=16, method="suffix"), timeout=120
+        )
+    )
     assert msgs[-1].stats.cycles > 0
 
 
@@ -203,10 +268,12 @@ def test_replica_metrics_reach_the_node_endpoint(serve_app):
     def moved(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert moved("specmesh_requests_total") == 1                       # ingress process
+    assert moved("specmesh_requests_total") == 1  # ingress process
     assert moved("specmesh_cycles_total") == cycles
-    assert moved("specmesh_verify_batch_size_count") == cycles         # verifier process
-    assert moved("specmesh_spec_decode_num_accepted_tokens_total") <= moved("specmesh_spec_decode_num_draft_tokens_total")
+    assert moved("specmesh_verify_batch_size_count") == cycles  # verifier process
+    assert moved("specmesh_spec_decode_num_accepted_tokens_total") <= moved(
+        "specmesh_spec_decode_num_draft_tokens_total"
+    )
 
 
 def _try_scrape(port: int):
@@ -227,8 +294,9 @@ def test_streams_beyond_admission_get_resource_exhausted(serve_app):
     def stream(started: threading.Event | None = None) -> None:
         try:
             msgs = []
-            for msg in stub.Generate(pb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=150, method="vanilla"),
-                                     timeout=120):
+            for msg in stub.Generate(
+                pb.GenerateRequest(prompt="def f(x):\n", max_new_tokens=150, method="vanilla"), timeout=120
+            ):
                 msgs.append(msg)
                 if started:
                     started.set()
@@ -249,8 +317,10 @@ def test_streams_beyond_admission_get_resource_exhausted(serve_app):
     for t in threads:
         t.join(150)
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
-    assert codes.count(grpc.StatusCode.OK) >= 2 and set(codes) <= {grpc.StatusCode.OK,
-                                                                    grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert codes.count(grpc.StatusCode.OK) >= 2 and set(codes) <= {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }, codes
 
 
 def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine):
@@ -269,7 +339,7 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
     # Earlier tests' sessions, while their replica still reports them, count toward its load:
     # with more than the slack of 2 there, the open rightly goes to the other replica.
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
-    time.sleep(2.5)   # and the routers' copy of the reports (every 1 s, then the controller's broadcast) says so
+    time.sleep(2.5)  # and the routers' copy of the reports (every 1 s, then the controller's broadcast) says so
     for p in range(4):
         ids = tiny_engine.encode("".join(f"def ray_{p}_{i}(x):\n    return x * {i} - {p}\n\n" for i in range(5)))
         first = RaySession(handle, SessionSpec(ids, 4))
@@ -278,7 +348,7 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
             assert first.cycle(CycleRequest()).cached_tokens == 0
             again = RaySession(handle, SessionSpec(ids, 4))
             assert again.cycle(CycleRequest()).cached_tokens == (len(ids) - 1) // 32 * 32 > 0
-        finally:   # closed on a failure too, so that no later test finds them open
+        finally:  # closed on a failure too, so that no later test finds them open
             first.close()
             if again is not None:
                 again.close()
@@ -294,17 +364,19 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     stub, _, port, _ = serve_app
     start = tiny_engine.encode("".join(f"def chunked_{i}(x):\n    return x * {i}\n\n" for i in range(4)))
     # The other stream outlasts the prompt's chunks (~27 + len(tail) of them), else the rest would be fed whole.
-    other = stub.Generate(pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=190, method="vanilla",
-                                             ignore_eos=True), timeout=120)
-    first = next(other)   # decoding on the replica that now holds the start
+    other = stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=190, method="vanilla", ignore_eos=True), timeout=120
+    )
+    first = next(other)  # decoding on the replica that now holds the start
 
     def fed() -> float:
         return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
 
     before = fed()
-    tail = list(range(300, 450))   # never cached: fed whole, they take len(tail) - 1 chunks of 1 at least
-    call = stub.Generate(pb.GenerateRequest(prompt_token_ids=start + tail, max_new_tokens=4,
-                                            method="vanilla"), timeout=120)
+    tail = list(range(300, 450))  # never cached: fed whole, they take len(tail) - 1 chunks of 1 at least
+    call = stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=start + tail, max_new_tokens=4, method="vanilla"), timeout=120
+    )
     assert wait_for(lambda: fed() - before >= 3, timeout=30), "the prompt never prefilled in chunks"
     call.cancel()
     assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
@@ -313,7 +385,7 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     assert fed() - before < len(tail) - 1
     rest = list(other)
     assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 190
-    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()   # none left behind
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()  # none left behind
 
 
 def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engine):
@@ -330,18 +402,18 @@ def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engin
     from services.ray_app import RaySession
 
     port = serve_app[2]
-    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)   # earlier tests' are closed
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)  # earlier tests' are closed
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
     start = tiny_engine.encode("".join(f"def ray_cancel_{i}(x):\n    return x + {i}\n\n" for i in range(4)))
     holder = RaySession(handle, SessionSpec(start, 4))
-    holder.cycle(CycleRequest())   # places the start on a replica, and stays open there
+    holder.cycle(CycleRequest())  # places the start on a replica, and stays open there
 
     def fed() -> float:
         return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
 
     before = fed()
-    tail = list(range(300, 480))   # never cached: fed whole, they take len(tail) - 1 chunks of 1 at least
-    session = RaySession(handle, SessionSpec(start + tail, 4))   # affinity: beside the holder
+    tail = list(range(300, 480))  # never cached: fed whole, they take len(tail) - 1 chunks of 1 at least
+    session = RaySession(handle, SessionSpec(start + tail, 4))  # affinity: beside the holder
     raised: list[BaseException] = []
 
     def cycle():
@@ -358,11 +430,11 @@ def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engin
         thread.join(30)
         assert not thread.is_alive() and len(raised) == 1 and isinstance(raised[0], SessionCancelled), raised
         assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
-        assert fed() - before < len(tail) - 1   # stopped before the end (see the test above)
+        assert fed() - before < len(tail) - 1  # stopped before the end (see the test above)
     finally:
         session.close()
         holder.close()
-    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()   # none left behind
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()  # none left behind
 
 
 def open_sessions() -> dict[str, list[str]]:
@@ -371,7 +443,7 @@ def open_sessions() -> dict[str, list[str]]:
 
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
     seen: dict[str, list[str]] = {}
-    for _ in range(40):   # the calls land on replicas by chance
+    for _ in range(40):  # the calls land on replicas by chance
         stats = handle.record_routing_stats.remote().result()
         seen[stats["replica"]] = stats["sessions"]
         if len(seen) == 2:
@@ -394,7 +466,7 @@ def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_en
     from services.ray_app import RaySession
 
     stub = serve_app[0]
-    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)   # earlier tests' are closed
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)  # earlier tests' are closed
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
     start = tiny_engine.encode("".join(f"def loads_{i}(x):\n    return x - {i}\n\n" for i in range(4)))
     sessions = [RaySession(handle, SessionSpec(start, 4)) for _ in range(3)]
@@ -402,8 +474,12 @@ def test_sessions_other_routers_opened_count_toward_placement(serve_app, tiny_en
         assert [s.cycle(CycleRequest()).cached_tokens > 0 for s in sessions] == [False, True, True]  # one replica
         end, cached = time.time() + 30, []
         while time.time() < end and (not cached or cached[-1] > 0):
-            msgs = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=start + [len(cached) + 7],
-                                                         max_new_tokens=1, method="vanilla"), timeout=60))
+            msgs = list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt_token_ids=start + [len(cached) + 7], max_new_tokens=1, method="vanilla"),
+                    timeout=60,
+                )
+            )
             cached.append(msgs[-1].usage.cached_prompt_tokens)
             time.sleep(0.5)
         assert cached[-1] == 0, cached
@@ -425,20 +501,22 @@ def test_reset_prefix_cache_reaches_every_verifier_replica(serve_app, tiny_engin
     port = serve_app[2]
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
-    prompts = [tiny_engine.encode("".join(f"def reset_{tag}_{i}(x):\n    return x - {i}\n\n" for i in range(5)))
-               for tag in ("a", "b")]
+    prompts = [
+        tiny_engine.encode("".join(f"def reset_{tag}_{i}(x):\n    return x - {i}\n\n" for i in range(5)))
+        for tag in ("a", "b")
+    ]
     sessions = []
-    for ids in prompts:   # the second goes to the less loaded replica: the other one
+    for ids in prompts:  # the second goes to the less loaded replica: the other one
         sessions.append(RaySession(handle, SessionSpec(ids, 4)))
         assert sessions[-1].cycle(CycleRequest()).cached_tokens == 0
     holders = open_sessions()
-    assert sorted(len(v) for v in holders.values()) == [1, 1], holders   # one prompt cached on each replica
+    assert sorted(len(v) for v in holders.values()) == [1, 1], holders  # one prompt cached on each replica
     for s in sessions:
         s.close()
     assert scrape(port).get("specmesh_prefix_cache_bytes", 0.0) > 0
     req = urllib.request.Request(f"http://127.0.0.1:{serve_app[3]}/reset_prefix_cache", data=b"", method="POST")
     assert urllib.request.urlopen(req, timeout=60).status == 200
-    assert scrape(port).get("specmesh_prefix_cache_bytes", 0.0) == 0   # summed over both replicas
+    assert scrape(port).get("specmesh_prefix_cache_bytes", 0.0) == 0  # summed over both replicas
     for ids in prompts:
         again = RaySession(handle, SessionSpec(ids, 4))
         try:

@@ -1,4 +1,5 @@
 """Redis-shared OCM against the real Redis: replicas aggregate, outages degrade and resync."""
+
 import subprocess
 import sys
 import time
@@ -21,7 +22,6 @@ for i in range(200):
     m.record([(base, 1), (7, 8)])
 m.close()
 """
-
 
 
 def cleanup(url, prefix):

@@ -1,4 +1,5 @@
 """Redis over TLS with a private CA (rediss:// + SPECMESH_REDIS_CA), against a real redis-server."""
+
 import socket
 import subprocess
 import time
@@ -14,10 +15,31 @@ def tls_redis(pki):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cert, key = pki["server"]
-    proc = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
-                             str(pki["ca"]), "--tls-auth-clients", "no", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(pki["ca"]),
+            "--tls-auth-clients",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(0.5)
     yield f"rediss://localhost:{port}/0"
     proc.terminate()

@@ -1,6 +1,7 @@
 """Structured output through the engine: lossless methods equal a plain constrained decoding
 loop, sampled and calibrated outputs stay inside the grammar, a re-opened session resumes
 the automaton where its output left it, and bad specs are INVALID_ARGUMENT."""
+
 import json
 import re
 
@@ -12,14 +13,21 @@ from services.common.types import SamplingParams
 from services.router.engine import GenerationRequest, InvalidRequest
 
 PROMPTS = ["def add(a, b):\n", "import os\n\nclass Config:\n    def __init__(self", "x = [", "# utils\n"]
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "ok": {"type": "boolean"},
-                                           "kind": {"enum": ["int", "str", "list"]}},
-          "required": ["name", "ok", "kind"]}
-SPECS = [StructuredOutput(regex=r"(def|class) [a-z_]{1,12}\([a-z, ]{0,16}\):\n    return [a-z0-9 +*]{1,20}\n"),
-         StructuredOutput(json_schema=json.dumps(SCHEMA)),
-         StructuredOutput(choice=("alpha", "beta", "gamma delta")),
-         StructuredOutput(json_object=True)]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["int", "str", "list"]},
+    },
+    "required": ["name", "ok", "kind"],
+}
+SPECS = [
+    StructuredOutput(regex=r"(def|class) [a-z_]{1,12}\([a-z, ]{0,16}\):\n    return [a-z0-9 +*]{1,20}\n"),
+    StructuredOutput(json_schema=json.dumps(SCHEMA)),
+    StructuredOutput(choice=("alpha", "beta", "gamma delta")),
+    StructuredOutput(json_object=True),
+]
 
 
 def constrained_greedy(model, index, ids: list[int], n: int, eos: int) -> list[int]:
@@ -42,7 +50,11 @@ def constrained_greedy(model, index, ids: list[int], n: int, eos: int) -> list[i
 def matches(spec: StructuredOutput, text: str) -> bool:
     if spec.json_schema:
         obj = json.loads(text)
-        return set(obj) == set(SCHEMA["properties"]) and isinstance(obj["ok"], bool) and obj["kind"] in ("int", "str", "list")
+        return (
+            set(obj) == set(SCHEMA["properties"])
+            and isinstance(obj["ok"], bool)
+            and obj["kind"] in ("int", "str", "list")
+        )
     if spec.choice:
         return text in spec.choice
     if spec.json_object:
@@ -69,19 +81,23 @@ def test_lossless_methods_equal_a_plain_constrained_loop(request, engine, spec):
                 finished += 1
                 assert matches(spec, out["text"]), out["text"]
             else:
-                assert grammar.walk(grammar.initial, out["token_ids"]) is not None   # a prefix of a match
-    assert accepted > 0 and (finished > 0 or spec.json_object)   # random weights rarely close an object
+                assert grammar.walk(grammar.initial, out["token_ids"]) is not None  # a prefix of a match
+    assert accepted > 0 and (finished > 0 or spec.json_object)  # random weights rarely close an object
 
 
 def test_sampled_and_calibrated_outputs_stay_in_the_grammar(tiny_engine, tiny_eagle_engine):
     spec = SPECS[1]
     done = 0
     for seed in range(6):
-        for eng, method, sp in ((tiny_engine, "sd", SamplingParams(temperature=1.0, seed=seed)),
-                                (tiny_eagle_engine, "eagle3", SamplingParams(temperature=0.7, seed=seed)),
-                                (tiny_engine, "csd", SamplingParams()), (tiny_eagle_engine, "hybrid-csd", SamplingParams())):
-            out = eng.generate(GenerationRequest(eng.encode(PROMPTS[seed % 4]), 80, sampling=sp, method=method,
-                                                 structured=spec)).result()
+        for eng, method, sp in (
+            (tiny_engine, "sd", SamplingParams(temperature=1.0, seed=seed)),
+            (tiny_eagle_engine, "eagle3", SamplingParams(temperature=0.7, seed=seed)),
+            (tiny_engine, "csd", SamplingParams()),
+            (tiny_eagle_engine, "hybrid-csd", SamplingParams()),
+        ):
+            out = eng.generate(
+                GenerationRequest(eng.encode(PROMPTS[seed % 4]), 80, sampling=sp, method=method, structured=spec)
+            ).result()
             if out["finish_reason"] == "eos":
                 done += 1
                 assert matches(spec, out["text"]), (method, out["text"])
@@ -106,13 +122,16 @@ def test_a_reopened_session_resumes_the_grammar_where_its_output_left_it(tiny_en
     assert [t for t in rest if t != eng.eos_id] == whole[6:]
 
 
-@pytest.mark.parametrize("kw,word", [
-    ({"structured": StructuredOutput(regex="(unclosed")}, "cannot be compiled"),
-    ({"structured": StructuredOutput(json_schema="[1, 2")}, "JSON schema"),
-    ({"structured": StructuredOutput(regex="a", choice=("a",))}, "exactly one"),
-    ({"structured": StructuredOutput(regex="a+"), "ignore_eos": True}, "ignore_eos"),
-    ({"structured": StructuredOutput(regex="a+"), "min_tokens": 2}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        ({"structured": StructuredOutput(regex="(unclosed")}, "cannot be compiled"),
+        ({"structured": StructuredOutput(json_schema="[1, 2")}, "JSON schema"),
+        ({"structured": StructuredOutput(regex="a", choice=("a",))}, "exactly one"),
+        ({"structured": StructuredOutput(regex="a+"), "ignore_eos": True}, "ignore_eos"),
+        ({"structured": StructuredOutput(regex="a+"), "min_tokens": 2}, "min_tokens"),
+    ],
+)
 def test_bad_structured_output_is_an_invalid_request(tiny_engine, kw, word):
     with pytest.raises(InvalidRequest, match=word) as e:
         tiny_engine.generate(GenerationRequest(tiny_engine.encode("x"), 8, method="vanilla", **kw))

@@ -1,4 +1,5 @@
 """Global suffix cache shared across replicas through the real Redis."""
+
 import time
 import uuid
 
@@ -16,7 +17,6 @@ def replica(url: str, stream: str) -> tuple[SuffixDrafter, SuffixFeed]:
     cache = GlobalSuffixCache(64, 100)
     feed = SuffixFeed(RedisLink(url, "suffix_feed"), cache, stream=stream).start()
     return SuffixDrafter(SuffixConfig(), cache, feed.publish), feed
-
 
 
 def test_output_finished_on_one_replica_hits_on_the_other(redis_url):

@@ -1,4 +1,5 @@
 """Yield-predictor replay data agrees with a real suffix run; the MLP learns; rules compare."""
+
 import numpy as np
 import pytest
 
@@ -10,8 +11,12 @@ from services.router.engine import Engine, GenerationRequest
 from training.predictor import fit, precision_recall, replay_dataset, report
 from training.traces import record_traces
 
-TEXTS = ["def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n", "import os\nimport sys\nimport os\n",
-         "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "class A:\n    pass\n\nclass B:\n    pass\n\nclass"]
+TEXTS = [
+    "def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n",
+    "import os\nimport sys\nimport os\n",
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [",
+    "class A:\n    pass\n\nclass B:\n    pass\n\nclass",
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,7 @@ def test_numpy_predict_equals_torch_forward_and_follows_updates():
         assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-5)
         model.net[0].weight.mul_(2.0)
         assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-5)
-        model.mean.copy_(torch.linspace(-1, 1, len(FEATURES)))     # normalisation folded into layer 1
+        model.mean.copy_(torch.linspace(-1, 1, len(FEATURES)))  # normalisation folded into layer 1
         model.std.copy_(torch.linspace(0.5, 3, len(FEATURES)))
         assert np.allclose(model.predict(x), model(torch.from_numpy(x)).numpy(), atol=1e-4)
     assert model.predict(x[0]).shape == (1,)

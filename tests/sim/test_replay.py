@@ -1,4 +1,5 @@
 """The replay simulator reproduces a real `suffix` run: identical τ, cycles and acceptance."""
+
 import json
 import subprocess
 import sys
@@ -10,12 +11,17 @@ from services.drafter.suffix import SuffixDrafter
 from services.router.engine import Engine, GenerationRequest
 from training.traces import record_traces
 
-PROMPTS = [Prompt(f"p{i}", t) for i, t in enumerate([
-    "def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n",
-    "import os\nimport sys\nimport os\n",
-    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [",
-    "class A:\n    pass\n\nclass B:\n    pass\n\nclass",
-])] * 2  # the second round drafts from the global tree
+PROMPTS = [
+    Prompt(f"p{i}", t)
+    for i, t in enumerate(
+        [
+            "def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n",
+            "import os\nimport sys\nimport os\n",
+            "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [",
+            "class A:\n    pass\n\nclass B:\n    pass\n\nclass",
+        ]
+    )
+] * 2  # the second round drafts from the global tree
 
 
 def fresh_engine(tiny_dirs) -> Engine:
@@ -60,15 +66,30 @@ def test_tree_replay_equals_real_suffix_tree_run(tiny_dirs):
     sim = replay(tree, traces, eng.max_draft["suffix-tree"]).report()
     assert {k: sim[k] for k in real} == real
     chain = replay(SuffixDrafter(eng.cfg.suffix), traces, eng.max_draft["suffix"]).report()
-    assert sim["draft_tokens"] != chain["draft_tokens"]   # some drafts were trees
+    assert sim["draft_tokens"] != chain["draft_tokens"]  # some drafts were trees
 
 
 def test_replay_cli_reports_metrics(tiny_dirs, tmp_path):
     traces = record_traces(fresh_engine(tiny_dirs), PROMPTS[:4], 24, progress=False)
     save_traces(tmp_path / "t.jsonl", traces)
-    out = subprocess.run([sys.executable, "-m", "services.cli", "replay", "--drafter", "suffix",
-                          "--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "replay",
+            "--drafter",
+            "suffix",
+            "--traces",
+            str(tmp_path / "t.jsonl"),
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["tau"] >= 1.0 and rep["cycles"] > 0 and "acceptance_per_position" in rep
     assert sum(rep["draft_length_histogram"].values()) == rep["cycles"]

@@ -1,5 +1,6 @@
 """Aborts across front-end replicas: each replica's ActiveSessions publishes its own aborts to
 an AbortLog and applies the others' at the time they were made."""
+
 import time
 from types import SimpleNamespace
 
@@ -24,12 +25,12 @@ def test_an_abort_made_on_one_replica_ends_the_request_on_another():
     old = Gen("x", time.perf_counter() - 2.0)
     other = Gen("y", time.perf_counter() - 2.0)
     b.add([old, other])
-    assert a.abort("x") == 0                     # nothing of "x" decodes on a
+    assert a.abort("x") == 0  # nothing of "x" decodes on a
     seq, entries = board.since(0)
     assert seq == 1 and [e[:2] for e in entries] == [("a", "x")]
-    assert relay(entries, "a", a) == 0           # a skips its own
+    assert relay(entries, "a", a) == 0  # a skips its own
     assert relay(entries, "b", b) == 1 and old.aborted and not other.aborted
-    assert board.since(seq) == (1, [])           # b relays without posting again
+    assert board.since(seq) == (1, [])  # b relays without posting again
     # a request "x" made after the abort, on b, is not ended by it, however late the relay comes
     late = Gen("x", time.perf_counter())
     b.add([late])
@@ -37,7 +38,7 @@ def test_an_abort_made_on_one_replica_ends_the_request_on_another():
     assert not late.aborted
     # one made before it and still queued when the relay came is ended as it starts
     queued = Gen("y", time.perf_counter() - 1.0)
-    relay([("a", None, time.time() - 0.5)], "b", b)   # abort_all on a, half a second ago
+    relay([("a", None, time.time() - 0.5)], "b", b)  # abort_all on a, half a second ago
     assert other.aborted and not late.aborted
     b.add([queued])
     assert queued.aborted

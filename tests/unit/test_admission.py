@@ -1,4 +1,5 @@
 """Admission order: (priority, arrival), and only the queue's head takes slots."""
+
 import threading
 import time
 
@@ -57,7 +58,7 @@ def test_a_request_for_several_slots_is_not_passed_over_by_later_single_ones():
     adm, order = Admission(max_sessions=2, max_queue=8), []
     assert adm.acquire(Call(), 2) is None
     threads = queue_up(adm, order, [("pair", 2, 0), ("single", 1, 0)])
-    adm.release()              # one slot free: the head needs two, so nobody goes
+    adm.release()  # one slot free: the head needs two, so nobody goes
     time.sleep(0.3)
     assert order == [] and adm.running == 1
     adm.release()
@@ -79,7 +80,7 @@ def test_a_head_that_leaves_lets_the_next_in_and_a_full_queue_refuses():
     waiter.start()
     assert wait_for(lambda: adm.waiting == 2)
     assert isinstance(adm.acquire(Call()), Overloaded)
-    assert isinstance(adm.acquire(Call(deadline_s=0.0)), Overloaded)   # refused before waiting
+    assert isinstance(adm.acquire(Call(deadline_s=0.0)), Overloaded)  # refused before waiting
     gone.active = False
     leaver.join(5)
     assert isinstance(got["gone"], Cancelled) and adm.waiting == 1

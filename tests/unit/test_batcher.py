@@ -1,4 +1,5 @@
 """Cycle batcher and batched drafting: sessions step together, each keeps its own result."""
+
 import threading
 import time
 
@@ -65,8 +66,9 @@ def test_a_crashing_step_fails_every_waiter_and_the_next_step_runs():
 
 
 def test_lone_session_runs_inline_without_waiting_for_closed_ones():
-    batcher = CycleBatcher(lambda batch: [setattr(b, "result", threading.current_thread()) for b in batch],
-                           window_s=5.0)
+    batcher = CycleBatcher(
+        lambda batch: [setattr(b, "result", threading.current_thread()) for b in batch], window_s=5.0
+    )
     batcher.opened("a")
     batcher.opened("b")
     batcher.closed("b")
@@ -101,13 +103,13 @@ def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_st
 
     batcher.post_all([("a", 1, callback)])
     batcher.post_all([("b", -1, callback)])
-    assert batcher.submit("c", 5) == 6          # the step waited for c, then ran all three
+    assert batcher.submit("c", 5) == 6  # the step waited for c, then ran all three
     assert done.wait(5)
     assert steps == [["a", "b", "c"]]
     assert got["a"][:2] == (2, None) and isinstance(got["b"][1], ValueError)
     batcher.closed("b")
     batcher.closed("c")
-    batcher.post_all([("a", 7, callback)])     # a posted cycle alone: the stepper leads it
+    batcher.post_all([("a", 7, callback)])  # a posted cycle alone: the stepper leads it
     end = time.monotonic() + 5
     while got["a"][0] != 8 and time.monotonic() < end:
         time.sleep(0.01)
@@ -128,15 +130,15 @@ def test_a_poster_leads_only_a_step_that_awaits_no_one():
     got: dict[str, int] = {}
     callback = lambda item: got.__setitem__(item.session, item.result)  # noqa: E731
     batcher.opened("a")
-    batcher.post_all([("a", 1, callback)], lead=True)       # a lone session: no hand-off
+    batcher.post_all([("a", 1, callback)], lead=True)  # a lone session: no hand-off
     assert got == {"a": 2} and threads == [(["a"], threading.current_thread().name)]
-    batcher.opened("b")                                       # now a and b are expected
-    batcher.post_all([("a", 3, callback)], lead=True)        # b is awaited: returns at once
+    batcher.opened("b")  # now a and b are expected
+    batcher.post_all([("a", 3, callback)], lead=True)  # b is awaited: returns at once
     assert got == {"a": 2}
     end = time.monotonic() + 5
-    while not batcher._running and time.monotonic() < end:   # the stepper is waiting for b
+    while not batcher._running and time.monotonic() < end:  # the stepper is waiting for b
         time.sleep(0.01)
-    batcher.post_all([("b", 5, callback)], lead=True)        # so it takes both
+    batcher.post_all([("b", 5, callback)], lead=True)  # so it takes both
     end = time.monotonic() + 5
     while len(threads) < 2 and time.monotonic() < end:
         time.sleep(0.01)
@@ -146,15 +148,17 @@ def test_a_poster_leads_only_a_step_that_awaits_no_one():
 def test_a_session_that_missed_the_window_is_not_awaited_again():
     """After a step without ``b``, the next step does not wait for it; once back it is expected."""
     steps: list[list[str]] = []
-    batcher = CycleBatcher(lambda batch: [steps.append(sorted(b.session for b in batch))]
-                           + [setattr(b, "result", 1) for b in batch], window_s=0.3)
+    batcher = CycleBatcher(
+        lambda batch: [steps.append(sorted(b.session for b in batch))] + [setattr(b, "result", 1) for b in batch],
+        window_s=0.3,
+    )
     batcher.opened("a")
     batcher.opened("b")
     t0 = time.monotonic()
-    batcher.submit("a", 0)          # waits the window for the fresh session b, which never comes
+    batcher.submit("a", 0)  # waits the window for the fresh session b, which never comes
     waited = time.monotonic() - t0
     t0 = time.monotonic()
-    batcher.submit("a", 0)          # b is no longer expected: no wait
+    batcher.submit("a", 0)  # b is no longer expected: no wait
     assert waited >= 0.25 and time.monotonic() - t0 < 0.25
     out = run_sessions_opened(batcher, {"a": 0, "b": 0})
     assert out == {"a": 1, "b": 1}  # b, back, is served again
@@ -162,8 +166,9 @@ def test_a_session_that_missed_the_window_is_not_awaited_again():
 
 def run_sessions_opened(batcher: CycleBatcher, requests: dict[str, int]) -> dict[str, object]:
     out: dict[str, object] = {}
-    threads = [threading.Thread(target=lambda k=k, v=v: out.__setitem__(k, batcher.submit(k, v)))
-               for k, v in requests.items()]
+    threads = [
+        threading.Thread(target=lambda k=k, v=v: out.__setitem__(k, batcher.submit(k, v))) for k, v in requests.items()
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -202,7 +207,7 @@ def test_absorbed_prompt_chunks_draft_what_the_whole_prompt_drafts(tiny_dirs):
     a, b = DraftLMDrafter(model), DraftLMDrafter(model)
     for d in (a, b):
         d.start("r", prompt, SamplingParams(), make_rng(0))
-    for upto in (8, 16, 27, 40):                       # the last asks past the prompt: capped
+    for upto in (8, 16, 27, 40):  # the last asks past the prompt: capped
         a.absorb("r", upto)
         assert a.states["r"].cache_len == min(upto, len(prompt) - 1)
     assert a.propose("r", 4).token_ids == b.propose("r", 4).token_ids
@@ -227,7 +232,7 @@ def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
     That item goes first in the next step; its waiter and its callback see only the final result,
     once; the other sessions' cycles finish in the steps it takes."""
     steps: list[list[str]] = []
-    left = {"long": 2}    # steps before the long prompt's cycle can finish
+    left = {"long": 2}  # steps before the long prompt's cycle can finish
 
     def step(batch):
         steps.append([b.session for b in batch])
@@ -243,9 +248,9 @@ def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
     batcher.opened("short")
     batcher.opened("long")
     batcher.post_all([("long", 0, lambda item: got.append(item.result))])
-    assert batcher.submit("short", 0) == ("short", 1)      # the first step: long advanced, short done
-    assert batcher.submit("short", 0) == ("short", 2)      # long again, first in the step
-    batcher.closed("short")                                 # the next step awaits no one else
+    assert batcher.submit("short", 0) == ("short", 1)  # the first step: long advanced, short done
+    assert batcher.submit("short", 0) == ("short", 2)  # long again, first in the step
+    batcher.closed("short")  # the next step awaits no one else
     end = time.monotonic() + 5
     while not got and time.monotonic() < end:
         time.sleep(0.01)

@@ -1,4 +1,5 @@
 """Calibrated verification (CSD): gate rules, rescue semantics, first-rejection reporting."""
+
 import math
 
 import torch
@@ -16,12 +17,14 @@ def logits_rows(rows):
 
 
 # vocab 6; row i is the target's logits at draft position i
-ROWS = logits_rows([
-    [5.0, 4.5, 0.0, 0.0, 0.0, 0.0],   # argmax 0; token 1 close (ratio e^-0.5 ≈ 0.61)
-    [0.0, 0.0, 6.0, 0.0, 0.0, 1.0],   # argmax 2; token 5 far (ratio e^-5)
-    [0.0, 0.0, 0.0, 3.0, 0.0, 0.0],   # argmax 3
-    [0.0, 0.0, 0.0, 0.0, 2.0, 0.0],   # bonus row
-])
+ROWS = logits_rows(
+    [
+        [5.0, 4.5, 0.0, 0.0, 0.0, 0.0],  # argmax 0; token 1 close (ratio e^-0.5 ≈ 0.61)
+        [0.0, 0.0, 6.0, 0.0, 0.0, 1.0],  # argmax 2; token 5 far (ratio e^-5)
+        [0.0, 0.0, 0.0, 3.0, 0.0, 0.0],  # argmax 3
+        [0.0, 0.0, 0.0, 0.0, 2.0, 0.0],  # bonus row
+    ]
+)
 
 
 def memory_with(pairs, n=5):
@@ -45,14 +48,26 @@ def test_first_true_rejection_is_reported_after_a_rescue():
 def test_gate_conditions_each_block_a_rescue():
     draft = Draft([1, 2, 3])
     # pair not frequent enough in the memory
-    assert CalibratedGreedy(GateConfig(min_count=10, top_k=2, tau=0.5), memory_with([(1, 0)]))(
-        draft, ROWS, GREEDY, torch.Generator()).accepted == 0
+    assert (
+        CalibratedGreedy(GateConfig(min_count=10, top_k=2, tau=0.5), memory_with([(1, 0)]))(
+            draft, ROWS, GREEDY, torch.Generator()
+        ).accepted
+        == 0
+    )
     # ratio below tau: p(1)/p(0) = e^-0.5 ≈ 0.61 < 0.7
-    assert CalibratedGreedy(GateConfig(min_count=1, top_k=2, tau=0.7), memory_with([(1, 0)]))(
-        draft, ROWS, GREEDY, torch.Generator()).accepted == 0
+    assert (
+        CalibratedGreedy(GateConfig(min_count=1, top_k=2, tau=0.7), memory_with([(1, 0)]))(
+            draft, ROWS, GREEDY, torch.Generator()
+        ).accepted
+        == 0
+    )
     # outside top-k (top_k=1 keeps the argmax only)
-    assert CalibratedGreedy(GateConfig(min_count=1, top_k=1, tau=0.5), memory_with([(1, 0)]))(
-        draft, ROWS, GREEDY, torch.Generator()).accepted == 0
+    assert (
+        CalibratedGreedy(GateConfig(min_count=1, top_k=1, tau=0.5), memory_with([(1, 0)]))(
+            draft, ROWS, GREEDY, torch.Generator()
+        ).accepted
+        == 0
+    )
 
 
 def test_scg_ablation_ignores_memory():

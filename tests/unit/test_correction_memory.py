@@ -1,4 +1,5 @@
 """In-process OCM: counts, sliding-window decay, prior restore, snapshot files."""
+
 import pytest
 
 from services.memory.correction_memory import LocalCorrectionMemory, OCMConfig

@@ -20,7 +20,9 @@ def test_special_tokens_add_no_text_unless_asked():
     with the same setting either way."""
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     eos = tok.eos_token_id
-    ids = tok("x = 1", add_special_tokens=False)["input_ids"] + [eos] + tok(" # é", add_special_tokens=False)["input_ids"]
+    ids = (
+        tok("x = 1", add_special_tokens=False)["input_ids"] + [eos] + tok(" # é", add_special_tokens=False)["input_ids"]
+    )
     skipped = "".join(map(Detokenizer(tok).push, ids))
     kept = "".join(map(Detokenizer(tok, skip_special_tokens=False).push, ids))
     assert skipped == tok.decode(ids, skip_special_tokens=True) == "x = 1 # é"

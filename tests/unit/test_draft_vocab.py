@@ -1,5 +1,6 @@
 """Draft vocabularies (services/drafter/vocab.py): the frequency ranking, and the draft LM
 restricted to it (FR-Spec) — drafts inside it, q zero outside, sd still lossless."""
+
 import shutil
 
 import pytest
@@ -12,10 +13,10 @@ from services.router.engine import Engine, GenerationRequest
 
 
 def test_ranking_is_by_next_token_frequency_then_id(tmp_path):
-    seqs = [[9, 5, 5, 5, 7, 7, 3], [5, 4, 4, 3], [6]]      # labels: 5×3; 3, 4, 7 ×2; a 1-token sequence has none
+    seqs = [[9, 5, 5, 5, 7, 7, 3], [5, 4, 4, 3], [6]]  # labels: 5×3; 3, 4, 7 ×2; a 1-token sequence has none
     r = frequency_ranking(seqs, 10)
     assert r[:4].tolist() == [5, 3, 4, 7] and sorted(r.tolist()) == list(range(10))
-    assert r[4:].tolist() == [0, 1, 2, 6, 8, 9]             # unseen ids by id
+    assert r[4:].tolist() == [0, 1, 2, 6, 8, 9]  # unseen ids by id
     assert top_vocabulary(r, 3).tolist() == [3, 4, 5]
     save_ranking(tmp_path / "r.json", r, "test")
     assert torch.equal(load_ranking(tmp_path / "r.json"), r)
@@ -29,8 +30,19 @@ def restricted(tiny_dirs, tmp_path_factory):
     shutil.copytree(draft, d)
     seqs = [list(range(1000 + 7 * i, 1000 + 7 * i + 50)) for i in range(30)]
     save_ranking(d / RANKING_FILE, frequency_ranking(seqs, 8192), "test")
-    eng = Engine(EngineConfig(target=target, draft=d, num_speculative_tokens=4, draft_confidence=0.0, draft_vocab=600,
-                              max_new_tokens_limit=200, eagle3=None, predictor=None, ocm_snapshot=None))
+    eng = Engine(
+        EngineConfig(
+            target=target,
+            draft=d,
+            num_speculative_tokens=4,
+            draft_confidence=0.0,
+            draft_vocab=600,
+            max_new_tokens_limit=200,
+            eagle3=None,
+            predictor=None,
+            ocm_snapshot=None,
+        )
+    )
     return eng, set(top_vocabulary(load_ranking(d / RANKING_FILE), 600).tolist())
 
 
@@ -62,7 +74,9 @@ def test_restricted_drafts_and_q_stay_inside_the_vocabulary(restricted):
 def test_draft_vocab_without_a_ranking_is_refused(tiny_dirs):
     target, draft = tiny_dirs
     with pytest.raises(ValueError, match=RANKING_FILE):
-        Engine(EngineConfig(target=target, draft=draft, draft_vocab=600, eagle3=None, predictor=None, ocm_snapshot=None))
+        Engine(
+            EngineConfig(target=target, draft=draft, draft_vocab=600, eagle3=None, predictor=None, ocm_snapshot=None)
+        )
 
 
 def test_auto_draft_vocab_follows_the_shipped_ranking(tiny_dirs, restricted):
@@ -89,8 +103,21 @@ def test_training_vocab_writes_the_ranking_beside_the_drafter(tmp_path, monkeypa
     traces = [Trace("a", [1, 2], [7, 7, 7, 3, 7, 7, 3, 5], 16), Trace("b", [4], [7, 3, 9, 7, 3, 7, 7, 3], 16)]
     save_traces(tmp_path / "t.jsonl", traces)
     assert coverage([[1, 7, 7, 3]], torch.tensor([7]), 16) == 2 / 3
-    monkeypatch.setattr(sys, "argv", ["vocab", "--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path),
-                                      "--vocab", "16", "--heldout", str(tmp_path / "t.jsonl")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "vocab",
+            "--traces",
+            str(tmp_path / "t.jsonl"),
+            "--out",
+            str(tmp_path),
+            "--vocab",
+            "16",
+            "--heldout",
+            str(tmp_path / "t.jsonl"),
+        ],
+    )
     vocab.main()
     ranking = load_ranking(tmp_path / RANKING_FILE)
     assert ranking[:5].tolist() == [7, 3, 2, 5, 9] and sorted(ranking.tolist()) == list(range(16))

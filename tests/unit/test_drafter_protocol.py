@@ -1,5 +1,6 @@
 """Every drafter the router or the verifier can hold implements the whole ``Drafter`` protocol,
 so the decode loop calls its methods without asking which drafter it has."""
+
 import inspect
 
 import pytest
@@ -57,4 +58,4 @@ def test_a_model_drafter_counts_its_kv_bytes(tiny_dirs):
 
     model = Llama.from_pretrained(tiny_dirs[1])
     s = model.s
-    assert DraftLMDrafter(model).kv_bytes_per_position() == 2 * s.layers * s.kv_heads * s.head_dim * 4   # K and V, fp32
+    assert DraftLMDrafter(model).kv_bytes_per_position() == 2 * s.layers * s.kv_heads * s.head_dim * 4  # K and V, fp32

@@ -1,4 +1,5 @@
 """EAGLE-3 head: checkpoint format, feature catch-up (rollback), lossless eagle3 decoding."""
+
 import json
 
 import pytest
@@ -17,8 +18,15 @@ def test_checkpoint_roundtrip_and_published_names(tiny_dirs, tiny_eagle3, tmp_pa
     target = Llama.from_pretrained(tiny_dirs[0])
     head = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
     keys = set(load_file(str(tiny_eagle3 / "model.safetensors")))
-    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
-            "lm_head.weight", "d2t", "t2d"} <= keys and not any(k.startswith("embed_tokens") for k in keys)
+    assert {
+        "fc.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.hidden_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= keys and not any(k.startswith("embed_tokens") for k in keys)
     cfg = json.loads((tiny_eagle3 / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1] and cfg["draft_vocab_size"] == 8192
     assert head.midlayer.self_attn.q_proj.weight.shape[1] == 2 * 64 and head.fc.weight.shape == (64, 192)
@@ -49,16 +57,16 @@ def test_incremental_features_equal_one_shot(tiny_dirs, tiny_eagle3):
     f = features(target, seq, head.aux_layers)  # features of positions 0..39
     a = Eagle3Drafter(head)
     a.start("r", seq[:10], SamplingParams(), None)
-    a.observe("r", [], f[:9])                     # prefill cycle: 9 positions verified
+    a.observe("r", [], f[:9])  # prefill cycle: 9 positions verified
     a.propose("r", 4)
     pos = 9
-    for chunk in (3, 1, 5):                       # cycles committing `chunk` tokens each
-        a.observe("r", seq[10 + pos - 9:10 + pos - 9 + chunk], f[pos:pos + chunk])
+    for chunk in (3, 1, 5):  # cycles committing `chunk` tokens each
+        a.observe("r", seq[10 + pos - 9 : 10 + pos - 9 + chunk], f[pos : pos + chunk])
         pos += chunk
         a.propose("r", 4)
-    a.propose("r", 4)                             # a dropped draft, proposed again
+    a.propose("r", 4)  # a dropped draft, proposed again
     b = Eagle3Drafter(head)
-    b.start("r", seq[:pos + 1], SamplingParams(), None)
+    b.start("r", seq[: pos + 1], SamplingParams(), None)
     b.observe("r", [], f[:pos])
     assert a.states["r"].tokens == b.states["r"].tokens
     assert a.propose("r", 5).token_ids == b.propose("r", 5).token_ids
@@ -74,14 +82,14 @@ def test_absorbing_prompt_chunks_drafts_what_the_whole_prompt_drafts(tiny_dirs, 
     a, b = Eagle3Drafter(head), Eagle3Drafter(head)
     for d in (a, b):
         d.start("r", seq[:30], SamplingParams(), None)
-    for lo, hi in ((0, 8), (8, 16), (16, 27)):          # three chunks; 3 prompt tokens still pending
+    for lo, hi in ((0, 8), (8, 16), (16, 27)):  # three chunks; 3 prompt tokens still pending
         a.observe("r", [], f[lo:hi])
         a.absorb("r", hi)
-        assert a.states["r"].real_len == hi and not a.states["r"].feats   # taken in now, not at the draft
-    a.observe("r", [], f[27:29])                        # the prompt's last cycle
+        assert a.states["r"].real_len == hi and not a.states["r"].feats  # taken in now, not at the draft
+    a.observe("r", [], f[27:29])  # the prompt's last cycle
     b.observe("r", [], f[:29])
     assert a.propose("r", 4).token_ids == b.propose("r", 4).token_ids
-    for d in (a, b):                                    # and the next cycle
+    for d in (a, b):  # and the next cycle
         d.observe("r", seq[30:32], f[29:31])
     assert a.propose("r", 4).token_ids == b.propose("r", 4).token_ids
 
@@ -112,11 +120,11 @@ def test_ttt_unroll_matches_inference_chain(tiny_dirs, tiny_eagle3):
         steps = {j: lg for j, lg in ttt_unroll(head, f, ids, 4)}
         for i in (3, 11, 20):
             cache = head.new_cache(64)
-            lg, out = head.step(head.fc(f[:, :i + 1]), ids[:, 1:i + 2], 0, cache)
+            lg, out = head.step(head.fc(f[:, : i + 1]), ids[:, 1 : i + 2], 0, cache)
             assert torch.allclose(lg[0, -1], steps[0][0, i], atol=1e-4)
             h = out[:, -1:]
             for j in (1, 2, 3):  # teacher-forced chain: token x_{i+1+j} at position i+j
-                lg, h = head.step(h, ids[:, i + 1 + j:i + 2 + j], i + j, cache)
+                lg, h = head.step(h, ids[:, i + 1 + j : i + 2 + j], i + j, cache)
                 assert torch.allclose(lg[0, -1], steps[j][0, i], atol=1e-4), (i, j)
         loss, per_step = ttt_loss(head, f, torch.softmax(logits, -1), ids, torch.tensor([30]), 4)
     assert loss.item() > 0 and len(per_step) == 4
@@ -134,7 +142,7 @@ def test_batched_proposals_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
         for k, s in seqs.items():
             d.start(k, s[:5], SamplingParams(), None)
         d.observe("a", [], feats["a"][:4])
-        d.observe("b", [], feats["b"][:4])          # "c" has no features yet: an empty draft
+        d.observe("b", [], feats["b"][:4])  # "c" has no features yet: an empty draft
     budgets = {"a": 4, "b": 3, "c": 4}
     pos = {"a": 4, "b": 4}
     for cycle in range(3):
@@ -142,11 +150,11 @@ def test_batched_proposals_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
         batched = dict(zip(budgets, (d.token_ids for d in many.propose_batch(list(budgets.items())))))
         assert batched == singles, cycle
         assert len(singles["a"]) == 4 and len(singles["b"]) == 3 and singles["c"] == []
-        n = 2 if cycle != 1 else 0                 # cycle 1 commits nothing to "b": recompute path
+        n = 2 if cycle != 1 else 0  # cycle 1 commits nothing to "b": recompute path
         for d in (one, many):
-            d.observe("a", seqs["a"][pos["a"] + 1:pos["a"] + 3], feats["a"][pos["a"]:pos["a"] + 2])
+            d.observe("a", seqs["a"][pos["a"] + 1 : pos["a"] + 3], feats["a"][pos["a"] : pos["a"] + 2])
             if n:
-                d.observe("b", seqs["b"][pos["b"] + 1:pos["b"] + 1 + n], feats["b"][pos["b"]:pos["b"] + n])
+                d.observe("b", seqs["b"][pos["b"] + 1 : pos["b"] + 1 + n], feats["b"][pos["b"] : pos["b"] + n])
         pos["a"] += 2
         pos["b"] += n
 
@@ -160,10 +168,10 @@ def test_dynamic_chain_length_cuts_after_first_doubted_token(tiny_dirs, tiny_eag
     def drafter(min_confidence: float) -> Eagle3Drafter:
         d = Eagle3Drafter(head, min_confidence)
         d.start("r", seq, SamplingParams(), None)
-        d.observe("r", [], f[:len(seq) - 1])
+        d.observe("r", [], f[: len(seq) - 1])
         return d
 
-    full, picks = drafter(1e-9), []   # a cut this low never fires; it makes _pick report max q
+    full, picks = drafter(1e-9), []  # a cut this low never fires; it makes _pick report max q
     pick = full._pick
     full._pick = lambda st, lg, drafted, state=None: picks.append(pick(st, lg, drafted, state)) or picks[-1]
     chain = full.propose("r", 8).token_ids
@@ -187,7 +195,7 @@ def test_heldout_agreement_compares_each_chain_position_with_the_targets_next_gr
         _, hidden = target.forward_train(ids, capture=head.aux_layers)
         steps = {j: lg[0].argmax(-1) for j, lg in ttt_unroll(head, torch.cat(hidden, -1), ids, 3)}
     agreeing = torch.full((1, 30, 8192), -1.0)
-    agreeing[0, torch.arange(1, 30), steps[0][:29]] = 1.0   # argmax at i+1 = the head's step-0 token at i
+    agreeing[0, torch.arange(1, 30), steps[0][:29]] = 1.0  # argmax at i+1 = the head's step-0 token at i
 
     class Agreeing:
         def forward_train(self, x, capture=()):
@@ -196,7 +204,7 @@ def test_heldout_agreement_compares_each_chain_position_with_the_targets_next_gr
     got = heldout_agreement(head, Agreeing(), [seq], 3)
     assert got[0] == 1.0
     for j in (1, 2):  # later positions: the head's step-j tokens against the same shifted argmax
-        want = (steps[j][:29 - j] == steps[0][j:29]).float().mean().item()
+        want = (steps[j][: 29 - j] == steps[0][j:29]).float().mean().item()
         assert got[j] == round(want, 4)
 
 
@@ -212,7 +220,7 @@ def test_corpus_windows_are_evenly_spaced_slices_of_the_training_stream(monkeypa
     assert [len(w) for w in wins] == [512] * 4
     assert [w[0] for w in wins] == [0, 2372, 4744, 7116] and all(w == list(range(w[0], w[0] + 512)) for w in wins)
     assert corpus_windows(0) == []
-    shifted = corpus_windows(2048, width=512, offset=0.5)     # halfway between the unshifted windows
+    shifted = corpus_windows(2048, width=512, offset=0.5)  # halfway between the unshifted windows
     assert [w[0] for w in shifted] == [1186, 3558, 5930, 8302] and len(shifted[-1]) == 512
 
 
@@ -289,8 +297,14 @@ def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_p
     agree, chain = chain_agreement(head, target, seqs, 4)
     assert len(agree) == len(chain) == 4 and chain[0] == agree[0]
     assert all(a >= b for a, b in zip(chain, chain[1:])) and all(c <= a for c, a in zip(chain, agree))
-    row = {"head": "h", "ttt_steps": 4, "train_tokens": 10, "agreement_per_position": agree,
-           "chain_acceptance_per_position": chain, "mean_accepted_length": sum(chain)}
+    row = {
+        "head": "h",
+        "ttt_steps": 4,
+        "train_tokens": 10,
+        "agreement_per_position": agree,
+        "chain_acceptance_per_position": chain,
+        "mean_accepted_length": sum(chain),
+    }
     assert "| `h` | 4 | — | 10 |" in table([row], "x", 3, "cmd")
     row.update(draft_vocab=2048, corpus_tokens=6, train_tokens=16)
     assert "| `h` | 4 | 2,048 | 16 (6) |" in table([row], "x", 3, "cmd")
@@ -299,10 +313,10 @@ def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_p
 def test_draft_vocabulary_is_the_most_frequent_next_tokens():
     from training.eagle3 import draft_vocabulary
 
-    seqs = [[9, 5, 5, 5, 7, 7, 3], [5, 4, 4, 3]]     # next tokens: 5×3, then 3, 4, 7 ×2 (first tokens are no labels)
-    assert draft_vocabulary(seqs, 2, 16).tolist() == [3, 5]      # ties go to the lower id
+    seqs = [[9, 5, 5, 5, 7, 7, 3], [5, 4, 4, 3]]  # next tokens: 5×3, then 3, 4, 7 ×2 (first tokens are no labels)
+    assert draft_vocabulary(seqs, 2, 16).tolist() == [3, 5]  # ties go to the lower id
     assert draft_vocabulary(seqs, 3, 16).tolist() == [3, 4, 5]
-    assert draft_vocabulary(seqs, 5, 16).tolist() == [0, 3, 4, 5, 7]   # an unseen id fills the last place
+    assert draft_vocabulary(seqs, 5, 16).tolist() == [0, 3, 4, 5, 7]  # an unseen id fills the last place
 
 
 def test_reduced_draft_vocabulary_maps_to_target_ids_and_stays_lossless(tiny_dirs, tmp_path):
@@ -328,8 +342,9 @@ def test_reduced_draft_vocabulary_maps_to_target_ids_and_stays_lossless(tiny_dir
     assert again.greedy(logits) == int(ids[logits.argmax()])
     full = again.target_logits(logits)
     assert int(full.argmax()) == again.greedy(logits) and torch.isinf(full[~again.t2d]).all()
-    eng = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tmp_path / "h", eagle3_k=3,
-                              max_new_tokens_limit=200))
+    eng = Engine(
+        EngineConfig(target=tiny_dirs[0], draft=None, eagle3=tmp_path / "h", eagle3_k=3, max_new_tokens_limit=200)
+    )
     allowed = set(ids.tolist())
     for text in ["def add(a, b):\n", "x = [1, 2"]:
         p = eng.encode(text)
@@ -340,10 +355,10 @@ def test_reduced_draft_vocabulary_maps_to_target_ids_and_stays_lossless(tiny_dir
     p = eng.encode("import os\n")
     f = features(target, p, again.aux_layers)
     drafter.start("s", p, SamplingParams(0.9, 1.0, 0, 5), torch.Generator().manual_seed(0))
-    drafter.observe("s", [], f[:len(p) - 1])
+    drafter.observe("s", [], f[: len(p) - 1])
     d = drafter.propose("s", 3)
     assert d.token_ids and set(d.token_ids) <= allowed
-    assert float(d.probs[:, ~again.t2d].sum()) == 0.0     # q lives on the draft vocabulary
+    assert float(d.probs[:, ~again.t2d].sum()) == 0.0  # q lives on the draft vocabulary
 
 
 def test_packed_head_equals_fp32_head(tiny_dirs, tiny_eagle3):
@@ -355,7 +370,7 @@ def test_packed_head_equals_fp32_head(tiny_dirs, tiny_eagle3):
     packed = Eagle3Head.from_pretrained(tiny_eagle3, target.embed_tokens.weight)
     for m in (ref, packed):
         for p in m.parameters():
-            p.data = p.data.half().float()        # what an fp16 checkpoint loads as
+            p.data = p.data.half().float()  # what an fp16 checkpoint loads as
     assert pack_linears(packed) > 0 and packed.midlayer.self_attn.qkv is not None
     h, toks = torch.randn(1, 5, 64), torch.randint(0, 8192, (1, 5))
     with torch.no_grad():
@@ -417,7 +432,7 @@ def test_draft_tree_children_are_the_heads_topk_along_each_branch(tiny_dirs, tin
     check_tree(draft.parents)
     assert draft.is_tree and len(draft) == 10
     main = [draft.token_ids[i] for i in main_chain(draft.parents)]
-    assert main == greedy[:len(main)] and len(main) >= 2
+    assert main == greedy[: len(main)] and len(main) >= 2
     kids: dict[int, list[int]] = {}
     for i, p in enumerate(draft.parents):
         kids.setdefault(p, []).append(i)
@@ -438,7 +453,7 @@ def test_draft_tree_children_are_the_heads_topk_along_each_branch(tiny_dirs, tin
             for depth, tok in enumerate(branch(node), start=1):
                 logits, out = head.step(out, torch.tensor([[tok]]), 18 + depth, cache)
             top = torch.topk(logits[0, -1], 3).indices.tolist()
-            assert [draft.token_ids[c] for c in children] == top[:len(children)], node
+            assert [draft.token_ids[c] for c in children] == top[: len(children)], node
 
 
 def test_tree_methods_equal_vanilla_tiny(tiny_eagle_engine):
@@ -455,8 +470,10 @@ def test_tree_methods_equal_vanilla_tiny(tiny_eagle_engine):
             assert out["token_ids"] == van["token_ids"], (method, text)
         drafted += out["stats"]["draft_tokens"]
     assert drafted > 0
-    sampled = eng.generate(GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3-tree"))
-    assert len(sampled.result()["token_ids"]) == 20   # a sampled request verifies its trees by sampling
+    sampled = eng.generate(
+        GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3-tree")
+    )
+    assert len(sampled.result()["token_ids"]) == 20  # a sampled request verifies its trees by sampling
 
 
 def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
@@ -474,8 +491,8 @@ def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
     start = {"a": 5, "b": 9, "c": 30}
     for d in (one, many):
         for k, s in seqs.items():
-            d.start(k, s[:start[k]], SamplingParams(), None, trees=True)
-            d.observe(k, [], feats[k][:start[k] - 1])
+            d.start(k, s[: start[k]], SamplingParams(), None, trees=True)
+            d.observe(k, [], feats[k][: start[k] - 1])
     budgets = {"a": 8, "b": 3, "c": 6}
     pos = {k: start[k] - 1 for k in seqs}
     for cycle in range(3):
@@ -487,6 +504,5 @@ def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
         assert singles["a"].is_tree
         for d in (one, many):
             for k in seqs:
-                d.observe(k, seqs[k][pos[k] + 1:pos[k] + 3], feats[k][pos[k]:pos[k] + 2])
+                d.observe(k, seqs[k][pos[k] + 1 : pos[k] + 3], feats[k][pos[k] : pos[k] + 2])
         pos = {k: p + 2 for k, p in pos.items()}
-

@@ -2,6 +2,7 @@
 service's edges see gRPC and its generated code, the product never imports the benchmarks or the
 training scripts, and no two modules import each other, directly or round a circle (imports
 inside functions count: they are circles all the same; imports for annotations only do not)."""
+
 import ast
 from pathlib import Path
 
@@ -57,9 +58,12 @@ def within(name: str, roots: tuple[str, ...]) -> bool:
 @pytest.mark.parametrize("transport", list(EDGES), ids=lambda t: t[0])
 def test_each_transport_is_imported_only_at_its_edges(transport):
     allowed = EDGES[transport]
-    wrong = [f"{p.relative_to(ROOT)} imports {sorted(n for n in imports(p) if within(n, transport))}"
-             for p in PRODUCT if any(within(n, transport) for n in imports(p))
-             and not any(p.relative_to(ROOT / "services").match(g) for g in allowed)]
+    wrong = [
+        f"{p.relative_to(ROOT)} imports {sorted(n for n in imports(p) if within(n, transport))}"
+        for p in PRODUCT
+        if any(within(n, transport) for n in imports(p))
+        and not any(p.relative_to(ROOT / "services").match(g) for g in allowed)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -121,7 +125,6 @@ def test_the_shared_cycle_types_load_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, services.common.types, services.common.refusals; "
-            "print('torch' in sys.modules)")
+    code = "import sys, services.common.types, services.common.refusals; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

@@ -1,4 +1,5 @@
 """Our Llama forward against transformers, KV-cache consistency, checkpoint round trip."""
+
 import pytest
 import torch
 
@@ -40,9 +41,16 @@ def hf_tiny(tmp_path, cfg):
 def test_qwen2_biases_load(tmp_path):
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     hf = hf_tiny(tmp_path, cfg)
     ours = Llama.from_pretrained(tmp_path)
     x = torch.randint(0, 512, (1, 30))
@@ -57,9 +65,20 @@ def test_qwen3_and_mistral_logits_match_transformers(tmp_path):
 
     from services.common.packed_linear import fp16_gemm_available, pack_linears
 
-    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
-    for name, cfg in (("qwen3", Qwen3Config(head_dim=32, **shape)), ("mistral", MistralConfig(sliding_window=None, **shape))):
+    shape = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    for name, cfg in (
+        ("qwen3", Qwen3Config(head_dim=32, **shape)),
+        ("mistral", MistralConfig(sliding_window=None, **shape)),
+    ):
         hf = hf_tiny(tmp_path / name, cfg)
         ours = Llama.from_pretrained(tmp_path / name)
         assert ours.s.qk_norm == (name == "qwen3")
@@ -67,7 +86,7 @@ def test_qwen3_and_mistral_logits_match_transformers(tmp_path):
         with torch.no_grad():
             ref = hf(x).logits
             assert torch.allclose(ours.forward_train(x), ref, atol=1e-4), name
-            if fp16_gemm_available():   # packing needs fp16-exact weights: round them, on both sides
+            if fp16_gemm_available():  # packing needs fp16-exact weights: round them, on both sides
                 for m in (ours, hf):
                     for p in m.parameters():
                         p.copy_(p.half().float())
@@ -84,8 +103,14 @@ def test_checkpoints_this_forward_would_run_wrong_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import GPT2Config, MistralConfig, Qwen2Config
 
-    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=128)
+    shape = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
     hf_tiny(tmp_path / "gpt2", GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128))
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; .*llama, qwen2, qwen3, mistral"):
         Llama.from_pretrained(tmp_path / "gpt2")
@@ -98,7 +123,7 @@ def test_checkpoints_this_forward_would_run_wrong_are_refused(tmp_path):
     hf_tiny(tmp_path / "extra", Qwen2Config(**shape))
     f = tmp_path / "extra" / "model.safetensors"
     state = load_file(str(f))
-    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)   # a Qwen3 weight in a Qwen2 config
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)  # a Qwen3 weight in a Qwen2 config
     save_file(state, str(f), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"weights this Llama-family forward does not use \(layers.0.self_attn.q_norm"):
         Llama.from_pretrained(tmp_path / "extra")
@@ -146,9 +171,10 @@ def test_ragged_batch_equals_separate_forwards(tmp_path):
         for s, (p, _), ca, cb in zip(seqs, split, caches_a, caches_b):
             m(torch.tensor([s[:p]]), 0, ca)
             m(torch.tensor([s[:p]]), 0, cb)
-        ref = [m(torch.tensor([s[p:p + n]]), p, c, capture=(0, 1)) for s, (p, n), c in zip(seqs, split, caches_a)]
-        got, hidden = m.forward_ragged([s[p:p + n] for s, (p, n) in zip(seqs, split)], [p for p, _ in split],
-                                       caches_b, capture=(0, 1))
+        ref = [m(torch.tensor([s[p : p + n]]), p, c, capture=(0, 1)) for s, (p, n), c in zip(seqs, split, caches_a)]
+        got, hidden = m.forward_ragged(
+            [s[p : p + n] for s, (p, n) in zip(seqs, split)], [p for p, _ in split], caches_b, capture=(0, 1)
+        )
     for (lr, hr), lg, hg in zip(ref, got, hidden):
         assert torch.allclose(lr[0], lg, atol=1e-4)
         assert all(torch.allclose(a[0], b, atol=1e-5) for a, b in zip(hr, hg))
@@ -166,8 +192,9 @@ def test_last_only_and_tails_logits_are_the_last_rows(tmp_path):
         full, hf = m.forward_ragged(seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs], capture=(1,))
         last, _ = m.forward_ragged(seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs], last_only=True)
         one, _ = m.forward_ragged(seqs[:1], [0], [m.new_cache(capacity=16)], last_only=True)
-        tails, ht = m.forward_ragged(seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs], capture=(1,),
-                                     tails=[3, 1, 4])
+        tails, ht = m.forward_ragged(
+            seqs, [0, 0, 0], [m.new_cache(capacity=16) for _ in seqs], capture=(1,), tails=[3, 1, 4]
+        )
         one_tail, h1 = m.forward_ragged(seqs[:1], [0], [m.new_cache(capacity=16)], capture=(1,), tails=[2])
     assert [tuple(x.shape) for x in last] == [(1, 8192)] * 3 and one[0].shape == (1, 8192)
     for f, lg in zip(full, last):

@@ -1,4 +1,5 @@
 """The metrics catalog's per-cycle time split (services/common/metrics.py)."""
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -7,8 +8,10 @@ from services.router.engine import GenerationRequest
 
 
 def cycle_seconds(method: str) -> dict[str, float]:
-    return {p: REGISTRY.get_sample_value("specmesh_cycle_seconds_total", {"method": method, "part": p}) or 0.0
-            for p in CYCLE_PARTS}
+    return {
+        p: REGISTRY.get_sample_value("specmesh_cycle_seconds_total", {"method": method, "part": p}) or 0.0
+        for p in CYCLE_PARTS
+    }
 
 
 @pytest.mark.parametrize("method", ["vanilla", "sd", "suffix"])
@@ -23,5 +26,5 @@ def test_cycle_seconds_split_a_request_into_draft_verify_and_other(tiny_engine, 
     assert delta["draft"] == pytest.approx(st["draft_s"], abs=1e-3)
     assert delta["verify"] == pytest.approx(st["verify_s"], abs=1e-3) and delta["verify"] > 0
     assert delta["other"] > 0 and sum(delta.values()) <= st["wall_s"] + 1e-3
-    if method == "sd":   # the draft LM drafts on the verifier
+    if method == "sd":  # the draft LM drafts on the verifier
         assert delta["draft"] > 0.1 * delta["verify"]

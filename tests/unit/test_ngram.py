@@ -1,4 +1,5 @@
 """The prompt-lookup (ngram) drafter: vLLM's rule, against a brute-force search."""
+
 import random
 
 import pytest
@@ -12,10 +13,10 @@ def brute(tokens: list[int], cfg: NgramConfig, budget: int) -> list[int]:
     after its earliest one."""
     end = len(tokens)
     for n in range(min(cfg.max_n, end - 1), cfg.min_n - 1, -1):
-        suffix = tokens[end - n:]
+        suffix = tokens[end - n :]
         for i in range(end - n):
-            if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + min(cfg.k, budget)]
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + min(cfg.k, budget)]
     return []
 
 

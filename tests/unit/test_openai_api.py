@@ -1,5 +1,6 @@
 """OpenAI request bodies → GenerationRequests: defaults, field forms, refusals (a stand-in
 engine: encode is a byte tokenizer)."""
+
 import json
 from types import SimpleNamespace
 
@@ -16,12 +17,12 @@ class Engine:
     context_len = 1024
     cfg = SimpleNamespace(max_new_tokens_limit=512)
     tokenizer = None
-    truncate = RealEngine.truncate   # reads context_len only
-    bad_word_ids = RealEngine.bad_word_ids   # calls encode only
+    truncate = RealEngine.truncate  # reads context_len only
+    bad_word_ids = RealEngine.bad_word_ids  # calls encode only
 
     @staticmethod
     def encode(text: str, add_special_tokens: bool = False) -> list[int]:
-        return [0] * add_special_tokens + list(text.encode())   # 0: its BOS token
+        return [0] * add_special_tokens + list(text.encode())  # 0: its BOS token
 
 
 def parse(**body):
@@ -31,13 +32,19 @@ def parse(**body):
 def test_defaults_are_openais():
     api = parse(prompt="ab")
     (g,) = api.gens
-    assert g.prompt_ids == [0, 97, 98] and g.max_new_tokens == 16 and g.sampling.temperature == 1.0   # BOS: vLLM's
+    assert g.prompt_ids == [0, 97, 98] and g.max_new_tokens == 16 and g.sampling.temperature == 1.0  # BOS: vLLM's
     assert g.method == "hybrid" and g.n == 1 and g.logprobs is None and not api.stream and api.model == "m"
 
 
-@pytest.mark.parametrize("prompt, ids, plain", [
-    ("a", [[0, 97]], [[97]]), (["a", "b"], [[0, 97], [0, 98]], [[97], [98]]), ([5, 6], [[5, 6]], [[5, 6]]),
-    ([[5], [6, 7]], [[5], [6, 7]], [[5], [6, 7]])])
+@pytest.mark.parametrize(
+    "prompt, ids, plain",
+    [
+        ("a", [[0, 97]], [[97]]),
+        (["a", "b"], [[0, 97], [0, 98]], [[97], [98]]),
+        ([5, 6], [[5, 6]], [[5, 6]]),
+        ([[5], [6, 7]], [[5], [6, 7]], [[5], [6, 7]]),
+    ],
+)
 def test_prompt_forms(prompt, ids, plain):
     """Text takes the tokenizer's special tokens unless add_special_tokens is false; ids are as given."""
     assert [g.prompt_ids for g in parse(prompt=prompt).gens] == ids
@@ -49,9 +56,21 @@ def test_batched_prompts_get_distinct_request_ids():
 
 
 def test_sampling_fields_and_vllm_extras():
-    (g,) = parse(prompt="a", temperature=0, top_p=0.5, top_k=-1, seed=3, stop="x", logit_bias={"7": -100},
-                 repetition_penalty=1.2, min_tokens=2, stop_token_ids=[1], allowed_token_ids=[1, 2],
-                 logprobs=2, method="sd").gens
+    (g,) = parse(
+        prompt="a",
+        temperature=0,
+        top_p=0.5,
+        top_k=-1,
+        seed=3,
+        stop="x",
+        logit_bias={"7": -100},
+        repetition_penalty=1.2,
+        min_tokens=2,
+        stop_token_ids=[1],
+        allowed_token_ids=[1, 2],
+        logprobs=2,
+        method="sd",
+    ).gens
     sp = g.sampling
     assert parse(prompt="a", bad_words=["hi"]).gens[0].sampling.bad_words == ((32, 104, 105), (104, 105))
     assert (sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.repetition_penalty) == (0.0, 0.5, 0, 3, 1.2)
@@ -61,36 +80,49 @@ def test_sampling_fields_and_vllm_extras():
 
 def test_structured_output_forms():
     schema = {"type": "object"}
-    assert parse(prompt="a", response_format={"type": "json_object"}).gens[0].structured == StructuredOutput(json_object=True)
-    assert parse(prompt="a", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-                 ).gens[0].structured == StructuredOutput(json_schema=json.dumps(schema))
+    assert parse(prompt="a", response_format={"type": "json_object"}).gens[0].structured == StructuredOutput(
+        json_object=True
+    )
+    assert parse(
+        prompt="a", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    ).gens[0].structured == StructuredOutput(json_schema=json.dumps(schema))
     assert parse(prompt="a", response_format={"type": "text"}).gens[0].structured is None
-    assert parse(prompt="a", structured_outputs={"choice": ["y", "n"]}).gens[0].structured == StructuredOutput(choice=("y", "n"))
+    assert parse(prompt="a", structured_outputs={"choice": ["y", "n"]}).gens[0].structured == StructuredOutput(
+        choice=("y", "n")
+    )
     assert parse(prompt="a", structured_outputs={"regex": "a+"}).gens[0].structured == StructuredOutput(regex="a+")
 
 
-@pytest.mark.parametrize("body, match", [
-    ({"prompt": "a", "temperture": 1}, r"^temperture: unknown field"),
-    ({}, r"^prompt: required"),
-    ({"prompt": {"x": 1}}, r"^prompt: must be"),
-    ({"prompt": "a", "max_tokens": "5"}, r"^max_tokens: must be an integer"),
-    ({"prompt": "a", "n": True}, r"^n: must be an integer"),
-    ({"prompt": "a", "stream": "yes"}, r"^stream: must be true or false"),
-    ({"prompt": "a", "stop": [1]}, r"^stop: must be a string or a list of strings"),
-    ({"prompt": "a", "logit_bias": {"a": 1}}, r"^logit_bias: keys must be token ids"),
-    ({"prompt": "a", "logit_bias": {"1": True}}, r"^logit_bias: values must be numbers"),
-    ({"prompt": "a", "suffix": "b"}, r"^suffix: not supported"),
-    ({"prompt": "a", "bad_words": ["x", 1]}, r"^bad_words: must be a list of strings"),
-    ({"prompt": "a", "n": 3, "best_of": 2}, r"^best_of: must be at least n \(3\)"),
-    ({"prompt": "a", "best_of": "2"}, r"^best_of: must be an integer"),
-    ({"prompt": "a", "seed": -1}, r"^seed: must be in"),
-    ({"prompt": ["a"] * 17}, r"^prompt: at most 16 prompts"),
-    ({"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, r"^structured_outputs: set exactly one"),
-    ({"prompt": "a", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
-     r"^structured_outputs: set either"),
-    ({"prompt": "a", "response_format": {"type": "json_schema"}}, r"^response_format: json_schema needs"),
-    ({"prompt": "a", "stream_options": {"include_usage": True}}, r"^stream_options: only allowed when stream"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"prompt": "a", "temperture": 1}, r"^temperture: unknown field"),
+        ({}, r"^prompt: required"),
+        ({"prompt": {"x": 1}}, r"^prompt: must be"),
+        ({"prompt": "a", "max_tokens": "5"}, r"^max_tokens: must be an integer"),
+        ({"prompt": "a", "n": True}, r"^n: must be an integer"),
+        ({"prompt": "a", "stream": "yes"}, r"^stream: must be true or false"),
+        ({"prompt": "a", "stop": [1]}, r"^stop: must be a string or a list of strings"),
+        ({"prompt": "a", "logit_bias": {"a": 1}}, r"^logit_bias: keys must be token ids"),
+        ({"prompt": "a", "logit_bias": {"1": True}}, r"^logit_bias: values must be numbers"),
+        ({"prompt": "a", "suffix": "b"}, r"^suffix: not supported"),
+        ({"prompt": "a", "bad_words": ["x", 1]}, r"^bad_words: must be a list of strings"),
+        ({"prompt": "a", "n": 3, "best_of": 2}, r"^best_of: must be at least n \(3\)"),
+        ({"prompt": "a", "best_of": "2"}, r"^best_of: must be an integer"),
+        ({"prompt": "a", "seed": -1}, r"^seed: must be in"),
+        ({"prompt": ["a"] * 17}, r"^prompt: at most 16 prompts"),
+        (
+            {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            r"^structured_outputs: set exactly one",
+        ),
+        (
+            {"prompt": "a", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            r"^structured_outputs: set either",
+        ),
+        ({"prompt": "a", "response_format": {"type": "json_schema"}}, r"^response_format: json_schema needs"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, r"^stream_options: only allowed when stream"),
+    ],
+)
 def test_refusals_name_the_field(body, match):
     with pytest.raises(InvalidRequest, match=match):
         oa.completion_request(body, Engine(), "m")
@@ -130,5 +162,9 @@ def test_legacy_logprobs_offsets_follow_the_token_texts():
 
     tok = SimpleNamespace(decode=lambda ids: {1: "ab", 2: "c", 3: "z"}[ids[0]])
     out = oa.completion_logprobs(tok, [TokenLogprob(1, -0.1, ((1, -0.1), (3, -2.0))), TokenLogprob(2, -0.2)], 5)
-    assert out == {"tokens": ["ab", "c"], "token_logprobs": [-0.1, -0.2],
-                   "top_logprobs": [{"ab": -0.1, "z": -2.0}, {}], "text_offset": [5, 7]}
+    assert out == {
+        "tokens": ["ab", "c"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"ab": -0.1, "z": -2.0}, {}],
+        "text_offset": [5, 7],
+    }

@@ -16,12 +16,15 @@ def onehot_logits(targets, vocab=10):
     return x
 
 
-@pytest.mark.parametrize("draft,target,accepted,tokens", [
-    ([1, 2, 3], [1, 2, 3, 4], 3, [1, 2, 3, 4]),        # all accepted + bonus
-    ([1, 2, 3], [1, 5, 3, 4], 1, [1, 5]),              # correction at the first mismatch
-    ([7, 2, 3], [1, 2, 3, 4], 0, [1]),                 # nothing accepted
-    ([], [6], 0, [6]),                                 # no draft: one plain step
-])
+@pytest.mark.parametrize(
+    "draft,target,accepted,tokens",
+    [
+        ([1, 2, 3], [1, 2, 3, 4], 3, [1, 2, 3, 4]),  # all accepted + bonus
+        ([1, 2, 3], [1, 5, 3, 4], 1, [1, 5]),  # correction at the first mismatch
+        ([7, 2, 3], [1, 2, 3, 4], 0, [1]),  # nothing accepted
+        ([], [6], 0, [6]),  # no draft: one plain step
+    ],
+)
 def test_exact_greedy(draft, target, accepted, tokens):
     v = exact_greedy(Draft(draft), onehot_logits(target), GREEDY, torch.Generator())
     assert (v.accepted, v.tokens) == (accepted, tokens)
@@ -77,6 +80,6 @@ def test_greedy_ids_equal_torch_argmax_including_ties():
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 8192, generator=g)
-    logits[2, 10] = logits[2, 4000] = logits[2].max() + 1   # a tie: the first maximum wins
+    logits[2, 10] = logits[2, 4000] = logits[2].max() + 1  # a tie: the first maximum wins
     assert greedy_ids(logits) == logits.argmax(-1).tolist() and greedy_ids(logits)[2] == 10
     assert greedy_ids(logits[3:]) == logits[3:].argmax(-1).tolist()  # a view, as verify returns

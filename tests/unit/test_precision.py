@@ -1,4 +1,5 @@
 """bf16 autocast for training: where it is used, and what it changes."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Pre-training helpers: resumable batches, the LR schedule, and warm start from published weights."""
+
 import json
 
 import numpy as np
@@ -46,16 +47,31 @@ def test_warm_start_continues_from_published_weights(tmp_path, tiny_dirs, monkey
     monkeypatch.setattr(pt, "encode_corpus", fake_encode)
     monkeypatch.setattr(pt, "build_model", fake_build)
     monkeypatch.setattr(pt, "SEQ_LEN", 64)
-    args = pt.argparse.Namespace(preset="draft", tokens=64 * 8 * 44, threads=1, work_dir=tmp_path / "work",
-                                 tokenizer=tiny_dirs[0], out=tmp_path / "out", ckpt_minutes=100, log_every=1,
-                                 compile=False, warm_start=published, device="cpu", batch=8,
-                                 max_minutes=0.0, bf16="auto")
+    args = pt.argparse.Namespace(
+        preset="draft",
+        tokens=64 * 8 * 44,
+        threads=1,
+        work_dir=tmp_path / "work",
+        tokenizer=tiny_dirs[0],
+        out=tmp_path / "out",
+        ckpt_minutes=100,
+        log_every=1,
+        compile=False,
+        warm_start=published,
+        device="cpu",
+        batch=8,
+        max_minutes=0.0,
+        bf16="auto",
+    )
     pt.train(args)
     state = json.loads((tmp_path / "out" / "training_state.json").read_text())
     assert seen["built"] and state["step"] == 44  # continued at 42, ran the last 2 steps
     # A published model already at (or past) the budget, or distilled since, is left alone.
-    for published_state in ({"step": 44, "train_minutes": 3.0}, {"step": 10, "train_minutes": 1.0, "distill": {}},
-                            {"step": 10, "train_minutes": 1.0, "final": True}):
+    for published_state in (
+        {"step": 44, "train_minutes": 3.0},
+        {"step": 10, "train_minutes": 1.0, "distill": {}},
+        {"step": 10, "train_minutes": 1.0, "final": True},
+    ):
         (published / "training_state.json").write_text(json.dumps(published_state))
         pt.train(pt.argparse.Namespace(**{**vars(args), "out": tmp_path / "untouched", "work_dir": tmp_path / "w2"}))
         assert not (tmp_path / "untouched").exists()

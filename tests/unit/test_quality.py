@@ -3,7 +3,15 @@ from bench.quality import parses, token_agreement, token_kind
 
 def test_token_kinds():
     assert [token_kind(s) for s in ("  ", "\n", "):", " 42", " 'a", " name", " if", " a.b")] == [
-        "whitespace", "whitespace", "punctuation", "literal", "literal", "identifier", "identifier", "other"]
+        "whitespace",
+        "whitespace",
+        "punctuation",
+        "literal",
+        "literal",
+        "identifier",
+        "identifier",
+        "other",
+    ]
 
 
 def test_parses_trims_a_cut_last_line_but_not_real_errors():

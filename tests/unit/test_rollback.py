@@ -1,4 +1,5 @@
 """Rollback: after a partially accepted draft, the KV caches behave as if built from scratch."""
+
 import torch
 
 from services.common.llama import Llama
@@ -62,7 +63,7 @@ def test_dynamic_draft_length_cuts_after_first_doubted_token(tiny_dirs):
     full.start("r", prompt, sp, torch.Generator())
     chain = full.propose("r", 8).token_ids
     with torch.no_grad():
-        probs = torch.softmax(model.forward_train(torch.tensor([prompt + chain]))[0, len(prompt) - 1:-1], -1)
+        probs = torch.softmax(model.forward_train(torch.tensor([prompt + chain]))[0, len(prompt) - 1 : -1], -1)
     p_max = probs.max(-1).values.tolist()
     threshold = sorted(p_max)[len(p_max) // 2]
     cut = next(i for i, p in enumerate(p_max) if p < threshold) + 1

@@ -31,7 +31,7 @@ def test_min_p_drops_tokens_below_its_share_of_the_most_likely_after_temperature
         assert (p[:kept] > 0).all() and (p[kept:] == 0).all()
         assert torch.allclose(p[:kept], full[:kept] / full[:kept].sum())
     assert probs_from_logits(x, SamplingParams(temperature=1.0, min_p=1.0))[0] == 1.0
-    both = probs_from_logits(x, SamplingParams(temperature=2.0, min_p=0.2, top_k=3))   # then top-k
+    both = probs_from_logits(x, SamplingParams(temperature=2.0, min_p=0.2, top_k=3))  # then top-k
     assert (both[:3] > 0).all() and (both[3:] == 0).all()
     assert sampling_error(SamplingParams(min_p=0.5)) is None
     for bad in (-0.1, 1.5, float("nan")):
@@ -74,7 +74,7 @@ def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context(
     got = apply_penalties(logits, prompt + output, len(prompt), draft, sp)
     for i in range(len(draft) + 1):
         out = output + draft[:i]
-        ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompt + out]), logits[i:i + 1].clone())[0]
+        ref = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompt + out]), logits[i : i + 1].clone())[0]
         counts = torch.bincount(torch.tensor(out), minlength=vocab).float()
         ref = ref - 0.25 * counts - 0.5 * (counts > 0).float()
         assert torch.allclose(got[i], ref), i
@@ -102,7 +102,7 @@ def test_apply_bias_adds_and_masks_by_token_id_also_over_draft_columns():
     x = apply_bias(torch.zeros(2, 8), sp)
     assert x[0].tolist() == [float("-inf"), 0.0, float("-inf"), 2.0, float("-inf"), float("-inf"), float("-inf"), -1.0]
     assert torch.equal(x[0], x[1])
-    cols = torch.tensor([3, 5, 7])   # a draft vocabulary: its columns are these token ids
+    cols = torch.tensor([3, 5, 7])  # a draft vocabulary: its columns are these token ids
     assert apply_bias(torch.zeros(3), sp, cols).tolist() == [2.0, float("-inf"), -1.0]
 
 
@@ -113,7 +113,7 @@ def test_banned_tokens_and_ban_columns_on_a_draft_vocabulary():
     assert banned_tokens([1, 7], words) == [5, 8]
     assert banned_tokens([2, 7], words) == [5, 8, 9]
     assert banned_tokens([], words) == [5]
-    row = ban_columns(torch.zeros(4), [8, 5, 3], torch.tensor([1, 5, 8, 9]))   # columns' target ids
+    row = ban_columns(torch.zeros(4), [8, 5, 3], torch.tensor([1, 5, 8, 9]))  # columns' target ids
     assert row.tolist() == [0.0, float("-inf"), float("-inf"), 0.0]
     assert ban_columns(torch.zeros(6), [2, 4], None).isinf().nonzero().flatten().tolist() == [2, 4]
 
@@ -125,6 +125,8 @@ def test_bad_words_ban_a_words_last_token_where_the_context_ends_with_the_rest()
     from services.common.sampling import ban_bad_words
 
     out = ban_bad_words(torch.zeros(4, 10), [1, 7], [2, 7, 3], ((5,), (7, 8), (2, 7, 9)))
-    banned = {(r, c) for r, c in zip(*torch.nonzero(out == float("-inf"), as_tuple=True)) for r, c in [(int(r), int(c))]}
-    assert banned == {(0, 5), (1, 5), (2, 5), (3, 5), (0, 8), (2, 8), (2, 9)}   # rows 0 and 2 follow a 7
+    banned = {
+        (r, c) for r, c in zip(*torch.nonzero(out == float("-inf"), as_tuple=True)) for r, c in [(int(r), int(c))]
+    }
+    assert banned == {(0, 5), (1, 5), (2, 5), (3, 5), (0, 8), (2, 8), (2, 9)}  # rows 0 and 2 follow a 7
     assert torch.equal(ban_bad_words(torch.zeros(2, 10), [1], [2], ((7, 8),)), torch.zeros(2, 10))

@@ -1,4 +1,5 @@
 """vLLM's --speculative-config read into the engine's configuration (services/common/speculative_config.py)."""
+
 import json
 import subprocess
 import sys
@@ -18,18 +19,41 @@ def apply(spec: dict) -> EngineConfig:
 
 def test_vllm_methods_map_to_ours_and_set_their_drafter():
     c = apply({"method": "eagle3", "model": str(models_dir() / "eagle3"), "num_speculative_tokens": 3})
-    assert (c.default_method, c.eagle3, c.eagle3_k, c.num_speculative_tokens) == ("eagle3", models_dir() / "eagle3", 3,
-                                                                                   BASE.num_speculative_tokens)
+    assert (c.default_method, c.eagle3, c.eagle3_k, c.num_speculative_tokens) == (
+        "eagle3",
+        models_dir() / "eagle3",
+        3,
+        BASE.num_speculative_tokens,
+    )
     c = apply({"method": "draft_model", "model": str(models_dir() / "draft"), "num_speculative_tokens": 6})
-    assert (c.default_method, c.draft, c.num_speculative_tokens, c.eagle3_k) == ("sd", models_dir() / "draft", 6, BASE.eagle3_k)
+    assert (c.default_method, c.draft, c.num_speculative_tokens, c.eagle3_k) == (
+        "sd",
+        models_dir() / "draft",
+        6,
+        BASE.eagle3_k,
+    )
     c = apply({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5})
     assert (c.default_method, c.ngram.min_n, c.ngram.max_n, c.ngram.k) == ("ngram", 1, 5, 3)
-    c = apply({"method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 32,
-               "suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_min_token_prob": 0.2,
-               "suffix_decoding_max_cached_requests": 0, "disable_by_batch_size": 8})
-    assert (c.default_method, c.suffix.spec.max_spec_tokens, c.suffix.max_depth, c.suffix.spec.max_spec_factor,
-            c.suffix.spec.min_token_prob, c.suffix.max_cached_requests, c.spec_disable_batch) == \
-        ("suffix", 24, 32, 2.0, 0.2, 0, 8)
+    c = apply(
+        {
+            "method": "suffix",
+            "num_speculative_tokens": 24,
+            "suffix_decoding_max_tree_depth": 32,
+            "suffix_decoding_max_spec_factor": 2.0,
+            "suffix_decoding_min_token_prob": 0.2,
+            "suffix_decoding_max_cached_requests": 0,
+            "disable_by_batch_size": 8,
+        }
+    )
+    assert (
+        c.default_method,
+        c.suffix.spec.max_spec_tokens,
+        c.suffix.max_depth,
+        c.suffix.spec.max_spec_factor,
+        c.suffix.spec.min_token_prob,
+        c.suffix.max_cached_requests,
+        c.spec_disable_batch,
+    ) == ("suffix", 24, 32, 2.0, 0.2, 0, 8)
 
 
 def test_specmesh_methods_pass_through_and_a_hybrid_takes_the_eagle3_keys():
@@ -38,32 +62,47 @@ def test_specmesh_methods_pass_through_and_a_hybrid_takes_the_eagle3_keys():
     assert apply({"method": "vanilla"}).default_method == "vanilla"
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"method": "medusa"}, r"method: 'medusa' is not supported; choose vLLM's eagle3"),
-    ({"method": "eagle"}, r"method: 'eagle' is not supported"),
-    ({"num_speculative_tokens": 3}, r"method: None is not supported"),
-    ({"method": "eagle3", "draft_tensor_parallel_size": 1}, r"unsupported key\(s\) draft_tensor_parallel_size"),
-    ({"method": "eagle3", "num_speculative_tokens": 0}, r"num_speculative_tokens: must be an integer >= 1, got 0"),
-    ({"method": "eagle3", "num_speculative_tokens": "4"}, r"num_speculative_tokens: must be an integer >= 1"),
-    ({"method": "eagle3", "model": "/nonexistent"}, r"model: /nonexistent holds no config.json"),
-    ({"method": "ngram", "model": "x"}, r"model: method 'ngram' drafts with no model"),
-    ({"method": "vanilla", "num_speculative_tokens": 2}, r"method 'vanilla' drafts nothing"),
-    ({"method": "eagle3", "prompt_lookup_min": 2}, r"prompt_lookup_min/max: only with method ngram"),
-    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, r"prompt_lookup_max: must be an integer >= 3"),
-    ({"method": "eagle3", "suffix_decoding_max_tree_depth": 8}, r"suffix_decoding_\*: only with methods that draft"),
-    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, r"min_token_prob: must be in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"method": "medusa"}, r"method: 'medusa' is not supported; choose vLLM's eagle3"),
+        ({"method": "eagle"}, r"method: 'eagle' is not supported"),
+        ({"num_speculative_tokens": 3}, r"method: None is not supported"),
+        ({"method": "eagle3", "draft_tensor_parallel_size": 1}, r"unsupported key\(s\) draft_tensor_parallel_size"),
+        ({"method": "eagle3", "num_speculative_tokens": 0}, r"num_speculative_tokens: must be an integer >= 1, got 0"),
+        ({"method": "eagle3", "num_speculative_tokens": "4"}, r"num_speculative_tokens: must be an integer >= 1"),
+        ({"method": "eagle3", "model": "/nonexistent"}, r"model: /nonexistent holds no config.json"),
+        ({"method": "ngram", "model": "x"}, r"model: method 'ngram' drafts with no model"),
+        ({"method": "vanilla", "num_speculative_tokens": 2}, r"method 'vanilla' drafts nothing"),
+        ({"method": "eagle3", "prompt_lookup_min": 2}, r"prompt_lookup_min/max: only with method ngram"),
+        (
+            {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            r"prompt_lookup_max: must be an integer >= 3",
+        ),
+        (
+            {"method": "eagle3", "suffix_decoding_max_tree_depth": 8},
+            r"suffix_decoding_\*: only with methods that draft",
+        ),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, r"min_token_prob: must be in \[0, 1\]"),
+    ],
+)
 def test_a_bad_config_is_refused_naming_the_key(spec, message):
     with pytest.raises(ValueError, match=message):
         apply(spec)
 
 
 def test_serve_refuses_a_bad_speculative_config_before_loading_models():
-    for arg, message in (('{"method": "medusa"}', "speculative_config.method: 'medusa' is not supported"),
-                         ("{method: eagle3}", "--speculative-config: not valid JSON"),
-                         (json.dumps(["eagle3"]), "--speculative-config: must be a JSON object")):
-        out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--speculative-config", arg],
-                             capture_output=True, text=True, timeout=120)
+    for arg, message in (
+        ('{"method": "medusa"}', "speculative_config.method: 'medusa' is not supported"),
+        ("{method: eagle3}", "--speculative-config: not valid JSON"),
+        (json.dumps(["eagle3"]), "--speculative-config: must be a JSON object"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", "serve", "--speculative-config", arg],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode != 0 and message in out.stderr, out.stderr[-500:]
 
 
@@ -83,13 +122,20 @@ def test_an_engine_says_once_when_its_default_method_cannot_run(tiny_dirs, caplo
 
     target, draft = tiny_dirs
     with caplog.at_level("WARNING", logger="specmesh.engine"):
-        engine = Engine(EngineConfig(target=target, draft=draft, eagle3=None, predictor=None, ocm_snapshot=None,
-                                     default_method="eagle3"))
+        engine = Engine(
+            EngineConfig(
+                target=target, draft=draft, eagle3=None, predictor=None, ocm_snapshot=None, default_method="eagle3"
+            )
+        )
     assert engine.default_method == "sd"
     assert [r.getMessage() for r in caplog.records if r.name == "specmesh.engine"] == [
-        "default method eagle3 cannot run on these models (a drafter is missing); requests that name no method get sd"]
+        "default method eagle3 cannot run on these models (a drafter is missing); requests that name no method get sd"
+    ]
     caplog.clear()
     with caplog.at_level("WARNING", logger="specmesh.engine"):
-        Engine(EngineConfig(target=target, draft=draft, eagle3=None, predictor=None, ocm_snapshot=None,
-                            default_method="suffix"))
+        Engine(
+            EngineConfig(
+                target=target, draft=draft, eagle3=None, predictor=None, ocm_snapshot=None, default_method="suffix"
+            )
+        )
     assert not [r for r in caplog.records if r.name == "specmesh.engine"]

@@ -1,4 +1,5 @@
 """Structured output: patterns, token bytes, the token automaton and its row masks."""
+
 import json
 import re
 
@@ -49,7 +50,7 @@ def test_eos_only_where_the_match_is_whole(tok, compiler):
     assert not g.allowed(one)[tok.eos_token_id] and not g.allowed(g.initial)[tok.eos_token_id]
     two = g.walk(g.initial, encode(tok, "42"))
     assert g.allowed(two)[tok.eos_token_id]
-    assert g.next(two, tok.eos_token_id) is None   # nothing follows the end
+    assert g.next(two, tok.eos_token_id) is None  # nothing follows the end
 
 
 def test_mask_rows_follow_the_draft_and_stop_at_a_forbidden_token(tok, compiler):
@@ -59,19 +60,22 @@ def test_mask_rows_follow_the_draft_and_stop_at_a_forbidden_token(tok, compiler)
     rows = g.mask_rows(logits, g.initial, [yes, x, yes])
     allowed0 = torch.isfinite(rows[0])
     assert allowed0[yes] and not allowed0[x] and not allowed0[comma]
-    assert torch.isfinite(rows[1][comma]) and not torch.isfinite(rows[1][yes])   # after "yes": the comma
-    assert torch.isfinite(rows[2]).all() and torch.isfinite(rows[3]).all()   # after the forbidden x: untouched
-    assert torch.isfinite(logits).all()   # the input is not changed
+    assert torch.isfinite(rows[1][comma]) and not torch.isfinite(rows[1][yes])  # after "yes": the comma
+    assert torch.isfinite(rows[2]).all() and torch.isfinite(rows[3]).all()  # after the forbidden x: untouched
+    assert torch.isfinite(logits).all()  # the input is not changed
 
 
-@pytest.mark.parametrize("spec,word", [
-    (StructuredOutput(), "exactly one"),
-    (StructuredOutput(regex="a", choice=("a",)), "exactly one"),
-    (StructuredOutput(json_schema="{not json"), "JSON schema"),
-    (StructuredOutput(json_schema='{"type": "nonsense"}'), "JSON schema"),
-    (StructuredOutput(choice=("a", "")), "non-empty"),
-    (StructuredOutput(regex="a" * 40000), "at most"),
-])
+@pytest.mark.parametrize(
+    "spec,word",
+    [
+        (StructuredOutput(), "exactly one"),
+        (StructuredOutput(regex="a", choice=("a",)), "exactly one"),
+        (StructuredOutput(json_schema="{not json"), "JSON schema"),
+        (StructuredOutput(json_schema='{"type": "nonsense"}'), "JSON schema"),
+        (StructuredOutput(choice=("a", "")), "non-empty"),
+        (StructuredOutput(regex="a" * 40000), "at most"),
+    ],
+)
 def test_bad_specs_say_what_to_fix(spec, word):
     with pytest.raises(GrammarError, match=word):
         spec.pattern()
@@ -91,8 +95,11 @@ def test_bad_regex_is_a_grammar_error_and_good_ones_are_cached(compiler):
 
 
 def test_schema_pattern_accepts_instances_only(tok, compiler):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "k": {"enum": ["a", "b"]}},
-              "required": ["n", "k"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "k": {"enum": ["a", "b"]}},
+        "required": ["n", "k"],
+    }
     g = compiler.compile(StructuredOutput(json_schema=json.dumps(schema)).pattern())
     good = g.walk(g.initial, encode(tok, '{"n": 12, "k": "b"}'))
     assert good is not None and g.allowed(good)[tok.eos_token_id]
@@ -110,17 +117,23 @@ def test_an_exploding_pattern_is_refused_in_time_and_the_worker_comes_back(tok):
         with pytest.raises(GrammarError, match="too complex"):
             compiler.compile(r"(    [ -~]{0,100}\n){1,16}")
         assert time.monotonic() - t < 10
-        g = compiler.compile(r"(    [^\n]*\n){1,16}")   # the unbounded form compiles at once
+        g = compiler.compile(r"(    [^\n]*\n){1,16}")  # the unbounded form compiles at once
         assert g.walk(g.initial, encode(tok, "    return x\n")) is not None
     finally:
         compiler.worker.close()
 
 
-@pytest.mark.parametrize("text,ok", [
-    ('{"a": [1, {"b": null}], "c": "x"}', False),   # an object inside an array: two levels
-    ('{"a": 1,\n    "b": [true, -2.5e3], "c": {"d": "e"}}', True),
-    ("{}", True), ('{"a": "q\\"x"}', True), ("[1]", False), ('{"a": 01}', False),
-])
+@pytest.mark.parametrize(
+    "text,ok",
+    [
+        ('{"a": [1, {"b": null}], "c": "x"}', False),  # an object inside an array: two levels
+        ('{"a": 1,\n    "b": [true, -2.5e3], "c": {"d": "e"}}', True),
+        ("{}", True),
+        ('{"a": "q\\"x"}', True),
+        ("[1]", False),
+        ('{"a": 01}', False),
+    ],
+)
 def test_json_object_accepts_objects_with_one_level_of_nesting(tok, compiler, text, ok):
     g = compiler.compile(StructuredOutput(json_object=True).pattern())
     state = g.walk(g.initial, encode(tok, text))
@@ -138,6 +151,6 @@ def test_masks_are_cached_per_state_up_to_the_limit(tok, compiler, monkeypatch):
     masks = []
     for digit in "1234567":
         masks.append(g.allowed(state))
-        assert g.allowed(state) is masks[-1]   # cached while in use
+        assert g.allowed(state) is masks[-1]  # cached while in use
         state = g.next(state, encode(tok, digit)[0])
     assert len(g._masks) == 3

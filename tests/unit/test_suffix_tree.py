@@ -1,4 +1,5 @@
 """Suffix tree against brute force: exact substring counts and greedy-path speculation."""
+
 import random
 from collections import Counter
 
@@ -48,7 +49,7 @@ def test_local_speculation_follows_most_frequent_children(seed):
     cand = tree.speculate(actives, 10, p)
     ref = substring_counts([seq], depth)
     assert cand.token_ids, "a 120-token sequence over 4 symbols always repeats its suffix"
-    pattern = seq[-cand.match_len:]
+    pattern = seq[-cand.match_len :]
     assert cand.match_len <= depth and len(cand.token_ids) <= min(10, cand.match_len)
     prob = 1.0
     for tok, pr in zip(cand.token_ids, cand.probs):

@@ -1,5 +1,6 @@
 """Token trees: the pure helpers, the tree forward against each branch's own forward, and
 the K/V of an accepted branch after commit."""
+
 import pytest
 import torch
 
@@ -38,17 +39,17 @@ def test_tree_helpers():
 
 
 def test_draft_chain_and_greedy_walk():
-    d = Draft([10, 11, 12, 13, 14, 15], TREE, token_probs=[.5, .4, .3, .2, .1, .05])
+    d = Draft([10, 11, 12, 13, 14, 15], TREE, token_probs=[0.5, 0.4, 0.3, 0.2, 0.1, 0.05])
     c = d.chain()
-    assert d.is_tree and not c.is_tree and c.token_ids == [10, 12, 15] and c.token_probs == [.5, .3, .05]
+    assert d.is_tree and not c.is_tree and c.token_ids == [10, 12, 15] and c.token_probs == [0.5, 0.3, 0.05]
     logits = torch.zeros(7, 32)
-    for row, tok in {0: 11, 2: 14, 5: 30}.items():   # row j + 1 follows node j
+    for row, tok in {0: 11, 2: 14, 5: 30}.items():  # row j + 1 follows node j
         logits[row, tok] = 1.0
     v = exact_greedy(d, logits, SamplingParams(), torch.Generator())
     assert v.path == (1, 4) and v.tokens == [11, 14, 30] and v.accepted == 2 and v.first_rejection is None
     logits[0] = 0
     logits[0, 10] = 1
-    logits[1, 20] = 1   # after node 0 the target wants 20: children 12, 13 both miss
+    logits[1, 20] = 1  # after node 0 the target wants 20: children 12, 13 both miss
     v = exact_greedy(d, logits, SamplingParams(), torch.Generator())
     assert v.path == (0,) and v.tokens == [10, 20] and v.first_rejection == (12, 20)
 
@@ -70,7 +71,7 @@ def test_tree_forward_equals_each_branch_and_commit_keeps_the_accepted_one(tiny_
     outs, _ = runner.step(items, [], [TREE] + ([None] if batched else []))
     logits = outs[0][0]
     assert torch.allclose(logits[0], fresh(model, prompt), atol=1e-4)
-    for node in range(len(TREE)):   # row node + 1: the branch from the root to that node
+    for node in range(len(TREE)):  # row node + 1: the branch from the root to that node
         branch, cur = [], node
         while cur >= 0:
             branch.insert(0, toks[cur])
@@ -97,8 +98,8 @@ def test_graft_adds_a_chain_under_the_root_sharing_what_the_tree_holds():
     toks = [10, 11, 12, 13, 14, 15]
     # 10 → 12 is in the tree; 99, 98 are new under node 2; the main chain stays first
     assert graft(toks, TREE, [10, 12, 99, 98], 16) == (toks + [99, 98], TREE + [2, 6])
-    assert graft(toks, TREE, [7, 8], 16) == (toks + [7, 8], TREE + [-1, 6])     # a new root child
-    assert graft(toks, TREE, [10, 12, 15], 16) == (toks, TREE)                   # all there already
-    assert graft(toks, TREE, [7, 8, 9], 7) == (toks + [7], TREE + [-1])          # cut at the limit
+    assert graft(toks, TREE, [7, 8], 16) == (toks + [7, 8], TREE + [-1, 6])  # a new root child
+    assert graft(toks, TREE, [10, 12, 15], 16) == (toks, TREE)  # all there already
+    assert graft(toks, TREE, [7, 8, 9], 7) == (toks + [7], TREE + [-1])  # cut at the limit
     assert graft([], [], [4, 5], 16) == ([4, 5], [-1, 0])
     assert main_chain(graft(toks, TREE, [7, 8], 16)[1]) == main_chain(TREE)

@@ -1,5 +1,6 @@
 """Sequence-level unlikelihood fine-tuning: which tokens are penalised, batched greedy
 continuations, and that the loss lowers the probability of a looping token."""
+
 import pytest
 import torch
 
@@ -18,15 +19,15 @@ from training.unlikelihood import (
 
 def test_cycle_mask_marks_the_second_repeat_of_a_period():
     assert not any(cycle_mask(list(range(40))))
-    seq = list(range(100, 110)) + [1, 2, 3, 4, 5] * 4   # period 5: max(2·5, 8) = 10 tokens needed
+    seq = list(range(100, 110)) + [1, 2, 3, 4, 5] * 4  # period 5: max(2·5, 8) = 10 tokens needed
     mask = cycle_mask(seq)
-    assert mask.index(True) == 10 + 10 - 1               # the 10th token of the cycle completes 2 periods
+    assert mask.index(True) == 10 + 10 - 1  # the 10th token of the cycle completes 2 periods
     assert all(mask[19:])
 
 
 def test_cycle_mask_short_periods_need_eight_tokens():
     seq = [9, 8] + [7] * 8
-    assert cycle_mask(seq) == [False] * 9 + [True]       # seven matches with period 1 = eight equal tokens
+    assert cycle_mask(seq) == [False] * 9 + [True]  # seven matches with period 1 = eight equal tokens
     assert not any(cycle_mask([9, 8] + [7] * 7))
 
 
@@ -90,9 +91,20 @@ def test_seq_rep_counts_repeated_four_grams_including_near_loops():
 
 
 def _round(step, total, lr, final, **extra):
-    return {"step": step, "total_steps": total, "lr": lr, "alpha": 1.0, "ul_batch": 16, "mle_batch": 8,
-            "continuation": 128, "monitor_prompts": 40, "train_minutes": 10.0, "final": final,
-            "history": [{"step": 0, "monitor_loop_rate": 0.5}, {"step": step, "monitor_loop_rate": 0.2}], **extra}
+    return {
+        "step": step,
+        "total_steps": total,
+        "lr": lr,
+        "alpha": 1.0,
+        "ul_batch": 16,
+        "mle_batch": 8,
+        "continuation": 128,
+        "monitor_prompts": 40,
+        "train_minutes": 10.0,
+        "final": final,
+        "history": [{"step": 0, "monitor_loop_rate": 0.5}, {"step": step, "monitor_loop_rate": 0.2}],
+        **extra,
+    }
 
 
 def test_rounds_start_resume_and_skip(tmp_path):
@@ -127,8 +139,13 @@ def test_card_row_sums_the_rounds():
 def test_loop_row_reports_the_standard_error_and_the_file_heads():
     from training.evaluate import loop_row
 
-    ev = {"loop_rate": 0.15, "loop_prompts": 200, "loop_rate_stderr": 0.025, "loop_rate_file_heads": 0.275,
-          "file_heads": 40}
+    ev = {
+        "loop_rate": 0.15,
+        "loop_prompts": 200,
+        "loop_rate_stderr": 0.025,
+        "loop_rate_file_heads": 0.275,
+        "file_heads": 40,
+    }
     row = loop_row(ev)
     assert row.startswith("**15.0%** of 200") and "standard error 2.5%" in row and "40 windows at file heads" in row
     assert "27.5%" in row and "standard error" not in loop_row({"loop_rate": 0.3, "loop_prompts": 40})

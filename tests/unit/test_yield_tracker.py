@@ -1,5 +1,6 @@
 """The predictor's per-request history must not depend on the router's choices: a declined
 cache draft is shadow-verified against later tokens, so its true yield is recorded."""
+
 from services.predictor.features import YieldTracker
 
 
@@ -17,9 +18,9 @@ def test_declined_draft_that_misses_within_the_step_is_exact():
 
 def test_declined_draft_is_shadow_verified_until_it_misses():
     t = YieldTracker(10, 100)
-    assert t.update([1, 2, 3, 4, 5], [1], verified=False, tag="d") == []   # censored: yield ≥ 1
+    assert t.update([1, 2, 3, 4, 5], [1], verified=False, tag="d") == []  # censored: yield ≥ 1
     assert list(t.yields) == [0, 0, 0]
-    assert t.update([], [2], verified=False) == [(None, 0)]                 # an empty draft: yield 0, now
+    assert t.update([], [2], verified=False) == [(None, 0)]  # an empty draft: yield 0, now
     assert t.update([7], [3, 9], verified=True, tag="e") == [("d", 3), ("e", 0)]
     assert list(t.yields) == [0, 3, 0] and not t.shadows and t.generated == 4
 
@@ -33,7 +34,7 @@ def test_shadow_that_runs_out_counts_the_whole_draft():
 def test_selection_rate_counts_high_yield_drafts_not_choices():
     t = YieldTracker(10, 100)
     draft = list(range(20))
-    t.update(draft, [0], verified=False)                               # declined; its yield is 9 (> 6)
-    t.update(draft[1:], draft[1:9] + [99], verified=True)               # verified; yield 8 (> 6)
+    t.update(draft, [0], verified=False)  # declined; its yield is 9 (> 6)
+    t.update(draft[1:], draft[1:9] + [99], verified=True)  # verified; yield 8 (> 6)
     assert list(t.yields) == [8, 9, 0]
     assert abs(t.selection_rate - 0.68) < 1e-9 and abs(t.yield_ema - (0.8 * 0.2 * 9 + 0.2 * 8)) < 1e-9
