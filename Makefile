@@ -37,9 +37,10 @@ test: setup lint
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "unit or sim" tests
 
-# ruff (lint + import order) over the repository, mypy over services/, the configuration doc current.
+# ruff (lint, import order, format) over the repository, mypy over services/, the configuration doc current.
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy services
 	$(BIN)/python scripts/config_docs.py --check
 

@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses. Nothing here reads the environment at import: the
 models directory and the options a deployment sets through environment variables are read when
-a configuration is built (``models_dir``, ``env_default``), at start."""
+a configuration is built (``models_dir``, ``Option.fallback``), at start."""
 
 from __future__ import annotations
 
