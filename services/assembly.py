@@ -7,13 +7,14 @@ HTTP API beside it until a signal, and shuts down losing nothing. (Under Ray Ser
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.config import EngineConfig, ServerConfig, option_flags
+from services.common.config import EngineConfig, ServerConfig, option_flags, secret_env
 from services.common.grpc_server import run_until_signal
 from services.router import openai_api as oa
 from services.router.engine import Engine
@@ -150,7 +151,7 @@ def spawn_verifiers(options: Mapping[str, Any], topo: Topology, scfg: ServerConf
             str(scfg.max_sessions),
             *option_flags(options),
         ]
-        children.append(subprocess.Popen(cmd))
+        children.append(subprocess.Popen(cmd, env={**os.environ, **secret_env(options)}))
         addrs.append(f"{scfg.host}:{port}")
     return children, addrs
 

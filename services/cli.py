@@ -77,6 +77,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
+def _auth_token(path: str | None) -> str | None:
+    """The bearer token: from ``--auth-token-file`` (a file that cannot be read or holds no token
+    stops the server: it never serves open by mistake), else env SPECMESH_AUTH_TOKEN."""
+    if path is None:
+        return os.environ.get("SPECMESH_AUTH_TOKEN") or None
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(
+            f"error: --auth-token-file {path}: cannot be read ({e.__class__.__name__}); the server would serve "
+            "without authentication"
+        )
+    if not token:
+        sys.exit(f"error: --auth-token-file {path}: holds no token; the server would serve without authentication")
+    return token
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """embedded (default): everything in this process. distributed: verifier replicas as
     separate processes on loopback + the router here. --role runs one service alone
@@ -84,11 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from services.assembly import Topology, run
 
     cfg = engine_config(args)
-    token = (
-        Path(args.auth_token_file).read_text().strip()
-        if args.auth_token_file
-        else os.environ.get("SPECMESH_AUTH_TOKEN")
-    )
+    token = _auth_token(args.auth_token_file)
     scfg = ServerConfig(
         host=args.host,
         port=args.port,

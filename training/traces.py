@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services.cli import _engine_args, engine_config
 from services.common.progress import run_concurrently
+from services.common.security import redacted
 
 
 def record_traces(
@@ -85,7 +86,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         shared = RedisCorrectionMemory(RedisLink(args.redis_url, "ocm"))
         shared.restore(counts)
         shared.close()
-        print(f"loaded the snapshot as the shared prior into {args.redis_url}")
+        print(f"loaded the snapshot as the shared prior into {redacted(args.redis_url)}")
 
 
 def main(argv: list[str] | None = None) -> None:

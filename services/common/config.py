@@ -258,6 +258,7 @@ class Option:
     default: Any = "field"  # "field": EngineConfig's default; else this value
     short: str | None = None  # a one-letter flag
     serve_only: bool = False  # a flag of `specmesh serve` only (remote components)
+    secret: bool = False  # may carry a password: never on a spawned process's command line
 
     def parse(self, value: Any) -> Any:
         try:
@@ -391,7 +392,12 @@ OPTIONS: dict[str, Option] = {
             env="SPECMESH_DEFAULT_METHOD",
         ),
         Option(
-            "redis_url", "str", "share state across replicas through Redis; default: none", env="SPECMESH_REDIS_URL"
+            "redis_url",
+            "str",
+            "share state across replicas through Redis; default: none (a password in it is never logged; prefer "
+            "the env var to the flag, which `ps` shows)",
+            env="SPECMESH_REDIS_URL",
+            secret=True,
         ),
         Option(
             "speculative_config",
@@ -450,11 +456,11 @@ class ServerConfig:
 
 def option_flags(values: Mapping[str, Any]) -> list[str]:
     """The `specmesh` flags that give these option values (a spawned process's command line),
-    in the table's order; options left out or None give none."""
+    in the table's order; options left out or None give none, and secrets none (``secret_env``)."""
     flags: list[str] = []
     for name, opt in OPTIONS.items():
         v = values.get(name)
-        if v is None:
+        if v is None or opt.secret:
             continue
         flag = f"--{name.replace('_', '-')}"
         if opt.kind == "bool":
@@ -467,3 +473,9 @@ def option_flags(values: Mapping[str, Any]) -> list[str]:
         else:
             flags += [flag, str(v)]
     return flags
+
+
+def secret_env(values: Mapping[str, Any]) -> dict[str, str]:
+    """The secret options' values as their environment variables, for a spawned process (its
+    environment is private to its user; its command line is not)."""
+    return {o.env: str(values[n]) for n, o in OPTIONS.items() if o.secret and o.env and values.get(n) is not None}

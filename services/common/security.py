@@ -43,7 +43,19 @@ DENIED = "authorization: missing or invalid bearer token"
 
 
 def bearer_ok(metadata, token: str) -> bool:
-    """``authorization: Bearer <token>`` present in ``metadata`` (constant-time comparison)."""
+    """``authorization: Bearer <token>`` present in ``metadata``: the scheme in any case (RFC 7235),
+    the token compared in constant time."""
     got = dict(metadata or ()).get("authorization", "")
-    got = got.encode() if isinstance(got, str) else got
-    return hmac.compare_digest(got, f"Bearer {token}".encode())
+    got = got.decode(errors="replace") if isinstance(got, bytes) else got
+    scheme, _, given = got.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password (``scheme://user:password@host``) replaced by ``***``: what logs and
+    messages may show of a connection URL."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"

@@ -19,6 +19,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 
 from services.common.metrics import REDIS_ERRORS, REDIS_UP
+from services.common.security import redacted
 
 log = logging.getLogger("specmesh.redis")
 T = TypeVar("T")
@@ -31,7 +32,7 @@ class RedisUnavailable(RuntimeError):
 class RedisLink:
     def __init__(self, url: str, component: str, timeout_s: float = 0.5):
         """``rediss://`` URLs use TLS; a private CA comes from SPECMESH_REDIS_CA (a PEM file)."""
-        self.url = url
+        self.url = redacted(url)  # what messages show: never the password
         self.component = component
         tls = (
             {"ssl_ca_certs": os.environ["SPECMESH_REDIS_CA"]}

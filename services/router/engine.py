@@ -88,6 +88,9 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+MAX_REQUEST_ID = 256  # characters of a client-chosen request id (logs, aborts, metrics)
+
+
 class InvalidRequest(Invalid):
     """A request field is out of range; the message names the field and what to fix."""
 
@@ -358,6 +361,8 @@ class Engine:
         return ids[-keep:]
 
     def validate(self, req: GenerationRequest) -> None:
+        if len(req.request_id) > MAX_REQUEST_ID:
+            raise InvalidRequest(f"request_id: at most {MAX_REQUEST_ID} characters, got {len(req.request_id)}")
         if not req.prompt_ids:
             raise InvalidRequest("prompt: must not be empty (set `prompt` or `prompt_token_ids`)")
         vocab = self.verifier.vocab_size
@@ -421,16 +426,15 @@ class Engine:
         if req.n == 1:
             return Completions([Generation(self, req, rid)])
         sp = req.sampling
-        return Completions(
-            [
-                Generation(
-                    self,
-                    replace(req, n=1, sampling=sp if sp.seed is None else replace(sp, seed=sp.seed + i)),
-                    f"{rid}-{i}",
-                )
-                for i in range(req.n)
-            ]
-        )
+        gens = [
+            Generation(
+                self, replace(req, n=1, sampling=sp if sp.seed is None else replace(sp, seed=sp.seed + i)), f"{rid}-{i}"
+            )
+            for i in range(req.n)
+        ]
+        for g in gens[1:]:
+            g.prompt_repeat = True  # the same prompt: its tokens count once in usage (OpenAI's, vLLM's)
+        return Completions(gens)
 
 
 class Completions:
@@ -501,6 +505,7 @@ class Generation:
 
     def __init__(self, engine: Engine, req: GenerationRequest, req_id: str):
         self.engine, self.req, self.req_id = engine, req, req_id
+        self.prompt_repeat = False  # another completion of a prompt already counted (n > 1)
         self.method = METHODS[req.method]
         self.drafter = engine.drafters[self.method.router_drafter] if self.method.router_drafter else None
         self.model_drafter = engine.model_drafter(self.method)

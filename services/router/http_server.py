@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import refusals
 from services.common.config import ServerConfig
@@ -52,6 +53,7 @@ def http_status(refusal: refusals.Refusal) -> int:
 
 
 _KIND_OF = {
+    405: "invalid_request_error",
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
@@ -166,6 +168,20 @@ class _Run:
             self.active.remove(completions.gens)
 
 
+async def _read_at_most(request: Request, limit: int) -> bytes | None:
+    """The body, or None as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def build_app(
     get_engine,
     admission,
@@ -197,6 +213,15 @@ def build_app(
     app.add_middleware(
         CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["*"], allow_headers=["*"]
     )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown paths (404) and wrong methods (405) in OpenAI's error shape, as every other error."""
+        what = {
+            404: f"path: no such endpoint {request.url.path}",
+            405: f"method: {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
+        return error(exc.status_code, what)
 
     @app.api_route("/health", methods=["GET"])
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name
@@ -299,14 +324,18 @@ def build_app(
         return await _plain(request, lambda body, engine: oa.detokenize_body(body, engine, served_model))
 
     async def _body(request: Request):
-        """The request's JSON, or the error response to send instead."""
-        raw = await request.body()
-        if len(raw) > cfg.max_message_bytes:
+        """The request's JSON, or the error response to send instead. The size limit holds
+        while reading (a declared Content-Length or the bytes of a chunked body), so an
+        oversized body is refused without being buffered."""
+        raw = await _read_at_most(request, cfg.max_message_bytes)
+        if raw is None:
             return None, error(413, f"body: at most {cfg.max_message_bytes} bytes")
         try:
             return json.loads(raw), None
         except ValueError as e:  # not JSON, or not UTF-8
             return None, error(400, f"body: not valid JSON ({e})")
+        except RecursionError:
+            return None, error(400, "body: JSON nested too deeply")
 
     async def _plain(request: Request, answer):
         """A request answered at once, off the event loop (the engine may still be loading)."""

@@ -475,6 +475,9 @@ class ModelNotFound(InvalidRequest):
     """The request names a model this server does not serve (HTTP 404, as OpenAI's)."""
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+
+
 def checked_messages(body: dict) -> list[dict]:
     """Text messages; an assistant's may carry ``tool_calls`` (its content then may be null), a
     tool's its ``tool_call_id``."""
@@ -485,6 +488,8 @@ def checked_messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}]: must be an object with a string `role`")
+        if m["role"] not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role: one of {', '.join(ROLES)}, got {m['role']!r}")
         calls = m.get("tool_calls")
         if calls is not None and (
             m["role"] != "assistant"
@@ -652,8 +657,9 @@ def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
 
 
 def usage(gens, completion_tokens: int | None = None) -> dict:
-    """The request's usage; ``completion_tokens``: those streamed so far (default: all)."""
-    prompt = sum(len(g.req.prompt_ids) for g in gens)
+    """The request's usage; ``completion_tokens``: those streamed so far (default: all). A prompt
+    counts once, whatever its ``n``."""
+    prompt = sum(len(g.req.prompt_ids) for g in gens if not g.prompt_repeat)
     done = sum(len(g.output_ids) for g in gens) if completion_tokens is None else completion_tokens
     return {
         "prompt_tokens": prompt,

@@ -824,3 +824,75 @@ def test_text_prompts_take_the_tokenizers_special_tokens(bos_engine, tmp_path):
             assert list(stub.Generate(req, timeout=60))[-1].usage.prompt_tokens == n
     finally:
         server.stop(0)
+
+
+# -- hostile and careless input (issue 35's smaller defects) -----------------------------------
+def raw_request(port: int, head: str, body: bytes = b"") -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head.encode() + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    top, _, rest = data.partition(b"\r\n\r\n")
+    return int(top.split()[1]), rest
+
+
+def test_prompt_tokens_count_each_prompt_once_whatever_n(api, tiny_engine):
+    client, _, _ = api
+    one = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    many = client.completions.create(model="tiny", prompt=PROMPT, n=3, max_tokens=4, temperature=0)
+    assert one.usage.prompt_tokens == len(tiny_engine.encode(PROMPT)) == many.usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * 4
+    two = client.completions.create(model="tiny", prompt=[PROMPT, PROMPT], n=2, max_tokens=4, temperature=0)
+    assert two.usage.prompt_tokens == 2 * one.usage.prompt_tokens  # two prompts, each once
+
+
+def test_unknown_paths_and_methods_answer_in_openais_error_shape(api):
+    _, _, port = api
+    status, out = raw_request(port, "GET /v1/nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status == 404 and json.loads(out)["error"]["type"] == "not_found_error"
+    assert "/v1/nowhere" in json.loads(out)["error"]["message"]
+    status, out = raw_request(port, "GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status == 405 and json.loads(out)["error"]["message"].startswith("method: GET")
+
+
+def test_a_chat_role_openai_does_not_know_is_400(api):
+    _, _, port = api
+    body = json.dumps({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode()
+    status, out = raw_post(port, body, "/v1/chat/completions")
+    assert status == 400 and "messages[0].role" in json.loads(out)["error"]["message"]
+
+
+def test_deeply_nested_json_is_400_in_openais_shape(api):
+    _, servicer, port = api
+    status, out = raw_post(port, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 400 and json.loads(out)["error"]["message"] == "body: JSON nested too deeply"
+    assert idle(servicer)
+
+
+def test_an_oversized_body_is_refused_while_it_is_read(tiny_engine):
+    """A declared Content-Length past the limit is refused before any byte of the body, and a
+    chunked body as soon as its bytes pass the limit (the rest is never read)."""
+    with http_api(tiny_engine, max_message_bytes=1024) as (port, _):
+        status, out = raw_request(
+            port,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            "\r\nContent-Length: 3000000000\r\nConnection: close\r\n\r\n",
+        )
+        assert status == 413 and "at most 1024 bytes" in json.loads(out)["error"]["message"]
+        chunk = b'{"prompt": "' + b"x" * 600
+        body = b"".join(f"{len(c):x}\r\n".encode() + c + b"\r\n" for c in (chunk, b"y" * 600)) + b"0\r\n\r\n"
+        status, out = raw_request(
+            port,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            "\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+            body,
+        )
+        assert status == 413
+
+
+def test_request_ids_are_capped(api):
+    _, _, port = api
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, "request_id": "r" * 257}).encode()
+    status, out = raw_post(port, body)
+    assert status == 400 and json.loads(out)["error"]["message"].startswith("request_id: at most 256")

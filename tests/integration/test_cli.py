@@ -466,3 +466,20 @@ def test_generate_writes_special_tokens_only_when_asked(tiny_dirs):
         assert obj["token_ids"] == [0, 0, 0] and obj["finish_reason"] == "length"
         texts.append(obj["text"])
     assert texts == ["", "<|endoftext|>" * 3]
+
+
+def test_an_empty_or_unreadable_token_file_stops_the_server(tiny_dirs, tmp_path):
+    """It never serves without authentication by mistake."""
+    target, draft = tiny_dirs
+    empty = tmp_path / "token"
+    empty.write_text(" \n")
+    for path, why in ((empty, "holds no token"), (tmp_path / "missing", "cannot be read")):
+        out = subprocess.run(
+            CLI
+            + ["serve", "--target", str(target), "--draft", str(draft), "--port", "0", "--auth-token-file", str(path)],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=120,
+        )
+        assert out.returncode != 0 and why in out.stderr and "without authentication" in out.stderr

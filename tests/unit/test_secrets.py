@@ -1,0 +1,51 @@
+"""Secrets stay out of logs and command lines; bearer tokens are checked as RFC 7235 says."""
+
+import logging
+
+import pytest
+
+from services.common.config import option_flags, secret_env
+from services.common.security import bearer_ok, redacted
+
+
+@pytest.mark.parametrize("header", ["Bearer tok-1", "bearer tok-1", "BEARER tok-1", "Bearer  tok-1 "])
+def test_the_bearer_scheme_is_matched_in_any_case(header):
+    assert bearer_ok([("authorization", header)], "tok-1")
+
+
+@pytest.mark.parametrize("header", ["Bearer tok-2", "Basic tok-1", "tok-1", "Bearertok-1", ""])
+def test_a_wrong_token_or_scheme_is_refused(header):
+    assert not bearer_ok([("authorization", header)], "tok-1")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:s3cret@h:6379/0", "redis://:***@h:6379/0"),
+        ("rediss://user:p@ss:w@h", "rediss://user:***@h"),
+        ("redis://h:6379", "redis://h:6379"),
+        ("redis://user@h", "redis://user@h"),
+    ],
+)
+def test_urls_are_shown_without_their_password(url, shown):
+    assert redacted(url) == shown
+
+
+def test_a_spawned_process_gets_secrets_in_its_environment_not_its_arguments():
+    values = {"redis_url": "redis://:s3cret@h:6379", "prefill_chunk": 64, "kv_pool": True}
+    flags = option_flags(values)
+    assert "s3cret" not in " ".join(flags) and "--redis-url" not in flags
+    assert flags == ["--kv-pool", "--prefill-chunk", "64"]  # the table's order
+    assert secret_env(values) == {"SPECMESH_REDIS_URL": "redis://:s3cret@h:6379"}
+
+
+def test_a_redis_outage_is_logged_without_the_password(caplog):
+    from services.memory.redis_link import RedisLink, RedisUnavailable
+
+    link = RedisLink("redis://:s3cret@127.0.0.1:1/0", "ocm", timeout_s=0.2)  # nothing listens on port 1
+    with caplog.at_level(logging.WARNING, logger="specmesh.redis"), pytest.raises(RedisUnavailable) as e:
+        link.call(lambda r: r.ping())
+    with pytest.raises(RedisUnavailable) as again:  # in backoff: refused at once
+        link.call(lambda r: r.ping())
+    text = caplog.text + str(e.value) + str(again.value)
+    assert "unavailable" in caplog.text and "s3cret" not in text and ":***@" in text
