@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent import futures
 
@@ -12,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common import refusals
 from services.common.security import DENIED, TLSConfig, bearer_ok
 
+log = logging.getLogger("specmesh.grpc")
 EXEMPT = ("/grpc.health.v1.Health/",)  # Kubernetes probes carry no token
 
 # Each refusal's gRPC status (the HTTP edge has its own table).
@@ -67,7 +69,8 @@ def build_grpc_server(
     tls = tls if tls is not None else TLSConfig.server_from_env()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers),
-        interceptors=[BearerAuth(auth_token)] if auth_token else [],
+        # auth first (a refused call's bytes are never parsed), then the parse check
+        interceptors=[*([BearerAuth(auth_token)] if auth_token else []), ParseGuard()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -172,23 +175,68 @@ class BearerAuth(grpc.ServerInterceptor):
         return _deny(handler)
 
 
+def _kind(handler) -> str:
+    """Which of the four RPC shapes a method handler has."""
+    return next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+
+
 def _deny(handler):
+    """A refusal that never parses the request: auth is checked before any byte is read as protobuf."""
+
     def abort(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
-    kind = (
-        "unary_unary"
-        if handler.unary_unary
-        else "unary_stream"
-        if handler.unary_stream
-        else "stream_unary"
-        if handler.stream_unary
-        else "stream_stream"
-    )
-    make = getattr(grpc, f"{kind}_rpc_method_handler")
-    return make(
-        abort, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+    make = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
+    return make(abort, request_deserializer=lambda raw: raw, response_serializer=handler.response_serializer)
+
+
+_UNPARSED = object()  # a request message whose bytes did not parse
+
+
+class ParseGuard(grpc.ServerInterceptor):
+    """Bytes that do not parse as the method's request message are the client's error:
+    INVALID_ARGUMENT naming the method, one log line, no traceback (gRPC's own answer would be
+    INTERNAL with a traceback). Streaming requests are checked as they are read."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        kind, parse = _kind(handler), handler.request_deserializer
+        behavior = getattr(handler, kind)
+
+        def tolerant(raw: bytes):
+            try:
+                return parse(raw)
+            except Exception:  # noqa: BLE001 - any decode failure is the same refusal
+                return _UNPARSED
+
+        def refuse(context):
+            log.info("%s: a request that does not parse (%s)", details.method, context.peer())
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: bytes that do not parse as {details.method}'s request message",
+            )
+
+        if kind.startswith("unary"):
+
+            def guarded(request, context):
+                if request is _UNPARSED:
+                    refuse(context)
+                return behavior(request, context)
+        else:
+
+            def guarded(requests, context):
+                def checked():
+                    for r in requests:
+                        if r is _UNPARSED:
+                            refuse(context)
+                        yield r
+
+                return behavior(checked(), context)
+
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(guarded, request_deserializer=tolerant, response_serializer=handler.response_serializer)
 
 
 class TokenCredentials(grpc.AuthMetadataPlugin):

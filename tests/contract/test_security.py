@@ -108,3 +108,34 @@ def test_chart_passes_the_token_to_the_ray_head():
     rs = next(d for d in yaml.safe_load_all(out["specmesh/templates/rayservice.yaml"]) if d)
     env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "SPECMESH_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "token"}}} in env
+
+
+def raw_generate(addr: str, blob: bytes, token: str | None = None):
+    """Raw bytes as a Generate request (no protobuf on the client side)."""
+    md = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(addr) as ch:
+        call = ch.unary_stream(
+            "/specmesh.v1.Generation/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        return list(call(blob, timeout=20, metadata=md))
+
+
+def test_bytes_that_do_not_parse_are_invalid_argument_after_auth(tiny_engine, caplog):
+    """Auth is checked before any byte is parsed (no token: UNAUTHENTICATED, whatever the bytes);
+    with the token, bytes that do not parse are INVALID_ARGUMENT naming the method, logged as
+    one line without a traceback (gRPC's own answer is INTERNAL and a traceback)."""
+    cfg = ServerConfig(port=0, metrics_port=0, auth_token=TOKEN)
+    server, _, port = build_server(tiny_engine, cfg)
+    server.start()
+    garbage = b"\xff\x00\x13garbage"
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            raw_generate(f"127.0.0.1:{port}", garbage)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with caplog.at_level("INFO"), pytest.raises(grpc.RpcError) as e:
+            raw_generate(f"127.0.0.1:{port}", garbage, TOKEN)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "/specmesh.v1.Generation/Generate" in e.value.details()
+        assert "Traceback" not in caplog.text and "deserializ" not in caplog.text.lower()
+    finally:
+        server.stop(0)

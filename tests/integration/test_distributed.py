@@ -368,7 +368,7 @@ def test_reset_prefix_cache_reaches_every_replica(cluster):
     )
     with pytest.raises(grpc.RpcError) as e:  # bytes no message parses from: a clear status, and the replica lives
         raw(b"\xff\x00\x13garbage", timeout=20)
-    assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert active(cluster[2][0]) == 0
 
 
@@ -412,10 +412,10 @@ def random_bytes_get_a_clear_status(addr: str, rpc: str) -> None:
     raw = grpc.insecure_channel(addr).stream_stream(
         f"/specmesh.v1.Verifier/{rpc}", request_serializer=lambda b: b, response_deserializer=lambda b: b
     )
-    for blob in (b"\xff\x00\x13garbage", corrupt_bytes(64)):
+    for blob in (b"\xff\x00\x13garbage", corrupt_bytes(64)):  # the first never parses; the second may
         with pytest.raises(grpc.RpcError) as e:
             list(raw(iter([blob]), timeout=20))
-        assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_link_answers_each_session_and_each_bad_item_alone(cluster):
