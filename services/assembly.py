@@ -16,6 +16,7 @@ from typing import Any
 
 from services.common.config import EngineConfig, ServerConfig, option_flags, secret_env
 from services.common.grpc_server import run_until_signal
+from services.common.security import TLSConfig, exposure_warning
 from services.router import openai_api as oa
 from services.router.engine import Engine
 from services.router.grpc_server import SERVICE_NAME, GenerationServicer, build_server
@@ -36,6 +37,9 @@ class Topology:
 def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[str, Any]) -> None:
     """Build ``topo`` and serve until SIGTERM/SIGINT. ``options``: the engine options as given
     (spawned verifiers get the same ones)."""
+    if topo.role in ("verifier", "predictor", "drafter", "memory"):
+        if warning := exposure_warning(topo.role, scfg.host, TLSConfig.server_from_env()):
+            log.warning(warning)
     if topo.role == "verifier":
         return _serve_verifier(cfg, scfg)
     if topo.role in ("predictor", "drafter", "memory"):

@@ -59,3 +59,17 @@ def redacted(url: str) -> str:
     if not sep or not at or ":" not in userinfo:
         return url
     return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def exposure_warning(role: str, host: str, tls: TLSConfig) -> str | None:
+    """What to say at start when an internal service (verifier, drafter, predictor, memory), which
+    takes no bearer token, listens beyond loopback without mutual TLS; None when it does not."""
+    if host in LOOPBACK or host.startswith("127.") or tls.ca is not None:
+        return None
+    return (
+        f"{role}: listening on {host} without client authentication: any peer that reaches this port can "
+        "drive it; bind to loopback, or require client certificates (SPECMESH_TLS_CLIENT_CA, --tls-client-ca)"
+    )

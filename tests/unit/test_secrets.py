@@ -49,3 +49,13 @@ def test_a_redis_outage_is_logged_without_the_password(caplog):
         link.call(lambda r: r.ping())
     text = caplog.text + str(e.value) + str(again.value)
     assert "unavailable" in caplog.text and "s3cret" not in text and ":***@" in text
+
+
+def test_an_internal_service_exposed_without_client_authentication_is_said_at_start(tmp_path):
+    from services.common.security import TLSConfig, exposure_warning
+
+    assert exposure_warning("verifier", "127.0.0.1", TLSConfig()) is None
+    assert exposure_warning("verifier", "::1", TLSConfig()) is None
+    said = exposure_warning("verifier", "0.0.0.0", TLSConfig())
+    assert said and "without client authentication" in said and "SPECMESH_TLS_CLIENT_CA" in said
+    assert exposure_warning("memory", "0.0.0.0", TLSConfig(ca=tmp_path / "ca.pem")) is None  # mTLS
