@@ -38,6 +38,15 @@ FIRST_REJECTIONS = Counter(
 )
 HYBRID_DECISIONS = Counter("specmesh_hybrid_decisions_total", "Hybrid router choices per cycle", ["method", "source"])
 
+# -- fleet -----------------------------------------------------------------------------------------
+VERIFIER_FAILOVERS = Counter(
+    "specmesh_verifier_failovers_total",
+    "Sessions re-opened on another verifier replica after theirs failed, by when (open or cycle)",
+    ["stage"],
+)
+for _stage in ("open", "cycle"):
+    VERIFIER_FAILOVERS.labels(_stage)  # known label values start at 0
+
 # -- speculative decoding (vLLM's spec-decode counters, per method and draft source) ------------
 CYCLES = Counter("specmesh_cycles_total", "Target verification forward passes", ["method"])
 GENERATED_TOKENS = Counter("specmesh_generated_tokens_total", "Tokens emitted by decoding cycles", ["method"])

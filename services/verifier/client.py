@@ -17,6 +17,7 @@ import grpc
 
 from services.common.affinity import PrefixAffinity, choose
 from services.common.grpc_server import channel, refusal_of
+from services.common.metrics import VERIFIER_FAILOVERS
 from services.common.refusals import Unavailable
 from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
 from services.verifier.wire import cycle_to_pb, result_from_pb, spec_to_pb
@@ -77,6 +78,7 @@ class RemoteSession:
                 if e.code() not in _RETRYABLE:
                     raise refusal_of(e, "verifier") from e
                 log.warning("verifier %s unavailable at open (%s)", addr, e.code().name)
+                VERIFIER_FAILOVERS.labels("open").inc()
                 exclude.add(addr)
                 continue
             self.addr, self.replica = addr, self._t.replica
@@ -102,6 +104,7 @@ class RemoteSession:
                 if e.code() not in _RETRYABLE or self._timeout() == 0.001:
                     raise refusal_of(e, "verifier") from e
                 log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, e.code().name)
+                VERIFIER_FAILOVERS.labels("cycle").inc()
                 self.pool.affinity.forget(self.addr)
                 self._release()
                 tried.add(self.addr)

@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from services.common.config import EngineConfig, ServerConfig
 from services.common.grpc_server import free_port
@@ -328,6 +329,7 @@ def test_replica_killed_mid_stream_loses_nothing(tiny_dirs, tiny_engine, link):
     engine, server, _, stub = router(tiny_dirs, [addr_slow, addr_other], link=link)
     try:
         engine.verifier.load[addr_other] = 100  # steer the session to the slow replica first
+        failovers = REGISTRY.get_sample_value("specmesh_verifier_failovers_total", {"stage": "cycle"})
         prompt = "def add(a, b):\n"
         call = stub.Generate(gpb.GenerateRequest(prompt=prompt, max_new_tokens=60, method="sd"), timeout=120)
         ids = list(next(call).token_ids)
@@ -338,6 +340,7 @@ def test_replica_killed_mid_stream_loses_nothing(tiny_dirs, tiny_engine, link):
             final = m
         ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(prompt), 60, method="vanilla")).result()
         assert ids == ref["token_ids"] and final.finish_reason == gpb.FINISH_REASON_LENGTH
+        assert REGISTRY.get_sample_value("specmesh_verifier_failovers_total", {"stage": "cycle"}) == failovers + 1
     finally:
         server.stop(0)
         stop([slow, other])
