@@ -194,7 +194,8 @@ def start_http(engine: Engine, cfg: ServerConfig, servicer: GenerationServicer):
 
     names = oa.served_model(engine, cfg)
     template = cfg.chat_template.read_text() if cfg.chat_template else None
-    app = build_app(lambda: engine, servicer.admission, cfg, names, template, active=servicer.active)
+    live = getattr(engine.verifier, "live", None)  # remote replicas: /health asks whether any answers
+    app = build_app(lambda: engine, servicer.admission, cfg, names, template, active=servicer.active, live=live)
     http = HttpServer(app, cfg, cfg.http_port)
     port = http.start()
     scheme = "https" if cfg.tls_cert else "http"

@@ -5,6 +5,7 @@ Conversions are in ``wire``."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 from typing import NoReturn
 
@@ -103,7 +104,29 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
         tls,
         cfg.auth_token,
     )
+    if hasattr(engine.verifier, "live"):  # remote replicas: health says whether any answers
+        threading.Thread(
+            target=_follow_replicas, args=(server, engine.verifier), daemon=True, name="health-replicas"
+        ).start()
     return server, servicer, port
+
+
+HEALTH_PERIOD_S = 2.0
+
+
+def _follow_replicas(server: grpc.Server, verifier) -> None:
+    """gRPC health: SERVING while a verifier replica answers, NOT_SERVING while none does (a
+    load balancer then sends requests elsewhere); checked every HEALTH_PERIOD_S until the server
+    stops. (During a graceful shutdown the health servicer keeps NOT_SERVING whatever is set.)"""
+    serving = True
+    while server.wait_for_termination(HEALTH_PERIOD_S):  # True: still running after the period
+        live = verifier.live() > 0
+        if live != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                server.health.set(name, status)
+            log.warning("verifier replicas: %s", "one answers again" if live else "none answers; health NOT_SERVING")
+            serving = live
 
 
 # -- the same API under Ray Serve's gRPC proxy (services/ray_app.py): no interceptors, and a

@@ -189,9 +189,11 @@ def build_app(
     served_model: str | tuple[str, ...],
     chat_template: str | None = None,
     active=None,
+    live=None,
 ) -> FastAPI:
     """``get_engine()``: the engine, called on request threads only (Ray Serve builds it on first use);
-    ``active``: the ``ActiveSessions`` registry shared with the gRPC front end."""
+    ``active``: the ``ActiveSessions`` registry shared with the gRPC front end; ``live()``: how many
+    verifier replicas answer (remote ones), for ``/health``."""
     app = FastAPI(title="specmesh", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     if active is None:
@@ -226,7 +228,10 @@ def build_app(
     @app.api_route("/health", methods=["GET"])
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name
     async def health():
-        return Response(status_code=503 if app.state.draining else 200)
+        """200 while serving; 503 while draining, or while no verifier replica answers."""
+        if app.state.draining or (live is not None and not await asyncio.to_thread(live)):
+            return Response(status_code=503)
+        return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate():

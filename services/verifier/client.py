@@ -167,6 +167,17 @@ class RemoteVerifier:
                 last = e
         raise RuntimeError(f"no verifier replica answered: {last}")
 
+    def live(self, timeout_s: float = 1.0) -> int:
+        """Replicas that answer ``Info`` within ``timeout_s`` now (health checks ask this)."""
+        n = 0
+        for stub in self._stubs.values():
+            try:
+                stub.Info(pb.InfoRequest(), timeout=timeout_s)
+                n += 1
+            except grpc.RpcError:
+                pass
+        return n
+
     def stub(self, addr: str) -> pb_grpc.VerifierStub:
         return self._stubs[addr]
 

@@ -677,3 +677,47 @@ def test_cancel_stops_a_remote_prefill_at_the_next_step(tiny_dirs, link):
         idle.close()
         remote.close()
         server.stop(0)
+
+
+def test_health_follows_the_verifier_replicas(tiny_dirs):
+    """With no verifier replica answering, the router's gRPC health is NOT_SERVING and its HTTP
+    /health 503 (a load balancer sends requests elsewhere); while one answers, SERVING and 200."""
+    import urllib.error
+    import urllib.request
+    from dataclasses import replace
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.assembly import start_http
+
+    proc, addr = start_verifier(tiny_dirs)
+    cfg = ServerConfig(port=0, metrics_port=0)
+    engine = Engine(EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None), verifier=RemoteVerifier([addr]))
+    server, servicer, grpc_port = build_server(engine, cfg)
+    server.start()
+    http = start_http(engine, replace(cfg, http_port=0), servicer)
+    http_port = http.server.servers[0].sockets[0].getsockname()[1]
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+
+    def http_health() -> int:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10).status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def grpc_serving() -> bool:
+        return (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        )
+
+    try:
+        assert http_health() == 200 and grpc_serving()
+        stop([proc])
+        end = time.time() + 30
+        while grpc_serving() and time.time() < end:
+            time.sleep(0.2)
+        assert not grpc_serving() and http_health() == 503
+    finally:
+        http.stop()
+        server.stop(0)
+        stop([proc])
