@@ -1,8 +1,9 @@
 """One assembly: builds every topology from one ``EngineConfig``: embedded (all in this process),
 distributed (this router plus verifier processes it spawns or is given), and each role alone
 (verifier, predictor, drafter, memory); then serves the public gRPC API and the OpenAI-compatible
-HTTP API beside it until a signal, and shuts down losing nothing. (Under Ray Serve, the app in
-``services/ray_app.py`` places the same components as deployments.)"""
+HTTP API beside it until a signal, and shuts down losing nothing. Under Ray Serve the app in
+``services/ray_app.py`` places the components as deployments and builds its router's engine here
+(``build_engine``, over Ray-backed verifier, drafter and predictor)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 from services.common.config import EngineConfig, ServerConfig, option_flags, secret_env
 from services.common.grpc_server import run_until_signal
 from services.common.security import TLSConfig, exposure_warning
+from services.drafter.hybrid import HybridDrafter
 from services.router import openai_api as oa
 from services.router.engine import Engine
 from services.router.grpc_server import SERVICE_NAME, GenerationServicer, build_server
@@ -48,7 +50,7 @@ def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[
         run_until_signal(server, scfg.metrics_port, scfg.host)
         return None
     if topo.role == "all" and topo.kind == "embedded":
-        return serve(checked(Engine(cfg), options), scfg)
+        return serve(checked(build_engine(cfg), options), scfg)
     from services.verifier.client import RemoteVerifier
 
     children, addrs = [], list(topo.verifiers)
@@ -56,13 +58,32 @@ def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[
         children, addrs = spawn_verifiers(options, topo, scfg)
     try:
         pool = RemoteVerifier(addrs, link=topo.multiplex, affinity_slack=topo.affinity_slack)
-        serve(checked(Engine(cfg, verifier=pool), options), scfg)
+        serve(checked(build_engine(cfg, pool), options), scfg)
     finally:
         for c in children:
             c.terminate()
         for c in children:
             c.wait(30)
     return None
+
+
+def build_engine(cfg: EngineConfig, verifier=None, suffix=None, predictor=None) -> Engine:
+    """The router's engine over a verifier (None: in this process; else a remote or Ray one).
+    ``suffix(name, tree)``: a remote suffix-cache drafter for ``suffix`` / ``suffix-tree`` (the
+    hybrids draft from it too); ``predictor``: a remote yield predictor for ``hybrid``."""
+    engine = Engine(cfg, verifier=verifier)
+    if suffix is not None:
+        engine.drafters["suffix"] = suffix("suffix", False)
+        engine.drafters["suffix-tree"] = suffix("suffix-tree", True)
+        for hybrid in [d for d in engine.drafters.values() if isinstance(d, HybridDrafter)]:
+            hybrid.cache = engine.drafters["suffix-tree" if hybrid.name == "hybrid-tree" else "suffix"]
+    if predictor is not None and engine.model_fallback:
+        from services.drafter.hybrid import PredictorRule
+        from services.predictor.features import TokenFlags
+
+        rule = PredictorRule(predictor, TokenFlags(engine.tokenizer), cfg.hybrid.tau)
+        engine.add_hybrid("hybrid", rule, cost_aware=cfg.hybrid.cost_aware)
+    return engine
 
 
 def checked(engine: Engine, options: Mapping[str, Any]) -> Engine:

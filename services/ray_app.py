@@ -466,28 +466,16 @@ class GenerationIngress:
         replica's event loop, where blocking on another deployment is not allowed."""
         with self._lock:
             if self._engine is None:
-                from services.router.engine import Engine
+                from services.assembly import build_engine
 
                 verifier, predictor = self._handles
-                cfg = engine_config(self._args)
-                engine = Engine(cfg, verifier=RayVerifier(verifier))
-                if self._drafter is not None:
-                    engine.drafters["suffix"] = RayDrafter(self._drafter)
-                    engine.drafters["suffix-tree"] = RayDrafter(self._drafter, "suffix-tree", tree=True)
-                    for name in [n for n in engine.drafters if n.startswith("hybrid")]:
-                        engine.drafters[name].cache = engine.drafters[
-                            "suffix-tree" if name == "hybrid-tree" else "suffix"
-                        ]
-                if predictor is not None and engine.model_fallback:
-                    from services.drafter.hybrid import PredictorRule
-                    from services.predictor.features import TokenFlags
-
-                    engine.add_hybrid(
-                        "hybrid",
-                        PredictorRule(RayPredictor(predictor), TokenFlags(engine.tokenizer), cfg.hybrid.tau),
-                        cost_aware=cfg.hybrid.cost_aware,
-                    )
-                self._engine = engine
+                drafter = self._drafter
+                self._engine = build_engine(
+                    engine_config(self._args),
+                    RayVerifier(verifier),
+                    suffix=(lambda name, tree: RayDrafter(drafter, name, tree=tree)) if drafter is not None else None,
+                    predictor=RayPredictor(predictor) if predictor is not None else None,
+                )
                 from services.common.runtime import freeze_startup_heap
 
                 freeze_startup_heap()
