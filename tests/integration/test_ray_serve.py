@@ -362,6 +362,9 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     import time
 
     stub, _, port, _ = serve_app
+    # earlier tests' sessions count toward a replica's load until their reports age out: past the
+    # affinity slack they would send the second stream to the other replica, where it is fed whole
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
     start = tiny_engine.encode("".join(f"def chunked_{i}(x):\n    return x * {i}\n\n" for i in range(4)))
     # The other stream outlasts the prompt's chunks (~27 + len(tail) of them), else the rest would be fed whole.
     other = stub.Generate(
