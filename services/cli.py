@@ -77,6 +77,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return cfg
 
 
+def _trust(args: argparse.Namespace) -> None:
+    """The CA a router trusts for its verifiers and internal services (``--tls-ca``, env
+    SPECMESH_TLS_CA), checked at start: a router that serves TLS reaches its verifiers over TLS
+    too, and cannot without it."""
+    ca = args.tls_ca or (Path(os.environ["SPECMESH_TLS_CA"]) if os.environ.get("SPECMESH_TLS_CA") else None)
+    if ca is not None:
+        try:
+            pem = ca.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: --tls-ca {ca}: cannot be read ({e.__class__.__name__})")
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            sys.exit(f"error: --tls-ca {ca}: holds no PEM certificate")
+        os.environ["SPECMESH_TLS_CA"] = str(ca)
+    elif args.tls_cert and (args.topology == "distributed" or args.role == "router"):
+        sys.exit(
+            "error: --tls-ca CA: a router serving TLS reaches its verifiers over TLS; give the CA that signed "
+            "their certificates (env SPECMESH_TLS_CA)"
+        )
+
+
 def _auth_token(path: str | None) -> str | None:
     """The bearer token: from ``--auth-token-file`` (a file that cannot be read or holds no token
     stops the server: it never serves open by mistake), else env SPECMESH_AUTH_TOKEN."""
@@ -124,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         os.environ.setdefault("SPECMESH_TLS_KEY", str(args.tls_key))
         if args.tls_client_ca:
             os.environ.setdefault("SPECMESH_TLS_CLIENT_CA", str(args.tls_client_ca))
+    _trust(args)
     topo = Topology(
         kind=args.topology,
         role=args.role,
@@ -401,6 +422,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        help="router: trust this CA for the verifier replicas and internal services it connects to (env "
+        "SPECMESH_TLS_CA); required with --tls-cert in the distributed topology or as a router",
+    )
     p.add_argument(
         "--auth-token-file",
         default=None,

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -483,3 +484,95 @@ def test_an_empty_or_unreadable_token_file_stops_the_server(tiny_dirs, tmp_path)
             timeout=120,
         )
         assert out.returncode != 0 and why in out.stderr and "without authentication" in out.stderr
+
+
+def test_the_distributed_topology_serves_over_tls_with_its_spawned_verifier(tiny_dirs, pki, tmp_path):
+    """`serve --topology distributed` spawns its verifier with the same engine options (the option
+    table's flags) and reaches it over TLS, trusting --tls-ca; without a CA, or with a file that
+    holds none, it stops at start saying so."""
+    from services.common.runtime import stop_processes
+
+    target, draft = tiny_dirs
+    cert, key = pki["server"]
+    base = CLI + [
+        "serve",
+        "--topology",
+        "distributed",
+        "--replicas",
+        "1",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--http-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--tls-cert",
+        str(cert),
+        "--tls-key",
+        str(key),
+    ]
+    env = {k: v for k, v in ENV.items() if k != "SPECMESH_TLS_CA"}
+    no_ca = subprocess.run(base + ["--port", "0"], capture_output=True, text=True, env=env, timeout=120)
+    assert no_ca.returncode != 0 and "--tls-ca" in no_ca.stderr
+    bogus = tmp_path / "ca.pem"
+    bogus.write_text("not a certificate")
+    bad = subprocess.run(
+        base + ["--port", "0", "--tls-ca", str(bogus)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert bad.returncode != 0 and "holds no PEM certificate" in bad.stderr
+    port = free_port()
+    server = subprocess.Popen(
+        base + ["--port", str(port), "--tls-ca", str(pki["ca"]), "--prefill-chunk", "16"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out = None
+        for _ in range(90):  # the router starts once its verifier answers
+            out = subprocess.run(
+                CLI
+                + [
+                    "client",
+                    "--addr",
+                    f"localhost:{port}",
+                    "--tls-ca",
+                    str(pki["ca"]),
+                    "--prompt",
+                    "def add(a, b):",
+                    "--max-new-tokens",
+                    "8",
+                    "--method",
+                    "sd",
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+            )
+            if out.returncode == 0:
+                break
+            time.sleep(1)
+        assert out is not None and out.returncode == 0, out.stderr
+        assert "[FINISH_REASON_LENGTH] 8 tokens" in out.stderr
+        verifier = spawned_verifier(port + 1)
+        assert verifier[verifier.index("--prefill-chunk") + 1] == "16"  # the router's engine options, passed on
+    finally:
+        stop_processes([server])
+
+
+def spawned_verifier(port: int) -> list[str]:
+    """The command line of the verifier process serving on ``port`` (from /proc)."""
+    from pathlib import Path
+
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "--role" in argv and "verifier" in argv and str(port) in argv:
+            return argv
+    raise AssertionError(f"no verifier process on port {port}")
