@@ -31,6 +31,7 @@ import grpc
 
 from bench.harness import command, machine, pyplot, report, table_markdown, write_figure
 from bench.workloads import humaneval
+from services.assembly import verifier_command
 from services.common.grpc_server import free_port
 from services.common.runtime import stop_processes
 
@@ -41,20 +42,7 @@ def start_verifiers(n: int) -> tuple[list[subprocess.Popen], list[str]]:
         port = free_port()
         procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "services.cli",
-                    "serve",
-                    "--role",
-                    "verifier",
-                    "--port",
-                    str(port),
-                    "--metrics-port",
-                    "0",
-                    "--threads",
-                    "1",
-                ],
+                verifier_command(port, {"threads": 1}),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench.workloads import load
+from services.assembly import verifier_command
 from services.common.config import EngineConfig, models_dir
 from services.common.grpc_server import free_port
 from services.common.runtime import freeze_startup_heap, stop_processes
@@ -98,32 +99,18 @@ class Echo:
 def start_verifier(args, cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
     """A verifier process, of this checkout's code or of the checkout at ``cwd``."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "serve",
-        "--role",
-        "verifier",
-        "--port",
-        str(port),
-        "--metrics-port",
-        "0",
-        "--target",
-        str(args.target),
-        "--draft",
-        str(args.draft),
-        "--eagle3",
-        "none",
-        "--threads",
-        "1",
-        "--prefix-cache-mb",
-        "0",
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-    ]
+    cmd = verifier_command(
+        port,
+        {
+            "target": args.target,
+            "draft": args.draft,
+            "eagle3": "none",
+            "threads": 1,
+            "prefix_cache_mb": 0,
+            "device": args.device,
+            "dtype": args.dtype,
+        },
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     return proc, f"127.0.0.1:{port}"
 

@@ -153,29 +153,42 @@ def eos_id(cfg: EngineConfig) -> int:
     return AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
 
 
+def verifier_command(
+    port: int,
+    options: Mapping[str, Any] = {},
+    host: str = "127.0.0.1",
+    metrics_port: int = 0,
+    max_sessions: int | None = None,
+) -> list[str]:
+    """The command line of a verifier process with these engine options (``option_flags``;
+    secrets go through its environment: ``secret_env``)."""
+    sessions = ["--max-sessions", str(max_sessions)] if max_sessions else []
+    return [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--role",
+        "verifier",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        *sessions,
+        *option_flags(options),
+    ]
+
+
 def spawn_verifiers(options: Mapping[str, Any], topo: Topology, scfg: ServerConfig):
     """``topo.replicas`` verifier processes on the ports after ``scfg.port``, with the same engine
-    options (one table: ``option_flags``); returns (processes, addresses)."""
+    options; returns (processes, addresses)."""
     children, addrs = [], []
     for i in range(topo.replicas):
         port = scfg.port + 1 + i
-        cmd = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
-            "--role",
-            "verifier",
-            "--host",
-            scfg.host,
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(scfg.metrics_port + 1 + i if scfg.metrics_port else 0),
-            "--max-sessions",
-            str(scfg.max_sessions),
-            *option_flags(options),
-        ]
+        metrics = scfg.metrics_port + 1 + i if scfg.metrics_port else 0
+        cmd = verifier_command(port, options, scfg.host, metrics, scfg.max_sessions)
         children.append(subprocess.Popen(cmd, env={**os.environ, **secret_env(options)}))
         addrs.append(f"{scfg.host}:{port}")
     return children, addrs

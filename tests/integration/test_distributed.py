@@ -6,7 +6,6 @@ leaves no session behind, malformed verifier input gets a clear status.
 
 import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +13,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from services.assembly import verifier_command
 from services.common.config import EngineConfig, ServerConfig
 from services.common.grpc_server import free_port
 from services.common.runtime import stop_processes
@@ -33,24 +33,7 @@ def start_verifier(tiny_dirs, delay_ms: int = 0) -> tuple[subprocess.Popen, str]
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPECMESH_FAULT_CYCLE_DELAY_MS": str(delay_ms)}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
-            "--role",
-            "verifier",
-            "--port",
-            str(port),
-            "--metrics-port",
-            "0",
-            "--target",
-            str(tiny_dirs[0]),
-            "--draft",
-            str(tiny_dirs[1]),
-            "--max-sessions",
-            "16",
-        ],
+        verifier_command(port, {"target": tiny_dirs[0], "draft": tiny_dirs[1]}, max_sessions=16),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
