@@ -237,11 +237,3 @@ class ParseGuard(grpc.ServerInterceptor):
 
         make = getattr(grpc, f"{kind}_rpc_method_handler")
         return make(guarded, request_deserializer=tolerant, response_serializer=handler.response_serializer)
-
-
-class TokenCredentials(grpc.AuthMetadataPlugin):
-    def __init__(self, token: str):
-        self.token = token
-
-    def __call__(self, context, callback):
-        callback((("authorization", f"Bearer {self.token}"),), None)
