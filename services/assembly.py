@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ class Topology:
     replicas: int = 2  # verifier processes a distributed topology spawns
     multiplex: bool = True  # one Link per replica for all sessions, else a stream per session
     affinity_slack: int | None = 2  # prefix-affinity placement's allowance (common/affinity.py)
+    verifier_timeout_s: float = 10.0  # a replica's least budget per cycle before it counts as hung
 
 
 def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[str, Any]) -> None:
@@ -52,18 +52,18 @@ def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[
     if topo.role == "all" and topo.kind == "embedded":
         return serve(checked(build_engine(cfg), options), scfg)
     from services.verifier.client import RemoteVerifier
+    from services.verifier.watch import ReplicaWatch
 
-    children, addrs = [], list(topo.verifiers)
+    supervisor, addrs = None, list(topo.verifiers)
     if topo.kind == "distributed" and not addrs:
-        children, addrs = spawn_verifiers(options, topo, scfg)
+        supervisor, addrs = spawn_verifiers(options, topo, scfg)
     try:
-        pool = RemoteVerifier(addrs, link=topo.multiplex, affinity_slack=topo.affinity_slack)
+        watch = ReplicaWatch(floor_s=topo.verifier_timeout_s)
+        pool = RemoteVerifier(addrs, link=topo.multiplex, affinity_slack=topo.affinity_slack, watch=watch)
         serve(checked(build_engine(cfg, pool), options), scfg)
     finally:
-        for c in children:
-            c.terminate()
-        for c in children:
-            c.wait(30)
+        if supervisor is not None:
+            supervisor.stop()
     return None
 
 
@@ -100,9 +100,11 @@ def checked(engine: Engine, options: Mapping[str, Any]) -> Engine:
 
 
 def _serve_verifier(cfg: EngineConfig, scfg: ServerConfig) -> None:
+    from services.common.supervisor import exit_with_parent
     from services.verifier.core import VerifierCore
     from services.verifier.grpc_server import build_verifier_server
 
+    exit_with_parent()  # spawned by a router: do not outlive it
     core = VerifierCore.from_config(cfg, eos_id(cfg))
     server, servicer, port = build_verifier_server(core, scfg.host, scfg.port, scfg.max_sessions)
     _announce(f"verifier on {scfg.host}:{port}")
@@ -183,15 +185,20 @@ def verifier_command(
 
 def spawn_verifiers(options: Mapping[str, Any], topo: Topology, scfg: ServerConfig):
     """``topo.replicas`` verifier processes on the ports after ``scfg.port``, with the same engine
-    options; returns (processes, addresses)."""
-    children, addrs = [], []
+    options, each serving before this returns (``StartFailed`` if one cannot), restarted if one
+    dies later; returns (their ``Supervisor``, addresses)."""
+    from services.common.supervisor import Child, Supervisor
+    from services.verifier.client import serving
+
+    children = []
     for i in range(topo.replicas):
         port = scfg.port + 1 + i
         metrics = scfg.metrics_port + 1 + i if scfg.metrics_port else 0
         cmd = verifier_command(port, options, scfg.host, metrics, scfg.max_sessions)
-        children.append(subprocess.Popen(cmd, env={**os.environ, **secret_env(options)}))
-        addrs.append(f"{scfg.host}:{port}")
-    return children, addrs
+        children.append(Child(f"{scfg.host}:{port}", cmd))
+    supervisor = Supervisor(children, {**os.environ, **secret_env(options)}, ready=serving)
+    supervisor.start()
+    return supervisor, [c.name for c in children]
 
 
 def _announce(what: str) -> None:

@@ -119,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     separate processes on loopback + the router here. --role runs one service alone
     (services/assembly.py builds each)."""
     from services.assembly import Topology, run
+    from services.common.supervisor import StartFailed
 
     cfg = engine_config(args)
     token = _auth_token(args.auth_token_file)
@@ -152,11 +153,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         replicas=args.replicas,
         multiplex=args.verifier_link == "multiplex",
         affinity_slack=args.affinity_slack,
+        verifier_timeout_s=args.verifier_timeout,
     )
     options = {k: v for k, v in vars(args).items() if k in OPTIONS}
     try:
         run(cfg, topo, scfg, options)
-    except ValueError as e:
+    except (ValueError, StartFailed) as e:
         sys.exit(f"error: {e}")
 
 
@@ -417,6 +419,15 @@ def _serve_parser(sub) -> None:
         help="router: a new session may go to a verifier replica with up to this many more sessions than "
         "the least loaded when it holds the longest start of the prompt in its prefix cache "
         "(env SPECMESH_AFFINITY_SLACK); 0 = only among the least loaded",
+    )
+    p.add_argument(
+        "--verifier-timeout",
+        type=_flag_type("float"),
+        default=float(os.environ.get("SPECMESH_VERIFIER_TIMEOUT", "10")),
+        help="router: seconds a verifier replica may take to answer a cycle before it counts as hung, at "
+        "least (the budget is the larger of this and 10x its slowest recent cycle); a hung replica's sessions "
+        "move to another replica with every token so far, and it is left out until it answers again "
+        "(env SPECMESH_VERIFIER_TIMEOUT)",
     )
     p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: PEM certificate (with --tls-key)")

@@ -74,6 +74,8 @@ def build_grpc_server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),  # bind exclusively: a second server on a busy port fails, not shares it
+            *SERVER_KEEPALIVE,
         ],
     )
     register(server)
@@ -85,17 +87,47 @@ def build_grpc_server(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     addr = f"{host}:{port}"
-    bound = server.add_secure_port(addr, server_credentials(tls)) if tls.enabled else server.add_insecure_port(addr)
+    try:
+        bound = server.add_secure_port(addr, server_credentials(tls)) if tls.enabled else server.add_insecure_port(addr)
+    except RuntimeError:  # gRPC's own message says only "failed to bind"
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind {host}:{port}")
+        raise PortBusy(f"cannot listen on {host}:{port}: the port is in use (or the address is not this machine's)")
     server.health = hs
     return server, bound
+
+
+# Keepalive: a client pings every 10 s and drops a connection whose peer has not answered within
+# 5 s (a stopped or partitioned process): its calls fail UNAVAILABLE and the caller fails over.
+# (gRPC 1.85 times a keepalive ping out by ``ping_timeout_ms``, default 60 s, not by its
+# ``keepalive_timeout_ms``: both are set.)
+# Servers accept those pings (gRPC's default would answer more than one per 5 minutes with GOAWAY).
+CLIENT_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+]
+SERVER_KEEPALIVE = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+class PortBusy(ValueError):
+    """A server could not bind its address."""
 
 
 def channel(addr: str, max_message_bytes: int = 4 * 1024 * 1024, tls: TLSConfig | None = None) -> grpc.Channel:
     """Client channel to an internal service; TLS (mutual when a client cert is set) from
     SPECMESH_TLS_CA and SPECMESH_TLS_CLIENT_CERT / _KEY unless ``tls`` is given."""
-    opts = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+    opts = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *CLIENT_KEEPALIVE,
+    ]
     if tls is None:
         tls = TLSConfig.from_env("SPECMESH_TLS_CLIENT_")
         tls = tls if tls.ca else TLSConfig()

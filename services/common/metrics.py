@@ -41,11 +41,15 @@ HYBRID_DECISIONS = Counter("specmesh_hybrid_decisions_total", "Hybrid router cho
 # -- fleet -----------------------------------------------------------------------------------------
 VERIFIER_FAILOVERS = Counter(
     "specmesh_verifier_failovers_total",
-    "Sessions re-opened on another verifier replica after theirs failed, by when (open or cycle)",
+    "Sessions re-opened on another verifier replica after theirs failed, by when (open, cycle, or "
+    "hang: no answer within the replica's budget)",
     ["stage"],
 )
-for _stage in ("open", "cycle"):
+for _stage in ("open", "cycle", "hang"):
     VERIFIER_FAILOVERS.labels(_stage)  # known label values start at 0
+VERIFIER_RESTARTS = Counter(
+    "specmesh_verifier_restarts_total", "Verifier processes the router restarted after they died"
+)
 
 # -- speculative decoding (vLLM's spec-decode counters, per method and draft source) ------------
 CYCLES = Counter("specmesh_cycles_total", "Target verification forward passes", ["method"])

@@ -18,8 +18,9 @@ import grpc
 from services.common.affinity import PrefixAffinity, choose
 from services.common.grpc_server import channel, refusal_of
 from services.common.metrics import VERIFIER_FAILOVERS
-from services.common.refusals import Unavailable
+from services.common.refusals import DeadlineExceeded, Unavailable
 from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
+from services.verifier.watch import ReplicaWatch
 from services.verifier.wire import cycle_to_pb, result_from_pb, spec_to_pb
 from specmesh.v1 import verifier_pb2 as pb
 from specmesh.v1 import verifier_pb2_grpc as pb_grpc
@@ -37,18 +38,30 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Status
 class SessionStream:
     """Transport: one bidirectional ``Session`` stream per session."""
 
-    def __init__(self, stub: pb_grpc.VerifierStub, spec: SessionSpec, timeout: float | None):
+    def __init__(self, stub: pb_grpc.VerifierStub, spec: SessionSpec, timeout: float | None, wait_s: float):
         self._q: queue.Queue = queue.Queue()
         self._q.put(pb.SessionRequest(open=spec_to_pb(spec)))
         self._call = stub.Session(iter(self._q.get, None), timeout=timeout)
-        self.replica = next(self._call).opened.replica
+        self.replica = self._next(wait_s).opened.replica
 
-    def cycle(self, req: CycleRequest, timeout: float | None) -> CycleResult:
-        self._q.put(pb.SessionRequest(cycle=cycle_to_pb(req)))
+    def _next(self, wait_s: float) -> pb.SessionResponse:
+        """The stream's next reply; ``Stalled`` (the call cancelled) if none comes within ``wait_s``."""
+        timer = threading.Timer(wait_s, self._call.cancel)
+        timer.start()
         try:
-            return result_from_pb(next(self._call).result)
+            return next(self._call)
         except StopIteration:
             raise LinkError(grpc.StatusCode.UNAVAILABLE, "session stream ended") from None
+        except grpc.RpcError as e:
+            if not timer.is_alive() and e.code() == grpc.StatusCode.CANCELLED:
+                raise Stalled(wait_s) from e
+            raise
+        finally:
+            timer.cancel()
+
+    def cycle(self, req: CycleRequest, wait_s: float) -> CycleResult:
+        self._q.put(pb.SessionRequest(cycle=cycle_to_pb(req)))
+        return result_from_pb(self._next(wait_s).result)
 
     def close(self) -> None:
         self._q.put(None)
@@ -56,8 +69,9 @@ class SessionStream:
 
 
 class RemoteSession:
-    """A verifier session on some replica; on replica failure it re-opens elsewhere with the
-    prompt plus every token committed so far, and retries the cycle (nothing lost or repeated)."""
+    """A verifier session on some replica; on replica failure (an error, or no answer within the
+    replica's budget: ``ReplicaWatch``) it re-opens elsewhere with the prompt plus every token
+    committed so far, and retries the cycle (nothing lost or repeated)."""
 
     def __init__(self, pool: "RemoteVerifier", spec: SessionSpec):
         self.pool, self.spec = pool, spec
@@ -71,14 +85,16 @@ class RemoteSession:
         one nearly as loaded that holds the prompt's start in its prefix cache."""
         spec = self.spec.resumed(self.tokens[len(self.spec.prompt_ids) :])
         while True:
-            addr = self.pool.pick(exclude, self.tokens, self.spec.cache_salt)
+            addr, left = self.pool.pick(exclude, self.tokens, self.spec.cache_salt), self._timeout()
             try:
-                self._t = self.pool.transport(addr, spec, self._timeout())
+                self._t = self.pool.transport(addr, spec, left)
             except grpc.RpcError as e:
-                if e.code() not in _RETRYABLE:
+                if isinstance(e, Stalled) and left is not None and left <= self.pool.watch.budget(addr):
+                    raise DeadlineExceeded("verifier: the request's deadline passed") from e
+                if e.code() not in _RETRYABLE and not isinstance(e, Stalled):
                     raise refusal_of(e, "verifier") from e
-                log.warning("verifier %s unavailable at open (%s)", addr, e.code().name)
-                VERIFIER_FAILOVERS.labels("open").inc()
+                log.warning("verifier %s unavailable at open (%s)", addr, _why(e))
+                self.pool.failed(addr, "open", e)
                 exclude.add(addr)
                 continue
             self.addr, self.replica = addr, self._t.replica
@@ -95,17 +111,21 @@ class RemoteSession:
     def cycle(self, req: CycleRequest) -> CycleResult:
         tried: set[str] = set()
         while True:
+            left, budget = self._timeout(), self.pool.watch.budget(self.addr)
+            t0 = time.monotonic()
             try:
-                res = self._t.cycle(req, self._timeout())
+                res = self._t.cycle(req, budget if left is None else min(left, budget))
+                self.pool.watch.answered(self.addr, time.monotonic() - t0)
                 break
             except grpc.RpcError as e:
                 if self.cancelled:
                     raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
-                if e.code() not in _RETRYABLE or self._timeout() == 0.001:
+                if isinstance(e, Stalled) and left is not None and left <= budget:
+                    raise DeadlineExceeded("verifier: the request's deadline passed") from e
+                if (e.code() not in _RETRYABLE and not isinstance(e, Stalled)) or self._timeout() == 0.001:
                     raise refusal_of(e, "verifier") from e
-                log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, e.code().name)
-                VERIFIER_FAILOVERS.labels("cycle").inc()
-                self.pool.affinity.forget(self.addr)
+                log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, _why(e))
+                self.pool.failed(self.addr, "cycle", e)
                 self._release()
                 tried.add(self.addr)
                 self._connect(exclude=tried)  # same context, so the same request is valid there
@@ -127,6 +147,10 @@ class RemoteSession:
         self._release()
 
 
+def _why(e: grpc.RpcError) -> str:
+    return "no answer within its budget" if isinstance(e, Stalled) else e.code().name
+
+
 class RemoteVerifier:
     """Router-side view of verifier replicas: least-loaded placement with prefix affinity,
     session affinity."""
@@ -138,12 +162,14 @@ class RemoteVerifier:
         max_message_bytes: int = 4 << 20,
         link: bool = True,
         affinity_slack: int | None = 2,
+        watch: ReplicaWatch | None = None,
     ):
         """``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
         message per step each way); else each session has its own ``Session`` stream.
         ``affinity_slack``: a new session may go to a replica with up to this many sessions
         more than the least loaded when that replica holds the longest start of its prompt
-        (``services/common/affinity.py``); 0 = only among the least loaded; None = off."""
+        (``services/common/affinity.py``); 0 = only among the least loaded; None = off.
+        ``watch``: when a replica counts as hung, and how long a failed one is left out."""
         if not addresses:
             raise ValueError("at least one verifier address is required")
         self.channels = {a: channel(a, max_message_bytes) for a in addresses}
@@ -151,6 +177,7 @@ class RemoteVerifier:
         self.load = {a: 0 for a in addresses}
         self.affinity, self.affinity_slack = PrefixAffinity(), affinity_slack
         self.timeout_s = timeout_s
+        self.watch = watch or ReplicaWatch()
         self.link = link
         self._links: dict[str, ReplicaLink] = {}
         self._links_lock = threading.Lock()
@@ -168,21 +195,37 @@ class RemoteVerifier:
         raise RuntimeError(f"no verifier replica answered: {last}")
 
     def live(self, timeout_s: float = 1.0) -> int:
-        """Replicas that answer ``Info`` within ``timeout_s`` now (health checks ask this)."""
+        """Replicas that answer ``Info`` within ``timeout_s`` now (health checks ask this, and
+        each answer or silence is a probe for ``watch``)."""
         n = 0
-        for stub in self._stubs.values():
+        for addr, stub in self._stubs.items():
             try:
                 stub.Info(pb.InfoRequest(), timeout=timeout_s)
                 n += 1
+                self.watch.probed(addr, True)
             except grpc.RpcError:
-                pass
+                self.watch.probed(addr, False)
         return n
+
+    def failed(self, addr: str, stage: str, e: grpc.RpcError) -> None:
+        """A session left ``addr`` after ``e``: it is left out of placement for a while, and a
+        replica that hung has its link broken so every session on it moves now."""
+        VERIFIER_FAILOVERS.labels("hang" if isinstance(e, Stalled) else stage).inc()
+        self.affinity.forget(addr)
+        quarantine = self.watch.failed(addr)
+        log.warning("verifier %s left out of placement for %.0f s", addr, quarantine)
+        if isinstance(e, Stalled):
+            with self._links_lock:
+                link = self._links.pop(addr, None)
+            if link is not None:
+                link.shut()
 
     def stub(self, addr: str) -> pb_grpc.VerifierStub:
         return self._stubs[addr]
 
     def pick(self, exclude: set[str], tokens: Sequence[int] = (), salt: str = "") -> str:
-        live = [a for a in self.load if a not in exclude]
+        out = exclude | self.watch.out(self.load)
+        live = [a for a in self.load if a not in out]
         if not live:
             raise NoReplica(f"no live verifier replica among {sorted(self.load)}")
         if self.affinity_slack is None:
@@ -208,13 +251,14 @@ class RemoteVerifier:
 
     def transport(self, addr: str, spec: SessionSpec, timeout: float | None):
         """Open ``spec`` on ``addr``: over the replica's link (made anew if it broke), or its own stream."""
+        wait = self.watch.budget(addr) if timeout is None else min(timeout, self.watch.budget(addr))
         if not self.link:
-            return SessionStream(self._stubs[addr], spec, timeout)
+            return SessionStream(self._stubs[addr], spec, timeout, wait)
         with self._links_lock:
             link = self._links.get(addr)
             if link is None or link.broken is not None:
                 link = self._links[addr] = ReplicaLink(self._stubs[addr], addr)
-        return link.open(spec, timeout)
+        return link.open(spec, wait)
 
     def close(self) -> None:
         with self._links_lock:
@@ -226,6 +270,16 @@ class RemoteVerifier:
     # the router's engine asks these of any verifier
     policies: dict = {}
     memory = None
+
+
+def serving(addr: str, timeout_s: float) -> bool:
+    """Whether a verifier answers ``Info`` at ``addr`` within ``timeout_s`` (a start-up check)."""
+    with channel(addr) as ch:
+        try:
+            pb_grpc.VerifierStub(ch).Info(pb.InfoRequest(), timeout=timeout_s, wait_for_ready=True)
+            return True
+        except grpc.RpcError:
+            return False
 
 
 class LinkError(grpc.RpcError):
@@ -240,6 +294,14 @@ class LinkError(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+class Stalled(LinkError):
+    """No answer came within the wait given: the replica is hung, unless the wait was the
+    request's own deadline."""
+
+    def __init__(self, wait_s: float):
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {wait_s:.3g} s")
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -302,7 +364,7 @@ class ReplicaLink:
             r = self._inbox[sid].get(timeout=timeout)
         except queue.Empty:
             self.release(sid)
-            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
+            raise Stalled(timeout or 0.0) from None
         if r is _BROKEN:
             assert self.broken is not None  # set before _BROKEN is posted
             raise self.broken

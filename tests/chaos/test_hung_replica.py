@@ -1,0 +1,87 @@
+"""A verifier replica that stops answering (SIGSTOP) mid-stream: its sessions move to another
+replica with every token so far, identical to vanilla greedy; it is left out of placement while
+stopped and comes back once it answers again. An idle link to a stopped replica is dropped by
+keepalive."""
+
+import signal
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from services.router.engine import GenerationRequest
+from services.verifier.client import ReplicaLink
+from services.verifier.watch import ReplicaWatch
+from specmesh.v1 import generate_pb2 as gpb
+from tests.fleet import router, start_verifier, stop, stream_ids
+
+PROMPT = "def add(a, b):\n"
+
+
+def failovers(stage: str) -> float:
+    return REGISTRY.get_sample_value("specmesh_verifier_failovers_total", {"stage": stage}) or 0.0
+
+
+def until(cond, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.1)
+    return cond()
+
+
+@pytest.mark.parametrize("link", [True, False], ids=["link", "stream"])
+def test_a_stopped_replica_is_failed_over_and_comes_back_when_it_answers(tiny_dirs, tiny_engine, link):
+    stopped, addr_stopped = start_verifier(tiny_dirs, delay_ms=40)
+    other, addr_other = start_verifier(tiny_dirs)
+    watch = ReplicaWatch(floor_s=1.0, first_quarantine_s=1.0)
+    engine, server, _, stub = router(tiny_dirs, [addr_stopped, addr_other], link=link, watch=watch)
+    pool = engine.verifier
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPT), 60, method="vanilla")).result()
+    try:
+        pool.load[addr_other] = 100  # steer the session to the replica about to stop
+        hangs = failovers("hang")
+        call = stub.Generate(gpb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, method="sd"), timeout=120)
+        ids = list(next(call).token_ids)
+        stopped.send_signal(signal.SIGSTOP)
+        final = None
+        for m in call:
+            ids += m.token_ids
+            final = m
+        assert ids == ref["token_ids"] and final.finish_reason == gpb.FINISH_REASON_LENGTH
+        assert failovers("hang") == hangs + 1
+        # while stopped, health probes keep it out: new sessions go to the other replica
+        assert until(lambda: pool.live() == 1 and not watch.usable(addr_stopped), 10)
+        assert stream_ids(stub, PROMPT, 20, "sd") == ref["token_ids"][:20]
+        stopped.send_signal(signal.SIGCONT)
+        assert until(lambda: pool.live() == 2 and watch.usable(addr_stopped), 60)
+        assert pool.pick(set()) == addr_stopped  # back in placement (the other is steered away)
+        assert stream_ids(stub, PROMPT, 60, "sd") == ref["token_ids"]
+        assert failovers("hang") == hangs + 1
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+        server.stop(0)
+        engine.close()
+        stop([stopped, other])
+
+
+def test_keepalive_drops_an_idle_link_to_a_stopped_replica(tiny_dirs):
+    """No cycle in flight, so no budget runs out: the channel's keepalive ping goes unanswered
+    and the link breaks (within keepalive time + timeout: 10 + 5 s), so the next session on it
+    re-opens rather than waiting on a dead connection."""
+    from services.common.grpc_server import channel
+    from specmesh.v1 import verifier_pb2_grpc as pb_grpc
+
+    proc, addr = start_verifier(tiny_dirs)
+    ch = channel(addr)
+    link = ReplicaLink(pb_grpc.VerifierStub(ch), addr)
+    try:
+        time.sleep(0.5)
+        assert link.broken is None
+        proc.send_signal(signal.SIGSTOP)
+        assert until(lambda: link.broken is not None, 30)
+        assert link.broken.code().name == "UNAVAILABLE"
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        link.shut()
+        ch.close()
+        stop([proc])
