@@ -171,8 +171,8 @@ class RayMemoryStore:
     def write(self, batch) -> None:
         self.handle.write.remote(dict(batch)).result()
 
-    def has_prior(self) -> bool:
-        return True
+    def offer_prior(self, counts) -> None:
+        """The memory deployment's backend holds the prior."""
 
     def replace_prior(self, counts) -> None:
         raise NotImplementedError("load the calibration prior into the memory deployment's backend")

@@ -139,6 +139,7 @@ class EngineConfig:
     predictor_addr: str | None = None  # use a remote Predictor service instead of the in-process MLP
     drafter_addr: str | None = None  # use a remote suffix-cache Drafter service
     memory_addr: str | None = None  # share the correction memory through the Memory service
+    state_dir: Path | None = None  # correction-memory counts a shutdown could not write, for the next start
     ocm_snapshot: Path | None = _bundled("ocm_snapshot.json")  # calibration prior, loaded when present
 
     @classmethod
@@ -398,6 +399,13 @@ OPTIONS: dict[str, Option] = {
             "the env var to the flag, which `ps` shows)",
             env="SPECMESH_REDIS_URL",
             secret=True,
+        ),
+        Option(
+            "state_dir",
+            "path",
+            "where a verifier keeps the shared correction-memory counts it could not write at shutdown (Redis "
+            "or the memory service down), sent on its next start; default: none (they are dropped, with a warning)",
+            env="SPECMESH_STATE_DIR",
         ),
         Option(
             "speculative_config",

@@ -6,6 +6,7 @@ target's p and the drafter's q, so rejection sampling compares like with like.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -135,6 +136,31 @@ def make_rng(seed: int | None) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+class Draws:
+    """A request's random draws. Seeded, the token at output position ``i`` is drawn from a
+    generator seeded by (seed, i) alone: the same seed gives the same tokens whichever cycle,
+    drafter or replica draws them (a session re-opened after a failover resumes at its position).
+    Unseeded, and for draws that are not one output token each (a drafter's, rejection
+    sampling's), ``stream``: one generator drawn from in order."""
+
+    def __init__(self, seed: int | None, stream: torch.Generator | None = None):
+        self.seed = seed
+        self.stream = stream if stream is not None else make_rng(seed)
+        self.position = 0  # the output position of this cycle's first token
+
+    def at(self, offset: int) -> torch.Generator:
+        """The generator for the token ``offset`` places after this cycle's first."""
+        if self.seed is None:
+            return self.stream
+        key = hashlib.blake2b(f"{self.seed}:{self.position + offset}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+
+    @staticmethod
+    def of(rng: "torch.Generator | Draws") -> "Draws":
+        """``rng`` as Draws (a bare generator: unseeded, drawn in order)."""
+        return rng if isinstance(rng, Draws) else Draws(None, rng)
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int]:

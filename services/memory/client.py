@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import grpc
 
@@ -36,8 +37,8 @@ class GrpcStore:
             pb.RecordPairsRequest(pairs=[pb.PairCount(draft=d, target=t, count=n) for (d, t), n in batch.items()]),
         )
 
-    def has_prior(self) -> bool:
-        return True
+    def offer_prior(self, counts: dict[Pair, float]) -> None:
+        """The memory service holds the prior (its own store installs it)."""
 
     def replace_prior(self, counts: dict[Pair, float]) -> None:
         raise StoreUnavailable(
@@ -51,5 +52,7 @@ class GrpcStore:
 class RemoteCorrectionMemory(WriteBehindMemory):
     """The OCM a verifier shares through the memory service."""
 
-    def __init__(self, addr: str, flush_interval_s: float = 0.5, refresh_interval_s: float = 2.0):
-        super().__init__(GrpcStore(addr), flush_interval_s, refresh_interval_s)
+    def __init__(
+        self, addr: str, flush_interval_s: float = 0.5, refresh_interval_s: float = 2.0, spill_dir: Path | None = None
+    ):
+        super().__init__(GrpcStore(addr), flush_interval_s, refresh_interval_s, spill_dir=spill_dir)

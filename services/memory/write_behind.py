@@ -3,16 +3,22 @@
 The hot path never waits on the store: ``lookup`` reads a local view; ``record`` updates the
 view and a pending batch. A background thread flushes the batch and refreshes the view
 (store counts + still-pending counts) every few seconds. Store down: the view keeps serving,
-pending counts are kept and re-sent on the store's retry schedule; ``close`` flushes.
+pending counts are kept and re-sent on the store's retry schedule. ``close`` flushes, retrying
+for a bounded grace period; what the store still does not take is written to a spill file in
+``spill_dir``, and the next memory opened over that directory claims every spill file there
+(younger than ``spill_max_age_s``) into its pending counts: no count is lost at shutdown.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Protocol
 
 from services.common.metrics import OCM_PAIRS
@@ -32,17 +38,27 @@ class MemoryStore(Protocol):
 
     def replace_prior(self, counts: dict[Pair, float]) -> None: ...
 
-    def has_prior(self) -> bool: ...
+    def offer_prior(self, counts: dict[Pair, float]) -> None: ...  # the prior, unless one is installed
 
     def retry_in(self) -> float: ...
 
 
 class WriteBehindMemory:
-    def __init__(self, store: MemoryStore, flush_interval_s: float = 0.5, refresh_interval_s: float = 2.0):
+    def __init__(
+        self,
+        store: MemoryStore,
+        flush_interval_s: float = 0.5,
+        refresh_interval_s: float = 2.0,
+        spill_dir: Path | None = None,
+        spill_max_age_s: float = 86400.0,
+    ):
         self.store = store
         self.flush_interval_s, self.refresh_interval_s = flush_interval_s, refresh_interval_s
         self.view: dict[Pair, float] = {}
         self.pending: Counter = Counter()
+        self.spill_dir = spill_dir
+        if spill_dir is not None:
+            self.pending.update(claim_spills(spill_dir, spill_max_age_s))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._try(self.refresh)
@@ -106,8 +122,8 @@ class WriteBehindMemory:
     def ensure_prior(self, counts: dict[Pair, float]) -> None:
         """Install ``counts`` as the shared prior unless another replica already did."""
         try:
-            if not self.store.has_prior():
-                self.restore(counts)
+            self.store.offer_prior(counts)
+            self._try(self.refresh)
         except StoreUnavailable:
             log.warning("OCM: shared store unavailable at start; calibration prior not installed")
 
@@ -115,7 +131,8 @@ class WriteBehindMemory:
         return len(self.view)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop syncing and flush pending counts (retrying until ``timeout_s``)."""
+        """Stop syncing and flush pending counts, retrying until ``timeout_s``; then spill what
+        is left to a file in ``spill_dir`` (the next start there sends it)."""
         self._stop.set()
         self._thread.join(timeout_s)
         end = time.monotonic() + timeout_s
@@ -123,5 +140,55 @@ class WriteBehindMemory:
             if self._try(self.flush):
                 break
             time.sleep(min(0.2, max(0.01, self.store.retry_in())))
-        if self.pending:
-            log.warning("OCM: %d pending pair counts could not be flushed", sum(self.pending.values()))
+        if not self.pending:
+            return
+        n = int(sum(self.pending.values()))
+        if self.spill_dir is None:
+            log.warning("OCM: %d pending pair counts could not be flushed (no spill directory)", n)
+            return
+        path = spill(self.spill_dir, self.pending)
+        log.warning(
+            "OCM: the shared store did not answer; %d pending pair counts kept in %s for the next start", n, path
+        )
+
+
+# -- spill files: pending counts a closed memory could not write, for the next start -------------------
+SPILL_FORMAT = "specmesh-ocm-pending/1"
+
+
+def spill(directory: Path, counts: Counter) -> Path:
+    """Write ``counts`` to a new spill file in ``directory`` (atomically: a temporary file renamed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"ocm-pending-{os.getpid()}-{time.time_ns()}.json"
+    tmp = path.with_suffix(".tmp")
+    body = {"format": SPILL_FORMAT, "written_at": time.time(), "pairs": [[d, t, n] for (d, t), n in counts.items()]}
+    tmp.write_text(json.dumps(body))
+    tmp.rename(path)
+    return path
+
+
+def claim_spills(directory: Path, max_age_s: float) -> Counter:
+    """The counts of every spill file in ``directory``, each claimed by renaming it first (two
+    processes starting together never both take one) and then deleted; files older than
+    ``max_age_s`` (their counts would have expired from the store) are dropped."""
+    counts: Counter = Counter()
+    for path in sorted(directory.glob("ocm-pending-*.json")):
+        claimed = path.with_suffix(f".claimed-{os.getpid()}")
+        try:
+            path.rename(claimed)
+        except OSError:  # another process claimed it
+            continue
+        try:
+            body = json.loads(claimed.read_text())
+            if body.get("format") != SPILL_FORMAT:
+                raise ValueError(f"format {body.get('format')!r}")
+            if time.time() - float(body["written_at"]) <= max_age_s:
+                counts.update({(int(d), int(t)): n for d, t, n in body["pairs"]})
+            claimed.unlink()
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("OCM: spill file %s is not readable (%s); left as %s", path, e, claimed)
+    if counts:
+        log.warning(
+            "OCM: %d pair counts from a previous shutdown's spill files will be sent", int(sum(counts.values()))
+        )
+    return counts

@@ -23,7 +23,7 @@ from services.common.config import EngineConfig
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
-from services.common.sampling import apply_bias, apply_penalties, ban_bad_words, make_rng, token_logprobs
+from services.common.sampling import Draws, apply_bias, apply_penalties, ban_bad_words, token_logprobs
 from services.common.structured import GrammarCompiler, GrammarCursor
 from services.common.token_tree import graft
 from services.common.types import CycleRequest, CycleResult, Draft, SessionCancelled, SessionSpec, TokenLogprob, Verdict
@@ -331,12 +331,12 @@ def open_memory(cfg: EngineConfig):
     if cfg.memory_addr:
         from services.memory.client import RemoteCorrectionMemory
 
-        return RemoteCorrectionMemory(cfg.memory_addr)
+        return RemoteCorrectionMemory(cfg.memory_addr, spill_dir=cfg.state_dir)
     if cfg.redis_url:
         from services.memory.redis_link import RedisLink
         from services.memory.redis_memory import RedisCorrectionMemory
 
-        memory = RedisCorrectionMemory(RedisLink(cfg.redis_url, "ocm"))
+        memory = RedisCorrectionMemory(RedisLink(cfg.redis_url, "ocm"), spill_dir=cfg.state_dir)
         if prior:
             memory.ensure_prior(prior)
         return memory
@@ -351,11 +351,12 @@ class VerifierSession:
     core: VerifierCore
     spec: SessionSpec
     session_id: str
-    rng: torch.Generator = field(init=False)
+    rng: Draws = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.spec
-        self.rng = make_rng(s.sampling.seed)
+        self.rng = Draws(s.sampling.seed)
+        self.rng.position = s.generated  # output tokens before this session (a failover's re-open)
         self.policy = self.core.policies[s.policy]
         root = salt_root(s.cache_salt)
         self.target = self.core.runner.open(
@@ -376,7 +377,7 @@ class VerifierSession:
                 self.session_id,
                 s.prompt_ids,
                 s.sampling,
-                self.rng,
+                self.rng.stream,
                 s.max_new_tokens,
                 cache_root=root,
                 grammar=self.grammar,
@@ -416,6 +417,7 @@ class VerifierSession:
         eos = self.core.eos_id
         cut = eos in verdict.tokens and not self.spec.ignore_eos
         committed = verdict.tokens[: verdict.tokens.index(eos) + 1] if cut else verdict.tokens
+        self.rng.position += len(committed)
         if self.grammar is not None:
             self.grammar.advance(committed)
         if self.drafter:

@@ -12,22 +12,25 @@ i (row k predicts the bonus token).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from services.common.sampling import greedy_ids, probs_from_logits, sample
+from services.common.sampling import Draws, greedy_ids, probs_from_logits, sample
 from services.common.token_tree import walk
 from services.common.types import Draft, SamplingParams, Verdict
 
+Rng = torch.Generator | Draws  # a request's draws (a bare generator: unseeded, in order)
+
 
 class AcceptancePolicy(Protocol):
-    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict: ...
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict: ...
 
 
-def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
+def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
     """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus).
     A tree draft: follow the child carrying each argmax (``token_tree.walk``)."""
     target = greedy_ids(logits)
@@ -60,7 +63,7 @@ def _walked(draft: Draft, path: list[int], t: int) -> Verdict:
     )
 
 
-def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
+def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
     """A deterministic draft (a chain or a tree, no q) under sampling: at each node, sample
     the target's own token from its row (row 0 after the committed tokens, row j + 1 after
     node j) and follow the child that carries it; the first token no child carries is
@@ -68,21 +71,28 @@ def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: t
     (accept d with probability p(d), else sample p with d removed), drawn differently:
     every emitted token is the target's sample, taken in order, one draw each, so a seeded
     request emits exactly the tokens vanilla sampling would."""
-    return _walked(
-        draft, *walk(draft.token_ids, draft.parents, lambda node: sample(probs_from_logits(logits[node + 1], sp), rng))
-    )
+    draws, drawn = Draws.of(rng), itertools.count()  # the i-th draw emits the cycle's i-th token
+
+    def target_token(node: int) -> int:
+        return sample(probs_from_logits(logits[node + 1], sp), draws.at(next(drawn)))
+
+    return _walked(draft, *walk(draft.token_ids, draft.parents, target_token))
 
 
-def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
+def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
     """Lossless speculative sampling.
 
     Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a
     token from norm(max(p_i − q_i, 0)); if all pass, a bonus token from p_k. A draft with
     no probabilities (q one-hot on its tokens: the suffix cache, draft trees) is verified
-    by ``_sampled_walk``, which is the same in distribution.
+    by ``_sampled_walk``, which is the same in distribution. So is a seeded request's draft,
+    whatever its q: the walk's tokens are vanilla's own draws, so a seed gives the same tokens
+    whichever drafter proposed (the hybrid's choice follows the cache and measured costs),
+    at the price of accepting d with p(d) rather than min(1, p(d) / q(d)).
     """
-    if draft.probs is None:
+    if draft.probs is None or sp.seed is not None:
         return _sampled_walk(draft, logits, sp, rng)
+    rng = Draws.of(rng).stream
     p = probs_from_logits(logits, sp)
     k = len(draft)
     d = torch.tensor(draft.token_ids, dtype=torch.long)
@@ -119,7 +129,7 @@ class CalibratedGreedy:
         self.memory = memory if gate.use_memory else None
         self.log_tau = math.log(gate.tau)
 
-    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
         if not sp.greedy:
             return rejection_sampling(draft, logits, sp, rng)
         target = greedy_ids(logits)
@@ -150,7 +160,7 @@ class CalibratedGreedy:
         return int((row > row[d]).sum()) < self.gate.top_k  # d ranks within the top-k
 
 
-def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> Verdict:
+def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
     """Exact match when greedy, rejection sampling otherwise: output distribution = target's."""
     policy = exact_greedy if sp.greedy else rejection_sampling
     return policy(draft, logits, sp, rng)

@@ -85,3 +85,29 @@ def test_keepalive_drops_an_idle_link_to_a_stopped_replica(tiny_dirs):
         link.shut()
         ch.close()
         stop([proc])
+
+
+@pytest.mark.parametrize("method", ["sd", "hybrid"])
+def test_a_seeded_sampled_stream_is_vanillas_own_across_a_failover(tiny_dirs, tiny_engine, method):
+    """Seeded draws are keyed by output position, so a session re-opened on another replica
+    after a kill -9 draws what the first would have: the stream equals vanilla's seeded one."""
+    from services.common.types import SamplingParams
+
+    dying, addr_dying = start_verifier(tiny_dirs, delay_ms=40)
+    other, addr_other = start_verifier(tiny_dirs)
+    engine, server, _, stub = router(tiny_dirs, [addr_dying, addr_other])
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPT), 60, sp, method="vanilla")).result()
+    try:
+        engine.verifier.load[addr_other] = 100
+        req = gpb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, method=method, temperature=0.8, top_p=0.95, seed=7)
+        call = stub.Generate(req, timeout=120)
+        ids = list(next(call).token_ids)
+        dying.kill()
+        for m in call:
+            ids += m.token_ids
+        assert ids == ref["token_ids"]
+    finally:
+        server.stop(0)
+        engine.close()
+        stop([dying, other])

@@ -117,11 +117,16 @@ def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_co
     assert stat < 3.0, (counts[keep] / n, p[keep])
 
 
-def test_seeded_sampling_is_reproducible(tiny_engine):
+def test_seeded_sampling_is_reproducible_and_vanillas_own(tiny_engine):
+    """A seeded sd request (a draft LM's drafts, with q) emits vanilla's seeded tokens."""
     ids = tiny_engine.encode("class A:")
-    req = GenerationRequest(ids, 30, SamplingParams(temperature=0.9, top_p=0.95, seed=11), method="sd")
-    a = tiny_engine.generate(req).result()["token_ids"]
-    assert a == tiny_engine.generate(req).result()["token_ids"]
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    a = tiny_engine.generate(GenerationRequest(ids, 30, sp, method="sd")).result()
+    assert a["token_ids"] == tiny_engine.generate(GenerationRequest(ids, 30, sp, method="sd")).result()["token_ids"]
+    assert (
+        a["token_ids"] == tiny_engine.generate(GenerationRequest(ids, 30, sp, method="vanilla")).result()["token_ids"]
+    )
+    assert a["stats"]["accepted_tokens"] > 0
 
 
 @pytest.fixture
@@ -352,13 +357,20 @@ def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
     assert differs > 0
 
 
-def test_seeded_sampling_over_deterministic_drafts_is_vanillas_own(tiny_eagle_engine):
-    """Drafts without q (the suffix cache's paths and trees, EAGLE-3 draft trees) are
-    verified under sampling by drawing the target's own token at each node and following the
-    child that carries it: one draw per emitted token, in order, as vanilla sampling draws.
-    So with a seed every such method emits exactly vanilla's tokens (top-p, top-k and min-p
-    included), while drafts were still accepted."""
+def test_seeded_sampling_is_vanillas_own_whatever_the_drafter(tiny_eagle_engine):
+    """A seeded request's drafts (with q or without: draft LM, EAGLE-3 chains and trees, the
+    suffix cache, the hybrid's pick among them) are verified by drawing the target's own token
+    at each node and following the child that carries it: one draw per emitted token, in
+    order, as vanilla sampling draws. So with a seed every method emits exactly vanilla's
+    tokens (top-p, top-k and min-p included), while drafts were still accepted; the hybrid's
+    per-cycle choice, which follows the suffix cache and measured costs, changes nothing."""
     eng = tiny_eagle_engine
+    methods = [
+        m
+        for m in ("suffix", "suffix-tree", "eagle3", "eagle3-tree", "ngram", "hybrid", "hybrid-csd")
+        if m in eng.methods()
+    ]
+    assert {"eagle3", "hybrid"} <= set(methods)
     accepted = 0
     for i, text in enumerate(PROMPTS[:6]):
         sp = SamplingParams(
@@ -366,7 +378,7 @@ def test_seeded_sampling_over_deterministic_drafts_is_vanillas_own(tiny_eagle_en
         )
         ids = eng.encode(text * 2)
         van = eng.generate(GenerationRequest(ids, 40, sp, method="vanilla")).result()["token_ids"]
-        for method in ("suffix", "suffix-tree", "eagle3-tree", "ngram"):
+        for method in methods:
             out = eng.generate(GenerationRequest(ids, 40, sp, method=method)).result()
             assert out["token_ids"] == van, (method, text)
             accepted += out["stats"]["accepted_tokens"]
