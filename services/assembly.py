@@ -16,7 +16,7 @@ from typing import Any
 
 from services.common.config import EngineConfig, ServerConfig, option_flags, secret_env
 from services.common.grpc_server import run_until_signal
-from services.common.security import TLSConfig, exposure_warning
+from services.common.security import TLSConfig, exposure_warning, internal_token
 from services.drafter.hybrid import HybridDrafter
 from services.router import openai_api as oa
 from services.router.engine import Engine
@@ -40,7 +40,7 @@ def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[
     """Build ``topo`` and serve until SIGTERM/SIGINT. ``options``: the engine options as given
     (spawned verifiers get the same ones)."""
     if topo.role in ("verifier", "predictor", "drafter", "memory"):
-        if warning := exposure_warning(topo.role, scfg.host, TLSConfig.server_from_env()):
+        if warning := exposure_warning(topo.role, scfg.host, TLSConfig.server_from_env(), internal_token()):
             log.warning(warning)
     if topo.role == "verifier":
         return _serve_verifier(cfg, scfg)

@@ -119,10 +119,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
     separate processes on loopback + the router here. --role runs one service alone
     (services/assembly.py builds each)."""
     from services.assembly import Topology, run
+    from services.common.security import INTERNAL_TOKEN_ENV, internal_token
     from services.common.supervisor import StartFailed
 
     cfg = engine_config(args)
     token = _auth_token(args.auth_token_file)
+    if args.internal_token_file:  # spawned verifiers and every internal channel read it from here
+        os.environ[INTERNAL_TOKEN_ENV] = args.internal_token_file
+    try:
+        internal_token()
+    except ValueError as e:
+        sys.exit(f"error: {e}; internal services would run without authentication")
     scfg = ServerConfig(
         host=args.host,
         port=args.port,
@@ -444,6 +451,13 @@ def _serve_parser(sub) -> None:
         "--auth-token-file",
         default=None,
         help="require `authorization: Bearer <token>` (token from this file, or env SPECMESH_AUTH_TOKEN)",
+    )
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        help="a secret shared by the router and the internal services (verifier, drafter, predictor, memory): "
+        "they require it as a bearer token and the router sends it (env SPECMESH_INTERNAL_TOKEN_FILE; "
+        "an empty or unreadable file stops the server)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)

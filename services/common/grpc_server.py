@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from concurrent import futures
@@ -11,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import refusals
-from services.common.security import DENIED, TLSConfig, bearer_ok
+from services.common.security import DENIED, TLSConfig, bearer_ok, internal_token
 
 log = logging.getLogger("specmesh.grpc")
 EXEMPT = ("/grpc.health.v1.Health/",)  # Kubernetes probes carry no token
@@ -132,8 +133,48 @@ def channel(addr: str, max_message_bytes: int = 4 * 1024 * 1024, tls: TLSConfig 
         tls = TLSConfig.from_env("SPECMESH_TLS_CLIENT_")
         tls = tls if tls.ca else TLSConfig()
     if tls.enabled:
-        return grpc.secure_channel(addr, channel_credentials(tls), options=opts)
-    return grpc.insecure_channel(addr, options=opts)
+        ch = grpc.secure_channel(addr, channel_credentials(tls), options=opts)
+    else:
+        ch = grpc.insecure_channel(addr, options=opts)
+    token = internal_token()
+    return grpc.intercept_channel(ch, SendToken(token)) if token else ch
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class SendToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Every call on the channel carries ``authorization: Bearer <token>`` (the internal token)."""
+
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, d):
+        metadata = [*(d.metadata or ()), self._header]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
 
 
 def run_until_signal(

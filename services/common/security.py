@@ -6,6 +6,9 @@ mechanics, credentials and the interceptor, are in ``grpc_server``).
 - Bearer token: ``authorization: Bearer <token>`` metadata checked in constant time on every
   method except health checks (Kubernetes probes carry no token); a missing or wrong token
   is UNAUTHENTICATED. Plaintext without a token stays the default only for loopback use.
+- Internal token: a secret shared by the router and the internal services (verifier, drafter,
+  predictor, memory), read from the file SPECMESH_INTERNAL_TOKEN_FILE names: those services
+  require it as their bearer token and every internal channel sends it.
 """
 
 from __future__ import annotations
@@ -64,12 +67,33 @@ def redacted(url: str) -> str:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def exposure_warning(role: str, host: str, tls: TLSConfig) -> str | None:
-    """What to say at start when an internal service (verifier, drafter, predictor, memory), which
-    takes no bearer token, listens beyond loopback without mutual TLS; None when it does not."""
-    if host in LOOPBACK or host.startswith("127.") or tls.ca is not None:
+def exposure_warning(role: str, host: str, tls: TLSConfig, token: str | None = None) -> str | None:
+    """What to say at start when an internal service (verifier, drafter, predictor, memory) listens
+    beyond loopback authenticating no peer (neither mutual TLS nor the internal token); None when
+    it does not."""
+    if host in LOOPBACK or host.startswith("127.") or tls.ca is not None or token:
         return None
     return (
         f"{role}: listening on {host} without client authentication: any peer that reaches this port can "
-        "drive it; bind to loopback, or require client certificates (SPECMESH_TLS_CLIENT_CA, --tls-client-ca)"
+        "drive it; bind to loopback, share an internal token (--internal-token-file) or require client "
+        "certificates (SPECMESH_TLS_CLIENT_CA, --tls-client-ca)"
     )
+
+
+INTERNAL_TOKEN_ENV = "SPECMESH_INTERNAL_TOKEN_FILE"
+
+
+def internal_token() -> str | None:
+    """The internal token from the file SPECMESH_INTERNAL_TOKEN_FILE names; None when unset. An
+    empty or unreadable file is a ValueError: internal services never fall back to no
+    authentication silently."""
+    path = os.environ.get(INTERNAL_TOKEN_ENV)
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"internal token: cannot read {path} ({e.strerror})") from None
+    if not token:
+        raise ValueError(f"internal token: {path} is empty")
+    return token

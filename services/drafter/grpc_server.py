@@ -9,6 +9,7 @@ import time
 import grpc
 
 from services.common.grpc_server import build_grpc_server
+from services.common.security import internal_token
 from services.drafter.suffix import SuffixDrafter
 from services.drafter.wire import SERVICE_NAME, draft_to_pb
 from specmesh.v1 import drafter_pb2 as pb
@@ -70,6 +71,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 def build_drafter_server(drafter: SuffixDrafter, vocab_size: int, host: str, port: int, workers: int = 16):
     servicer = DrafterServicer(drafter, vocab_size)
     server, bound = build_grpc_server(
-        lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s), [SERVICE_NAME], host, port, workers
+        lambda s: pb_grpc.add_DrafterServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        host,
+        port,
+        workers,
+        auth_token=internal_token(),  # the internal token, when one is set
     )
     return server, servicer, bound

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from services.common.grpc_server import build_grpc_server
+from services.common.security import internal_token
 from services.memory.wire import MAX_PAIRS, SERVICE_NAME
 from specmesh.v1 import memory_pb2 as pb
 from specmesh.v1 import memory_pb2_grpc as pb_grpc
@@ -46,6 +47,11 @@ class MemoryServicer(pb_grpc.MemoryServicer):
 def build_memory_server(memory, vocab_size: int, host: str, port: int, publish=None, workers: int = 16):
     servicer = MemoryServicer(memory, vocab_size, publish)
     server, bound = build_grpc_server(
-        lambda s: pb_grpc.add_MemoryServicer_to_server(servicer, s), [SERVICE_NAME], host, port, workers
+        lambda s: pb_grpc.add_MemoryServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        host,
+        port,
+        workers,
+        auth_token=internal_token(),  # the internal token, when one is set
     )
     return server, servicer, bound

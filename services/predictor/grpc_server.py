@@ -6,6 +6,7 @@ import grpc
 import numpy as np
 
 from services.common.grpc_server import build_grpc_server
+from services.common.security import internal_token
 from services.predictor.features import FEATURES
 from services.predictor.mlp import YieldMLP
 from services.predictor.wire import MAX_BATCH, SERVICE_NAME
@@ -36,5 +37,10 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 def build_predictor_server(mlp: YieldMLP, host: str, port: int, workers: int = 8):
     servicer = PredictorServicer(mlp)
     return build_grpc_server(
-        lambda s: pb_grpc.add_PredictorServicer_to_server(servicer, s), [SERVICE_NAME], host, port, workers
+        lambda s: pb_grpc.add_PredictorServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        host,
+        port,
+        workers,
+        auth_token=internal_token(),  # the internal token, when one is set
     )

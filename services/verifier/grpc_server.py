@@ -15,6 +15,7 @@ import grpc
 
 from services.common.grpc_server import build_grpc_server, status_of
 from services.common.refusals import Invalid, Refusal
+from services.common.security import internal_token
 from services.common.types import CycleRequest, SessionCancelled, SessionSpec
 from services.verifier.core import VerifierCore
 from services.verifier.replica import Replica
@@ -395,5 +396,6 @@ def build_verifier_server(
         port,
         workers,
         max_message_bytes,
+        auth_token=internal_token(),  # the internal token, when one is set
     )
     return server, servicer, bound

@@ -111,3 +111,38 @@ def test_a_seeded_sampled_stream_is_vanillas_own_across_a_failover(tiny_dirs, ti
         server.stop(0)
         engine.close()
         stop([dying, other])
+
+
+def test_a_verifier_with_an_internal_token_serves_only_peers_that_send_it(
+    tiny_dirs, tiny_engine, tmp_path, monkeypatch
+):
+    """Internal services require the internal token (SPECMESH_INTERNAL_TOKEN_FILE) as a bearer
+    token: a peer without it is UNAUTHENTICATED, health probes stay open, and the router, whose
+    channels send it, generates as before."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.security import INTERNAL_TOKEN_ENV
+    from specmesh.v1 import verifier_pb2 as vpb
+    from specmesh.v1 import verifier_pb2_grpc as vgrpc
+
+    secret = tmp_path / "internal-token"
+    secret.write_text("s3cret-internal\n")
+    proc, addr = start_verifier(tiny_dirs, env={INTERNAL_TOKEN_ENV: str(secret)})
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                vgrpc.VerifierStub(ch).Info(vpb.InfoRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        monkeypatch.setenv(INTERNAL_TOKEN_ENV, str(secret))
+        engine, server, _, stub = router(tiny_dirs, [addr])
+        try:
+            ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPT), 20, method="vanilla")).result()
+            assert stream_ids(stub, PROMPT, 20, "sd") == ref["token_ids"]
+        finally:
+            server.stop(0)
+            engine.close()
+    finally:
+        stop([proc])

@@ -59,3 +59,23 @@ def test_an_internal_service_exposed_without_client_authentication_is_said_at_st
     said = exposure_warning("verifier", "0.0.0.0", TLSConfig())
     assert said and "without client authentication" in said and "SPECMESH_TLS_CLIENT_CA" in said
     assert exposure_warning("memory", "0.0.0.0", TLSConfig(ca=tmp_path / "ca.pem")) is None  # mTLS
+    assert exposure_warning("drafter", "0.0.0.0", TLSConfig(), token="t0k") is None  # the internal token
+
+
+def test_an_empty_or_unreadable_internal_token_file_is_refused(tmp_path, monkeypatch):
+    import pytest
+
+    from services.common.security import INTERNAL_TOKEN_ENV, internal_token
+
+    monkeypatch.delenv(INTERNAL_TOKEN_ENV, raising=False)
+    assert internal_token() is None
+    (tmp_path / "empty").write_text("\n")
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="is empty"):
+        internal_token()
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read"):
+        internal_token()
+    (tmp_path / "token").write_text("s3cret\n")
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, str(tmp_path / "token"))
+    assert internal_token() == "s3cret"
