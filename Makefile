@@ -11,7 +11,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: test-fast lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: test-fast chaos lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ test: setup lint
 # Unit and simulation tests only (under two minutes here).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "unit or sim" tests
+
+# Faults injected into running fleets: hung and killed replicas and routers, Redis restarts, fuzzing (docs/reliability.md).
+chaos: setup
+	$(BIN)/python -m pytest -q -m chaos tests
 
 # ruff (lint, import order, format) over the repository, mypy over services/, the configuration doc current.
 lint: setup
