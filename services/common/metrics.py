@@ -100,7 +100,15 @@ def rejected_code(refusal: refusals.Refusal) -> str:
     return next((REJECTED_AS[k] for k in type(refusal).__mro__ if k in REJECTED_AS), "UNKNOWN")
 
 
-ACTIVE_SESSIONS = Gauge("specmesh_active_sessions", "Generate streams in progress", multiprocess_mode="livesum")
+ACTIVE_SESSIONS = Gauge(
+    "specmesh_active_sessions",
+    "Sessions in progress: component=router counts Generate streams (and HTTP completions), "
+    "component=verifier the sessions open on a verifier replica",
+    ["component"],
+    multiprocess_mode="livesum",
+)
+for _component in ("router", "verifier"):
+    ACTIVE_SESSIONS.labels(_component)  # one name, two series: a process running both sets each
 QUEUE_DEPTH = Gauge("specmesh_queue_depth", "Generate requests waiting for a session slot", multiprocess_mode="livesum")
 CYCLE_SECONDS = Counter(
     "specmesh_cycle_seconds_total",

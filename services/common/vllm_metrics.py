@@ -30,9 +30,9 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": (m.NUM_ACCEPTED_TOKENS, {}),
     "vllm:spec_decode_num_accepted_tokens_per_pos": (m.ACCEPTED_PER_POS, {"position": ("position", None)}),
 }
-GAUGES = {
-    "vllm:num_requests_running": m.ACTIVE_SESSIONS,
-    "vllm:num_requests_waiting": m.QUEUE_DEPTH,
+GAUGES = {  # vLLM name: (specmesh gauge, the labels its samples must carry)
+    "vllm:num_requests_running": (m.ACTIVE_SESSIONS, {"component": "router"}),
+    "vllm:num_requests_waiting": (m.QUEUE_DEPTH, {}),
 }
 HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": m.TTFT,
@@ -56,9 +56,10 @@ class VllmNames(Collector):
     def collect(self):
         for name, (metric, keep) in COUNTERS.items():
             yield self._counter(name, metric, keep)
-        for name, metric in GAUGES.items():
+        for name, (metric, only) in GAUGES.items():
             g = GaugeMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name"])
-            g.add_metric([self.model_name], sum(v for _, v in _samples(metric, "")))
+            values = (v for lab, v in _samples(metric, "") if only.items() <= lab.items())
+            g.add_metric([self.model_name], sum(values))
             yield g
         for name, metric in HISTOGRAMS.items():
             yield self._histogram(name, metric)

@@ -101,7 +101,7 @@ class ActiveSessions:
     def add(self, gens) -> None:
         with self._lock:
             self._gens.update((g.req_id, g) for g in gens)
-            ACTIVE_SESSIONS.set(len(self._gens))
+            ACTIVE_SESSIONS.labels("router").set(len(self._gens))
             now = time.perf_counter()
             for g in gens:
                 if any(g.timings.start < t and now - t < ABORT_WINDOW_S for t in self._aborts_of(g)):
@@ -139,7 +139,7 @@ class ActiveSessions:
         with self._lock:
             for g in gens:
                 self._gens.pop(g.req_id, None)
-            ACTIVE_SESSIONS.set(len(self._gens))
+            ACTIVE_SESSIONS.labels("router").set(len(self._gens))
 
     def __len__(self) -> int:
         return len(self._gens)

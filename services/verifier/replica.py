@@ -119,14 +119,14 @@ class Replica:
             raise
         with self._lock:
             self.active.add(session.session_id)
-            ACTIVE_SESSIONS.set(len(self.active))
+            ACTIVE_SESSIONS.labels("verifier").set(len(self.active))
         return session
 
     def release(self, session: VerifierSession) -> None:
         session.close()
         with self._lock:
             self.active.discard(session.session_id)
-            ACTIVE_SESSIONS.set(len(self.active))
+            ACTIVE_SESSIONS.labels("verifier").set(len(self.active))
         self._slots.release()
 
     def drain(self) -> None:
