@@ -122,7 +122,7 @@ def test_services_mode_cpu_external_redis_pvc():
     assert ver["spec"]["replicas"] == 3 and "nvidia.com/gpu" not in str(container(ver)["resources"])
     assert "--device=cpu" in container(ver)["args"] and "--dtype=float32" in container(ver)["args"]
     assert not [d for d in kinds(docs, "StatefulSet") if d["metadata"]["name"].endswith("-redis")]
-    assert not kinds(docs, "Secret")  # the password comes from the existing Secret
+    assert not [d for d in kinds(docs, "Secret") if d["metadata"]["name"].endswith("-redis")]  # an existing one
     env = {e["name"]: e for e in container(ver)["env"]}
     assert env["SPECMESH_REDIS_URL"]["value"] == "rediss://:$(REDIS_PASSWORD)@redis.example.internal:6380/2"
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "specmesh-redis"
@@ -314,3 +314,27 @@ def test_every_rendered_configuration_goes_through_the_option_table(values):
             engine_config(app["args"])
             seen += 1
     assert seen
+
+
+def test_services_mode_carries_a_generated_internal_token_to_every_service():
+    """Every specmesh pod of services mode reads the internal token from a file mounted from one
+    generated Secret (the router sends it, the internal services require it); Ray mode, whose
+    components talk over Ray, has none; internalAuth.enabled=false turns it off."""
+    import base64
+
+    docs = render({"mode": "services"})
+    secret = named(docs, "Secret", "-internal")
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    pods = [*kinds(docs, "Deployment"), *kinds(docs, "StatefulSet")]
+    specmesh = [d for d in pods if container(d)["name"] != "redis" and "redis" not in d["metadata"]["name"]]
+    assert {d["metadata"]["name"].rsplit("-", 1)[-1] for d in specmesh} >= {"router", "verifier"}
+    for d in specmesh:
+        env = {e["name"]: e.get("value") for e in container(d)["env"]}
+        assert env["SPECMESH_INTERNAL_TOKEN_FILE"] == "/etc/specmesh/internal/token", d["metadata"]["name"]
+        mounts = {m["name"]: m["mountPath"] for m in container(d)["volumeMounts"]}
+        assert mounts["internal-token"] == "/etc/specmesh/internal"
+        volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["internal-token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    off = render({"mode": "services", "internalAuth": {"enabled": False}})
+    assert not [d for d in kinds(off, "Secret") if d["metadata"]["name"].endswith("-internal")]
+    assert "SPECMESH_INTERNAL_TOKEN_FILE" not in json.dumps(render(values_file("ray-values.yaml")))

@@ -35,7 +35,14 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- end -}}
 {{- end -}}
 
+{{- define "specmesh.internalAuth" -}}
+{{- if and (eq .Values.mode "services") .Values.internalAuth.enabled }}true{{ end }}
+{{- end -}}
+
 {{- define "specmesh.securityEnv" -}}
+{{- if include "specmesh.internalAuth" . }}
+- {name: SPECMESH_INTERNAL_TOKEN_FILE, value: /etc/specmesh/internal/token}
+{{- end }}
 {{- if .Values.tls.enabled }}
 - {name: SPECMESH_TLS_CERT, value: /etc/specmesh/tls/tls.crt}
 - {name: SPECMESH_TLS_KEY, value: /etc/specmesh/tls/tls.key}
@@ -57,6 +64,9 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- end -}}
 
 {{- define "specmesh.tlsMount" -}}
+{{- if include "specmesh.internalAuth" . }}
+- {name: internal-token, mountPath: /etc/specmesh/internal, readOnly: true}
+{{- end }}
 {{- if .Values.tls.enabled }}
 - {name: tls, mountPath: /etc/specmesh/tls, readOnly: true}
 {{- end }}
@@ -66,6 +76,10 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- end -}}
 
 {{- define "specmesh.tlsVolume" -}}
+{{- if include "specmesh.internalAuth" . }}
+- name: internal-token
+  secret: {secretName: {{ include "specmesh.fullname" . }}-internal}
+{{- end }}
 {{- if .Values.tls.enabled }}
 - name: tls
   secret: {secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}}
