@@ -209,9 +209,10 @@ class RedisProcess:
                 time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
 
-    def stop(self):
+    def stop(self, kill: bool = False):
+        """Stop it (SIGTERM), or kill it (SIGKILL); it keeps nothing either way."""
         if self.proc:
-            self.proc.terminate()
+            self.proc.kill() if kill else self.proc.terminate()
             self.proc.wait(10)
             self.proc = None
 

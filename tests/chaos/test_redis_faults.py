@@ -80,7 +80,7 @@ def test_counts_pending_at_shutdown_while_redis_is_down_reach_it_on_the_next_sta
 
 def test_serving_through_a_redis_restart_keeps_lossless_outputs_and_every_count(private_redis, tiny_dirs, tiny_engine):
     """An engine whose correction memory is in Redis serves sd (lossless) and csd streams while
-    Redis restarts empty: sd equals vanilla greedy throughout, and afterwards the store holds
+    Redis is killed (SIGKILL) and restarts empty: sd equals vanilla greedy throughout, and afterwards the store holds
     exactly the counts the engine wrote (its ledger)."""
     from services.common.config import EngineConfig
     from services.router.engine import Engine, GenerationRequest
@@ -115,7 +115,7 @@ def test_serving_through_a_redis_restart_keeps_lossless_outputs_and_every_count(
         worker = threading.Thread(target=serve, args=(6,))
         worker.start()
         time.sleep(1.0)
-        private_redis.stop()
+        private_redis.stop(kill=True)
         time.sleep(0.5)
         private_redis.start()
         worker.join(300)

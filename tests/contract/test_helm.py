@@ -338,3 +338,32 @@ def test_services_mode_carries_a_generated_internal_token_to_every_service():
     off = render({"mode": "services", "internalAuth": {"enabled": False}})
     assert not [d for d in kinds(off, "Secret") if d["metadata"]["name"].endswith("-internal")]
     assert "SPECMESH_INTERNAL_TOKEN_FILE" not in json.dumps(render(values_file("ray-values.yaml")))
+
+
+def test_services_mode_pods_are_non_root_read_only_and_wait_for_their_models():
+    """Every container runs as a non-root user on a read-only root filesystem with no
+    capabilities and a writable /tmp; a startupProbe gives model loading startupSeconds before
+    liveness checks; the init container copies the models image's files from outside the mount
+    point (mounting the volume over them would hide them)."""
+    docs = render({"mode": "services", "startupSeconds": 300})
+    pods = [
+        d
+        for d in [*kinds(docs, "Deployment"), *kinds(docs, "StatefulSet")]
+        if not d["metadata"]["name"].endswith("-redis")
+    ]
+    assert pods
+    for d in pods:
+        spec = d["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"], c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+        main = spec["containers"][0]
+        assert {"name": "tmp", "mountPath": "/tmp"} in main["volumeMounts"]
+        assert {"name": "tmp", "emptyDir": {}} in spec["volumes"]
+        assert main["startupProbe"]["failureThreshold"] * main["startupProbe"]["periodSeconds"] == 300
+        assert "initialDelaySeconds" not in main["livenessProbe"]
+        init = spec["initContainers"][0]
+        assert init["command"][-1] == "cp -r /opt/specmesh-models/. /models/"
+        assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]

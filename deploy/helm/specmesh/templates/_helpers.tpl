@@ -63,7 +63,8 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- end }}
 {{- end -}}
 
-{{- define "specmesh.tlsMount" -}}
+{{- define "specmesh.mounts" -}}
+- {name: tmp, mountPath: /tmp}
 {{- if include "specmesh.internalAuth" . }}
 - {name: internal-token, mountPath: /etc/specmesh/internal, readOnly: true}
 {{- end }}
@@ -75,7 +76,9 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- end }}
 {{- end -}}
 
-{{- define "specmesh.tlsVolume" -}}
+{{- define "specmesh.volumes" -}}
+- name: tmp
+  emptyDir: {}
 {{- if include "specmesh.internalAuth" . }}
 - name: internal-token
   secret: {secretName: {{ include "specmesh.fullname" . }}-internal}
@@ -120,7 +123,7 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 
 {{/* volumes + init container that make the models available at .Values.models.dir */}}
 {{- define "specmesh.modelVolume" -}}
-{{ include "specmesh.tlsVolume" . }}
+{{ include "specmesh.volumes" . }}
 - name: models
 {{- if eq .Values.models.source "pvc" }}
   persistentVolumeClaim:
@@ -137,7 +140,9 @@ initContainers:
   - name: models
     image: {{ .Values.models.image }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}
-    command: ["sh", "-c", "cp -r /models/. {{ .Values.models.dir }}/"]
+    # the image keeps its models outside the mount point: mounting the volume there would hide them
+    command: ["sh", "-c", "cp -r /opt/specmesh-models/. {{ .Values.models.dir }}/"]
+    securityContext: {{- toYaml .Values.securityContext | nindent 6 }}
     volumeMounts:
       - {name: models, mountPath: {{ .Values.models.dir }}}
 {{- end }}
@@ -146,11 +151,19 @@ initContainers:
 {{/* gRPC probes cannot speak TLS: TCP probes when TLS is on */}}
 {{- define "specmesh.probes" -}}
 {{- $check := ternary (dict "tcpSocket" (dict "port" .port)) (dict "grpc" (dict "port" .port)) .tls }}
+startupProbe:  # the port opens once the models are loaded: liveness waits for it
+  {{- toYaml $check | nindent 2 }}
+  periodSeconds: 5
+  failureThreshold: {{ div .startup 5 }}
 readinessProbe:
   {{- toYaml $check | nindent 2 }}
   periodSeconds: 5
 livenessProbe:
   {{- toYaml $check | nindent 2 }}
-  initialDelaySeconds: 30
   periodSeconds: 10
+{{- end -}}
+
+{{/* non-root, read-only root filesystem, no capabilities (values: podSecurityContext, securityContext) */}}
+{{- define "specmesh.podSecurity" -}}
+securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
 {{- end -}}
