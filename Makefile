@@ -11,7 +11,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: test-fast chaos lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: test-fast chaos image image-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -31,7 +31,7 @@ serve-ray: setup
 	$(BIN)/serve run deploy/ray/serve.yaml
 
 test: setup lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not image" tests
 
 # Unit and simulation tests only (under two minutes here).
 test-fast: setup
@@ -51,6 +51,24 @@ lint: setup
 # The wheel the product ships: services/ and specmesh/ with the bundled models, no bench/ or training/.
 wheel: setup
 	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -q -w dist .
+
+# The images (Containerfile): specmesh/specmesh:$(VERSION) and specmesh/specmesh-models:$(VERSION), on a
+# base image made here (deploy/container/base.sh); torch's CPU wheel comes from $(TORCH_WHEELS).
+VERSION      := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+PODMAN       := CONTAINERS_CONF=$(CURDIR)/deploy/container/containers.conf podman
+TORCH_WHEELS ?= /opt/wheels
+HOST_CA      ?= /etc/ssl/certs/ca-certificates.crt
+image: setup
+	rm -f dist/specmesh-*.whl
+	$(MAKE) wheel
+	CONTAINERS_CONF=$(CURDIR)/deploy/container/containers.conf deploy/container/base.sh
+	$(PODMAN) build --network host -v $(TORCH_WHEELS):/wheels:ro -v $(HOST_CA):/run/host-ca.pem:ro \
+	  --target runtime -t specmesh/specmesh:$(VERSION) .
+	$(PODMAN) build --target models -t specmesh/specmesh-models:$(VERSION) .
+
+# The images started as the chart renders them (tests/image), with Generate, health, HTTP and /metrics through them.
+image-test: image
+	$(BIN)/python -m pytest -q -m image tests/image
 
 # Every method side by side in one process, interleaved, on each evaluation workload.
 METHODS ?= vanilla,sd,suffix,eagle3,hybrid,hybrid-csd,hybrid-rule,csd,scg,hf-vanilla,hf-assisted,hf-pld

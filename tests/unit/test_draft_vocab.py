@@ -67,7 +67,9 @@ def test_restricted_drafts_and_q_stay_inside_the_vocabulary(restricted):
     outside[list(allowed)] = False
     assert d.token_ids and set(d.token_ids) <= allowed
     assert float(d.probs[:, outside].sum()) == 0.0 and torch.allclose(d.probs.sum(-1), torch.ones(len(d.token_ids)))
-    out = eng.generate(GenerationRequest(prompt, 20, SamplingParams(0.8, 0.9, 0, 5), method="sd")).result()
+    out = eng.generate(
+        GenerationRequest(prompt, 20, SamplingParams(0.8, 0.9, 0, 5), method="sd", ignore_eos=True)
+    ).result()
     assert len(out["token_ids"]) == 20
 
 
