@@ -296,7 +296,14 @@ def pki(tmp_path_factory):
 
 
 # -- markers by folder: `make test-fast` runs -m "unit or sim" ---------------------------------
-_MARK_OF = {"unit": "unit", "sim": "sim", "integration": "integration", "contract": "integration", "chaos": "chaos", "image": "image"}
+_MARK_OF = {
+    "unit": "unit",
+    "sim": "sim",
+    "integration": "integration",
+    "contract": "integration",
+    "chaos": "chaos",
+    "image": "image",
+}
 
 
 def pytest_collection_modifyitems(config, items):

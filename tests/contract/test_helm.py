@@ -80,7 +80,7 @@ def test_services_mode_gpu_workloads():
     ver = named(docs, "StatefulSet", "-verifier")
     assert ver["spec"]["replicas"] == 2
     c = container(ver)
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and "--device=cuda" in c["args"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and "--device=cuda" in c["args"]
     assert (
         "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"] and "--max-model-len=0" in c["args"]
     )
@@ -145,7 +145,7 @@ def test_ray_mode_rayservice():
         "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server"
         in serve["grpc_options"]["grpc_servicer_functions"]
     )
-    assert serve["applications"][0]["args"]["verifier_gpus"] == 4
+    assert serve["applications"][0]["args"]["verifier_gpus"] == 1  # per replica: a 4-GPU worker hosts 4
     assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}  # the OpenAI-compatible API
     assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
@@ -367,3 +367,39 @@ def test_services_mode_pods_are_non_root_read_only_and_wait_for_their_models():
         init = spec["initContainers"][0]
         assert init["command"][-1] == "cp -r /opt/specmesh-models/. /models/"
         assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
+
+
+def test_a_verifier_asks_only_for_the_gpu_it_uses():
+    """A verifier replica runs on one device: services mode refuses verifier.gpus > 1 saying
+    what to set instead; in Ray mode each verifier replica reserves one GPU, so a worker pod
+    with four hosts four replicas."""
+    with pytest.raises(helm.HelmRenderError, match="verifier.gpus: 2 asked.*verifier.replicas"):
+        render({"mode": "services", "verifier": {"gpus": 2}})
+    ray = render({"mode": "ray", "ray": {"gpuWorkers": {"gpus": 4}}})
+    service = kinds(ray, "RayService")[0]
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["args"]["verifier_gpus"] == 1
+    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert workers["rayStartParams"]["num-gpus"] == "4"
+
+
+def test_ray_mode_carries_pull_secrets_tls_and_the_redis_ca_and_autoscales_its_workers():
+    docs = render(
+        {
+            "mode": "ray",
+            "imagePullSecrets": [{"name": "regcred"}],
+            "tls": {"enabled": True, "secretName": "specmesh-tls"},
+            "redis": {"bundled": False, "externalUrl": "rediss://redis.example:6380/0", "caSecret": "redis-ca"},
+        }
+    )
+    cluster = kinds(docs, "RayService")[0]["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    pods = [cluster["headGroupSpec"]["template"]["spec"], cluster["workerGroupSpecs"][0]["template"]["spec"]]
+    for spec in pods:
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert mounts["tls"] == "/etc/specmesh/tls" and mounts["redis-ca"] == "/etc/specmesh/redis-ca"
+        volumes = {v["name"] for v in spec["volumes"]}
+        assert {"tls", "redis-ca", "models", "tmp"} <= volumes
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert env["SPECMESH_REDIS_CA"] == "/etc/specmesh/redis-ca/ca.crt"

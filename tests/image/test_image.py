@@ -152,13 +152,11 @@ def release(tmp_path_factory):
     gateway = json.loads(podman("network", "inspect", NETWORK))[0]["subnets"][0]["gateway"]
     password = secret_value(docs, {"name": "demo-specmesh-redis", "key": "password"})
     conf = scratch / "redis.conf"  # the password through a file: never on a command line
-    conf.write_text(f"bind {gateway}\nport 6379\nrequirepass {password}\nsave \"\"\nappendonly no\n")
+    conf.write_text(f'bind {gateway}\nport 6379\nrequirepass {password}\nsave ""\nappendonly no\n')
     redis = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
     started: list[str] = []
     workloads = [
-        d
-        for d in docs
-        if d["kind"] in ("Deployment", "StatefulSet") and not d["metadata"]["name"].endswith("-redis")
+        d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and not d["metadata"]["name"].endswith("-redis")
     ]
     try:
         for w in workloads:
@@ -182,7 +180,9 @@ def release(tmp_path_factory):
                 *volumes_of(docs, pod, c, models, scratch), c["image"], *c.get("args", []),
             )  # fmt: skip
             started.append(name)
-        ip = json.loads(podman("inspect", "demo-specmesh-router"))[0]["NetworkSettings"]["Networks"][NETWORK]["IPAddress"]
+        ip = json.loads(podman("inspect", "demo-specmesh-router"))[0]["NetworkSettings"]["Networks"][NETWORK][
+            "IPAddress"
+        ]
         wait_serving(f"{ip}:50051")
         yield ip, docs
     finally:
@@ -216,7 +216,7 @@ def test_generate_health_http_and_metrics_through_the_charts_containers(release)
     answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
     assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["text"]
     metrics = urllib.request.urlopen(f"http://{ip}:9400/metrics", timeout=10).read().decode()
-    assert re.search(r'^specmesh_requests_total\{.*\} [1-9]', metrics, re.M)
+    assert re.search(r"^specmesh_requests_total\{.*\} [1-9]", metrics, re.M)
 
 
 def test_the_containers_run_as_the_chart_says(release):
