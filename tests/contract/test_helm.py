@@ -69,9 +69,32 @@ def test_schema_rejects_bad_values():
         {"verifier": {"maxModelLen": -1}},
         {"verifier": {"kvPool": "yes"}},
         {"router": {"affinitySlack": -1}},
+        {"routr": {"replicas": 2}},  # a typo of a key is refused, at every level
+        {"verifier": {"replica": 2}},
+        {"ray": {"gpuWorkers": {"gpu": 2}}},
     ):
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(bad)
+
+
+def test_the_schema_lists_every_key_of_the_default_values():
+    """With unknown keys refused, every key values.yaml has must be in the schema (free-form
+    maps such as resources stay open)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    missing = []
+
+    def walk(v, s, path):
+        if isinstance(v, dict) and "properties" in s:
+            assert s.get("additionalProperties") is False, path or "(top)"
+            for k, x in v.items():
+                if k in s["properties"]:
+                    walk(x, s["properties"][k], f"{path}{k}.")
+                else:
+                    missing.append(path + k)
+
+    walk(values, schema, "")
+    assert not missing
 
 
 def test_services_mode_gpu_workloads():
