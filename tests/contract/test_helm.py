@@ -426,3 +426,32 @@ def test_ray_mode_carries_pull_secrets_tls_and_the_redis_ca_and_autoscales_its_w
         assert {"tls", "redis-ca", "models", "tmp"} <= volumes
         env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
         assert env["SPECMESH_REDIS_CA"] == "/etc/specmesh/redis-ca/ca.crt"
+
+
+def test_services_mode_has_an_account_budgets_policies_an_hpa_and_a_helm_test():
+    docs = render(
+        {"mode": "services", "networkPolicy": {"enabled": True}, "router": {"autoscaling": {"enabled": True}}}
+    )
+    sa = named(docs, "ServiceAccount", "demo-specmesh")
+    assert sa["automountServiceAccountToken"] is False
+    for d in [*kinds(docs, "Deployment"), named(docs, "StatefulSet", "-verifier")]:
+        assert d["spec"]["template"]["spec"]["serviceAccountName"] == "demo-specmesh", d["metadata"]["name"]
+    pdbs = {p["metadata"]["name"]: p["spec"] for p in kinds(docs, "PodDisruptionBudget")}
+    assert pdbs["demo-specmesh-verifier"]["maxUnavailable"] == 1
+    assert pdbs["demo-specmesh-router"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    policies = {p["metadata"]["name"]: p["spec"] for p in kinds(docs, "NetworkPolicy")}
+    router_ports = {p["port"] for rule in policies["demo-specmesh-router"]["ingress"] for p in rule["ports"]}
+    assert router_ports == {50051, 8000, 9400}
+    for c in ("verifier", "drafter", "predictor", "memory", "redis"):
+        rules = policies[f"demo-specmesh-{c}"]["ingress"]
+        peers = rules[0]["from"][0]["podSelector"]["matchLabels"]
+        assert peers == {"app.kubernetes.io/name": "specmesh", "app.kubernetes.io/instance": "demo"}, c
+        assert ("ports" in str(rules)) == (c != "redis")  # metrics open to scrapers, Redis not at all
+    hpa = kinds(docs, "HorizontalPodAutoscaler")[0]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "demo-specmesh-router"
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "specmesh_queue_depth"
+    test = next(d for d in kinds(docs, "Pod") if d["metadata"]["annotations"]["helm.sh/hook"] == "test")
+    args = test["spec"]["containers"][0]["args"]
+    assert args[0] == "client" and "--addr=demo-specmesh:50051" in args
+    plain = render({"mode": "services"})
+    assert not kinds(plain, "NetworkPolicy") and not kinds(plain, "HorizontalPodAutoscaler")

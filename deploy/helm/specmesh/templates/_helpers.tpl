@@ -166,4 +166,8 @@ livenessProbe:
 {{/* non-root, read-only root filesystem, no capabilities (values: podSecurityContext, securityContext) */}}
 {{- define "specmesh.podSecurity" -}}
 securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- if eq .Values.mode "services" }}
+serviceAccountName: {{ include "specmesh.fullname" . }}
+automountServiceAccountToken: false
+{{- end }}
 {{- end -}}
