@@ -31,7 +31,9 @@ class RedisUnavailable(RuntimeError):
 
 class RedisLink:
     def __init__(self, url: str, component: str, timeout_s: float = 0.5):
-        """``rediss://`` URLs use TLS; a private CA comes from SPECMESH_REDIS_CA (a PEM file)."""
+        """``rediss://`` URLs use TLS; a private CA comes from SPECMESH_REDIS_CA (a PEM file). The
+        password comes from the URL or, better, from SPECMESH_REDIS_PASSWORD (then it needs no URL
+        escaping and the URL holds no secret)."""
         self.url = redacted(url)  # what messages show: never the password
         self.component = component
         tls = (
@@ -39,7 +41,10 @@ class RedisLink:
             if url.startswith("rediss://") and os.environ.get("SPECMESH_REDIS_CA")
             else {}
         )
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls)
+        password = os.environ.get("SPECMESH_REDIS_PASSWORD") or None  # the URL's own wins
+        self.client = redis.Redis.from_url(
+            url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **tls
+        )
         self.healthy = True
         self._backoff = ExponentialBackoff(cap=30.0, base=0.5)
         self._failures = 0  # in a row: the backoff's exponent

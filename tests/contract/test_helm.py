@@ -1,5 +1,6 @@
 """Helm chart, offline: strict lint, schema, render for several values files, kubernetes-validate."""
 
+import base64
 import json
 from pathlib import Path
 
@@ -147,8 +148,8 @@ def test_services_mode_cpu_external_redis_pvc():
     assert not [d for d in kinds(docs, "StatefulSet") if d["metadata"]["name"].endswith("-redis")]
     assert not [d for d in kinds(docs, "Secret") if d["metadata"]["name"].endswith("-redis")]  # an existing one
     env = {e["name"]: e for e in container(ver)["env"]}
-    assert env["SPECMESH_REDIS_URL"]["value"] == "rediss://:$(REDIS_PASSWORD)@redis.example.internal:6380/2"
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "specmesh-redis"
+    assert env["SPECMESH_REDIS_URL"]["value"] == "rediss://redis.example.internal:6380/2"  # no secret in it
+    assert env["SPECMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "specmesh-redis"
     assert env["SPECMESH_REDIS_CA"]["value"] == "/etc/specmesh/redis-ca/ca.crt"
     assert {"name": "redis-ca", "secret": {"secretName": "redis-ca"}} in ver["spec"]["template"]["spec"]["volumes"]
     vol = next(v for v in ver["spec"]["template"]["spec"]["volumes"] if v["name"] == "models")
@@ -455,3 +456,76 @@ def test_services_mode_has_an_account_budgets_policies_an_hpa_and_a_helm_test():
     assert args[0] == "client" and "--addr=demo-specmesh:50051" in args
     plain = render({"mode": "services"})
     assert not kinds(plain, "NetworkPolicy") and not kinds(plain, "HorizontalPodAutoscaler")
+
+
+def bundled_redis(docs, tmp_path, port: int):
+    """The bundled Redis's rendered command, run here: only its address is changed (a spare
+    port on loopback) and its directory; returns the process."""
+    import subprocess
+
+    from tests.conftest import wait_for
+
+    c = container(named(docs, "StatefulSet", "-redis"))
+    assert c["command"][:2] == ["sh", "-c"]
+    script = c["command"][2].replace(
+        "redis-server -", f"redis-server - --bind 127.0.0.1 --port {port} --dir {tmp_path}"
+    )
+    password = base64.b64decode(named(docs, "Secret", "-redis")["data"]["password"]).decode()
+    proc = subprocess.Popen(["sh", "-c", script], env={"PATH": "/usr/bin:/bin", "REDIS_PASSWORD": password})
+    assert wait_for(lambda: _answers(port))
+    return proc, password
+
+
+def _answers(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_the_bundled_redis_admits_only_specmesh_as_its_acl_user_for_what_it_uses(tmp_path, monkeypatch):
+    """The chart's Redis runs with one ACL user, `specmesh`, whose password is on no command line:
+    the correction memory (Lua scripts, transactions) and the suffix feed (streams) work through
+    it, with the password from SPECMESH_REDIS_PASSWORD and a URL without it; an admin command
+    and the default user are refused."""
+    import redis as redis_py
+
+    from services.common.grpc_server import free_port
+    from services.drafter.suffix import GlobalSuffixCache
+    from services.memory.redis_link import RedisLink
+    from services.memory.redis_memory import RedisCorrectionMemory
+    from services.memory.suffix_feed import SuffixFeed
+    from tests.conftest import wait_for
+
+    docs = render({"mode": "services"})
+    env = {e["name"]: e for e in container(named(docs, "Deployment", "-router"))["env"]}
+    assert env["SPECMESH_REDIS_URL"]["value"] == "redis://specmesh@demo-specmesh-redis:6379/0"
+    port = free_port()
+    proc, password = bundled_redis(docs, tmp_path, port)
+    try:
+        assert password not in " ".join(container(named(docs, "StatefulSet", "-redis"))["command"])
+        monkeypatch.setenv("SPECMESH_REDIS_PASSWORD", password)
+        url = f"redis://specmesh@127.0.0.1:{port}/0"
+        m = RedisCorrectionMemory(RedisLink(url, "ocm"), flush_interval_s=0.05, refresh_interval_s=0.1)
+        m.ensure_prior({(9, 9): 2.0})
+        m.record([(1, 2)] * 3)
+        assert wait_for(lambda: m.lookup(1, 2) == 3 and m.lookup(9, 9) == 2)
+        m.close()
+        cache = GlobalSuffixCache()
+        feed = SuffixFeed(RedisLink(url, "suffix_feed"), cache).start()
+        feed.publish([5, 6, 7, 8])
+        feed.close()
+        admin = redis_py.Redis(host="127.0.0.1", port=port, username="specmesh", password=password)
+        assert admin.xlen("specmesh:suffix:outputs") == 1  # the feed's write went through
+        with pytest.raises(redis_py.exceptions.NoPermissionError):
+            admin.flushall()
+        with pytest.raises(redis_py.exceptions.NoPermissionError):
+            admin.set("other:key", 1)  # only specmesh's keys
+        with pytest.raises((redis_py.exceptions.AuthenticationError, redis_py.exceptions.ResponseError)):
+            redis_py.Redis(host="127.0.0.1", port=port, password=password).ping()  # the default user is off
+    finally:
+        proc.terminate()
+        proc.wait(10)

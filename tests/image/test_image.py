@@ -2,7 +2,7 @@
 verifier, drafter, predictor, memory, and the models init container) started with podman from the
 rendered manifests' own image, command, arguments, environment, volumes and security settings
 (nothing retyped: this file only translates a pod spec into `podman run`), on a network where
-each Service's name resolves to its container, beside a Redis with the rendered password. Then
+each Service's name resolves to its container, beside the chart's Redis (its command run here). Then
 Generate, gRPC health, the OpenAI HTTP API and /metrics through the router's container.
 
 Needs the images (`make image`); `make image-test` builds them and runs this."""
@@ -118,6 +118,21 @@ def aliases(docs, workload: dict) -> list[str]:
     return names
 
 
+def bundled_redis(docs, host: str, scratch: Path) -> subprocess.Popen:
+    """The chart's bundled Redis, its rendered command run on this machine (no Redis image here):
+    only where it listens (the network's gateway, which its Service name resolves to) and its
+    directory change."""
+    sts = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-redis"))
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"][:2] == ["sh", "-c"]
+    script = c["command"][2].replace("redis-server -", f"redis-server - --bind {host} --port 6379 --dir {scratch}")
+    env = {"PATH": "/usr/bin:/bin", **dict(e.split("=", 1) for e in env_of(docs, c))}
+    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the chart's Redis command did not start"
+    return proc
+
+
 def wait_serving(addr: str, within_s: float = 180) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -150,10 +165,7 @@ def release(tmp_path_factory):
     podman("network", "rm", "-f", NETWORK, check=False)
     podman("network", "create", NETWORK)
     gateway = json.loads(podman("network", "inspect", NETWORK))[0]["subnets"][0]["gateway"]
-    password = secret_value(docs, {"name": "demo-specmesh-redis", "key": "password"})
-    conf = scratch / "redis.conf"  # the password through a file: never on a command line
-    conf.write_text(f'bind {gateway}\nport 6379\nrequirepass {password}\nsave ""\nappendonly no\n')
-    redis = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
+    redis = bundled_redis(docs, gateway, scratch)
     started: list[str] = []
     workloads = [
         d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and not d["metadata"]["name"].endswith("-redis")

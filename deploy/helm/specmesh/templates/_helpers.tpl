@@ -25,14 +25,28 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecret }}{{- else -}}{{ include "specmesh.fullname" . }}-redis{{- end -}}
 {{- end -}}
 
-{{/* redis URL with $(REDIS_PASSWORD) expanded by Kubernetes from the env var */}}
+{{/* Redis URL without the password (SPECMESH_REDIS_PASSWORD carries it: nothing to escape);
+     the bundled Redis is reached as the ACL user `specmesh` */}}
 {{- define "specmesh.redisUrl" -}}
 {{- if .Values.redis.bundled -}}
-redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
+redis://specmesh@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{- else -}}
-{{- $u := urlParse .Values.redis.externalUrl -}}
-{{ $u.scheme }}://:$(REDIS_PASSWORD)@{{ $u.host }}{{ $u.path }}
+{{ .Values.redis.externalUrl }}
 {{- end -}}
+{{- end -}}
+
+{{/* The bundled Redis's configuration, read from standard input (a here-document, the shell
+     replaced by redis-server) so that the password is on no command line: one ACL user, `specmesh`, allowed only specmesh's keys and the command groups it
+     uses (no admin or dangerous commands); the default user is off. */}}
+{{- define "specmesh.redisCommand" -}}
+- sh
+- -c
+- |
+  exec redis-server - <<EOF
+  user default off
+  user specmesh on >$REDIS_PASSWORD ~specmesh:* &* +@read +@write +@stream +@scripting +@transaction +@connection -@dangerous
+  appendonly yes
+  EOF
 {{- end -}}
 
 {{- define "specmesh.internalAuth" -}}
@@ -95,7 +109,7 @@ redis://:$(REDIS_PASSWORD)@{{ include "specmesh.fullname" . }}-redis:6379/0
 
 {{- define "specmesh.redisEnv" -}}
 {{ include "specmesh.securityEnv" . }}
-- name: REDIS_PASSWORD
+- name: SPECMESH_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "specmesh.redisSecret" . }}
