@@ -396,7 +396,7 @@ OPTIONS: dict[str, Option] = {
             "redis_url",
             "str",
             "share state across replicas through Redis; default: none (a password in it is never logged; prefer "
-            "the env var to the flag, which `ps` shows)",
+            "the env var to the flag, which `ps` shows, and the password in SPECMESH_REDIS_PASSWORD to the URL)",
             env="SPECMESH_REDIS_URL",
             secret=True,
         ),
