@@ -456,6 +456,11 @@ def test_services_mode_has_an_account_budgets_policies_an_hpa_and_a_helm_test():
     assert args[0] == "client" and "--addr=demo-specmesh:50051" in args
     plain = render({"mode": "services"})
     assert not kinds(plain, "NetworkPolicy") and not kinds(plain, "HorizontalPodAutoscaler")
+    tls = render(values_file("services-tls-auth-values.yaml"))
+    test = next(d for d in kinds(tls, "Pod") if d["metadata"]["annotations"]["helm.sh/hook"] == "test")
+    c = test["spec"]["containers"][0]
+    assert "--tls-ca=/etc/specmesh/tls/ca.crt" in c["args"] and {e["name"] for e in c["env"]} >= {"SPECMESH_AUTH_TOKEN"}
+    assert {"name": "tls", "mountPath": "/etc/specmesh/tls", "readOnly": True} in c["volumeMounts"]
 
 
 def bundled_redis(docs, tmp_path, port: int):
