@@ -432,7 +432,8 @@ def _serve_parser(sub) -> None:
         type=_flag_type("float"),
         default=float(os.environ.get("SPECMESH_VERIFIER_TIMEOUT", "10")),
         help="router: seconds a verifier replica may take to answer a cycle before it counts as hung, at "
-        "least (the budget is the larger of this and 10x its slowest recent cycle); a hung replica's sessions "
+        "least (the budget is the larger of this and 10x its slowest recent cycle, plus 1 ms per prompt token "
+        "for a session's first cycle); a hung replica's sessions "
         "move to another replica with every token so far, and it is left out until it answers again "
         "(env SPECMESH_VERIFIER_TIMEOUT)",
     )

@@ -97,7 +97,7 @@ class RemoteSession:
                 self.pool.failed(addr, "open", e)
                 exclude.add(addr)
                 continue
-            self.addr, self.replica = addr, self._t.replica
+            self.addr, self.replica, self._fresh = addr, self._t.replica, True
             self.pool.load[addr] += 1
             self.pool.affinity.placed(self.tokens, addr, self.spec.cache_salt)
             return
@@ -111,11 +111,14 @@ class RemoteSession:
     def cycle(self, req: CycleRequest) -> CycleResult:
         tried: set[str] = set()
         while True:
-            left, budget = self._timeout(), self.pool.watch.budget(self.addr)
+            prefill = len(self.tokens) if self._fresh else 0  # a session's first cycle on a replica prefills
+            left, budget = self._timeout(), self.pool.watch.budget(self.addr, prefill)
             t0 = time.monotonic()
             try:
                 res = self._t.cycle(req, budget if left is None else min(left, budget))
-                self.pool.watch.answered(self.addr, time.monotonic() - t0)
+                if not self._fresh:  # a prefill's time is not the replica's pace
+                    self.pool.watch.answered(self.addr, time.monotonic() - t0)
+                self._fresh = False
                 break
             except grpc.RpcError as e:
                 if self.cancelled:

@@ -1,8 +1,10 @@
 """Which verifier replicas the router may use now (pure: no gRPC).
 
 A replica is *hung* when a cycle takes longer than its budget: ``max(floor_s, factor x`` the
-slowest cycle it answered lately``)``, the slowest decaying by ``decay`` per cycle so that one long
-prefill does not widen the budget for good. A hung or unreachable replica is left out of placement
+slowest cycle it answered lately``)``, the slowest decaying by ``decay`` per cycle so that one slow
+step does not widen the budget for good, plus ``prefill_s_per_token`` for each prompt token a
+session's first cycle prefills (a 100,000-token prompt: 100 s more; first cycles are not counted
+in the pace). A hung or unreachable replica is left out of placement
 (quarantined) for a while that doubles on each failure in a row, up to ``max_quarantine_s``. When
 its quarantine ends it is let back in, unless a health probe finds it still not answering; a cycle
 it answers ends the run of failures, one it fails puts it back out for twice as long."""
@@ -25,6 +27,7 @@ class _State:
 class ReplicaWatch:
     floor_s: float = 10.0
     factor: float = 10.0
+    prefill_s_per_token: float = 0.001  # generous: a long prompt's prefill is not a hang
     decay: float = 0.99
     first_quarantine_s: float = 1.0
     max_quarantine_s: float = 30.0
@@ -38,9 +41,10 @@ class ReplicaWatch:
     def _s(self, addr: str) -> _State:
         return self._states.setdefault(addr, _State())
 
-    def budget(self, addr: str) -> float:
-        """Seconds a cycle on ``addr`` may take before the replica counts as hung."""
-        return max(self.floor_s, self.factor * self._s(addr).slowest_s)
+    def budget(self, addr: str, prefill: int = 0) -> float:
+        """Seconds a cycle on ``addr`` may take before the replica counts as hung; a cycle that
+        prefills ``prefill`` tokens (a session's first) gets ``prefill_s_per_token`` more each."""
+        return max(self.floor_s, self.factor * self._s(addr).slowest_s) + prefill * self.prefill_s_per_token
 
     def answered(self, addr: str, seconds: float) -> None:
         """A cycle on ``addr`` took ``seconds``: it is alive, and its budget follows its pace."""

@@ -44,10 +44,21 @@ def podman(*args: str, check: bool = True) -> str:
     return out.stdout.strip()
 
 
-def render() -> list[dict]:
+RAY_VALUES = {
+    **VALUES,
+    "mode": "ray",
+    # the head alone serves (no GPU here): no GPU workers, one replica of each deployment
+    "ray": {
+        "gpuWorkers": {"replicas": 0, "minReplicas": 0, "gpus": 0},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 1},
+    },
+}
+
+
+def render(values: dict = VALUES) -> list[dict]:
     import helm_python as helm
 
-    out = helm.Chart.load(str(CHART)).render(VALUES, name="demo", namespace="llm")
+    out = helm.Chart.load(str(CHART)).render(values, name="demo", namespace="llm")
     return [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
@@ -150,70 +161,123 @@ def wait_serving(addr: str, within_s: float = 180) -> None:
         time.sleep(1)
 
 
+class Cluster:
+    """What the test stands up around the pods: a podman network whose gateway runs the chart's
+    Redis, a models directory the init containers fill, and the containers started."""
+
+    def __init__(self, docs: list[dict], scratch: Path, network: str):
+        if not shutil.which("podman"):
+            pytest.fail("podman is required: make image-test (docs/deploy.md, Images)")
+        for image in (f"specmesh/specmesh:{VERSION}", f"specmesh/specmesh-models:{VERSION}"):
+            if subprocess.run(["podman", "image", "exists", image], env=ENV).returncode != 0:
+                pytest.fail(f"image {image} missing: run make image")
+        self.docs, self.scratch, self.started, self.network = docs, scratch, [], network
+        self.models = scratch / "models"
+        self.models.mkdir()
+        os.chown(self.models, 10001, 10001)
+        podman("network", "rm", "-f", network, check=False)
+        podman("network", "create", network)
+        self.gateway = json.loads(podman("network", "inspect", network))[0]["subnets"][0]["gateway"]
+        self.redis = bundled_redis(docs, self.gateway, scratch)
+
+    def init(self, pod: dict) -> None:
+        """Run the pod's init containers (they fill the shared models directory)."""
+        for init in pod.get("initContainers", []):
+            podman(
+                "run", "--rm", "--network", self.network, *security_of(pod, init),
+                *volumes_of(self.docs, pod, init, self.models, self.scratch),
+                "--entrypoint", init["command"][0], init["image"], *init["command"][1:],
+            )  # fmt: skip
+
+    def start(self, name: str, pod: dict, c: dict, args: list[str], extra: list[str] = ()) -> str:
+        """Start container ``c`` of ``pod`` as ``name`` with ``args``; returns its address."""
+        flags = [*extra, f"--add-host=demo-specmesh-redis:{self.gateway}"]
+        for e in env_of(self.docs, c):
+            flags += ["-e", e]
+        podman(
+            "run", "-d", "--name", name, "--network", self.network, *flags, *security_of(pod, c),
+            *volumes_of(self.docs, pod, c, self.models, self.scratch), c["image"], *args,
+        )  # fmt: skip
+        self.started.append(name)
+        return json.loads(podman("inspect", name))[0]["NetworkSettings"]["Networks"][self.network]["IPAddress"]
+
+    def close(self) -> None:
+        print(podman("ps", "-a", check=False))
+        for name in self.started:
+            print(f"--- {name} ---\n" + podman("logs", "--tail", "40", name, check=False))
+        podman("rm", "-f", "-t", "5", *self.started, check=False)
+        podman("network", "rm", "-f", self.network, check=False)
+        self.redis.terminate()
+        self.redis.wait(10)
+
+
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    if not shutil.which("podman"):
-        pytest.fail("podman is required (make image-test installs nothing: see docs/deploy.md)")
-    for image in (f"specmesh/specmesh:{VERSION}", f"specmesh/specmesh-models:{VERSION}"):
-        if subprocess.run(["podman", "image", "exists", image], env=ENV).returncode != 0:
-            pytest.fail(f"image {image} missing: run make image")
+    """A services-mode release: every workload's pod, started from its rendered spec."""
     docs = render()
-    scratch = tmp_path_factory.mktemp("release")
-    models = scratch / "models"
-    models.mkdir()
-    os.chown(models, 10001, 10001)
-    podman("network", "rm", "-f", NETWORK, check=False)
-    podman("network", "create", NETWORK)
-    gateway = json.loads(podman("network", "inspect", NETWORK))[0]["subnets"][0]["gateway"]
-    redis = bundled_redis(docs, gateway, scratch)
-    started: list[str] = []
+    cluster = Cluster(docs, tmp_path_factory.mktemp("release"), NETWORK)
     workloads = [
         d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and not d["metadata"]["name"].endswith("-redis")
     ]
+    ip = ""
     try:
         for w in workloads:
-            pod = w["spec"]["template"]["spec"]
-            for init in pod.get("initContainers", []):  # each pod's init fills the shared models dir
-                podman(
-                    "run", "--rm", "--network", NETWORK, *security_of(pod, init),
-                    *volumes_of(docs, pod, {**init, "volumeMounts": init["volumeMounts"]}, models, scratch),
-                    "--entrypoint", init["command"][0], init["image"], *init["command"][1:],
-                )  # fmt: skip
+            cluster.init(w["spec"]["template"]["spec"])
         for w in workloads:
             pod = w["spec"]["template"]["spec"]
             c = pod["containers"][0]
-            name = w["metadata"]["name"]
-            flags = [f"--network-alias={a}" for a in aliases(docs, w)]
-            flags += [f"--add-host=demo-specmesh-redis:{gateway}"]
-            for e in env_of(docs, c):
-                flags += ["-e", e]
-            podman(
-                "run", "-d", "--name", name, "--network", NETWORK, *flags, *security_of(pod, c),
-                *volumes_of(docs, pod, c, models, scratch), c["image"], *c.get("args", []),
-            )  # fmt: skip
-            started.append(name)
-        ip = json.loads(podman("inspect", "demo-specmesh-router"))[0]["NetworkSettings"]["Networks"][NETWORK][
-            "IPAddress"
-        ]
+            aliases_ = [f"--network-alias={a}" for a in aliases(docs, w)]
+            addr = cluster.start(w["metadata"]["name"], pod, c, c.get("args", []), aliases_)
+            ip = addr if w["metadata"]["name"].endswith("-router") else ip
         wait_serving(f"{ip}:50051")
         yield ip, docs
     finally:
-        print(podman("ps", "-a", check=False))
-        for name in started:
-            print(f"--- {name} ---\n" + podman("logs", "--tail", "30", name, check=False))
-        podman("rm", "-f", "-t", "5", *started, check=False)
-        podman("network", "rm", "-f", NETWORK, check=False)
-        redis.terminate()
-        redis.wait(10)
+        cluster.close()
 
 
-def test_generate_health_http_and_metrics_through_the_charts_containers(release):
+@pytest.fixture(scope="module")
+def ray_release(tmp_path_factory):
+    """A Ray-mode release on a network of its own: the head
+    pod started as KubeRay starts it (`ray start --head` with the group's rayStartParams), then
+    the RayService's serveConfigV2 deployed to it with `serve deploy`, as KubeRay does."""
+    docs = render(RAY_VALUES)
+    scratch = tmp_path_factory.mktemp("ray")
+    service = next(d for d in docs if d["kind"] == "RayService")
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]
+    pod = head["template"]["spec"]
+    c = pod["containers"][0]
+    (scratch / "serve").mkdir()
+    (scratch / "serve" / "config.yaml").write_text(service["spec"]["serveConfigV2"])
+    os.chmod(scratch / "serve" / "config.yaml", 0o444)
+    params = [f"--{k}={v}" for k, v in head["rayStartParams"].items()]
+    cluster = Cluster(docs, scratch, NETWORK + "-ray")
+    try:
+        cluster.init(pod)
+        serve_dir = ["-v", f"{scratch / 'serve'}:/etc/specmesh-serve:ro", "--shm-size=1g", "--entrypoint", "ray"]
+        ip = cluster.start("demo-specmesh-ray-head", pod, c, ["start", "--head", "--block", *params], serve_dir)
+        end = time.monotonic() + 180
+        while True:  # the dashboard takes the deployment once it is up
+            out = subprocess.run(
+                ["podman", "exec", "demo-specmesh-ray-head", "serve", "deploy", "/etc/specmesh-serve/config.yaml"],
+                env=ENV, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            if out.returncode == 0:
+                break
+            assert time.monotonic() < end, out.stderr[-2000:]
+            time.sleep(3)
+        wait_serving(f"{ip}:50051", within_s=300)
+        yield ip, docs
+    finally:
+        cluster.close()
+
+
+def generate_health_http_and_metrics(ip: str) -> None:
+    """Generate (gRPC), gRPC health, /v1/completions and /metrics through the router at ``ip``."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from specmesh.v1 import generate_pb2 as gpb
     from specmesh.v1 import generate_pb2_grpc as ggrpc
 
-    ip, _ = release
     with grpc.insecure_channel(f"{ip}:50051") as ch:
         msgs = list(
             ggrpc.GenerationStub(ch).Generate(
@@ -231,10 +295,26 @@ def test_generate_health_http_and_metrics_through_the_charts_containers(release)
     assert re.search(r"^specmesh_requests_total\{.*\} [1-9]", metrics, re.M)
 
 
+def test_generate_health_http_and_metrics_through_the_charts_containers(release):
+    ip, _ = release
+    generate_health_http_and_metrics(ip)
+
+
 def test_the_containers_run_as_the_chart_says(release):
     """Non-root, read-only root filesystem, capabilities dropped: what the pods' security
     settings ask, checked from inside the running router."""
     ip, _ = release
     out = podman("exec", "demo-specmesh-router", "sh", "-c", "id -u; touch /opt/x 2>&1; grep CapEff /proc/1/status")
+    uid, touched, caps = out.splitlines()
+    assert uid == "10001" and "Read-only file system" in touched and caps.split()[-1] == "0000000000000000"
+
+
+def test_ray_mode_generate_health_http_and_metrics_through_the_head_container(ray_release):
+    ip, _ = ray_release
+    generate_health_http_and_metrics(ip)
+
+
+def test_ray_pods_run_as_the_chart_says(ray_release):
+    out = podman("exec", "demo-specmesh-ray-head", "sh", "-c", "id -u; touch /opt/x 2>&1; grep CapEff /proc/1/status")
     uid, touched, caps = out.splitlines()
     assert uid == "10001" and "Read-only file system" in touched and caps.split()[-1] == "0000000000000000"

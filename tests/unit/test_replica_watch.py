@@ -24,6 +24,7 @@ def test_the_budget_is_the_floor_until_cycles_are_slow_then_follows_them_and_dec
     w.answered("a", 0.01)
     assert w.budget("a") == pytest.approx(2.5)  # 10 x 1.0 x 0.5 x 0.5
     assert w.budget("b") == 2.0  # per replica
+    assert w.budget("b", prefill=5000) == pytest.approx(2.0 + 5000 * w.prefill_s_per_token)  # a first cycle
 
 
 def test_a_failed_replica_is_left_out_for_a_quarantine_that_doubles_and_ends_with_an_answered_cycle():
