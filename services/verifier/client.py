@@ -211,12 +211,14 @@ class RemoteVerifier:
         return n
 
     def failed(self, addr: str, stage: str, e: grpc.RpcError) -> None:
-        """A session left ``addr`` after ``e``: it is left out of placement for a while, and a
-        replica that hung has its link broken so every session on it moves now."""
+        """A session left ``addr`` after ``e``: it is left out of placement for a while (one
+        failure of the replica however many of its sessions report it), and a replica that hung
+        has its link broken so every session on it moves now."""
         VERIFIER_FAILOVERS.labels("hang" if isinstance(e, Stalled) else stage).inc()
         self.affinity.forget(addr)
-        quarantine = self.watch.failed(addr)
-        log.warning("verifier %s left out of placement for %.0f s", addr, quarantine)
+        if self.watch.usable(addr):
+            quarantine = self.watch.failed(addr)
+            log.warning("verifier %s left out of placement for %.0f s", addr, quarantine)
         if isinstance(e, Stalled):
             with self._links_lock:
                 link = self._links.pop(addr, None)
