@@ -47,8 +47,10 @@ def podman(*args: str, check: bool = True) -> str:
 RAY_VALUES = {
     **VALUES,
     "mode": "ray",
-    # the head alone serves (no GPU here): no GPU workers, one replica of each deployment
+    # the head alone serves (no GPU here): no GPU workers, one replica of each deployment, and
+    # CPUs enough on the head for all of them (Ray's CPUs are a logical count)
     "ray": {
+        "head": {"resources": {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}},
         "gpuWorkers": {"replicas": 0, "minReplicas": 0, "gpus": 0},
         "autoscaling": {"minReplicas": 1, "maxReplicas": 1},
     },
@@ -178,7 +180,16 @@ class Cluster:
         podman("network", "rm", "-f", network, check=False)
         podman("network", "create", network)
         self.gateway = json.loads(podman("network", "inspect", network))[0]["subnets"][0]["gateway"]
-        self.redis = bundled_redis(docs, self.gateway, scratch)
+        # the network's bridge (and its gateway address, where Redis listens) exists while a container is on it
+        self.holder = f"{network}-holder"
+        podman("run", "-d", "--rm", "--name", self.holder, "--network", network, "--entrypoint", "sleep",
+               f"specmesh/specmesh-models:{VERSION}", "infinity")  # fmt: skip
+        try:
+            self.redis = bundled_redis(docs, self.gateway, scratch)
+        except BaseException:
+            podman("rm", "-f", "-t", "0", self.holder, check=False)
+            podman("network", "rm", "-f", network, check=False)
+            raise
 
     def init(self, pod: dict) -> None:
         """Run the pod's init containers (they fill the shared models directory)."""
@@ -206,6 +217,7 @@ class Cluster:
         for name in self.started:
             print(f"--- {name} ---\n" + podman("logs", "--tail", "40", name, check=False))
         podman("rm", "-f", "-t", "5", *self.started, check=False)
+        podman("rm", "-f", "-t", "0", self.holder, check=False)
         podman("network", "rm", "-f", self.network, check=False)
         self.redis.terminate()
         self.redis.wait(10)
@@ -250,6 +262,9 @@ def ray_release(tmp_path_factory):
     (scratch / "serve" / "config.yaml").write_text(service["spec"]["serveConfigV2"])
     os.chmod(scratch / "serve" / "config.yaml", 0o444)
     params = [f"--{k}={v}" for k, v in head["rayStartParams"].items()]
+    if "num-cpus" not in head["rayStartParams"]:  # KubeRay: the container's CPU limit, else its request
+        res = c.get("resources", {})
+        params.append(f"--num-cpus={res.get('limits', {}).get('cpu') or res['requests']['cpu']}")
     cluster = Cluster(docs, scratch, NETWORK + "-ray")
     try:
         cluster.init(pod)
@@ -293,6 +308,8 @@ def generate_health_http_and_metrics(ip: str) -> None:
     assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["text"]
     metrics = urllib.request.urlopen(f"http://{ip}:9400/metrics", timeout=10).read().decode()
     assert re.search(r"^specmesh_requests_total\{.*\} [1-9]", metrics, re.M)
+    # the router reached the chart's Redis as its ACL user (a Redis outage would only degrade it)
+    assert re.search(r'^specmesh_redis_up\{component="suffix_feed"\} 1\.0$', metrics, re.M), metrics[-3000:]
 
 
 def test_generate_health_http_and_metrics_through_the_charts_containers(release):
