@@ -125,7 +125,7 @@ class WriteBehindMemory:
             self.store.offer_prior(counts)
             self._try(self.refresh)
         except StoreUnavailable:
-            log.warning("OCM: shared store unavailable at start; calibration prior not installed")
+            log.warning("OCM: shared store unavailable at start; the calibration prior goes in when it answers")
 
     def __len__(self) -> int:
         return len(self.view)
