@@ -41,12 +41,14 @@ test-fast: setup
 chaos: setup
 	$(BIN)/python -m pytest -q -m chaos tests
 
-# ruff (lint, import order, format) over the repository, mypy over services/, the configuration doc current.
+# ruff (lint, import order, format) over the repository, mypy over services/, the generated docs and dashboard current.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy services
 	$(BIN)/python scripts/config_docs.py --check
+	$(BIN)/python scripts/metrics_docs.py --check
+	$(BIN)/python scripts/dashboard.py --check
 
 # The wheel the product ships: services/ and specmesh/ with the bundled models, no bench/ or training/.
 wheel: setup

@@ -106,6 +106,10 @@ def _serve_verifier(cfg: EngineConfig, scfg: ServerConfig) -> None:
 
     exit_with_parent()  # spawned by a router: do not outlive it
     core = VerifierCore.from_config(cfg, eos_id(cfg))
+    if scfg.vllm_metric_names:  # vllm:kv_cache_usage_perc comes from where the K/V is
+        from services.common import vllm_metrics
+
+        vllm_metrics.register(oa.served_names(scfg.served_model_name or cfg.target.name)[0])
     server, servicer, port = build_verifier_server(core, scfg.host, scfg.port, scfg.max_sessions)
     _announce(f"verifier on {scfg.host}:{port}")
     run_until_signal(server, scfg.metrics_port, scfg.host, on_drain=servicer.drain)
@@ -161,10 +165,14 @@ def verifier_command(
     host: str = "127.0.0.1",
     metrics_port: int = 0,
     max_sessions: int | None = None,
+    metric_names: tuple[str, ...] | None = None,
 ) -> list[str]:
     """The command line of a verifier process with these engine options (``option_flags``;
-    secrets go through its environment: ``secret_env``)."""
+    secrets go through its environment: ``secret_env``). ``metric_names``: the router's served
+    model names, for the verifier's vLLM-named metrics (``()``: without vLLM's names)."""
     sessions = ["--max-sessions", str(max_sessions)] if max_sessions else []
+    if metric_names is not None:
+        sessions += ["--served-model-name", *metric_names] if metric_names else ["--no-vllm-metric-names"]
     return [
         sys.executable,
         "-m",
@@ -194,7 +202,10 @@ def spawn_verifiers(options: Mapping[str, Any], topo: Topology, scfg: ServerConf
     for i in range(topo.replicas):
         port = scfg.port + 1 + i
         metrics = scfg.metrics_port + 1 + i if scfg.metrics_port else 0
-        cmd = verifier_command(port, options, scfg.host, metrics, scfg.max_sessions)
+        names = oa.served_names(scfg.served_model_name) if scfg.served_model_name else None  # None: its default
+        cmd = verifier_command(
+            port, options, scfg.host, metrics, scfg.max_sessions, names if scfg.vllm_metric_names else ()
+        )
         children.append(Child(f"{scfg.host}:{port}", cmd))
     supervisor = Supervisor(children, {**os.environ, **secret_env(options)}, ready=serving)
     supervisor.start()

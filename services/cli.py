@@ -487,9 +487,11 @@ def _serve_parser(sub) -> None:
     )
     p.add_argument(
         "--vllm-metric-names",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=ServerConfig.vllm_metric_names,
         help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
-        "its model_name label, for dashboards written for vLLM (router and embedded)",
+        "its model_name label, for dashboards written for vLLM (router and embedded; the Ray app's node "
+        "exporter always does)",
     )
     p.add_argument(
         "--allowed-origins",

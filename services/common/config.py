@@ -457,7 +457,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] | str = ()  # the model's names in the HTTP API (answers carry the
     #                                       first); empty = the target's directory name
     chat_template: Path | None = None  # Jinja chat template for /v1/chat/completions; None = the tokenizer's
-    vllm_metric_names: bool = False  # /metrics also under vLLM's names (services/common/vllm_metrics.py)
+    vllm_metric_names: bool = True  # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)
     allowed_origins: tuple[str, ...] = ("*",)  # CORS: browser origins the HTTP API answers (vLLM's default)
 

@@ -8,84 +8,422 @@ sum (``start_node_exporter``). Gauges say how they combine across processes.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # value files are created with the metrics below
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any, Literal  # noqa: E402
+
 from prometheus_client import Counter, Gauge, Histogram  # noqa: E402
 
 from services.common import refusals  # noqa: E402
 
-REDIS_ERRORS = Counter("specmesh_redis_errors_total", "Redis operations that failed", ["component"])
-REDIS_UP = Gauge(
-    "specmesh_redis_up", "1 when the component's Redis link is healthy", ["component"], multiprocess_mode="livemin"
-)
-SUFFIX_FEED_INGESTED = Counter(
-    "specmesh_suffix_feed_ingested_total", "Outputs of other replicas ingested into the global suffix tree"
-)
-SUFFIX_FEED_PUBLISHED = Counter(
-    "specmesh_suffix_feed_published_total", "Finished outputs published to the shared suffix feed"
-)
-OCM_PAIRS = Gauge(
-    "specmesh_ocm_pairs", "Distinct (draft, target) pairs in the correction memory view", multiprocess_mode="livemax"
-)
-RESCUED_TOKENS = Counter(
-    "specmesh_rescued_tokens_total", "Draft tokens accepted by relaxed (calibrated) verification", ["method"]
-)
-FIRST_REJECTIONS = Counter(
-    "specmesh_first_rejections_total", "Cycles whose draft hit a true rejection (rescue-rate denominator)", ["method"]
-)
-HYBRID_DECISIONS = Counter("specmesh_hybrid_decisions_total", "Hybrid router choices per cycle", ["method", "source"])
 
-# -- fleet -----------------------------------------------------------------------------------------
-VERIFIER_FAILOVERS = Counter(
-    "specmesh_verifier_failovers_total",
-    "Sessions re-opened on another verifier replica after theirs failed, by when (open, cycle, or "
-    "hang: no answer within the replica's budget)",
-    ["stage"],
+@dataclass(frozen=True)
+class Spec:
+    """One metric of the catalogue. ``known``: label values whose series exist from the start
+    (a counter reads 0 before its first event, so a rate over it is 0, not empty); ``mode``: how
+    a gauge combines across the processes of a Ray node (prometheus_client's multiprocess modes)."""
+
+    name: str
+    kind: str  # counter | gauge | histogram
+    help: str
+    section: str
+    labels: tuple[str, ...] = ()
+    unit: str = ""
+    known: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    mode: Literal["livesum", "livemax", "livemin"] = "livesum"
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        """The name a scrape shows (counters get ``_total``)."""
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+CATALOGUE: list[Spec] = []
+_BY_NAME: dict = {}  # name: its prometheus_client metric
+
+
+def define(spec: Spec) -> Any:
+    """Register ``spec`` and return its prometheus_client metric, with its known series made."""
+    CATALOGUE.append(spec)
+    metric: Any
+    if spec.kind == "counter":
+        metric = Counter(spec.name, spec.help, spec.labels)
+    elif spec.kind == "gauge":
+        metric = Gauge(spec.name, spec.help, spec.labels, multiprocess_mode=spec.mode)
+    else:
+        metric = Histogram(spec.name, spec.help, spec.labels, buckets=spec.buckets or Histogram.DEFAULT_BUCKETS)
+    if spec.labels and set(spec.known) == set(spec.labels):
+        for values in itertools.product(*(spec.known[label] for label in spec.labels)):
+            metric.labels(*values)
+    _BY_NAME[spec.name] = metric
+    return metric
+
+
+def known_methods(methods) -> None:
+    """Make the per-method series of a server's methods (with every known value of their other
+    labels), so a panel reads 0 rather than nothing before the first request. Series keyed by
+    an open-ended label (draft source, draft position) appear with their first event."""
+    for spec in CATALOGUE:
+        rest = [label for label in spec.labels if label != "method"]
+        if "method" not in spec.labels or not set(rest) <= set(spec.known):
+            continue
+        for method in methods:
+            for values in itertools.product(*(spec.known[label] for label in rest)):
+                _BY_NAME[spec.name].labels(method=method, **dict(zip(rest, values)))
+
+
+LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+COMPONENTS = ("ocm", "suffix_feed")  # the Redis links: the correction memory, the shared suffix feed
+
+# -- requests and latency --------------------------------------------------------------------------
+S = "Requests and latency"
+REQUESTS = define(
+    Spec(
+        "specmesh_requests",
+        "counter",
+        "Finished requests",
+        S,
+        ("method", "finish_reason"),
+        known={"finish_reason": ("eos", "stop", "length", "abort", "cancelled")},
+    )
 )
-for _stage in ("open", "cycle", "hang"):
-    VERIFIER_FAILOVERS.labels(_stage)  # known label values start at 0
-VERIFIER_RESTARTS = Counter(
-    "specmesh_verifier_restarts_total", "Verifier processes the router restarted after they died"
+REQUESTS_REJECTED = define(
+    Spec(
+        "specmesh_requests_rejected",
+        "counter",
+        "Requests refused before decoding, by gRPC status name",
+        S,
+        ("code",),
+        known={"code": ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED")},
+    )
+)
+PROMPT_TOKENS = define(
+    Spec(
+        "specmesh_prompt_tokens",
+        "counter",
+        "Prompt tokens of started requests (a prompt with n completions counts once)",
+        S,
+        ("method",),
+        unit="tokens",
+    )
+)
+GENERATED_TOKENS = define(
+    Spec("specmesh_generated_tokens", "counter", "Tokens emitted by decoding cycles", S, ("method",), unit="tokens")
+)
+REQUESTS_RUNNING = define(
+    Spec(
+        "specmesh_requests_running",
+        "gauge",
+        "Completions decoding now on this router (Generate streams and HTTP completions)",
+        S,
+    )
+)
+QUEUE_DEPTH = define(Spec("specmesh_queue_depth", "gauge", "Requests waiting for a session slot", S))
+QUEUE_TIME = define(
+    Spec(
+        "specmesh_request_queue_time_seconds",
+        "histogram",
+        "Time a request waited for a session slot",
+        S,
+        unit="seconds",
+        buckets=(0.001, *LAT),
+    )
+)
+TTFT = define(
+    Spec(
+        "specmesh_time_to_first_token_seconds",
+        "histogram",
+        "Time from a completion's start to its first token",
+        S,
+        ("method",),
+        unit="seconds",
+        buckets=LAT,
+    )
+)
+PREFILL_TIME = define(
+    Spec(
+        "specmesh_request_prefill_time_seconds",
+        "histogram",
+        "A completion's first cycle, which reads its prompt (prefill) and makes its first token",
+        S,
+        ("method",),
+        unit="seconds",
+        buckets=LAT,
+    )
+)
+TPOT = define(
+    Spec(
+        "specmesh_time_per_output_token_seconds",
+        "histogram",
+        "Decode time per output token (per cycle)",
+        S,
+        ("method",),
+        unit="seconds",
+        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
+    )
+)
+E2E = define(
+    Spec(
+        "specmesh_request_latency_seconds",
+        "histogram",
+        "End-to-end latency of a completion",
+        S,
+        ("method",),
+        unit="seconds",
+        buckets=LAT,
+    )
 )
 
 # -- speculative decoding (vLLM's spec-decode counters, per method and draft source) ------------
-CYCLES = Counter("specmesh_cycles_total", "Target verification forward passes", ["method"])
-GENERATED_TOKENS = Counter("specmesh_generated_tokens_total", "Tokens emitted by decoding cycles", ["method"])
-NUM_DRAFTS = Counter("specmesh_spec_decode_num_drafts_total", "Non-empty drafts verified", ["method", "source"])
-NUM_DRAFT_TOKENS = Counter("specmesh_spec_decode_num_draft_tokens_total", "Draft tokens verified", ["method", "source"])
-NUM_ACCEPTED_TOKENS = Counter(
-    "specmesh_spec_decode_num_accepted_tokens_total", "Draft tokens accepted", ["method", "source"]
+S = "Speculative decoding"
+CYCLES = define(
+    Spec("specmesh_cycles", "counter", "Target verification forward passes (decoding cycles)", S, ("method",))
 )
-ACCEPTED_PER_POS = Counter(
-    "specmesh_spec_decode_num_accepted_tokens_per_pos_total",
-    "Accepted draft tokens by position in the draft",
-    ["method", "position"],
+NUM_DRAFTS = define(
+    Spec("specmesh_spec_decode_num_drafts", "counter", "Non-empty drafts verified", S, ("method", "source"))
 )
-PREDICTED_VS_ACTUAL = Counter(
-    "specmesh_hybrid_high_yield_total",
-    "Cache drafts by predicted and actual high yield (≥ 6 tokens)",
-    ["method", "predicted", "actual"],
+NUM_DRAFT_TOKENS = define(
+    Spec(
+        "specmesh_spec_decode_num_draft_tokens",
+        "counter",
+        "Draft tokens verified",
+        S,
+        ("method", "source"),
+        unit="tokens",
+    )
+)
+NUM_ACCEPTED_TOKENS = define(
+    Spec(
+        "specmesh_spec_decode_num_accepted_tokens",
+        "counter",
+        "Draft tokens accepted",
+        S,
+        ("method", "source"),
+        unit="tokens",
+    )
+)
+ACCEPTED_PER_POS = define(
+    Spec(
+        "specmesh_spec_decode_num_accepted_tokens_per_pos",
+        "counter",
+        "Accepted draft tokens by position in the draft (0 = first)",
+        S,
+        ("method", "position"),
+        unit="tokens",
+    )
+)
+CYCLE_PARTS = ("draft", "verify", "gate", "network", "other")
+CYCLE_SECONDS = define(
+    Spec(
+        "specmesh_cycle_seconds",
+        "counter",
+        "Decoding cycles' time on the router's clock, by part: draft (drafting, router and verifier side), "
+        "verify (the target's forward and the commit), gate (the acceptance policy, a calibrated gate "
+        "included), network (the router's wait for a verifier beyond the verifier's own time on the "
+        "cycle), other (the rest: waiting for a batched step, bookkeeping)",
+        S,
+        ("method", "part"),
+        unit="seconds",
+        known={"part": CYCLE_PARTS},
+    )
+)
+
+# -- hybrid drafting (HVD) -------------------------------------------------------------------------
+S = "Hybrid drafting and the yield predictor"
+HYBRID_DECISIONS = define(
+    Spec(
+        "specmesh_hybrid_decisions",
+        "counter",
+        "Hybrid router choices per cycle, by draft source",
+        S,
+        ("method", "source"),
+    )
+)
+PREDICTED_VS_ACTUAL = define(
+    Spec(
+        "specmesh_hybrid_high_yield",
+        "counter",
+        "Cache drafts by predicted and actual high yield (at least 6 tokens): the predictor's precision and recall",
+        S,
+        ("method", "predicted", "actual"),
+        known={"predicted": ("true", "false"), "actual": ("true", "false")},
+    )
+)
+
+# -- calibrated verification (CSD) and the correction memory -------------------------------------
+S = "Calibrated verification and the correction memory"
+RESCUED_TOKENS = define(
+    Spec(
+        "specmesh_rescued_tokens",
+        "counter",
+        "Draft tokens accepted by relaxed (calibrated) verification",
+        S,
+        ("method",),
+        unit="tokens",
+    )
+)
+FIRST_REJECTIONS = define(
+    Spec(
+        "specmesh_first_rejections",
+        "counter",
+        "Cycles whose draft hit a true rejection (rescue-rate denominator)",
+        S,
+        ("method",),
+    )
+)
+OCM_PAIRS = define(
+    Spec(
+        "specmesh_ocm_pairs",
+        "gauge",
+        "Distinct (draft, target) pairs in the correction memory's view",
+        S,
+        mode="livemax",
+    )
+)
+REDIS_UP = define(
+    Spec(
+        "specmesh_redis_up",
+        "gauge",
+        "1 while the component's Redis link is healthy, 0 while it degrades to local memory",
+        S,
+        ("component",),
+        mode="livemin",
+    )
+)
+REDIS_ERRORS = define(
+    Spec(
+        "specmesh_redis_errors",
+        "counter",
+        "Redis operations that failed",
+        S,
+        ("component",),
+        known={"component": COMPONENTS},
+    )
+)
+SUFFIX_FEED_INGESTED = define(
+    Spec(
+        "specmesh_suffix_feed_ingested", "counter", "Outputs of other replicas ingested into the global suffix tree", S
+    )
+)
+SUFFIX_FEED_PUBLISHED = define(
+    Spec("specmesh_suffix_feed_published", "counter", "Finished outputs published to the shared suffix feed", S)
+)
+
+# -- verifier replicas and the fleet --------------------------------------------------------------
+S = "Verifier replicas and the fleet"
+VERIFIER_SESSIONS = define(Spec("specmesh_verifier_sessions", "gauge", "Sessions open on this verifier replica", S))
+VERIFIERS_LIVE = define(
+    Spec(
+        "specmesh_verifiers_live",
+        "gauge",
+        "Verifier replicas a router can place sessions on now (not left out after a failure; 1 for a "
+        "verifier in its own process); component=router, as only routers export it",
+        S,
+        ("component",),
+        mode="livemax",
+    )
+)
+VERIFIER_FAILOVERS = define(
+    Spec(
+        "specmesh_verifier_failovers",
+        "counter",
+        "Sessions re-opened on another verifier replica after theirs failed, by when (open, cycle, or hang: no "
+        "answer within the replica's budget)",
+        S,
+        ("stage",),
+        known={"stage": ("open", "cycle", "hang")},
+    )
+)
+VERIFIER_RESTARTS = define(
+    Spec("specmesh_verifier_restarts", "counter", "Verifier processes the router restarted after they died", S)
+)
+VERIFY_BATCH = define(
+    Spec(
+        "specmesh_verify_batch_size",
+        "histogram",
+        "Sessions verified together in one target forward",
+        S,
+        unit="sessions",
+        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256),
+    )
+)
+KV_CACHE_TOKENS = define(
+    Spec(
+        "specmesh_kv_cache_tokens",
+        "gauge",
+        "K/V positions held by the sessions of the verifier's latest step",
+        S,
+        unit="tokens",
+    )
+)
+KV_CACHE_CAPACITY = define(
+    Spec(
+        "specmesh_kv_cache_capacity_tokens",
+        "gauge",
+        "K/V positions the verifier can hold: its session limit times the context length",
+        S,
+        unit="tokens",
+    )
+)
+PREFILL_CHUNKS = define(
+    Spec(
+        "specmesh_prefill_chunks",
+        "counter",
+        "Prompt chunks fed beside decoding sessions' cycles (chunked prefill), not finishing a cycle",
+        S,
+    )
+)
+PREFIX_CACHE = define(
+    Spec(
+        "specmesh_prefix_cache_tokens",
+        "counter",
+        "Prompt positions looked up in the prefix cache (queried) and taken from it (hit)",
+        S,
+        ("kind",),
+        unit="tokens",
+        known={"kind": ("queried", "hit")},
+    )
+)
+PREFIX_CACHE_BYTES = define(
+    Spec(
+        "specmesh_prefix_cache_bytes",
+        "gauge",
+        "Bytes held by the target's prefix cache (K/V, features)",
+        S,
+        unit="bytes",
+    )
 )
 
 # -- structured output ---------------------------------------------------------------------------
-GRAMMAR_COMPILES = Counter(
-    "specmesh_grammar_compiles_total",
-    "Structured-output patterns looked up, by outcome (cached, compiled, invalid, too_complex)",
-    ["outcome"],
+S = "Structured output"
+GRAMMAR_COMPILES = define(
+    Spec(
+        "specmesh_grammar_compiles",
+        "counter",
+        "Structured-output patterns looked up, by outcome (cached, compiled, invalid, too_complex)",
+        S,
+        ("outcome",),
+        known={"outcome": ("cached", "compiled", "invalid", "too_complex")},
+    )
 )
-GRAMMAR_COMPILE_SECONDS = Histogram(
-    "specmesh_grammar_compile_seconds",
-    "Time to compile a structured-output pattern (cache misses)",
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+GRAMMAR_COMPILE_SECONDS = define(
+    Spec(
+        "specmesh_grammar_compile_seconds",
+        "histogram",
+        "Time to compile a structured-output pattern (cache misses)",
+        S,
+        unit="seconds",
+        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    )
 )
+del S
 
-# -- requests and latency --------------------------------------------------------------------------
-_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-REQUESTS = Counter("specmesh_requests_total", "Finished requests", ["method", "finish_reason"])
-REQUESTS_REJECTED = Counter("specmesh_requests_rejected_total", "Requests refused before decoding", ["code"])
 # The ``code`` label of each refusal: gRPC's status names, whichever front end refused.
 REJECTED_AS = {
     refusals.Invalid: "INVALID_ARGUMENT",
@@ -100,34 +438,6 @@ def rejected_code(refusal: refusals.Refusal) -> str:
     return next((REJECTED_AS[k] for k in type(refusal).__mro__ if k in REJECTED_AS), "UNKNOWN")
 
 
-ACTIVE_SESSIONS = Gauge(
-    "specmesh_active_sessions",
-    "Sessions in progress: component=router counts Generate streams (and HTTP completions), "
-    "component=verifier the sessions open on a verifier replica",
-    ["component"],
-    multiprocess_mode="livesum",
-)
-for _component in ("router", "verifier"):
-    ACTIVE_SESSIONS.labels(_component)  # one name, two series: a process running both sets each
-QUEUE_DEPTH = Gauge("specmesh_queue_depth", "Generate requests waiting for a session slot", multiprocess_mode="livesum")
-CYCLE_SECONDS = Counter(
-    "specmesh_cycle_seconds_total",
-    "Decoding cycles' time on the router's clock, by part: draft (drafting, router and "
-    "verifier side), verify (the target's forward, the policy and the commit), other (the "
-    "rest: crossing to a verifier replica, waiting for a batched step, bookkeeping)",
-    ["method", "part"],
-)
-CYCLE_PARTS = ("draft", "verify", "other")
-TTFT = Histogram("specmesh_time_to_first_token_seconds", "Time to first token", ["method"], buckets=_LAT)
-TPOT = Histogram(
-    "specmesh_time_per_output_token_seconds",
-    "Decode time per output token (per cycle)",
-    ["method"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
-)
-E2E = Histogram("specmesh_request_latency_seconds", "End-to-end request latency", ["method"], buckets=_LAT)
-
-
 class MethodMetrics:
     """Metric children bound once per request (label lookups stay off the per-cycle path)."""
 
@@ -140,6 +450,7 @@ class MethodMetrics:
         self.rescued = RESCUED_TOKENS.labels(method)
         self.rejections = FIRST_REJECTIONS.labels(method)
         self.ttft, self.tpot, self.e2e = TTFT.labels(method), TPOT.labels(method), E2E.labels(method)
+        self.prefill, self.prompt = PREFILL_TIME.labels(method), PROMPT_TOKENS.labels(method)
         self.seconds = tuple(CYCLE_SECONDS.labels(method, part) for part in CYCLE_PARTS)
         self._by_source: dict[str, tuple] = {}
         self._per_pos: list = []
@@ -165,14 +476,19 @@ class MethodMetrics:
         seconds: float,
         draft_s: float = 0.0,
         verify_s: float = 0.0,
+        gate_s: float = 0.0,
+        network_s: float = 0.0,
     ) -> None:
-        """One cycle: ``seconds`` on the router's clock, ``draft_s`` and ``verify_s`` of it
-        spent drafting and verifying (the rest counts as other)."""
+        """One cycle: ``seconds`` on the router's clock, of it ``draft_s`` drafting, ``verify_s``
+        verifying (``gate_s`` of that in the acceptance policy) and ``network_s`` crossing to the
+        verifier; the rest counts as other."""
         self.cycles.inc()
-        draft, verify, other = self.seconds
+        draft, verify, gate, network, other = self.seconds
         draft.inc(draft_s)
-        verify.inc(verify_s)
-        other.inc(max(0.0, seconds - draft_s - verify_s))
+        verify.inc(max(0.0, verify_s - gate_s))
+        gate.inc(gate_s)
+        network.inc(network_s)
+        other.inc(max(0.0, seconds - draft_s - verify_s - network_s))
         self.generated.inc(emitted)
         if emitted:
             self.tpot.observe(seconds / emitted)
@@ -205,9 +521,12 @@ class _Uncounted(MethodMetrics):
         def observe(self, _value: float) -> None:
             pass
 
+        def inc(self, _value: float = 1) -> None:
+            pass
+
     def __init__(self):
         self.method = ""
-        self.ttft = self.tpot = self.e2e = self._Nothing()
+        self.ttft = self.tpot = self.e2e = self.prefill = self.prompt = self._Nothing()
 
     def cycle(self, *_args) -> None:
         pass
@@ -223,27 +542,6 @@ def decoding_totals() -> tuple[float, float]:
         return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
 
     return total(CYCLES), total(GENERATED_TOKENS)
-
-
-VERIFY_BATCH = Histogram(
-    "specmesh_verify_batch_size",
-    "Sessions verified together in one target forward",
-    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
-)
-PREFILL_CHUNKS = Counter(
-    "specmesh_prefill_chunks_total",
-    "Prompt chunks fed beside decoding sessions' cycles (chunked prefill), not finishing a cycle",
-)
-PREFIX_CACHE = Counter(
-    "specmesh_prefix_cache_tokens_total",
-    "Prompt positions looked up in the prefix cache (queried) and taken from it (hit)",
-    ["kind"],
-)
-PREFIX_CACHE_BYTES = Gauge(
-    "specmesh_prefix_cache_bytes",
-    "Bytes held by the target's prefix cache (K/V, features)",
-    multiprocess_mode="livesum",
-)
 
 
 def start_node_exporter(port: int, host: str = "0.0.0.0", retry_s: float = 10.0) -> bool:

@@ -263,7 +263,9 @@ class CycleResult:
     rescued_pairs: tuple[tuple[int, int], ...] = ()
     rejected: bool = False  # the cycle ended at a true rejection
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # the target's forward, the acceptance policy and the commit
+    gate_s: float = 0.0  # of verify_s: the acceptance policy (a calibrated gate included)
+    server_s: float = 0.0  # the verifier's time on the cycle, from its arrival to its result
     batch_size: int = 1  # sessions verified in the same target forward
     cached_tokens: int = 0  # prompt positions the prefix cache gave (a session's first cycle)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # a session's first cycle, when it asked

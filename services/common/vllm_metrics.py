@@ -7,12 +7,15 @@ reports one speculative method. The decode path is untouched. Finish reasons map
 ``finished_reason``: eos and stop → stop, length → length, cancelled and abort → abort.
 
 Registered by the router (``serve``, embedded or router role), where requests and cycles are
-counted; a Ray Serve node's multiprocess exporter keeps specmesh's names only.
+counted, and by a Ray Serve node's exporter over the node's processes (``families``: the
+multiprocess collector's sums instead of this process's metrics).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -23,6 +26,7 @@ FINISHED = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abo
 
 # vLLM name: (specmesh metric, the specmesh labels vLLM keeps, renamed, with value maps)
 COUNTERS = {
+    "vllm:prompt_tokens": (m.PROMPT_TOKENS, {}),
     "vllm:generation_tokens": (m.GENERATED_TOKENS, {}),
     "vllm:request_success": (m.REQUESTS, {"finish_reason": ("finished_reason", FINISHED)}),
     "vllm:spec_decode_num_drafts": (m.NUM_DRAFTS, {}),
@@ -30,44 +34,62 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": (m.NUM_ACCEPTED_TOKENS, {}),
     "vllm:spec_decode_num_accepted_tokens_per_pos": (m.ACCEPTED_PER_POS, {"position": ("position", None)}),
 }
-GAUGES = {  # vLLM name: (specmesh gauge, the labels its samples must carry)
-    "vllm:num_requests_running": (m.ACTIVE_SESSIONS, {"component": "router"}),
+GAUGES: dict[str, tuple[Any, dict[str, str]]] = {  # vLLM name: (specmesh gauge, the labels its samples must carry)
+    "vllm:num_requests_running": (m.REQUESTS_RUNNING, {}),
     "vllm:num_requests_waiting": (m.QUEUE_DEPTH, {}),
 }
+# vLLM's KV-cache usage, a fraction: positions held over what the verifiers can hold
+RATIOS = {"vllm:kv_cache_usage_perc": (m.KV_CACHE_TOKENS, m.KV_CACHE_CAPACITY)}
 HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": m.TTFT,
     "vllm:time_per_output_token_seconds": m.TPOT,
     "vllm:e2e_request_latency_seconds": m.E2E,
+    "vllm:request_queue_time_seconds": m.QUEUE_TIME,
+    "vllm:request_prefill_time_seconds": m.PREFILL_TIME,
 }
 
 
-def _samples(metric, suffix: str):
-    """(labels, value) of the metric's samples named ``<family><suffix>``."""
-    for family in metric.collect():
-        for s in family.samples:
-            if s.name == family.name + suffix:
-                yield s.labels, s.value
+def own_families():
+    """This process's specmesh metrics."""
+    for metric in m._BY_NAME.values():
+        yield from metric.collect()
 
 
 class VllmNames(Collector):
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    """``families()``: where specmesh's metric families are read at each scrape."""
+
+    def __init__(self, model_name: str, families: Callable[[], Iterable] = own_families):
+        self.model_name, self.families = model_name, families
 
     def collect(self):
+        self._now = {f.name: f for f in self.families()}
         for name, (metric, keep) in COUNTERS.items():
             yield self._counter(name, metric, keep)
         for name, (metric, only) in GAUGES.items():
             g = GaugeMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name"])
-            values = (v for lab, v in _samples(metric, "") if only.items() <= lab.items())
+            values = (v for lab, v in self._samples(metric, "") if only.items() <= lab.items())
             g.add_metric([self.model_name], sum(values))
+            yield g
+        for name, (used, capacity) in RATIOS.items():
+            g = GaugeMetricFamily(name, f"{used._documentation}, over its capacity (specmesh's)", labels=["model_name"])
+            held, room = (sum(v for _, v in self._samples(x, "")) for x in (used, capacity))
+            if room:  # only where a verifier holds K/V (not a router alone)
+                g.add_metric([self.model_name], held / room)
             yield g
         for name, metric in HISTOGRAMS.items():
             yield self._histogram(name, metric)
 
+    def _samples(self, metric, suffix: str):
+        """(labels, value) of the metric's samples named ``<family><suffix>``."""
+        family = self._now.get(metric._name)
+        for s in family.samples if family is not None else ():
+            if s.name == family.name + suffix:
+                yield s.labels, s.value
+
     def _counter(self, name: str, metric, keep: dict) -> CounterMetricFamily:
         labels = [new for new, _ in keep.values()]
         sums: dict[tuple, float] = defaultdict(float)
-        for lab, v in _samples(metric, "_total"):
+        for lab, v in self._samples(metric, "_total"):
             key = tuple(values.get(lab[old], lab[old]) if values else lab[old] for old, (_, values) in keep.items())
             sums[key] += v
         c = CounterMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name", *labels])
@@ -77,9 +99,9 @@ class VllmNames(Collector):
 
     def _histogram(self, name: str, metric) -> HistogramMetricFamily:
         buckets: dict[str, float] = defaultdict(float)
-        for lab, v in _samples(metric, "_bucket"):
+        for lab, v in self._samples(metric, "_bucket"):
             buckets[lab["le"]] += v
-        total = sum(v for _, v in _samples(metric, "_sum"))
+        total = sum(v for _, v in self._samples(metric, "_sum"))
         h = HistogramMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name"])
         if buckets:  # none until a method observes one
             h.add_metric([self.model_name], sorted(buckets.items(), key=lambda kv: float(kv[0])), total)

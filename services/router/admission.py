@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from services.common.metrics import ACTIVE_SESSIONS, QUEUE_DEPTH
+from services.common.metrics import QUEUE_DEPTH, QUEUE_TIME, REQUESTS_RUNNING
 from services.common.refusals import Cancelled, DeadlineExceeded, Overloaded, Refusal
 from services.router import openai_api as oa
 from services.router.engine import Generation
@@ -51,13 +51,14 @@ class Admission:
         with self._cond:
             if not self._queue and self.running + n <= self.max_sessions:
                 self.running += n
+                QUEUE_TIME.observe(0.0)
                 return None
             if len(self._queue) >= self.max_queue:
                 return Overloaded(
                     f"server is at its limit of {self.max_sessions} concurrent sessions and "
                     f"{self.max_queue} queued requests; retry later"
                 )
-            me = (priority, next(self._tickets))
+            me, since = (priority, next(self._tickets)), time.perf_counter()
             heapq.heappush(self._queue, me)
             QUEUE_DEPTH.set(len(self._queue))
             try:
@@ -69,6 +70,7 @@ class Admission:
                         return Cancelled("the client went away while queued for a session slot")
                     self._cond.wait(timeout=min(0.5, left) if left is not None else 0.5)
                 self.running += n
+                QUEUE_TIME.observe(time.perf_counter() - since)
                 return None
             finally:
                 self._queue.remove(me)
@@ -86,7 +88,7 @@ ABORT_WINDOW_S = 60.0  # an abort also ends the requests made before it that sta
 
 
 class ActiveSessions:
-    """The completions decoding now, over both front ends; ``specmesh_active_sessions`` follows.
+    """The completions decoding now, over both front ends; ``specmesh_requests_running`` follows.
     ``abort`` ends them by request id, or all of them; a request still queued for admission
     then is aborted as it starts (an abort holds for requests made before it, ABORT_WINDOW_S).
     ``publish(request_id, wall_time)``, when given, hears of every abort made here, for the
@@ -101,7 +103,7 @@ class ActiveSessions:
     def add(self, gens) -> None:
         with self._lock:
             self._gens.update((g.req_id, g) for g in gens)
-            ACTIVE_SESSIONS.labels("router").set(len(self._gens))
+            REQUESTS_RUNNING.set(len(self._gens))
             now = time.perf_counter()
             for g in gens:
                 if any(g.timings.start < t and now - t < ABORT_WINDOW_S for t in self._aborts_of(g)):
@@ -139,7 +141,7 @@ class ActiveSessions:
         with self._lock:
             for g in gens:
                 self._gens.pop(g.req_id, None)
-            ACTIVE_SESSIONS.labels("router").set(len(self._gens))
+            REQUESTS_RUNNING.set(len(self._gens))
 
     def __len__(self) -> int:
         return len(self._gens)

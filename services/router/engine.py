@@ -168,6 +168,7 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.target))
         self.eos_id = self.tokenizer.eos_token_id
         self.verifier = verifier if verifier is not None else VerifierCore.from_config(cfg, self.eos_id)
+        self.remote_verifier = not isinstance(self.verifier, VerifierCore)  # its cycles cross a network
         self.suffix_cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
         self.suffix_feed = None
         if cfg.redis_url:
@@ -574,6 +575,8 @@ class Generation:
         )
         if self._cancelled:
             self.cancel()
+        if not self.prompt_repeat:
+            self.metrics.prompt.inc(len(req.prompt_ids))
         if self.drafter:
             self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
         try:
@@ -663,6 +666,7 @@ class Generation:
         creq = self._request(budget)
         t1 = time.perf_counter()
         res = session.cycle(creq)
+        waited = time.perf_counter() - t1  # for the verifier's answer
         self._batch = res.batch_size
         # usage counts the prompt's own tokens (a failover's re-open may hit on tokens generated since)
         self.cached_tokens = min(len(self.req.prompt_ids), self.cached_tokens + res.cached_tokens)
@@ -672,6 +676,8 @@ class Generation:
         if self.grammar is not None:
             self.grammar.advance(res.committed)
         t2 = time.perf_counter()
+        if self.stats.cycles == 0:  # the first cycle reads the prompt
+            self.metrics.prefill.observe(t2 - t0)
         draft_s = (t1 - t0) + res.draft_s
         self.timings.draft_s += draft_s
         self.timings.verify_s += res.verify_s
@@ -690,6 +696,8 @@ class Generation:
             t2 - t0,
             draft_s,
             res.verify_s,
+            res.gate_s,
+            max(0.0, waited - res.server_s) if self.engine.remote_verifier else 0.0,
         )
         return out
 

@@ -84,8 +84,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.admission.release(req.n)
 
 
+def count_engine(engine: Engine, max_sessions: int) -> None:
+    """The metrics that describe this engine from the start: its methods' series at 0, and for a
+    verifier in this process, one live replica and its K/V capacity."""
+    from services.common import metrics
+
+    metrics.known_methods(engine.methods())
+    if hasattr(engine.verifier, "declare_capacity"):  # in process (VerifierCore)
+        engine.verifier.declare_capacity(max_sessions)
+        metrics.VERIFIERS_LIVE.labels("router").set(1)
+
+
 def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[grpc.Server, GenerationServicer, int]:
     """A ready-to-start server bound to cfg.host:cfg.port (port 0 = any free port)."""
+    count_engine(engine, cfg.max_sessions)
     if cfg.vllm_metric_names:
         from services.common import vllm_metrics
 

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class Pending:
     done: bool = False
     on_done: Callable[["Pending"], None] | None = None
     again: bool = False  # set by a step that advanced the cycle without finishing it (a prefill chunk)
+    arrived: float = field(default_factory=time.perf_counter)
 
 
 class CycleBatcher:

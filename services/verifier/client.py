@@ -17,7 +17,7 @@ import grpc
 
 from services.common.affinity import PrefixAffinity, choose
 from services.common.grpc_server import channel, refusal_of
-from services.common.metrics import VERIFIER_FAILOVERS
+from services.common.metrics import VERIFIER_FAILOVERS, VERIFIERS_LIVE
 from services.common.refusals import DeadlineExceeded, Unavailable
 from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
 from services.verifier.watch import ReplicaWatch
@@ -184,6 +184,8 @@ class RemoteVerifier:
         self.link = link
         self._links: dict[str, ReplicaLink] = {}
         self._links_lock = threading.Lock()
+        # specmesh_verifiers_live: the replicas not left out of placement, at each scrape
+        VERIFIERS_LIVE.labels("router").set_function(lambda: len(self.load) - len(self.watch.out(self.load)))
         info = self._info()
         self.context_len, self.vocab_size = info.context_len, info.vocab_size
         self.max_draft = dict(info.max_draft)

@@ -21,6 +21,7 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.llama import Llama
+from services.common.metrics import KV_CACHE_CAPACITY, VERIFIER_SESSIONS
 from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
 from services.common.sampling import Draws, apply_bias, apply_penalties, ban_bad_words, token_logprobs
@@ -160,6 +161,11 @@ class VerifierCore:
     def open(self, spec: SessionSpec) -> "VerifierSession":
         return VerifierSession(self, spec, spec.session_id or f"v-{next(self._ids)}")
 
+    def declare_capacity(self, max_sessions: int) -> None:
+        """``specmesh_kv_cache_capacity_tokens``: the K/V positions ``max_sessions`` sessions of
+        the full context would hold (the denominator of KV-cache usage)."""
+        KV_CACHE_CAPACITY.set(max_sessions * self.context_len)
+
     def close(self) -> None:
         self.memory.close()
         if self._grammars is not None:
@@ -206,7 +212,8 @@ class VerifierCore:
                 b.error = e
         for b, (logits, hidden) in zip(live, outs):
             try:
-                b.result = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1, len(live) + len(filling))
+                res = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1, len(live) + len(filling))
+                b.result = replace(res, server_s=time.perf_counter() - b.arrived)
             except Exception as e:
                 b.error = e
 
@@ -364,6 +371,7 @@ class VerifierSession:
         )
         self.core.batcher.opened(self)
         self.core.sessions.add(self.session_id)
+        VERIFIER_SESSIONS.set(len(self.core.sessions))
         self._closed = False
         self.cancelled = False
         self.grammar = None  # structured output: where the output so far left the grammar
@@ -399,12 +407,14 @@ class VerifierSession:
         batch_size: int = 1,
     ) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe."""
+        gate_start = time.perf_counter()
         verdict: Verdict = self.policy(
             draft,
             self._constrained(self._no_early_eos(self._shaped(logits, draft)), draft),
             self.spec.sampling,
             self.rng,
         )
+        gate_s = time.perf_counter() - gate_start
         pending = len(self.target.pending)
         kept = pending + verdict.accepted
         if verdict.path is not None:  # a tree: its accepted path's rows, in order
@@ -435,6 +445,7 @@ class VerifierSession:
             rejected=verdict.first_rejection is not None and accepted < len(committed),
             draft_s=draft_s,
             verify_s=time.perf_counter() - verify_start,
+            gate_s=gate_s,
             batch_size=batch_size,
             cached_tokens=self._report_cached(),
             prompt_logprobs=self._report_prompt_logprobs(),
@@ -526,5 +537,6 @@ class VerifierSession:
         self._closed = True
         self.core.batcher.closed(self)
         self.core.sessions.discard(self.session_id)
+        VERIFIER_SESSIONS.set(len(self.core.sessions))
         if self.drafter:
             self.drafter.stop(self.session_id)

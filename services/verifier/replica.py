@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 
-from services.common.metrics import ACTIVE_SESSIONS, REQUESTS_REJECTED
+from services.common.metrics import REQUESTS_REJECTED
 from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.refusals import Invalid, Overloaded, Unavailable
 from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, sampling_error
@@ -28,6 +28,7 @@ class Replica:
         self._lock = threading.Lock()
         self.active: set[str] = set()
         self.draining = False
+        core.declare_capacity(max_sessions)
 
     def _check_open(self, s: SessionSpec) -> None:
         if not s.prompt_ids:
@@ -119,14 +120,12 @@ class Replica:
             raise
         with self._lock:
             self.active.add(session.session_id)
-            ACTIVE_SESSIONS.labels("verifier").set(len(self.active))
         return session
 
     def release(self, session: VerifierSession) -> None:
         session.close()
         with self._lock:
             self.active.discard(session.session_id)
-            ACTIVE_SESSIONS.labels("verifier").set(len(self.active))
         self._slots.release()
 
     def drain(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.llama import KVCache, Llama
-from services.common.metrics import PREFILL_CHUNKS, PREFIX_CACHE, PREFIX_CACHE_BYTES, VERIFY_BATCH
+from services.common.metrics import KV_CACHE_TOKENS, PREFILL_CHUNKS, PREFIX_CACHE, PREFIX_CACHE_BYTES, VERIFY_BATCH
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
 from services.common.sampling import token_logprobs
 from services.common.types import Verdict
@@ -130,6 +130,7 @@ class TargetRunner:
                 st.cache_len += n
                 self._keep(st, states)
             PREFILL_CHUNKS.inc(len(prefill))
+        KV_CACHE_TOKENS.set(sum(st.cache_len for st in sessions))
         return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], fused
 
     @staticmethod

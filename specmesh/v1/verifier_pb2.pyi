@@ -128,7 +128,7 @@ class RescuedPair(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class CycleResult(_message.Message):
-    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s", "batch_size", "cached_tokens", "logprobs", "top_ids", "top_logprobs", "prompt_ids", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
+    __slots__ = ("committed", "drafted", "accepted", "source", "rescued", "rejected", "draft_s", "verify_s", "batch_size", "cached_tokens", "logprobs", "top_ids", "top_logprobs", "prompt_ids", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs", "gate_s", "server_s")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,8 @@ class CycleResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GATE_S_FIELD_NUMBER: _ClassVar[int]
+    SERVER_S_FIELD_NUMBER: _ClassVar[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
     accepted: int
@@ -163,7 +165,9 @@ class CycleResult(_message.Message):
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_top_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    gate_s: float
+    server_s: float
+    def __init__(self, committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., source: _Optional[str] = ..., rescued: _Optional[_Iterable[_Union[RescuedPair, _Mapping]]] = ..., rejected: _Optional[bool] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., batch_size: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_ids: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[float]] = ..., gate_s: _Optional[float] = ..., server_s: _Optional[float] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("opened", "result")

@@ -223,12 +223,13 @@ def test_tls_and_auth_are_wired_from_secrets():
         render({"mode": "services", "tls": {"enabled": True}})  # a TLS Secret is required
 
 
-def test_router_takes_vllm_metric_names_when_asked():
-    """metrics.vllmNames adds --vllm-metric-names to the router only; the schema wants a boolean."""
+def test_router_drops_vllm_metric_names_only_when_asked():
+    """vLLM's names are on by default; metrics.vllmNames: false adds --no-vllm-metric-names to the
+    router only; the schema wants a boolean."""
     for on in (False, True):
         docs = render({"mode": "services", "metrics": {"vllmNames": on}})
-        assert ("--vllm-metric-names" in container(named(docs, "Deployment", "-router"))["args"]) is on
-        assert "--vllm-metric-names" not in container(named(docs, "StatefulSet", "-verifier"))["args"]
+        assert ("--no-vllm-metric-names" in container(named(docs, "Deployment", "-router"))["args"]) is not on
+        assert "vllm-metric-names" not in " ".join(container(named(docs, "StatefulSet", "-verifier"))["args"])
     with pytest.raises(helm.HelmValuesError):
         helm.Chart.load(str(CHART)).render({"metrics": {"vllmNames": "yes"}}, name="demo", namespace="llm")
 
@@ -534,3 +535,16 @@ def test_the_bundled_redis_admits_only_specmesh_as_its_acl_user_for_what_it_uses
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_prometheus_rule_carries_the_plain_rules_file():
+    """prometheusRule.enabled renders a PrometheusRule whose groups are those of
+    deploy/prometheus/specmesh.rules.yaml, with the labels asked for; off by default."""
+    import yaml
+
+    assert not kinds(render({}), "PrometheusRule")
+    docs = render({"prometheusRule": {"enabled": True, "labels": {"release": "kps"}}})
+    (rule,) = kinds(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    plain = yaml.safe_load((ROOT / "deploy/prometheus/specmesh.rules.yaml").read_text())
+    assert rule["spec"]["groups"] == plain["groups"] and len(plain["groups"][0]["rules"]) >= 6

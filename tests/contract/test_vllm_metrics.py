@@ -60,7 +60,10 @@ def test_vllm_names_count_what_specmesh_counts(tiny_engine):
         ("specmesh_generated_tokens_total", "vllm:generation_tokens_total"),
         ("specmesh_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
         ("specmesh_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
-        ("specmesh_active_sessions", "vllm:num_requests_running"),
+        ("specmesh_requests_running", "vllm:num_requests_running"),
+        ("specmesh_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("specmesh_request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count"),
+        ("specmesh_request_prefill_time_seconds_count", "vllm:request_prefill_time_seconds_count"),
     ):
         assert [lab["model_name"] for lab, _ in m[theirs]] == ["tiny-vllm"], theirs
         assert total(m[theirs]) == total(m[ours]), (theirs, m[theirs], m[ours])

@@ -1,0 +1,118 @@
+"""A real Prometheus (Debian's 2.42) scraping a real server in each topology under load: every
+dashboard panel's queries return data, the running-requests gauge equals the streams open, every
+alert rule loads and evaluates, and the rules pass their unit tests (``promtool``)."""
+
+import subprocess
+
+import pytest
+
+from bench.prometheus import ROOT, RULES, OpenStreams, Prometheus, binary, drive, panel_queries, start_server, stop
+from services.common.grpc_server import free_port
+from tests.conftest import bundled_available, wait_for
+
+METHODS = ["vanilla", "sd", "suffix", "csd", "eagle3", "hybrid"]
+OPEN = 3  # streams held open while the running gauges are read
+
+
+@pytest.fixture(autouse=True)
+def _models():
+    if not bundled_available():
+        pytest.fail("bundled models missing: run `make models`")
+
+
+def free_run(n: int) -> int:
+    """A port whose next ``n - 1`` ports are free too."""
+    import socket
+
+    for _ in range(50):
+        base = free_port()
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports")
+
+
+def check_under_load(prom: Prometheus, addr: str, targets: int) -> None:
+    """The running gauges equal the open streams; then, after a load, every panel's queries and
+    every rule evaluate with data."""
+    prom.wait_scraped(targets)
+    streams = OpenStreams(addr, OPEN)
+    try:
+        seen = {}
+
+        def settled() -> bool:
+            for expr in ("sum(specmesh_requests_running)", "sum(vllm:num_requests_running)"):
+                result = prom.query(expr)
+                seen[expr] = float(result[0]["value"][1]) if result else None
+            return all(v == OPEN for v in seen.values())
+
+        assert wait_for(settled, timeout=15), f"{OPEN} streams open, Prometheus read {seen}"
+        assert streams.running(), "a held stream finished before the gauges were read"
+        verifier = prom.query("sum(specmesh_verifier_sessions)")
+        assert float(verifier[0]["value"][1]) == OPEN  # counted once more, on the verifiers, under its own name
+    finally:
+        streams.close()
+    counts = drive(addr, METHODS, seconds=20)
+    assert counts["ok"] >= 2 * len(METHODS) and counts["invalid"] >= 1 and counts["other"] == 0, counts
+    wait_for(lambda: False, timeout=3)  # the last scrapes
+    empty = [(title, expr) for title, _, expr in panel_queries() if not prom.query(expr)]
+    assert not empty, "panels without data:\n" + "\n".join(f"  {t}: {e}" for t, e in empty)
+    moved = prom.query("sum(increase(specmesh_spec_decode_num_accepted_tokens_total[1m]))")
+    assert float(moved[0]["value"][1]) > 0
+    assert prom.query('count by (model_name) (vllm:generation_tokens_total{model_name!=""})')
+    rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+    assert len(rules) >= 6
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+
+def test_embedded_server_every_panel_has_data(tmp_path, private_redis):
+    port, metrics = free_port(), free_port()
+    args = ["--port", str(port), "--http-port", "0", "--metrics-port", str(metrics), "--max-sessions", "8"]
+    args += ["--redis-url", private_redis.url, "--state-dir", str(tmp_path / "state")]
+    server = start_server(args, port, tmp_path / "serve.log")
+    prom = Prometheus([f"127.0.0.1:{metrics}"], free_port(), tmp_path)
+    try:
+        check_under_load(prom, f"127.0.0.1:{port}", 1)
+        up = prom.query('min(specmesh_redis_up{component="ocm"})')
+        assert up and float(up[0]["value"][1]) == 1
+    finally:
+        prom.stop()
+        stop(server)
+
+
+def test_distributed_router_and_verifiers_every_panel_has_data(tmp_path, private_redis):
+    """The router and its two spawned verifiers, each scraped on its own port."""
+    port, metrics = free_run(3), free_run(3)
+    args = ["--topology", "distributed", "--replicas", "2", "--port", str(port), "--http-port", "0"]
+    args += ["--metrics-port", str(metrics), "--max-sessions", "8", "--redis-url", private_redis.url]
+    args += ["--state-dir", str(tmp_path / "state")]
+    server = start_server(args, port, tmp_path / "serve.log")
+    prom = Prometheus([f"127.0.0.1:{metrics + i}" for i in range(3)], free_port(), tmp_path)
+    try:
+        check_under_load(prom, f"127.0.0.1:{port}", 3)
+        live = prom.query('sum(specmesh_verifiers_live{component="router"})')
+        assert float(live[0]["value"][1]) == 2
+        usage = prom.query("vllm:kv_cache_usage_perc")  # from the verifiers, where the K/V is
+        assert len(usage) == 2
+    finally:
+        prom.stop()
+        stop(server)
+
+
+def test_alert_rules_parse_and_pass_their_unit_tests():
+    check = subprocess.run([binary("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert check.returncode == 0 and "SUCCESS: 6 rules found" in check.stdout, check.stdout + check.stderr
+    tests = ROOT / "tests/prometheus/rules_test.yaml"
+    run = subprocess.run(
+        [binary("promtool"), "test", "rules", tests.name], cwd=tests.parent, capture_output=True, text=True
+    )
+    assert run.returncode == 0 and "SUCCESS" in run.stdout, run.stdout + run.stderr
