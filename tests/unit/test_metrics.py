@@ -78,3 +78,20 @@ def test_the_catalogue_follows_prometheus_naming():
         if s.unit in ("seconds", "bytes"):
             assert s.name.endswith("_" + s.unit), s.name
         assert set(s.known) <= set(s.labels), s.name
+
+
+def test_openmetrics_keeps_vllms_colon_names():
+    """Prometheus asks for OpenMetrics; a sample must carry the name its HELP and TYPE lines give
+    (prometheus_client 0.22-0.26 wrote ``vllm_x`` samples under ``vllm:x``, and Prometheus kept
+    no ``vllm:`` series)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from services.common.vllm_metrics import VllmNames
+
+    registry = CollectorRegistry()
+    registry.register(VllmNames("m"))
+    text = generate_latest(registry).decode()
+    samples = [line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")]
+    assert "vllm:num_requests_running" in samples and "vllm:generation_tokens_total" in samples
+    assert not [s for s in samples if s.startswith("vllm_")]
