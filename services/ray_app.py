@@ -35,7 +35,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from services.common.config import OPTIONS, EngineConfig
-from services.common.metrics import start_node_exporter
+from services.common.metrics import MODEL_NAME_ENV, start_node_exporter
 from services.common.types import CycleRequest, SessionCancelled, SessionSpec
 from services.drafter.base import Drafter
 
@@ -243,6 +243,7 @@ class VerifierDeployment:
         cfg = engine_config(args)
         eos = AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
         self.core = VerifierCore.from_config(cfg, eos)
+        self.core.declare_capacity(int(args.get("max_sessions", 16)))
         self._memory_handle = memory  # bound lazily: the constructor runs in the event loop
         # A thread per in-flight cycle: the cycles that the batcher verifies together must all be
         # able to block in it at once (asyncio's default pool has only cpus + 4 threads).
@@ -367,6 +368,21 @@ class RaySession:
         self.h.close.remote()
 
 
+def verifiers_live(handle, timeout_s: float = 2.0) -> int:
+    """Verifier replicas that take sessions now: 0 unless one answers ``info`` within
+    ``timeout_s``; then Serve's count of the deployment's running replicas (1 when Serve's
+    status cannot be read)."""
+    try:
+        handle.info.remote().result(timeout_s=timeout_s)
+    except Exception:  # noqa: BLE001 - a timeout, no replica, a replica dying: none answers
+        return 0
+    try:
+        status = serve.status().applications[handle.app_name]
+        return max(1, status.deployments[handle.deployment_name].replica_states.get("RUNNING", 0))
+    except Exception:  # noqa: BLE001 - the controller busy or restarting: one answered
+        return 1
+
+
 class RayVerifier:
     """The router's verifier interface over the Serve deployment."""
 
@@ -380,6 +396,9 @@ class RayVerifier:
 
     def open(self, spec: SessionSpec) -> RaySession:
         return RaySession(self.handle, spec)
+
+    def live(self, timeout_s: float = 2.0) -> int:
+        return verifiers_live(self.handle, timeout_s)
 
     def clear_prefix_cache(self) -> None:
         """Every verifier replica forgets its cached prompt blocks: one call per replica, each
@@ -440,6 +459,27 @@ class GenerationIngress:
         self._active = ActiveSessions(self._post_abort if aborts is not None else None)
         if aborts is not None:
             threading.Thread(target=self._relay_aborts, name="abort-relay", daemon=True).start()
+        self._live: int | None = None  # verifier replicas live at the last probe (None: not yet probed)
+        threading.Thread(target=self._follow_verifiers, name="verifier-health", daemon=True).start()
+
+    def _follow_verifiers(self) -> None:
+        """Build the engine now (the first request then finds it ready), then probe the verifier
+        replicas every HEALTH_PERIOD_S: gRPC health and /health follow, and
+        ``specmesh_verifiers_live``."""
+        from services.common.metrics import VERIFIERS_LIVE, known_methods
+        from services.router.grpc_server import HEALTH_PERIOD_S
+
+        try:
+            known_methods(self.engine.methods())
+        except Exception as e:  # noqa: BLE001 - a request builds it again and answers the error
+            log.warning("engine: %s", e)
+        while True:
+            self._live = verifiers_live(self._handles[0])
+            VERIFIERS_LIVE.labels("router").set(self._live)
+            time.sleep(HEALTH_PERIOD_S)
+
+    def _serving(self) -> bool:
+        return (self._live if self._live is not None else verifiers_live(self._handles[0])) > 0
 
     def _post_abort(self, request_id: str | None, wall: float) -> None:
         self._board.post.remote(self._origin, request_id, wall)  # not awaited: the abort answers now
@@ -545,12 +585,26 @@ class GenerationIngress:
             oa.served_names(a.get("served_model_name") or "target"),
             template,
             active=self._active,
+            live=lambda: int(self._serving()),
         )
 
     def Check(self, request):
-        from services.router.grpc_server import health_serving
+        """SERVING while a verifier replica answers, NOT_SERVING while none does."""
+        from services.router.grpc_server import health_status
 
-        return health_serving()
+        return health_status(self._serving())
+
+    def Watch(self, request):
+        """The status now, then each change (checked every half second) until the client leaves."""
+        from services.router.grpc_server import health_status
+
+        last = None
+        while True:
+            serving = self._serving()
+            if serving != last:
+                yield health_status(serving)
+                last = serving
+            time.sleep(0.5)
 
 
 def app(args: dict):
@@ -566,12 +620,15 @@ def app(args: dict):
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
     """
+    from services.router import openai_api as oa
+
     cpus = float(args.get("cpus_per_replica", 1))
     env = {
         "env_vars": {
             "PROMETHEUS_MULTIPROC_DIR": f"/tmp/specmesh_metrics/{uuid.uuid4().hex[:12]}",
             METRICS_PORT_ENV: str(int(args.get("metrics_port", 9400))),
             METRICS_HOST_ENV: str(args.get("metrics_host", "0.0.0.0")),
+            MODEL_NAME_ENV: oa.served_names(args.get("served_model_name") or "target")[0],
         }
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 
@@ -60,3 +61,53 @@ def active(addr) -> int:
     """Sessions open on the verifier at ``addr``."""
     with grpc.insecure_channel(addr) as ch:
         return vgrpc.VerifierStub(ch).Info(vpb.InfoRequest(), timeout=10).active_sessions
+
+
+@contextlib.contextmanager
+def ray_serve(app_args: dict):
+    """The Ray Serve app (``services.ray_app:app``) on a fresh local Ray of 2 CPUs, with gRPC (the
+    Generation and Health services) and HTTP proxies on free ports; yields (gRPC channel, gRPC
+    port, HTTP port)."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from services.ray_app import app
+
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "180")  # a loaded 2-core machine starts GCS slowly
+    port, http_port = free_port(), free_port()
+    # Ray gives its raylet a fixed 30 s to register, and a loaded 2-core box can miss it; its GCS
+    # server once wrote no port file at all (no log either) and started at the next try.
+    for attempt in range(2):
+        try:
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+            )
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the raylet's
+            ray.shutdown()
+            if attempt or not any(m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
+                raise
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": http_port},
+            grpc_options=gRPCOptions(
+                port=port,
+                grpc_servicer_functions=[
+                    "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
+                    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+                ],
+            ),
+        )
+        serve.run(app(app_args), name="specmesh", route_prefix="/")
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield channel, port, http_port
+        finally:
+            channel.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()

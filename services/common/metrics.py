@@ -544,8 +544,26 @@ def decoding_totals() -> tuple[float, float]:
     return total(CYCLES), total(GENERATED_TOKENS)
 
 
+MODEL_NAME_ENV = "SPECMESH_SERVED_MODEL_NAME"  # the model_name of a node's vLLM-named metrics
+
+
+def node_registry():
+    """The sum over every process of this node's ``PROMETHEUS_MULTIPROC_DIR``, specmesh's names and
+    vLLM's (read from the same sums, ``model_name`` from ``SPECMESH_SERVED_MODEL_NAME``)."""
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    from services.common.vllm_metrics import VllmNames
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    sums = multiprocess.MultiProcessCollector(None)
+    registry.register(VllmNames(os.environ.get(MODEL_NAME_ENV, "target"), families=sums.collect))
+    return registry
+
+
 def start_node_exporter(port: int, host: str = "0.0.0.0", retry_s: float = 10.0) -> bool:
-    """Serve the sum over every process of this node's ``PROMETHEUS_MULTIPROC_DIR`` on ``port``.
+    """Serve the sum over every process of this node's ``PROMETHEUS_MULTIPROC_DIR`` on ``port``
+    (``node_registry``).
 
     Rule: every replica calls it; whichever binds the port first serves, the others retry
     every ``retry_s`` so the endpoint outlives the replica serving it. A process that exits
@@ -556,13 +574,12 @@ def start_node_exporter(port: int, host: str = "0.0.0.0", retry_s: float = 10.0)
     import threading
     import time
 
-    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+    from prometheus_client import multiprocess, start_http_server
 
     if not port or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return False
     atexit.register(multiprocess.mark_process_dead, os.getpid())
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    registry = node_registry()
 
     def bind() -> None:
         while True:

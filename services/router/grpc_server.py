@@ -157,6 +157,7 @@ def check_token_under_serve(context, token: str | None) -> None:
         raise PermissionError(DENIED)
 
 
-def health_serving():
-    """``grpc.health.v1.Health/Check``'s answer: SERVING."""
-    return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+def health_status(serving: bool):
+    """``grpc.health.v1.Health/Check``'s answer: SERVING or NOT_SERVING."""
+    S = health_pb2.HealthCheckResponse
+    return S(status=S.SERVING if serving else S.NOT_SERVING)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 
@@ -286,9 +287,14 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        """This process's metrics; under Ray Serve (a multiprocess directory), the node's sum, as
+        its node exporter serves it."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        from services.common.metrics import node_registry
+
+        registry = node_registry() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else REGISTRY
+        return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -116,3 +116,65 @@ def test_alert_rules_parse_and_pass_their_unit_tests():
         [binary("promtool"), "test", "rules", tests.name], cwd=tests.parent, capture_output=True, text=True
     )
     assert run.returncode == 0 and "SUCCESS" in run.stdout, run.stdout + run.stderr
+
+
+def test_ray_serve_every_panel_has_data_and_health_follows_the_verifiers(tmp_path, private_redis):
+    """Under Ray Serve: the node exporter (every replica process of the node summed, vLLM's names
+    too) gives every panel data; the HTTP /metrics through Serve's proxy serves the same sum; gRPC
+    health answers NOT_SERVING while no verifier replica is live and Watch streams the changes."""
+    import contextlib
+    import threading
+    import urllib.request
+
+    import grpc
+    import ray
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.fleet import ray_serve
+
+    metrics_port = free_port()
+    args = {
+        "models_dir": str(ROOT / "models"),
+        "verifier_gpus": 0,
+        "verifier_replicas": 1,
+        "cpus_per_replica": 0.25,
+        "shared_memory": True,
+        "remote_drafter": True,
+        "redis_url": private_redis.url,
+        "metrics_port": metrics_port,
+        "metrics_host": "127.0.0.1",
+        "max_streams": 8,
+    }
+    with ray_serve(args) as (channel, port, http_port):
+        prom = Prometheus([f"127.0.0.1:{metrics_port}"], free_port(), tmp_path)
+        try:
+            check_under_load(prom, f"127.0.0.1:{port}", 1)
+        finally:
+            prom.stop()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30).read().decode()
+        assert "vllm:generation_tokens_total{" in text and "specmesh_verify_batch_size_count" in text
+
+        health = health_pb2_grpc.HealthStub(channel)
+        S = health_pb2.HealthCheckResponse
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == S.SERVING
+        seen: list[int] = []
+        watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=300)
+
+        def follow() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+                for r in watch:
+                    seen.append(r.status)
+
+        threading.Thread(target=follow, daemon=True).start()
+        assert wait_for(lambda: seen == [S.SERVING], timeout=30), seen
+        for name in [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]:
+            if "VerifierDeployment" in name:
+                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+        def status() -> int:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=60).status
+
+        assert wait_for(lambda: status() == S.NOT_SERVING, timeout=30), "health stayed SERVING with no verifier"
+        assert wait_for(lambda: status() == S.SERVING, timeout=240), "health did not come back"
+        assert wait_for(lambda: seen == [S.SERVING, S.NOT_SERVING, S.SERVING], timeout=10), seen
+        watch.cancel()

@@ -10,75 +10,34 @@ from services.router.engine import GenerationRequest
 from specmesh.v1 import generate_pb2 as pb
 from specmesh.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import wait_for
+from tests.fleet import ray_serve
 from tests.integration.test_cli import scrape as scrape_labelled
 
 
 @pytest.fixture(scope="module")
 def serve_app(tiny_dirs, tmp_path_factory):
-    import os
     import shutil
 
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    from services.ray_app import app
-
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "180")  # a loaded 2-core machine starts GCS slowly
     models = tmp_path_factory.mktemp("ray-models")
     shutil.copytree(tiny_dirs[0], models / "target")
     shutil.copytree(tiny_dirs[1], models / "draft")
-    port, metrics_port, http_port = free_port(), free_port(), free_port()
-    # Ray gives its raylet a fixed 30 s to register, and a loaded 2-core box can miss it; its GCS
-    # server once wrote no port file at all (no log either) and started at the next try.
-    for attempt in range(2):
-        try:
-            ray.init(
-                num_cpus=2,
-                include_dashboard=False,
-                log_to_driver=False,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-            )
-            break
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the raylet's
-            ray.shutdown()
-            if attempt or not any(m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
-                raise
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": http_port},
-        grpc_options=gRPCOptions(
-            port=port,
-            grpc_servicer_functions=[
-                "specmesh.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
-                "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-            ],
-        ),
-    )
-    serve.run(
-        app(
-            {
-                "models_dir": str(models),
-                "verifier_gpus": 0,
-                "verifier_replicas": 2,
-                "cpus_per_replica": 0.25,
-                "max_new_tokens_limit": 200,
-                "shared_memory": True,
-                "remote_drafter": True,
-                "metrics_port": metrics_port,
-                "metrics_host": "127.0.0.1",
-                "max_streams": 2,
-                "max_queue": 1,
-                "prefill_chunk": 1,
-            }
-        ),  # beside an open session, a new prompt prefills 1 token a step
-        name="specmesh",
-        route_prefix="/",
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield pb_grpc.GenerationStub(channel), channel, metrics_port, http_port
-    channel.close()
-    serve.shutdown()
-    ray.shutdown()
+    metrics_port = free_port()
+    args = {
+        "models_dir": str(models),
+        "verifier_gpus": 0,
+        "verifier_replicas": 2,
+        "cpus_per_replica": 0.25,
+        "max_new_tokens_limit": 200,
+        "shared_memory": True,
+        "remote_drafter": True,
+        "metrics_port": metrics_port,
+        "metrics_host": "127.0.0.1",
+        "max_streams": 2,
+        "max_queue": 1,
+        "prefill_chunk": 1,  # beside an open session, a new prompt prefills 1 token a step
+    }
+    with ray_serve(args) as (channel, _, http_port):
+        yield pb_grpc.GenerationStub(channel), channel, metrics_port, http_port
 
 
 def test_generate_streams_through_the_serve_proxy(serve_app, tiny_engine):
