@@ -11,7 +11,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: test-fast chaos image image-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: bench-control-plane dashboard-png test-fast chaos image image-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -50,6 +50,10 @@ lint: setup
 	$(BIN)/python scripts/metrics_docs.py --check
 	$(BIN)/python scripts/dashboard.py --check
 
+# The dashboard's main rows plotted from a real Prometheus scraping `specmesh serve` under load (docs/metrics.md).
+dashboard-png: setup
+	$(BIN)/python -m bench.prometheus --out bench/results/dashboard.png
+
 # The wheel the product ships: services/ and specmesh/ with the bundled models, no bench/ or training/.
 wheel: setup
 	$(BIN)/python -m pip wheel --no-deps --no-build-isolation -q -w dist .
@@ -78,6 +82,10 @@ bench: setup
 	for w in humaneval:$(TOKENS) stdlib-heldout:$(TOKENS) edit:256; do \
 	  $(BIN)/python -m bench --workload $${w%%:*} --methods $(METHODS) --limit $(LIMIT) --threads 1 \
 	    --max-new-tokens $${w##*:} --out bench/results/$${w%%:*}.json || exit 1; done
+
+# The router, drafters, predictor, memory and links at modelled GPU speed (a verifier stand-in), 1-256 sessions.
+bench-control-plane: setup
+	$(BIN)/python -m bench.control_plane
 
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup

@@ -113,22 +113,23 @@ def panel_queries() -> list[tuple[str, str, str]]:
 
 
 # -- the load ------------------------------------------------------------------------------------
-PROMPTS = (
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
-    "import os\n\n\ndef list_files(path):\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
-)
+def prompts(n: int = 12) -> list[str]:
+    """HumanEval's first ``n`` prompts (data nobody here wrote)."""
+    from bench.workloads import humaneval
+
+    return [p.text for p in humaneval(n)]
 
 
 def drive(addr: str, methods: list[str], seconds: float, streams: int = 3) -> dict[str, int]:
     """``streams`` gRPC clients sending requests for ``seconds``: every method in turn on
-    repeated prompts (prefix-cache hits), one structured-output request and one invalid request
-    per round. Returns counts by outcome."""
+    HumanEval prompts, each prompt again later (prefix-cache hits), one structured-output request
+    and one invalid request per round. Returns counts by outcome."""
     import grpc
 
     from specmesh.v1 import generate_pb2 as pb
     from specmesh.v1 import generate_pb2_grpc as pb_grpc
 
+    texts = prompts()
     counts = {"ok": 0, "invalid": 0, "other": 0}
     lock = threading.Lock()
     end = time.monotonic() + seconds
@@ -139,7 +140,8 @@ def drive(addr: str, methods: list[str], seconds: float, streams: int = 3) -> di
             i = k
             while time.monotonic() < end:
                 method = methods[i % len(methods)]
-                reqs = [pb.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], max_new_tokens=32, method=method)]
+                prompt = texts[(i // len(methods)) % len(texts)]  # every method on each prompt
+                reqs = [pb.GenerateRequest(prompt=prompt, max_new_tokens=64, method=method)]
                 if i % len(methods) == 0:
                     structured = pb.StructuredOutput(regex="[0-9]{2,6}")
                     reqs.append(pb.GenerateRequest(prompt="x = ", max_new_tokens=8, structured_output=structured))
@@ -174,7 +176,8 @@ class OpenStreams:
 
         self.channel = grpc.insecure_channel(addr)
         stub = pb_grpc.GenerationStub(self.channel)
-        req = pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=max_new_tokens, method="vanilla", ignore_eos=True)
+        prompt = "def add(a, b):\n"
+        req = pb.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, method="vanilla", ignore_eos=True)
         self.calls = [stub.Generate(req, timeout=600) for _ in range(n)]
         for call in self.calls:
             next(call)  # the first token: decoding
@@ -264,7 +267,7 @@ def plot(prom: Prometheus, start: float, end: float, out: Path) -> None:
     for ax in list(axes.flat)[len(titles) :]:
         ax.axis("off")
     fig.suptitle("specmesh dashboard, main rows: a real Prometheus scraping `specmesh serve` under load", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.975))
     fig.savefig(out, dpi=90)
 
 

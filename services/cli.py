@@ -490,8 +490,8 @@ def _serve_parser(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=ServerConfig.vllm_metric_names,
         help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
-        "its model_name label, for dashboards written for vLLM (router and embedded; the Ray app's node "
-        "exporter always does)",
+        "its model_name label, for dashboards written for vLLM (router, verifier and embedded; the Ray "
+        "app's node exporter always does)",
     )
     p.add_argument(
         "--allowed-origins",

@@ -35,7 +35,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from services.common.config import OPTIONS, EngineConfig
-from services.common.metrics import MODEL_NAME_ENV, start_node_exporter
+from services.common.exposition import MODEL_NAME_ENV, start_node_exporter
 from services.common.types import CycleRequest, SessionCancelled, SessionSpec
 from services.drafter.base import Drafter
 

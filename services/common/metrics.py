@@ -3,7 +3,7 @@
 Defined once here; components increment them. `serve` exposes them over HTTP. Under Ray
 Serve each replica is its own process: with ``PROMETHEUS_MULTIPROC_DIR`` set (the Serve app
 sets it), every process on a node writes its values there and one of them serves the node's
-sum (``start_node_exporter``). Gauges say how they combine across processes.
+sum (``services/common/exposition.py``). Gauges say how they combine across processes.
 """
 
 from __future__ import annotations
@@ -542,52 +542,3 @@ def decoding_totals() -> tuple[float, float]:
         return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
 
     return total(CYCLES), total(GENERATED_TOKENS)
-
-
-MODEL_NAME_ENV = "SPECMESH_SERVED_MODEL_NAME"  # the model_name of a node's vLLM-named metrics
-
-
-def node_registry():
-    """The sum over every process of this node's ``PROMETHEUS_MULTIPROC_DIR``, specmesh's names and
-    vLLM's (read from the same sums, ``model_name`` from ``SPECMESH_SERVED_MODEL_NAME``)."""
-    from prometheus_client import CollectorRegistry, multiprocess
-
-    from services.common.vllm_metrics import VllmNames
-
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
-    sums = multiprocess.MultiProcessCollector(None)
-    registry.register(VllmNames(os.environ.get(MODEL_NAME_ENV, "target"), families=sums.collect))
-    return registry
-
-
-def start_node_exporter(port: int, host: str = "0.0.0.0", retry_s: float = 10.0) -> bool:
-    """Serve the sum over every process of this node's ``PROMETHEUS_MULTIPROC_DIR`` on ``port``
-    (``node_registry``).
-
-    Rule: every replica calls it; whichever binds the port first serves, the others retry
-    every ``retry_s`` so the endpoint outlives the replica serving it. A process that exits
-    marks itself dead, so live-mode gauges drop its values. Returns False without the
-    multiprocess directory (nothing to aggregate) or without a port.
-    """
-    import atexit
-    import threading
-    import time
-
-    from prometheus_client import multiprocess, start_http_server
-
-    if not port or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return False
-    atexit.register(multiprocess.mark_process_dead, os.getpid())
-    registry = node_registry()
-
-    def bind() -> None:
-        while True:
-            try:
-                start_http_server(port, addr=host, registry=registry)
-                return
-            except OSError:
-                time.sleep(retry_s)
-
-    threading.Thread(target=bind, daemon=True, name="specmesh-node-metrics").start()
-    return True

@@ -291,7 +291,7 @@ def build_app(
         its node exporter serves it."""
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-        from services.common.metrics import node_registry
+        from services.common.exposition import node_registry
 
         registry = node_registry() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else REGISTRY
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)

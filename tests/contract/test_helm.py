@@ -223,13 +223,18 @@ def test_tls_and_auth_are_wired_from_secrets():
         render({"mode": "services", "tls": {"enabled": True}})  # a TLS Secret is required
 
 
-def test_router_drops_vllm_metric_names_only_when_asked():
+def test_vllm_metric_names_are_dropped_only_when_asked():
     """vLLM's names are on by default; metrics.vllmNames: false adds --no-vllm-metric-names to the
-    router only; the schema wants a boolean."""
+    router and the verifiers; the verifiers label them with the router's served model name; the
+    schema wants a boolean."""
     for on in (False, True):
         docs = render({"mode": "services", "metrics": {"vllmNames": on}})
-        assert ("--no-vllm-metric-names" in container(named(docs, "Deployment", "-router"))["args"]) is not on
-        assert "vllm-metric-names" not in " ".join(container(named(docs, "StatefulSet", "-verifier"))["args"])
+        for kind, suffix in (("Deployment", "-router"), ("StatefulSet", "-verifier")):
+            assert ("--no-vllm-metric-names" in container(named(docs, kind, suffix))["args"]) is not on
+    docs = render({"mode": "services", "router": {"servedModelName": ["m8b", "alias"]}})
+    for kind, suffix in (("Deployment", "-router"), ("StatefulSet", "-verifier")):  # one model_name on both
+        args = container(named(docs, kind, suffix))["args"]
+        assert args[args.index("--served-model-name") + 1 :][:2] == ["m8b", "alias"], kind
     with pytest.raises(helm.HelmValuesError):
         helm.Chart.load(str(CHART)).render({"metrics": {"vllmNames": "yes"}}, name="demo", namespace="llm")
 
