@@ -98,7 +98,9 @@ class KVPool:
                     return seg, slot
             seg = Segment(self.s, self.slots, size, self.dtype, self.device)
             segs.append(seg)
-            return seg, seg.take()
+            first = seg.take()
+            assert first is not None  # a new segment has every slot free
+            return seg, first
 
     @property
     def used(self) -> int:
@@ -136,7 +138,10 @@ class Group:
         self.lo, self.hi = lo, hi
         self.tmax = max(lens[r] for r in rows)
         self.lmax = max(starts[r] + lens[r] for r in rows)
-        tokens, slot_idx, pos_idx, qpos = [], [], [], []
+        tokens: list[int] = []
+        slot_idx: list[int] = []
+        pos_idx: list[int] = []
+        qpos: list[int] = []
         mask = torch.zeros(hi - lo, 1, self.tmax, self.lmax, dtype=torch.bool, device=device)
         mask[..., 0] = True  # padding queries see one finite key (their outputs are dropped), never none
         for r, slot in zip(rows, slots):
@@ -145,7 +150,8 @@ class Group:
             slot_idx += [slot] * n
             pos_idx += range(st, st + n)
             qpos += range(g * self.tmax, g * self.tmax + n)
-            mask[g, 0, :n, : st + n] = True if masks[r] is None else masks[r]  # on the device already
+            own = masks[r]
+            mask[g, 0, :n, : st + n] = True if own is None else own  # on the device already
         whole = tokens == list(range(n_tokens))
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         self.tokens = None if whole else as_index(tokens)

@@ -148,7 +148,7 @@ class RedisStore:
         counts: Counter = Counter()
         for h in hashes:
             for field, n in h.items():
-                counts[decode_pair(field)] += float(n)
+                counts[decode_pair(field)] += float(n)  # type: ignore[assignment]  # Redis floats
         return counts
 
     def replace_prior(self, counts: dict[Pair, float]) -> None:

@@ -154,7 +154,7 @@ def completion(g, index: int, text: str, output_ids: list[int], final: bool, str
         "spec_verify_ct": g.stats.cycles,
         "speculation": oa.speculation(g),
     }
-    out = {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+    out: dict[str, object] = {"text": text, "output_ids": list(output_ids), "meta_info": meta}
     if streamed:
         out["index"] = index
     return out

@@ -49,6 +49,13 @@ class Tools:
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.specs]
 
+    @property
+    def forced(self) -> str:
+        """The function a named choice forces."""
+        if self.name is None:
+            raise ToolError("tool_choice: no function named")
+        return self.name
+
     def parameters(self, name: str) -> dict:
         spec = next(t for t in self.specs if t["function"]["name"] == name)
         return spec["function"].get("parameters") or {"type": "object"}
@@ -56,7 +63,7 @@ class Tools:
     def constraint(self) -> StructuredOutput | None:
         """The structured output a forced choice decodes under (None: free text)."""
         if self.choice == "named":
-            return StructuredOutput(json_schema=json.dumps(self.parameters(self.name)))
+            return StructuredOutput(json_schema=json.dumps(self.parameters(self.forced)))
         if self.choice == "required":
             calls = [
                 {
@@ -80,7 +87,7 @@ def parse_tools(body: dict) -> Tools | None:
         return None
     if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
         raise ToolError(f'tools: must be a list of 1 to {MAX_TOOLS} {{"type": "function", "function": {{...}}}}')
-    specs = []
+    specs: list[dict] = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if (
@@ -149,7 +156,7 @@ def message(tools: Tools, text: str) -> tuple[str | None, list[dict], bool]:
     """(content, tool calls, whether the model called tools) of an output under ``tools``.
     Text that does not parse as the expected calls stays content."""
     if tools.choice == "named":
-        return None, [call(tools.name, text)], False
+        return None, [call(tools.forced, text)], False
     if tools.choice == "required":
         try:
             items = json.loads(text)
@@ -197,7 +204,7 @@ class ToolStream:
         if choice == "named":
             if not self.named_started:
                 self.named_started = True
-                return "", [{"index": 0, **call(self.tools.name, text)}]
+                return "", [{"index": 0, **call(self.tools.forced, text)}]
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         self.held += text
         if choice == "required" or self.in_calls:
@@ -214,7 +221,7 @@ class ToolStream:
         choice, rest = self.tools.choice, self.held
         self.held = ""
         if choice == "named":
-            return "", [] if self.named_started else [{"index": 0, **call(self.tools.name, "")}], False
+            return "", [] if self.named_started else [{"index": 0, **call(self.tools.forced, "")}], False
         if choice == "none" or (choice == "auto" and not self.in_calls):
             return rest, [], False
         content, calls, called = message(self.tools, rest)

@@ -153,11 +153,11 @@ class CalibratedGreedy:
     def _rescue(self, d: int, t: int, row: torch.Tensor) -> bool:
         if self.memory is not None and self.memory.lookup(d, t) < self.gate.min_count:
             return False
-        row = row.numpy() if row.device.type == "cpu" else row  # scalar reads: numpy's are ~1 µs
-        gap = float(row[d] - row[t])  # ≤ 0: t is the argmax
+        vals = row.numpy() if row.device.type == "cpu" else row  # scalar reads: numpy's are ~1 µs
+        gap = float(vals[d] - vals[t])  # ≤ 0: t is the argmax
         if gap < self.log_tau:
             return False
-        return int((row > row[d]).sum()) < self.gate.top_k  # d ranks within the top-k
+        return int((vals > vals[d]).sum()) < self.gate.top_k  # d ranks within the top-k
 
 
 def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:

@@ -145,6 +145,7 @@ class TargetRunner:
     def _prompt_logprobs(st: TargetSession, logits: torch.Tensor) -> None:
         """Logits of positions cache_len.. predict the prompt tokens after them."""
         nxt = st.tokens[st.cache_len + 1 : st.cache_len + 1 + len(logits)]
+        assert st.prompt_top is not None  # called only for sessions that asked
         st.prompt_lps += token_logprobs(logits.float().cpu(), nxt, st.prompt_top)
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
@@ -203,6 +204,7 @@ class TargetRunner:
     def _block(self, st: TargetSession, b0: int) -> tuple[torch.Tensor, ...]:
         """The payload of the block at b0: K, V and (with capture layers) its features, the
         oldest staged ones."""
+        assert self.prefix is not None  # called only with a prefix cache
         n = self.prefix.block
         kv = kv_block(st.cache, b0, n)
         if not self.capture_layers:
