@@ -40,13 +40,15 @@ class Pending:
     on_done: Callable[["Pending"], None] | None = None
     again: bool = False  # set by a step that advanced the cycle without finishing it (a prefill chunk)
     arrived: float = field(default_factory=time.perf_counter)
+    wake: threading.Condition | None = None  # its submitter waits on it (``submit``); posted items have none
 
 
 class CycleBatcher:
     def __init__(self, step: Callable[[list[Pending]], None], max_batch: int = 16, window_s: float = 0.005):
         """``step(batch)`` sets ``result`` or ``error`` on every item of the batch."""
         self.step, self.max_batch, self.window_s = step, max_batch, window_s
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()  # a done-callback may call back in (``closed``)
+        self._cond = threading.Condition(self._lock)
         self._queue: list[Pending] = []
         self._expected: set[int] = set()  # id() of the sessions served by the last step
         self._fresh: set[int] = set()  # id() of sessions opened since the last step began
@@ -68,13 +70,16 @@ class CycleBatcher:
         return len(self._queue) >= self.max_batch or (self._expected | self._fresh) <= queued
 
     def submit(self, session, request):
-        item = Pending(session, request)
+        """Rule: a submitter sleeps on its own item's condition, woken when its item is done or
+        when it is to lead the next step; only a leader in its window (or the stepper) waits on
+        the shared one. So a step wakes each waiter once, not every waiter per arrival."""
+        item = Pending(session, request, wake=threading.Condition(self._lock))
         with self._cond:
             self._queue.append(item)
-            self._cond.notify_all()
+            self._cond.notify_all()  # the leader in its window, or the stepper
             while not item.done:
                 if self._running:
-                    self._cond.wait()
+                    item.wake.wait()  # type: ignore[union-attr]
                 else:
                     self._lead()
         if item.error is not None:
@@ -104,6 +109,17 @@ class CycleBatcher:
                     self._cond.wait()
                 self._lead()
 
+    def _hand_off(self) -> None:
+        """With the lock held and no step running: wake whoever leads the next step, the
+        submitter of the first submitted item queued, else the stepper (posted items only)."""
+        if not self._queue:
+            return
+        first = next((b for b in self._queue if b.wake is not None), None)
+        if first is not None:
+            first.wake.notify()  # type: ignore[union-attr]
+        else:
+            self._cond.notify_all()
+
     def _lead(self) -> None:
         """Called with the lock held; runs one step without it."""
         self._running = True
@@ -132,7 +148,9 @@ class CycleBatcher:
             batch = finished
             for b in batch:
                 b.done = True
-            self._cond.notify_all()
+                if b.wake is not None:
+                    b.wake.notify()
+            self._hand_off()
             for b in batch:
                 if b.on_done is not None:
                     try:
