@@ -320,3 +320,29 @@ def test_hybrid_cycles_books_each_measured_cycle_of_a_hybrid_by_its_choice(tiny_
     save(tmp_path / "c.json", result, markdown, plot)
     assert "#### `hybrid-rule`: cycles by choice" in (tmp_path / "c.md").read_text()
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_control_plane_stand_in_answers_as_the_target_did(tiny_engine):
+    """The control-plane benchmark's verifier stand-in commits what the real target committed
+    (greedy for the lossless methods, csd's own output for csd) and replays the real draft LM's
+    acceptance, so a method's cycles through it equal its real run's."""
+    from bench import control_plane as cp
+    from services.router.engine import Engine, GenerationRequest
+
+    texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "import os\n\n\ndef list_files(path):\n"]
+    traces = cp.record_with(tiny_engine, texts)
+    core = cp.StandInCore(
+        traces, tiny_engine.context_len, tiny_engine.verifier.vocab_size, tiny_engine.verifier.max_draft
+    )
+    engine = Engine(tiny_engine.cfg, verifier=core)
+    for t in traces:
+        for method in ("vanilla", "suffix", "sd", "csd"):
+            expected = t["csd"] if method == "csd" else t["greedy"]
+            gen = engine.generate(GenerationRequest(list(t["prompt"]), len(expected), method=method))
+            out = [tok for step in gen for tok in step.token_ids] + (
+                [tiny_engine.eos_id] * (gen.finish_reason == "eos")
+            )
+            assert out == expected, method
+            if method in ("sd", "csd"):
+                assert gen.stats.cycles == len(t["accepted"][method]), method
+    engine.close()

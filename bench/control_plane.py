@@ -1,0 +1,536 @@
+"""Control-plane benchmark: the real router (its drafters, the yield predictor, the correction
+memory, the links to a verifier) driving a verifier stand-in whose step takes a modelled GPU time.
+
+The stand-in answers as the bundled target would: each prompt's outputs were recorded from real
+runs (``record``): the target's greedy output (what every lossless method commits), csd's own
+output, and, per cycle, how many tokens the verifier-side drafters (the draft LM for sd and csd,
+the EAGLE-3 head for the hybrids' fallback) had accepted. A router draft is checked against the
+recorded output (its longest agreeing prefix, or path in a tree); a verifier-side draft replays
+the recorded acceptance. So τ is the real one, and the only thing modelled is time.
+
+The step time models an 8B target in bf16 on one H100 SXM from its datasheet (a roofline, not a
+measurement): a step of b sessions feeding n tokens takes t0 + c·n, with t0 = 5.5 ms (16 GB of
+weights read at 3.35 TB/s is 4.8 ms, plus launch overhead) and c = 25 µs per token (16 GFLOP
+per token at 989 TFLOPS dense bf16 and 65 % utilisation). Drafting forwards on the GPU are not
+modelled (their tokens count in n). The stand-in sleeps for the step (as a GPU step leaves the
+host's CPU and GIL free) and its own bookkeeping CPU is not counted as control plane.
+
+    python -m bench.control_plane          # make bench-control-plane
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.types import CycleRequest, CycleResult, SessionSpec
+from services.verifier.batcher import CycleBatcher, Pending
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench/results/control_plane"
+CACHE = ROOT / ".cache/control_plane_traces.json"
+T0_S, C_S = 0.0055, 0.000025
+MAX_NEW = 128
+SESSIONS = (1, 8, 32, 64, 128, 256)
+METHODS = ("suffix", "hybrid", "hybrid-tree", "csd")
+DRAFTED_BY = {"draft-lm": "sd", "eagle3": "eagle3", "eagle3-tree": "eagle3"}  # verifier drafter: its trace
+
+
+# -- traces ---------------------------------------------------------------------------------------
+def prompts(n: int) -> list[str]:
+    """HumanEval's prompts, then held-out stdlib windows: ``n`` distinct prompts."""
+    from bench.workloads import humaneval, stdlib_heldout
+
+    texts = [p.text for p in humaneval(n)]
+    return texts + [p.text for p in stdlib_heldout(n - len(texts), prompt_chars=600)]
+
+
+def _run(engine, ids: list[int], method: str) -> tuple[list[int], list[int]]:
+    """(output tokens, tokens each cycle emitted) of a real run."""
+    from services.router.engine import GenerationRequest
+
+    out, per_cycle = [], []
+    gen = engine.generate(GenerationRequest(ids, MAX_NEW, method=method))
+    for step in gen:
+        out += step.token_ids
+        per_cycle.append(len(step.token_ids))
+    if gen.finish_reason == "eos":
+        out.append(engine.eos_id)
+    return out, per_cycle
+
+
+def record_with(engine, texts: list[str]) -> list[dict]:
+    """Real runs on ``engine``, one trace per prompt: the greedy output, csd's output, and each
+    verifier-side drafter's (sd's draft LM, csd's, EAGLE-3's where the engine has it) accepted
+    tokens per cycle."""
+    from services.common.progress import Progress
+
+    bar = Progress(len(texts), "recording traces", "prompts")
+    eagle = "eagle3" in engine.methods()
+
+    def one(text: str) -> dict:
+        ids = engine.encode(text)
+        greedy, _ = _run(engine, ids, "vanilla")
+        sd_out, sd = _run(engine, ids, "sd")
+        assert sd_out == greedy, "sd is lossless"
+        csd_out, csd = _run(engine, ids, "csd")
+        accepted = {"sd": [k - 1 for k in sd], "csd": [k - 1 for k in csd]}
+        if eagle:
+            accepted["eagle3"] = [k - 1 for k in _run(engine, ids, "eagle3")[1]]
+        return {"prompt": ids, "greedy": greedy, "csd": csd_out, "accepted": accepted}
+
+    traces = []
+    with ThreadPoolExecutor(8) as pool:  # the engine batches concurrent requests' cycles
+        for t in pool.map(one, texts):
+            traces.append(t)
+            bar.advance(len(t["greedy"]))
+    bar.close()
+    return traces
+
+
+def record(n: int, path: Path = CACHE) -> dict:
+    """Traces of the bundled models on ``n`` prompts (``record_with``), cached at ``path``."""
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    engine = Engine(EngineConfig())
+    traces = record_with(engine, prompts(n))
+    engine.close()
+    data = {"max_new_tokens": MAX_NEW, "traces": traces}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return data
+
+
+def load_traces(n: int) -> list[dict]:
+    if CACHE.exists():
+        data = json.loads(CACHE.read_text())
+        if data["max_new_tokens"] == MAX_NEW and len(data["traces"]) >= n:
+            return data["traces"][:n]
+    return record(n)["traces"]
+
+
+# -- the stand-in ---------------------------------------------------------------------------------
+@dataclass
+class StandInSession:
+    core: "StandInCore"
+    spec: SessionSpec
+    session_id: str
+    output: list[int] = field(default_factory=list)
+    replay: list[int] = field(default_factory=list)  # the verifier-side drafter's accepted, per cycle
+    pos: int = 0
+    cycles: int = 0
+    closed: bool = False
+
+    def cycle(self, req: CycleRequest) -> CycleResult:
+        return self.core.batcher.submit(self, req)
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.core.sessions.discard(self.session_id)
+            self.core.batcher.closed(self)
+
+    def verdict(self, req: CycleRequest) -> tuple[CycleResult, int]:
+        """This cycle's result, and the tokens it feeds the step."""
+        rest = self.output[self.pos :]
+        if req.draft_with and req.budget > 0:  # drafted here: replay the real drafter's acceptance
+            drafted = req.budget
+            accepted = min(self.replay[self.cycles % len(self.replay)] if self.replay else 0, drafted)
+            source = req.draft_with
+        else:
+            drafted, source = len(req.draft_ids), req.draft_source
+            accepted = agreed(req.draft_ids, req.draft_parents, rest)
+        committed = rest[: accepted + 1]
+        self.pos += len(committed)
+        self.cycles += 1
+        result = CycleResult(
+            committed=committed,
+            drafted=drafted,
+            accepted=min(accepted, len(committed)),
+            source=source,
+            rejected=accepted < drafted and len(committed) > accepted,
+        )
+        fed = drafted + 1 + (len(self.spec.prompt_ids) if self.cycles == 1 else 0)
+        return result, fed
+
+
+def agreed(draft: tuple[int, ...], parents: tuple[int, ...], output: list[int]) -> int:
+    """Draft tokens a greedy target keeps: a chain's longest prefix agreeing with ``output``; for
+    a tree (``parents[i]``: the node's parent, -1 the root), its deepest agreeing path."""
+    if not parents:
+        n = 0
+        while n < len(draft) and n < len(output) and draft[n] == output[n]:
+            n += 1
+        return n
+    depth: dict[int, int] = {-1: 0}
+    best = 0
+    for i, (tok, parent) in enumerate(zip(draft, parents)):
+        d = depth.get(parent)
+        if d is not None and d < len(output) and tok == output[d]:
+            depth[i] = d + 1
+            best = max(best, d + 1)
+    return best
+
+
+class StandInCore:
+    """The verifier's interface (as ``VerifierCore`` offers it to the router and to the verifier's
+    gRPC edge) over recorded outputs and a modelled step time."""
+
+    def __init__(self, traces: list[dict], context_len: int, vocab_size: int, max_draft: dict[str, int]):
+        self.by_prompt = {tuple(t["prompt"]): t for t in traces}
+        self.context_len, self.vocab_size, self.max_draft = context_len, vocab_size, dict(max_draft)
+        self.drafters = {name: None for name in max_draft}
+        from services.verifier.policies import POLICIES
+
+        self.policies = {**dict.fromkeys(POLICIES), "csd": None, "scg": None}  # the verifier's names
+        self.memory = None
+        self.sessions: set[str] = set()
+        self.batcher = CycleBatcher(self._step, max_batch=256, window_s=0.002)
+        self.steps, self.cycles, self.step_s, self.step_cpu_s, self.fed = 0, 0, 0.0, 0.0, 0
+        self._ids = iter(range(1 << 62))
+
+    def open(self, spec: SessionSpec) -> StandInSession:
+        trace = self.by_prompt.get(tuple(spec.prompt_ids))
+        if trace is None:
+            raise ValueError("stand-in: no trace for this prompt")
+        csd = spec.policy == "csd"
+        drafter = DRAFTED_BY.get(spec.model_drafter or "", "")
+        s = StandInSession(
+            self,
+            spec,
+            spec.session_id or f"s-{next(self._ids)}",
+            output=list(trace["csd"] if csd else trace["greedy"]),
+            replay=list(trace["accepted"]["csd" if csd else drafter] if (csd or drafter) else []),
+        )
+        self.sessions.add(s.session_id)
+        self.batcher.opened(s)
+        return s
+
+    def _step(self, batch: list[Pending]) -> None:
+        cpu0 = time.thread_time()
+        fed = 0
+        for b in batch:
+            b.result, n = b.session.verdict(b.request)
+            fed += n
+        self.step_cpu_s += time.thread_time() - cpu0
+        t = T0_S + C_S * fed  # the modelled GPU step: the GIL is free meanwhile
+        time.sleep(t)
+        self.steps += 1
+        self.cycles += len(batch)
+        self.step_s += t
+        self.fed += fed
+
+    def declare_capacity(self, max_sessions: int) -> None:
+        pass
+
+    def clear_prefix_cache(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {
+            "steps": self.steps,
+            "cycles": self.cycles,
+            "step_s": self.step_s,
+            "step_cpu_s": self.step_cpu_s,
+            "fed": self.fed,
+            "cpu_s": time.process_time(),
+        }
+
+
+def standin_core(traces: list[dict]) -> StandInCore:
+    """A stand-in with the bundled models' context, vocabulary and draft lengths."""
+    import json as _json
+
+    from services.common.config import EngineConfig
+
+    cfg = EngineConfig()
+    target = _json.loads((Path(cfg.target) / "config.json").read_text())
+    max_draft = {"draft-lm": cfg.num_speculative_tokens, "eagle3": cfg.eagle3_k}
+    if cfg.eagle3_topk > 1:
+        max_draft["eagle3-tree"] = cfg.eagle3_tree_tokens
+    return StandInCore(traces, target["max_position_embeddings"], target["vocab_size"], max_draft)
+
+
+# -- the load -------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)  # per token: its cycle's gap over its tokens
+    errors: list[str] = field(default_factory=list)
+
+
+def drive(engine, traces: list[dict], method: str) -> tuple[Run, float]:
+    """One request per trace, all at once (a thread each, as the gRPC server gives each stream);
+    returns what the clients saw and the wall time until the last finished."""
+    from services.router.engine import GenerationRequest
+
+    run, lock = Run(), threading.Lock()
+    start = threading.Barrier(len(traces) + 1)
+
+    def client(trace: dict) -> None:
+        out = trace["csd"] if method == "csd" else trace["greedy"]
+        req = GenerationRequest(list(trace["prompt"]), max(1, len(out)), method=method)
+        start.wait()
+        last, gaps, n = time.perf_counter(), [], 0
+        try:
+            for step in engine.generate(req):
+                now = time.perf_counter()
+                if step.token_ids:
+                    gaps += [(now - last) / len(step.token_ids)] * len(step.token_ids)
+                    n += len(step.token_ids)
+                last = now
+        except Exception as e:  # noqa: BLE001 - counted and reported, never hidden
+            with lock:
+                run.errors.append(f"{type(e).__name__}: {e}")
+        with lock:
+            run.tokens += n
+            run.itl_s += gaps[1:]  # the first gap is the time to first token
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in traces]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return run, time.perf_counter() - t0
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def measure(engine, core_counters, traces: list[dict], method: str, topology: str, cpu_of) -> dict:
+    """One configuration: ``cpu_of()`` is the control plane's CPU seconds so far (the processes
+    that carry it, less the stand-in's own bookkeeping)."""
+    before, cpu0 = core_counters(), cpu_of()
+    run, wall = drive(engine, traces, method)
+    after, cpu = core_counters(), cpu_of() - cpu0
+    steps = after["steps"] - before["steps"]
+    step_s = after["step_s"] - before["step_s"]
+    session_cycles = after["cycles"] - before["cycles"]
+    per_session_cycle_us = 1e6 * cpu / max(1, session_cycles)
+    mean_step = step_s / max(1, steps)
+    per_step_sessions = session_cycles / max(1, steps)
+    return {
+        "method": method,
+        "topology": topology,
+        "sessions": len(traces),
+        "tokens": run.tokens,
+        "errors": len(run.errors),
+        "first_error": run.errors[0] if run.errors else None,
+        "steps": steps,
+        "session_cycles": session_cycles,
+        "tau": run.tokens / max(1, session_cycles),
+        "mean_step_ms": 1000 * mean_step,
+        "control_plane_us_per_session_cycle": per_session_cycle_us,
+        "share_of_step": per_session_cycle_us * 1e-6 * per_step_sessions / mean_step if steps else 0.0,
+        "tokens_per_s": run.tokens / wall,
+        "bound_tokens_per_s": run.tokens / step_s if step_s else 0.0,
+        "itl_p50_ms": 1000 * percentile(run.itl_s, 0.5),
+        "itl_p99_ms": 1000 * percentile(run.itl_s, 0.99),
+        "wall_s": wall,
+    }
+
+
+# -- topologies -----------------------------------------------------------------------------------
+def serve_standin(port: int, n: int, counters: Path) -> None:
+    """The stand-in behind the real verifier gRPC edge (``--standin-port``): its counters are
+    written to ``counters`` every 0.2 s."""
+    from services.verifier.grpc_server import build_verifier_server
+
+    core = standin_core(load_traces(n))
+    server, _, bound = build_verifier_server(core, "127.0.0.1", port, max_sessions=1024, workers=64)
+    server.start()
+    print(f"stand-in verifier on 127.0.0.1:{bound}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    while True:
+        tmp = counters.with_suffix(".tmp")
+        tmp.write_text(json.dumps(core.counters()))
+        tmp.replace(counters)
+        time.sleep(0.2)
+
+
+class Distributed:
+    """The stand-in in its own process, reached over the Link as a router reaches a verifier."""
+
+    def __init__(self, n: int, workdir: Path):
+        from services.common.grpc_server import free_port
+
+        self.port, self.counters_path = free_port(), workdir / "standin.json"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.control_plane", "--standin-port", str(self.port), "--count", str(n)]
+            + ["--standin-counters", str(self.counters_path)],
+        )
+        deadline = time.monotonic() + 120
+        while not self.counters_path.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the stand-in verifier did not start")
+            time.sleep(0.2)
+
+    def counters(self) -> dict:
+        time.sleep(0.5)  # its last write after the run
+        return json.loads(self.counters_path.read_text())
+
+    def verifier(self):
+        from services.verifier.client import RemoteVerifier
+
+        return RemoteVerifier([f"127.0.0.1:{self.port}"], link=True)
+
+    def cpu(self) -> float:
+        c = self.counters()
+        return time.process_time() + c["cpu_s"] - c["step_cpu_s"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class Embedded:
+    def __init__(self, n: int):
+        self.core = standin_core(load_traces(n))
+
+    def counters(self) -> dict:
+        return self.core.counters()
+
+    def verifier(self):
+        return self.core
+
+    def cpu(self) -> float:
+        return time.process_time() - self.core.step_cpu_s
+
+    def close(self) -> None:
+        pass
+
+
+# -- report ---------------------------------------------------------------------------------------
+def markdown(rows: list[dict], command: str) -> str:
+    lines = [
+        "# Control plane at modelled GPU speed",
+        "",
+        f"Command: `{command}`. Step model: t0 = {T0_S * 1e3:.1f} ms + {C_S * 1e6:.0f} µs per token in the "
+        "batch (an 8B target in bf16 on one H100 SXM, from its datasheet: see bench/control_plane.py). "
+        f"One request per session, {MAX_NEW} new tokens at most, each on its own prompt (HumanEval, then "
+        "held-out stdlib); outputs and verifier-side acceptance replayed from real runs of the bundled "
+        "models. share_of_step: the control plane's CPU per step (router, drafters, predictor, memory, "
+        "links; both processes in distributed) over the step's modelled time; tokens/s against the "
+        "stand-in's bound (its steps back to back).",
+        "",
+        "| topology | method | sessions | τ | CP µs/session-cycle | share of step | tokens/s | bound | "
+        "achieved | ITL p50 ms | ITL p99 ms | step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['topology']} | {r['method']} | {r['sessions']} | {r['tau']:.2f} | "
+            f"{r['control_plane_us_per_session_cycle']:.0f} | {r['share_of_step']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['bound_tokens_per_s']:.0f} | {r['tokens_per_s'] / max(1e-9, r['bound_tokens_per_s']):.0%} | "
+            f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['mean_step_ms']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    topologies = sorted({r["topology"] for r in rows})
+    fig, axes = plt.subplots(1, 2 * len(topologies), figsize=(6 * len(topologies) * 2, 4.2), squeeze=False)
+    for k, topo in enumerate(topologies):
+        share, achieved = axes[0][2 * k], axes[0][2 * k + 1]
+        for method in METHODS:
+            pts = sorted((r["sessions"], r) for r in rows if r["topology"] == topo and r["method"] == method)
+            if not pts:
+                continue
+            xs = [s for s, _ in pts]
+            share.plot(xs, [r["share_of_step"] for _, r in pts], marker="o", label=method)
+            achieved.plot(
+                xs, [r["tokens_per_s"] / max(1e-9, r["bound_tokens_per_s"]) for _, r in pts], marker="o", label=method
+            )
+        share.axhline(0.05, color="grey", ls=":", lw=1)
+        share.axhline(0.10, color="grey", ls="--", lw=1)
+        achieved.axhline(0.9, color="grey", ls="--", lw=1)
+        for ax, title in ((share, "control-plane share of the step"), (achieved, "tokens/s over the bound")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent sessions")
+            ax.set_title(f"{topo}: {title}", fontsize=10)
+            ax.legend(fontsize=8)
+        share.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="control plane at modelled GPU speed")
+    p.add_argument("--sessions", default=",".join(map(str, SESSIONS)))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--topologies", default="embedded,distributed")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--count", type=int, default=max(SESSIONS), help="traces to load (prompts)")
+    p.add_argument("--standin-port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--standin-counters", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.standin_port is not None:
+        serve_standin(a.standin_port, a.count, a.standin_counters)
+        return 0
+    import tempfile
+
+    from services.common.config import EngineConfig
+    from services.common.runtime import tune_gc
+    from services.router.engine import Engine
+
+    tune_gc()  # as a server does
+    sessions = [int(s) for s in a.sessions.split(",")]
+    methods = a.methods.split(",")
+    traces = load_traces(max(max(sessions), a.count))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for topology in a.topologies.split(","):
+            place = Embedded(len(traces)) if topology == "embedded" else Distributed(len(traces), Path(tmp))
+            try:
+                for n in sessions:
+                    for method in methods:  # interleaved: every method at each session count
+                        engine = Engine(EngineConfig(), verifier=place.verifier())
+                        row = measure(engine, place.counters, traces[:n], method, topology, place.cpu)
+                        engine.close()
+                        rows.append(row)
+                        print(
+                            f"{topology:11s} {method:11s} {n:4d} sessions: τ {row['tau']:.2f}, share "
+                            f"{row['share_of_step']:.2f}, {row['tokens_per_s']:.0f}/{row['bound_tokens_per_s']:.0f} "
+                            f"tokens/s, errors {row['errors']}",
+                            flush=True,
+                        )
+            finally:
+                place.close()
+    command = "python -m bench.control_plane " + " ".join(sys.argv[1:])
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    a.out.with_suffix(".md").write_text(markdown(rows, command))
+    plot(rows, a.out.with_suffix(".png"))
+    print(f"wrote {a.out}.{{json,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
