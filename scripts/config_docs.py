@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import sys
 from pathlib import Path
+
+from generated import write_or_check
 
 from services.cli import build_parser
 
@@ -54,13 +55,7 @@ def render() -> str:
 
 
 def main() -> None:
-    text = render()
-    if "--check" in sys.argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            sys.exit(f"{OUT} is stale: run python scripts/config_docs.py")
-        return
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
+    write_or_check(OUT, render(), "config_docs.py")
 
 
 if __name__ == "__main__":

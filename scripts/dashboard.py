@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
+
+from generated import write_or_check
 
 OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "specmesh.json"
 R = "[$__rate_interval]"
@@ -355,17 +356,9 @@ def pos(x: int, y: int, w: int, h: int) -> dict:
     return {"x": x, "y": y, "w": w, "h": h}
 
 
-def main() -> int:
-    text = json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n"
-    if "--check" in sys.argv:
-        if OUT.read_text() != text:
-            print(f"{OUT} is stale: run python scripts/dashboard.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+def main() -> None:
+    write_or_check(OUT, json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n", "dashboard.py")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

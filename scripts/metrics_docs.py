@@ -4,8 +4,9 @@ is stale (CI runs it through tests/unit/test_docs.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from generated import write_or_check
 
 from services.common import metrics as m
 from services.common import vllm_metrics as v
@@ -91,17 +92,9 @@ def vllm_names() -> list[str]:
     return lines
 
 
-def main() -> int:
-    text = HEAD + "\n".join(catalogue() + vllm_names()) + "\n"
-    if "--check" in sys.argv:
-        if OUT.read_text() != text:
-            print(f"{OUT} is stale: run python scripts/metrics_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+def main() -> None:
+    write_or_check(OUT, HEAD + "\n".join(catalogue() + vllm_names()) + "\n", "metrics_docs.py")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
