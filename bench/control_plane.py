@@ -21,6 +21,7 @@ host's CPU and GIL free) and its own bookkeeping CPU is not counted as control p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.prefill import percentile
 from services.common.types import CycleRequest, CycleResult, SessionSpec
 from services.verifier.batcher import CycleBatcher, Pending
 
@@ -200,7 +202,7 @@ class StandInCore:
         self.sessions: set[str] = set()
         self.batcher = CycleBatcher(self._step, max_batch=256, window_s=0.002)
         self.steps, self.cycles, self.step_s, self.step_cpu_s, self.fed = 0, 0, 0.0, 0.0, 0
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
 
     def open(self, spec: SessionSpec) -> StandInSession:
         trace = self.by_prompt.get(tuple(spec.prompt_ids))
@@ -255,12 +257,10 @@ class StandInCore:
 
 def standin_core(traces: list[dict]) -> StandInCore:
     """A stand-in with the bundled models' context, vocabulary and draft lengths."""
-    import json as _json
-
     from services.common.config import EngineConfig
 
     cfg = EngineConfig()
-    target = _json.loads((Path(cfg.target) / "config.json").read_text())
+    target = json.loads((Path(cfg.target) / "config.json").read_text())
     max_draft = {"draft-lm": cfg.num_speculative_tokens, "eagle3": cfg.eagle3_k}
     if cfg.eagle3_topk > 1:
         max_draft["eagle3-tree"] = cfg.eagle3_tree_tokens
@@ -312,13 +312,6 @@ def drive(engine, traces: list[dict], method: str) -> tuple[Run, float]:
     return run, time.perf_counter() - t0
 
 
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def measure(engine, core_counters, traces: list[dict], method: str, topology: str, cpu_of) -> dict:
     """One configuration: ``cpu_of()`` is the control plane's CPU seconds so far (the processes
     that carry it, less the stand-in's own bookkeeping)."""
@@ -346,8 +339,8 @@ def measure(engine, core_counters, traces: list[dict], method: str, topology: st
         "share_of_step": per_session_cycle_us * 1e-6 * per_step_sessions / mean_step if steps else 0.0,
         "tokens_per_s": run.tokens / wall,
         "bound_tokens_per_s": run.tokens / step_s if step_s else 0.0,
-        "itl_p50_ms": 1000 * percentile(run.itl_s, 0.5),
-        "itl_p99_ms": 1000 * percentile(run.itl_s, 0.99),
+        "itl_p50_ms": 1000 * percentile(run.itl_s, 0.5) if run.itl_s else 0.0,
+        "itl_p99_ms": 1000 * percentile(run.itl_s, 0.99) if run.itl_s else 0.0,
         "wall_s": wall,
     }
 

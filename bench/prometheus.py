@@ -216,14 +216,6 @@ def start_server(args: list[str], ready_port: int, log: Path, timeout: float = 3
     raise RuntimeError(f"serve did not answer in {timeout} s: {log.read_text()[-3000:]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 # -- the picture ---------------------------------------------------------------------------------
 MAIN_ROWS = ("Latency", "Throughput and load", "Acceptance")
 
@@ -273,6 +265,7 @@ def plot(prom: Prometheus, start: float, end: float, out: Path) -> None:
 
 def main() -> int:
     from services.common.grpc_server import free_port
+    from services.common.runtime import stop_processes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/dashboard.png")
@@ -296,7 +289,7 @@ def main() -> int:
             plot(prom, start, time.time(), args.out)
         finally:
             prom.stop()
-            stop(server)
+            stop_processes([server])
     print(f"wrote {args.out}")
     return 0
 

@@ -487,7 +487,8 @@ class MethodMetrics:
         draft.inc(draft_s)
         verify.inc(max(0.0, verify_s - gate_s))
         gate.inc(gate_s)
-        network.inc(network_s)
+        if network_s:  # 0 for a verifier in this process
+            network.inc(network_s)
         other.inc(max(0.0, seconds - draft_s - verify_s - network_s))
         self.generated.inc(emitted)
         if emitted:

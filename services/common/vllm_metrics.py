@@ -55,6 +55,16 @@ def own_families():
         yield from metric.collect()
 
 
+def _samples(now: dict, metric, suffix: str):
+    """(labels, value) of the metric's samples named ``<family><suffix>`` in ``now`` (families by name)."""
+    family = now.get(metric._name)
+    if family is None:
+        return
+    for s in family.samples:
+        if s.name == family.name + suffix:
+            yield s.labels, s.value
+
+
 class VllmNames(Collector):
     """``families()``: where specmesh's metric families are read at each scrape."""
 
@@ -62,34 +72,27 @@ class VllmNames(Collector):
         self.model_name, self.families = model_name, families
 
     def collect(self):
-        self._now = {f.name: f for f in self.families()}
+        now = {f.name: f for f in self.families()}  # one reading per scrape (scrapes may overlap)
         for name, (metric, keep) in COUNTERS.items():
-            yield self._counter(name, metric, keep)
+            yield self._counter(now, name, metric, keep)
         for name, (metric, only) in GAUGES.items():
             g = GaugeMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name"])
-            values = (v for lab, v in self._samples(metric, "") if only.items() <= lab.items())
+            values = (v for lab, v in _samples(now, metric, "") if only.items() <= lab.items())
             g.add_metric([self.model_name], sum(values))
             yield g
         for name, (used, capacity) in RATIOS.items():
             g = GaugeMetricFamily(name, f"{used._documentation}, over its capacity (specmesh's)", labels=["model_name"])
-            held, room = (sum(v for _, v in self._samples(x, "")) for x in (used, capacity))
+            held, room = (sum(v for _, v in _samples(now, x, "")) for x in (used, capacity))
             if room:  # only where a verifier holds K/V (not a router alone)
                 g.add_metric([self.model_name], held / room)
             yield g
         for name, metric in HISTOGRAMS.items():
-            yield self._histogram(name, metric)
+            yield self._histogram(now, name, metric)
 
-    def _samples(self, metric, suffix: str):
-        """(labels, value) of the metric's samples named ``<family><suffix>``."""
-        family = self._now.get(metric._name)
-        for s in family.samples if family is not None else ():
-            if s.name == family.name + suffix:
-                yield s.labels, s.value
-
-    def _counter(self, name: str, metric, keep: dict) -> CounterMetricFamily:
+    def _counter(self, now: dict, name: str, metric, keep: dict) -> CounterMetricFamily:
         labels = [new for new, _ in keep.values()]
         sums: dict[tuple, float] = defaultdict(float)
-        for lab, v in self._samples(metric, "_total"):
+        for lab, v in _samples(now, metric, "_total"):
             key = tuple(values.get(lab[old], lab[old]) if values else lab[old] for old, (_, values) in keep.items())
             sums[key] += v
         c = CounterMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name", *labels])
@@ -97,11 +100,11 @@ class VllmNames(Collector):
             c.add_metric([self.model_name, *key], v)
         return c
 
-    def _histogram(self, name: str, metric) -> HistogramMetricFamily:
+    def _histogram(self, now: dict, name: str, metric) -> HistogramMetricFamily:
         buckets: dict[str, float] = defaultdict(float)
-        for lab, v in self._samples(metric, "_bucket"):
+        for lab, v in _samples(now, metric, "_bucket"):
             buckets[lab["le"]] += v
-        total = sum(v for _, v in self._samples(metric, "_sum"))
+        total = sum(v for _, v in _samples(now, metric, "_sum"))
         h = HistogramMetricFamily(name, f"{metric._documentation} (specmesh's)", labels=["model_name"])
         if buckets:  # none until a method observes one
             h.add_metric([self.model_name], sorted(buckets.items(), key=lambda kv: float(kv[0])), total)

@@ -134,7 +134,7 @@ def _follow_replicas(server: grpc.Server, verifier) -> None:
     while server.wait_for_termination(HEALTH_PERIOD_S):  # True: still running after the period
         live = verifier.live() > 0
         if live != serving:
-            status = health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = health_status(live).status
             for name in ("", SERVICE_NAME):
                 server.health.set(name, status)
             log.warning("verifier replicas: %s", "one answers again" if live else "none answers; health NOT_SERVING")

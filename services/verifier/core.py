@@ -212,8 +212,9 @@ class VerifierCore:
                 b.error = e
         for b, (logits, hidden) in zip(live, outs):
             try:
-                res = b.session.finish(drafts[id(b)], logits, hidden, t1 - t0, t1, len(live) + len(filling))
-                b.result = replace(res, server_s=time.perf_counter() - b.arrived)
+                b.result = b.session.finish(
+                    drafts[id(b)], logits, hidden, t1 - t0, t1, len(live) + len(filling), b.arrived
+                )
             except Exception as e:
                 b.error = e
 
@@ -405,8 +406,10 @@ class VerifierSession:
         draft_s: float,
         verify_start: float,
         batch_size: int = 1,
+        arrived: float | None = None,
     ) -> CycleResult:
-        """Apply the policy to the verified draft, commit, let the local drafter observe."""
+        """Apply the policy to the verified draft, commit, let the local drafter observe.
+        ``arrived``: when the cycle reached this verifier (its ``server_s`` counts from then)."""
         gate_start = time.perf_counter()
         verdict: Verdict = self.policy(
             draft,
@@ -444,8 +447,9 @@ class VerifierSession:
             rescued_pairs=verdict.rescued_pairs if accepted == verdict.accepted else (),
             rejected=verdict.first_rejection is not None and accepted < len(committed),
             draft_s=draft_s,
-            verify_s=time.perf_counter() - verify_start,
+            verify_s=(now := time.perf_counter()) - verify_start,
             gate_s=gate_s,
+            server_s=now - arrived if arrived is not None else 0.0,
             batch_size=batch_size,
             cached_tokens=self._report_cached(),
             prompt_logprobs=self._report_prompt_logprobs(),
