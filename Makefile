@@ -17,7 +17,7 @@ setup: $(STAMP)
 
 # torch is pinned to the CPU wheel first so no multi-GB CUDA build is pulled on a CPU machine;
 # every extra is installed (the tests cover them all), at the versions constraints.txt pins.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py services/drafter/_suffix_tree.cpp
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

@@ -50,6 +50,7 @@ class SuffixConfig:
     max_cached_requests: int = 1000  # global tree keeps the outputs of the last N requests (FIFO)
     spec: SpecParams = SpecParams()
     tree: bool = False  # draft speculation trees (lossless verification walks them), not paths
+    compiled: bool = True  # the compiled tree (_suffix_tree.cpp) when built; else the Python reference
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,14 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from services.common.config import SuffixConfig
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import Drafter, register
-from services.drafter.suffix_tree import Candidate, Match, Node, SuffixTree
+from services.drafter.suffix_tree import Candidate, new_tree
 
 
 class GlobalSuffixCache:
@@ -26,11 +27,12 @@ class GlobalSuffixCache:
     re-match their contexts. Writers serialize on a lock; readers never wait.
     """
 
-    def __init__(self, max_depth: int = 64, max_cached_requests: int = 1000):
+    def __init__(self, max_depth: int = 64, max_cached_requests: int = 1000, compiled: bool = True):
         self.max_depth = max_depth
         self.capacity = max_cached_requests
+        self.compiled = compiled
         self.outputs: deque[tuple[int, ...]] = deque()
-        self.tree = SuffixTree(max_depth)
+        self.tree = new_tree(max_depth, compiled)
         self.version = 0
         self._evicted = 0
         self._held: list[tuple[int, ...]] | None = None
@@ -48,12 +50,12 @@ class GlobalSuffixCache:
                 self.outputs.popleft()
                 self._evicted += 1
             if self._evicted >= max(1, self.capacity // 4):
-                tree = SuffixTree(self.max_depth)
+                tree = new_tree(self.max_depth, self.compiled)
                 for out in self.outputs:
-                    tree.extend([], list(out))
+                    tree.add(out)
                 self.tree, self._evicted = tree, 0
             else:
-                self.tree.extend([], list(output))
+                self.tree.add(output)
             self.version += 1
 
     def __len__(self) -> int:
@@ -78,18 +80,19 @@ class GlobalSuffixCache:
     def clear(self) -> None:
         with self._lock:
             self.outputs.clear()
-            self.tree, self._evicted = SuffixTree(self.max_depth), 0
+            self.tree, self._evicted = new_tree(self.max_depth, self.compiled), 0
             self.version += 1
 
 
 @dataclass
 class _Req:
+    tree: Any  # the request's own tree over prompt + output; its sequence is ``seq_id``
+    seq_id: int
     seq: list[int]
     prompt_len: int
-    actives: list[Node]
-    gmatches: list[Match] = field(default_factory=list)
+    gmatches: Any = ()  # the context's matches in the global tree ``gtree``, as of ``gversion``
     gversion: int = -1
-    gtree: SuffixTree | None = None
+    gtree: Any = None
     drafted: list[int] = field(default_factory=list)
 
 
@@ -108,9 +111,12 @@ class SuffixDrafter(Drafter):
         self.cfg = cfg
         self.on_finish = on_finish  # e.g. publish to the replicas' shared feed
         self.global_cache = (
-            global_cache if global_cache is not None else GlobalSuffixCache(cfg.max_depth, cfg.max_cached_requests)
+            global_cache
+            if global_cache is not None
+            else GlobalSuffixCache(cfg.max_depth, cfg.max_cached_requests, cfg.compiled)
         )
-        self.trees: dict[str, SuffixTree] = {}
+        p = cfg.spec
+        self._limits = (p.max_spec_tokens, p.max_spec_factor, p.max_spec_offset, p.min_token_prob)
         self.states: dict[str, _Req] = {}
 
     def start(
@@ -121,28 +127,28 @@ class SuffixDrafter(Drafter):
         rng: torch.Generator | None = None,
         max_new_tokens: int = 0,
     ) -> None:
-        tree = SuffixTree(self.cfg.max_depth)
-        seq: list[int] = []
-        actives = tree.extend(seq, prompt)
-        self.trees[req_id] = tree
-        self.states[req_id] = _Req(seq=seq, prompt_len=len(prompt), actives=actives)
+        tree = new_tree(self.cfg.max_depth, self.cfg.compiled)
+        seq_id = tree.new_seq()
+        tree.extend(seq_id, prompt)
+        self.states[req_id] = _Req(tree, seq_id, list(prompt), len(prompt))
 
-    def _global_matches(self, st: _Req) -> list[Match]:
+    def _global_matches(self, st: _Req):
         g = self.global_cache
         if st.gversion != g.version or st.gtree is not g.tree:
             st.gtree, st.gversion = g.tree, g.version
-            st.gmatches = g.tree.match_context(st.seq)
+            st.gmatches = g.tree.match(st.seq[-self.cfg.max_depth :])
         return st.gmatches
 
     def speculate(self, req_id: str, budget: int, tree: bool | None = None) -> tuple[Candidate, str]:
         """The better of the request's own tree's draft and the global tree's; a speculation
         tree with ``tree`` (default: the config's), else a path."""
         st = self.states[req_id]
-        p, tree = self.cfg.spec, self.cfg.tree if tree is None else tree
-        local = self.trees[req_id].speculate(st.actives, budget, p, tree)
+        tree = self.cfg.tree if tree is None else tree
+        local = st.tree.speculate(st.seq_id, budget, *self._limits, tree)
         gm = self._global_matches(st)
-        glob = st.gtree.speculate(gm, budget, p, tree) if gm else Candidate()
-        return (glob, "global") if glob.score > local.score else (local, "local")
+        if gm and (glob := st.gtree.speculate_matches(gm, budget, *self._limits, tree))[3] > local[3]:
+            return Candidate.of(glob), "global"
+        return Candidate.of(local), "local"
 
     def propose(self, req_id: str, budget: int, tree: bool | None = None) -> Draft:
         cand, which = self.speculate(req_id, budget, tree)
@@ -164,18 +170,15 @@ class SuffixDrafter(Drafter):
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
         st = self.states[req_id]
-        tree = self.trees[req_id]
         gm = self._global_matches(st)
-        for t in tokens:
-            st.actives = tree.append(st.seq, st.actives, t)
-            gm = st.gtree.advance(gm, t)
-        st.gmatches = gm
+        st.tree.extend(st.seq_id, tokens)
+        st.seq.extend(tokens)
+        st.gtree.advance(gm, tokens)
         st.drafted = []
 
     def stop(self, req_id: str) -> list[int]:
         """Ends the request; its output enters the global tree. Returns that output."""
         st = self.states.pop(req_id, None)
-        self.trees.pop(req_id, None)
         if st is None:
             return []
         output = st.seq[st.prompt_len :]

@@ -15,7 +15,9 @@ Representation (ours, shaped for Python speed and memory):
   sequence's matches in its own tree.
 - Each node caches its most frequent child (``best``) so a speculation step is O(1).
 
-Pure Python: no torch, gRPC, Redis or Ray.
+This module is the reference; ``_suffix_tree.cpp`` is its compiled twin (same nodes, counts,
+drafts and tie-breaks; a property test holds them equal). ``new_tree`` picks the compiled one
+when the package was built with it. No torch, gRPC, Redis or Ray.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ import heapq
 from dataclasses import dataclass, field
 
 from services.common.config import SpecParams
+
+try:
+    from services.drafter._suffix_tree import SuffixTree as CompiledSuffixTree
+except ImportError:  # built without a C++ compiler: the reference serves
+    CompiledSuffixTree = None
+
+
+# (token_ids, probs, parents, score, match_len): what both trees' speculate returns
+Draft = tuple[list[int], list[float], list[int], float, int]
 
 
 class Node:
@@ -47,6 +58,14 @@ class Candidate:
     match_len: int = 0
     parents: list[int] = field(default_factory=list)  # a tree's (token_tree); empty: a chain
 
+    def as_tuple(self) -> Draft:
+        return self.token_ids, self.probs, self.parents, self.score, self.match_len
+
+    @classmethod
+    def of(cls, draft: Draft) -> Candidate:
+        ids, probs, parents, score, match_len = draft
+        return cls(list(ids), list(probs), score, match_len, list(parents))
+
 
 @dataclass(frozen=True)
 class Match:
@@ -61,12 +80,41 @@ class Match:
 
 
 class SuffixTree:
+    """The reference tree. Sequences are named by the ids ``new_seq`` hands out; the tree keeps
+    each one (its lazy leaves read from it) and, while it is extended, its repeated suffixes.
+    ``services/drafter/_suffix_tree.cpp`` is the compiled twin with the same methods."""
+
     def __init__(self, max_depth: int = 64):
         self.max_depth = max_depth
         self.root = Node(-1, 0, [], 0)
         self.root.count = 0
         self.root.children = {}
         self.num_nodes = 0
+        self.seqs: list[list[int]] = []
+        self.actives: list[list[Node]] = []
+
+    @property
+    def total(self) -> int:
+        """Tokens inserted (the root's count)."""
+        return self.root.count
+
+    def new_seq(self) -> int:
+        self.seqs.append([])
+        self.actives.append([])
+        return len(self.seqs) - 1
+
+    def extend(self, seq_id: int, tokens) -> None:
+        seq, actives = self.seqs[seq_id], self.actives[seq_id]
+        for t in tokens:
+            actives = self.append(seq, actives, t)
+        self.actives[seq_id] = actives
+
+    def add(self, tokens) -> int:
+        """A finished sequence: inserted whole, never extended."""
+        seq_id = self.new_seq()
+        self.extend(seq_id, tokens)
+        self.actives[seq_id] = []
+        return seq_id
 
     # -- insertion ----------------------------------------------------------------------
     def append(self, seq: list[int], actives: list[Node], token: int) -> list[Node]:
@@ -109,14 +157,8 @@ class SuffixTree:
             node.best = child
             self.num_nodes += 1
 
-    def extend(self, seq: list[int], tokens: list[int], actives: list[Node] | None = None) -> list[Node]:
-        actives = actives or []
-        for t in tokens:
-            actives = self.append(seq, actives, t)
-        return actives
-
     # -- matching a foreign context (e.g. a request against the global tree) --------------
-    def advance(self, matches: list[Match], token: int) -> list[Match]:
+    def advance_one(self, matches: list[Match], token: int) -> list[Match]:
         """Matches of the context extended by ``token``, longest first (capped at max_depth)."""
         out: list[Match] = []
         for m in (*matches, Match(self.root)):
@@ -133,24 +175,54 @@ class SuffixTree:
                     out.append(Match(child))
         return out
 
-    def match_context(self, context: list[int]) -> list[Match]:
+    def match(self, context) -> list[Match]:
         matches: list[Match] = []
-        for t in context[-self.max_depth :]:
-            matches = self.advance(matches, t)
+        for t in list(context)[-self.max_depth :]:
+            matches = self.advance_one(matches, t)
         return matches
+
+    def advance(self, matches: list[Match], tokens) -> None:
+        """Extend the matched context by ``tokens`` (``matches`` is updated in place)."""
+        for t in tokens:
+            matches[:] = self.advance_one(matches, t)
+
+    @staticmethod
+    def match_lengths(matches: list[Match]) -> list[int]:
+        return [m.length for m in matches]
 
     def count(self, tokens: list[int]) -> int:
         """Occurrences of ``tokens`` (length ≤ max_depth) in the inserted sequences."""
         m = Match(self.root)
         for t in tokens:
-            nxt = self.advance([m], t)
+            nxt = self.advance_one([m], t)
             if not nxt or nxt[0].length != m.length + 1:
                 return 0
             m = nxt[0]
         return self.root.count if not tokens else m.node.count
 
     # -- speculation ------------------------------------------------------------------------
-    def speculate(self, matches, budget: int, p: SpecParams, tree: bool = False) -> Candidate:
+    def speculate(
+        self, seq_id: int, budget: int, max_tokens: int, factor: float, offset: float, min_prob: float, tree: bool
+    ) -> Draft:
+        """The best draft from sequence ``seq_id``'s repeated suffixes (its matches in its own
+        tree), under SpecParams' limits given one by one."""
+        p = SpecParams(max_tokens, factor, offset, min_prob)
+        return self._best(self.actives[seq_id], budget, p, tree).as_tuple()
+
+    def speculate_matches(
+        self,
+        matches: list[Match],
+        budget: int,
+        max_tokens: int,
+        factor: float,
+        offset: float,
+        min_prob: float,
+        tree: bool,
+    ) -> Draft:
+        p = SpecParams(max_tokens, factor, offset, min_prob)
+        return self._best(matches, budget, p, tree).as_tuple()
+
+    def _best(self, matches, budget: int, p: SpecParams, tree: bool) -> Candidate:
         """Best-scoring draft over all matched suffix lengths (longest first): a path, or with
         ``tree`` a speculation tree (``_speculate_tree``) of as many tokens.
 
@@ -234,3 +306,10 @@ class SuffixTree:
         need = min_prob * node.count / prob
         for child in sorted((ch for ch in node.children.values() if ch.count >= need), key=lambda ch: -ch.count):
             yield child.token, child, 0, prob * child.count / node.count
+
+
+def new_tree(max_depth: int, compiled: bool = True):
+    """A compiled tree when built (and ``compiled``), else the reference."""
+    if compiled and CompiledSuffixTree is not None:
+        return CompiledSuffixTree(max_depth)
+    return SuffixTree(max_depth)

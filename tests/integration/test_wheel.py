@@ -28,7 +28,9 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
     shutil.copytree(
         ROOT,
         source,
-        ignore=shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"),
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"
+        ),
     )
     subprocess.run(
         [
@@ -81,7 +83,8 @@ def test_the_wheel_holds_the_product_and_its_models_only(installed):
     code = (
         "import services, services.common.config as c, importlib.util as u; "
         "print(services.__file__); print(c.models_dir()); "
-        "print(u.find_spec('bench'), u.find_spec('training'))"
+        "print(u.find_spec('bench'), u.find_spec('training')); "
+        "from services.drafter.suffix_tree import CompiledSuffixTree as T; print(T.__module__)"
     )
     out = subprocess.run(
         [str(env_dir / "bin" / "python"), "-c", code],
@@ -94,6 +97,7 @@ def test_the_wheel_holds_the_product_and_its_models_only(installed):
     ).stdout.split("\n")
     assert out[0].startswith(str(env_dir)) and out[1] == str(env_dir / "share" / "specmesh" / "models")
     assert out[2] == "None None"  # the benchmarks and training scripts are not installed
+    assert out[3] == "services.drafter._suffix_tree"  # the wheel carries the compiled suffix tree
     assert (Path(out[1]) / "target" / "config.json").exists()
 
 

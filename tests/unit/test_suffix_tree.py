@@ -7,7 +7,19 @@ import pytest
 
 from services.common.config import SpecParams, SuffixConfig
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
-from services.drafter.suffix_tree import SuffixTree
+from services.drafter.suffix_tree import Candidate, CompiledSuffixTree, SuffixTree
+
+# Every test here runs on the reference and on the compiled tree (built by `pip install`).
+TREES = [pytest.param(SuffixTree, id="python"), pytest.param(CompiledSuffixTree, id="compiled")]
+LIMITS = (16, 1.0, 0.0, 0.1)  # SpecParams' defaults, one by one
+
+
+def limits(p: SpecParams) -> tuple:
+    return p.max_spec_tokens, p.max_spec_factor, p.max_spec_offset, p.min_token_prob
+
+
+def test_the_compiled_tree_was_built():
+    assert CompiledSuffixTree is not None, "pip install should build services/drafter/_suffix_tree.cpp (g++, pybind11)"
 
 
 def substring_counts(seqs, depth):
@@ -19,34 +31,36 @@ def substring_counts(seqs, depth):
     return c
 
 
+@pytest.mark.parametrize("Tree", TREES)
 @pytest.mark.parametrize("vocab,depth,seed", [(2, 8, 0), (3, 6, 1), (5, 64, 2), (20, 16, 3)])
-def test_counts_equal_brute_force(vocab, depth, seed):
+def test_counts_equal_brute_force(Tree, vocab, depth, seed):
     rng = random.Random(seed)
     seqs = [[rng.randrange(vocab) for _ in range(rng.randint(1, 60))] for _ in range(4)]
-    tree = SuffixTree(depth)
+    tree = Tree(depth)
     for s in seqs:
-        tree.extend([], s)
+        tree.add(s)
     ref = substring_counts(seqs, depth)
     for sub, n in ref.items():
         assert tree.count(list(sub)) == n, sub
     assert tree.count([vocab + 1]) == 0
-    assert tree.root.count == sum(len(s) for s in seqs)
+    assert tree.total == sum(len(s) for s in seqs)
 
 
 def _children(ref, pattern, vocab):
     return {t: ref[tuple(pattern) + (t,)] for t in range(vocab) if ref[tuple(pattern) + (t,)]}
 
 
+@pytest.mark.parametrize("Tree", TREES)
 @pytest.mark.parametrize("seed", range(6))
-def test_local_speculation_follows_most_frequent_children(seed):
+def test_local_speculation_follows_most_frequent_children(Tree, seed):
     rng = random.Random(seed)
     vocab, depth = 4, 12
     seq = [rng.randrange(vocab) for _ in range(120)]
-    tree = SuffixTree(depth)
-    own: list[int] = []
-    actives = tree.extend(own, seq)
+    tree = Tree(depth)
+    own = tree.new_seq()
+    tree.extend(own, seq)
     p = SpecParams(max_spec_tokens=10, min_token_prob=0.2)
-    cand = tree.speculate(actives, 10, p)
+    cand = Candidate.of(tree.speculate(own, 10, *limits(p), False))
     ref = substring_counts([seq], depth)
     assert cand.token_ids, "a 120-token sequence over 4 symbols always repeats its suffix"
     pattern = seq[-cand.match_len :]
@@ -62,20 +76,22 @@ def test_local_speculation_follows_most_frequent_children(seed):
     assert cand.score == pytest.approx(sum(cand.probs))
 
 
-def test_repeated_block_is_drafted_from_the_prompt():
+@pytest.mark.parametrize("Tree", TREES)
+def test_repeated_block_is_drafted_from_the_prompt(Tree):
     block = list(range(100, 160))
-    tree = SuffixTree(64)
-    seq: list[int] = []
-    actives = tree.extend(seq, [1, 2] + block + [7, 8] + block[:10])
-    cand = tree.speculate(actives, 32, SpecParams(max_spec_tokens=32))
+    tree = Tree(64)
+    seq = tree.new_seq()
+    tree.extend(seq, [1, 2] + block + [7, 8] + block[:10])
+    cand = Candidate.of(tree.speculate(seq, 32, *limits(SpecParams(max_spec_tokens=32)), False))
     assert cand.token_ids == block[10:20]  # draft length ≤ match_len (10)
     # The context's own occurrence counts too (node count 2, child count 1): p = 0.5 per token.
     assert cand.match_len == 10 and cand.probs == [0.5] * 10 and cand.score == 5.0
 
 
-def test_drafter_global_cache_makes_second_request_hit():
-    cache = GlobalSuffixCache(max_depth=64, max_cached_requests=10)
-    d = SuffixDrafter(SuffixConfig(), cache)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_drafter_global_cache_makes_second_request_hit(compiled):
+    cache = GlobalSuffixCache(max_depth=64, max_cached_requests=10, compiled=compiled)
+    d = SuffixDrafter(SuffixConfig(compiled=compiled), cache)
     answer = list(range(500, 540))
     d.start("a", [1, 2, 3])
     d.observe("a", answer)
@@ -87,8 +103,9 @@ def test_drafter_global_cache_makes_second_request_hit():
     assert draft.source == "suffix" and draft.match_len == 5
 
 
-def test_global_cache_fifo_eviction():
-    cache = GlobalSuffixCache(max_depth=8, max_cached_requests=4)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_global_cache_fifo_eviction(compiled):
+    cache = GlobalSuffixCache(max_depth=8, max_cached_requests=4, compiled=compiled)
     for i in range(12):
         cache.insert([1000 + i, 2000 + i, 3000 + i])
     assert len(cache) == 4
@@ -117,4 +134,4 @@ def test_deferred_inserts_land_once_after_the_block_and_never_inside_it():
         d.stop("warm-up")
     assert len(cache) == 1
     cache.clear()
-    assert len(cache) == 0 and cache.tree.match_context(answer[:5]) == []
+    assert len(cache) == 0 and not cache.tree.match(answer[:5])
