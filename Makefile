@@ -11,7 +11,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: bench-control-plane dashboard-png test-fast chaos image image-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -86,6 +86,13 @@ bench: setup
 # The router, drafters, predictor, memory and links at modelled GPU speed (a verifier stand-in), 1-256 sessions.
 bench-control-plane: setup
 	$(BIN)/python -m bench.control_plane
+
+# Our suffix trees (Python reference, compiled) against ArcticInference's C++ one, built from its
+# sdist into .cache/arctic (bench/arctic.py), on the same traces in one run each.
+bench-suffix: traces
+	$(BIN)/python -m bench.suffix_micro --traces $(TRACES)/edit-heldout.jsonl --rounds 9 --out bench/results/suffix_micro.json
+	$(BIN)/python -m bench.suffix_micro --traces $(TRACES)/edit-heldout.jsonl --tree --rounds 9 --out bench/results/suffix_micro_tree.json
+	$(BIN)/python -m bench.suffix_micro --heldout-text 28 --rounds 9 --out bench/results/suffix_micro_heldout_text.json
 
 # Regenerates the whole zoo deterministically (seeded); resumable: rerun after an interruption.
 models: setup

@@ -134,13 +134,13 @@ def component_server(role: str, cfg: EngineConfig, host: str, port: int):
         from services.memory.redis_link import RedisLink
         from services.memory.suffix_feed import SuffixFeed
 
-        cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        cache = GlobalSuffixCache.of(cfg.suffix)
         feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache).start()
     if role == "drafter":
         from services.drafter.grpc_server import build_drafter_server
         from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 
-        cache = feed.cache if feed else GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        cache = feed.cache if feed else GlobalSuffixCache.of(cfg.suffix)
         drafter = SuffixDrafter(cfg.suffix, cache, feed.publish if feed else None)
         server, _, bound = build_drafter_server(drafter, vocab, host, port)
         return server, bound

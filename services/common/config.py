@@ -51,6 +51,7 @@ class SuffixConfig:
     spec: SpecParams = SpecParams()
     tree: bool = False  # draft speculation trees (lossless verification walks them), not paths
     compiled: bool = True  # the compiled tree (_suffix_tree.cpp) when built; else the Python reference
+    live_outputs: bool = True  # outputs enter the global tree as they grow, not only when finished
 
 
 @dataclass(frozen=True)

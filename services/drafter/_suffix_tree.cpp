@@ -26,11 +26,12 @@ using Tok = int64_t;
 
 struct Node {
     int64_t count;
+    int64_t stamp;    // the tree's clock at this node's last count increment (0: never)
     Tok token;
     int32_t depth;
     int32_t seq;      // one occurrence: this node's string is seqs[seq][end-depth:end]
     int32_t end;
-    int32_t best;     // most frequent child (first to reach the top count wins), -1: none
+    int32_t best;     // most frequent child, the most recently counted on ties; -1: none
     int32_t kids;     // index into kids_, -1: a lazy leaf
 };
 
@@ -66,7 +67,8 @@ struct Match {
 };
 
 struct Matches {
-    std::vector<Match> items;
+    std::vector<Match> items;  // longest first
+    std::vector<Tok> tail;     // the context's last max_depth tokens
 };
 
 // (token_ids, probs, parents, score, match_len), as the reference returns it.
@@ -94,7 +96,7 @@ struct Limits {
 class SuffixTree {
 public:
     explicit SuffixTree(int max_depth) : max_depth_(max_depth) {
-        nodes_.push_back(Node{0, -1, 0, -1, 0, -1, 0});
+        nodes_.push_back(Node{0, 0, -1, 0, -1, 0, -1, 0});
         kids_.emplace_back();
     }
 
@@ -119,12 +121,16 @@ public:
     Matches match(const std::vector<Tok>& context) const {
         Matches m;
         size_t from = context.size() > static_cast<size_t>(max_depth_) ? context.size() - max_depth_ : 0;
-        for (size_t i = from; i < context.size(); ++i) advance_one(m.items, context[i]);
+        advance(m, std::vector<Tok>(context.begin() + from, context.end()));
         return m;
     }
 
     void advance(Matches& m, const std::vector<Tok>& tokens) const {
-        for (Tok t : tokens) advance_one(m.items, t);
+        for (Tok t : tokens) {
+            advance_one(m.items, t, m.tail);
+            m.tail.push_back(t);
+            if (m.tail.size() > static_cast<size_t>(max_depth_)) m.tail.erase(m.tail.begin());
+        }
     }
 
     Draft speculate(int s, int budget, int max_spec_tokens, double factor, double offset, double min_prob,
@@ -176,13 +182,14 @@ private:
     std::vector<std::vector<Tok>> seqs_;
     std::vector<std::vector<int32_t>> actives_;  // each sequence's repeated suffixes, longest first
     std::vector<int32_t> next_;
+    int64_t clock_ = 0;  // count increments so far: recency breaks ties between equal counts
 
     void check_seq(int s) const {
         if (s < 0 || static_cast<size_t>(s) >= seqs_.size()) throw py::index_error("no such sequence in this tree");
     }
 
     int32_t new_node(Tok token, int32_t depth, int32_t seq, int32_t end) {
-        nodes_.push_back(Node{1, token, depth, seq, end, -1, -1});
+        nodes_.push_back(Node{1, 0, token, depth, seq, end, -1, -1});
         return static_cast<int32_t>(nodes_.size()) - 1;
     }
 
@@ -208,9 +215,10 @@ private:
             if (nodes_[c].count == 1) materialize(c);
             Node& ch = nodes_[c];
             ch.count += 1;
+            ch.stamp = ++clock_;
             ch.seq = s;
             ch.end = end;
-            if (ch.count > nodes_[nodes_[n].best].count) nodes_[n].best = c;
+            if (ch.count >= nodes_[nodes_[n].best].count) nodes_[n].best = c;
             next_.push_back(c);
         }
         act.swap(next_);
@@ -230,19 +238,26 @@ private:
         }
     }
 
-    // Matches of the context extended by `token`, longest first, the root's own last.
-    void advance_one(std::vector<Match>& ms, Tok token) const {
+    // Matches of the context extended by `token`, longest first, the root's own last. A match
+    // that ran past a lazy leaf since materialized (the tree grew) first walks down the
+    // explicit children its implicit tokens (the tail's last `extra`) now name.
+    void advance_one(std::vector<Match>& ms, Tok token, const std::vector<Tok>& tail) const {
         std::vector<Match> out;
         out.reserve(ms.size() + 1);
         for (size_t i = 0; i <= ms.size(); ++i) {
-            const Match m = i < ms.size() ? ms[i] : Match{0, 0};
+            Match m = i < ms.size() ? ms[i] : Match{0, 0};
+            while (m.extra > 0 && m.node >= 0 && nodes_[m.node].kids >= 0) {
+                m.node = kids_[nodes_[m.node].kids].find(tail[tail.size() - m.extra]);
+                m.extra -= 1;
+            }
+            if (m.node < 0) continue;  // cannot happen: a materialized leaf keeps its path
             const Node& nd = nodes_[m.node];
             if (nd.depth + m.extra >= max_depth_) continue;
             if (nd.kids < 0) {
                 const auto& sq = seqs_[nd.seq];
                 size_t j = static_cast<size_t>(nd.end) + m.extra;
                 if (j < sq.size() && sq[j] == token) out.push_back(Match{m.node, m.extra + 1});
-            } else if (m.extra == 0) {
+            } else {
                 int32_t c = kids_[nd.kids].find(token);
                 if (c >= 0) out.push_back(Match{c, 0});
             }
@@ -330,8 +345,8 @@ private:
         return c;
     }
 
-    // The continuations of a match worth drafting, most frequent first (stable: ties in
-    // insertion order), each at its running probability.
+    // The continuations of a match worth drafting, most frequent first (ties: most recently
+    // counted first, then insertion order), each at its running probability.
     void push_next(Heap& heap, int64_t& order, int32_t parent, int32_t n, int32_t x, double prob,
                    double min_prob) const {
         const Node& nd = nodes_[n];
@@ -348,7 +363,10 @@ private:
         for (const auto& kv : kids_[nd.kids].list)
             if (static_cast<double>(nodes_[kv.second].count) >= need) kids.push_back(kv.second);
         std::stable_sort(kids.begin(), kids.end(),
-                         [this](int32_t a, int32_t b) { return nodes_[a].count > nodes_[b].count; });
+                         [this](int32_t a, int32_t b) {
+                             const Node &x = nodes_[a], &y = nodes_[b];
+                             return x.count > y.count || (x.count == y.count && x.stamp > y.stamp);
+                         });
         for (int32_t k : kids) {
             const double q = prob * static_cast<double>(nodes_[k].count) / static_cast<double>(nd.count);
             heap.push(Entry{q, order++, parent, nodes_[k].token, k, 0});

@@ -61,6 +61,7 @@ class ReplayStats:
     speculate_calls: int = 0
     update_s: float = 0.0
     update_tokens: int = 0
+    stop_s: float = 0.0  # ending requests (a finished output enters the global tree)
 
     def add_cycle(self, n_draft: int, n_accepted: int, n_emitted: int) -> None:
         self.cycles += 1
@@ -90,6 +91,7 @@ class ReplayStats:
             "us_per_speculate_call": round(us * self.speculate_s / max(1, self.speculate_calls), 2),
             "us_per_speculated_token": round(us * self.speculate_s / max(1, self.drafted), 2),
             "us_per_update_token": round(us * self.update_s / max(1, self.update_tokens), 2),
+            "us_per_update_token_with_stop": round(us * (self.update_s + self.stop_s) / max(1, self.update_tokens), 2),
             "us_per_indexed_prompt_token": round(us * self.index_s / max(1, self.index_tokens), 2),
         }
 
@@ -112,16 +114,19 @@ def replay(drafter: Drafter, traces: list[Trace], max_draft: int, progress: bool
             t1 = time.perf_counter()
             accepted = len(accepted_by(draft.token_ids, draft.parents, truth[pos:]))
             emitted = truth[pos : pos + accepted + 1]
-            drafter.observe(rid, emitted)
             t2 = time.perf_counter()
+            drafter.observe(rid, emitted)
+            t3 = time.perf_counter()
             if budget:
                 st.speculate_calls += 1
                 st.speculate_s += t1 - t0
-            st.update_s += t2 - t1
+            st.update_s += t3 - t2
             st.update_tokens += len(emitted)
             st.add_cycle(len(draft), accepted, len(emitted))
             pos += len(emitted)
+        t0 = time.perf_counter()
         drafter.stop(rid)
+        st.stop_s += time.perf_counter() - t0
         if progress and (n + 1) % 10 == 0:
             rate = (time.perf_counter() - t_start) / (n + 1)
             print(f"[replay] {n + 1}/{len(traces)} traces, eta {rate * (len(traces) - n - 1):.0f}s", flush=True)

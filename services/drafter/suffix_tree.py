@@ -13,7 +13,9 @@ Representation (ours, shaped for Python speed and memory):
 - *Active suffixes.* A sequence being extended keeps the nodes of its suffixes that are
   repeated (count ≥ 2); a token append touches only those, and they double as the
   sequence's matches in its own tree.
-- Each node caches its most frequent child (``best``) so a speculation step is O(1).
+- Each node caches its most frequent child (``best``) so a speculation step is O(1). Equal
+  counts go to the child counted most recently (as ArcticInference orders siblings), then to
+  the first inserted.
 
 This module is the reference; ``_suffix_tree.cpp`` is its compiled twin (same nodes, counts,
 drafts and tie-breaks; a property test holds them equal). ``new_tree`` picks the compiled one
@@ -38,11 +40,12 @@ Draft = tuple[list[int], list[float], list[int], float, int]
 
 
 class Node:
-    __slots__ = ("count", "children", "depth", "seq", "end", "best", "token")
+    __slots__ = ("count", "stamp", "children", "depth", "seq", "end", "best", "token")
 
     def __init__(self, token: int, depth: int, seq: list[int], end: int):
         self.token = token
         self.count = 1
+        self.stamp = 0  # the tree's clock at the last count increment: recency breaks ties
         self.children: dict[int, Node] | None = None
         self.depth = depth
         self.seq = seq  # one occurrence: this node's string is seq[end-depth:end]
@@ -79,6 +82,19 @@ class Match:
         return self.node.depth + self.extra
 
 
+class Matches:
+    """A context's matches in a tree, longest first, with the context's last max_depth tokens."""
+
+    __slots__ = ("items", "tail")
+
+    def __init__(self) -> None:
+        self.items: list[Match] = []
+        self.tail: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
 class SuffixTree:
     """The reference tree. Sequences are named by the ids ``new_seq`` hands out; the tree keeps
     each one (its lazy leaves read from it) and, while it is extended, its repeated suffixes.
@@ -90,6 +106,7 @@ class SuffixTree:
         self.root.count = 0
         self.root.children = {}
         self.num_nodes = 0
+        self.clock = 0
         self.seqs: list[list[int]] = []
         self.actives: list[list[Node]] = []
 
@@ -141,8 +158,10 @@ class SuffixTree:
             if child.count == 1:
                 self._materialize(child)
             child.count += 1
+            self.clock += 1
+            child.stamp = self.clock
             child.seq, child.end = seq, end
-            if child.count > node.best.count:
+            if child.count >= node.best.count:  # ties: the most recently counted
                 node.best = child
             new.append(child)
         return new
@@ -158,37 +177,48 @@ class SuffixTree:
             self.num_nodes += 1
 
     # -- matching a foreign context (e.g. a request against the global tree) --------------
-    def advance_one(self, matches: list[Match], token: int) -> list[Match]:
-        """Matches of the context extended by ``token``, longest first (capped at max_depth)."""
+    def advance_one(self, matches: list[Match], token: int, tail: list[int] = ()) -> list[Match]:  # type: ignore[assignment]
+        """Matches of the context extended by ``token``, longest first (capped at max_depth).
+
+        ``tail``: the context before ``token`` (its last max_depth tokens). A match that ran past
+        a lazy leaf which has since been materialized (the tree grew) walks down the explicit
+        children its implicit tokens now name."""
         out: list[Match] = []
         for m in (*matches, Match(self.root)):
-            node, extra = m.node, m.extra
-            if m.length >= self.max_depth:
+            node: Node | None = m.node
+            extra = m.extra
+            while extra and node is not None and node.children is not None:
+                node, extra = node.children.get(tail[len(tail) - extra]), extra - 1
+            if node is None:  # cannot happen: a materialized leaf keeps its path
+                continue
+            if node.depth + extra >= self.max_depth:
                 continue
             if node.children is None:  # implicit continuation
                 i = node.end + extra
                 if i < len(node.seq) and node.seq[i] == token:
                     out.append(Match(node, extra + 1))
-            elif extra == 0:
+            else:
                 child = node.children.get(token)
                 if child is not None:
                     out.append(Match(child))
         return out
 
-    def match(self, context) -> list[Match]:
-        matches: list[Match] = []
-        for t in list(context)[-self.max_depth :]:
-            matches = self.advance_one(matches, t)
-        return matches
+    def match(self, context) -> Matches:
+        m = Matches()
+        self.advance(m, list(context)[-self.max_depth :])
+        return m
 
-    def advance(self, matches: list[Match], tokens) -> None:
+    def advance(self, matches: Matches, tokens) -> None:
         """Extend the matched context by ``tokens`` (``matches`` is updated in place)."""
         for t in tokens:
-            matches[:] = self.advance_one(matches, t)
+            matches.items = self.advance_one(matches.items, t, matches.tail)
+            matches.tail.append(t)
+            if len(matches.tail) > self.max_depth:
+                del matches.tail[0]
 
     @staticmethod
-    def match_lengths(matches: list[Match]) -> list[int]:
-        return [m.length for m in matches]
+    def match_lengths(matches: Matches) -> list[int]:
+        return [m.length for m in matches.items]
 
     def count(self, tokens: list[int]) -> int:
         """Occurrences of ``tokens`` (length ≤ max_depth) in the inserted sequences."""
@@ -220,7 +250,7 @@ class SuffixTree:
         tree: bool,
     ) -> Draft:
         p = SpecParams(max_tokens, factor, offset, min_prob)
-        return self._best(matches, budget, p, tree).as_tuple()
+        return self._best(matches.items, budget, p, tree).as_tuple()
 
     def _best(self, matches, budget: int, p: SpecParams, tree: bool) -> Candidate:
         """Best-scoring draft over all matched suffix lengths (longest first): a path, or with
@@ -304,7 +334,8 @@ class SuffixTree:
         if node.best is None or prob * node.best.count < min_prob * node.count:
             return  # not even the most frequent child is worth it (the common case: no scan)
         need = min_prob * node.count / prob
-        for child in sorted((ch for ch in node.children.values() if ch.count >= need), key=lambda ch: -ch.count):
+        kids = (ch for ch in node.children.values() if ch.count >= need)
+        for child in sorted(kids, key=lambda ch: (-ch.count, -ch.stamp)):
             yield child.token, child, 0, prob * child.count / node.count
 
 

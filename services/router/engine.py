@@ -169,7 +169,7 @@ class Engine:
         self.eos_id = self.tokenizer.eos_token_id
         self.verifier = verifier if verifier is not None else VerifierCore.from_config(cfg, self.eos_id)
         self.remote_verifier = not isinstance(self.verifier, VerifierCore)  # its cycles cross a network
-        self.suffix_cache = GlobalSuffixCache(cfg.suffix.max_depth, cfg.suffix.max_cached_requests)
+        self.suffix_cache = GlobalSuffixCache.of(cfg.suffix)
         self.suffix_feed = None
         if cfg.redis_url:
             from services.memory.redis_link import RedisLink

@@ -346,3 +346,38 @@ def test_control_plane_stand_in_answers_as_the_target_did(tiny_engine):
             if method in ("sd", "csd"):
                 assert gen.stats.cycles == len(t["accepted"][method]), method
     engine.close()
+
+
+def test_suffix_micro_replays_every_tree_on_the_same_traces(tmp_path, monkeypatch):
+    """bench.suffix_micro: each kind of tree replays the same traces in interleaved rounds; the
+    compiled tree drafts exactly as the reference (same τ); Arctic is left out, and says so,
+    when it cannot be built."""
+    import random
+
+    from bench import arctic, suffix_micro
+    from services.drafter.replay import Trace
+
+    rng = random.Random(0)
+    phrases = [[rng.randrange(50) for _ in range(12)] for _ in range(6)]
+    text = lambda n: [t for _ in range(n) for t in rng.choice(phrases)]  # noqa: E731
+    traces = [Trace(f"t{i}", text(8), text(6), 72) for i in range(6)]
+    monkeypatch.setattr(arctic, "CACHE", tmp_path / "arctic")
+    monkeypatch.setattr(arctic.shutil, "which", lambda _: None)
+    assert arctic.load() is None  # no CMake here: no Arctic rows
+    rows = suffix_micro.measure(suffix_micro.drafters(None, False), traces, text(10), 2)
+    assert set(rows) == {"python", "compiled-finished", "compiled"}
+    assert rows["python"]["tau"] == rows["compiled-finished"]["tau"] > 1.0
+    assert all(r["us_per_speculate_call"] > 0 and r["index_2000_tokens_ms"] > 0 for r in rows.values())
+    for r in rows.values():
+        r |= {"speculate_plus_update_share_of_cycle": 0.01, "index_share_of_prefill": 0.01}
+    result = {
+        "command": "c",
+        "traces": "t",
+        "rounds": 2,
+        "tree": False,
+        "kinds": {},
+        "arctic": "left out",
+        "replay": rows,
+    }
+    suffix_micro.plot(result, tmp_path / "x.png")
+    assert (tmp_path / "x.png").stat().st_size > 0 and suffix_micro.markdown(result).count("\n| ") == 4

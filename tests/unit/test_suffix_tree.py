@@ -135,3 +135,58 @@ def test_deferred_inserts_land_once_after_the_block_and_never_inside_it():
     assert len(cache) == 1
     cache.clear()
     assert len(cache) == 0 and not cache.tree.match(answer[:5])
+
+
+@pytest.mark.parametrize("Tree", TREES)
+def test_a_followed_match_survives_its_leaf_being_materialized(Tree):
+    tree = Tree(8)
+    tree.add([1, 2, 3, 4, 5])
+    m = tree.match([1, 2, 3])  # past the lazy leaf "1": its one occurrence's continuation
+    assert tree.match_lengths(m) == [3, 2, 1]
+    tree.add([1, 2, 9])  # a second "1 2": "1" and "1 2" get explicit children
+    tree.advance(m, [4])
+    assert tree.match_lengths(m) == [4, 3, 2, 1]  # "1 2 3 4" is still matched, through the new nodes
+    assert Candidate.of(tree.speculate_matches(m, 4, *LIMITS, False)).token_ids == [5]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_live_output_is_drafted_from_before_it_finishes(compiled):
+    cfg = SuffixConfig(compiled=compiled)
+    cache = GlobalSuffixCache(64, 10, compiled)
+    d = SuffixDrafter(cfg, cache)
+    answer = list(range(500, 540))
+    d.start("writer", [1, 2, 3])
+    d.observe("writer", answer)
+    d.start("reader", [9, 9, 9])
+    d.observe("reader", answer[:5])
+    draft = d.propose("reader", 16)
+    assert draft.token_ids == answer[5:10] and draft.features["tree"] == "global"
+    assert len(cache) == 0  # not finished: in the tree, not yet among the cached outputs
+    d.stop("writer")
+    assert (
+        list(cache.outputs) == [tuple(answer)] and cache.tree.count(answer[:3]) == 2
+    )  # the writer's once, the live reader's
+    off = SuffixDrafter(SuffixConfig(compiled=compiled, live_outputs=False), GlobalSuffixCache(64, 10, compiled))
+    off.start("writer", [1, 2, 3])
+    off.observe("writer", answer)
+    off.start("reader", [9, 9, 9])
+    off.observe("reader", answer[:5])
+    assert off.propose("reader", 16).features["tree"] == "local"
+
+
+def test_a_live_output_leaves_the_tree_inside_a_deferred_block_and_survives_rebuilds():
+    cache = GlobalSuffixCache(64, 4)
+    d = SuffixDrafter(SuffixConfig(), cache)
+    answer = list(range(500, 540))
+    with cache.deferred():
+        d.start("first-method", [1, 2, 3])
+        d.observe("first-method", answer)
+        d.stop("first-method")
+        assert cache.tree.count(answer[:3]) == 0  # the next method on this prompt cannot draft from it
+    assert cache.tree.count(answer[:3]) == 1 and len(cache) == 1
+    d.start("long", [7])
+    d.observe("long", [900, 901, 902])
+    for i in range(6):  # evictions rebuild the tree under the live output
+        cache.insert([1000 + i, 2000 + i])
+    d.observe("long", [903])
+    assert cache.tree.count([900, 901, 902, 903]) == 1

@@ -20,6 +20,7 @@ op = st.one_of(
     st.tuples(st.just("add"), tokens),
     st.tuples(st.just("foreign"), tokens, tokens),
     st.tuples(st.just("speculate"), st.integers(0, 2), st.integers(1, 24), limits, st.booleans()),
+    st.tuples(st.just("follow"), tokens),  # a context matched once, then advanced as the tree grows
 )
 
 
@@ -35,6 +36,7 @@ def same_draft(a, b):
 def test_compiled_tree_equals_the_reference(depth, ops):
     ref, fast = SuffixTree(depth), CompiledSuffixTree(depth)
     seqs = [(ref.new_seq(), fast.new_seq()) for _ in range(3)]
+    followed, fr, ff = [], ref.match([]), fast.match([])
     for o in ops:
         if o[0] == "extend":
             r, f = seqs[o[1]]
@@ -52,6 +54,18 @@ def test_compiled_tree_equals_the_reference(depth, ops):
                     ref.speculate_matches(mr, 16, 16, 1.0, 0.0, 0.1, tree),
                     fast.speculate_matches(mf, 16, 16, 1.0, 0.0, 0.1, tree),
                 )
+        elif o[0] == "follow":
+            ref.advance(fr, o[1])
+            fast.advance(ff, o[1])
+            followed += o[1]
+            lengths = ref.match_lengths(fr)
+            assert lengths == fast.match_lengths(ff)
+            # every match is a suffix of the context that the tree holds, however it grew meanwhile
+            assert all(n and ref.count(followed[-n:]) >= 1 for n in lengths)
+            same_draft(
+                ref.speculate_matches(fr, 16, 16, 1.0, 0.0, 0.1, True),
+                fast.speculate_matches(ff, 16, 16, 1.0, 0.0, 0.1, True),
+            )
         else:
             _, i, budget, lim, tree = o
             same_draft(ref.speculate(seqs[i][0], budget, *lim, tree), fast.speculate(seqs[i][1], budget, *lim, tree))
