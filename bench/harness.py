@@ -143,6 +143,7 @@ def summarize(
     texts: list[str],
     prompts: list[str],
     tokenizer,
+    hf_vanilla: list[Run] | None = None,
 ) -> dict:
     tokens = [len(r.ids) for r in runs]
     row = {
@@ -162,6 +163,8 @@ def summarize(
         row["speedup_vs_vanilla"] = round(statistics.median(v.wall / r.wall for v, r in zip(vanilla, runs)), 3)
         row["exact_match_vs_vanilla"] = round(sum(v.ids == r.ids for v, r in zip(vanilla, runs)) / len(runs), 3)
         row["token_agreement"] = round(statistics.mean(token_agreement(v.ids, r.ids) for v, r in zip(vanilla, runs)), 3)
+    if hf_vanilla:  # transformers' own baseline: no ratio then rests on our engine's GEMM packing
+        row["speedup_vs_hf_vanilla"] = round(statistics.median(v.wall / r.wall for v, r in zip(hf_vanilla, runs)), 3)
     if runs[0].stats:
         cycles = sum(r.stats["cycles"] for r in runs)
         gen = sum(r.stats["generated_tokens"] for r in runs)
@@ -250,7 +253,15 @@ def benchmark(
         texts = [engine.tokenizer.decode(r.ids) for r in runs[m]]
         rows.append(
             summarize(
-                m, runs[m], runs.get("vanilla"), tuple(nll), refs, texts, [p.text for p in prompts], engine.tokenizer
+                m,
+                runs[m],
+                runs.get("vanilla"),
+                tuple(nll),
+                refs,
+                texts,
+                [p.text for p in prompts],
+                engine.tokenizer,
+                runs.get("hf-vanilla"),
             )
         )
     return rows
@@ -261,6 +272,7 @@ def markdown(result: dict) -> str:
         "method",
         "tokens_per_s",
         "speedup_vs_vanilla",
+        "speedup_vs_hf_vanilla",
         "tau",
         "cycles_per_1k",
         "acceptance_rate",

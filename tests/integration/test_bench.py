@@ -24,6 +24,23 @@ def test_benchmark_rows_and_cycle_profile(tiny_engine):
     assert "draft_ms_per_cycle" in table and table.count("\n| ") >= 3
 
 
+def test_hf_peers_are_reported_against_both_baselines(tiny_engine, tiny_dirs):
+    """Each row carries its speedup over our `vanilla` and over transformers' own `hf-vanilla`,
+    measured in the same run, so no peer's ratio rests on our engine's GEMM packing alone."""
+    from bench.harness import HFPeers
+
+    peers = HFPeers(*tiny_dirs, tiny_engine.eos_id)
+    prompts = [Prompt("a", "def add(a, b):\n"), Prompt("b", "import os\n\nclass Config:\n")]
+    rows = {r["method"]: r for r in benchmark(tiny_engine, prompts, ["vanilla", "hf-vanilla", "hf-pld"], 16, 1, peers)}
+    assert rows["hf-vanilla"]["speedup_vs_hf_vanilla"] == 1.0 and rows["vanilla"]["speedup_vs_vanilla"] == 1.0
+    for r in rows.values():
+        assert r["speedup_vs_hf_vanilla"] > 0 and r["speedup_vs_vanilla"] > 0
+    # the two baselines' ratios are each other's inverse, prompt by prompt (medians of two prompts)
+    assert rows["vanilla"]["speedup_vs_hf_vanilla"] == pytest.approx(
+        1 / rows["hf-vanilla"]["speedup_vs_vanilla"], rel=0.35
+    )
+
+
 def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(tiny_engine):
     """Each prompt's lossless runs insert one output into the global suffix cache, after all
     methods ran on it; the warm-up inserts none."""

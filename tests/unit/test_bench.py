@@ -15,13 +15,14 @@ def test_summary_table_has_a_cell_per_method_and_workload():
         "limit": 2,
         "max_new_tokens": 8,
         "rows": [
-            {"method": "vanilla", "speedup_vs_vanilla": 1.0, "tau": 1.0},
-            {"method": "hf-pld", "speedup_vs_vanilla": 1.2, "tau": None},
+            {"method": "vanilla", "speedup_vs_vanilla": 1.0, "tau": 1.0, "speedup_vs_hf_vanilla": 1.6},
+            {"method": "hf-pld", "speedup_vs_vanilla": 1.2, "tau": None, "speedup_vs_hf_vanilla": 1.9},
         ],
     }
     lines = summary([a, b]).splitlines()
     assert lines[0] == "| method | edit (2 prompts, 8 tokens) | humaneval (2 prompts, 8 tokens) |"
-    assert "| `suffix` | 3.50× (τ 6.25) | — |" in lines and "| `hf-pld` | — | 1.20× |" in lines
+    assert "| `suffix` | 3.50× (τ 6.25) | — |" in lines and "| `hf-pld` | — | 1.20× (1.90× hf-vanilla) |" in lines
+    assert "| `vanilla` | 1.00× (τ 1.00) | 1.00× (τ 1.00, 1.60× hf-vanilla) |" in lines  # both baselines
 
 
 def test_serving_overhead_is_each_distributed_variant_minus_embedded_per_method(tmp_path):
