@@ -350,7 +350,6 @@ def test_services_mode_carries_a_generated_internal_token_to_every_service():
     """Every specmesh pod of services mode reads the internal token from a file mounted from one
     generated Secret (the router sends it, the internal services require it); Ray mode, whose
     components talk over Ray, has none; internalAuth.enabled=false turns it off."""
-    import base64
 
     docs = render({"mode": "services"})
     secret = named(docs, "Secret", "-internal")
@@ -469,34 +468,6 @@ def test_services_mode_has_an_account_budgets_policies_an_hpa_and_a_helm_test():
     assert {"name": "tls", "mountPath": "/etc/specmesh/tls", "readOnly": True} in c["volumeMounts"]
 
 
-def bundled_redis(docs, tmp_path, port: int):
-    """The bundled Redis's rendered command, run here: only its address is changed (a spare
-    port on loopback) and its directory; returns the process."""
-    import subprocess
-
-    from tests.conftest import wait_for
-
-    c = container(named(docs, "StatefulSet", "-redis"))
-    assert c["command"][:2] == ["sh", "-c"]
-    script = c["command"][2].replace(
-        "redis-server -", f"redis-server - --bind 127.0.0.1 --port {port} --dir {tmp_path}"
-    )
-    password = base64.b64decode(named(docs, "Secret", "-redis")["data"]["password"]).decode()
-    proc = subprocess.Popen(["sh", "-c", script], env={"PATH": "/usr/bin:/bin", "REDIS_PASSWORD": password})
-    assert wait_for(lambda: _answers(port))
-    return proc, password
-
-
-def _answers(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
 def test_the_bundled_redis_admits_only_specmesh_as_its_acl_user_for_what_it_uses(tmp_path, monkeypatch):
     """The chart's Redis runs with one ACL user, `specmesh`, whose password is on no command line:
     the correction memory (Lua scripts, transactions) and the suffix feed (streams) work through
@@ -509,13 +480,15 @@ def test_the_bundled_redis_admits_only_specmesh_as_its_acl_user_for_what_it_uses
     from services.memory.redis_link import RedisLink
     from services.memory.redis_memory import RedisCorrectionMemory
     from services.memory.suffix_feed import SuffixFeed
+    from tests.chart import bundled_redis, secret_value
     from tests.conftest import wait_for
 
     docs = render({"mode": "services"})
     env = {e["name"]: e for e in container(named(docs, "Deployment", "-router"))["env"]}
     assert env["SPECMESH_REDIS_URL"]["value"] == "redis://specmesh@demo-specmesh-redis:6379/0"
     port = free_port()
-    proc, password = bundled_redis(docs, tmp_path, port)
+    password = secret_value(docs, {"name": named(docs, "Secret", "-redis")["metadata"]["name"], "key": "password"})
+    proc = bundled_redis(docs, "127.0.0.1", port, tmp_path)
     try:
         assert password not in " ".join(container(named(docs, "StatefulSet", "-redis"))["command"])
         monkeypatch.setenv("SPECMESH_REDIS_PASSWORD", password)

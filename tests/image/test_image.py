@@ -23,6 +23,8 @@ import grpc
 import pytest
 import yaml
 
+from tests.chart import bundled_redis, env_of
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy/helm/specmesh"
 VERSION = re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
@@ -62,21 +64,6 @@ def render(values: dict = VALUES) -> list[dict]:
 
     out = helm.Chart.load(str(CHART)).render(values, name="demo", namespace="llm")
     return [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
-
-
-def secret_value(docs, ref: dict) -> str:
-    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == ref["name"])
-    return base64.b64decode(secret["data"][ref["key"]]).decode()
-
-
-def env_of(docs, container: dict) -> list[str]:
-    """The container's environment as Kubernetes sets it: secret references read from the
-    rendered Secrets, $(NAME) expanded from the variables defined before it."""
-    env: dict[str, str] = {}
-    for e in container.get("env", []):
-        value = secret_value(docs, e["valueFrom"]["secretKeyRef"]) if "valueFrom" in e else str(e["value"])
-        env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
-    return [f"{k}={v}" for k, v in env.items()]
 
 
 def volumes_of(docs, pod: dict, container: dict, models_dir: Path, scratch: Path) -> list[str]:
@@ -131,21 +118,6 @@ def aliases(docs, workload: dict) -> list[str]:
     return names
 
 
-def bundled_redis(docs, host: str, scratch: Path) -> subprocess.Popen:
-    """The chart's bundled Redis, its rendered command run on this machine (no Redis image here):
-    only where it listens (the network's gateway, which its Service name resolves to) and its
-    directory change."""
-    sts = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-redis"))
-    c = sts["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"][:2] == ["sh", "-c"]
-    script = c["command"][2].replace("redis-server -", f"redis-server - --bind {host} --port 6379 --dir {scratch}")
-    env = {"PATH": "/usr/bin:/bin", **dict(e.split("=", 1) for e in env_of(docs, c))}
-    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
-    time.sleep(0.5)
-    assert proc.poll() is None, "the chart's Redis command did not start"
-    return proc
-
-
 def wait_serving(addr: str, within_s: float = 180) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -185,7 +157,7 @@ class Cluster:
         podman("run", "-d", "--rm", "--name", self.holder, "--network", network, "--entrypoint", "sleep",
                f"specmesh/specmesh-models:{VERSION}", "infinity")  # fmt: skip
         try:
-            self.redis = bundled_redis(docs, self.gateway, scratch)
+            self.redis = bundled_redis(docs, self.gateway, 6379, scratch)
         except BaseException:
             podman("rm", "-f", "-t", "0", self.holder, check=False)
             podman("network", "rm", "-f", network, check=False)
