@@ -8,7 +8,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -165,8 +165,13 @@ class EngineConfig:
         device = v.pop("device") or _auto_device()
         dtype = v.pop("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
         spec = v.pop("speculative_config")
-        hybrid = HybridConfig(tau=v.pop("hybrid_tau"), cost_aware=v.pop("hybrid_cost_aware"))
-        cfg = cls(**paths, **v, device=device, dtype=dtype, hybrid=hybrid, ocm_snapshot=models / "ocm_snapshot.json")
+        nested: dict[str, dict[str, Any]] = {}  # options that set a field of a nested config
+        for name, opt in OPTIONS.items():
+            if len(opt.path) == 2:
+                nested.setdefault(opt.path[0], {})[opt.path[1]] = v.pop(name)
+        for part, fields in nested.items():
+            v[part] = replace(getattr(cls, part), **fields)
+        cfg = cls(**paths, **v, device=device, dtype=dtype, ocm_snapshot=models / "ocm_snapshot.json")
         if spec is None:
             return cfg
         if methods is None:
@@ -252,7 +257,9 @@ PARSE: dict[str, Callable[[Any], Any]] = {
 @dataclass(frozen=True)
 class Option:
     """One engine option: ``name`` is the mapping key and Ray arg, ``--name-with-dashes`` the
-    flag; its default is EngineConfig's field of that name unless ``default`` says otherwise."""
+    flag; it sets EngineConfig's field ``sets`` (dotted into a nested config, e.g.
+    ``hybrid.tau``; by default the field named ``name``), whose default it has unless
+    ``default`` says otherwise."""
 
     name: str
     kind: str  # a key of PARSE
@@ -262,6 +269,11 @@ class Option:
     short: str | None = None  # a one-letter flag
     serve_only: bool = False  # a flag of `specmesh serve` only (remote components)
     secret: bool = False  # may carry a password: never on a spawned process's command line
+    sets: str = ""  # the EngineConfig field it sets, dotted; "" = name
+
+    @property
+    def path(self) -> list[str]:
+        return (self.sets or self.name).split(".")
 
     def parse(self, value: Any) -> Any:
         try:
@@ -275,9 +287,10 @@ class Option:
             return self.parse(text)
         if self.default != "field":
             return self.default
-        if self.name.startswith("hybrid_"):
-            return getattr(HybridConfig, self.name.removeprefix("hybrid_"))
-        return getattr(EngineConfig, self.name)
+        value: Any = EngineConfig
+        for part in self.path:
+            value = getattr(value, part)
+        return value
 
     def value(self, values: Mapping[str, Any]) -> Any:
         return self.parse(values[self.name]) if values.get(self.name) is not None else self.fallback()
@@ -335,11 +348,20 @@ OPTIONS: dict[str, Option] = {
             "float",
             "HVD: verify the suffix-cache draft when its predicted yield exceeds this "
             "(bench.hybrid_sweep); used with --no-hybrid-cost-aware",
+            sets="hybrid.tau",
         ),
         Option(
             "hybrid_cost_aware",
             "bool",
             "HVD: weigh the predicted yield against measured cycle costs (model drafter or plain step)",
+            sets="hybrid.cost_aware",
+        ),
+        Option(
+            "suffix_live_outputs",
+            "bool",
+            "suffix cache: outputs enter the shared tree as they are generated, not only when they "
+            "finish (as ArcticInference does; bench/results/suffix_micro.md)",
+            sets="suffix.live_outputs",
         ),
         Option("packed_gemm", "bool", "CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)"),
         Option(

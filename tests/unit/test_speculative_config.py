@@ -139,3 +139,13 @@ def test_an_engine_says_once_when_its_default_method_cannot_run(tiny_dirs, caplo
             )
         )
     assert not [r for r in caplog.records if r.name == "specmesh.engine"]
+
+
+def test_options_set_fields_of_nested_configs_and_default_to_them():
+    from services.common.config import OPTIONS, EngineConfig
+
+    assert OPTIONS["hybrid_tau"].fallback() == EngineConfig.hybrid.tau
+    assert OPTIONS["suffix_live_outputs"].fallback() is True
+    cfg = EngineConfig.from_mapping({"hybrid_tau": 3.5, "suffix_live_outputs": False, "target": "/t"})
+    assert cfg.hybrid.tau == 3.5 and cfg.hybrid.cost_aware == EngineConfig.hybrid.cost_aware
+    assert cfg.suffix.live_outputs is False and cfg.suffix.max_depth == EngineConfig.suffix.max_depth
