@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import cast
 
 from services.common.config import SpecParams
 
@@ -146,7 +147,7 @@ class SuffixTree:
         for node in (*actives, self.root):
             if node.depth >= self.max_depth:
                 continue
-            children = node.children
+            children = cast(dict[int, Node], node.children)  # actives and the root are explicit
             child = children.get(token)
             if child is None:
                 child = Node(token, node.depth + 1, seq, end)
@@ -161,7 +162,7 @@ class SuffixTree:
             self.clock += 1
             child.stamp = self.clock
             child.seq, child.end = seq, end
-            if child.count >= node.best.count:  # ties: the most recently counted
+            if child.count >= cast(Node, node.best).count:  # ties: the most recently counted
                 node.best = child
             new.append(child)
         return new
@@ -241,7 +242,7 @@ class SuffixTree:
 
     def speculate_matches(
         self,
-        matches: list[Match],
+        matches: Matches,
         budget: int,
         max_tokens: int,
         factor: float,

@@ -17,12 +17,14 @@ import queue
 import threading
 import time
 import uuid
+from typing import cast
 
 from services.common.metrics import SUFFIX_FEED_INGESTED, SUFFIX_FEED_PUBLISHED
 from services.drafter.suffix import GlobalSuffixCache
 from services.memory.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("specmesh.suffix_feed")
+Entries = list[tuple[bytes, dict[bytes, bytes]]]  # a Redis stream's (id, fields), as redis-py returns them
 
 STREAM = "specmesh:suffix:outputs"
 
@@ -67,7 +69,7 @@ class SuffixFeed:
 
     def _warm(self) -> None:
         try:
-            entries = self.link.call(lambda r: r.xrange(self.stream, "-", "+"))
+            entries = cast(Entries, self.link.call(lambda r: r.xrange(self.stream, "-", "+")))
         except RedisUnavailable as e:
             log.warning("suffix feed: cannot warm from Redis (%s); starting with a local cache", e)
             return
@@ -106,7 +108,7 @@ class SuffixFeed:
             except RedisUnavailable:
                 self._stop.wait(max(0.05, self.link.seconds_to_retry()))
                 continue
-            for _, entries in resp or []:
+            for _, entries in cast(list[tuple[bytes, Entries]], resp or []):
                 for entry_id, fields in entries:
                     self.last_id = entry_id
                     if fields[b"origin"].decode() != self.origin:
