@@ -481,6 +481,12 @@ def main() -> int:
     p.add_argument("--topologies", default="embedded,distributed")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--count", type=int, default=max(SESSIONS), help="traces to load (prompts)")
+    p.add_argument(
+        "--suffix-reference",
+        action="store_true",
+        help="the suffix cache on the Python reference tree, outputs entering the shared tree when finished "
+        "(the drafter before the compiled tree, for an A/B run)",
+    )
     p.add_argument("--standin-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--standin-counters", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -489,7 +495,7 @@ def main() -> int:
         return 0
     import tempfile
 
-    from services.common.config import EngineConfig
+    from services.common.config import EngineConfig, SuffixConfig
     from services.common.runtime import tune_gc
     from services.router.engine import Engine
 
@@ -497,6 +503,9 @@ def main() -> int:
     sessions = [int(s) for s in a.sessions.split(",")]
     methods = a.methods.split(",")
     traces = load_traces(max(max(sessions), a.count))
+    cfg = (
+        EngineConfig(suffix=SuffixConfig(compiled=False, live_outputs=False)) if a.suffix_reference else EngineConfig()
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for topology in a.topologies.split(","):
@@ -504,7 +513,7 @@ def main() -> int:
             try:
                 for n in sessions:
                     for method in methods:  # interleaved: every method at each session count
-                        engine = Engine(EngineConfig(), verifier=place.verifier())
+                        engine = Engine(cfg, verifier=place.verifier())
                         row = measure(engine, place.counters, traces[:n], method, topology, place.cpu)
                         engine.close()
                         rows.append(row)
