@@ -25,6 +25,7 @@ when the package was built with it. No torch, gRPC, Redis or Ray.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -178,7 +179,7 @@ class SuffixTree:
             self.num_nodes += 1
 
     # -- matching a foreign context (e.g. a request against the global tree) --------------
-    def advance_one(self, matches: list[Match], token: int, tail: list[int] = ()) -> list[Match]:  # type: ignore[assignment]
+    def advance_one(self, matches: list[Match], token: int, tail: Sequence[int] = ()) -> list[Match]:
         """Matches of the context extended by ``token``, longest first (capped at max_depth).
 
         ``tail``: the context before ``token`` (its last max_depth tokens). A match that ran past
@@ -335,7 +336,7 @@ class SuffixTree:
         if node.best is None or prob * node.best.count < min_prob * node.count:
             return  # not even the most frequent child is worth it (the common case: no scan)
         need = min_prob * node.count / prob
-        kids = (ch for ch in node.children.values() if ch.count >= need)
+        kids = [ch for ch in list(node.children.values()) if ch.count >= need]  # (a snapshot: writers may add)
         for child in sorted(kids, key=lambda ch: (-ch.count, -ch.stamp)):
             yield child.token, child, 0, prob * child.count / node.count
 
