@@ -195,7 +195,10 @@ class DraftLMDrafter(Drafter):
                 greedy, p_max = stacked.argmax(-1), torch.ones(len(active))
             if self.vocab is not None:
                 greedy = self.vocab[greedy]
-            for r, lg, g, p in zip(active, stacked, greedy.tolist(), p_max.tolist()):
+            # one read of the device per draft position: the tokens and their confidences together
+            # (float64 holds every token id exactly)
+            read = torch.stack([greedy.to(torch.float64), p_max.to(torch.float64)]).tolist()
+            for r, lg, g, p in zip(active, stacked, map(int, read[0]), read[1]):
                 r.pos += len(r.feed)
                 if id(r) not in ended:
                     r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence, self.vocab)

@@ -1,0 +1,97 @@
+"""Host round-trips per decoding cycle, counted per method: on a GPU each one stalls the device
+until the queue drains, so a cycle of any method may make no more than its budget.
+
+A round-trip is a tensor read by the host: ``.item()``, ``.tolist()``, ``.cpu()``, ``.nonzero()``,
+``bool()``/``int()``/``float()``/``index`` of a tensor, and boolean-mask indexing. The budgets are
+what each method's cycle makes today (the maximum over a request's cycles), as a function of k,
+the longest draft-LM chain: the draft LM reads each drafted token to feed its next forward. The
+GPU-shaped goal is one (the accepted tokens' copy): lowering a count lowers its budget here."""
+
+import collections
+import contextlib
+
+import pytest
+import torch
+
+from services.router.engine import Generation, GenerationRequest
+
+SYNCS = ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+BUDGET = {
+    "vanilla": lambda k: 1,
+    "suffix": lambda k: 1,
+    "suffix-tree": lambda k: 1,
+    "ngram": lambda k: 1,
+    "sd": lambda k: k + 1,
+    "csd": lambda k: k + 1,
+    "scg": lambda k: k + 1,
+}
+
+
+@contextlib.contextmanager
+def counted_syncs(counts: collections.Counter):
+    originals = {name: getattr(torch.Tensor, name) for name in (*SYNCS, "__getitem__")}
+
+    def counting(name):
+        def f(self, *a, **k):
+            counts[name] += 1
+            return originals[name](self, *a, **k)
+
+        return f
+
+    def getitem(self, idx):
+        if isinstance(idx, torch.Tensor) and idx.dtype == torch.bool:
+            counts["bool-index"] += 1
+        return originals["__getitem__"](self, idx)
+
+    try:
+        for name in SYNCS:
+            setattr(torch.Tensor, name, counting(name))
+        torch.Tensor.__getitem__ = getitem
+        yield
+    finally:
+        for name, f in originals.items():
+            setattr(torch.Tensor, name, f)
+
+
+# methods that need the bundled models' EAGLE-3 head and yield predictor (k: --eagle3-k)
+BUNDLED_BUDGET = {
+    "eagle3": lambda k: k + 2,  # a confidence per chain token, the chain, the accepted tokens
+    "eagle3-tree": lambda k: 2 * k + 1,  # two per tree level, the accepted tokens
+    "hybrid": lambda k: 2 * k + 1,
+    "hybrid-tree": lambda k: 2 * k + 1,
+}
+
+
+def worst_cycle(engine, method: str, monkeypatch) -> dict:
+    """The host reads of the request's cycle that made most of them."""
+    counts: collections.Counter = collections.Counter()
+    per_cycle: list[dict] = []
+    cycle = Generation._cycle
+
+    def counted_cycle(self, session):
+        counts.clear()
+        out = cycle(self, session)
+        per_cycle.append(dict(counts))
+        return out
+
+    monkeypatch.setattr(Generation, "_cycle", counted_cycle)
+    ids = engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
+    with counted_syncs(counts):
+        for _ in engine.generate(GenerationRequest(ids, 32, method=method, ignore_eos=True)):
+            pass
+    assert len(per_cycle) > 1
+    return max(per_cycle, key=lambda c: sum(c.values()))
+
+
+@pytest.mark.parametrize("method", sorted(BUDGET))
+def test_a_cycle_makes_no_more_host_round_trips_than_its_budget(tiny_engine, method, monkeypatch):
+    worst = worst_cycle(tiny_engine, method, monkeypatch)
+    budget = BUDGET[method](tiny_engine.cfg.num_speculative_tokens)
+    assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
+
+
+@pytest.mark.parametrize("method", sorted(BUNDLED_BUDGET))
+def test_a_cycle_of_the_eagle3_and_hybrid_methods_stays_within_its_budget(bundled_engine, method, monkeypatch):
+    worst = worst_cycle(bundled_engine, method, monkeypatch)
+    budget = BUNDLED_BUDGET[method](bundled_engine.cfg.eagle3_k)
+    assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
