@@ -402,7 +402,9 @@ class Eagle3Drafter(Drafter):
         """Each tree's ``parents[i]`` nodes get their ``topk`` children, from their head logits
         (rows of ``logits``, in order) and prenorm outputs (``outs[i]`` [m_i, H])."""
         top = torch.softmax(logits.float(), -1).topk(self.tree.topk)
-        values, ids = top.values.tolist(), top.indices.tolist()
+        # one read of the device per level: probabilities and ids together (float64 holds both exactly)
+        values, read_ids = torch.stack([top.values.double(), top.indices.double()]).tolist()
+        ids = [[int(i) for i in r] for r in read_ids]
         row = 0
         for t, nodes, h in zip(trees, parents, outs):
             for r, parent in enumerate(nodes):
