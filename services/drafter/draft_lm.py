@@ -192,7 +192,7 @@ class DraftLMDrafter(Drafter):
             if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
                 p_max, greedy = torch.softmax(stacked.float(), -1).max(-1)
             else:
-                greedy, p_max = stacked.argmax(-1), torch.ones(len(active))
+                greedy, p_max = stacked.argmax(-1), torch.ones(len(active), device=stacked.device)
             if self.vocab is not None:
                 greedy = self.vocab[greedy]
             # one read of the device per draft position: the tokens and their confidences together
