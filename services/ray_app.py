@@ -29,10 +29,13 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Deployment
+from ray.serve.handle import DeploymentResponse
+from ray.serve.schema import ReplicaState
 
 from services.common.config import OPTIONS, EngineConfig
 from services.common.exposition import MODEL_NAME_ENV, start_node_exporter
@@ -47,6 +50,12 @@ METRICS_PORT_ENV, METRICS_HOST_ENV = "SPECMESH_NODE_METRICS_PORT", "SPECMESH_NOD
 def node_metrics() -> None:
     """Every replica offers to serve its node's specmesh_* metrics (see ``start_node_exporter``)."""
     start_node_exporter(int(os.environ.get(METRICS_PORT_ENV, "0")), os.environ.get(METRICS_HOST_ENV, "0.0.0.0"))
+
+
+def deployed(cls: Any) -> Deployment:
+    """A class under ``@serve.deployment``: a ``Deployment`` at run time, though Ray's typing
+    keeps the class's own type."""
+    return cls
 
 
 class SessionMissing(RuntimeError):
@@ -329,17 +338,17 @@ class RaySession:
         self.h = handle.options(multiplexed_model_id=self.spec.session_id)
         self.tokens = list(spec.prompt_ids)
         self.cancelled = False
-        self._call = None  # the cycle call in flight
+        self._call: DeploymentResponse | None = None  # the cycle call in flight
         self._open()
 
     def _open(self) -> None:
         self.h.open.remote(self.spec.resumed(self.tokens[len(self.spec.prompt_ids) :])).result()
 
     def _cycle(self, req: CycleRequest):
-        self._call = self.h.cycle.remote(req)
+        call = self._call = self.h.cycle.remote(req)
         if self.cancelled:  # cancel() came before this call existed
-            self._call.cancel()
-        return self._call.result()
+            call.cancel()
+        return call.result()
 
     def cycle(self, req: CycleRequest):
         try:
@@ -378,7 +387,7 @@ def verifiers_live(handle, timeout_s: float = 2.0) -> int:
         return 0
     try:
         status = serve.status().applications[handle.app_name]
-        return max(1, status.deployments[handle.deployment_name].replica_states.get("RUNNING", 0))
+        return max(1, status.deployments[handle.deployment_name].replica_states.get(ReplicaState.RUNNING, 0))
     except Exception:  # noqa: BLE001 - the controller busy or restarting: one answered
         return 1
 
@@ -636,7 +645,7 @@ def app(args: dict):
         return {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": env}
 
     auto = args.get("autoscaling")
-    scaling = (
+    scaling: dict[str, Any] = (
         {
             "autoscaling_config": {
                 "min_replicas": auto["min_replicas"],
@@ -647,34 +656,48 @@ def app(args: dict):
         if auto
         else {"num_replicas": int(args.get("verifier_replicas", 1))}
     )
-    small = {"ray_actor_options": actor(min(cpus, 0.5))}
-    memory = MemoryDeployment.options(**small).bind(args) if args.get("shared_memory") else None
-    drafter = DrafterDeployment.options(**small).bind(args) if args.get("remote_drafter") else None
+    small = actor(min(cpus, 0.5))
+    memory = (
+        deployed(MemoryDeployment).options(ray_actor_options=small).bind(args) if args.get("shared_memory") else None
+    )
+    drafter = (
+        deployed(DrafterDeployment).options(ray_actor_options=small).bind(args) if args.get("remote_drafter") else None
+    )
     # A session's open goes to the replica holding its prompt's start (services/ray_router.py).
     # Each replica reports its open sessions every second, for the routers of every ingress replica.
-    routing = RequestRouterConfig(
-        request_router_class="services.ray_router:PrefixAffinityRequestRouter",
-        request_router_kwargs={"slack": int(args.get("affinity_slack", 2))},
-        request_routing_stats_period_s=1.0,
+    routing = {  # RequestRouterConfig's fields
+        "request_router_class": "services.ray_router:PrefixAffinityRequestRouter",
+        "request_router_kwargs": {"slack": int(args.get("affinity_slack", 2))},
+        "request_routing_stats_period_s": 1.0,
+    }
+    verifier = (
+        deployed(VerifierDeployment)
+        .options(
+            ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
+            max_ongoing_requests=int(args.get("max_sessions", 16)) * 4,
+            request_router_config=routing,
+            **scaling,
+        )
+        .bind(args, memory)
     )
-    verifier = VerifierDeployment.options(
-        ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
-        max_ongoing_requests=int(args.get("max_sessions", 16)) * 4,
-        request_router_config=routing,
-        **scaling,
-    ).bind(args, memory)
     cfg = engine_config(args)
     predictor = None
     if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():
-        predictor = PredictorDeployment.options(ray_actor_options=actor(min(cpus, 0.5))).bind(str(cfg.predictor))
+        predictor = (
+            deployed(PredictorDeployment).options(ray_actor_options=actor(min(cpus, 0.5))).bind(str(cfg.predictor))
+        )
     # Admission as in the other topologies: max_streams Generate streams per ingress replica (each
     # holds one of Serve's sync-method threads), max_queue waiting; beyond that Serve's
     # back-pressure answers RESOURCE_EXHAUSTED.
     ingress = int(args.get("ingress_replicas", 1))
-    aborts = AbortBoard.options(ray_actor_options={"num_cpus": 0}).bind() if ingress > 1 else None
-    return GenerationIngress.options(
-        num_replicas=ingress,
-        ray_actor_options=actor(cpus),
-        max_ongoing_requests=int(args.get("max_streams", 64)),
-        max_queued_requests=int(args.get("max_queue", 32)),
-    ).bind(verifier, predictor, args, drafter, aborts)
+    aborts = deployed(AbortBoard).options(ray_actor_options={"num_cpus": 0}).bind() if ingress > 1 else None
+    return (
+        deployed(GenerationIngress)
+        .options(
+            num_replicas=ingress,
+            ray_actor_options=actor(cpus),
+            max_ongoing_requests=int(args.get("max_streams", 64)),
+            max_queued_requests=int(args.get("max_queue", 32)),
+        )
+        .bind(verifier, predictor, args, drafter, aborts)
+    )

@@ -5,9 +5,8 @@ import inspect
 
 import torch
 
-from services.common.types import Draft, SamplingParams
+from services.common.types import Delegate, Draft, SamplingParams
 from services.drafter.base import Drafter
-from services.drafter.hybrid import Delegate
 
 METHODS = sorted(name for name, _ in inspect.getmembers(Drafter, inspect.isfunction) if not name.startswith("_"))
 

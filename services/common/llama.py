@@ -177,7 +177,7 @@ def ragged_attention(
     sin: torch.Tensor,
     rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
     layer: int = 0,
-    groups: list[Group] = (),
+    groups: Sequence[Group] = (),
     alone: list[int] | None = None,
     lens: list[int] | None = None,
 ) -> torch.Tensor:
@@ -193,6 +193,7 @@ def ragged_attention(
     if not groups:
         o = attend_rows(q, k, v, rows, gqa)  # [heads, N, d]
     else:
+        assert alone is not None and lens is not None, "pooled groups come with the rows left alone"
         o = q.new_empty(q.shape)
         for g in groups:
             out = g.attend(layer, q, k, v, gqa)
@@ -208,7 +209,7 @@ def attend_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    rows: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
+    rows: Sequence[tuple[int, int, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
     gqa: bool,
     last_only: bool = False,
 ) -> torch.Tensor:
@@ -308,6 +309,9 @@ class KVCache:
 
 class Llama(nn.Module):
     """Llama-architecture causal LM. Parameter names mirror HF's minus the ``model.`` prefix."""
+
+    rope_cos: torch.Tensor  # buffers, [positions, head_dim]
+    rope_sin: torch.Tensor
 
     def __init__(self, hf_config):
         super().__init__()

@@ -125,7 +125,7 @@ def ban_columns(logits: torch.Tensor, tokens: list[int], columns: torch.Tensor |
     return logits.masked_fill(torch.isin(columns, torch.tensor(tokens, device=columns.device)), float("-inf"))
 
 
-def sample(probs: torch.Tensor, rng: torch.Generator) -> int:
+def sample(probs: torch.Tensor, rng: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=rng).item())
 
 

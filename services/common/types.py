@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.common.token_tree import is_chain, main_chain
 
@@ -50,6 +50,17 @@ class SamplingParams:
     @property
     def biased(self) -> bool:
         return bool(self.logit_bias or self.allowed_token_ids)
+
+
+@dataclass(frozen=True)
+class Delegate:
+    """A router drafter's answer when its own draft is not worth verifying (the hybrid's): draft
+    with ``drafter`` (beside the verifier) instead, at most ``budget`` tokens; ``also``: the cache
+    draft, to verify beside it as a branch of one token tree where the session takes trees."""
+
+    drafter: str
+    budget: int
+    also: tuple[int, ...] = ()
 
 
 @dataclass
@@ -270,3 +281,14 @@ class CycleResult:
     cached_tokens: int = 0  # prompt positions the prefix cache gave (a session's first cycle)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # a session's first cycle, when it asked
     logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token, when the session asked
+
+
+class Session(Protocol):
+    """A verifier session as the router drives it, in process (``VerifierSession``), over gRPC
+    (``RemoteSession``, ``LinkedSession``) or through Serve (``RaySession``)."""
+
+    def cycle(self, req: CycleRequest) -> CycleResult: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...

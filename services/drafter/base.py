@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.common.prefix_cache import PrefixCache
+from services.common.prefix_cache import ROOT, PrefixCache
+from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
 
 
@@ -41,7 +42,9 @@ class Drafter(ABC):
     ) -> None: ...
 
     @abstractmethod
-    def propose(self, req_id: str, budget: int) -> Draft: ...
+    def propose(self, req_id: str, budget: int) -> Draft:
+        """This cycle's draft, at most ``budget`` tokens (the hybrid may answer a ``Delegate``:
+        the verifier-side drafter to use instead)."""
 
     def verified(self, req_id: str, n: int) -> None:
         """Only the first ``n`` tokens of the last proposal are checked this cycle."""
@@ -65,6 +68,25 @@ class Drafter(ABC):
     def kv_bytes_per_position(self) -> int:
         """K/V bytes the drafter keeps per position of a request."""
         return 0
+
+
+class ModelDrafter(Drafter):
+    """A drafter beside the verifier (the draft LM, the EAGLE-3 head): a session's start also
+    names its prefix-cache root (the cache salt's), its grammar cursor (structured output) and
+    whether it drafts token trees."""
+
+    @abstractmethod
+    def start(
+        self,
+        req_id: str,
+        prompt: list[int],
+        sp: SamplingParams,
+        rng: torch.Generator | None,
+        max_new_tokens: int = 0,
+        cache_root: bytes = ROOT,
+        grammar: GrammarCursor | None = None,
+        trees: bool = False,
+    ) -> None: ...
 
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {}

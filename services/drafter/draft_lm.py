@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -11,7 +12,7 @@ from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_p
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import Drafter, common_prefix, register
+from services.drafter.base import ModelDrafter, common_prefix, register
 
 
 @dataclass
@@ -19,7 +20,7 @@ class _State:
     tokens: list[int]
     cache: KVCache
     sp: SamplingParams
-    rng: torch.Generator
+    rng: torch.Generator | None  # None: the global generator
     vocab_size: int
     cache_len: int = 0
     drafted: list[int] = field(default_factory=list)
@@ -64,6 +65,7 @@ class _Row:
         if st.sp.allowed_token_ids and not bool(torch.isfinite(logits).any()):
             return None  # none of the allowed tokens is left in the draft vocabulary
         if st.grammar is not None:
+            assert self.state is not None, "a grammar's row has its state"
             return st.grammar.automaton.mask_columns(logits, self.state, columns)
         return logits
 
@@ -104,7 +106,7 @@ class _Row:
 
 
 @register("draft-lm")
-class DraftLMDrafter(Drafter):
+class DraftLMDrafter(ModelDrafter):
     """Autoregressive chain drafts of at most ``budget`` tokens.
 
     Greedy requests draft argmax tokens (q one-hot); sampled requests sample from the
@@ -143,7 +145,7 @@ class DraftLMDrafter(Drafter):
         req_id: str,
         prompt: list[int],
         sp: SamplingParams,
-        rng: torch.Generator,
+        rng: torch.Generator | None,
         max_new_tokens: int = 0,
         cache_root: bytes = ROOT,
         grammar: GrammarCursor | None = None,
@@ -229,10 +231,9 @@ class DraftLMDrafter(Drafter):
         return st
 
     def _keep(self, st: _State) -> None:
-        if self.prefix is not None and st.keys is not None:
-            self.prefix.store(
-                st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, self.prefix.block), st.root
-            )
+        prefix = self.prefix
+        if prefix is not None and st.keys is not None:
+            prefix.store(st.keys, st.tokens, st.cache_len, lambda b0: kv_block(st.cache, b0, prefix.block), st.root)
 
     def verified(self, req_id: str, n: int) -> None:
         """Its drafts follow the request's grammar and bad words already, so none is cut."""
@@ -254,7 +255,7 @@ def restricted_head(lm_head: torch.nn.Module, vocab: torch.Tensor) -> torch.nn.M
     """An LM head over the rows ``vocab`` of ``lm_head`` (packed like it when it is packed)."""
     from services.common.packed_linear import PackedLinear
 
-    w = lm_head.weight.detach()[vocab]
+    w = cast(torch.Tensor, lm_head.weight).detach()[vocab]
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     with torch.no_grad():
         lin.weight.copy_(w)

@@ -53,6 +53,11 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
+    d2t: torch.Tensor  # buffers: draft id -> target id offset; target ids in the draft vocabulary
+    t2d: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg):
         super().__init__()
         s = LlamaShape.from_hf(cfg)

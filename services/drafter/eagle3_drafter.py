@@ -22,7 +22,7 @@ from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_p
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import Drafter, register
+from services.drafter.base import ModelDrafter, register
 from services.drafter.eagle3 import Eagle3Head
 
 
@@ -76,6 +76,10 @@ class _Row:
         self.confident = p_max >= min_confidence
         if self.st.grammar is not None:
             self.state = self.st.grammar.automaton.next(self.state, tok)
+
+    def last_output(self) -> torch.Tensor:
+        assert self.h is not None, "a row still drafting has taken a step"
+        return self.h
 
     @property
     def drafting(self) -> bool:
@@ -154,7 +158,7 @@ class _Tree:
 
 
 @register("eagle3")
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(ModelDrafter):
     """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
     whose head probability (max q) is below ``min_confidence``. With ``tree``, a request
     started with ``trees=True`` gets token trees instead (``_grow``)."""
@@ -236,9 +240,11 @@ class Eagle3Drafter(Drafter):
         if st.sp.allowed_token_ids and not bool(torch.isfinite(logits).any()):
             return None  # none of the allowed tokens is left in the draft vocabulary
         if st.grammar is not None:
-            logits = st.grammar.automaton.mask_columns(logits, state, self._target_columns(logits.device))
-            if logits is None:
+            assert state is not None, "a grammar's row has its state"
+            masked = st.grammar.automaton.mask_columns(logits, state, self._target_columns(logits.device))
+            if masked is None:
                 return None
+            logits = masked
         if st.sp.greedy:  # on the draft vocabulary: its max q is the head's own confidence
             tok = self.head.greedy(logits)
             if self.min_confidence <= 0:
@@ -285,11 +291,10 @@ class Eagle3Drafter(Drafter):
 
     def _keep(self, st: _State) -> None:
         """Store the head blocks computed from real features (positions before ``real_len``)."""
-        if self.prefix is None or st.keys is None or (len(st.keys) + 1) * self.prefix.block > st.real_len:
+        prefix = self.prefix
+        if prefix is None or st.keys is None or (len(st.keys) + 1) * prefix.block > st.real_len:
             return  # no block completed (the usual cycle): no copy of the tokens
-        self.prefix.store(
-            st.keys, st.tokens[1:], st.real_len, lambda b0: kv_block(st.cache, b0, self.prefix.block), st.root
-        )
+        prefix.store(st.keys, st.tokens[1:], st.real_len, lambda b0: kv_block(st.cache, b0, prefix.block), st.root)
 
     def _catch_up(self, st: _State) -> tuple[torch.Tensor, list[int], int]:
         """Head inputs for the positions not yet run on real features: fc(f), tokens, start."""
@@ -301,6 +306,7 @@ class Eagle3Drafter(Drafter):
             f, start = torch.cat(st.feats), st.real_len
             st.feats = []
         else:  # nothing verified since the last draft: recompute the last real position
+            assert st.last_feat is not None, "a drafted session has run the head on a real feature"
             f, start = st.last_feat, st.n_feats - 1
         st.real_len = st.n_feats
         h = head.fc(f.to(head.fc.weight.device, head.fc.weight.dtype))
@@ -345,7 +351,7 @@ class Eagle3Drafter(Drafter):
             active = [r for r in active if r.drafting]
             if active:
                 logits, outs = self.head.step_ragged(
-                    [r.h for r in active],
+                    [r.last_output() for r in active],
                     [[r.drafted[-1]] for r in active],
                     [r.st.n_feats + len(r.drafted) - 1 for r in active],
                     [r.st.cache for r in active],
@@ -369,11 +375,13 @@ class Eagle3Drafter(Drafter):
         ``budget`` best-scoring nodes are its draft. The nodes are the head's top-k, not
         samples (no q), so a sampled session verifies them by drawing the target's tokens."""
         d2t = self.head._d2t_list() if self.head.remaps_vocab else None
-        trees = [_Tree(st, budget, self.tree) for st, _, _, budget in rows]
+        shape = self.tree
+        assert shape is not None, "a tree drafter"
+        trees = [_Tree(st, budget, shape) for st, _, _, budget in rows]
         self._children(
             trees, [[-1]] * len(trees), torch.stack([lg for _, lg, _, _ in rows]), [out for _, _, out, _ in rows], d2t
         )
-        for depth in range(1, self.tree.steps):
+        for depth in range(1, shape.steps):
             work = [(t, g) for t in trees if (g := t.to_expand(depth))]
             if not work:
                 break
@@ -401,6 +409,7 @@ class Eagle3Drafter(Drafter):
     ) -> None:
         """Each tree's ``parents[i]`` nodes get their ``topk`` children, from their head logits
         (rows of ``logits``, in order) and prenorm outputs (``outs[i]`` [m_i, H])."""
+        assert self.tree is not None, "a tree drafter"
         top = torch.softmax(logits.float(), -1).topk(self.tree.topk)
         # one read of the device per level: probabilities and ids together (float64 holds both exactly)
         values, read_ids = torch.stack([top.values.double(), top.indices.double()]).tolist()

@@ -39,13 +39,13 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from services.common.metrics import HYBRID_DECISIONS, PREDICTED_VS_ACTUAL
-from services.common.types import Draft, SamplingParams
+from services.common.types import Delegate, Draft, SamplingParams
 from services.drafter.base import Drafter
 from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize
-from services.predictor.mlp import YieldMLP
 
 CACHE, MODEL, PLAIN = "cache", "model", "plain"  # a hybrid's choices per cycle
 
@@ -306,10 +306,16 @@ class YieldCalibration:
             self.bias.setdefault(length_bucket(length), _Means()).add(self.alpha, bias=y - y_hat)
 
 
+class YieldPredictor(Protocol):
+    """ŷ per row of features: the MLP in process (``YieldMLP``) or a remote one."""
+
+    def predict(self, phi: np.ndarray) -> np.ndarray: ...
+
+
 class PredictorRule:
     name = "predictor"
 
-    def __init__(self, mlp: YieldMLP, flags: TokenFlags, tau: float):
+    def __init__(self, mlp: YieldPredictor, flags: TokenFlags, tau: float):
         self.mlp, self.flags, self.tau = mlp, flags, tau
         self.calibration = YieldCalibration()
 
@@ -326,7 +332,7 @@ class PredictorRule:
         t0 = time.perf_counter()
         raw = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
         y_hat = self.calibration(n, raw)
-        if need is not None:
+        if costs is not None and need is not None:
             costs.record_prediction_cost(time.perf_counter() - t0)
             draft.features["yield_needed"] = need
         draft.features["predicted_yield"], draft.features["raw_yield"] = y_hat, raw
@@ -346,17 +352,6 @@ class ScoreRule:
 
     def realize(self, length: int, raw: float, y: int) -> None:
         """Scores are not predictions: nothing to calibrate."""
-
-
-@dataclass(frozen=True)
-class Delegate:
-    """The hybrid's answer when the cache draft is not worth verifying: draft with ``drafter``
-    (beside the verifier) instead, at most ``budget`` tokens; ``also``: the cache draft, to
-    verify beside it as a branch of one token tree where the session takes trees."""
-
-    drafter: str
-    budget: int
-    also: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -413,7 +408,7 @@ class HybridDrafter(Drafter):
         self.cache.start(req_id, prompt, sp, rng)
         self.states[req_id] = _State(YieldTracker(len(prompt), max_new_tokens), [])
 
-    def propose(self, req_id: str, budget: int) -> Draft | Delegate:
+    def propose(self, req_id: str, budget: int) -> Draft | Delegate:  # type: ignore[override]  # the router checks for Delegate
         st = self.states[req_id]
         st.started, st.prev = time.perf_counter(), st.choice
         if st.follow_up:  # the model again, to measure it back to back (CycleCosts.follow_up)
@@ -465,7 +460,7 @@ class HybridDrafter(Drafter):
         self.cache.observe(req_id, tokens)
         # once a predicted draft's yield is known: precision / recall, and what the prediction gained
         for p, y in st.tracker.update(st.cache_draft, tokens, st.chose_cache, st.predicted):
-            if p is None:
+            if not isinstance(p, _Prediction):  # an unpredicted draft's tag is None
                 continue
             PREDICTED_VS_ACTUAL.labels(self.name, str(p.high).lower(), str(y >= HIGH_YIELD).lower()).inc()
             self.rule.realize(p.length, p.raw, y)

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,8 +25,17 @@ from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.refusals import Invalid
 from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, banned_tokens, sampling_error
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
-from services.common.types import CycleRequest, SamplingParams, SessionCancelled, SessionSpec, SpecStats, TokenLogprob
-from services.drafter.hybrid import Delegate
+from services.common.types import (
+    CycleRequest,
+    Delegate,
+    SamplingParams,
+    Session,
+    SessionCancelled,
+    SessionSpec,
+    SpecStats,
+    TokenLogprob,
+)
+from services.drafter.base import Drafter
 from services.drafter.ngram import NgramDrafter
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
@@ -179,7 +188,7 @@ class Engine:
         if cfg.drafter_addr:
             from services.drafter.client import RemoteDrafter
 
-            self.drafters = {
+            self.drafters: dict[str, Drafter] = {
                 "suffix": RemoteDrafter(cfg.drafter_addr),
                 "suffix-tree": RemoteDrafter(cfg.drafter_addr, "suffix-tree", tree=True),
             }
@@ -199,7 +208,7 @@ class Engine:
         self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
         self._ids = itertools.count()
-        self._grammars = None
+        self._grammars: GrammarCompiler | None = None
         if self.default_method != cfg.default_method:  # said once, not per request
             log.warning(
                 "default method %s cannot run on these models (a drafter is missing); requests that "
@@ -222,11 +231,11 @@ class Engine:
 
     def _add_hybrids(self, cfg: EngineConfig) -> None:
         """hybrid / hybrid-rule: the suffix cache + the verifier's model drafter as fallback."""
-        from services.drafter.hybrid import PredictorRule, ScoreRule
+        from services.drafter.hybrid import DecisionRule, PredictorRule, ScoreRule
 
         if self.model_fallback is None:
             return
-        rules = {"hybrid-rule": ScoreRule(cfg.hybrid.score_threshold)}
+        rules: dict[str, DecisionRule] = {"hybrid-rule": ScoreRule(cfg.hybrid.score_threshold)}
         from services.predictor.features import TokenFlags
 
         if cfg.predictor_addr:
@@ -267,6 +276,7 @@ class Engine:
         from services.drafter.hybrid import CycleCosts, HybridDrafter
 
         model = fallback or self.model_fallback
+        assert model is not None, "a hybrid needs a model drafter"
         limits = (self.max_draft["suffix"], self.max_draft[model])
         self.drafters[name] = HybridDrafter(
             name, self.drafters[cache], model, rule, *limits, costs=CycleCosts() if cost_aware else None, both=both
@@ -408,6 +418,7 @@ class Engine:
                 "structured_output: cannot be combined with ignore_eos or min_tokens "
                 "(the grammar decides where the output may end)"
             )
+        assert req.structured is not None, "called for a structured request"
         try:
             self.grammars.compile(req.structured.pattern())
         except GrammarError as e:
@@ -527,7 +538,7 @@ class Generation:
         self.cached_tokens = 0  # prompt tokens the verifier's prefix cache gave
         self.logprobs: list[TokenLogprob] = []  # per output token, when the request asked
         self.prompt_logprobs: list[TokenLogprob] = []  # per prompt token after the first, when asked
-        self._session = None
+        self._session: Session | None = None
         self._cancelled = self._aborted = False
         self.pattern = req.structured.pattern() if req.structured else None
         self.grammar = GrammarCursor.after(engine.grammars.compile(self.pattern), []) if self.pattern else None
@@ -552,7 +563,7 @@ class Generation:
         if self._session is not None:
             self._session.cancel()
 
-    def __iter__(self) -> Iterator[StepOutput]:
+    def __iter__(self) -> Generator[StepOutput, None, None]:
         req = self.req
         session = self._session = self.engine.verifier.open(
             SessionSpec(
@@ -630,7 +641,7 @@ class Generation:
         """A router draft up to its first token the grammar forbids (it would be rejected)."""
         if self.grammar is None:
             return draft
-        state = self.grammar.state
+        state: int | None = self.grammar.state
         for i, t in enumerate(draft):
             state = self.grammar.automaton.next(state, t)
             if state is None:
@@ -660,7 +671,7 @@ class Generation:
             return 0
         return max(0, min(self.max_draft, self.req.max_new_tokens - len(self.output_ids) - 1))
 
-    def _cycle(self, session) -> StepOutput:
+    def _cycle(self, session: Session) -> StepOutput:
         t0 = time.perf_counter()
         budget = self._budget()
         creq = self._request(budget)
@@ -760,7 +771,7 @@ class Generation:
             verify_s=round(t.verify_s, 4),
             draft_s=round(t.draft_s, 4),
         )
-        out = {
+        out: dict[str, object] = {
             "text": self.text,
             "token_ids": list(self.output_ids),
             "finish_reason": self.finish_reason,

@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,7 +36,7 @@ from services.common.refusals import Refusal
 from services.common.types import SessionCancelled
 from services.router import openai_api as oa
 from services.router import sglang_api as sgl
-from services.router.engine import Completions, Engine, InvalidRequest
+from services.router.engine import Completions, Engine, GenerationRequest, InvalidRequest
 from services.router.tools import ToolStream
 
 log = logging.getLogger("specmesh.http")
@@ -81,21 +83,57 @@ def error(status: int, message: str) -> JSONResponse:
     return JSONResponse(oa.error_body(message, _KIND_OF.get(status, "server_error"), status, param), status_code=status)
 
 
-class _Run:
+class Parsed(Protocol):
+    """What every API's parser gives a ``_Run``: the requests to complete, and whether to stream."""
+
+    @property
+    def gens(self) -> Sequence[GenerationRequest]: ...
+
+    @property
+    def stream(self) -> bool: ...
+
+
+R = TypeVar("R", bound=Parsed)
+
+
+class _Run(Generic[R]):
     """One request's completions on a thread of its own; events reach the event loop as
     ("start",), ("step", index, step | None), ("done",) or ("error", status, message)."""
 
     def __init__(
-        self, get_engine, parse, body, admission, loop: asyncio.AbstractEventLoop, active, describe=oa.openai_message
+        self,
+        get_engine: Callable[[], Engine],
+        parse: Callable[[Any, Engine], R],
+        body,
+        admission,
+        loop: asyncio.AbstractEventLoop,
+        active,
+        describe=oa.openai_message,
     ):
         self.get_engine, self.parse, self.body, self.describe = get_engine, parse, body, describe
         self.admission, self.loop, self.active = admission, loop, active
-        self.engine: Engine | None = None
-        self.api: oa.ApiRequest | None = None
+        self._engine: Engine | None = None
+        self._api: R | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.completions: Completions | None = None
+        self._completions: Completions | None = None
         self.gone = False
         threading.Thread(target=self._run, daemon=True, name="http-request").start()
+
+    # Rule: the event loop reads these only after the "start" event, which follows their setting.
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "read after the start event"
+        return self._engine
+
+    @property
+    def api(self) -> R:
+        assert self._api is not None, "read after the start event"
+        return self._api
+
+    @property
+    def completions(self) -> Completions:
+        assert self._completions is not None, "read after the start event"
+        return self._completions
 
     # the admission queue's view of the client
     def is_active(self) -> bool:
@@ -107,8 +145,8 @@ class _Run:
     def leave(self) -> None:
         """The client is gone (any thread): stop the cycles in flight."""
         self.gone = True
-        if self.completions is not None:
-            self.completions.cancel()
+        if self._completions is not None:
+            self._completions.cancel()
 
     def _put(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -121,13 +159,13 @@ class _Run:
             self._put("error", 500, f"internal error: {type(e).__name__}")
 
     def _admit(self) -> None:
-        self.engine = self.get_engine()
+        engine = self._engine = self.get_engine()
         try:  # tokenizing, rendering a chat template and compiling a grammar take time: here, not in the loop
-            self.api = self.parse(self.body, self.engine)
-            parts = [self.engine.generate_all(r) for r in self.api.gens]
+            api = self._api = self.parse(self.body, engine)
+            parts = [engine.generate_all(r) for r in api.gens]
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
-            return self._put("error", 404 if isinstance(e, oa.ModelNotFound) else 400, self.describe(e, self.api))
+            return self._put("error", 404 if isinstance(e, oa.ModelNotFound) else 400, self.describe(e, self._api))
         completions = Completions([g for c in parts for g in c.gens])
         n = len(completions.gens)
         if n > self.admission.max_sessions:
@@ -137,12 +175,12 @@ class _Run:
                 f"n: at most {self.admission.max_sessions} completions in all "
                 "(prompts × n, or × best_of when larger; this server's sessions)",
             )
-        refused = self.admission.acquire(self, n, self.api.gens[0].priority)
+        refused = self.admission.acquire(self, n, api.gens[0].priority)
         if refused is not None:
             REQUESTS_REJECTED.labels(rejected_code(refused)).inc()
             return self._put("error", http_status(refused), str(refused))
         try:
-            self.completions = completions
+            self._completions = completions
             self._decode(completions)
         finally:
             self.admission.release(n)
@@ -366,7 +404,7 @@ def build_app(
         body, refused = await _body(request)
         if refused is not None:
             return refused
-        run = _Run(get_engine, parse, body, admission, asyncio.get_running_loop(), active, describe)
+        run: _Run[Any] = _Run(get_engine, parse, body, admission, asyncio.get_running_loop(), active, describe)
         first = await run.queue.get()
         if first[0] == "error":
             return error(first[1], first[2])
@@ -377,7 +415,7 @@ def build_app(
     return app
 
 
-async def _sse(run: _Run, step_chunks, done_chunks):
+async def _sse(run: _Run[Any], step_chunks, done_chunks):
     """Server-sent events: ``step_chunks(index, step)`` per step event, ``done_chunks()`` at the
     end, an error after the stream began told in-band (as vLLM does), then ``[DONE]``."""
     try:
@@ -398,14 +436,14 @@ async def _sse(run: _Run, step_chunks, done_chunks):
         run.leave()  # no-op after the end; else the client left and its cycles stop
 
 
-def _events(run: _Run):
+def _events(run: _Run[oa.ApiRequest]):
     """OpenAI's stream: a chunk per cycle and choice, a last chunk per choice with its
     finish_reason, usage when asked."""
     chunks = _Chunks(run)
     return _sse(run, chunks.step, lambda: [chunks.usage()] if run.api.include_usage else [])
 
 
-async def _gathered(request: Request, run: _Run):
+async def _gathered(request: Request, run: _Run[Any]):
     """The events of a request that does not stream, up to its last; None once the client
     has left (its cycles are stopped)."""
     while True:
@@ -427,12 +465,13 @@ class _Chunks:
     step (None: the choice's last, with its finish_reason and speculation stats). Tool-call
     streams send what ``ToolStream`` releases, so a step may send nothing."""
 
-    def __init__(self, run: _Run):
+    def __init__(self, run: _Run[oa.ApiRequest]):
         self.api, self.tokenizer, self.gens = run.api, run.engine.tokenizer, run.completions.gens
         self.rid, self.created = oa.new_id(self.api.chat), int(time.time())
         n = len(self.gens)
         self.offsets, self.started, self.streamed = [0] * n, [False] * n, 0
-        self.calls = [ToolStream(self.api.tools) for _ in range(n)] if self.api.calls_tools else None
+        tools = self.api.tools
+        self.calls = [ToolStream(tools) for _ in range(n)] if tools is not None and self.api.calls_tools else None
 
     def step(self, i: int, step) -> list[dict]:
         out = []
@@ -451,7 +490,7 @@ class _Chunks:
     def _echo(self, i: int) -> dict:
         """The prompt (in chat, the last message), with its logprobs when asked."""
         api, gen = self.api, self.gens[i]
-        text = api.chat_echo if api.chat else self.tokenizer.decode(gen.req.prompt_ids)
+        text = api.chat_echo if api.chat else str(self.tokenizer.decode(gen.req.prompt_ids))
         chunk = oa.stream_chunk(
             api, self.rid, self.created, i, text, (), self.tokenizer, prompt_ids=gen.req.prompt_ids, first=api.chat
         )
@@ -487,15 +526,16 @@ class _Chunks:
         return chunk
 
     def _tools(self, i: int, step) -> dict | None:
-        api, gen, first = self.api, self.gens[i], not self.started[i]
+        api, gen, first, calls = self.api, self.gens[i], not self.started[i], self.calls
+        assert calls is not None, "a tool-call stream"
         if step is None:
-            content, deltas, called = self.calls[i].finish()
+            content, deltas, called = calls[i].finish()
             chunk = oa.tool_chunk(
                 api, self.rid, self.created, i, content, deltas, (), self.tokenizer, first, gen.finish_reason, called
             )
             chunk["choices"][0] |= {"stop_reason": gen.stop_reason, "speculation": oa.speculation(gen)}
         else:
-            content, deltas = self.calls[i].feed(step.text)
+            content, deltas = calls[i].feed(step.text)
             self.streamed += len(step.token_ids)
             if not (content or deltas or (api.logprobs and step.logprobs) or api.token_ids):
                 return None
@@ -515,7 +555,7 @@ class _Chunks:
         return chunk
 
 
-async def _collect(request: Request, run: _Run):
+async def _collect(request: Request, run: _Run[oa.ApiRequest]):
     """A request that did not stream: gather its choices (watching for the client leaving)."""
     api, tokenizer = run.api, run.engine.tokenizer
     gens = run.completions.gens
@@ -534,7 +574,7 @@ async def _collect(request: Request, run: _Run):
 class _Native:
     """A native request's completions as its steps carried them (``oa.Choice`` per index)."""
 
-    def __init__(self, run: _Run):
+    def __init__(self, run: _Run[Any]):
         self.gens = run.completions.gens
         self.choices = [oa.Choice(i) for i in range(len(self.gens))]
 
@@ -547,7 +587,7 @@ class _Native:
         return sgl.completion(self.gens[i], i, "".join(c.text), c.token_ids, final, streamed)
 
 
-def _native_events(run: _Run):
+def _native_events(run: _Run[sgl.NativeRequest]):
     """SGLang's stream: per step, the completion so far (cumulative)."""
     seen = _Native(run)
 
@@ -558,7 +598,7 @@ def _native_events(run: _Run):
     return _sse(run, step, lambda: [])
 
 
-async def _native_collect(request: Request, run: _Run):
+async def _native_collect(request: Request, run: _Run[sgl.NativeRequest]):
     """SGLang's answer: one object for one prompt and n = 1, else a list."""
     seen = _Native(run)
     async for event in _gathered(request, run):
@@ -577,7 +617,7 @@ class HttpServer:
     """uvicorn on a thread of its own (the main thread keeps the signal handlers)."""
 
     def __init__(self, app: FastAPI, cfg: ServerConfig, port: int):
-        ssl = {}
+        ssl: dict[str, Any] = {}
         if cfg.tls_cert:
             ssl = {"ssl_certfile": str(cfg.tls_cert), "ssl_keyfile": str(cfg.tls_key)}
             if cfg.tls_client_ca:  # mutual TLS, as the gRPC port

@@ -133,9 +133,9 @@ class LLM:
         """One ``RequestOutput`` per prompt, in order. A prompt is text, token ids, or vLLM's
         ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; ``sampling_params`` is one for
         all or one per prompt."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        params = _per_prompt(sampling_params, len(prompts))
-        jobs = [self._request(i, p, sp, method or self.method) for i, (p, sp) in enumerate(zip(prompts, params))]
+        each = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = _per_prompt(sampling_params, len(each))
+        jobs = [self._request(i, p, sp, method or self.method) for i, (p, sp) in enumerate(zip(each, params))]
         return run_concurrently(
             lambda job: self._run(*job),
             jobs,
@@ -281,7 +281,7 @@ def _completion(index: int, gen: Generation, tokenizer) -> CompletionOutput:
         index,
         gen.text,
         list(gen.output_ids),
-        oa.FINISH.get(gen.finish_reason, gen.finish_reason),
+        oa.FINISH.get(gen.finish_reason or "", gen.finish_reason or ""),  # finished: a reason is set
         gen.stop_reason,
         sum(x.logprob for x in gen.logprobs) if lps is not None else None,
         lps,

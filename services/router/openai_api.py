@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from services.common.structured import StructuredOutput
 from services.common.types import SamplingParams, TokenLogprob
-from services.router.engine import MAX_N, GenerationRequest, InvalidRequest
+from services.router.engine import MAX_N, Generation, GenerationRequest, InvalidRequest
 from services.router.tools import ToolError, Tools, parse_tools, template_messages
 from services.router.tools import message as tool_message
 
@@ -116,8 +116,13 @@ def _num(body: dict, key: str, default: float) -> float:
     return float(_typed(body, key, (int, float), "a number", default))
 
 
-def _int(body: dict, key: str, default: int | None) -> int | None:
+def _int(body: dict, key: str, default: int) -> int:
     return _typed(body, key, (int,), "an integer", default)
+
+
+def _opt_int(body: dict, key: str) -> int | None:
+    """An integer field, None when absent."""
+    return _typed(body, key, (int,), "an integer")
 
 
 def _bool(body: dict, key: str) -> bool:
@@ -161,7 +166,7 @@ def _bad_words(body: dict, engine) -> tuple[tuple[int, ...], ...]:
 
 def _sampling(body: dict, engine) -> SamplingParams:
     top_k = _int(body, "top_k", 0)
-    seed = _int(body, "seed", None)
+    seed = _opt_int(body, "seed")
     if seed is not None and not 0 <= seed < 2**63 - MAX_N:
         raise InvalidRequest(f"seed: must be in [0, 2**63 - {MAX_N}), got {seed}")
     return SamplingParams(
@@ -269,7 +274,7 @@ def _request(
     logprobs: int | None,
     prompt_logprobs: int | None,
 ) -> GenerationRequest:
-    keep = _int(body, "truncate_prompt_tokens", None)
+    keep = _opt_int(body, "truncate_prompt_tokens")
     _typed(body, "spaces_between_special_tokens", (bool,), "true or false", True)
     return GenerationRequest(
         prompt_ids=engine.truncate(prompt_ids, keep, max_tokens),
@@ -360,13 +365,13 @@ def completion_request(body, engine, served_model: str | tuple[str, ...]) -> Api
     if best_of > n and stream:
         raise InvalidRequest("best_of: the best completions are known only at the end; use it without stream")
     max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_TOKENS)
-    logprobs, prompt_lp = _int(body, "logprobs", None), _int(body, "prompt_logprobs", None)
+    logprobs, prompt_lp = _opt_int(body, "logprobs"), _opt_int(body, "prompt_logprobs")
     echo = _bool(body, "echo")
     if echo and logprobs is not None and prompt_lp is None:
         prompt_lp = logprobs  # the echoed prompt's tokens carry log-probabilities too (lm-eval's loglikelihood)
     ranked = 0 if best_of > n and logprobs is None else logprobs  # best_of ranks by the tokens' log-probabilities
     first = _request(body, prompts[0], engine, max_tokens, best_of, ranked, prompt_lp)  # fields parsed once
-    keep = _int(body, "truncate_prompt_tokens", None)
+    keep = _opt_int(body, "truncate_prompt_tokens")
     gens = (first,) + tuple(replace(first, prompt_ids=engine.truncate(ids, keep, max_tokens)) for ids in prompts[1:])
     if len(gens) > 1 and gens[0].request_id:  # a session id names one prompt's completions
         gens = tuple(replace(g, request_id=f"{g.request_id}{PROMPT_SUFFIX}{i}") for i, g in enumerate(gens))
@@ -402,10 +407,10 @@ def chat_request(body, engine, served_model: str | tuple[str, ...], template: st
     echoed = messages[-1]["content"] if _bool(body, "echo") and messages[-1]["role"] == "assistant" else ""
     n = _int(body, "n", 1)
     limit = min(engine.cfg.max_new_tokens_limit, max(1, engine.context_len - len(ids)))
-    max_tokens = _int(body, "max_completion_tokens", None)
+    max_tokens = _opt_int(body, "max_completion_tokens")
     max_tokens = _int(body, "max_tokens", limit) if max_tokens is None else max_tokens
     want = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", None)
+    top = _opt_int(body, "top_logprobs")
     if top is not None and not want:
         raise InvalidRequest("top_logprobs: needs logprobs: true")
     stream = _bool(body, "stream")
@@ -692,7 +697,8 @@ def best_of(api: ApiRequest, choices: list[Choice], gens) -> tuple[list[Choice],
     made = api.gens[0].n
     if not api.n or api.n == made:
         return choices, list(gens)
-    keep_c, keep_g = [], []
+    keep_c: list[Choice] = []
+    keep_g: list[Generation] = []
     for start in range(0, len(choices), made):
         group = range(start, start + made)
         top = sorted(
@@ -731,7 +737,7 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
         if api.chat:
             text = api.chat_echo + text
             base["message"] = {"role": "assistant", "content": text}
-            if api.calls_tools:
+            if api.tools is not None and api.calls_tools:
                 content, calls, called = tool_message(api.tools, text)
                 base["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
                 base["finish_reason"] = "tool_calls" if called else base["finish_reason"]
@@ -757,7 +763,7 @@ def response_body(api: ApiRequest, rid: str, created: int, choices: list[Choice]
 
 def _prompt_logprobs(tokenizer, g) -> list:
     """vLLM's shape: None for the first prompt token, then {token_id: {logprob, rank?, decoded_token}}."""
-    rows = [None]
+    rows: list[dict | None] = [None]
     for x in g.prompt_logprobs:
         row = {str(i): {"logprob": v, "decoded_token": _tok(tokenizer, i)} for i, v in x.top}
         row[str(x.token_id)] = {"logprob": x.logprob, "decoded_token": _tok(tokenizer, x.token_id)}

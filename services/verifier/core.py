@@ -28,7 +28,7 @@ from services.common.sampling import Draws, apply_bias, apply_penalties, ban_bad
 from services.common.structured import GrammarCompiler, GrammarCursor
 from services.common.token_tree import graft
 from services.common.types import CycleRequest, CycleResult, Draft, SessionCancelled, SessionSpec, TokenLogprob, Verdict
-from services.drafter.base import DRAFTERS, Drafter
+from services.drafter.base import DRAFTERS, Drafter, ModelDrafter
 from services.memory.correction_memory import LocalCorrectionMemory
 from services.memory.snapshot import load_snapshot
 from services.verifier.batcher import CycleBatcher, Pending
@@ -51,7 +51,7 @@ class VerifierCore:
     def __init__(
         self,
         runner: TargetRunner,
-        drafters: dict[str, Drafter],
+        drafters: dict[str, ModelDrafter],
         max_draft: dict[str, int],
         policies: dict,
         memory,
@@ -70,7 +70,8 @@ class VerifierCore:
             )
         self.context_len = max_model_len or runner.max_positions
         self.runner, self.drafters, self.max_draft = runner, drafters, max_draft
-        self.tokenizer_dir, self._grammars = tokenizer_dir, None
+        self.tokenizer_dir = tokenizer_dir
+        self._grammars: GrammarCompiler | None = None
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
         self.prefill_chunk = prefill_chunk
         self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000)
@@ -83,11 +84,11 @@ class VerifierCore:
             torch.set_num_threads(cfg.threads)
         dtype = getattr(torch, cfg.dtype)
         runner = TargetRunner(_load(cfg.target, cfg))
-        drafters: dict[str, Drafter] = {}
+        drafters: dict[str, ModelDrafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:
-            drafters["draft-lm"] = DRAFTERS["draft-lm"](
-                _load(cfg.draft, cfg), cfg.draft_confidence, draft_vocabulary(cfg)
+            drafters["draft-lm"] = model_drafter(
+                "draft-lm", _load(cfg.draft, cfg), cfg.draft_confidence, draft_vocabulary(cfg)
             )
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
@@ -104,10 +105,11 @@ class VerifierCore:
                 if cfg.packed_gemm:
                     pack_linears(head)
                 runner.capture_layers = head.aux_layers
-                drafters["eagle3"] = DRAFTERS["eagle3"](head, cfg.eagle3_confidence)
+                drafters["eagle3"] = model_drafter("eagle3", head, cfg.eagle3_confidence)
                 max_draft["eagle3"] = cfg.eagle3_k
                 if cfg.eagle3_topk > 1:  # the same head, drafting trees
-                    drafters["eagle3-tree"] = DRAFTERS["eagle3"](
+                    drafters["eagle3-tree"] = model_drafter(
+                        "eagle3",
                         head,
                         tree=TreeShape(cfg.eagle3_topk, cfg.eagle3_k, cfg.eagle3_tree_min_score),
                         name="eagle3-tree",
@@ -299,6 +301,14 @@ class VerifierCore:
         return drafter is None or not drafter.needs_target_states or len(session.target.pending) <= 1
 
 
+def model_drafter(kind: str, *args, **kwargs) -> ModelDrafter:
+    """The registered drafter ``kind``, one that drafts beside the verifier."""
+    drafter = DRAFTERS[kind](*args, **kwargs)
+    if not isinstance(drafter, ModelDrafter):
+        raise TypeError(f"{kind}: a router-side drafter, not one the verifier can run")
+    return drafter
+
+
 def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, drafters: list[Drafter]) -> None:
     """Prefix caches for the target (K/V and EAGLE-3 features) and each drafter beside it (the
     draft LM's K/V, the EAGLE-3 head's), the budget split by their bytes per position, so
@@ -307,7 +317,8 @@ def share_prefix_cache(cfg: EngineConfig, runner: TargetRunner, drafters: list[D
     sizes = [kv_bytes_per_position(model.new_cache(1, 1)) * (1 + len(runner.capture_layers) / (2 * model.s.layers))]
     sizes += [d.kv_bytes_per_position() for d in drafters]
     budget = cfg.prefix_cache_mb << 20
-    for owner, size in zip([runner, *drafters], sizes):
+    owners: list[TargetRunner | Drafter] = [runner, *drafters]
+    for owner, size in zip(owners, sizes):
         owner.prefix = PrefixCache(cfg.prefix_block, int(budget * size / sum(sizes)))
 
 
@@ -320,6 +331,8 @@ def draft_vocabulary(cfg: EngineConfig) -> torch.Tensor | None:
     where a ranking ships, the whole vocabulary elsewhere (a user's own draft)."""
     from services.drafter.vocab import RANKING_FILE, load_ranking, top_vocabulary
 
+    if cfg.draft is None:
+        return None
     path = Path(cfg.draft) / RANKING_FILE
     size = cfg.draft_vocab
     if size < 0:
@@ -348,10 +361,10 @@ def open_memory(cfg: EngineConfig):
         if prior:
             memory.ensure_prior(prior)
         return memory
-    memory = LocalCorrectionMemory()
+    local = LocalCorrectionMemory()
     if prior:
-        memory.restore(prior)
-    return memory
+        local.restore(prior)
+    return local
 
 
 @dataclass
