@@ -113,16 +113,26 @@ def bundled_engine():
 def finish_order_by_priority(adm, send) -> list[str]:
     """Every slot of ``adm`` (an ``Admission``) taken, queue "first" (priority 0), then "urgent"
     (priority -1), each a ``send(priority)`` call on a thread of its own; free the slots. The
-    names in the order their calls returned (one slot: the order they were admitted)."""
+    names in the order they were admitted, as ``adm.acquire`` granted them (with one slot, the
+    second is granted only once the first has released it); each call must succeed."""
     import threading
 
+    admitted: list[int] = []
+    grant = adm.acquire
+
+    def acquire(context, n=1, priority=0):
+        refused = grant(context, n, priority)
+        if refused is None:
+            admitted.append(priority)  # before its request runs, so before the next grant
+        return refused
+
+    adm.acquire = acquire
     with adm._cond:
         adm.running = adm.max_sessions
-    done: list[str] = []
     threads = []
     try:
-        for name, priority in (("first", 0), ("urgent", -1)):
-            threads.append(threading.Thread(target=lambda name=name, p=priority: (send(p), done.append(name))))
+        for priority in (0, -1):
+            threads.append(threading.Thread(target=send, args=(priority,)))
             threads[-1].start()
             assert wait_for(lambda k=len(threads): adm.waiting == k)
     finally:
@@ -131,7 +141,8 @@ def finish_order_by_priority(adm, send) -> list[str]:
             adm._cond.notify_all()
     for t in threads:
         t.join(30)
-    return done
+    del adm.acquire
+    return [{0: "first", -1: "urgent"}[p] for p in admitted]
 
 
 def wait_for(cond, timeout: float = 5.0) -> bool:
