@@ -11,7 +11,7 @@ TOKENS ?= 128
 
 TRACES := build/traces
 
-.PHONY: bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt setup.py services/drafter/_suffix_tree.cpp
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[ray,bench,train,dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
@@ -63,6 +63,7 @@ wheel: setup
 VERSION      := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 PODMAN       := CONTAINERS_CONF=$(CURDIR)/deploy/container/containers.conf podman
 TORCH_WHEELS ?= /opt/wheels
+TORCH_VERSION := 2.13.0
 HOST_CA      ?= /etc/ssl/certs/ca-certificates.crt
 image: setup
 	rm -f dist/specmesh-*.whl
@@ -74,7 +75,18 @@ image: setup
 
 # The images started as the chart renders them (tests/image), with Generate, health, HTTP and /metrics through them.
 image-test: image
-	$(BIN)/python -m pytest -q -m image tests/image
+	$(BIN)/python -m pytest -q -m "image and not image_cuda" tests/image
+
+# The CUDA image for GPU nodes (the chart's image.cudaTag): the same stages on torch's default Linux
+# wheel from PyPI, built with CUDA, its CUDA libraries as wheels (the driver comes from the node).
+image-cuda: image
+	mkdir -p .cache/no-wheels
+	$(PODMAN) build --network host -v $(CURDIR)/.cache/no-wheels:/wheels:ro -v $(HOST_CA):/run/host-ca.pem:ro \
+	  --build-arg TORCH=torch==$(TORCH_VERSION) --target runtime -t specmesh/specmesh:$(VERSION)-cuda .
+
+# The CUDA image checked and served from (on CPU here); the output is kept in deploy/container/.
+image-cuda-test: image-cuda
+	bash -o pipefail -c '$(BIN)/python -m pytest -q -s -m image_cuda tests/image 2>&1 | tee deploy/container/image-cuda-test.txt'
 
 # Every method side by side in one process, interleaved, on each evaluation workload.
 METHODS ?= vanilla,sd,suffix,eagle3,hybrid,hybrid-csd,hybrid-rule,csd,scg,hf-vanilla,hf-assisted,hf-pld

@@ -412,6 +412,28 @@ def test_a_verifier_asks_only_for_the_gpu_it_uses():
     assert workers["rayStartParams"]["num-gpus"] == "4"
 
 
+def test_containers_given_gpus_run_the_cuda_image():
+    """The CPU image's torch has no CUDA: a verifier with gpus > 0 and Ray's GPU workers run
+    ``image.cudaTag``; everything else, and a CPU verifier, the CPU image."""
+    images = lambda docs: {  # noqa: E731
+        c["name"]: c["image"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    gpu = images(render({"mode": "services", "verifier": {"gpus": 1}}))
+    assert gpu.pop("verifier") == "specmesh/specmesh:0.1.0-cuda"
+    assert set(gpu.values()) <= {"specmesh/specmesh:0.1.0", "redis:7.0"}
+    assert images(render({"mode": "services", "verifier": {"gpus": 0}}))["verifier"] == "specmesh/specmesh:0.1.0"
+    custom = render({"mode": "services", "image": {"repository": "r/s", "tag": "1", "cudaTag": "1-cu128"}})
+    assert images(custom)["verifier"] == "r/s:1-cu128"
+    for gpus, image in ((1, "specmesh/specmesh:0.1.0-cuda"), (0, "specmesh/specmesh:0.1.0")):
+        cluster = kinds(render({"mode": "ray", "ray": {"gpuWorkers": {"gpus": gpus}}}), "RayService")[0]
+        cluster = cluster["spec"]["rayClusterConfig"]
+        assert cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"] == image
+        assert cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == "specmesh/specmesh:0.1.0"
+
+
 def test_ray_mode_carries_pull_secrets_tls_and_the_redis_ca_and_autoscales_its_workers():
     docs = render(
         {

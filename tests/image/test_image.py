@@ -10,6 +10,7 @@ Needs the images (`make image`); `make image-test` builds them and runs this."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -57,6 +58,24 @@ RAY_VALUES = {
         "autoscaling": {"minReplicas": 1, "maxReplicas": 1},
     },
 }
+
+
+def images_of(docs: list[dict]) -> set[str]:
+    """The specmesh images the rendered pods run (their containers' and init containers')."""
+    found: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("image"), str) and node["image"].startswith("specmesh/"):
+                found.add(node["image"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk([d.get("spec", {}) for d in docs if d["kind"] != "Pod"])  # the helm test pod is not started
+    return found
 
 
 def render(values: dict = VALUES) -> list[dict]:
@@ -142,9 +161,9 @@ class Cluster:
     def __init__(self, docs: list[dict], scratch: Path, network: str):
         if not shutil.which("podman"):
             pytest.fail("podman is required: make image-test (docs/deploy.md, Images)")
-        for image in (f"specmesh/specmesh:{VERSION}", f"specmesh/specmesh-models:{VERSION}"):
+        for image in images_of(docs):
             if subprocess.run(["podman", "image", "exists", image], env=ENV).returncode != 0:
-                pytest.fail(f"image {image} missing: run make image")
+                pytest.fail(f"image {image} missing: run make image (make image-cuda for a -cuda tag)")
         self.docs, self.scratch, self.started, self.network = docs, scratch, [], network
         self.models = scratch / "models"
         self.models.mkdir()
@@ -195,11 +214,12 @@ class Cluster:
         self.redis.wait(10)
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    """A services-mode release: every workload's pod, started from its rendered spec."""
-    docs = render()
-    cluster = Cluster(docs, tmp_path_factory.mktemp("release"), NETWORK)
+@contextlib.contextmanager
+def services_release(values: dict, scratch: Path, network: str = NETWORK):
+    """A services-mode release rendered from ``values``: every workload's pod, started from its
+    rendered spec; yields (the router's address, the rendered documents)."""
+    docs = render(values)
+    cluster = Cluster(docs, scratch, network)
     workloads = [
         d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and not d["metadata"]["name"].endswith("-redis")
     ]
@@ -217,6 +237,12 @@ def release(tmp_path_factory):
         yield ip, docs
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    with services_release(VALUES, tmp_path_factory.mktemp("release")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,15 @@ app.kubernetes.io/component: {{ .component }}
 {{ .Values.image.repository }}:{{ .Values.image.tag }}
 {{- end -}}
 
+{{/* A container given GPUs runs the CUDA image: the CPU image's torch has no CUDA. */}}
+{{- define "specmesh.imageFor" -}}
+{{- if gt (float64 .gpus) 0.0 -}}
+{{ .root.Values.image.repository }}:{{ .root.Values.image.cudaTag | default (printf "%s-cuda" .root.Values.image.tag) }}
+{{- else -}}
+{{ include "specmesh.image" .root }}
+{{- end -}}
+{{- end -}}
+
 {{- define "specmesh.redisSecret" -}}
 {{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecret }}{{- else -}}{{ include "specmesh.fullname" . }}-redis{{- end -}}
 {{- end -}}
