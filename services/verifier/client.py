@@ -166,8 +166,11 @@ class RemoteVerifier:
         link: bool = True,
         affinity_slack: int | None = 2,
         watch: ReplicaWatch | None = None,
+        start_timeout_s: float = 600.0,
     ):
-        """``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
+        """``start_timeout_s``: how long to wait at start for a replica to answer (replicas
+        start beside the router and load their models first, as pods of one release do).
+        ``link``: all sessions on a replica share one multiplexed ``Link`` stream (one
         message per step each way); else each session has its own ``Session`` stream.
         ``affinity_slack``: a new session may go to a replica with up to this many sessions
         more than the least loaded when that replica holds the longest start of its prompt
@@ -186,18 +189,25 @@ class RemoteVerifier:
         self._links_lock = threading.Lock()
         # specmesh_verifiers_live: the replicas not left out of placement, at each scrape
         VERIFIERS_LIVE.labels("router").set_function(lambda: len(self.load) - len(self.watch.out(self.load)))
-        info = self._info()
+        info = self._info(start_timeout_s)
         self.context_len, self.vocab_size = info.context_len, info.vocab_size
         self.max_draft = dict(info.max_draft)
 
-    def _info(self) -> pb.InfoResponse:
-        last = None
-        for addr, stub in self._stubs.items():
-            try:
-                return stub.Info(pb.InfoRequest(), timeout=30, wait_for_ready=True)
-            except grpc.RpcError as e:
-                last = e
-        raise RuntimeError(f"no verifier replica answered: {last}")
+    def _info(self, within_s: float) -> pb.InfoResponse:
+        """The first replica's answer to Info, asking each in turn until one answers or
+        ``within_s`` seconds pass (then RuntimeError naming the last failure)."""
+        end, last = time.monotonic() + within_s, None
+        while True:
+            for addr, stub in self._stubs.items():
+                try:
+                    left = max(0.1, min(30.0, end - time.monotonic()))
+                    return stub.Info(pb.InfoRequest(), timeout=left, wait_for_ready=True)
+                except grpc.RpcError as e:
+                    last = e
+            left = end - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no verifier replica answered within {within_s:.0f} s: {last}")
+            log.warning("no verifier replica answers yet (%s); waiting up to %.0f s more", _why(last), left)
 
     def live(self, timeout_s: float = 1.0) -> int:
         """Replicas that answer ``Info`` within ``timeout_s`` now (health checks ask this, and

@@ -660,3 +660,38 @@ def test_health_follows_the_verifier_replicas(tiny_dirs):
         http.stop()
         server.stop(0)
         stop([proc])
+
+
+def test_a_router_started_before_its_verifier_waits_for_it(tiny_dirs):
+    """Pods of one release start together and a verifier loads its models before it listens:
+    the router's verifier pool waits for a replica's answer (within ``start_timeout_s``)
+    instead of failing at once; with none by then it says so."""
+    from services.common.grpc_server import free_port
+    from services.verifier.grpc_server import build_verifier_server
+
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="no verifier replica answered within 2 s"):
+        RemoteVerifier([f"127.0.0.1:{port}"], start_timeout_s=2.0)
+    assert time.monotonic() - t0 < 10
+    core = Engine(
+        EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, predictor=None, ocm_snapshot=None)
+    ).verifier
+    server = None
+
+    def start_late() -> None:
+        nonlocal server
+        time.sleep(3.0)  # the router asks first
+        server = build_verifier_server(core, "127.0.0.1", port)[0]
+        server.start()
+
+    late = threading.Thread(target=start_late)
+    late.start()
+    try:
+        pool = RemoteVerifier([f"127.0.0.1:{port}"], start_timeout_s=60.0)
+        assert pool.context_len == core.context_len and pool.vocab_size == core.vocab_size
+        pool.close()
+    finally:
+        late.join()
+        if server is not None:
+            server.stop(0)
