@@ -80,8 +80,7 @@ image-test: image
 # The CUDA image for GPU nodes (the chart's image.cudaTag): the same stages on torch's default Linux
 # wheel from PyPI, built with CUDA, its CUDA libraries as wheels (the driver comes from the node).
 image-cuda: image
-	mkdir -p .cache/no-wheels
-	$(PODMAN) build --network host -v $(CURDIR)/.cache/no-wheels:/wheels:ro -v $(HOST_CA):/run/host-ca.pem:ro \
+	$(PODMAN) build --network host -v $(HOST_CA):/run/host-ca.pem:ro --build-arg TORCH_WHEELS= \
 	  --build-arg TORCH=torch==$(TORCH_VERSION) --target runtime -t specmesh/specmesh:$(VERSION)-cuda .
 
 # The CUDA image checked and served from (on CPU here); the output is kept in deploy/container/.
