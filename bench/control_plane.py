@@ -399,7 +399,7 @@ class Distributed:
 
 
 class Embedded:
-    def __init__(self, n: int):
+    def __init__(self, n: int, workdir: Path | None = None):
         self.core = standin_core(load_traces(n))
 
     def counters(self) -> dict:
@@ -413,6 +413,94 @@ class Embedded:
 
     def close(self) -> None:
         pass
+
+
+def descendants_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of every live process below ``root`` (from /proc): Ray's GCS,
+    raylet, Serve controller, proxy and replicas when ``root`` started Ray."""
+    parent, cpu = {}, {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    below, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, pp in parent.items() if pp in frontier} - below
+        below |= frontier
+    return sum(cpu[pid] for pid in below)
+
+
+def standin_deployment():
+    """The real Serve verifier deployment (``VerifierDeployment``: its multiplexed session slots,
+    its thread pool for cycles) with the stand-in in place of ``VerifierCore``."""
+    from ray import serve
+
+    from services.ray_app import VerifierDeployment
+
+    class StandInReplica(VerifierDeployment.func_or_class):  # type: ignore[name-defined,misc]
+        def __init__(self, n: int):
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.core = standin_core(load_traces(n))
+            self._memory_handle = None
+            self._pool = ThreadPoolExecutor(1024, thread_name_prefix="cycle")  # a cycle per session in flight
+
+        def counters(self) -> dict:
+            return self.core.counters()
+
+    return serve.deployment(StandInReplica)
+
+
+class RayServe:
+    """The stand-in as one Serve replica on a local Ray of 2 CPUs, reached through deployment
+    handles (``RayVerifier``) as the ingress replica's router reaches its verifiers; the router
+    runs in this process, as in the ingress. Control-plane CPU: this process and every Ray process
+    (GCS, raylet, Serve controller and proxy, the replica), less the stand-in's bookkeeping."""
+
+    def __init__(self, n: int, workdir: Path | None = None):
+        import ray
+        from ray import serve
+
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "180")
+        ray.init(
+            num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
+        )
+        serve.start()
+        self.handle = serve.run(
+            standin_deployment().options(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 1}).bind(n),
+            name="control-plane",
+            route_prefix=None,
+        )
+
+    def counters(self) -> dict:
+        return self.handle.counters.remote().result()
+
+    def verifier(self):
+        from services.ray_app import RayVerifier
+
+        return RayVerifier(self.handle)
+
+    def cpu(self) -> float:
+        return time.process_time() + descendants_cpu_s(os.getpid()) - self.counters()["step_cpu_s"]
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+PLACES = {"embedded": Embedded, "distributed": Distributed, "ray": RayServe}
+# A Serve verifier replica multiplexes at most this many sessions (``VerifierDeployment._slot``);
+# past it, sessions evict each other's slots and re-open (from prompt + output) every cycle.
+RAY_SLOTS = 64
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -478,7 +566,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description="control plane at modelled GPU speed")
     p.add_argument("--sessions", default=",".join(map(str, SESSIONS)))
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--topologies", default="embedded,distributed")
+    p.add_argument("--topologies", default="embedded,distributed,ray")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--count", type=int, default=max(SESSIONS), help="traces to load (prompts)")
     p.add_argument(
@@ -509,9 +597,12 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for topology in a.topologies.split(","):
-            place = Embedded(len(traces)) if topology == "embedded" else Distributed(len(traces), Path(tmp))
+            place = PLACES[topology](len(traces), Path(tmp))
             try:
                 for n in sessions:
+                    if topology == "ray" and n > RAY_SLOTS:
+                        print(f"ray: {n} sessions skipped: one replica holds {RAY_SLOTS} session slots")
+                        continue
                     for method in methods:  # interleaved: every method at each session count
                         engine = Engine(cfg, verifier=place.verifier())
                         row = measure(engine, place.counters, traces[:n], method, topology, place.cpu)
