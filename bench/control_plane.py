@@ -444,10 +444,10 @@ def standin_deployment():
     from services.ray_app import VerifierDeployment
 
     class StandInReplica(VerifierDeployment.func_or_class):  # type: ignore[name-defined,misc]
-        def __init__(self, n: int):
+        def __init__(self, traces: list[dict], context_len: int, vocab_size: int, max_draft: dict[str, int]):
             from concurrent.futures import ThreadPoolExecutor
 
-            self.core = standin_core(load_traces(n))
+            self.core = StandInCore(traces, context_len, vocab_size, max_draft)
             self._memory_handle = None
             self._pool = ThreadPoolExecutor(1024, thread_name_prefix="cycle")  # a cycle per session in flight
 
@@ -463,17 +463,20 @@ class RayServe:
     runs in this process, as in the ingress. Control-plane CPU: this process and every Ray process
     (GCS, raylet, Serve controller and proxy, the replica), less the stand-in's bookkeeping."""
 
-    def __init__(self, n: int, workdir: Path | None = None):
+    def __init__(self, n: int, workdir: Path | None = None, core: StandInCore | None = None):
+        """The stand-in of ``n`` traces of the bundled models, or one built like ``core``."""
         import ray
         from ray import serve
 
+        core = core or standin_core(load_traces(n))
+        args = ([*core.by_prompt.values()], core.context_len, core.vocab_size, core.max_draft)
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "180")
         ray.init(
             num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
         )
         serve.start()
         self.handle = serve.run(
-            standin_deployment().options(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 1}).bind(n),
+            standin_deployment().options(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 1}).bind(*args),
             name="control-plane",
             route_prefix=None,
         )

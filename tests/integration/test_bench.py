@@ -1,5 +1,7 @@
 """bench.harness on the tiny models: interleaved rows, lossless exact match, cycle profile."""
 
+import os
+
 import pytest
 
 from bench.harness import benchmark, markdown
@@ -398,3 +400,32 @@ def test_suffix_micro_replays_every_tree_on_the_same_traces(tmp_path, monkeypatc
     }
     suffix_micro.plot(result, tmp_path / "x.png")
     assert (tmp_path / "x.png").stat().st_size > 0 and suffix_micro.markdown(result).count("\n| ") == 4
+
+
+@pytest.mark.slow
+def test_control_plane_stand_in_serves_as_a_ray_replica(tiny_engine):
+    """The Ray topology of the control-plane benchmark: the stand-in runs inside the real
+    VerifierDeployment as a Serve replica, the router reaches it through deployment handles,
+    and a method's output through it is the target's; the control plane's CPU counts Ray's
+    own processes."""
+    from bench import control_plane as cp
+    from services.router.engine import Engine, GenerationRequest
+
+    traces = cp.record_with(tiny_engine, ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"])
+    core = cp.StandInCore(
+        traces, tiny_engine.context_len, tiny_engine.verifier.vocab_size, tiny_engine.verifier.max_draft
+    )
+    place = cp.RayServe(len(traces), core=core)
+    try:
+        assert cp.descendants_cpu_s(os.getpid()) > 0  # Ray's GCS, raylet and the replica are ours
+        engine = Engine(tiny_engine.cfg, verifier=place.verifier())
+        cpu0 = place.cpu()
+        for method in ("suffix", "sd"):
+            t = traces[0]
+            gen = engine.generate(GenerationRequest(list(t["prompt"]), len(t["greedy"]), method=method))
+            out = [tok for step in gen for tok in step.token_ids] + [tiny_engine.eos_id] * (gen.finish_reason == "eos")
+            assert out == t["greedy"], method
+        assert place.counters()["cycles"] > 0 and place.cpu() > cpu0
+        engine.close()
+    finally:
+        place.close()
