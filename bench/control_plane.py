@@ -436,20 +436,27 @@ def descendants_cpu_s(root: int) -> float:
     return sum(cpu[pid] for pid in below)
 
 
+def ray_slots() -> int:
+    """Sessions one Serve verifier replica holds (past it they evict each other every cycle)."""
+    from services.ray_app import SESSION_SLOTS
+
+    return SESSION_SLOTS
+
+
 def standin_deployment():
     """The real Serve verifier deployment (``VerifierDeployment``: its multiplexed session slots,
     its thread pool for cycles) with the stand-in in place of ``VerifierCore``."""
     from ray import serve
 
-    from services.ray_app import VerifierDeployment
+    from services.ray_app import SESSION_SLOTS, VerifierDeployment
 
     class StandInReplica(VerifierDeployment.func_or_class):  # type: ignore[name-defined,misc]
         def __init__(self, traces: list[dict], context_len: int, vocab_size: int, max_draft: dict[str, int]):
-            from concurrent.futures import ThreadPoolExecutor
+            self._standin = (traces, context_len, vocab_size, max_draft)
+            super().__init__({"max_sessions": SESSION_SLOTS})
 
-            self.core = StandInCore(traces, context_len, vocab_size, max_draft)
-            self._memory_handle = None
-            self._pool = ThreadPoolExecutor(1024, thread_name_prefix="cycle")  # a cycle per session in flight
+        def build_core(self, args: dict) -> StandInCore:
+            return StandInCore(*self._standin)
 
         def counters(self) -> dict:
             return self.core.counters()
@@ -501,9 +508,6 @@ class RayServe:
 
 
 PLACES = {"embedded": Embedded, "distributed": Distributed, "ray": RayServe}
-# A Serve verifier replica multiplexes at most this many sessions (``VerifierDeployment._slot``);
-# past it, sessions evict each other's slots and re-open (from prompt + output) every cycle.
-RAY_SLOTS = 64
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -603,8 +607,8 @@ def main() -> int:
             place = PLACES[topology](len(traces), Path(tmp))
             try:
                 for n in sessions:
-                    if topology == "ray" and n > RAY_SLOTS:
-                        print(f"ray: {n} sessions skipped: one replica holds {RAY_SLOTS} session slots")
+                    if topology == "ray" and n > ray_slots():
+                        print(f"ray: {n} sessions skipped: one replica holds {ray_slots()} sessions")
                         continue
                     for method in methods:  # interleaved: every method at each session count
                         engine = Engine(cfg, verifier=place.verifier())

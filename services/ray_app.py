@@ -239,19 +239,19 @@ class RayDrafter(Drafter):
         self._h(req_id).stop.remote()
 
 
+# Sessions one verifier replica holds at once (its multiplexed slots): past this, the least
+# recently used session's slot is dropped and its next cycle re-opens it from prompt + output.
+SESSION_SLOTS = 64
+
+
 @serve.deployment
 class VerifierDeployment:
     def __init__(self, args: dict, memory=None):
         node_metrics()
-        from transformers import AutoTokenizer
-
         from services.common.runtime import tune_gc
-        from services.verifier.core import VerifierCore
 
         tune_gc()
-        cfg = engine_config(args)
-        eos = AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
-        self.core = VerifierCore.from_config(cfg, eos)
+        self.core = self.build_core(args)
         self.core.declare_capacity(int(args.get("max_sessions", 16)))
         self._memory_handle = memory  # bound lazily: the constructor runs in the event loop
         # A thread per in-flight cycle: the cycles that the batcher verifies together must all be
@@ -262,6 +262,16 @@ class VerifierDeployment:
         from services.common.runtime import freeze_startup_heap
 
         freeze_startup_heap()
+
+    def build_core(self, args: dict):
+        """The replica's verifier core, from the app's args."""
+        from transformers import AutoTokenizer
+
+        from services.verifier.core import VerifierCore
+
+        cfg = engine_config(args)
+        eos = AutoTokenizer.from_pretrained(str(cfg.target)).eos_token_id
+        return VerifierCore.from_config(cfg, eos)
 
     async def _in_pool(self, fn, *a):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *a)
@@ -283,7 +293,7 @@ class VerifierDeployment:
             "max_draft": dict(self.core.max_draft),
         }
 
-    @serve.multiplexed(max_num_models_per_replica=64)
+    @serve.multiplexed(max_num_models_per_replica=SESSION_SLOTS)
     async def _slot(self, session_id: str) -> _Slot:
         return _Slot()
 
