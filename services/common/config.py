@@ -115,6 +115,9 @@ class EngineConfig:
     dtype: str = "float32"
     num_speculative_tokens: int = 4  # k for model drafters; tuned by `python -m bench`
     packed_gemm: bool = True  # CPU: fp16-weight FBGEMM GEMMs (services/common/packed_linear.py)
+    # The target's logits for a position do not depend on what shares its step (services/common/
+    # invariant.py), so lossless methods equal vanilla bit for bit; None: on in bfloat16 and float16.
+    batch_invariant: bool | None = None
     kv_pool: bool = False  # pooled K/V slots: one attention call per layer for a step's sessions
     #                                       (services/common/kv_pool.py; no gain on this CPU, meant for GPUs)
     draft_confidence: float = 0.3  # draft-LM chains stop after a token with max q below this
@@ -362,6 +365,14 @@ OPTIONS: dict[str, Option] = {
             "suffix cache: outputs enter the shared tree as they are generated, not only when they "
             "finish (as ArcticInference does; bench/results/suffix_micro.md)",
             sets="suffix.live_outputs",
+        ),
+        Option(
+            "batch_invariant",
+            "bool",
+            "verify so that a position's target logits do not depend on the draft length or the "
+            "sessions beside it, so lossless methods give vanilla's tokens bit for bit in reduced "
+            "precision (bench/results/bf16_lossless.md); default: on in bfloat16 and float16",
+            default=None,
         ),
         Option("packed_gemm", "bool", "CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)"),
         Option(

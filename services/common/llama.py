@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.common import invariant
 from services.common.kv_pool import Group, KVPool, plan_groups, pooled_cache
 from services.common.token_tree import depths
 
@@ -180,17 +181,22 @@ def ragged_attention(
     groups: Sequence[Group] = (),
     alone: list[int] | None = None,
     lens: list[int] | None = None,
+    calls: list[invariant.Call] | None = None,
 ) -> torch.Tensor:
     """Attention for concatenated rows: x [N, H]; rows = (offset, start, (k_cache, v_cache), mask).
 
-    Projections run once over all N tokens. Rows of each pooled ``groups`` entry attend in one
+    Projections run once over all N tokens. With ``calls`` (batch-invariant mode), queries
+    attend as ``invariant`` plans them. Else rows of each pooled ``groups`` entry attend in one
     call over their segment (``kv_pool``); the others (``alone``, all rows when there are no
     groups) each attend to their own batch-1 cache."""
     s = attn.s
     n = x.shape[0]
     gqa = s.kv_heads != s.heads
     q, k, v = attn.project(x, cos, sin)  # [heads, N, d]
-    if not groups:
+    if calls is not None:
+        assert lens is not None, "an invariant plan comes with the rows' lengths"
+        o = invariant.attend(q, k, v, [(off, st, kv) for off, st, kv, _ in rows], lens, calls)
+    elif not groups:
         o = attend_rows(q, k, v, rows, gqa)  # [heads, N, d]
     else:
         assert alone is not None and lens is not None, "pooled groups come with the rows left alone"
@@ -401,7 +407,7 @@ class Llama(nn.Module):
         if last_only:
             tails = [1] * len(seqs)
         trees = trees if trees and any(t is not None for t in trees) else None
-        if len(seqs) == 1:
+        if len(seqs) == 1 and not self.batch_invariant:
             logits, hidden = self(
                 torch.tensor([seqs[0]], dtype=torch.long, device=dev),
                 starts[0],
@@ -419,17 +425,24 @@ class Llama(nn.Module):
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)
         offsets = [sum(lens[:r]) for r in range(len(lens))]
-        masks = [
-            tree_mask(st, n, tree, dev) if tree is not None else mk  # built once, shared by every layer
-            for st, n, tree, mk in zip(starts, lens, trees, causal_masks(starts, lens, dev))
-        ]
-        groups, alone = plan_groups(caches, offsets, lens, starts, masks, len(ids), dev)
+        calls = invariant.plan(offsets, starts, lens, trees, dev) if self.batch_invariant else None
+        masks: list[torch.Tensor | None] = [None] * len(seqs)
+        groups: list[Group] = []
+        alone: list[int] | None = None
+        if calls is None:
+            masks = [
+                tree_mask(st, n, tree, dev) if tree is not None else mk  # built once, shared by every layer
+                for st, n, tree, mk in zip(starts, lens, trees, causal_masks(starts, lens, dev))
+            ]
+            groups, alone = plan_groups(caches, offsets, lens, starts, masks, len(ids), dev)
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 seen[i] = x
             rows = [(off, st, c.layers[i], mk) for off, st, c, mk in zip(offsets, starts, caches, masks)]
-            x = x + ragged_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, rows, i, groups, alone, lens)
+            x = x + ragged_attention(
+                layer.self_attn, layer.input_layernorm(x), cos, sin, rows, i, groups, alone, lens, calls
+            )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         split = lambda t: list(torch.split(t, lens))  # noqa: E731
         per_layer = [split(seen[i]) for i in capture]
@@ -445,6 +458,9 @@ class Llama(nn.Module):
         return list(torch.split(head(self.norm(x[keep])), tails)), hidden
 
     kv_pool: KVPool | None = None  # set (``use_kv_pool``): batch-1 caches come from pooled slots
+    # A row's logits do not depend on the rows beside it (``invariant``): every ragged forward,
+    # one row included, attends through the invariant plan.
+    batch_invariant: bool = False
 
     def use_kv_pool(self, **kwargs) -> KVPool:
         """Serve batch-1 caches from pooled slots (``kv_pool``), so that the ragged forward

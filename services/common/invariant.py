@@ -1,0 +1,152 @@
+"""Batch-invariant attention: a query row's output does not depend on what else shares its step.
+
+A lossless method equals plain greedy decoding only if the target's logits for a position are
+the same whether that position is decoded alone, verified as row 3 of a 6-token draft, sits in
+a token tree, or shares the step with other sessions. In float32 the rounding differences
+between those shapes stay below what flips a greedy choice; in bfloat16 they do not
+(``bench/bf16_lossless``). On the CPU the bfloat16 linear layers are invariant in the number of rows;
+attention is not: a decode at position p attends over p + 1 keys, a verification over
+p + k + 1 (masked), a tree node finds its ancestors scattered among the keys, and the fused
+``scaled_dot_product_attention`` kernel also rounds some rows differently with the number
+of queries beside them (measured: docs/decisions.md).
+
+The rule: a query at position p attends over its visible keys laid out in position order
+(the cache's 0..p for a chain; the committed prefix, then its ancestors, then itself for a
+tree node), padded to ``bucket_len(p + 1)`` keys with the padding masked, by plain matmul and
+float32 softmax, whose reductions run along that padded length only. Its key length and
+layout are functions of p alone, so every reduction runs in the same order whatever the step.
+
+Pure torch: no gRPC, Redis or Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.common.token_tree import depths
+
+KV_BUCKET = 64  # keys are padded to a multiple of this: the waste per query is under one bucket
+
+
+def bucket_len(n: int, bucket: int = KV_BUCKET) -> int:
+    return -(-n // bucket) * bucket
+
+
+def ancestry(parents: Sequence[int]) -> list[list[int]]:
+    """Per node, the nodes from the root's child down to itself."""
+    out: list[list[int]] = []
+    for i, p in enumerate(parents):
+        out.append((out[p] if p >= 0 else []) + [i])
+    return out
+
+
+@dataclass
+class Call:
+    """One attention call: ``queries`` (indices into the step's tokens) of row ``row`` over
+    ``length`` keys; ``gather`` (per query, the cache indices of its keys) for tree nodes,
+    None for chain queries, which read the cache's prefix."""
+
+    row: int
+    queries: torch.Tensor
+    length: int
+    bias: torch.Tensor  # float32 0 (visible) or -inf: [queries, length]; [queries, 1, length] for gathered keys
+    gather: torch.Tensor | None = None  # [queries, length] cache indices (padding: 0, masked)
+
+
+def plan(
+    offsets: list[int],
+    starts: list[int],
+    lens: list[int],
+    trees: Sequence[Sequence[int] | None],
+    device,
+    bucket: int = KV_BUCKET,
+) -> list[Call]:
+    """The calls of one forward, built once and shared by every layer."""
+    calls: list[Call] = []
+    for r, (off, start, n, tree) in enumerate(zip(offsets, starts, lens, trees)):
+        lead = n - len(tree) if tree else n
+        by_len: dict[int, list[int]] = {}
+        for i in range(lead):  # chain queries: query i sits at position start + i
+            by_len.setdefault(bucket_len(start + i + 1, bucket), []).append(i)
+        for length, idx in by_len.items():
+            pos = torch.tensor([start + i for i in idx], device=device)
+            visible = torch.arange(length, device=device)[None, :] <= pos[:, None]
+            calls.append(Call(r, torch.tensor([off + i for i in idx], device=device), length, _bias(visible)))
+        if tree:
+            calls += _tree_calls(r, off, start, lead, tree, device, bucket)
+    return calls
+
+
+def _tree_calls(r: int, off: int, start: int, lead: int, tree: Sequence[int], device, bucket: int) -> list[Call]:
+    """Tree node j (K/V written at start + lead + j) at depth d sits at position
+    start + lead - 1 + d; it sees the cache's 0..start + lead - 1, then its ancestors in
+    depth order, then itself."""
+    base = list(range(start + lead))
+    by_len: dict[int, list[tuple[int, list[int]]]] = {}
+    for j, (path, d) in enumerate(zip(ancestry(tree), depths(tree))):
+        keys = base + [start + lead + a for a in path]
+        assert len(keys) == start + lead + d
+        by_len.setdefault(bucket_len(len(keys), bucket), []).append((j, keys))
+    calls = []
+    for length, nodes in by_len.items():
+        gather = torch.zeros(len(nodes), length, dtype=torch.long)
+        mask = torch.zeros(len(nodes), 1, length, dtype=torch.bool)
+        for q, (_, keys) in enumerate(nodes):
+            gather[q, : len(keys)] = torch.tensor(keys)
+            mask[q, 0, : len(keys)] = True
+        queries = torch.tensor([off + lead + j for j, _ in nodes], device=device)
+        calls.append(Call(r, queries, length, _bias(mask.to(device)), gather.to(device)))
+    return calls
+
+
+def _bias(visible: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _padded(cache: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [kv_heads, capacity, d] → its first ``length`` positions, zero-padded past capacity."""
+    cap = cache.shape[1]
+    if length <= cap:
+        return cache[:, :length]
+    return F.pad(cache, (0, 0, 0, length - cap))
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: Sequence[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]],
+    lens: list[int],
+    calls: list[Call],
+) -> torch.Tensor:
+    """q [heads, N, d], k/v [kv_heads, N, d] of concatenated rows; ``rows`` = (offset, start,
+    (k_cache, v_cache)) with batch-1 caches. Writes each row's K/V into its cache, then runs
+    ``calls`` → [heads, N, d]."""
+    for (off, start, (kc, vc)), n in zip(rows, lens):
+        kc[0, :, start : start + n] = k[:, off : off + n]
+        vc[0, :, start : start + n] = v[:, off : off + n]
+    o = q.new_empty(q.shape)
+    groups = q.shape[0] // k.shape[0]  # query heads per K/V head
+    for c in calls:
+        kc, vc = (t[0] for t in rows[c.row][2])
+        qc = q[:, c.queries].contiguous()
+        if c.gather is None:
+            o[:, c.queries] = _math_attention(qc, _padded(kc, c.length), _padded(vc, c.length), c.bias, groups)
+        else:  # one batch entry per tree node: [nodes, heads, 1, d] over its gathered keys
+            kg, vg = kc[:, c.gather].transpose(0, 1), vc[:, c.gather].transpose(0, 1)
+            out = _math_attention(qc.transpose(0, 1)[:, :, None], kg, vg, c.bias[:, None], groups)
+            o[:, c.queries] = out[:, :, 0].transpose(0, 1)
+    return o
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, groups: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v with a float32 softmax; q [..., heads, m, d], k/v
+    [..., kv_heads, L, d], bias [m, L] (0 or -inf) broadcast over the heads."""
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    return torch.matmul((scores + bias).softmax(-1).to(q.dtype), v)

@@ -1,0 +1,94 @@
+"""Batch-invariant verification (services/common/invariant.py): in bfloat16 a position's target
+logits and K/V are bit for bit the same whether it is decoded alone, verified inside a chain,
+verified beside another session, or reached through a token tree."""
+
+import pytest
+import torch
+
+from services.common.invariant import ancestry, bucket_len
+from services.common.llama import Llama
+from tests.conftest import BUNDLED_TARGET, make_tiny
+
+
+def decode(m: Llama, ids: list[int], p: int, steps: int) -> tuple[list[torch.Tensor], object]:
+    """Prefill ids[:p], then decode ids[p:p + steps] one at a time → the logits predicting
+    positions p..p + steps (the prefill's last row first) and the cache."""
+    cache = m.new_cache(1, p + steps + 8)
+    lg, _ = m.forward_ragged([ids[:p]], [0], [cache], tails=[1])
+    rows = [lg[0][-1]]
+    for i in range(p, p + steps):
+        lg, _ = m.forward_ragged([ids[i : i + 1]], [i], [cache], tails=[1])
+        rows.append(lg[0][-1])
+    return rows, cache
+
+
+def verify(m: Llama, ids: list[int], p: int, steps: int, beside: bool, tree: list[int] | None = None, toks=None):
+    """Prefill ids[:p - 1] (a cache of another capacity), then one forward feeding ids[p - 1]
+    and a draft (the chain ids[p:p + steps], or ``toks`` on ``tree``), optionally beside a
+    second session's prompt."""
+    cache = m.new_cache(1, p + steps + 40)
+    m.forward_ragged([ids[: p - 1]], [0], [cache], tails=[1])
+    fed = [ids[p - 1]] + (toks if tree else ids[p : p + steps])
+    seqs, starts, caches, tails = [fed], [p - 1], [cache], [len(fed)]
+    trees: list[list[int] | None] = [tree]
+    if beside:
+        seqs, starts, caches, tails = seqs + [ids[:23]], starts + [0], caches + [m.new_cache(1, 30)], tails + [3]
+        trees.append(None)
+    lg, _ = m.forward_ragged(seqs, starts, caches, tails=tails, trees=trees)
+    return lg[0], cache
+
+
+@pytest.fixture(scope="module")
+def bf16_target() -> Llama:
+    m = Llama.from_pretrained(BUNDLED_TARGET, torch.bfloat16)
+    m.batch_invariant = True
+    return m
+
+
+@pytest.fixture(scope="module")
+def bf16_gqa(tmp_path_factory) -> Llama:
+    m = Llama.from_pretrained(make_tiny(tmp_path_factory.mktemp("gqa") / "t", seed=5, kv_heads=2), torch.bfloat16)
+    m.batch_invariant = True
+    return m
+
+
+@pytest.mark.parametrize("model", ["bf16_target", "bf16_gqa"])
+@pytest.mark.parametrize("p", [40, 63, 64, 86, 125, 190])
+def test_chain_verification_equals_decoding_bit_for_bit(request, model, p):
+    """Positions p - 1.. straddle a key bucket for some p (63, 125): the rows of one draft then
+    attend over different padded lengths, each its own position's."""
+    m = request.getfixturevalue(model)
+    torch.manual_seed(p)
+    ids = torch.randint(1, m.s.vocab, (p + 8,)).tolist()
+    with torch.inference_mode():
+        ref, ref_cache = decode(m, ids, p, 6)
+        for beside in (False, True):
+            got, cache = verify(m, ids, p, 6, beside)
+            for j in range(7):
+                assert torch.equal(got[j], ref[j]), (p, j, beside)
+            for (k0, v0), (k1, v1) in zip(ref_cache.layers, cache.layers):
+                assert torch.equal(k0[:, :, : p + 6], k1[:, :, : p + 6]) and torch.equal(
+                    v0[:, :, : p + 6], v1[:, :, : p + 6]
+                )
+
+
+@pytest.mark.parametrize("p", [40, 62, 130])
+def test_tree_nodes_equal_decoding_their_path_bit_for_bit(bf16_target, p):
+    """A tree whose second root branch is the decoded continuation: nodes on that branch give
+    the decoded logits, whatever sits beside them among the keys."""
+    m = bf16_target
+    torch.manual_seed(p)
+    ids = torch.randint(1, m.s.vocab, (p + 8,)).tolist()
+    tree = [-1, 0, -1, 2, 3, 2]  # a decoy branch 0-1, the true branch 2-3-4, a decoy sibling 5
+    toks = [7, 8, ids[p], ids[p + 1], ids[p + 2], 9]
+    with torch.inference_mode():
+        ref, _ = decode(m, ids, p, 3)
+        got, _ = verify(m, ids, p, 3, beside=True, tree=tree, toks=toks)
+    # row 0 is the pending token; row 1 + j follows node j
+    for row, j in ((0, 0), (3, 1), (4, 2), (5, 3)):
+        assert torch.equal(got[row], ref[j]), (p, row)
+
+
+def test_buckets_and_ancestry():
+    assert [bucket_len(n) for n in (1, 64, 65, 128, 129)] == [64, 64, 128, 128, 192]
+    assert ancestry([-1, 0, -1, 2, 3, 2]) == [[0], [0, 1], [2], [2, 3], [2, 3, 4], [2, 5]]
