@@ -1,16 +1,23 @@
-"""Greedy equality of the lossless methods with vanilla, per dtype, on this machine's CPU: the
-bundled models, HumanEval's first prompts and held-out stdlib windows. A k+1-row verification
-and a one-row decode round differently in reduced precision, so a lossless method can leave
-vanilla's tokens where two candidates' logits are within rounding of each other.
+"""Greedy equality of the lossless methods with vanilla per verification mode, and what the
+batch-invariant mode costs, on this machine's CPU: the bundled models, HumanEval's first
+prompts and held-out stdlib windows.
 
-    python -m bench.bf16_lossless [--dtypes float32,bfloat16] [--prompts 8]
+A mode is a dtype with batch-invariant verification on or off (``services/common/invariant``).
+Without it a k+1-row verification and a one-row decode round differently in reduced
+precision, so a lossless method can leave vanilla's tokens where two candidates' logits are
+within rounding of each other. Each prompt runs every method under every mode in turn
+(interleaved), so the speeds compare like with like.
+
+    python -m bench.bf16_lossless [--modes float32,bfloat16,bfloat16-invariant] [--prompts 8] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 from bench.workloads import humaneval, stdlib_heldout
@@ -19,7 +26,13 @@ from services.common.progress import Progress
 from services.router.engine import Engine, GenerationRequest
 
 OUT = Path(__file__).resolve().parent / "results" / "bf16_lossless"
-METHODS = ("sd", "suffix", "eagle3", "hybrid")
+METHODS = ("sd", "suffix", "eagle3", "hybrid", "suffix-tree", "eagle3-tree", "hybrid-tree", "ngram")
+MODES = {  # name → (dtype, batch_invariant)
+    "float32": ("float32", False),
+    "bfloat16": ("bfloat16", False),
+    "bfloat16-invariant": ("bfloat16", True),
+    "float32-invariant": ("float32", True),
+}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -28,53 +41,105 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run(dtype: str, texts: list[str], max_new: int) -> dict:
-    engine = Engine(EngineConfig(dtype=dtype))
-    bar = Progress(len(texts), f"{dtype}", "prompts")
-    rows = {m: {"differing": 0, "first_difference": []} for m in METHODS}
+def timed(engine: Engine, ids: list[int], max_new: int, method: str) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    out = engine.generate(GenerationRequest(ids, max_new, method=method)).result()["token_ids"]
+    return out, len(out) / (time.perf_counter() - t0)
+
+
+def run(modes: list[str], texts: list[str], max_new: int, device: str) -> dict:
+    engines = {m: Engine(EngineConfig(device=device, dtype=MODES[m][0], batch_invariant=MODES[m][1])) for m in modes}
+    rows = {
+        mode: {m: {"differing": 0, "first_difference": [], "tok_s": []} for m in ("vanilla", *METHODS)}
+        for mode in modes
+    }
+    bar = Progress(len(texts), "prompts", "prompts")
     for text in texts:
-        ids = engine.encode(text)
-        vanilla = engine.generate(GenerationRequest(ids, max_new, method="vanilla")).result()["token_ids"]
-        for m in METHODS:
-            out = engine.generate(GenerationRequest(ids, max_new, method=m)).result()["token_ids"]
-            k = first_difference(out, vanilla)
-            if k is not None:
-                rows[m]["differing"] += 1
-                rows[m]["first_difference"].append(k)
+        for mode, engine in engines.items():
+            ids = engine.encode(text)
+            vanilla, speed = timed(engine, ids, max_new, "vanilla")
+            rows[mode]["vanilla"]["tok_s"].append(speed)
+            for m in METHODS:
+                out, speed = timed(engine, ids, max_new, m)
+                rows[mode][m]["tok_s"].append(speed)
+                k = first_difference(out, vanilla)
+                if k is not None:
+                    rows[mode][m]["differing"] += 1
+                    rows[mode][m]["first_difference"].append(k)
         bar.advance(1)
     bar.close()
-    engine.close()
+    for engine in engines.values():
+        engine.close()
+    for per_method in rows.values():
+        for r in per_method.values():
+            r["median_tok_s"] = statistics.median(r["tok_s"])
     return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--modes", default="float32,bfloat16,bfloat16-invariant", help=f"of {', '.join(MODES)}")
     p.add_argument("--prompts", type=int, default=8, help="of each workload")
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, default=OUT.with_suffix(".json"), help="the JSON; .md and .png beside it")
     a = p.parse_args()
+    modes = a.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; known: {', '.join(MODES)}")
     texts = [x.text for x in humaneval(a.prompts)] + [x.text for x in stdlib_heldout(a.prompts, prompt_chars=600)]
     result = {
         "command": "python -m bench.bf16_lossless " + " ".join(sys.argv[1:]),
         "prompts": len(texts),
         "max_new_tokens": a.max_new_tokens,
-        "dtypes": {d: run(d, texts, a.max_new_tokens) for d in a.dtypes.split(",")},
+        "device": a.device,
+        "modes": run(modes, texts, a.max_new_tokens, a.device),
     }
-    OUT.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    lines = [
-        "# Lossless methods against vanilla, per dtype (CPU)",
-        "",
-        f"Command: `{result['command']}`. {len(texts)} prompts, {a.max_new_tokens} new tokens, greedy.",
-        "",
-        "| dtype | " + " | ".join(METHODS) + " |",
-        "|---|" + "---|" * len(METHODS),
-    ]
-    for d, rows in result["dtypes"].items():
-        lines.append(f"| {d} | " + " | ".join(f"{rows[m]['differing']} of {len(texts)}" for m in METHODS) + " |")
-    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(result, OUT.with_suffix(".png"))
+    a.out.write_text(json.dumps(result, indent=1))
+    lines = report(result)
+    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(result, a.out.with_suffix(".png"))
     print("\n".join(lines))
     return 0
+
+
+def report(result: dict) -> list[str]:
+    n, modes = result["prompts"], result["modes"]
+    lines = [
+        f"# Lossless methods against vanilla, per verification mode ({result['device']})",
+        "",
+        f"Command: `{result['command']}`. {n} prompts, {result['max_new_tokens']} new tokens, greedy; "
+        "every method under every mode per prompt, interleaved.",
+        "",
+        "Prompts on which a method's tokens leave vanilla's:",
+        "",
+        "| mode | " + " | ".join(METHODS) + " |",
+        "|---|" + "---|" * len(METHODS),
+    ]
+    for mode, rows in modes.items():
+        lines.append(f"| {mode} | " + " | ".join(f"{rows[m]['differing']} of {n}" for m in METHODS) + " |")
+    lines += [
+        "",
+        "Median tokens/s (speedup over the mode's own vanilla):",
+        "",
+        "| mode | vanilla | " + " | ".join(METHODS) + " |",
+        "|---|---|" + "---|" * len(METHODS),
+    ]
+    for mode, rows in modes.items():
+        van = rows["vanilla"]["median_tok_s"]
+        cells = [f"{rows[m]['median_tok_s']:.1f} ({rows[m]['median_tok_s'] / van:.2f}x)" for m in METHODS]
+        lines.append(f"| {mode} | {van:.1f} | " + " | ".join(cells) + " |")
+    for dtype in ("bfloat16", "float32"):
+        if dtype in modes and f"{dtype}-invariant" in modes:
+            fast, inv = modes[dtype], modes[f"{dtype}-invariant"]
+            ratios = [inv[m]["median_tok_s"] / fast[m]["median_tok_s"] for m in ("vanilla", *METHODS)]
+            lines += [
+                "",
+                f"{dtype}: the invariant mode runs at {min(ratios):.2f}-{max(ratios):.2f}x the fast mode's "
+                f"tokens/s (vanilla {ratios[0]:.2f}x).",
+            ]
+    return lines
 
 
 def plot(result: dict, out: Path) -> None:
@@ -83,13 +148,13 @@ def plot(result: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    dtypes = list(result["dtypes"])
-    width = 0.8 / len(dtypes)
-    for k, d in enumerate(dtypes):
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    modes = list(result["modes"])
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
         xs = [i + k * width for i in range(len(METHODS))]
-        ax.bar(xs, [result["dtypes"][d][m]["differing"] for m in METHODS], width, label=d)
-    ax.set_xticks([i + width * (len(dtypes) - 1) / 2 for i in range(len(METHODS))], METHODS)
+        ax.bar(xs, [result["modes"][mode][m]["differing"] for m in METHODS], width, label=mode)
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(METHODS))], METHODS)
     ax.set_ylabel(f"prompts differing from vanilla (of {result['prompts']})")
     ax.legend()
     fig.tight_layout()

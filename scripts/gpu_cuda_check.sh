@@ -7,6 +7,10 @@
 #                (bench.serving starts `specmesh serve`, whose health and reflection services are pure Python)
 # Then the run:  run(command="bash scripts/gpu_cuda_check.sh", carry=["build/gpu-site"], timeout_s=540)
 # It writes to $OUT/gpu_cuda_check.tar (one file: a device call returns at most 8); inside:
+#   bf16_lossless.md                  bench.bf16_lossless: lossless methods against vanilla in bf16 with
+#                                     batch-invariant verification on and off, and in fp32, with the
+#                                     invariant mode's cost (on the CPU its bf16 row is all zeros; on a
+#                                     GPU the matmul kernels may still vary with the row count);
 #   op_profile_threads{default,1}.md  operators and host waits per cycle (bench.op_profile), bf16,
 #                                     with torch's default intra-op threads and with one: the
 #                                     host-side bookkeeping runs small CPU ops, which many threads
@@ -41,6 +45,9 @@ pack() { rm -f "$W"/*.png; tar cf "$OUT/gpu_cuda_check.tar.tmp" -C "$W" . && mv 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/device.txt" 2>&1 || true
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$W/device.txt"
 cat "$W/device.txt"
+"$PY" -m bench.bf16_lossless --device "$DEVICE" --modes bfloat16-invariant,bfloat16,float32 --prompts 4 \
+  --max-new-tokens 64 --out "$W/bf16_lossless.json" > "$W/bf16_lossless.log" 2>&1 || tail -n 20 "$W/bf16_lossless.log"
+pack
 for t in 0 1; do
   name=op_profile_threads$([ "$t" = 0 ] && echo default || echo 1)
   "$PY" -m bench.op_profile --device "$DEVICE" --threads "$t" --methods vanilla,sd,eagle3,hybrid --prompts 3 \

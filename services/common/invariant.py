@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.common.token_tree import depths
-
 KV_BUCKET = 64  # keys are padded to a multiple of this: the waste per query is under one bucket
 
 
@@ -47,14 +45,14 @@ def ancestry(parents: Sequence[int]) -> list[list[int]]:
 @dataclass
 class Call:
     """One attention call: ``queries`` (indices into the step's tokens) of row ``row`` over
-    ``length`` keys; ``gather`` (per query, the cache indices of its keys) for tree nodes,
-    None for chain queries, which read the cache's prefix."""
+    ``length`` keys; ``gather`` (the cache indices of its keys) for a tree node, None for
+    chain queries, which read the cache's prefix."""
 
     row: int
     queries: torch.Tensor
     length: int
-    bias: torch.Tensor  # float32 0 (visible) or -inf: [queries, length]; [queries, 1, length] for gathered keys
-    gather: torch.Tensor | None = None  # [queries, length] cache indices (padding: 0, masked)
+    bias: torch.Tensor  # [queries, length], float32: 0 where the key is visible, else -inf
+    gather: torch.Tensor | None = None  # a tree node's [length] cache indices (padding: 0, masked)
 
 
 def plan(
@@ -84,22 +82,18 @@ def plan(
 def _tree_calls(r: int, off: int, start: int, lead: int, tree: Sequence[int], device, bucket: int) -> list[Call]:
     """Tree node j (K/V written at start + lead + j) at depth d sits at position
     start + lead - 1 + d; it sees the cache's 0..start + lead - 1, then its ancestors in
-    depth order, then itself."""
+    depth order, then itself. One call per node, shaped as a decoding query's: batching the
+    nodes into one call rounded some differently (measured: docs/decisions.md)."""
     base = list(range(start + lead))
-    by_len: dict[int, list[tuple[int, list[int]]]] = {}
-    for j, (path, d) in enumerate(zip(ancestry(tree), depths(tree))):
-        keys = base + [start + lead + a for a in path]
-        assert len(keys) == start + lead + d
-        by_len.setdefault(bucket_len(len(keys), bucket), []).append((j, keys))
     calls = []
-    for length, nodes in by_len.items():
-        gather = torch.zeros(len(nodes), length, dtype=torch.long)
-        mask = torch.zeros(len(nodes), 1, length, dtype=torch.bool)
-        for q, (_, keys) in enumerate(nodes):
-            gather[q, : len(keys)] = torch.tensor(keys)
-            mask[q, 0, : len(keys)] = True
-        queries = torch.tensor([off + lead + j for j, _ in nodes], device=device)
-        calls.append(Call(r, queries, length, _bias(mask.to(device)), gather.to(device)))
+    for j, path in enumerate(ancestry(tree)):
+        keys = base + [start + lead + a for a in path]
+        length = bucket_len(len(keys), bucket)
+        gather = torch.zeros(length, dtype=torch.long)  # padding reads position 0, masked
+        gather[: len(keys)] = torch.tensor(keys)
+        visible = torch.arange(length)[None, :] < len(keys)
+        query = torch.tensor([off + lead + j], device=device)
+        calls.append(Call(r, query, length, _bias(visible.to(device)), gather.to(device)))
     return calls
 
 
@@ -133,13 +127,11 @@ def attend(
     groups = q.shape[0] // k.shape[0]  # query heads per K/V head
     for c in calls:
         kc, vc = (t[0] for t in rows[c.row][2])
-        qc = q[:, c.queries].contiguous()
         if c.gather is None:
-            o[:, c.queries] = _math_attention(qc, _padded(kc, c.length), _padded(vc, c.length), c.bias, groups)
-        else:  # one batch entry per tree node: [nodes, heads, 1, d] over its gathered keys
-            kg, vg = kc[:, c.gather].transpose(0, 1), vc[:, c.gather].transpose(0, 1)
-            out = _math_attention(qc.transpose(0, 1)[:, :, None], kg, vg, c.bias[:, None], groups)
-            o[:, c.queries] = out[:, :, 0].transpose(0, 1)
+            kk, vv = _padded(kc, c.length), _padded(vc, c.length)
+        else:
+            kk, vv = kc[:, c.gather], vc[:, c.gather]
+        o[:, c.queries] = _math_attention(q[:, c.queries], kk, vv, c.bias, groups)
     return o
 
 

@@ -72,21 +72,31 @@ def test_chain_verification_equals_decoding_bit_for_bit(request, model, p):
                 )
 
 
-@pytest.mark.parametrize("p", [40, 62, 130])
-def test_tree_nodes_equal_decoding_their_path_bit_for_bit(bf16_target, p):
-    """A tree whose second root branch is the decoded continuation: nodes on that branch give
-    the decoded logits, whatever sits beside them among the keys."""
+# (parents, the true branch's nodes): the decoded continuation runs along that branch, decoys
+# sit beside it; the second is an EAGLE-3 tree's shape (top-2 children, 8 nodes)
+TREES = [([-1, 0, -1, 2, 3, 2], (2, 3, 4)), ([-1, -1, 0, 0, 1, 1, 2, 2], (0, 2, 6))]
+
+
+@pytest.mark.parametrize("tree,branch", TREES)
+@pytest.mark.parametrize("p", [40, 62, 130, 142, 143])
+def test_tree_nodes_equal_decoding_their_path_bit_for_bit(bf16_target, p, tree, branch):
+    """Nodes on the true branch give the decoded logits and K/V, whatever sits beside them
+    among the keys and in the call."""
     m = bf16_target
     torch.manual_seed(p)
     ids = torch.randint(1, m.s.vocab, (p + 8,)).tolist()
-    tree = [-1, 0, -1, 2, 3, 2]  # a decoy branch 0-1, the true branch 2-3-4, a decoy sibling 5
-    toks = [7, 8, ids[p], ids[p + 1], ids[p + 2], 9]
+    toks = [7 + j for j in range(len(tree))]
+    for depth, node in enumerate(branch):
+        toks[node] = ids[p + depth]
     with torch.inference_mode():
-        ref, _ = decode(m, ids, p, 3)
-        got, _ = verify(m, ids, p, 3, beside=True, tree=tree, toks=toks)
-    # row 0 is the pending token; row 1 + j follows node j
-    for row, j in ((0, 0), (3, 1), (4, 2), (5, 3)):
-        assert torch.equal(got[row], ref[j]), (p, row)
+        ref, ref_cache = decode(m, ids, p, 3)
+        got, cache = verify(m, ids, p, 3, beside=True, tree=tree, toks=toks)
+    assert torch.equal(got[0], ref[0])  # row 0: the pending token; row 1 + j follows node j
+    for depth, node in enumerate(branch):
+        assert torch.equal(got[1 + node], ref[1 + depth]), (p, node)
+        for (k0, v0), (k1, v1) in zip(ref_cache.layers, cache.layers):
+            assert torch.equal(k0[:, :, p + depth], k1[:, :, p + node]), (p, node)
+            assert torch.equal(v0[:, :, p + depth], v1[:, :, p + node]), (p, node)
 
 
 def test_buckets_and_ancestry():
