@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -75,11 +76,14 @@ def load_checkpoint(ckpt: Path, fingerprint: str, key, tag: str, device="cpu") -
     return None
 
 
-def encode_corpus(tokenizer_dir: Path, work: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Token streams (train, heldout) as uint16, cached in ``work``."""
+def encode_corpus(tokenizer_dir: Path, work: Path, packages: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token streams (train, heldout) as uint16, cached in ``work``. With ``packages`` (a
+    directory of ``python -m training.packages`` splits), the train packages join the standard
+    library's training split; the held-out stream stays the standard library's (the gate's)."""
     from transformers import AutoTokenizer
 
-    train_f, held_f = work / "train.u16", work / "heldout.u16"
+    tag = "" if packages is None else "-packages"
+    train_f, held_f = work / f"train{tag}.u16", work / "heldout.u16"
     if train_f.exists() and held_f.exists():
         return np.fromfile(train_f, np.uint16), np.fromfile(held_f, np.uint16)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -90,7 +94,13 @@ def encode_corpus(tokenizer_dir: Path, work: Path) -> tuple[np.ndarray, np.ndarr
         return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
 
     t0 = time.time()
-    train = stream(training_texts())
+    texts = training_texts()
+    if packages is not None:
+        from training.packages import read_documents
+
+        texts += read_documents(packages / "packages-train.txt.xz", EOS)
+        random.Random(0).shuffle(texts)
+    train = stream(texts)
     held = stream([source_document(p) for p in source_files("heldout")])
     work.mkdir(parents=True, exist_ok=True)
     train.tofile(train_f)
@@ -191,7 +201,7 @@ def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     work = args.work_dir or default_work_dir(args.preset)
     work.mkdir(parents=True, exist_ok=True)
-    train_ids, held_ids = encode_corpus(args.tokenizer, default_work_dir("corpus"))
+    train_ids, held_ids = encode_corpus(args.tokenizer, default_work_dir("corpus"), args.packages)
     eos = int(train_ids[-1])
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bf16 = use_bf16(args.bf16, device)
@@ -318,6 +328,12 @@ def main() -> None:
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument(
+        "--packages",
+        type=Path,
+        default=None,
+        help="train on the package corpus too: a directory of `python -m training.packages` splits",
+    )
     ap.add_argument(
         "--bf16",
         choices=("auto", "on", "off"),
