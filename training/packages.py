@@ -65,7 +65,7 @@ MAX_FILE_BYTES = 512 * 1024
 # At most this much text per package: transformers' and torch's sources would otherwise be 40 %
 # of the corpus (much of it near-copies), and the compressed corpus must travel to the GPU
 # machine beside the repository (64 MiB in all).
-MAX_PACKAGE_BYTES = 12 * 10**6
+MAX_PACKAGE_BYTES = 8 * 10**6
 MAX_LINE_CHARS = 1000
 
 
@@ -188,29 +188,43 @@ def document(pkg: Package, path: Path) -> str:
     return f"# file: {path.relative_to(root).as_posix()}\n{path.read_text(encoding='utf-8')}"
 
 
-def export(pkgs: list[Package], out: Path, eos: str) -> dict[str, Path]:
-    """``packages-{train,heldout}.txt.xz`` in ``out``: each split's documents, each followed by
-    ``eos`` and a newline (what the GPU machine tokenizes; ``read_documents`` reads them back)."""
+def write_documents(path: Path, docs: Iterable[str], eos: str) -> None:
+    """An xz file of documents, each followed by ``eos`` and a newline (``read_documents``),
+    written under a temporary name and renamed."""
     import lzma
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
+        for doc in docs:
+            f.write(doc + eos + "\n")
+    tmp.replace(path)
+
+
+def export(pkgs: list[Package], out: Path, eos: str) -> dict[str, Path]:
+    """``packages-{train,heldout}.txt.xz`` in ``out``: each split's documents (what the GPU
+    machine tokenizes), with a progress line per package."""
     import time
 
-    out.mkdir(parents=True, exist_ok=True)
     files = {}
-    total, done, t0 = sum(p.bytes for p in pkgs), 0, time.time()
+    total, t0 = sum(p.bytes for p in pkgs), time.time()
+    done = 0
+
+    def docs(split: str):
+        nonlocal done
+        for pkg in (p for p in pkgs if p.split == split):
+            yield from (document(pkg, path) for path in pkg.files)
+            done += pkg.bytes
+            rate = done / max(time.time() - t0, 1e-9)
+            print(
+                f"[corpus] {done / 1e6:.0f}/{total / 1e6:.0f} MB, {rate / 1e6:.1f} MB/s, "
+                f"ETA {(total - done) / rate:.0f} s ({pkg.name})",
+                flush=True,
+            )
+
     for split in ("train", "heldout"):
         files[split] = out / f"packages-{split}.txt.xz"
-        with lzma.open(files[split].with_suffix(".xz.tmp"), "wt", encoding="utf-8", preset=6) as f:
-            for pkg in (p for p in pkgs if p.split == split):
-                for path in pkg.files:
-                    f.write(document(pkg, path) + eos + "\n")
-                done += pkg.bytes
-                rate = done / max(time.time() - t0, 1e-9)
-                print(
-                    f"[corpus] {done / 1e6:.0f}/{total / 1e6:.0f} MB, {rate / 1e6:.1f} MB/s, "
-                    f"ETA {(total - done) / rate:.0f} s ({pkg.name})",
-                    flush=True,
-                )
-        files[split].with_suffix(".xz.tmp").replace(files[split])
+        write_documents(files[split], docs(split), eos)
     return files
 
 
@@ -235,7 +249,7 @@ held-out set, so losses compare with today's models'.
   {empty}.
 - Left out inside a package ({left_out:,} files): generated protobuf code, vendored copies of
   other packages, files over 512 KB or with a line over 1,000 characters, exact duplicates,
-  and past 12 MB of a package's text, all but a seeded sample of its files up to 12 MB.
+  and past 8 MB of a package's text, all but a seeded sample of its files up to 8 MB.
 - Tokens are estimated at {cpt:.2f} characters per token of the bundled tokenizer (measured on
   {sample} files of the corpus).
 
@@ -250,7 +264,9 @@ def main() -> None:
     from training.corpus import EOS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("build/corpus"), help="where the .txt.xz splits go")
+    ap.add_argument(
+        "--out", type=Path, default=Path("build/corpus"), help="where the .txt.xz splits go (packages, stdlib)"
+    )
     ap.add_argument("--card", type=Path, default=Path("docs/corpus.md"))
     ap.add_argument("--tokenizer", type=Path, default=Path("models/tokenizer"))
     ap.add_argument("--card-only", action="store_true", help="write the card, not the splits")
@@ -277,7 +293,15 @@ def main() -> None:
     a.card.write_text(head + card(pkgs, cpt) + "\n")
     print(f"wrote {a.card}")
     if not a.card_only:
-        for split, path in export(pkgs, a.out, EOS).items():
+        from training.corpus import source_document, source_files, training_texts
+
+        files = export(pkgs, a.out, EOS)
+        # the standard library's splits too, so the GPU machine trains and evaluates on ours
+        files["stdlib train"] = a.out / "stdlib-train.txt.xz"
+        write_documents(files["stdlib train"], training_texts(), EOS)
+        files["stdlib heldout"] = a.out / "stdlib-heldout.txt.xz"
+        write_documents(files["stdlib heldout"], (source_document(p) for p in source_files("heldout")), EOS)
+        for path in files.values():
             print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

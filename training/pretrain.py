@@ -47,6 +47,11 @@ class Preset:
 PRESETS = {
     "target": Preset(layers=8, hidden=256, intermediate=768, heads=4, tokens=60_000_000, batch=64, lr=1.5e-3),
     "draft": Preset(layers=1, hidden=256, intermediate=768, heads=4, tokens=60_000_000, batch=64, lr=2e-3),
+    # The next pair (issue 39), on the package corpus (--packages; about 50 M tokens): the smallest
+    # target whose step a 1-layer draft's fixed cost stays within 10 % of on the CPU, in a size that
+    # still lets the repository travel to the GPU machine (bench/results/pair_cost.md).
+    "target-next": Preset(layers=14, hidden=320, intermediate=960, heads=5, tokens=150_000_000, batch=64, lr=1e-3),
+    "draft-next": Preset(layers=1, hidden=128, intermediate=384, heads=2, tokens=150_000_000, batch=64, lr=2e-3),
 }
 SEQ_LEN = 1024
 
@@ -79,11 +84,12 @@ def load_checkpoint(ckpt: Path, fingerprint: str, key, tag: str, device="cpu") -
 def encode_corpus(tokenizer_dir: Path, work: Path, packages: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Token streams (train, heldout) as uint16, cached in ``work``. With ``packages`` (a
     directory of ``python -m training.packages`` splits), the train packages join the standard
-    library's training split; the held-out stream stays the standard library's (the gate's)."""
+    library's training split, both read from there (the machine that made them: a GPU machine's
+    Python may be another version); the held-out stream stays the standard library's (the gate's)."""
     from transformers import AutoTokenizer
 
     tag = "" if packages is None else "-packages"
-    train_f, held_f = work / f"train{tag}.u16", work / "heldout.u16"
+    train_f, held_f = work / f"train{tag}.u16", work / f"heldout{tag}.u16"
     if train_f.exists() and held_f.exists():
         return np.fromfile(train_f, np.uint16), np.fromfile(held_f, np.uint16)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -94,14 +100,18 @@ def encode_corpus(tokenizer_dir: Path, work: Path, packages: Path | None = None)
         return np.fromiter((t for doc in ids for t in (*doc, eos)), dtype=np.uint16)
 
     t0 = time.time()
-    texts = training_texts()
-    if packages is not None:
+    if packages is None:
+        texts = training_texts()
+        held_texts = [source_document(p) for p in source_files("heldout")]
+    else:
         from training.packages import read_documents
 
+        texts = read_documents(packages / "stdlib-train.txt.xz", EOS)
         texts += read_documents(packages / "packages-train.txt.xz", EOS)
         random.Random(0).shuffle(texts)
+        held_texts = read_documents(packages / "stdlib-heldout.txt.xz", EOS)
     train = stream(texts)
-    held = stream([source_document(p) for p in source_files("heldout")])
+    held = stream(held_texts)
     work.mkdir(parents=True, exist_ok=True)
     train.tofile(train_f)
     held.tofile(held_f)
