@@ -1,27 +1,44 @@
 #!/usr/bin/env bash
-# Pre-train the bundled target and draft on a lent GPU machine (../.library/device), in one call.
+# Pre-train a target and a draft on a lent GPU machine (../.library/device), in one call.
 #
-# Here, first:   make setup && .venv/bin/python -m training.pretrain --preset target --out /tmp/x --tokens 1 \
-#                  && mkdir -p build/corpus && cp ~/.cache/specmesh/train/corpus/*.u16 build/corpus/
+# Here, first:   .venv/bin/python -m training.packages --out build/corpus
+#                (the package and standard-library corpus as xz text, 21.7 MB: it travels
+#                beside the repository, whose whole working tree may be 64 MiB)
 # Then the run:  run(command="bash scripts/gpu_pretrain.sh", carry=["build/corpus"], timeout_s=540)
-# Both models train at once on the same token stream as the CPU scripts (the carried
-# build/corpus), each with its preset (large batch) shortened, if need be, to MINUTES of wall
-# clock. The exports come back as $OUT/models.tar.part-*; here:
-#   cat /work/.device/.../models.tar.part-* | tar xf - -C build   # -> build/models/{target,draft}
+# The GPU machine tokenizes the corpus once, then trains both models at once on that token
+# stream, each with its preset (TARGET_PRESET, DRAFT_PRESET; default the next pair) shortened,
+# if need be, to MINUTES of wall clock. A rerun resumes from the checkpoints a cut-off run left
+# (--ckpt-minutes 1) while the machine is still warm. The exports come back as
+# $OUT/models.tar.part-* (15 MB each); here:
+#   cat <files_at>/models.tar.part-* | tar xf - -C build   # -> build/models/{target,draft}
 # then evaluate (make model-cards) and publish (make publish-models).
+# Rehearse on the CPU: DEVICE=cpu MINUTES=0.3 EXTRA="--tokens 20000 --batch 2" CORPUS=<small> bash scripts/gpu_pretrain.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 SPECMESH_TRAIN_DIR=/tmp/specmesh-train
+export PYTHONUNBUFFERED=1 SPECMESH_TRAIN_DIR=${SPECMESH_TRAIN_DIR:-/tmp/specmesh-train}
 OUT=${OUT:-build/gpu-out}
+PY=${PY:-python3}
 MINUTES=${MINUTES:-6}
-mkdir -p "$SPECMESH_TRAIN_DIR/corpus" "$OUT" build/models
-cp build/corpus/train.u16 build/corpus/heldout.u16 "$SPECMESH_TRAIN_DIR/corpus/"
+CORPUS=${CORPUS:-build/corpus}
+TARGET_PRESET=${TARGET_PRESET:-target-next}
+DRAFT_PRESET=${DRAFT_PRESET:-draft-next}
+mkdir -p "$OUT" build/models
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+for f in stdlib-train stdlib-heldout packages-train; do
+  [ -s "$CORPUS/$f.txt.xz" ] || { echo "missing $CORPUS/$f.txt.xz: run python -m training.packages first"; exit 2; }
+done
+"$PY" -c "
+import sys; from pathlib import Path
+from training.pretrain import default_work_dir, encode_corpus
+encode_corpus(Path('models/tokenizer'), default_work_dir('corpus'), Path(sys.argv[1]))" "$CORPUS" \
+  > "$OUT/corpus.log" 2>&1 || { tail -n 20 "$OUT/corpus.log"; exit 1; }
+cat "$OUT/corpus.log"
 for m in target draft; do
-  "${PY:-python3}" -m training.pretrain --preset "$m" --device "${DEVICE:-cuda}" --no-compile --threads 4 \
-    --max-minutes "$MINUTES" --ckpt-minutes 1 --log-every 50 ${EXTRA:-} \
+  preset=$([ "$m" = target ] && echo "$TARGET_PRESET" || echo "$DRAFT_PRESET")
+  "$PY" -m training.pretrain --preset "$preset" --device "${DEVICE:-cuda}" --no-compile --threads 4 \
+    --packages "$CORPUS" --max-minutes "$MINUTES" --ckpt-minutes 1 --log-every 50 ${EXTRA:-} \
     --tokenizer models/tokenizer --out "build/models/$m" > "$OUT/$m.log" 2>&1 &
 done
 wait
-tail -n 3 "$OUT"/*.log
+tail -n 3 "$OUT"/target.log "$OUT"/draft.log
 tar cf - -C build models | split -b 15M - "$OUT/models.tar.part-"
 ls -la "$OUT"
