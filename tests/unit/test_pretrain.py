@@ -37,7 +37,7 @@ def test_warm_start_continues_from_published_weights(tmp_path, tiny_dirs, monkey
     (published / "training_state.json").write_text(json.dumps({"step": 42, "train_minutes": 3.0}))
     seen = {}
 
-    def fake_encode(tokenizer_dir, work):
+    def fake_encode(tokenizer_dir, work, packages=None):
         return np.arange(3000, dtype=np.uint16) % 8192, np.arange(3000, dtype=np.uint16) % 8192
 
     def fake_build(p, vocab, eos):
@@ -59,6 +59,7 @@ def test_warm_start_continues_from_published_weights(tmp_path, tiny_dirs, monkey
         compile=False,
         warm_start=published,
         device="cpu",
+        packages=None,
         batch=8,
         max_minutes=0.0,
         bf16="auto",
