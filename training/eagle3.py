@@ -184,17 +184,22 @@ def evenly(seqs: list, fraction: float) -> list:
 
 
 def corpus_windows(
-    n_tokens: int, width: int = 512, corpus_dir: Path | None = None, offset: float = 0.0
+    n_tokens: int,
+    width: int = 512,
+    corpus_dir: Path | None = None,
+    offset: float = 0.0,
+    packages: Path | None = None,
 ) -> list[list[int]]:
     """``n_tokens`` of the pretraining stream as evenly spaced ``width``-token windows (more
     data for the head: the target still supplies features and soft labels). The stream is
-    the one cached in ``corpus_dir`` (default: pre-training's), encoded there if missing;
-    ``offset`` shifts every window by that fraction of the spacing."""
+    the one cached in ``corpus_dir`` (default: pre-training's), encoded there if missing, with
+    the package corpus when ``packages`` is given (``pretrain.encode_corpus``); ``offset``
+    shifts every window by that fraction of the spacing."""
     if n_tokens <= 0:
         return []
     from training.pretrain import default_work_dir, encode_corpus
 
-    stream, _ = encode_corpus(Path("models/tokenizer"), corpus_dir or default_work_dir("corpus"))
+    stream, _ = encode_corpus(Path("models/tokenizer"), corpus_dir or default_work_dir("corpus"), packages)
     n = max(1, n_tokens // width)
     starts = [int((i + offset % 1.0) * (len(stream) - width) / n) for i in range(n)]
     return [stream[s : s + width].astype("int64").tolist() for s in starts]
@@ -266,7 +271,9 @@ def train(args: argparse.Namespace) -> None:
         p.requires_grad_(False)
     aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
     seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
-    corpus = corpus_windows(args.corpus_tokens, corpus_dir=args.corpus_dir, offset=args.corpus_offset)
+    corpus = corpus_windows(
+        args.corpus_tokens, corpus_dir=args.corpus_dir, offset=args.corpus_offset, packages=args.packages
+    )
     seqs = evenly(seqs, args.trace_fraction) + corpus
     n_tokens = sum(len(s) for s in seqs)
     vocab = target.s.vocab
@@ -450,6 +457,12 @@ def main() -> None:
         type=Path,
         default=None,
         help="where the encoded pre-training stream is cached (a GPU run carries it: build/corpus)",
+    )
+    ap.add_argument(
+        "--packages",
+        type=Path,
+        default=None,
+        help="the corpus windows come from the package corpus's stream (pretrain --packages)",
     )
     ap.add_argument(
         "--draft-vocab",

@@ -215,7 +215,7 @@ def test_corpus_windows_are_evenly_spaced_slices_of_the_training_stream(monkeypa
     from training.eagle3 import corpus_windows
 
     stream = np.arange(10_000, dtype=np.uint16)
-    monkeypatch.setattr(pt, "encode_corpus", lambda tok, work: (stream, stream[:10]))
+    monkeypatch.setattr(pt, "encode_corpus", lambda tok, work, packages=None: (stream, stream[:10]))
     wins = corpus_windows(2048, width=512)
     assert [len(w) for w in wins] == [512] * 4
     assert [w[0] for w in wins] == [0, 2372, 4744, 7116] and all(w == list(range(w[0], w[0] + 512)) for w in wins)
