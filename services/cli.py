@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from services.common.config import OPTIONS, PARSE, EngineConfig, ServerConfig
@@ -36,10 +37,15 @@ def _flag_type(kind: str):
     return parse
 
 
-def _add_options(ap: argparse.ArgumentParser, serve_only: bool) -> None:
-    """Flags for the option table's engine options (``services/common/config.py``)."""
+# The suffix cache's options of the table that `specmesh replay` takes (it runs no model).
+REPLAY_OPTIONS = ("suffix_max_depth", "suffix_max_draft", "suffix_live_outputs")
+
+
+def _add_options(ap: argparse.ArgumentParser, serve_only: bool, names: tuple[str, ...] | None = None) -> None:
+    """Flags for the option table's engine options (``services/common/config.py``); ``names``:
+    only those."""
     for opt in OPTIONS.values():
-        if opt.serve_only != serve_only:
+        if opt.serve_only != serve_only or (names is not None and opt.name not in names):
             continue
         flags = [f"--{opt.name.replace('_', '-')}"] + ([opt.short] if opt.short else [])
         text = opt.help + (f" (env {opt.env})" if opt.env else "")
@@ -379,20 +385,21 @@ def cmd_client(args: argparse.Namespace) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    from services.common.config import SpecParams, SuffixConfig
     from services.drafter.base import DRAFTERS
     from services.drafter.replay import load_traces, replay
 
     if args.drafter != "suffix":
         sys.exit(f"error: --drafter {args.drafter!r}: replay supports the model-free drafter 'suffix'")
-    cfg = SuffixConfig(max_depth=args.max_depth, spec=SpecParams(max_spec_tokens=args.max_draft), tree=args.tree)
-    stats = replay(DRAFTERS["suffix"](cfg), load_traces(args.traces), args.max_draft, progress=True)
+    values = {name: getattr(args, name) for name in REPLAY_OPTIONS}
+    cfg = replace(EngineConfig.from_mapping(values).suffix, tree=args.tree)
+    max_draft = cfg.spec.max_spec_tokens
+    stats = replay(DRAFTERS["suffix"](cfg), load_traces(args.traces), max_draft, progress=True)
     report = {
         "drafter": args.drafter,
         "tree": args.tree,
         "traces": str(args.traces),
-        "max_draft": args.max_draft,
-        "max_depth": args.max_depth,
+        "max_draft": max_draft,
+        "max_depth": cfg.max_depth,
         **stats.report(),
     }
     print(json.dumps(report, indent=2))
@@ -579,8 +586,7 @@ def _tool_parsers(sub) -> None:
     p = sub.add_parser("replay", help="replay traces through a drafter without the target")
     p.add_argument("--drafter", default="suffix")
     p.add_argument("--traces", type=Path, required=True)
-    p.add_argument("--max-draft", type=int, default=16)
-    p.add_argument("--max-depth", type=int, default=64)
+    _add_options(p, serve_only=False, names=REPLAY_OPTIONS)
     p.add_argument("--tree", action="store_true", help="draft speculation trees instead of paths")
     p.add_argument("--out", type=Path, default=None)
     p.set_defaults(func=cmd_replay)

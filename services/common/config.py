@@ -168,12 +168,10 @@ class EngineConfig:
         device = v.pop("device") or _auto_device()
         dtype = v.pop("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
         spec = v.pop("speculative_config")
-        nested: dict[str, dict[str, Any]] = {}  # options that set a field of a nested config
-        for name, opt in OPTIONS.items():
-            if len(opt.path) == 2:
-                nested.setdefault(opt.path[0], {})[opt.path[1]] = v.pop(name)
-        for part, fields in nested.items():
-            v[part] = replace(getattr(cls, part), **fields)
+        for name, opt in OPTIONS.items():  # options that set a field of a nested config
+            if len(opt.path) > 1:
+                part = opt.path[0]
+                v[part] = _replaced(v.get(part, getattr(cls, part)), opt.path[1:], v.pop(name))
         cfg = cls(**paths, **v, device=device, dtype=dtype, ocm_snapshot=models / "ocm_snapshot.json")
         if spec is None:
             return cfg
@@ -255,6 +253,14 @@ PARSE: dict[str, Callable[[Any], Any]] = {
     "ngram": _ngram,
     "json": _json_object,
 }
+
+
+def _replaced(config: Any, path: list[str], value: Any) -> Any:
+    """``config`` (a frozen dataclass) with the field at dotted ``path`` set to ``value``."""
+    head = path[0]
+    if len(path) > 1:
+        value = _replaced(getattr(config, head), path[1:], value)
+    return replace(config, **{head: value})
 
 
 @dataclass(frozen=True)
@@ -358,6 +364,18 @@ OPTIONS: dict[str, Option] = {
             "bool",
             "HVD: weigh the predicted yield against measured cycle costs (model drafter or plain step)",
             sets="hybrid.cost_aware",
+        ),
+        Option(
+            "suffix_max_depth",
+            "positive",
+            "suffix cache: the longest context match and tree depth (ArcticInference's suffix_decoding_max_tree_depth)",
+            sets="suffix.max_depth",
+        ),
+        Option(
+            "suffix_max_draft",
+            "positive",
+            "suffix cache: the longest draft (ArcticInference's suffix_decoding_max_spec_tokens)",
+            sets="suffix.spec.max_spec_tokens",
         ),
         Option(
             "suffix_live_outputs",

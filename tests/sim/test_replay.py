@@ -82,6 +82,8 @@ def test_replay_cli_reports_metrics(tiny_dirs, tmp_path):
             "suffix",
             "--traces",
             str(tmp_path / "t.jsonl"),
+            "--suffix-max-draft",
+            "5",
             "--out",
             str(tmp_path / "r.json"),
         ],
@@ -93,6 +95,7 @@ def test_replay_cli_reports_metrics(tiny_dirs, tmp_path):
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["tau"] >= 1.0 and rep["cycles"] > 0 and "acceptance_per_position" in rep
     assert sum(rep["draft_length_histogram"].values()) == rep["cycles"]
+    assert rep["max_draft"] == 5 and max(int(n) for n in rep["draft_length_histogram"]) <= 5
     assert out.stdout
 
 

@@ -149,3 +149,14 @@ def test_options_set_fields_of_nested_configs_and_default_to_them():
     cfg = EngineConfig.from_mapping({"hybrid_tau": 3.5, "suffix_live_outputs": False, "target": "/t"})
     assert cfg.hybrid.tau == 3.5 and cfg.hybrid.cost_aware == EngineConfig.hybrid.cost_aware
     assert cfg.suffix.live_outputs is False and cfg.suffix.max_depth == EngineConfig.suffix.max_depth
+
+
+def test_options_set_fields_of_nested_configs_at_any_depth():
+    """suffix_max_draft sets suffix.spec.max_spec_tokens, beside suffix_max_depth (suffix) and
+    hybrid_tau (hybrid); the rest of each nested config keeps its defaults."""
+    c = EngineConfig.from_mapping({"suffix_max_draft": 7, "suffix_max_depth": 32, "hybrid_tau": 3.0})
+    assert (c.suffix.spec.max_spec_tokens, c.suffix.max_depth, c.hybrid.tau) == (7, 32, 3.0)
+    assert c.suffix.spec.min_token_prob == BASE.suffix.spec.min_token_prob
+    assert c.suffix.live_outputs == BASE.suffix.live_outputs and c.hybrid.cost_aware == BASE.hybrid.cost_aware
+    with pytest.raises(ValueError, match="suffix_max_draft"):
+        EngineConfig.from_mapping({"suffix_max_draft": 0})
