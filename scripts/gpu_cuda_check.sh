@@ -11,6 +11,9 @@
 #                                     batch-invariant verification on and off, and in fp32, with the
 #                                     invariant mode's cost (on the CPU its bf16 row is all zeros; on a
 #                                     GPU the matmul kernels may still vary with the row count);
+#   pair_cost.md                      bench.pair_cost: a 1-layer draft's step against target shapes,
+#                                     batch 1 (issue 39's gate: the draft at most 10 % of a target step
+#                                     on the GPU too; the CPU figures are bench/results/pair_cost.md);
 #   op_profile_threads{default,1}.md  operators and host waits per cycle (bench.op_profile), bf16,
 #                                     with torch's default intra-op threads and with one: the
 #                                     host-side bookkeeping runs small CPU ops, which many threads
@@ -47,6 +50,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/device.txt"
 cat "$W/device.txt"
 "$PY" -m bench.bf16_lossless --device "$DEVICE" --modes bfloat16-invariant,bfloat16,float32 --prompts 4 \
   --max-new-tokens 64 --out "$W/bf16_lossless.json" > "$W/bf16_lossless.log" 2>&1 || tail -n 20 "$W/bf16_lossless.log"
+pack
+"$PY" -m bench.pair_cost --device "$DEVICE" --targets 8x256,12x320,14x320,12x512 --drafts 1x128,1x256 --rounds 3 \
+  --out "$W/pair_cost.json" > "$W/pair_cost.log" 2>&1 || tail -n 20 "$W/pair_cost.log"
 pack
 for t in 0 1; do
   name=op_profile_threads$([ "$t" = 0 ] && echo default || echo 1)
