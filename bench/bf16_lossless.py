@@ -14,13 +14,13 @@ within rounding of each other. Each prompt runs every method under every mode in
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from bench.harness import past_outputs
+from bench.harness import report as save_and_print
 from bench.workloads import humaneval, stdlib_heldout
 from services.common.config import EngineConfig
 from services.common.progress import Progress
@@ -98,15 +98,11 @@ def main() -> int:
         "device": a.device,
         "modes": run(modes, texts, a.max_new_tokens, a.device),
     }
-    a.out.write_text(json.dumps(result, indent=1))
-    lines = report(result)
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(result, a.out.with_suffix(".png"))
-    print("\n".join(lines))
+    save_and_print(a.out, result, lambda r: "\n".join(markdown(r)) + "\n", plot)
     return 0
 
 
-def report(result: dict) -> list[str]:
+def markdown(result: dict) -> list[str]:
     n, modes = result["prompts"], result["modes"]
     lines = [
         f"# Lossless methods against vanilla, per verification mode ({result['device']})",

@@ -10,7 +10,6 @@ step on the CPU and on the GPU, with every bundled model in at most 100 MB (fp16
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import report as save_and_print
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
 from services.common.progress import Progress
@@ -105,15 +105,11 @@ def main() -> int:
         "drafts": [d for d in rows if d.startswith("draft ")],
         "models": rows,
     }
-    a.out.write_text(json.dumps(result, indent=1))
-    lines = report(result)
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(result, a.out.with_suffix(".png"))
-    print("\n".join(lines))
+    save_and_print(a.out, result, lambda r: "\n".join(markdown(r)) + "\n", plot)
     return 0
 
 
-def report(r: dict) -> list[str]:
+def markdown(r: dict) -> list[str]:
     m = r["models"]
     drafts = r["drafts"]
     lines = [
