@@ -402,7 +402,7 @@ class Llama(nn.Module):
         and not None, makes row r's last len(trees[r]) tokens a token tree with those parents
         (``token_tree``): each sits at its depth's position and attends to its ancestors; its
         K/V go to the cache in row order (the caller keeps the accepted path's). A single
-        row takes the plain batched path (no per-row bookkeeping)."""
+        row takes the plain batched path (no per-row bookkeeping), unless ``batch_invariant``."""
         dev = self.embed_tokens.weight.device
         if last_only:
             tails = [1] * len(seqs)
