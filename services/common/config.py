@@ -147,6 +147,11 @@ class EngineConfig:
     state_dir: Path | None = None  # correction-memory counts a shutdown could not write, for the next start
     ocm_snapshot: Path | None = _bundled("ocm_snapshot.json")  # calibration prior, loaded when present
 
+    @property
+    def invariant_verification(self) -> bool:
+        """``batch_invariant`` as set, else on in reduced precision (bfloat16, float16)."""
+        return self.dtype != "float32" if self.batch_invariant is None else self.batch_invariant
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], methods: Mapping[str, Any] | None = None) -> EngineConfig:
         """The configuration that option values (``OPTIONS``' names: the CLI's flags, the Ray

@@ -84,8 +84,7 @@ class VerifierCore:
             torch.set_num_threads(cfg.threads)
         dtype = getattr(torch, cfg.dtype)
         runner = TargetRunner(_load(cfg.target, cfg))
-        invariant = cfg.batch_invariant
-        runner.model.batch_invariant = cfg.dtype != "float32" if invariant is None else invariant
+        runner.model.batch_invariant = cfg.invariant_verification
         drafters: dict[str, ModelDrafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:

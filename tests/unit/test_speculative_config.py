@@ -160,3 +160,17 @@ def test_options_set_fields_of_nested_configs_at_any_depth():
     assert c.suffix.live_outputs == BASE.suffix.live_outputs and c.hybrid.cost_aware == BASE.hybrid.cost_aware
     with pytest.raises(ValueError, match="suffix_max_draft"):
         EngineConfig.from_mapping({"suffix_max_draft": 0})
+
+
+@pytest.mark.parametrize(
+    "values,invariant",
+    [
+        ({}, False),  # float32 on the CPU: the fast path
+        ({"dtype": "bfloat16"}, True),
+        ({"dtype": "float16"}, True),
+        ({"dtype": "bfloat16", "batch_invariant": "false"}, False),
+        ({"batch_invariant": "true"}, True),
+    ],
+)
+def test_batch_invariant_verification_is_on_in_reduced_precision_unless_set(values, invariant):
+    assert EngineConfig.from_mapping({"device": "cpu", **values}).invariant_verification is invariant
