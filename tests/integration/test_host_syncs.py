@@ -99,3 +99,13 @@ def test_a_cycle_of_the_eagle3_and_hybrid_methods_stays_within_its_budget(bundle
     worst = worst_cycle(bundled_engine, method, monkeypatch)
     budget = BUNDLED_BUDGET[method](bundled_engine.cfg.eagle3_k)
     assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
+
+
+@pytest.mark.parametrize("method", ["vanilla", "sd", "suffix-tree"])
+def test_batch_invariant_verification_adds_no_host_round_trip(tiny_engine, method, monkeypatch):
+    """The invariant plan (services/common/invariant.py) is built from host lists and read by
+    index on the device: chains and trees stay within the same budgets."""
+    monkeypatch.setattr(tiny_engine.runner.model, "batch_invariant", True)
+    worst = worst_cycle(tiny_engine, method, monkeypatch)
+    budget = BUDGET[method](tiny_engine.cfg.num_speculative_tokens)
+    assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
