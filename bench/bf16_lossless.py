@@ -98,7 +98,7 @@ def main() -> int:
         "device": a.device,
         "modes": run(modes, texts, a.max_new_tokens, a.device),
     }
-    save_and_print(a.out, result, lambda r: "\n".join(markdown(r)) + "\n", plot)
+    save_and_print(result, a.out, lambda r: "\n".join(markdown(r)) + "\n", plot)
     return 0
 
 

@@ -105,7 +105,7 @@ def main() -> int:
         "drafts": [d for d in rows if d.startswith("draft ")],
         "models": rows,
     }
-    save_and_print(a.out, result, lambda r: "\n".join(markdown(r)) + "\n", plot)
+    save_and_print(result, a.out, lambda r: "\n".join(markdown(r)) + "\n", plot)
     return 0
 
 

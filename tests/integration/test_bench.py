@@ -429,3 +429,39 @@ def test_control_plane_stand_in_serves_as_a_ray_replica(tiny_engine):
         engine.close()
     finally:
         place.close()
+
+
+def test_pair_cost_times_every_target_against_every_draft(tmp_path, monkeypatch):
+    """bench.pair_cost: one row per target shape, one share per draft shape, from timed steps."""
+    import json
+    import sys
+
+    from bench import pair_cost
+
+    out = tmp_path / "pc.json"
+    argv = ["pair_cost", "--targets", "2x64,3x128", "--drafts", "1x64", "--rounds", "1", "--steps", "2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--context", "8", "--draft-vocab", "512", "--out", str(out)])
+    assert pair_cost.main() == 0
+    r = json.loads(out.read_text())
+    assert r["targets"] == ["2x64", "3x128"] and r["drafts"] == ["draft 1x64"]
+    assert all(m["step_ms"] > 0 for m in r["models"].values())
+    assert r["models"]["3x128"]["params_m"] > r["models"]["2x64"]["params_m"]
+    assert "| 3x128 |" in out.with_suffix(".md").read_text() and out.with_suffix(".png").exists()
+
+
+def test_bf16_lossless_bench_finds_the_invariant_mode_lossless(tmp_path, monkeypatch):
+    """bench.bf16_lossless on the bundled models, briefly: the invariant bfloat16 mode leaves no
+    method off vanilla's tokens, and every mode reports every method's speed."""
+    import json
+    import sys
+
+    from bench import bf16_lossless
+
+    out = tmp_path / "b.json"
+    argv = ["bf16_lossless", "--modes", "bfloat16-invariant,float32", "--prompts", "1", "--max-new-tokens", "24"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    assert bf16_lossless.main() == 0
+    r = json.loads(out.read_text())
+    assert all(row["differing"] == 0 for row in r["modes"]["bfloat16-invariant"].values())
+    assert all(len(row["tok_s"]) == 2 for mode in r["modes"].values() for row in mode.values())
+    assert "| bfloat16-invariant |" in out.with_suffix(".md").read_text()
