@@ -112,9 +112,10 @@ class Package:
     left_out: int = 0  # .py files dropped by a rule (generated, vendored, too big, duplicate)
 
 
-def _usable(path: Path) -> str | None:
-    """The file's text, or None if a rule leaves it out."""
-    if set(path.parts) & SKIP_DIRS or re.search(r"_pb2(_grpc)?\.py$", path.name):
+def _usable(path: Path, rel: Path) -> str | None:
+    """The file's text (``rel``: its path inside the distribution's install root), or None if a
+    rule leaves it out."""
+    if set(rel.parts) & (SKIP_DIRS | {".."}) or re.search(r"_pb2(_grpc)?\.py$", path.name):
         return None
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
@@ -147,7 +148,7 @@ def packages(dists: Iterable[md.Distribution] | None = None) -> list[Package]:
         kept: list[tuple[Path, int]] = []
         for rel in sorted(str(f) for f in dist.files or [] if str(f).endswith(".py")):
             path = Path(str(dist.locate_file(rel)))
-            text = _usable(path)
+            text = _usable(path, Path(rel))
             digest = hashlib.sha1(text.encode()).digest() if text is not None else b""
             if text is None or digest in seen_text:
                 pkg.left_out += 1

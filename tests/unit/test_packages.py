@@ -130,3 +130,11 @@ def test_the_installed_environment_gives_tens_of_millions_of_tokens_split_by_pac
         s: {hashlib.sha1(f.read_bytes()).digest() for p in ps for f in p.files} for s, ps in (("t", train), ("h", held))
     }
     assert not digests["t"] & digests["h"]
+
+
+def test_only_directories_inside_a_distribution_count_as_vendored(tmp_path):
+    """An environment that itself sits under a directory named like a vendored tree keeps its files."""
+    site = tmp_path / "vendor" / "extern" / "site-packages"
+    dist(site, "okpkg", {"okpkg/__init__.py": "a = 1\n", "okpkg/_vendor/b.py": "b = 2\n"}, License_Expression="MIT")
+    (pkg,) = packages(md.distributions(path=[str(site)]))
+    assert [f.name for f in pkg.files] == ["__init__.py"] and pkg.left_out == 1
