@@ -17,11 +17,8 @@ from training.corpus import EOS, training_texts
 VOCAB_SIZE = 8192
 
 
-def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> None:
-    from transformers import PreTrainedTokenizerFast
-
-    t0 = time.time()
-    texts = training_texts(seed=seed)
+def bpe(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """A byte-level BPE of ``vocab_size`` tokens (EOS the one special token) trained on ``texts``."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -33,6 +30,15 @@ def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> N
         show_progress=True,
     )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    t0 = time.time()
+    texts = training_texts(seed=seed)
+    tok = bpe(texts, vocab_size)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=EOS,
