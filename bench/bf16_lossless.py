@@ -112,22 +112,12 @@ def markdown(result: dict) -> list[str]:
         "",
         "Prompts on which a method's tokens leave vanilla's:",
         "",
-        "| mode | " + " | ".join(METHODS) + " |",
-        "|---|" + "---|" * len(METHODS),
-    ]
-    for mode, rows in modes.items():
-        lines.append(f"| {mode} | " + " | ".join(f"{rows[m]['differing']} of {n}" for m in METHODS) + " |")
-    lines += [
+        *_table(modes, METHODS, lambda rows, m: f"{rows[m]['differing']} of {n}"),
         "",
         "Median tokens/s (speedup over the mode's own vanilla):",
         "",
-        "| mode | vanilla | " + " | ".join(METHODS) + " |",
-        "|---|---|" + "---|" * len(METHODS),
+        *_table(modes, ("vanilla", *METHODS), _speed),
     ]
-    for mode, rows in modes.items():
-        van = rows["vanilla"]["median_tok_s"]
-        cells = [f"{rows[m]['median_tok_s']:.1f} ({rows[m]['median_tok_s'] / van:.2f}x)" for m in METHODS]
-        lines.append(f"| {mode} | {van:.1f} | " + " | ".join(cells) + " |")
     for dtype in ("bfloat16", "float32"):
         if dtype in modes and f"{dtype}-invariant" in modes:
             fast, inv = modes[dtype], modes[f"{dtype}-invariant"]
@@ -138,6 +128,17 @@ def markdown(result: dict) -> list[str]:
                 f"tokens/s (vanilla {ratios[0]:.2f}x).",
             ]
     return lines
+
+
+def _table(modes: dict, columns: tuple[str, ...], cell) -> list[str]:
+    """A mode per row, a method per column, ``cell(mode's rows, method)`` in each."""
+    head = ["| mode | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    return head + [f"| {mode} | " + " | ".join(cell(rows, m) for m in columns) + " |" for mode, rows in modes.items()]
+
+
+def _speed(rows: dict, m: str) -> str:
+    tok_s = rows[m]["median_tok_s"]
+    return f"{tok_s:.1f}" if m == "vanilla" else f"{tok_s:.1f} ({tok_s / rows['vanilla']['median_tok_s']:.2f}x)"
 
 
 def plot(result: dict, out: Path) -> None:

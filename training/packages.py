@@ -277,7 +277,7 @@ def main() -> None:
     kept = {p.name for p in pkgs}
     licences = {d.metadata["Name"]: licence_of(d.metadata) for d in all_dists}
     refused = sorted(f"{n} ({lic or 'unknown'})" for n, lic in licences.items() if lic is None or not spdx_allows(lic))
-    empty = sorted(n for n, lic in licences.items() if lic and spdx_allows(lic) and n not in kept and n != "specmesh")
+    empty = sorted(n for n, lic in licences.items() if lic and spdx_allows(lic) and n not in kept)
     files = [f for p in pkgs for f in p.files]
     sample = random.Random(0).sample(files, min(300, len(files)))
     tok = AutoTokenizer.from_pretrained(str(a.tokenizer))
