@@ -1,6 +1,8 @@
 """The Ray Serve application, in-process on 2 CPUs: Generate through Serve's gRPC proxy, two
 verifier replicas behind the prefix-affinity request router."""
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -287,7 +289,6 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
     session on the same prompt opens on the same replica (of two) and starts from its prefix
     cache. Four prompts: Serve's own routing would pick that replica each time by chance
     with probability 1/16."""
-    import time
 
     from ray import serve
 
@@ -297,8 +298,7 @@ def test_a_session_opens_where_its_prompt_start_is_cached(serve_app, tiny_engine
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
     # Earlier tests' sessions, while their replica still reports them, count toward its load:
     # with more than the slack of 2 there, the open rightly goes to the other replica.
-    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
-    time.sleep(2.5)  # and the routers' copy of the reports (every 1 s, then the controller's broadcast) says so
+    no_sessions_reported()
     for p in range(4):
         ids = tiny_engine.encode("".join(f"def ray_{p}_{i}(x):\n    return x * {i} - {p}\n\n" for i in range(5)))
         first = RaySession(handle, SessionSpec(ids, 4))
@@ -323,7 +323,7 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     stub, _, port, _ = serve_app
     # earlier tests' sessions count toward a replica's load until their reports age out: past the
     # affinity slack they would send the second stream to the other replica, where it is fed whole
-    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
+    no_sessions_reported()
     start = tiny_engine.encode("".join(f"def chunked_{i}(x):\n    return x * {i}\n\n" for i in range(4)))
     # The other stream outlasts the prompt's chunks (~27 + len(tail) of them), else the rest would be fed whole.
     other = stub.Generate(
@@ -399,6 +399,14 @@ def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engin
     assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()  # none left behind
 
 
+def no_sessions_reported() -> None:
+    """Wait until no verifier replica holds a session, and until the request routers' copies of
+    the replicas' reports (sent every 1 s, then broadcast by the controller) say so too: a
+    placement test that starts sooner may see an earlier test's closed session as load."""
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()
+    time.sleep(2.5)
+
+
 def open_sessions() -> dict[str, list[str]]:
     """Each verifier replica's open sessions, as it reports them to the request routers."""
     from ray import serve
@@ -461,7 +469,7 @@ def test_reset_prefix_cache_reaches_every_verifier_replica(serve_app, tiny_engin
     from services.ray_app import RaySession
 
     port = serve_app[2]
-    assert wait_for(lambda: not any(open_sessions().values()), timeout=30)
+    no_sessions_reported()  # else a stale report of another test's session decides the placement
     handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
     prompts = [
         tiny_engine.encode("".join(f"def reset_{tag}_{i}(x):\n    return x - {i}\n\n" for i in range(5)))
