@@ -8,7 +8,11 @@ precision, so a lossless method can leave vanilla's tokens where two candidates'
 within rounding of each other. Each prompt runs every method under every mode in turn
 (interleaved), so the speeds compare like with like.
 
+A mode may also set device chains on or off (``EngineConfig.device_chains``: a greedy chain
+read once per draft), so their cost or gain is measured the same way.
+
     python -m bench.bf16_lossless [--modes float32,bfloat16,bfloat16-invariant] [--prompts 8] [--device cuda]
+    python -m bench.bf16_lossless --modes float32,float32-device-chains
 """
 
 from __future__ import annotations
@@ -28,12 +32,20 @@ from services.router.engine import Engine, GenerationRequest
 
 OUT = Path(__file__).resolve().parent / "results" / "bf16_lossless"
 METHODS = ("sd", "suffix", "eagle3", "hybrid", "suffix-tree", "eagle3-tree", "hybrid-tree", "ngram")
-MODES = {  # name → (dtype, batch_invariant)
-    "float32": ("float32", False),
-    "bfloat16": ("bfloat16", False),
-    "bfloat16-invariant": ("bfloat16", True),
-    "float32-invariant": ("float32", True),
-}
+CHAINS = {"": None, "-device-chains": True, "-host-chains": False}  # None: the device's default
+
+
+def mode_config(name: str) -> dict | None:
+    """A mode's engine settings: ``DTYPE[-invariant][-device-chains|-host-chains]`` (device
+    chains: ``EngineConfig.device_chains``); None for a name of another shape."""
+    for suffix, chains in CHAINS.items():
+        head = name.removesuffix(suffix) if suffix else name
+        if suffix and head == name:
+            continue
+        dtype, _, rest = head.partition("-")
+        if dtype in ("float32", "bfloat16", "float16") and rest in ("", "invariant"):
+            return {"dtype": dtype, "batch_invariant": rest == "invariant", "device_chains": chains}
+    return None
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -49,7 +61,7 @@ def timed(engine: Engine, ids: list[int], max_new: int, method: str) -> tuple[li
 
 
 def run(modes: list[str], texts: list[str], max_new: int, device: str) -> dict:
-    engines = {m: Engine(EngineConfig(device=device, dtype=MODES[m][0], batch_invariant=MODES[m][1])) for m in modes}
+    engines = {m: Engine(EngineConfig(device=device, **(mode_config(m) or {}))) for m in modes}
     rows = {
         mode: {m: {"differing": 0, "first_difference": [], "tok_s": []} for m in ("vanilla", *METHODS)}
         for mode in modes
@@ -80,16 +92,20 @@ def run(modes: list[str], texts: list[str], max_new: int, device: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="float32,bfloat16,bfloat16-invariant", help=f"of {', '.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default="float32,bfloat16,bfloat16-invariant",
+        help="comma-separated DTYPE[-invariant][-device-chains|-host-chains] (float32, bfloat16, float16)",
+    )
     p.add_argument("--prompts", type=int, default=8, help="of each workload")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=OUT.with_suffix(".json"), help="the JSON; .md and .png beside it")
     a = p.parse_args()
     modes = a.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if mode_config(m) is None]
     if unknown:
-        p.error(f"--modes: unknown {', '.join(unknown)}; known: {', '.join(MODES)}")
+        p.error(f"--modes: {', '.join(unknown)} is not DTYPE[-invariant][-device-chains|-host-chains]")
     texts = [x.text for x in humaneval(a.prompts)] + [x.text for x in stdlib_heldout(a.prompts, prompt_chars=600)]
     result = {
         "command": "python -m bench.bf16_lossless " + " ".join(sys.argv[1:]),
@@ -118,15 +134,18 @@ def markdown(result: dict) -> list[str]:
         "",
         *_table(modes, ("vanilla", *METHODS), _speed),
     ]
-    for dtype in ("bfloat16", "float32"):
-        if dtype in modes and f"{dtype}-invariant" in modes:
-            fast, inv = modes[dtype], modes[f"{dtype}-invariant"]
-            ratios = [inv[m]["median_tok_s"] / fast[m]["median_tok_s"] for m in ("vanilla", *METHODS)]
-            lines += [
-                "",
-                f"{dtype}: the invariant mode runs at {min(ratios):.2f}-{max(ratios):.2f}x the fast mode's "
-                f"tokens/s (vanilla {ratios[0]:.2f}x).",
-            ]
+    for base in modes:
+        for other in (f"{base}-invariant", f"{base}-device-chains"):
+            if other in modes:
+                ratios = {
+                    m: modes[other][m]["median_tok_s"] / modes[base][m]["median_tok_s"] for m in ("vanilla", *METHODS)
+                }
+                lines += [
+                    "",
+                    f"{other} against {base}: {min(ratios.values()):.2f}-{max(ratios.values()):.2f}x the tokens/s ("
+                    + ", ".join(f"{m} {r:.2f}x" for m, r in ratios.items())
+                    + ").",
+                ]
     return lines
 
 

@@ -118,6 +118,11 @@ class EngineConfig:
     # The target's logits for a position do not depend on what shares its step (services/common/
     # invariant.py), so lossless methods equal vanilla bit for bit; None: on in bfloat16 and float16.
     batch_invariant: bool | None = None
+    # Draft-LM and EAGLE-3 chains of greedy, unconstrained requests keep their tokens on the device
+    # and are read once per draft, not once per position; a confidence cut then comes after the
+    # whole chain is drafted. None: on for CUDA (a read stalls the queue), off on the CPU (the cut
+    # saves the steps it skips, and a read costs nothing there).
+    device_chains: bool | None = None
     kv_pool: bool = False  # pooled K/V slots: one attention call per layer for a step's sessions
     #                                       (services/common/kv_pool.py; no gain on this CPU, meant for GPUs)
     draft_confidence: float = 0.3  # draft-LM chains stop after a token with max q below this
@@ -151,6 +156,11 @@ class EngineConfig:
     def invariant_verification(self) -> bool:
         """``batch_invariant`` as set, else on in reduced precision (bfloat16, float16)."""
         return self.dtype != "float32" if self.batch_invariant is None else self.batch_invariant
+
+    @property
+    def chains_on_device(self) -> bool:
+        """``device_chains`` as set, else on for CUDA devices."""
+        return self.device.startswith("cuda") if self.device_chains is None else self.device_chains
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], methods: Mapping[str, Any] | None = None) -> EngineConfig:
@@ -395,6 +405,14 @@ OPTIONS: dict[str, Option] = {
             "verify so that a position's target logits do not depend on the draft length or the "
             "sessions beside it, so lossless methods give vanilla's tokens bit for bit in reduced "
             "precision (bench/results/bf16_lossless.md); default: on in bfloat16 and float16",
+            default=None,
+        ),
+        Option(
+            "device_chains",
+            "bool",
+            "draft-LM and EAGLE-3 chains of greedy, unconstrained requests keep their tokens on the "
+            "device and are read by the host once per draft, not once per token (a confidence cut "
+            "then comes after the whole chain); default: on for CUDA, off on the CPU",
             default=None,
         ),
         Option("packed_gemm", "bool", "CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)"),

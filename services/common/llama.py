@@ -247,6 +247,21 @@ def causal_masks(starts: list[int], lens: list[int], device) -> list[torch.Tenso
     ]
 
 
+def token_ids(seqs: Sequence[list[int] | torch.Tensor], device) -> torch.Tensor:
+    """The rows' tokens in one long tensor on ``device``: host lists are copied in one go,
+    device tensors (a chain's tokens that the host has not read) are joined where they are."""
+    if not any(isinstance(t, torch.Tensor) for t in seqs):
+        return torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=device)
+    return torch.cat(
+        [
+            t.to(device, torch.long)
+            if isinstance(t, torch.Tensor)
+            else torch.tensor(t, dtype=torch.long, device=device)
+            for t in seqs
+        ]
+    )
+
+
 def row_positions(start: int, n: int, tree: list[int] | None, device) -> torch.Tensor:
     """Positions of a row's n new tokens after ``start`` cached ones; a tree's last
     len(tree) sit at the position of their depth (``token_tree.depths``)."""
@@ -385,7 +400,7 @@ class Llama(nn.Module):
 
     def forward_ragged(
         self,
-        seqs: list[list[int]],
+        seqs: Sequence[list[int] | torch.Tensor],
         starts: list[int],
         caches: list[KVCache],
         capture: tuple[int, ...] = (),
@@ -402,14 +417,16 @@ class Llama(nn.Module):
         and not None, makes row r's last len(trees[r]) tokens a token tree with those parents
         (``token_tree``): each sits at its depth's position and attends to its ancestors; its
         K/V go to the cache in row order (the caller keeps the accepted path's). A single
-        row takes the plain batched path (no per-row bookkeeping), unless ``batch_invariant``."""
+        row takes the plain batched path (no per-row bookkeeping), unless ``batch_invariant``.
+        A row's tokens may be a device tensor (a drafter's chain feeds its last argmax without
+        reading it)."""
         dev = self.embed_tokens.weight.device
         if last_only:
             tails = [1] * len(seqs)
         trees = trees if trees and any(t is not None for t in trees) else None
         if len(seqs) == 1 and not self.batch_invariant:
             logits, hidden = self(
-                torch.tensor([seqs[0]], dtype=torch.long, device=dev),
+                token_ids(seqs[:1], dev)[None],
                 starts[0],
                 caches[0],
                 capture,
@@ -419,7 +436,7 @@ class Llama(nn.Module):
             )
             return [logits[0]], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
-        ids = torch.tensor([t for row in seqs for t in row], dtype=torch.long, device=dev)
+        ids = token_ids(seqs, dev)
         trees = trees or [None] * len(seqs)
         pos = torch.cat([row_positions(st, n, tree, dev) for st, n, tree in zip(starts, lens, trees)])
         x = self.embed_tokens(ids)

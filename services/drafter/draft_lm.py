@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -95,6 +96,12 @@ class _Row:
             self.state = self.st.grammar.automaton.next(self.state, greedy_tok)
 
     @property
+    def plain(self) -> bool:
+        """Greedy and unconstrained: its draft is the argmax chain, which needs no host step."""
+        sp = self.st.sp
+        return sp.greedy and not (sp.penalized or sp.biased or sp.bad_words or self.st.grammar is not None)
+
+    @property
     def drafting(self) -> bool:
         return self.confident and len(self.out) < self.budget and (self.st.grammar is None or self.state is not None)
 
@@ -120,6 +127,9 @@ class DraftLMDrafter(ModelDrafter):
 
     With ``prefix`` (a ``PrefixCache`` of its own), a request's first feed starts after the
     longest cached run of its prompt's blocks, and committed blocks are stored for later ones.
+
+    With ``device_chains``, a batch of greedy, unconstrained requests drafts with its tokens
+    left on the device and read once per draft (``_device_chains``), not once per position.
     """
 
     name = "draft-lm"
@@ -130,9 +140,11 @@ class DraftLMDrafter(ModelDrafter):
         min_confidence: float = 0.0,
         vocab: torch.Tensor | None = None,
         prefix: PrefixCache | None = None,
+        device_chains: bool = False,
     ):
         self.model = model
         self.min_confidence = min_confidence
+        self.device_chains = device_chains
         self.vocab = vocab
         self.prefix = prefix
         self.head = None
@@ -174,6 +186,9 @@ class DraftLMDrafter(ModelDrafter):
         """Drafts for several requests, one ragged draft-model forward per draft position."""
         rows = [_Row.of(self._attached(req_id), budget) for req_id, budget in asks]
         active = [r for r in rows if r.budget > 0]
+        if self.device_chains and active and all(r.plain for r in active):
+            self._device_chains(active)
+            active = []
         while active:
             logits, _ = self.model.forward_ragged(
                 [r.feed for r in active],
@@ -191,12 +206,7 @@ class DraftLMDrafter(ModelDrafter):
                     else:
                         stacked[j] = row
             ended = {id(r) for r in active if not r.drafting}
-            if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
-                p_max, greedy = torch.softmax(stacked.float(), -1).max(-1)
-            else:
-                greedy, p_max = stacked.argmax(-1), torch.ones(len(active), device=stacked.device)
-            if self.vocab is not None:
-                greedy = self.vocab[greedy]
+            greedy, p_max = self._argmax(stacked)
             # one read of the device per draft position: the tokens and their confidences together
             # (float64 holds every token id exactly)
             read = torch.stack([greedy.to(torch.float64), p_max.to(torch.float64)]).tolist()
@@ -206,6 +216,45 @@ class DraftLMDrafter(ModelDrafter):
                     r.take(g if r.st.sp.greedy else None, lg, p, self.min_confidence, self.vocab)
             active = [r for r in active if r.drafting]
         return [r.finish(self.name) for r in rows]
+
+    def _argmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax (a target id) and its draft probability (1 without a confidence cut)."""
+        if self.min_confidence > 0:  # the softmax is needed only for the confidence cut
+            p_max, greedy = torch.softmax(logits.float(), -1).max(-1)
+        else:
+            greedy, p_max = logits.argmax(-1), torch.ones(len(logits), device=logits.device)
+        return (greedy if self.vocab is None else self.vocab[greedy]), p_max
+
+    def _device_chains(self, rows: list[_Row]) -> None:
+        """Greedy, unconstrained rows: each step feeds the rows' argmax tokens where they lie,
+        and the host reads every chain once, at the end. A chain is then cut after its first
+        token below ``min_confidence``, as the host loop would have stopped there (the steps
+        past it were drafted in vain: the price of not reading each token)."""
+        feed: dict[int, list[int] | torch.Tensor] = {id(r): r.feed for r in rows}
+        picks: list[tuple[list[_Row], torch.Tensor, torch.Tensor]] = []
+        for n in range(max(r.budget for r in rows)):
+            live = [r for r in rows if r.budget > n]
+            logits, _ = self.model.forward_ragged(
+                [feed[id(r)] for r in live],
+                [r.pos if n == 0 else r.pos + len(r.feed) + n - 1 for r in live],
+                [r.st.cache for r in live],
+                last_only=True,
+                head=self.head,
+            )
+            greedy, p_max = self._argmax(torch.stack([lg[-1] for lg in logits]))
+            picks.append((live, greedy, p_max))
+            feed.update((id(r), greedy[j : j + 1]) for j, r in enumerate(live))
+        # the one read: every step's tokens and confidences (float64 holds every token id exactly)
+        read = torch.cat([torch.stack([g.double(), p.double()]) for _, g, p in picks], 1).tolist()
+        chains: dict[int, list[tuple[int, float]]] = {id(r): [] for r in rows}
+        for (live, _, _), col in zip(picks, itertools.accumulate([0] + [len(x) for x, _, _ in picks])):
+            for j, r in enumerate(live):
+                chains[id(r)].append((int(read[0][col + j]), read[1][col + j]))
+        for r in rows:
+            chain = chains[id(r)]
+            n = next((i + 1 for i, (_, p) in enumerate(chain) if p < self.min_confidence), len(chain))
+            r.out = [t for t, _ in chain[:n]]
+            r.pos += len(r.feed) + n - 1
 
     @torch.inference_mode()
     def absorb(self, req_id: str, upto: int) -> None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.common.llama import MLP, Attention, KVCache, LlamaShape, RMSNorm, _rope_tables, attend_rows
+from services.common.llama import MLP, Attention, KVCache, LlamaShape, RMSNorm, _rope_tables, attend_rows, token_ids
 from services.common.sampling import greedy_ids
 
 
@@ -140,7 +141,11 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(out)), out
 
     def step_ragged(
-        self, hs: list[torch.Tensor], tokens: list[list[int]], starts: list[int], caches: list[KVCache]
+        self,
+        hs: list[torch.Tensor],
+        tokens: Sequence[list[int] | torch.Tensor],
+        starts: list[int],
+        caches: list[KVCache],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``step`` for several requests at once: row r runs ``tokens[r]`` with inputs hs[r]
         [T_r, H] at positions starts[r].. of caches[r]. Projections and MLP run once over all
@@ -148,11 +153,11 @@ class Eagle3Head(nn.Module):
         of each row's last position."""
         if len(hs) == 1:
             dev = hs[0].device
-            logits, out = self.step(hs[0][None], torch.tensor([tokens[0]], device=dev), starts[0], caches[0])
+            logits, out = self.step(hs[0][None], token_ids(tokens[:1], dev)[None], starts[0], caches[0])
             return [logits[0]], [out[0]]
         dev, lens = hs[0].device, [len(t) for t in tokens]
         h = torch.cat(hs)[None]
-        ids = torch.tensor([[t for row in tokens for t in row]], device=dev)
+        ids = token_ids(tokens, dev)[None]
         pos = torch.cat([torch.arange(st, st + n, device=dev) for st, n in zip(starts, lens)])
         ends = list(itertools.accumulate(lens))
         last = torch.tensor(ends, device=dev) - 1

@@ -82,6 +82,12 @@ class _Row:
         return self.h
 
     @property
+    def plain(self) -> bool:
+        """Greedy and unconstrained: its draft is the argmax chain, which needs no host step."""
+        sp = self.st.sp
+        return sp.greedy and not (sp.penalized or sp.biased or sp.bad_words or self.st.grammar is not None)
+
+    @property
     def drafting(self) -> bool:
         return (
             self.confident and len(self.drafted) < self.budget and (self.st.grammar is None or self.state is not None)
@@ -161,7 +167,9 @@ class _Tree:
 class Eagle3Drafter(ModelDrafter):
     """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
     whose head probability (max q) is below ``min_confidence``. With ``tree``, a request
-    started with ``trees=True`` gets token trees instead (``_grow``)."""
+    started with ``trees=True`` gets token trees instead (``_grow``). With ``device_chains``,
+    a batch of greedy, unconstrained chains keeps its tokens on the device and is read once
+    per draft (``_device_chains``), not once per position."""
 
     name = "eagle3"
     needs_target_states = True
@@ -173,9 +181,11 @@ class Eagle3Drafter(ModelDrafter):
         prefix: PrefixCache | None = None,
         tree: TreeShape | None = None,
         name: str = "eagle3",
+        device_chains: bool = False,
     ):
         self.head = head
         self.min_confidence = min_confidence
+        self.device_chains = device_chains
         self.prefix = prefix
         self.tree = tree
         self.name = name
@@ -345,6 +355,9 @@ class Eagle3Drafter(ModelDrafter):
                 [out for r, out in zip(active, outs) if not r.st.trees],
             )
             active = [r for r in active if not r.st.trees]
+            if self.device_chains and active and all(r.plain for r in active):
+                self._device_chains(active, logits, outs)
+                active = []
         while active:
             for r, lg, out in zip(active, logits, outs):
                 r.take(self._pick(r.st, lg[-1], r.drafted, r.state), out[-1:], self.min_confidence)
@@ -364,6 +377,41 @@ class Eagle3Drafter(ModelDrafter):
             else Draft(token_ids=r.drafted, probs=torch.stack(r.qs) if r.qs else None, source=self.name)
             for r in rows
         ]
+
+    def _device_chains(self, rows: list[_Row], logits: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Greedy, unconstrained rows from their catch-up step's ``logits`` and prenorm ``outs``:
+        each step feeds the rows' argmax tokens where they lie, and the host reads every chain
+        once, at the end. A chain is then cut after its first token below ``min_confidence``,
+        where the host loop would have stopped (the steps past it were drafted in vain)."""
+        cur, lg, hs = rows, torch.stack([x[-1] for x in logits]), [o[-1:] for o in outs]
+        picks: list[tuple[list[_Row], torch.Tensor, torch.Tensor]] = []
+        for n in range(max(r.budget for r in rows)):
+            d = lg.argmax(-1)  # the draft vocabulary's first maximum, as ``head.greedy``
+            p_max = torch.softmax(lg.float(), -1).amax(-1) if self.min_confidence > 0 else torch.ones_like(d)
+            tok = self.head.to_target_ids(d) if self.head.remaps_vocab else d
+            picks.append((cur, tok, p_max))
+            nxt = [j for j, r in enumerate(cur) if r.budget > n + 1]
+            if not nxt:
+                break
+            step, outs = self.head.step_ragged(
+                [hs[j] for j in nxt],
+                [tok[j : j + 1] for j in nxt],
+                [cur[j].st.n_feats + n for j in nxt],
+                [cur[j].st.cache for j in nxt],
+            )
+            cur, lg, hs = [cur[j] for j in nxt], torch.stack([x[-1] for x in step]), [o[-1:] for o in outs]
+        # the one read: every step's tokens and confidences (float64 holds every token id exactly)
+        read = torch.cat([torch.stack([t.double(), p.double()]) for _, t, p in picks], 1).tolist()
+        chains: dict[int, list[tuple[int, float]]] = {id(r): [] for r in rows}
+        col = 0
+        for live, _, _ in picks:
+            for r in live:
+                chains[id(r)].append((int(read[0][col]), read[1][col]))
+                col += 1
+        for r in rows:
+            chain = chains[id(r)]
+            n = next((i + 1 for i, (_, p) in enumerate(chain) if p < self.min_confidence), len(chain))
+            r.drafted = [t for t, _ in chain[:n]]
 
     def _grow(self, rows: list[tuple[_State, torch.Tensor, torch.Tensor, int]]) -> list[Draft]:
         """EAGLE-2's dynamic draft trees (as SGLang's ``speculative_eagle_topk``) for several

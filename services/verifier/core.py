@@ -89,7 +89,11 @@ class VerifierCore:
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:
             drafters["draft-lm"] = model_drafter(
-                "draft-lm", _load(cfg.draft, cfg), cfg.draft_confidence, draft_vocabulary(cfg)
+                "draft-lm",
+                _load(cfg.draft, cfg),
+                cfg.draft_confidence,
+                draft_vocabulary(cfg),
+                device_chains=cfg.chains_on_device,
             )
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
@@ -106,7 +110,9 @@ class VerifierCore:
                 if cfg.packed_gemm:
                     pack_linears(head)
                 runner.capture_layers = head.aux_layers
-                drafters["eagle3"] = model_drafter("eagle3", head, cfg.eagle3_confidence)
+                drafters["eagle3"] = model_drafter(
+                    "eagle3", head, cfg.eagle3_confidence, device_chains=cfg.chains_on_device
+                )
                 max_draft["eagle3"] = cfg.eagle3_k
                 if cfg.eagle3_topk > 1:  # the same head, drafting trees
                     drafters["eagle3-tree"] = model_drafter(

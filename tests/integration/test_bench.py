@@ -458,10 +458,20 @@ def test_bf16_lossless_bench_finds_the_invariant_mode_lossless(tmp_path, monkeyp
     from bench import bf16_lossless
 
     out = tmp_path / "b.json"
-    argv = ["bf16_lossless", "--modes", "bfloat16-invariant,float32", "--prompts", "1", "--max-new-tokens", "24"]
+    argv = [
+        "bf16_lossless",
+        "--modes",
+        "bfloat16-invariant,float32,float32-device-chains",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "24",
+    ]
     monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
     assert bf16_lossless.main() == 0
     r = json.loads(out.read_text())
     assert all(row["differing"] == 0 for row in r["modes"]["bfloat16-invariant"].values())
     assert all(len(row["tok_s"]) == 2 for mode in r["modes"].values() for row in mode.values())
-    assert "| bfloat16-invariant |" in out.with_suffix(".md").read_text()
+    assert all(row["differing"] == 0 for row in r["modes"]["float32-device-chains"].values())
+    md = out.with_suffix(".md").read_text()
+    assert "| bfloat16-invariant |" in md and "float32-device-chains against float32: " in md

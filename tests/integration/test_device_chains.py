@@ -1,0 +1,91 @@
+"""Device chains (``EngineConfig.device_chains``): a draft-LM or EAGLE-3 chain of greedy,
+unconstrained requests keeps its tokens on the device and is read once per draft. Its drafts
+must be the host loop's, token for token, with and without a confidence cut, for rows of
+different budgets in one batch, and across cycles (the caches' rollback). (The hybrid is left
+out of the engine-level comparison: its suffix cache learns the first run's outputs, so a second
+run drafts differently whatever the chains do; its host reads are counted in test_host_syncs.)"""
+
+import pytest
+
+from services.common.llama import Llama
+from services.common.types import SamplingParams
+from services.drafter.draft_lm import DraftLMDrafter
+from services.drafter.vocab import frequency_ranking, top_vocabulary
+from services.router.engine import GenerationRequest
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
+    "import os\n\nfor name in os.listdir('.'):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+]
+
+
+def drafts_of(drafter: DraftLMDrafter, prompts: list[list[int]], budgets: list[int], cycles: int) -> list:
+    """Every cycle's drafts for the prompts in one batch; each cycle commits the first half of
+    its draft plus a token of its own (a partial acceptance: the cache rolls back)."""
+    sp = SamplingParams(temperature=0.0)
+    for i, ids in enumerate(prompts):
+        drafter.start(str(i), ids, sp, None)
+    seen = []
+    for c in range(cycles):
+        drafts = drafter.propose_batch([(str(i), b) for i, b in enumerate(budgets)])
+        seen.append([(d.token_ids, drafter.states[str(i)].cache_len) for i, d in enumerate(drafts)])
+        for i, d in enumerate(drafts):
+            drafter.observe(str(i), d.token_ids[: len(d.token_ids) // 2] + [100 + 7 * c + i])
+    return seen
+
+
+@pytest.mark.parametrize("confidence", [0.0, 0.3])
+@pytest.mark.parametrize("restricted", [False, True])
+def test_device_chains_draft_the_host_loops_tokens(tiny_engine, tiny_dirs, confidence, restricted):
+    model = Llama.from_pretrained(tiny_dirs[1])
+    prompts = [tiny_engine.encode(p) for p in PROMPTS]
+    vocab = top_vocabulary(frequency_ranking(prompts, 8192), 1024) if restricted else None
+    budgets = [4, 2, 6]
+    host = drafts_of(DraftLMDrafter(model, confidence, vocab), prompts, budgets, 4)
+    device = drafts_of(DraftLMDrafter(model, confidence, vocab, device_chains=True), prompts, budgets, 4)
+    assert device == host
+    cut = [len(toks) < b for cycle in host for (toks, _), b in zip(cycle, budgets)]
+    # without a cut every chain is drafted whole; with one, some end early (else the test could not tell)
+    assert any(cut) if confidence else not any(cut)
+
+
+def cycle_drafts(engine, method: str, monkeypatch) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt's greedy output and every draft its cycles verified."""
+    seen: list[list[int]] = []
+    verifier = engine.verifier
+    drafter = verifier.drafters["eagle3" if method == "eagle3" else "draft-lm"]
+    propose = drafter.propose_batch
+
+    def recorded(asks):
+        drafts = propose(asks)
+        seen.extend(d.token_ids for d in drafts)
+        return drafts
+
+    monkeypatch.setattr(drafter, "propose_batch", recorded)
+    outs = []
+    for p in PROMPTS:
+        req = GenerationRequest(engine.encode(p), 40, method=method, ignore_eos=True)
+        outs.append(engine.generate(req).result()["token_ids"])
+    monkeypatch.undo()
+    return outs, seen
+
+
+@pytest.mark.parametrize("method", ["sd", "scg", "eagle3"])
+def test_device_chains_serve_the_same_drafts_and_tokens(tiny_engine, bundled_engine, method, monkeypatch):
+    engine = tiny_engine if method in ("sd", "scg") else bundled_engine
+    name = "draft-lm" if method in ("sd", "scg") else "eagle3"
+    drafter = engine.verifier.drafters[name]
+    host = cycle_drafts(engine, method, monkeypatch)
+    monkeypatch.setattr(drafter, "device_chains", True)
+    device = cycle_drafts(engine, method, monkeypatch)
+    assert device == host
+    assert any(host[1]), "no draft was verified: nothing compared"
+    if method != "scg":  # lossless (scg relaxes acceptance; csd too, and its memory learns between runs)
+        vanilla = [
+            engine.generate(GenerationRequest(engine.encode(p), 40, method="vanilla", ignore_eos=True)).result()[
+                "token_ids"
+            ]
+            for p in PROMPTS
+        ]
+        assert device[0] == vanilla
