@@ -80,7 +80,7 @@ def run(modes: list[str], texts: list[str], max_new: int, device: str) -> dict:
                     if k is not None:
                         rows[mode][m]["differing"] += 1
                         rows[mode][m]["first_difference"].append(k)
-        bar.advance(1)
+        bar.advance()
     bar.close()
     for engine in engines.values():
         engine.close()
@@ -135,7 +135,7 @@ def markdown(result: dict) -> list[str]:
         *_table(modes, ("vanilla", *METHODS), _speed),
     ]
     for base in modes:
-        for other in (f"{base}-invariant", f"{base}-device-chains"):
+        for other in (f"{base}-invariant", f"{base}-device-chains", f"{base}-host-chains"):
             if other in modes:
                 ratios = {
                     m: modes[other][m]["median_tok_s"] / modes[base][m]["median_tok_s"] for m in ("vanilla", *METHODS)

@@ -90,7 +90,7 @@ def main() -> int:
     for _ in range(a.rounds):  # interleaved: each round times every model once
         for name, (model, _, head) in models.items():
             times[name].append(step_ms(model, a.context, a.steps, head, a.device))
-        bar.advance(1)
+        bar.advance()
     bar.close()
     rows = {
         name: {"params_m": n, "fp16_mb": 2 * n, "step_ms": statistics.median(times[name])}
