@@ -475,3 +475,24 @@ def test_bf16_lossless_bench_finds_the_invariant_mode_lossless(tmp_path, monkeyp
     assert all(row["differing"] == 0 for row in r["modes"]["float32-device-chains"].values())
     md = out.with_suffix(".md").read_text()
     assert "| bfloat16-invariant |" in md and "float32-device-chains against float32: " in md
+
+
+def test_compile_bench_finds_the_compiled_forward_greedy_equal_to_eager(tmp_path, monkeypatch):
+    """bench.compile, briefly: torch.compile's forward (inductor, dynamic shapes) decodes the
+    same greedy tokens as the eager one on the bundled target, and every variant is timed."""
+    import json
+    import sys
+
+    from bench import compile as compile_bench
+
+    out = tmp_path / "c.json"
+    argv = ["compile", "--variants", "eager,compile", "--rounds", "1", "--steps", "2", "--tokens", "16"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    assert compile_bench.main() == 0
+    r = json.loads(out.read_text())["variants"]
+    assert r["compile"]["differing"] == 0
+    assert all(v["decode_median_ms"] > 0 and v["verify_median_ms"] > 0 for v in r.values())
+    assert "| compile |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):  # CUDA graphs need CUDA
+        monkeypatch.setattr(sys, "argv", ["compile", "--variants", "reduce-overhead", "--out", str(out)])
+        compile_bench.main()
