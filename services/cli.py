@@ -10,18 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.config import OPTIONS, PARSE, EngineConfig, ServerConfig
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a positive number of seconds."""
-    try:
-        x = float(text)
-    except ValueError:
-        x = 0.0
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return x
+from services.common.config import OPTIONS, PARSE, SERVER_OPTIONS, EngineConfig, Option, ServerConfig
 
 
 def _flag_type(kind: str):
@@ -41,23 +30,30 @@ def _flag_type(kind: str):
 REPLAY_OPTIONS = ("suffix_max_depth", "suffix_max_draft", "suffix_live_outputs")
 
 
-def _add_options(ap: argparse.ArgumentParser, serve_only: bool, names: tuple[str, ...] | None = None) -> None:
-    """Flags for the option table's engine options (``services/common/config.py``); ``names``:
-    only those."""
-    for opt in OPTIONS.values():
+def _add_options(
+    ap: argparse.ArgumentParser,
+    serve_only: bool,
+    names: tuple[str, ...] | None = None,
+    table: dict[str, Option] = OPTIONS,
+) -> None:
+    """Flags for an option table's options (``services/common/config.py``: the engine's, or
+    ``SERVER_OPTIONS``); ``names``: only those."""
+    for opt in table.values():
         if opt.serve_only != serve_only or (names is not None and opt.name not in names):
             continue
         flags = [f"--{opt.name.replace('_', '-')}"] + ([opt.short] if opt.short else [])
         text = opt.help + (f" (env {opt.env})" if opt.env else "")
         if opt.kind == "bool":
             ap.add_argument(*flags, action=argparse.BooleanOptionalAction, default=opt.fallback(), help=text)
+        elif opt.kind == "names":  # one name or several
+            ap.add_argument(*flags, nargs="+", default=opt.fallback(), metavar="NAME", help=text)
         else:
             ap.add_argument(
                 *flags,
                 type=_flag_type(opt.kind),
                 default=opt.fallback(),
                 help=text,
-                metavar={"ngram": "MIN:MAX:K", "json": "JSON"}.get(opt.kind),
+                metavar={"ngram": "MIN:MAX:K", "json": "JSON", "seconds": "SECONDS"}.get(opt.kind),
             )
 
 
@@ -136,18 +132,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         internal_token()
     except ValueError as e:
         sys.exit(f"error: {e}; internal services would run without authentication")
-    scfg = ServerConfig(
-        host=args.host,
-        port=args.port,
-        max_sessions=args.max_sessions,
-        max_queue=args.max_queue,
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
-        served_model_name=tuple(args.served_model_name),
-        chat_template=args.chat_template,
-        vllm_metric_names=args.vllm_metric_names,
-        health_check_timeout_s=args.health_check_timeout,
-        allowed_origins=tuple(args.allowed_origins),
+    scfg = replace(
+        ServerConfig.from_mapping(vars(args)),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
@@ -467,60 +453,7 @@ def _serve_parser(sub) -> None:
         "they require it as a bearer token and the router sends it (env SPECMESH_INTERNAL_TOKEN_FILE; "
         "an empty or unreadable file stops the server)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--max-sessions", type=int, default=ServerConfig.max_sessions)
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=ServerConfig.max_queue,
-        help="requests waiting for a session slot before RESOURCE_EXHAUSTED",
-    )
-    p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, help="Prometheus port (0 = off)")
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=ServerConfig.http_port,
-        help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this "
-        "port, router and embedded only (0 = off)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="the model's names in the HTTP API: requests may use any, answers carry the first "
-        "(vLLM's; default: the target's directory name)",
-    )
-    p.add_argument(
-        "--vllm-metric-names",
-        action=argparse.BooleanOptionalAction,
-        default=ServerConfig.vllm_metric_names,
-        help="/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
-        "its model_name label, for dashboards written for vLLM (router, verifier and embedded; the Ray "
-        "app's node exporter always does)",
-    )
-    p.add_argument(
-        "--allowed-origins",
-        nargs="+",
-        default=list(ServerConfig.allowed_origins),
-        metavar="ORIGIN",
-        help="CORS: browser origins the HTTP API answers (vLLM's; default: any, *)",
-    )
-    p.add_argument(
-        "--health-check-timeout",
-        type=_seconds,
-        default=ServerConfig.health_check_timeout_s,
-        metavar="SECONDS",
-        help="GET /health_generate answers 503 when no token is generated within this "
-        "time (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)",
-    )
-    p.add_argument(
-        "--chat-template",
-        type=Path,
-        default=None,
-        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)",
-    )
+    _add_options(p, serve_only=False, table=SERVER_OPTIONS)
     p.set_defaults(func=cmd_serve)
 
 
@@ -612,14 +545,7 @@ def _tool_parsers(sub) -> None:
         help="completions decoding at once over all requests (a request takes prompts × n); a request "
         "with more gets a 400",
     )
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="the model's names, as serve's (default: the target's directory name)",
-    )
-    p.add_argument("--chat-template", type=Path, default=None, help="Jinja chat template for /v1/chat/completions")
+    _add_options(p, serve_only=False, names=("served_model_name", "chat_template"), table=SERVER_OPTIONS)
     p.set_defaults(func=cmd_run_batch)
 
 

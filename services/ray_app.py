@@ -37,7 +37,7 @@ from ray.serve.deployment import Deployment
 from ray.serve.handle import DeploymentResponse
 from ray.serve.schema import ReplicaState
 
-from services.common.config import OPTIONS, EngineConfig
+from services.common.config import OPTIONS, SERVER_OPTIONS, EngineConfig, ServerConfig
 from services.common.exposition import MODEL_NAME_ENV, start_node_exporter
 from services.common.types import CycleRequest, SessionCancelled, SessionSpec
 from services.drafter.base import Drafter
@@ -62,27 +62,33 @@ class SessionMissing(RuntimeError):
     """This replica does not hold the session (routed elsewhere, or evicted)."""
 
 
-# The app's own args (placement, admission, metrics); every other arg is an engine option of
-# the option table (``services/common/config.py``), as ``specmesh serve``'s flags.
+# The app's own args (placement of its tiers); every other arg is an option of the tables in
+# ``services/common/config.py``, as ``specmesh serve``'s flags: the engine's (OPTIONS) and the
+# public server's (SERVER_OPTIONS: the ingress's max_sessions, max_queue, metrics_port, ...).
 APP_ARGS = {
     "verifier_gpus",
     "verifier_replicas",
     "verifier_dtype",
-    "max_sessions",
+    "verifier_max_sessions",
     "autoscaling",
     "cpus_per_replica",
     "shared_memory",
     "remote_drafter",
-    "metrics_port",
     "metrics_host",
-    "max_streams",
-    "max_queue",
     "affinity_slack",
-    "health_check_timeout",
     "ingress_replicas",
-    "chat_template",
-    "served_model_name",
 }
+RENAMED = {
+    "max_streams": "max_sessions (the ingress's Generate streams, as `specmesh serve --max-sessions`); "
+    "a verifier replica's sessions are verifier_max_sessions",
+}
+VERIFIER_MAX_SESSIONS = 16  # sessions a verifier replica serves at once (verifier_max_sessions)
+
+
+def server_config(args: dict) -> ServerConfig:
+    """The ingress's server settings from the app's args (``ServerConfig.from_mapping``, as
+    ``specmesh serve``'s flags); the bearer token from the environment, never from args."""
+    return replace(ServerConfig.from_mapping(args), auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None)
 
 
 def engine_config(args: dict) -> EngineConfig:
@@ -91,11 +97,14 @@ def engine_config(args: dict) -> EngineConfig:
     the app's nor an engine option is refused, naming it."""
     from services.router.engine import METHODS
 
-    unknown = sorted(set(args) - APP_ARGS - set(OPTIONS))
+    renamed = [f"{old} is now {new}" for old, new in RENAMED.items() if old in args]
+    if renamed:
+        raise ValueError("; ".join(renamed))
+    unknown = sorted(set(args) - APP_ARGS - set(OPTIONS) - set(SERVER_OPTIONS))
     if unknown:
         raise ValueError(
             f"unknown arg(s) {', '.join(unknown)}; the app's: {', '.join(sorted(APP_ARGS))}; "
-            "the engine's: docs/configuration.md"
+            "the engine's and the server's: docs/configuration.md (`specmesh serve`)"
         )
     values = {k: v for k, v in args.items() if k in OPTIONS}
     gpus = float(args.get("verifier_gpus", 0))
@@ -252,13 +261,15 @@ class VerifierDeployment:
 
         tune_gc()
         self.core = self.build_core(args)
-        self.core.declare_capacity(int(args.get("max_sessions", 16)))
+        self.core.declare_capacity(int(args.get("verifier_max_sessions", VERIFIER_MAX_SESSIONS)))
         self._memory_handle = memory  # bound lazily: the constructor runs in the event loop
         # A thread per in-flight cycle: the cycles that the batcher verifies together must all be
         # able to block in it at once (asyncio's default pool has only cpus + 4 threads).
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(int(args.get("max_sessions", 16)) * 4, thread_name_prefix="cycle")
+        self._pool = ThreadPoolExecutor(
+            int(args.get("verifier_max_sessions", VERIFIER_MAX_SESSIONS)) * 4, thread_name_prefix="cycle"
+        )
         from services.common.runtime import freeze_startup_heap
 
         freeze_startup_heap()
@@ -583,25 +594,18 @@ class GenerationIngress:
 
     def __serve_build_asgi_app__(self):
         """The OpenAI-compatible HTTP API through Serve's HTTP proxy, over the same engine (built
-        on a request thread at first use). Admission as for gRPC: max_streams sessions, max_queue waiting."""
-        from services.common.config import ServerConfig
+        on a request thread at first use). Admission as for gRPC: max_sessions streams, max_queue waiting."""
         from services.router import openai_api as oa
         from services.router.admission import Admission
         from services.router.http_server import build_app
 
-        a = self._args
-        cfg = ServerConfig(
-            max_sessions=int(a.get("max_streams", 64)),
-            max_queue=int(a.get("max_queue", 32)),
-            auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None,
-            health_check_timeout_s=float(a.get("health_check_timeout", ServerConfig.health_check_timeout_s)),
-        )
-        template = Path(a["chat_template"]).read_text() if a.get("chat_template") else None
+        cfg = server_config(self._args)
+        template = cfg.chat_template.read_text() if cfg.chat_template else None
         return build_app(
             lambda: self.engine,
             Admission(cfg.max_sessions, cfg.max_queue),
             cfg,
-            oa.served_names(a.get("served_model_name") or "target"),
+            oa.served_names(cfg.served_model_name or "target"),
             template,
             active=self._active,
             live=lambda: int(self._serving()),
@@ -627,27 +631,33 @@ class GenerationIngress:
 
 
 def app(args: dict):
-    """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config:
-    verifier_gpus, verifier_replicas, verifier_dtype, max_sessions, autoscaling{min,max,target},
-    models_dir, redis_url, cpus_per_replica, shared_memory, remote_drafter, metrics_port, metrics_host,
-    max_streams (64 per ingress replica), max_queue (32), affinity_slack (2: prefix affinity's allowance
-    when placing a session on a verifier replica, ``services/ray_router.py``), prefill_chunk,
-    prefix_cache_mb, max_model_len and health_check_timeout (as ``specmesh serve``'s flags),
-    ingress_replicas (1: the router tier's replicas; with more, an ``AbortBoard`` carries each
-    one's aborts to the others).
+    """Application builder (``import_path: services.ray_app:app``); ``args`` from the Serve config.
+
+    - The app's own (``APP_ARGS``): verifier_gpus, verifier_replicas, verifier_dtype,
+      verifier_max_sessions (16: a verifier replica's sessions), autoscaling{min,max,target},
+      cpus_per_replica, shared_memory, remote_drafter, metrics_host, affinity_slack (2: prefix
+      affinity's allowance when placing a session on a verifier replica, ``services/ray_router.py``),
+      ingress_replicas (1: the router tier's replicas; with more, an ``AbortBoard`` carries each
+      one's aborts to the others).
+    - The public server's, as ``specmesh serve``'s flags (``SERVER_OPTIONS``), for the ingress:
+      max_sessions (Generate streams per ingress replica), max_queue, metrics_port,
+      health_check_timeout, chat_template, served_model_name, allowed_origins, ...
+    - The engine's, as ``specmesh serve``'s flags (``OPTIONS``): models_dir, redis_url,
+      prefill_chunk, prefix_cache_mb, max_model_len, ...
 
     Metrics: every replica process writes to a per-application multiprocess directory on its
     node, and one replica per node serves the node's sum on ``metrics_port`` (default 9400).
     """
     from services.router import openai_api as oa
 
+    cfg, scfg = engine_config(args), server_config(args)
     cpus = float(args.get("cpus_per_replica", 1))
     env = {
         "env_vars": {
             "PROMETHEUS_MULTIPROC_DIR": f"/tmp/specmesh_metrics/{uuid.uuid4().hex[:12]}",
-            METRICS_PORT_ENV: str(int(args.get("metrics_port", 9400))),
+            METRICS_PORT_ENV: str(scfg.metrics_port),
             METRICS_HOST_ENV: str(args.get("metrics_host", "0.0.0.0")),
-            MODEL_NAME_ENV: oa.served_names(args.get("served_model_name") or "target")[0],
+            MODEL_NAME_ENV: oa.served_names(scfg.served_model_name or "target")[0],
         }
     }
 
@@ -684,19 +694,18 @@ def app(args: dict):
         deployed(VerifierDeployment)
         .options(
             ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
-            max_ongoing_requests=int(args.get("max_sessions", 16)) * 4,
+            max_ongoing_requests=int(args.get("verifier_max_sessions", VERIFIER_MAX_SESSIONS)) * 4,
             request_router_config=routing,
             **scaling,
         )
         .bind(args, memory)
     )
-    cfg = engine_config(args)
     predictor = None
     if cfg.predictor and (Path(cfg.predictor) / "config.json").exists():
         predictor = (
             deployed(PredictorDeployment).options(ray_actor_options=actor(min(cpus, 0.5))).bind(str(cfg.predictor))
         )
-    # Admission as in the other topologies: max_streams Generate streams per ingress replica (each
+    # Admission as in the other topologies: max_sessions Generate streams per ingress replica (each
     # holds one of Serve's sync-method threads), max_queue waiting; beyond that Serve's
     # back-pressure answers RESOURCE_EXHAUSTED.
     ingress = int(args.get("ingress_replicas", 1))
@@ -706,8 +715,8 @@ def app(args: dict):
         .options(
             num_replicas=ingress,
             ray_actor_options=actor(cpus),
-            max_ongoing_requests=int(args.get("max_streams", 64)),
-            max_queued_requests=int(args.get("max_queue", 32)),
+            max_ongoing_requests=scfg.max_sessions,
+            max_queued_requests=scfg.max_queue,
         )
         .bind(verifier, predictor, args, drafter, aborts)
     )

@@ -257,6 +257,20 @@ def _float(text: Any) -> float:
         raise ValueError(f"expected a number, got {text!r}") from None
 
 
+def _seconds(text: Any) -> float:
+    x = _float(text)
+    if not x > 0:
+        raise ValueError(f"expected a number of seconds > 0, got {text!r}")
+    return x
+
+
+def _names(text: Any) -> tuple[str, ...]:
+    """One name or several: a list, or a comma-separated string (an environment variable's)."""
+    if isinstance(text, str):
+        return tuple(n.strip() for n in text.split(",") if n.strip())
+    return tuple(str(n) for n in text)
+
+
 PARSE: dict[str, Callable[[Any], Any]] = {
     "int": _int,
     "count": lambda t: _int(t, 0, "a whole number >= 0 (0 = off)"),
@@ -267,6 +281,8 @@ PARSE: dict[str, Callable[[Any], Any]] = {
     "str": lambda t: None if t is None else str(t),
     "ngram": _ngram,
     "json": _json_object,
+    "seconds": _seconds,
+    "names": _names,
 }
 
 
@@ -294,6 +310,7 @@ class Option:
     serve_only: bool = False  # a flag of `specmesh serve` only (remote components)
     secret: bool = False  # may carry a password: never on a spawned process's command line
     sets: str = ""  # the EngineConfig field it sets, dotted; "" = name
+    owner: Any = None  # the config whose field it sets: None = EngineConfig (ServerConfig's: SERVER_OPTIONS)
 
     @property
     def path(self) -> list[str]:
@@ -311,7 +328,7 @@ class Option:
             return self.parse(text)
         if self.default != "field":
             return self.default
-        value: Any = EngineConfig
+        value: Any = self.owner or EngineConfig
         for part in self.path:
             value = getattr(value, part)
         return value
@@ -536,6 +553,68 @@ class ServerConfig:
     vllm_metric_names: bool = True  # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)
     allowed_origins: tuple[str, ...] = ("*",)  # CORS: browser origins the HTTP API answers (vLLM's default)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> ServerConfig:
+        """The server settings that option values (``SERVER_OPTIONS``' names: `specmesh serve`'s
+        flags, the Ray app's args for its ingress) describe; one left out takes its default.
+        TLS and the bearer token come from files and the environment, not from here."""
+        return cls(**{opt.path[0]: opt.value(values) for opt in SERVER_OPTIONS.values()})
+
+
+def _server(name: str, kind: str, help: str, **kw) -> Option:
+    return Option(name, kind, help, owner=ServerConfig, **kw)
+
+
+# The public server's options (`specmesh serve`, `specmesh batch` takes some): each sets the
+# ServerConfig field of its name (or ``sets``). The Ray app's ingress takes the same names.
+SERVER_OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in [
+        _server("host", "str", "address to listen on"),
+        _server("port", "int", "gRPC port (Generate, health, reflection)"),
+        _server(
+            "max_sessions",
+            "positive",
+            "concurrent sessions this server runs: Generate streams and HTTP completions on a router "
+            "or an embedded server (a request for n completions takes n); sessions a verifier holds",
+        ),
+        _server("max_queue", "count", "requests waiting for a session slot before RESOURCE_EXHAUSTED (HTTP 429)"),
+        _server("metrics_port", "count", "Prometheus /metrics port (0 = off)"),
+        _server(
+            "http_port",
+            "count",
+            "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this "
+            "port, router and embedded only (0 = off)",
+        ),
+        _server(
+            "served_model_name",
+            "names",
+            "the model's names in the HTTP API: requests may use any, answers carry the first "
+            "(vLLM's; default: the target's directory name)",
+        ),
+        _server(
+            "vllm_metric_names",
+            "bool",
+            "/metrics also carries vLLM's names (vllm:spec_decode_*, vllm:num_requests_running, ...) with "
+            "its model_name label, for dashboards written for vLLM (router, verifier and embedded; the Ray "
+            "app's node exporter always does)",
+        ),
+        _server("allowed_origins", "names", "CORS: browser origins the HTTP API answers (vLLM's; default: any, *)"),
+        _server(
+            "health_check_timeout",
+            "seconds",
+            "GET /health_generate answers 503 when no token is generated within this many seconds "
+            "(SGLang's SGLANG_HEALTH_CHECK_TIMEOUT)",
+            sets="health_check_timeout_s",
+        ),
+        _server(
+            "chat_template",
+            "path",
+            "Jinja chat template for /v1/chat/completions (default: the tokenizer's, if it has one)",
+        ),
+    ]
+}
 
 
 def option_flags(values: Mapping[str, Any]) -> list[str]:

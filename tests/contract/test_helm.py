@@ -171,7 +171,8 @@ def test_ray_mode_rayservice():
     )
     assert serve["applications"][0]["args"]["verifier_gpus"] == 1  # per replica: a 4-GPU worker hosts 4
     assert serve["http_options"] == {"host": "0.0.0.0", "port": 8000}  # the OpenAI-compatible API
-    assert serve["applications"][0]["args"]["max_streams"] == 64  # router.maxSessions: ingress admission
+    assert serve["applications"][0]["args"]["max_sessions"] == 64  # router.maxSessions: ingress admission
+    assert serve["applications"][0]["args"]["verifier_max_sessions"] == 16  # verifier.maxSessions
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
     assert serve["applications"][0]["args"]["max_model_len"] == 0
     assert serve["applications"][0]["args"]["kv_pool"] is False
@@ -323,10 +324,11 @@ def test_speculative_config_reaches_router_verifiers_and_the_ray_app():
 def test_every_rendered_configuration_goes_through_the_option_table(values):
     """Each specmesh container's arguments parse as `specmesh` parses them and their engine options
     build a config through EngineConfig.from_mapping; the RayService's args through the Ray app's
-    engine_config (the same table). A value the engine does not know fails here, not in a pod."""
+    engine_config and server_config (the same tables). A value the engine does not know fails here,
+    not in a pod."""
     from services.cli import build_parser
     from services.common.config import OPTIONS, EngineConfig
-    from services.ray_app import engine_config
+    from services.ray_app import engine_config, server_config
     from services.router.engine import METHODS
 
     docs = render(values)
@@ -342,6 +344,7 @@ def test_every_rendered_configuration_goes_through_the_option_table(values):
     for ray in kinds(docs, "RayService"):
         for app in yaml.safe_load(ray["spec"]["serveConfigV2"])["applications"]:
             engine_config(app["args"])
+            server_config(app["args"])
             seen += 1
     assert seen
 

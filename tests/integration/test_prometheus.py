@@ -148,7 +148,7 @@ def test_ray_serve_every_panel_has_data_and_health_follows_the_verifiers(tmp_pat
         "redis_url": private_redis.url,
         "metrics_port": metrics_port,
         "metrics_host": "127.0.0.1",
-        "max_streams": 8,
+        "max_sessions": 8,
     }
     with ray_serve(args) as (channel, port, http_port):
         prom = Prometheus([f"127.0.0.1:{metrics_port}"], free_port(), tmp_path)

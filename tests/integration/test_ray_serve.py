@@ -34,7 +34,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
         "remote_drafter": True,
         "metrics_port": metrics_port,
         "metrics_host": "127.0.0.1",
-        "max_streams": 2,
+        "max_sessions": 2,  # the ingress's streams
         "max_queue": 1,
         "prefill_chunk": 1,  # beside an open session, a new prompt prefills 1 token a step
     }

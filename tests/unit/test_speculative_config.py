@@ -174,3 +174,50 @@ def test_options_set_fields_of_nested_configs_at_any_depth():
 )
 def test_batch_invariant_verification_is_on_in_reduced_precision_unless_set(values, invariant):
     assert EngineConfig.from_mapping({"device": "cpu", **values}).invariant_verification is invariant
+
+
+@pytest.mark.parametrize(
+    "values,on",
+    [
+        ({}, False),  # the CPU: a read costs nothing there, and the confidence cut saves steps
+        ({"device": "cuda"}, True),
+        ({"device": "cuda:1"}, True),
+        ({"device": "cuda", "device_chains": "false"}, False),
+        ({"device_chains": True}, True),
+    ],
+)
+def test_device_chains_are_on_for_cuda_unless_set(values, on):
+    assert EngineConfig.from_mapping({"device": "cpu", **values}).chains_on_device is on
+
+
+def test_server_options_come_from_one_table_for_the_cli_and_the_ray_app():
+    """`specmesh serve`'s server flags and the Ray app's ingress args are SERVER_OPTIONS: the same
+    names build the same ServerConfig, defaults included; a bad value is refused naming it."""
+    from services.cli import build_parser
+    from services.common.config import SERVER_OPTIONS, ServerConfig
+    from services.ray_app import engine_config, server_config
+
+    assert ServerConfig.from_mapping({}) == ServerConfig()
+    flags = ["--max-sessions", "3", "--max-queue", "0", "--served-model-name", "a", "b"]
+    flags += ["--health-check-timeout", "2.5", "--no-vllm-metric-names", "--allowed-origins", "https://x.example"]
+    ns = vars(build_parser().parse_args(["serve", *flags]))
+    args = {
+        "max_sessions": 3,
+        "max_queue": 0,
+        "served_model_name": ["a", "b"],
+        "health_check_timeout": 2.5,
+        "vllm_metric_names": False,
+        "allowed_origins": "https://x.example",
+    }
+    from_cli, from_ray = ServerConfig.from_mapping(ns), server_config(args)
+    assert from_cli == from_ray
+    assert (from_ray.max_sessions, from_ray.served_model_name, from_ray.health_check_timeout_s) == (3, ("a", "b"), 2.5)
+    assert set(SERVER_OPTIONS) <= set(ns)  # every server option is a flag
+    for bad, message in (({"max_sessions": 0}, "max_sessions"), ({"health_check_timeout": -1}, "health_check_timeout")):
+        with pytest.raises(ValueError, match=message):
+            server_config(bad)
+    engine_config(args)  # the app takes server options beside engine ones
+    with pytest.raises(ValueError, match="max_streams is now max_sessions"):
+        engine_config({"max_streams": 8})
+    with pytest.raises(ValueError, match="unknown arg"):
+        engine_config({"max_sesions": 8})
