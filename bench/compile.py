@@ -5,7 +5,11 @@ per round, medians; and each variant's greedy tokens against eager's over a deco
 Variants: ``eager`` (the serving path; FBGEMM-packed fp16-weight GEMMs on the CPU, as
 ``--packed-gemm``), ``eager-unpacked``, ``compile`` (inductor over the unpacked model, shapes
 dynamic), ``compile-packed`` (over the packed one: the packed GEMM is an opaque call, so the
-graph breaks around it), and on CUDA ``reduce-overhead`` (inductor with CUDA graphs).
+graph breaks around it), and on CUDA ``reduce-overhead`` (inductor with CUDA graphs). The
+``static`` variants run ``Llama.forward_static`` (no shape depends on the position; attention
+over the whole cache, masked): eager, ``static-compile`` (inductor, shapes fixed) and on CUDA
+``static-graphs`` (a CUDA graph captured per cache and step length, then replayed). Every cache
+holds ``CAPACITY`` positions, so each variant sees the same shapes.
 
     python -m bench.compile [--variants eager,compile] [--device cuda] [--rounds 5]
 """
@@ -30,23 +34,77 @@ from services.common.progress import Progress
 from services.router.engine import Engine
 
 OUT = Path(__file__).resolve().parent / "results" / "compile"
-VARIANTS = ("eager", "eager-unpacked", "compile", "compile-packed", "reduce-overhead")
+VARIANTS = (
+    "eager",
+    "eager-unpacked",
+    "compile",
+    "compile-packed",
+    "reduce-overhead",
+    "static",
+    "static-compile",
+    "static-graphs",
+)
+CUDA_ONLY = ("reduce-overhead", "static-graphs")
 VERIFY_ROWS = 5
+CAPACITY = 1024  # positions of every cache (prompt, timed steps and greedy tokens fit)
+
+
+class Graphed:
+    """``forward_static`` replayed from CUDA graphs, one per (cache, step shape), captured at
+    its first call: each call copies its inputs into the graph's buffers and replays."""
+
+    def __init__(self, model: Llama):
+        self.model, self.graphs = model, {}
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        key = (id(cache), tuple(ids.shape))
+        if key not in self.graphs:
+            static_ids, static_pos = ids.clone(), positions.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a warm-up outside the capture, as CUDA graphs need
+                self.model.forward_static(static_ids, static_pos, cache)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.model.forward_static(static_ids, static_pos, cache)
+            self.graphs[key] = (graph, static_ids, static_pos, out, cache)  # the cache kept: its id stays its own
+        graph, static_ids, static_pos, out, _ = self.graphs[key]
+        static_ids.copy_(ids)
+        static_pos.copy_(positions)
+        graph.replay()
+        return out
+
+
+def positional(step: Callable) -> Callable:
+    """A static step behind ``forward``'s signature (ids, start, cache, last_only)."""
+
+    def call(ids: torch.Tensor, start: int, cache, last_only: bool = False, **_):
+        logits = step(ids, torch.arange(start, start + ids.shape[1], device=ids.device), cache)
+        return (logits[:, -1:] if last_only else logits), []
+
+    return call
 
 
 def built(variant: str, device: str, dtype: torch.dtype) -> tuple[Llama, Callable, float]:
     """The variant's model, its forward, and the seconds its first two calls took (compilation)."""
     model = Llama.from_pretrained(EngineConfig().target, dtype=dtype, device=device)
-    if device == "cpu" and variant in ("eager", "compile-packed"):
+    if device == "cpu" and variant in ("eager", "compile-packed", "static"):
         pack_linears(model)
-    forward = model.forward
+    forward: Callable = model.forward
     if variant.startswith("compile"):
         forward = torch.compile(model.forward, dynamic=True)
     elif variant == "reduce-overhead":
         forward = torch.compile(model.forward, dynamic=False, mode="reduce-overhead")
+    elif variant == "static":
+        forward = positional(model.forward_static)
+    elif variant == "static-compile":
+        forward = positional(torch.compile(model.forward_static, dynamic=False))
+    elif variant == "static-graphs":
+        forward = positional(Graphed(model))
     t0 = time.perf_counter()
     with torch.inference_mode():  # a prefill, a decode and a verification shape before timing
-        cache = model.new_cache(1, 64)
+        cache = model.new_cache(1, CAPACITY)
         forward(torch.ones(1, 8, dtype=torch.long, device=device), 0, cache, last_only=True)
         forward(torch.ones(1, 1, dtype=torch.long, device=device), 8, cache, last_only=True)
         forward(torch.ones(1, VERIFY_ROWS, dtype=torch.long, device=device), 9, cache)
@@ -55,7 +113,7 @@ def built(variant: str, device: str, dtype: torch.dtype) -> tuple[Llama, Callabl
 
 def greedy(model: Llama, forward: Callable, prompt: list[int], n: int, device: str) -> list[int]:
     """``n`` greedy tokens after ``prompt``, one decode step each."""
-    cache = model.new_cache(1, len(prompt) + n + 1)
+    cache = model.new_cache(1, CAPACITY)
     out: list[int] = []
     with torch.inference_mode():
         logits, _ = forward(torch.tensor([prompt], device=device), 0, cache, last_only=True)
@@ -67,7 +125,7 @@ def greedy(model: Llama, forward: Callable, prompt: list[int], n: int, device: s
 
 def step_ms(model: Llama, forward: Callable, prompt: list[int], rows: int, steps: int, device: str) -> float:
     """Median ms of a step feeding ``rows`` tokens (logits for all of them) after ``prompt``."""
-    cache = model.new_cache(1, len(prompt) + steps * rows + 1)
+    cache = model.new_cache(1, CAPACITY)
     times = []
     with torch.inference_mode():
         forward(torch.tensor([prompt], device=device), 0, cache, last_only=True)
@@ -127,9 +185,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=OUT.with_suffix(".json"), help="the JSON; .md and .png beside it")
     a = p.parse_args()
     variants = a.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS or (v == "reduce-overhead" and not a.device.startswith("cuda"))]
+    bad = [v for v in variants if v not in VARIANTS or (v in CUDA_ONLY and not a.device.startswith("cuda"))]
     if bad:
-        p.error(f"--variants: {', '.join(bad)} unknown here; known: {', '.join(VARIANTS)} (reduce-overhead: CUDA only)")
+        p.error(
+            f"--variants: {', '.join(bad)} unknown here; known: {', '.join(VARIANTS)} ({', '.join(CUDA_ONLY)}: CUDA only)"
+        )
     torch.set_num_threads(a.threads)
     result = {
         "command": "python -m bench.compile " + " ".join(sys.argv[1:]),

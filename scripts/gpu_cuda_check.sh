@@ -34,10 +34,11 @@
 #                                     differently);
 #   trees.md                          bench.trees: token trees against chains where verifying a
 #                                     wider draft costs about what a narrow one does;
-#   compile.md                        bench.compile: torch.compile (inductor) and mode="reduce-overhead"
-#                                     (CUDA graphs) against the eager forward, decode and 5-token verify
-#                                     steps, and their greedy tokens against eager's (issue 40 item 2; on
-#                                     the CPU compile loses, bench/results/compile.md);
+#   compile.md                        bench.compile: the static-shape forward (Llama.forward_static)
+#                                     eager and replayed from CUDA graphs, and torch.compile's
+#                                     reduce-overhead, against the eager forward: decode and 5-token
+#                                     verify steps, greedy tokens against eager's (issue 40 item 2; on
+#                                     the CPU nothing beats packed eager, bench/results/compile.md);
 #   prefill.md                        bench.prefill on CUDA, last (it may not finish in time):
 #                                     the --prefill-chunk to set on a GPU (Helm verifier.prefillChunk).
 # The archive is re-made after each step, so a run cut off at its limit still returns what it
@@ -87,7 +88,7 @@ pack
 "$PY" -m bench.trees --device "$DEVICE" --threads 1 --workload humaneval --limit 10 --max-new-tokens 128 \
   --shapes 2:4:6:0.1,3:5:12:0,4:6:16:0 --out "$W/trees.json" > "$W/trees.log" 2>&1 || tail -n 20 "$W/trees.log"
 pack
-variants=eager,compile$([ "$DEVICE" = cpu ] || echo ,reduce-overhead)
+variants=$([ "$DEVICE" = cpu ] && echo eager,static,compile || echo eager,static,static-graphs,reduce-overhead)
 "$PY" -m bench.compile --device "$DEVICE" --dtype "$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)" \
   --variants "$variants" --rounds 4 --steps 30 --out "$W/compile.json" > "$W/compile.log" 2>&1 \
   || tail -n 20 "$W/compile.log"

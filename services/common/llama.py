@@ -398,6 +398,27 @@ class Llama(nn.Module):
             x = x[:, t - tail :]
         return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
+    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``forward`` in static shapes, for CUDA graphs: ``ids`` [B, T] at ``positions`` [T]
+        (a device tensor) of ``cache`` → logits [B, T, V]. No shape depends on where in the
+        sequence the step is: K/V are written by index and every query attends over the whole
+        cache, masked to the keys at or before its position (a rolled-back draft's stale K/V
+        past it are masked too). So one graph, captured per (B, T), replays at every position;
+        the price is attention over the cache's capacity rather than its filled part."""
+        x = self.embed_tokens(ids)
+        cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
+        visible = torch.arange(cache.capacity, device=ids.device)[None, :] <= positions[:, None]  # [T, S]
+        for i, layer in enumerate(self.layers):
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            q, k, v = attn.project(h, cos, sin)
+            kc, vc = cache.layers[i]
+            kc.index_copy_(2, positions, k)
+            vc.index_copy_(2, positions, v)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=visible, enable_gqa=self.s.kv_heads != self.s.heads)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], self.s.heads * self.s.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x))
+
     def forward_ragged(
         self,
         seqs: Sequence[list[int] | torch.Tensor],

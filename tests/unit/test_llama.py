@@ -249,3 +249,49 @@ def test_packed_gemm_equals_fp32_path(tiny_dirs):
     # A layer whose weights are not fp16 values would change results: it stays nn.Linear.
     plain = nn.Sequential(nn.Linear(8, 8))
     assert pack_linears(plain) == 0 and isinstance(plain[0], nn.Linear)
+
+
+@pytest.mark.parametrize("kw", [{}, {"kv_heads": 4}])
+def test_the_static_forward_equals_the_eager_one(tmp_path, kw):
+    """forward_static (positions as a tensor, attention over the whole cache, masked) gives the
+    eager forward's logits for a prefill, decode steps and a 5-token verification, and a
+    rolled-back draft's stale K/V past a position do not leak into it."""
+    path = make_tiny(tmp_path / "m", seed=5, **kw)
+    m = Llama.from_pretrained(path)
+    x = torch.randint(0, 8192, (1, 30))
+    eager, static = m.new_cache(1, 64), m.new_cache(1, 64)
+    with torch.inference_mode():
+        a, _ = m(x[:, :20], 0, eager)
+        b = m.forward_static(x[:, :20], torch.arange(20), static)
+        assert torch.allclose(a, b, atol=1e-5)
+        junk = torch.randint(0, 8192, (1, 5))
+        m.forward_static(junk, torch.arange(20, 25), static)  # a draft that is then rolled back
+        for i in range(20, 25):  # decode steps over the stale positions
+            a, _ = m(x[:, i : i + 1], i, eager)
+            b = m.forward_static(x[:, i : i + 1], torch.tensor([i]), static)
+            assert torch.allclose(a, b, atol=1e-5), (i, (a - b).abs().max())
+        a, _ = m(x[:, 25:30], 25, eager)  # a verification: each row sees the rows before it
+        b = m.forward_static(x[:, 25:30], torch.arange(25, 30), static)
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_the_static_forward_compiles_once_for_every_position(tmp_path):
+    """Static shapes are what CUDA graphs need: compiled with dynamic=False, one graph serves a
+    decode step at every position (no recompilation), with the eager step's greedy tokens."""
+    import torch._dynamo
+
+    path = make_tiny(tmp_path / "m", seed=6)
+    m = Llama.from_pretrained(path)
+    torch._dynamo.reset()
+    step = torch.compile(m.forward_static, dynamic=False)
+    eager, static = m.new_cache(1, 48), m.new_cache(1, 48)
+    tok_e = tok_s = torch.tensor([[7]])
+    compiled_before = None
+    with torch.inference_mode():
+        for i in range(12):
+            tok_e = m(tok_e, i, eager)[0][:, -1].argmax(-1, keepdim=True)
+            tok_s = step(tok_s, torch.tensor([i]), static)[:, -1].argmax(-1, keepdim=True)
+            assert torch.equal(tok_e, tok_s), i
+            if i == 1:
+                compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_before
