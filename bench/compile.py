@@ -142,11 +142,17 @@ def run(variants: list[str], device: str, dtype: torch.dtype, rounds: int, steps
     engine = Engine(EngineConfig(device=device))
     prompts = [engine.encode(p.text) for p in humaneval(3)]
     engine.close()
-    models = {}
+    models, failed = {}, {}
     for v in variants:
-        model, forward, compile_s = built(v, device, dtype)
+        try:  # a variant that cannot build here (a CUDA graph's capture) is reported, not fatal
+            model, forward, compile_s = built(v, device, dtype)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler or the capture raised
+            failed[v] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{v}: failed: {failed[v]}", file=sys.stderr)
+            continue
         models[v] = (model, forward)
         print(f"{v}: ready in {compile_s:.1f} s", file=sys.stderr)
+    variants = [v for v in variants if v in models]
     rows: dict[str, dict] = {
         v: {"decode_ms": [], "verify_ms": [], "differing": 0, "first_difference": []} for v in variants
     }
@@ -168,7 +174,7 @@ def run(variants: list[str], device: str, dtype: torch.dtype, rounds: int, steps
                 rows[v]["first_difference"].append(next(j for j, (a, b) in enumerate(zip(out, reference[i])) if a != b))
         rows[v]["decode_median_ms"] = statistics.median(rows[v]["decode_ms"])
         rows[v]["verify_median_ms"] = statistics.median(rows[v]["verify_ms"])
-    return rows
+    return {**rows, **{v: {"failed": why} for v, why in failed.items()}}
 
 
 def main() -> int:
@@ -221,6 +227,9 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for v, r in variants.items():
+        if "failed" in r:
+            lines.append(f"| {v} | failed: {r['failed']} | | | |")
+            continue
         d, w = r["decode_median_ms"], r["verify_median_ms"]
         rel = "" if v == base else f" ({d / variants[base]['decode_median_ms']:.2f}x {base}'s)"
         lines.append(f"| {v} | {d:.2f}{rel} | {w:.2f} | {w / d:.2f} | {r['differing']} of 3 |")
@@ -233,7 +242,7 @@ def plot(result: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    variants = list(result["variants"])
+    variants = [v for v, r in result["variants"].items() if "failed" not in r]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     xs = range(len(variants))
     ax.bar([x - 0.2 for x in xs], [result["variants"][v]["decode_median_ms"] for v in variants], 0.4, label="decode")
