@@ -8,7 +8,8 @@ dynamic), ``compile-packed`` (over the packed one: the packed GEMM is an opaque 
 graph breaks around it), and on CUDA ``reduce-overhead`` (inductor with CUDA graphs). The
 ``static`` variants run ``Llama.forward_static`` (no shape depends on the position; attention
 over the whole cache, masked): eager, ``static-compile`` (inductor, shapes fixed) and on CUDA
-``static-graphs`` (a CUDA graph captured per cache and step length, then replayed). Every cache
+``static-graphs`` (``services/common/graphs.py``: a CUDA graph captured per cache and step
+length, then replayed, as ``--static-steps`` serves on a GPU). Every cache
 holds ``CAPACITY`` positions, so each variant sees the same shapes.
 
     python -m bench.compile [--variants eager,compile] [--device cuda] [--rounds 5]
@@ -28,6 +29,7 @@ import torch
 from bench.harness import report as save_and_print
 from bench.workloads import humaneval
 from services.common.config import EngineConfig
+from services.common.graphs import StaticSteps
 from services.common.llama import Llama
 from services.common.packed_linear import pack_linears
 from services.common.progress import Progress
@@ -49,38 +51,11 @@ VERIFY_ROWS = 5
 CAPACITY = 1024  # positions of every cache (prompt, timed steps and greedy tokens fit)
 
 
-class Graphed:
-    """``forward_static`` replayed from CUDA graphs, one per (cache, step shape), captured at
-    its first call: each call copies its inputs into the graph's buffers and replays."""
-
-    def __init__(self, model: Llama):
-        self.model, self.graphs = model, {}
-
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        key = (id(cache), tuple(ids.shape))
-        if key not in self.graphs:
-            static_ids, static_pos = ids.clone(), positions.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # a warm-up outside the capture, as CUDA graphs need
-                self.model.forward_static(static_ids, static_pos, cache)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.model.forward_static(static_ids, static_pos, cache)
-            self.graphs[key] = (graph, static_ids, static_pos, out, cache)  # the cache kept: its id stays its own
-        graph, static_ids, static_pos, out, _ = self.graphs[key]
-        static_ids.copy_(ids)
-        static_pos.copy_(positions)
-        graph.replay()
-        return out
-
-
 def positional(step: Callable) -> Callable:
     """A static step behind ``forward``'s signature (ids, start, cache, last_only)."""
 
     def call(ids: torch.Tensor, start: int, cache, last_only: bool = False, **_):
-        logits = step(ids, torch.arange(start, start + ids.shape[1], device=ids.device), cache)
+        logits, _ = step(ids, torch.arange(start, start + ids.shape[1], device=ids.device), cache)
         return (logits[:, -1:] if last_only else logits), []
 
     return call
@@ -101,7 +76,7 @@ def built(variant: str, device: str, dtype: torch.dtype) -> tuple[Llama, Callabl
     elif variant == "static-compile":
         forward = positional(torch.compile(model.forward_static, dynamic=False))
     elif variant == "static-graphs":
-        forward = positional(Graphed(model))
+        forward = positional(StaticSteps(model, graphs=True))
     t0 = time.perf_counter()
     with torch.inference_mode():  # a prefill, a decode and a verification shape before timing
         cache = model.new_cache(1, CAPACITY)

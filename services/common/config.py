@@ -123,6 +123,9 @@ class EngineConfig:
     # whole chain is drafted. None: on for CUDA (a read stalls the queue), off on the CPU (the cut
     # saves the steps it skips, and a read costs nothing there).
     device_chains: bool | None = None
+    # Single-session target steps in static shapes (services/common/graphs.py), replayed from CUDA
+    # graphs on a GPU; off: on this CPU the static step is slower (bench/results/compile.md).
+    static_steps: bool = False
     kv_pool: bool = False  # pooled K/V slots: one attention call per layer for a step's sessions
     #                                       (services/common/kv_pool.py; no gain on this CPU, meant for GPUs)
     draft_confidence: float = 0.3  # draft-LM chains stop after a token with max q below this
@@ -431,6 +434,13 @@ OPTIONS: dict[str, Option] = {
             "device and are read by the host once per draft, not once per token (a confidence cut "
             "then comes after the whole chain); default: on for CUDA, off on the CPU",
             default=None,
+        ),
+        Option(
+            "static_steps",
+            "bool",
+            "single-session decode and verification steps run in static shapes, replayed from CUDA "
+            "graphs on a GPU (one graph per session and step length); on the CPU they run eagerly and "
+            "are slower (bench/results/compile.md)",
         ),
         Option("packed_gemm", "bool", "CPU: run fp16-exact layers on FBGEMM's fp16-weight GEMM (same results, faster)"),
         Option(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +75,10 @@ class LlamaShape:
 
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")  # config.json model_type this forward runs exactly
+# Single-session steps of at most this many tokens (decodes, verifications) may run as static
+# steps (``Llama.static_steps``); longer ones (prompt chunks) run the eager forward: a graph per
+# prompt length would be captured once and replayed never.
+STATIC_ROWS = 16
 
 
 def check_supported(cfg, path) -> None:
@@ -398,9 +402,12 @@ class Llama(nn.Module):
             x = x[:, t - tail :]
         return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
-    def forward_static(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward_static(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, capture: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` in static shapes, for CUDA graphs: ``ids`` [B, T] at ``positions`` [T]
-        (a device tensor) of ``cache`` → logits [B, T, V]. No shape depends on where in the
+        (a device tensor) of ``cache`` → logits [B, T, V] and the residual stream entering each
+        layer in ``capture``. No shape depends on where in the
         sequence the step is: K/V are written by index and every query attends over the whole
         cache, masked to the keys at or before its position (a rolled-back draft's stale K/V
         past it are masked too). So one graph, captured per (B, T), replays at every position;
@@ -408,7 +415,10 @@ class Llama(nn.Module):
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         visible = torch.arange(cache.capacity, device=ids.device)[None, :] <= positions[:, None]  # [T, S]
+        seen = {}
         for i, layer in enumerate(self.layers):
+            if i in capture:
+                seen[i] = x
             attn, h = layer.self_attn, layer.input_layernorm(x)
             q, k, v = attn.project(h, cos, sin)
             kc, vc = cache.layers[i]
@@ -417,7 +427,7 @@ class Llama(nn.Module):
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=visible, enable_gqa=self.s.kv_heads != self.s.heads)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], self.s.heads * self.s.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)), [seen[i] for i in capture]
 
     def forward_ragged(
         self,
@@ -445,6 +455,14 @@ class Llama(nn.Module):
         if last_only:
             tails = [1] * len(seqs)
         trees = trees if trees and any(t is not None for t in trees) else None
+        if len(seqs) == 1 and not self.batch_invariant and self._static(seqs[0], head, trees):
+            assert self.static_steps is not None, "checked by _static"
+            ids, t = token_ids(seqs[:1], dev)[None], len(seqs[0])
+            positions = torch.arange(starts[0], starts[0] + t, device=dev)
+            logits, captured = self.static_steps(ids, positions, caches[0], capture)
+            if tails:
+                logits = logits[:, t - tails[0] :]
+            return [logits[0]], [[h[0] for h in captured]]
         if len(seqs) == 1 and not self.batch_invariant:
             logits, hidden = self(
                 token_ids(seqs[:1], dev)[None],
@@ -494,6 +512,16 @@ class Llama(nn.Module):
             device=dev,
         )
         return list(torch.split(head(self.norm(x[keep])), tails)), hidden
+
+    # Single-session steps of at most STATIC_ROWS tokens run here when set (``--static-steps``):
+    # forward_static, replayed from CUDA graphs on a GPU (services/common/graphs.py). Not in the
+    # batch-invariant mode, whose plan attends otherwise.
+    static_steps: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+
+    def _static(self, seq: list[int] | torch.Tensor, head: nn.Module | None, trees) -> bool:
+        """Whether a single-row step goes through ``static_steps``: a chain (not a tree) of at
+        most STATIC_ROWS tokens through the model's own LM head."""
+        return self.static_steps is not None and head is None and not trees and len(seq) <= STATIC_ROWS
 
     kv_pool: KVPool | None = None  # set (``use_kv_pool``): batch-1 caches come from pooled slots
     # A row's logits do not depend on the rows beside it (``invariant``): every ragged forward,

@@ -85,6 +85,10 @@ class VerifierCore:
         dtype = getattr(torch, cfg.dtype)
         runner = TargetRunner(_load(cfg.target, cfg))
         runner.model.batch_invariant = cfg.invariant_verification
+        if cfg.static_steps:
+            from services.common.graphs import StaticSteps
+
+            runner.model.static_steps = StaticSteps(runner.model, graphs=cfg.device.startswith("cuda"))
         drafters: dict[str, ModelDrafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:

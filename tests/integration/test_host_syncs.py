@@ -124,3 +124,16 @@ def test_device_chains_read_a_draft_once(tiny_engine, bundled_engine, method, mo
     worst = worst_cycle(engine, method, monkeypatch)
     budget = DEVICE_CHAIN_BUDGET[method]
     assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
+
+
+@pytest.mark.parametrize("method", ["vanilla", "sd", "suffix-tree"])
+def test_static_steps_add_no_host_round_trip(tiny_engine, method, monkeypatch):
+    """Static steps (services/common/graphs.py) take their positions as a device tensor made
+    from host ints: the same budgets."""
+    from services.common.graphs import StaticSteps
+
+    model = tiny_engine.runner.model
+    monkeypatch.setattr(model, "static_steps", StaticSteps(model, graphs=False))
+    worst = worst_cycle(tiny_engine, method, monkeypatch)
+    budget = BUDGET[method](tiny_engine.cfg.num_speculative_tokens)
+    assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"

@@ -262,17 +262,18 @@ def test_the_static_forward_equals_the_eager_one(tmp_path, kw):
     eager, static = m.new_cache(1, 64), m.new_cache(1, 64)
     with torch.inference_mode():
         a, _ = m(x[:, :20], 0, eager)
-        b = m.forward_static(x[:, :20], torch.arange(20), static)
+        b, _ = m.forward_static(x[:, :20], torch.arange(20), static)
         assert torch.allclose(a, b, atol=1e-5)
         junk = torch.randint(0, 8192, (1, 5))
         m.forward_static(junk, torch.arange(20, 25), static)  # a draft that is then rolled back
         for i in range(20, 25):  # decode steps over the stale positions
             a, _ = m(x[:, i : i + 1], i, eager)
-            b = m.forward_static(x[:, i : i + 1], torch.tensor([i]), static)
+            b, _ = m.forward_static(x[:, i : i + 1], torch.tensor([i]), static)
             assert torch.allclose(a, b, atol=1e-5), (i, (a - b).abs().max())
-        a, _ = m(x[:, 25:30], 25, eager)  # a verification: each row sees the rows before it
-        b = m.forward_static(x[:, 25:30], torch.arange(25, 30), static)
+        a, seen_a = m(x[:, 25:30], 25, eager, capture=(0, 1))  # a verification: each row sees those before it
+        b, seen_b = m.forward_static(x[:, 25:30], torch.arange(25, 30), static, capture=(0, 1))
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert all(torch.allclose(h, g, atol=1e-5) for h, g in zip(seen_a, seen_b, strict=True))  # EAGLE-3's features
 
 
 def test_the_static_forward_compiles_once_for_every_position(tmp_path):
@@ -290,7 +291,7 @@ def test_the_static_forward_compiles_once_for_every_position(tmp_path):
     with torch.inference_mode():
         for i in range(12):
             tok_e = m(tok_e, i, eager)[0][:, -1].argmax(-1, keepdim=True)
-            tok_s = step(tok_s, torch.tensor([i]), static)[:, -1].argmax(-1, keepdim=True)
+            tok_s = step(tok_s, torch.tensor([i]), static)[0][:, -1].argmax(-1, keepdim=True)
             assert torch.equal(tok_e, tok_s), i
             if i == 1:
                 compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
