@@ -8,12 +8,12 @@ precision, so a lossless method can leave vanilla's tokens where two candidates'
 within rounding of each other. Each prompt runs every method under every mode in turn
 (interleaved), so the speeds compare like with like.
 
-A mode may also set device chains on or off (``EngineConfig.device_chains``: a greedy chain
+A mode may also set device drafts on or off (``EngineConfig.device_drafts``: a greedy chain
 read once per draft) and static steps on (``EngineConfig.static_steps``: CUDA graphs on a GPU),
 so their cost or gain is measured the same way.
 
     python -m bench.bf16_lossless [--modes float32,bfloat16,bfloat16-invariant] [--prompts 8] [--device cuda]
-    python -m bench.bf16_lossless --modes float32,float32-device-chains
+    python -m bench.bf16_lossless --modes float32,float32-device-drafts
 """
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ from services.router.engine import Engine, GenerationRequest
 
 OUT = Path(__file__).resolve().parent / "results" / "bf16_lossless"
 METHODS = ("sd", "suffix", "eagle3", "hybrid", "suffix-tree", "eagle3-tree", "hybrid-tree", "ngram")
-CHAINS = {"device-chains": True, "host-chains": False}  # left out: the device's default
+DRAFTS = {"device-drafts": True, "host-drafts": False}  # left out: the device's default
 
 
 def mode_config(name: str) -> dict | None:
-    """A mode's engine settings: ``DTYPE[-invariant][-static][-device-chains|-host-chains]``
-    (``EngineConfig.batch_invariant``, ``static_steps``, ``device_chains``); None for a name
+    """A mode's engine settings: ``DTYPE[-invariant][-static][-device-drafts|-host-drafts]``
+    (``EngineConfig.batch_invariant``, ``static_steps``, ``device_drafts``); None for a name
     of another shape."""
     dtype, sep, rest = name.partition("-")
     if sep and not rest:
         return None
     chains = None
-    for suffix, value in CHAINS.items():
+    for suffix, value in DRAFTS.items():
         if rest == suffix or rest.endswith("-" + suffix):
             chains, rest = value, rest.removesuffix(suffix).rstrip("-")
     parts = rest.split("-") if rest else []
@@ -59,7 +59,7 @@ def mode_config(name: str) -> dict | None:
         "dtype": dtype,
         "batch_invariant": "invariant" in parts,
         "static_steps": "static" in parts,
-        "device_chains": chains,
+        "device_drafts": chains,
     }
 
 
@@ -110,7 +110,7 @@ def main() -> int:
     p.add_argument(
         "--modes",
         default="float32,bfloat16,bfloat16-invariant",
-        help="comma-separated DTYPE[-invariant][-static][-device-chains|-host-chains] (float32, bfloat16, float16)",
+        help="comma-separated DTYPE[-invariant][-static][-device-drafts|-host-drafts] (float32, bfloat16, float16)",
     )
     p.add_argument("--prompts", type=int, default=8, help="of each workload")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -120,7 +120,7 @@ def main() -> int:
     modes = a.modes.split(",")
     unknown = [m for m in modes if mode_config(m) is None]
     if unknown:
-        p.error(f"--modes: {', '.join(unknown)} is not DTYPE[-invariant][-static][-device-chains|-host-chains]")
+        p.error(f"--modes: {', '.join(unknown)} is not DTYPE[-invariant][-static][-device-drafts|-host-drafts]")
     texts = [x.text for x in humaneval(a.prompts)] + [x.text for x in stdlib_heldout(a.prompts, prompt_chars=600)]
     result = {
         "command": "python -m bench.bf16_lossless " + " ".join(sys.argv[1:]),
@@ -150,7 +150,7 @@ def markdown(result: dict) -> list[str]:
         *_table(modes, ("vanilla", *METHODS), _speed),
     ]
     for base in modes:
-        for other in (f"{base}-invariant", f"{base}-static", f"{base}-device-chains", f"{base}-host-chains"):
+        for other in (f"{base}-invariant", f"{base}-static", f"{base}-device-drafts", f"{base}-host-drafts"):
             if other in modes:
                 ratios = {
                     m: modes[other][m]["median_tok_s"] / modes[base][m]["median_tok_s"] for m in ("vanilla", *METHODS)

@@ -11,8 +11,8 @@
 #                                     batch-invariant verification on and off, and in fp32, with the
 #                                     invariant mode's cost (on the CPU its bf16 row is all zeros; on a
 #                                     GPU the matmul kernels may still vary with the row count), and
-#                                     device chains (CUDA's default) against the host loop's per-token
-#                                     reads (float32-host-chains), and --static-steps (CUDA graphs
+#                                     device drafts (CUDA's default) against the host loop's per-token
+#                                     reads (float32-host-drafts), and --static-steps (CUDA graphs
 #                                     per session and step length) against the eager forward
 #                                     (float32-static);
 #   pair_cost.md                      bench.pair_cost: a 1-layer draft's step against target shapes,
@@ -57,7 +57,7 @@ pack() { rm -f "$W"/*.png; tar cf "$OUT/gpu_cuda_check.tar.tmp" -C "$W" . && mv 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/device.txt" 2>&1 || true
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$W/device.txt"
 cat "$W/device.txt"
-"$PY" -m bench.bf16_lossless --device "$DEVICE" --modes bfloat16-invariant,bfloat16,float32,float32-host-chains,float32-static --prompts 4 \
+"$PY" -m bench.bf16_lossless --device "$DEVICE" --modes bfloat16-invariant,bfloat16,float32,float32-host-drafts,float32-static --prompts 4 \
   --max-new-tokens 64 --out "$W/bf16_lossless.json" > "$W/bf16_lossless.log" 2>&1 || tail -n 20 "$W/bf16_lossless.log"
 pack
 "$PY" -m bench.pair_cost --device "$DEVICE" --targets 8x256,12x320,14x320,12x512 --drafts 1x128,1x256 --rounds 3 \

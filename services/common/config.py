@@ -118,11 +118,11 @@ class EngineConfig:
     # The target's logits for a position do not depend on what shares its step (services/common/
     # invariant.py), so lossless methods equal vanilla bit for bit; None: on in bfloat16 and float16.
     batch_invariant: bool | None = None
-    # Draft-LM and EAGLE-3 chains of greedy, unconstrained requests keep their tokens on the device
-    # and are read once per draft, not once per position; a confidence cut then comes after the
-    # whole chain is drafted. None: on for CUDA (a read stalls the queue), off on the CPU (the cut
-    # saves the steps it skips, and a read costs nothing there).
-    device_chains: bool | None = None
+    # Draft-LM and EAGLE-3 chains of greedy, unconstrained requests, and EAGLE draft trees, keep
+    # their tokens on the device and are read once per draft, not once per position or tree level;
+    # a confidence cut then comes after the whole chain is drafted. None: on for CUDA (a read
+    # stalls the queue), off on the CPU (the cut saves the steps it skips; a read costs nothing).
+    device_drafts: bool | None = None
     # Single-session target steps in static shapes (services/common/graphs.py), replayed from CUDA
     # graphs on a GPU; off: on this CPU the static step is slower (bench/results/compile.md).
     static_steps: bool = False
@@ -161,9 +161,9 @@ class EngineConfig:
         return self.dtype != "float32" if self.batch_invariant is None else self.batch_invariant
 
     @property
-    def chains_on_device(self) -> bool:
-        """``device_chains`` as set, else on for CUDA devices."""
-        return self.device.startswith("cuda") if self.device_chains is None else self.device_chains
+    def drafts_on_device(self) -> bool:
+        """``device_drafts`` as set, else on for CUDA devices."""
+        return self.device.startswith("cuda") if self.device_drafts is None else self.device_drafts
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], methods: Mapping[str, Any] | None = None) -> EngineConfig:
@@ -428,11 +428,12 @@ OPTIONS: dict[str, Option] = {
             default=None,
         ),
         Option(
-            "device_chains",
+            "device_drafts",
             "bool",
-            "draft-LM and EAGLE-3 chains of greedy, unconstrained requests keep their tokens on the "
-            "device and are read by the host once per draft, not once per token (a confidence cut "
-            "then comes after the whole chain); default: on for CUDA, off on the CPU",
+            "draft-LM and EAGLE-3 chains of greedy, unconstrained requests, and EAGLE draft trees, keep "
+            "their tokens on the device and are read by the host once per draft, not once per token "
+            "or tree level (a confidence cut then comes after the whole chain); default: on for CUDA, "
+            "off on the CPU",
             default=None,
         ),
         Option(

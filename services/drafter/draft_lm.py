@@ -128,7 +128,7 @@ class DraftLMDrafter(ModelDrafter):
     With ``prefix`` (a ``PrefixCache`` of its own), a request's first feed starts after the
     longest cached run of its prompt's blocks, and committed blocks are stored for later ones.
 
-    With ``device_chains``, a batch of greedy, unconstrained requests drafts with its tokens
+    With ``device_drafts``, a batch of greedy, unconstrained requests drafts with its tokens
     left on the device and read once per draft (``_device_chains``), not once per position.
     """
 
@@ -140,11 +140,11 @@ class DraftLMDrafter(ModelDrafter):
         min_confidence: float = 0.0,
         vocab: torch.Tensor | None = None,
         prefix: PrefixCache | None = None,
-        device_chains: bool = False,
+        device_drafts: bool = False,
     ):
         self.model = model
         self.min_confidence = min_confidence
-        self.device_chains = device_chains
+        self.device_drafts = device_drafts
         self.vocab = vocab
         self.prefix = prefix
         self.head = None
@@ -186,7 +186,7 @@ class DraftLMDrafter(ModelDrafter):
         """Drafts for several requests, one ragged draft-model forward per draft position."""
         rows = [_Row.of(self._attached(req_id), budget) for req_id, budget in asks]
         active = [r for r in rows if r.budget > 0]
-        if self.device_chains and active and all(r.plain for r in active):
+        if self.device_drafts and active and all(r.plain for r in active):
             self._device_chains(active)
             active = []
         while active:

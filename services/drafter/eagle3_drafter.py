@@ -163,13 +163,89 @@ class _Tree:
         )
 
 
+@dataclass
+class _Expansion:
+    """One depth's expansion of a device tree: the nodes expanded (device indices), their cache
+    slots and their attention rows [m, S] (the real prefix, their ancestors' slots, their own)."""
+
+    nodes: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class _DeviceTree:
+    """``_Tree`` on the device (``Eagle3Drafter._grow_on_device``): per node its score
+    (float64), target token, parent (-1: the root), the prenorm output it is fed, and the
+    slots of its expanded ancestors it may attend to [n, W]; ``fresh``: the nodes added last
+    (the frontier), ``expanded``: the nodes given cache slots so far. Only counts live on the
+    host: nothing here reads the device."""
+
+    scores: torch.Tensor
+    toks: torch.Tensor
+    parents: torch.Tensor
+    feeds: torch.Tensor
+    ancestors: torch.Tensor
+    topk: int  # children per expanded node, nodes expanded per depth
+    fresh: int
+    expanded: int = 0
+
+    @classmethod
+    def root(cls, top: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor, width: int) -> "_DeviceTree":
+        """The root's children: ``top`` (probabilities [1, k], target ids [1, k]) from its logits,
+        ``out`` its prenorm output [1, H]; attention rows up to ``width``."""
+        probs, ids = top
+        k, dev = probs.shape[1], probs.device
+        return cls(
+            probs[0],
+            ids[0],
+            torch.full((k,), -1, dtype=torch.long, device=dev),
+            out.repeat_interleave(k, 0),
+            torch.zeros(k, width, dtype=torch.bool, device=dev),
+            k,
+            k,
+        )
+
+    def to_expand(self, st: _State, depth: int, budget: int) -> _Expansion | None:
+        """``_Tree.to_expand`` on the device: the frontier's ``topk`` best (a stable sort: ties to
+        the older node); None once the budget's depth is reached or the cache is full, for good."""
+        n, g = len(self.scores), min(self.topk, self.fresh)
+        base = st.n_feats + self.expanded
+        if not g or depth >= budget or base + g > st.cache.capacity:
+            self.fresh = 0
+            return None
+        nodes = torch.sort(self.scores[n - self.fresh :], descending=True, stable=True).indices[:g] + (n - self.fresh)
+        self.expanded += g
+        slots = torch.arange(base, base + g, device=nodes.device)
+        mask = self.ancestors[nodes, : base + g].clone()
+        mask[:, : st.n_feats] = True
+        mask[torch.arange(g, device=nodes.device), slots] = True
+        return _Expansion(nodes, slots, mask)
+
+    def add(self, grown: _Expansion, top: tuple[torch.Tensor, torch.Tensor], outs: torch.Tensor) -> None:
+        """The ``topk`` children of each expanded node: a child scores its parent's score times its
+        probability (float64, as the host's), is fed its parent's output, and may attend to
+        what its parent attends to."""
+        probs, ids = top
+        k = probs.shape[1]
+        ancestors = torch.zeros(len(grown.nodes), self.ancestors.shape[1], dtype=torch.bool, device=probs.device)
+        ancestors[:, : grown.mask.shape[1]] = grown.mask
+        self.scores = torch.cat([self.scores, (self.scores[grown.nodes][:, None] * probs).reshape(-1)])
+        self.toks = torch.cat([self.toks, ids.reshape(-1)])
+        self.parents = torch.cat([self.parents, grown.nodes.repeat_interleave(k)])
+        self.feeds = torch.cat([self.feeds, outs.repeat_interleave(k, 0)])
+        self.ancestors = torch.cat([self.ancestors, ancestors.repeat_interleave(k, 0)])
+        self.fresh = len(grown.nodes) * k
+
+
 @register("eagle3")
 class Eagle3Drafter(ModelDrafter):
     """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
     whose head probability (max q) is below ``min_confidence``. With ``tree``, a request
-    started with ``trees=True`` gets token trees instead (``_grow``). With ``device_chains``,
+    started with ``trees=True`` gets token trees instead (``_grow``). With ``device_drafts``,
     a batch of greedy, unconstrained chains keeps its tokens on the device and is read once
-    per draft (``_device_chains``), not once per position."""
+    per draft (``_device_chains``), not once per position, and trees are grown on the device
+    and read once (``_grow_on_device``), not once per level."""
 
     name = "eagle3"
     needs_target_states = True
@@ -181,11 +257,11 @@ class Eagle3Drafter(ModelDrafter):
         prefix: PrefixCache | None = None,
         tree: TreeShape | None = None,
         name: str = "eagle3",
-        device_chains: bool = False,
+        device_drafts: bool = False,
     ):
         self.head = head
         self.min_confidence = min_confidence
-        self.device_chains = device_chains
+        self.device_drafts = device_drafts
         self.prefix = prefix
         self.tree = tree
         self.name = name
@@ -344,10 +420,11 @@ class Eagle3Drafter(ModelDrafter):
             for r in active:
                 self._keep(r.st)
             grown = [(r, lg[-1], out[-1:]) for r, lg, out in zip(active, logits, outs) if r.st.trees]
+            grow = self._grow_on_device if self.device_drafts else self._grow
             trees = dict(
                 zip(
                     (id(r) for r, _, _ in grown),
-                    self._grow([(r.st, lg, out, r.budget) for r, lg, out in grown]) if grown else [],
+                    grow([(r.st, lg, out, r.budget) for r, lg, out in grown]) if grown else [],
                 )
             )
             logits, outs = (
@@ -355,7 +432,7 @@ class Eagle3Drafter(ModelDrafter):
                 [out for r, out in zip(active, outs) if not r.st.trees],
             )
             active = [r for r in active if not r.st.trees]
-            if self.device_chains and active and all(r.plain for r in active):
+            if self.device_drafts and active and all(r.plain for r in active):
                 self._device_chains(active, logits, outs)
                 active = []
         while active:
@@ -446,6 +523,59 @@ class Eagle3Drafter(ModelDrafter):
             per = [len(g) for _, g in work]
             self._children([t for t, _ in work], [g for _, g in work], logits, list(torch.split(outs, per)), d2t)
         return [t.draft(self.name) for t in trees]
+
+    def _grow_on_device(self, rows: list[tuple[_State, torch.Tensor, torch.Tensor, int]]) -> list[Draft]:
+        """``_grow``'s trees with every node kept on the device and the host reading them once, at
+        the end. Which nodes expand depends on their scores, so the selection is a stable sort
+        on the device (ties to the older node, as ``_Tree.to_expand``); what depends only on
+        counts (the depths, each node's cache slot, the attention width) stays on the host. A
+        floor (``min_score``) cannot stop the expansion without a read: the trees grow to full
+        depth, and the nodes below it are left out by ``_Tree.draft`` as before (a node scores
+        no more than its parent, so a frontier below the floor has only such descendants)."""
+        shape = self.tree
+        assert shape is not None, "a tree drafter"
+        dev = rows[0][2].device
+        trees = [
+            _DeviceTree.root(self._top(lg[None]), out, st.n_feats + shape.steps * shape.topk) for st, lg, out, _ in rows
+        ]
+        for depth in range(1, shape.steps):
+            work = [(i, g) for i, (st, _, _, budget) in enumerate(rows) if (g := trees[i].to_expand(st, depth, budget))]
+            if not work:
+                break
+            h = torch.cat([trees[i].feeds[g.nodes] for i, g in work])
+            tokens = torch.cat([trees[i].toks[g.nodes] for i, g in work])
+            positions = torch.cat(
+                [torch.full((len(g.nodes),), rows[i][0].n_feats - 1 + depth, device=dev) for i, g in work]
+            )
+            spans, off = [], 0
+            for i, g in work:
+                spans.append((off, g.slots, g.mask, rows[i][0].cache))
+                off += len(g.nodes)
+            logits, outs = self.head.step_tree(h, tokens, positions, spans)
+            off = 0
+            for i, g in work:
+                n = len(g.nodes)
+                trees[i].add(g, self._top(logits[off : off + n]), outs[off : off + n])
+                off += n
+        # the one read: every tree's tokens, parents and scores (float64 holds ids and scores exactly)
+        flat = torch.cat([torch.cat([t.toks.double(), t.parents.double(), t.scores]) for t in trees]).tolist()
+        drafts, at = [], 0
+        for (st, _, _, budget), t in zip(rows, trees):
+            n = len(t.scores)
+            tree = _Tree(st, budget, shape)
+            tree.toks = [int(x) for x in flat[at : at + n]]
+            tree.parents = [int(x) for x in flat[at + n : at + 2 * n]]
+            tree.scores = flat[at + 2 * n : at + 3 * n]
+            drafts.append(tree.draft(self.name))
+            at += 3 * n
+        return drafts
+
+    def _top(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's ``topk`` head probabilities (float64) and their target ids, on the device."""
+        assert self.tree is not None, "a tree drafter"
+        top = torch.softmax(logits.float(), -1).topk(self.tree.topk)
+        ids = self.head.to_target_ids(top.indices) if self.head.remaps_vocab else top.indices
+        return top.values.double(), ids
 
     def _children(
         self,

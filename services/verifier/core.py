@@ -97,7 +97,7 @@ class VerifierCore:
                 _load(cfg.draft, cfg),
                 cfg.draft_confidence,
                 draft_vocabulary(cfg),
-                device_chains=cfg.chains_on_device,
+                device_drafts=cfg.drafts_on_device,
             )
             max_draft["draft-lm"] = cfg.num_speculative_tokens
         if cfg.eagle3 is not None and (Path(cfg.eagle3) / "config.json").exists():
@@ -115,7 +115,7 @@ class VerifierCore:
                     pack_linears(head)
                 runner.capture_layers = head.aux_layers
                 drafters["eagle3"] = model_drafter(
-                    "eagle3", head, cfg.eagle3_confidence, device_chains=cfg.chains_on_device
+                    "eagle3", head, cfg.eagle3_confidence, device_drafts=cfg.drafts_on_device
                 )
                 max_draft["eagle3"] = cfg.eagle3_k
                 if cfg.eagle3_topk > 1:  # the same head, drafting trees

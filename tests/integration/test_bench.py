@@ -461,7 +461,7 @@ def test_bf16_lossless_bench_finds_the_invariant_mode_lossless(tmp_path, monkeyp
     argv = [
         "bf16_lossless",
         "--modes",
-        "bfloat16-invariant,float32,float32-device-chains",
+        "bfloat16-invariant,float32,float32-device-drafts",
         "--prompts",
         "1",
         "--max-new-tokens",
@@ -472,9 +472,9 @@ def test_bf16_lossless_bench_finds_the_invariant_mode_lossless(tmp_path, monkeyp
     r = json.loads(out.read_text())
     assert all(row["differing"] == 0 for row in r["modes"]["bfloat16-invariant"].values())
     assert all(len(row["tok_s"]) == 2 for mode in r["modes"].values() for row in mode.values())
-    assert all(row["differing"] == 0 for row in r["modes"]["float32-device-chains"].values())
+    assert all(row["differing"] == 0 for row in r["modes"]["float32-device-drafts"].values())
     md = out.with_suffix(".md").read_text()
-    assert "| bfloat16-invariant |" in md and "float32-device-chains against float32: " in md
+    assert "| bfloat16-invariant |" in md and "float32-device-drafts against float32: " in md
 
 
 def test_compile_bench_finds_the_compiled_forward_greedy_equal_to_eager(tmp_path, monkeypatch):

@@ -111,18 +111,18 @@ def test_batch_invariant_verification_adds_no_host_round_trip(tiny_engine, metho
     assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
 
 
-# With device chains (EngineConfig.device_chains, on for CUDA) a greedy chain is read once per
-# draft: a cycle reads its draft and then its accepted tokens, whatever k.
-DEVICE_CHAIN_BUDGET = {"sd": 2, "csd": 2, "scg": 2, "eagle3": 2, "hybrid": 2}
+# With device drafts (EngineConfig.device_drafts, on for CUDA) a greedy chain or an EAGLE tree is
+# read once per draft: a cycle reads its draft and then its target logits, whatever k or depth.
+DEVICE_DRAFT_BUDGET = {"sd": 2, "csd": 2, "scg": 2, "eagle3": 2, "hybrid": 2, "eagle3-tree": 2, "hybrid-tree": 2}
 
 
-@pytest.mark.parametrize("method", sorted(DEVICE_CHAIN_BUDGET))
-def test_device_chains_read_a_draft_once(tiny_engine, bundled_engine, method, monkeypatch):
+@pytest.mark.parametrize("method", sorted(DEVICE_DRAFT_BUDGET))
+def test_device_drafts_read_a_draft_once(tiny_engine, bundled_engine, method, monkeypatch):
     engine = tiny_engine if method in ("sd", "csd", "scg") else bundled_engine
     for drafter in engine.verifier.drafters.values():
-        monkeypatch.setattr(drafter, "device_chains", True, raising=False)
+        monkeypatch.setattr(drafter, "device_drafts", True, raising=False)
     worst = worst_cycle(engine, method, monkeypatch)
-    budget = DEVICE_CHAIN_BUDGET[method]
+    budget = DEVICE_DRAFT_BUDGET[method]
     assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
 
 

@@ -182,12 +182,12 @@ def test_batch_invariant_verification_is_on_in_reduced_precision_unless_set(valu
         ({}, False),  # the CPU: a read costs nothing there, and the confidence cut saves steps
         ({"device": "cuda"}, True),
         ({"device": "cuda:1"}, True),
-        ({"device": "cuda", "device_chains": "false"}, False),
-        ({"device_chains": True}, True),
+        ({"device": "cuda", "device_drafts": "false"}, False),
+        ({"device_drafts": True}, True),
     ],
 )
-def test_device_chains_are_on_for_cuda_unless_set(values, on):
-    assert EngineConfig.from_mapping({"device": "cpu", **values}).chains_on_device is on
+def test_device_drafts_are_on_for_cuda_unless_set(values, on):
+    assert EngineConfig.from_mapping({"device": "cpu", **values}).drafts_on_device is on
 
 
 def test_server_options_come_from_one_table_for_the_cli_and_the_ray_app():

@@ -1,6 +1,7 @@
-"""Device chains (``EngineConfig.device_chains``): a draft-LM or EAGLE-3 chain of greedy,
-unconstrained requests keeps its tokens on the device and is read once per draft. Its drafts
-must be the host loop's, token for token, with and without a confidence cut, for rows of
+"""Device drafts (``EngineConfig.device_drafts``): a draft-LM or EAGLE-3 chain of greedy,
+unconstrained requests keeps its tokens on the device and is read once per draft, and an EAGLE
+draft tree is grown on the device and read once. Their drafts must be the host loop's, token for
+token, with and without a confidence cut, for rows of
 different budgets in one batch, and across cycles (the caches' rollback). (The hybrid is left
 out of the engine-level comparison: its suffix cache learns the first run's outputs, so a second
 run drafts differently whatever the chains do; its host reads are counted in test_host_syncs.)"""
@@ -37,13 +38,13 @@ def drafts_of(drafter: DraftLMDrafter, prompts: list[list[int]], budgets: list[i
 
 @pytest.mark.parametrize("confidence", [0.0, 0.3])
 @pytest.mark.parametrize("restricted", [False, True])
-def test_device_chains_draft_the_host_loops_tokens(tiny_engine, tiny_dirs, confidence, restricted):
+def test_device_drafts_draft_the_host_loops_tokens(tiny_engine, tiny_dirs, confidence, restricted):
     model = Llama.from_pretrained(tiny_dirs[1])
     prompts = [tiny_engine.encode(p) for p in PROMPTS]
     vocab = top_vocabulary(frequency_ranking(prompts, 8192), 1024) if restricted else None
     budgets = [4, 2, 6]
     host = drafts_of(DraftLMDrafter(model, confidence, vocab), prompts, budgets, 4)
-    device = drafts_of(DraftLMDrafter(model, confidence, vocab, device_chains=True), prompts, budgets, 4)
+    device = drafts_of(DraftLMDrafter(model, confidence, vocab, device_drafts=True), prompts, budgets, 4)
     assert device == host
     cut = [len(toks) < b for cycle in host for (toks, _), b in zip(cycle, budgets)]
     # without a cut every chain is drafted whole; with one, some end early (else the test could not tell)
@@ -72,12 +73,12 @@ def cycle_drafts(engine, method: str, monkeypatch) -> tuple[list[list[int]], lis
 
 
 @pytest.mark.parametrize("method", ["sd", "scg", "eagle3"])
-def test_device_chains_serve_the_same_drafts_and_tokens(tiny_engine, bundled_engine, method, monkeypatch):
+def test_device_drafts_serve_the_same_drafts_and_tokens(tiny_engine, bundled_engine, method, monkeypatch):
     engine = tiny_engine if method in ("sd", "scg") else bundled_engine
     name = "draft-lm" if method in ("sd", "scg") else "eagle3"
     drafter = engine.verifier.drafters[name]
     host = cycle_drafts(engine, method, monkeypatch)
-    monkeypatch.setattr(drafter, "device_chains", True)
+    monkeypatch.setattr(drafter, "device_drafts", True)
     device = cycle_drafts(engine, method, monkeypatch)
     assert device == host
     assert any(host[1]), "no draft was verified: nothing compared"
@@ -89,3 +90,39 @@ def test_device_chains_serve_the_same_drafts_and_tokens(tiny_engine, bundled_eng
             for p in PROMPTS
         ]
         assert device[0] == vanilla
+
+
+def test_device_trees_draft_the_host_loops_trees(bundled_engine, monkeypatch):
+    """EAGLE draft trees grown on the device and read once (``_grow_on_device``) are the host
+    loop's trees: the same nodes, parents and scores, cycle by cycle, and the same tokens."""
+    drafter = bundled_engine.verifier.drafters["eagle3-tree"]
+    trees: dict[bool, list] = {False: [], True: []}
+    tokens: dict[bool, list] = {False: [], True: []}
+    for on in (False, True):
+        monkeypatch.setattr(drafter, "device_drafts", on)
+        name = "_grow_on_device" if on else "_grow"
+        grow = getattr(drafter, name)
+        monkeypatch.setattr(
+            drafter, name, lambda rows, grow=grow, on=on: trees[on].extend(grow(rows)) or trees[on][-len(rows) :]
+        )
+        for p in PROMPTS:
+            req = GenerationRequest(bundled_engine.encode(p), 40, method="eagle3-tree", ignore_eos=True)
+            tokens[on].append(bundled_engine.generate(req).result()["token_ids"])
+        monkeypatch.undo()
+    assert len(trees[True]) > len(PROMPTS), "no tree was drafted"
+    assert [(d.token_ids, d.parents, d.token_probs) for d in trees[True]] == [
+        (d.token_ids, d.parents, d.token_probs) for d in trees[False]
+    ]
+    assert tokens[True] == tokens[False]
+    # Three completions of one prompt grow their trees in lockstep, several in one call (which
+    # calls group which is the batcher's timing, so only their tokens are compared).
+    widths: list[int] = []
+    grow = drafter._grow_on_device
+    monkeypatch.setattr(drafter, "device_drafts", True)
+    monkeypatch.setattr(drafter, "_grow_on_device", lambda rows: widths.append(len(rows)) or grow(rows))
+    req = GenerationRequest(bundled_engine.encode(PROMPTS[0]), 24, method="eagle3-tree", ignore_eos=True, n=3)
+    completions = bundled_engine.generate_all(req)
+    for _ in completions:
+        pass
+    assert max(widths) > 1, "no call grew several requests' trees"
+    assert all(g.result()["token_ids"] == tokens[False][0][:24] for g in completions.gens)
