@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -29,6 +28,16 @@ class _State:
     root: bytes = ROOT  # the first block's parent: the request's cache salt
     prompt_len: int = 0  # tokens after it are output (the penalties count them)
     grammar: GrammarCursor | None = None  # structured output: drafts stay inside the grammar
+    _device_rng: torch.Generator | None = None
+
+    def device_rng(self, device: torch.device) -> torch.Generator:
+        """A generator on ``device`` for draws made there (device drafts), seeded once from the
+        request's: a seeded request's tokens do not depend on its drafts' draws (its cycles
+        take vanilla's draws, ``policies._sampled_walk``), and an unseeded one's need only be random."""
+        if self._device_rng is None:
+            seed = int(torch.randint(2**62, (1,), generator=self.rng))
+            self._device_rng = torch.Generator(device=device).manual_seed(seed)
+        return self._device_rng
 
 
 @dataclass
@@ -96,10 +105,11 @@ class _Row:
             self.state = self.st.grammar.automaton.next(self.state, greedy_tok)
 
     @property
-    def plain(self) -> bool:
-        """Greedy and unconstrained: its draft is the argmax chain, which needs no host step."""
+    def unconstrained(self) -> bool:
+        """No penalties, bias, bad words or grammar: its logits need no host step (the target's
+        own transforms of ``sp``, temperature to top-p, run on the device)."""
         sp = self.st.sp
-        return sp.greedy and not (sp.penalized or sp.biased or sp.bad_words or self.st.grammar is not None)
+        return not (sp.penalized or sp.biased or sp.bad_words or self.st.grammar is not None)
 
     @property
     def drafting(self) -> bool:
@@ -128,8 +138,9 @@ class DraftLMDrafter(ModelDrafter):
     With ``prefix`` (a ``PrefixCache`` of its own), a request's first feed starts after the
     longest cached run of its prompt's blocks, and committed blocks are stored for later ones.
 
-    With ``device_drafts``, a batch of greedy, unconstrained requests drafts with its tokens
-    left on the device and read once per draft (``_device_chains``), not once per position.
+    With ``device_drafts``, a batch of unconstrained requests (greedy, or sampled with q drawn
+    on the device) drafts with its tokens left on the device and read once per draft
+    (``_device_chains``), not once per position.
     """
 
     name = "draft-lm"
@@ -186,7 +197,7 @@ class DraftLMDrafter(ModelDrafter):
         """Drafts for several requests, one ragged draft-model forward per draft position."""
         rows = [_Row.of(self._attached(req_id), budget) for req_id, budget in asks]
         active = [r for r in rows if r.budget > 0]
-        if self.device_drafts and active and all(r.plain for r in active):
+        if self.device_drafts and active and all(r.unconstrained for r in active):
             self._device_chains(active)
             active = []
         while active:
@@ -226,12 +237,14 @@ class DraftLMDrafter(ModelDrafter):
         return (greedy if self.vocab is None else self.vocab[greedy]), p_max
 
     def _device_chains(self, rows: list[_Row]) -> None:
-        """Greedy, unconstrained rows: each step feeds the rows' argmax tokens where they lie,
-        and the host reads every chain once, at the end. A chain is then cut after its first
-        token below ``min_confidence``, as the host loop would have stopped there (the steps
-        past it were drafted in vain: the price of not reading each token)."""
+        """Unconstrained rows: each step feeds the rows' tokens where they lie (a greedy row's
+        argmax; a sampled row's draw from q on the device, with a generator of its own), and
+        the host reads every chain once, at the end, with the sampled rows' q. A chain is then
+        cut after its first token below ``min_confidence``, as the host loop would have stopped
+        there (the steps past it were drafted in vain: the price of not reading each token)."""
         feed: dict[int, list[int] | torch.Tensor] = {id(r): r.feed for r in rows}
         picks: list[tuple[list[_Row], torch.Tensor, torch.Tensor]] = []
+        qs: list[torch.Tensor] = []  # sampled rows' q, in the order they are drawn
         for n in range(max(r.budget for r in rows)):
             live = [r for r in rows if r.budget > n]
             logits, _ = self.model.forward_ragged(
@@ -241,19 +254,40 @@ class DraftLMDrafter(ModelDrafter):
                 last_only=True,
                 head=self.head,
             )
-            greedy, p_max = self._argmax(torch.stack([lg[-1] for lg in logits]))
-            picks.append((live, greedy, p_max))
-            feed.update((id(r), greedy[j : j + 1]) for j, r in enumerate(live))
-        # the one read: every step's tokens and confidences (float64 holds every token id exactly)
-        read = torch.cat([torch.stack([g.double(), p.double()]) for _, g, p in picks], 1).tolist()
-        chains: dict[int, list[tuple[int, float]]] = {id(r): [] for r in rows}
-        for (live, _, _), col in zip(picks, itertools.accumulate([0] + [len(x) for x, _, _ in picks])):
+            stacked = torch.stack([lg[-1] for lg in logits])
+            tokens, p_max = self._argmax(stacked)
             for j, r in enumerate(live):
-                chains[id(r)].append((int(read[0][col + j]), read[1][col + j]))
+                if not r.st.sp.greedy:  # q as the host loop's (``_Row.take``), drawn on the device
+                    q = probs_from_logits(stacked[j], r.st.sp)
+                    if self.vocab is not None:
+                        q = q.new_zeros(r.st.vocab_size).index_copy_(0, self.vocab, q)
+                    tokens[j] = torch.multinomial(q, 1, generator=r.st.device_rng(q.device))[0]
+                    p_max[j] = q.max()
+                    qs.append(q)
+            picks.append((live, tokens, p_max))
+            feed.update((id(r), tokens[j : j + 1]) for j, r in enumerate(live))
+        # the one read: every step's tokens and confidences, then the q rows drawn from (float64
+        # holds every token id exactly)
+        meta = torch.cat([torch.stack([t.double(), p.double()]) for _, t, p in picks], 1)
+        blob = torch.cat([meta.reshape(-1), *(q.double() for q in qs)]).cpu().numpy()
+        width = meta.shape[1]
+        toks, confs = blob[:width].tolist(), blob[width : 2 * width].tolist()
+        q_rows: list[torch.Tensor] = (
+            list(torch.from_numpy(blob[2 * width :]).float().reshape(len(qs), -1)) if qs else []
+        )
+        chains: dict[int, list[tuple[int, float, torch.Tensor | None]]] = {id(r): [] for r in rows}
+        col = drawn = 0
+        for live, _, _ in picks:
+            for r in live:
+                row_q = None if r.st.sp.greedy else q_rows[drawn]
+                drawn += not r.st.sp.greedy
+                chains[id(r)].append((int(toks[col]), confs[col], row_q))
+                col += 1
         for r in rows:
             chain = chains[id(r)]
-            n = next((i + 1 for i, (_, p) in enumerate(chain) if p < self.min_confidence), len(chain))
-            r.out = [t for t, _ in chain[:n]]
+            n = next((i + 1 for i, (_, p, _) in enumerate(chain) if p < self.min_confidence), len(chain))
+            r.out = [t for t, _, _ in chain[:n]]
+            r.qs = [q for _, _, q in chain[:n] if q is not None]
             r.pos += len(r.feed) + n - 1
 
     @torch.inference_mode()

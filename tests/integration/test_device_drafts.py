@@ -7,6 +7,7 @@ out of the engine-level comparison: its suffix cache learns the first run's outp
 run drafts differently whatever the chains do; its host reads are counted in test_host_syncs.)"""
 
 import pytest
+import torch
 
 from services.common.llama import Llama
 from services.common.types import SamplingParams
@@ -126,3 +127,37 @@ def test_device_trees_draft_the_host_loops_trees(bundled_engine, monkeypatch):
         pass
     assert max(widths) > 1, "no call grew several requests' trees"
     assert all(g.result()["token_ids"] == tokens[False][0][:24] for g in completions.gens)
+
+
+def test_sampled_device_chains_draw_from_the_q_they_return(tiny_engine, tiny_dirs):
+    """A sampled request's device chain draws each token from its q on the device and returns
+    those q rows (rejection sampling needs them): top-k 1 draws the argmax with a one-hot q,
+    and at a temperature every token has mass in its row, each row a distribution."""
+    model = Llama.from_pretrained(tiny_dirs[1])
+    prompt = tiny_engine.encode(PROMPTS[0])
+    greedy = DraftLMDrafter(model, 0.0)
+    greedy.start("g", prompt, SamplingParams(temperature=0.0), None)
+    want = greedy.propose("g", 5).token_ids
+    for sp, check_argmax in (
+        (SamplingParams(temperature=1.0, top_k=1), True),
+        (SamplingParams(temperature=0.9), False),
+    ):
+        drafter = DraftLMDrafter(model, 0.0, device_drafts=True)
+        drafter.start("s", prompt, sp, torch.Generator().manual_seed(3))
+        d = drafter.propose_batch([("s", 5)])[0]
+        assert d.probs is not None and d.probs.shape == (5, 8192)
+        assert torch.allclose(d.probs.sum(-1), torch.ones(5), atol=1e-4)
+        assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
+        if check_argmax:
+            assert d.token_ids == want and all(d.probs[i, t] == 1 for i, t in enumerate(d.token_ids))
+
+
+def test_seeded_sampling_with_device_drafts_gives_vanillas_tokens(tiny_engine, monkeypatch):
+    """A seeded request's tokens are vanilla's own draws whatever its drafts drew."""
+    monkeypatch.setattr(tiny_engine.verifier.drafters["draft-lm"], "device_drafts", True)
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    for p in PROMPTS:
+        ids = tiny_engine.encode(p)
+        sd = tiny_engine.generate(GenerationRequest(ids, 32, sampling=sp, method="sd", ignore_eos=True)).result()
+        van = tiny_engine.generate(GenerationRequest(ids, 32, sampling=sp, method="vanilla", ignore_eos=True)).result()
+        assert sd["token_ids"] == van["token_ids"]
