@@ -118,8 +118,8 @@ class EngineConfig:
     # The target's logits for a position do not depend on what shares its step (services/common/
     # invariant.py), so lossless methods equal vanilla bit for bit; None: on in bfloat16 and float16.
     batch_invariant: bool | None = None
-    # Draft-LM chains of unconstrained requests (sampled ones draw on the device), EAGLE-3 chains of
-    # greedy ones, and EAGLE draft trees keep their tokens on the device and are read once per draft, not once per position or tree level;
+    # Draft-LM and EAGLE-3 chains of unconstrained requests (sampled ones draw on the device) and
+    # EAGLE draft trees keep their tokens on the device and are read once per draft, not once per position or tree level;
     # a confidence cut then comes after the whole chain is drafted. None: on for CUDA (a read
     # stalls the queue), off on the CPU (the cut saves the steps it skips; a read costs nothing).
     device_drafts: bool | None = None
@@ -430,9 +430,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "device_drafts",
             "bool",
-            "draft-LM chains of requests without penalties, bias, bad words or grammars (sampled ones "
-            "draw on the device), EAGLE-3 chains of such greedy ones, and EAGLE draft trees keep "
-            "their tokens on the device and are read by the host once per draft, not once per token "
+            "draft-LM and EAGLE-3 chains of requests without penalties, bias, bad words or grammars "
+            "(sampled ones draw on the device) and EAGLE draft trees keep their tokens on the device and are read by the host once per draft, not once per token "
             "or tree level (a confidence cut then comes after the whole chain); default: on for CUDA, "
             "off on the CPU",
             default=None,

@@ -107,3 +107,41 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+Link = tuple[int, float, torch.Tensor | None]  # a chain's token, its draft confidence, and q when sampled
+
+
+def read_chains(picks: list[tuple[list, torch.Tensor, torch.Tensor]], qs: list[torch.Tensor]) -> dict[int, list[Link]]:
+    """The one read of chains drafted on the device: ``picks`` per step (the rows still
+    drafting, their tokens and confidences, on the device) and ``qs`` (the q rows sampled rows
+    drew from, in order: the rows whose request samples, step by step) → each row's chain, by
+    ``id``. Everything crosses in one copy (float64 holds every token id exactly)."""
+    meta = torch.cat([torch.stack([t.double(), p.double()]) for _, t, p in picks], 1)
+    blob = torch.cat([meta.reshape(-1), *(q.double() for q in qs)]).cpu().numpy()
+    width = meta.shape[1]
+    toks, confs = blob[:width].tolist(), blob[width : 2 * width].tolist()
+    q_rows = list(torch.from_numpy(blob[2 * width :]).float().reshape(len(qs), -1)) if qs else []
+    chains: dict[int, list[Link]] = {}
+    col = drawn = 0
+    for live, _, _ in picks:
+        for r in live:
+            q = None if r.st.sp.greedy else q_rows[drawn]
+            drawn += q is not None
+            chains.setdefault(id(r), []).append((int(toks[col]), confs[col], q))
+            col += 1
+    return chains
+
+
+def confident_length(chain: list[Link], min_confidence: float) -> int:
+    """How much of a chain drafted whole the host loop would have drafted: up to and including
+    its first token below ``min_confidence``."""
+    return next((i + 1 for i, (_, p, _) in enumerate(chain) if p < min_confidence), len(chain))
+
+
+def device_generator(rng: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` for a request's draft draws made there, seeded once from its
+    own (``rng``; None: the global one). A seeded request's tokens do not depend on its drafts'
+    draws (its cycles take vanilla's draws, ``policies._sampled_walk``); an unseeded one's need
+    only be random."""
+    return torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=rng)))

@@ -12,7 +12,7 @@ from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_p
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import ModelDrafter, common_prefix, register
+from services.drafter.base import ModelDrafter, common_prefix, confident_length, device_generator, read_chains, register
 
 
 @dataclass
@@ -28,16 +28,7 @@ class _State:
     root: bytes = ROOT  # the first block's parent: the request's cache salt
     prompt_len: int = 0  # tokens after it are output (the penalties count them)
     grammar: GrammarCursor | None = None  # structured output: drafts stay inside the grammar
-    _device_rng: torch.Generator | None = None
-
-    def device_rng(self, device: torch.device) -> torch.Generator:
-        """A generator on ``device`` for draws made there (device drafts), seeded once from the
-        request's: a seeded request's tokens do not depend on its drafts' draws (its cycles
-        take vanilla's draws, ``policies._sampled_walk``), and an unseeded one's need only be random."""
-        if self._device_rng is None:
-            seed = int(torch.randint(2**62, (1,), generator=self.rng))
-            self._device_rng = torch.Generator(device=device).manual_seed(seed)
-        return self._device_rng
+    device_rng: torch.Generator | None = None  # draws of device drafts (``base.device_generator``)
 
 
 @dataclass
@@ -261,31 +252,16 @@ class DraftLMDrafter(ModelDrafter):
                     q = probs_from_logits(stacked[j], r.st.sp)
                     if self.vocab is not None:
                         q = q.new_zeros(r.st.vocab_size).index_copy_(0, self.vocab, q)
-                    tokens[j] = torch.multinomial(q, 1, generator=r.st.device_rng(q.device))[0]
+                    r.st.device_rng = r.st.device_rng or device_generator(r.st.rng, q.device)
+                    tokens[j] = torch.multinomial(q, 1, generator=r.st.device_rng)[0]
                     p_max[j] = q.max()
                     qs.append(q)
             picks.append((live, tokens, p_max))
             feed.update((id(r), tokens[j : j + 1]) for j, r in enumerate(live))
-        # the one read: every step's tokens and confidences, then the q rows drawn from (float64
-        # holds every token id exactly)
-        meta = torch.cat([torch.stack([t.double(), p.double()]) for _, t, p in picks], 1)
-        blob = torch.cat([meta.reshape(-1), *(q.double() for q in qs)]).cpu().numpy()
-        width = meta.shape[1]
-        toks, confs = blob[:width].tolist(), blob[width : 2 * width].tolist()
-        q_rows: list[torch.Tensor] = (
-            list(torch.from_numpy(blob[2 * width :]).float().reshape(len(qs), -1)) if qs else []
-        )
-        chains: dict[int, list[tuple[int, float, torch.Tensor | None]]] = {id(r): [] for r in rows}
-        col = drawn = 0
-        for live, _, _ in picks:
-            for r in live:
-                row_q = None if r.st.sp.greedy else q_rows[drawn]
-                drawn += not r.st.sp.greedy
-                chains[id(r)].append((int(toks[col]), confs[col], row_q))
-                col += 1
+        chains = read_chains(picks, qs)
         for r in rows:
             chain = chains[id(r)]
-            n = next((i + 1 for i, (_, p, _) in enumerate(chain) if p < self.min_confidence), len(chain))
+            n = confident_length(chain, self.min_confidence)
             r.out = [t for t, _, _ in chain[:n]]
             r.qs = [q for _, _, q in chain[:n] if q is not None]
             r.pos += len(r.feed) + n - 1

@@ -22,7 +22,7 @@ from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_p
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import ModelDrafter, register
+from services.drafter.base import ModelDrafter, confident_length, device_generator, read_chains, register
 from services.drafter.eagle3 import Eagle3Head
 
 
@@ -52,6 +52,7 @@ class _State:
     prompt_len: int = 0  # tokens after it are output (the penalties count them)
     grammar: GrammarCursor | None = None  # structured output: drafts stay inside the grammar
     trees: bool = False  # its drafts may be token trees (the session walks them)
+    device_rng: torch.Generator | None = None  # draws of device drafts (``base.device_generator``)
 
 
 @dataclass
@@ -82,10 +83,11 @@ class _Row:
         return self.h
 
     @property
-    def plain(self) -> bool:
-        """Greedy and unconstrained: its draft is the argmax chain, which needs no host step."""
+    def unconstrained(self) -> bool:
+        """No penalties, bias, bad words or grammar: its logits need no host step (the target's
+        own transforms of ``sp``, temperature to top-p, run on the device)."""
         sp = self.st.sp
-        return sp.greedy and not (sp.penalized or sp.biased or sp.bad_words or self.st.grammar is not None)
+        return not (sp.penalized or sp.biased or sp.bad_words or self.st.grammar is not None)
 
     @property
     def drafting(self) -> bool:
@@ -243,8 +245,8 @@ class Eagle3Drafter(ModelDrafter):
     """Chains of at most ``budget`` tokens; like the draft LM's, a chain ends after a token
     whose head probability (max q) is below ``min_confidence``. With ``tree``, a request
     started with ``trees=True`` gets token trees instead (``_grow``). With ``device_drafts``,
-    a batch of greedy, unconstrained chains keeps its tokens on the device and is read once
-    per draft (``_device_chains``), not once per position, and trees are grown on the device
+    a batch of unconstrained chains (greedy, or sampled with q drawn on the device) keeps its
+    tokens on the device and is read once per draft (``_device_chains``), not once per position, and trees are grown on the device
     and read once (``_grow_on_device``), not once per level."""
 
     name = "eagle3"
@@ -432,7 +434,7 @@ class Eagle3Drafter(ModelDrafter):
                 [out for r, out in zip(active, outs) if not r.st.trees],
             )
             active = [r for r in active if not r.st.trees]
-            if self.device_drafts and active and all(r.plain for r in active):
+            if self.device_drafts and active and all(r.unconstrained for r in active):
                 self._device_chains(active, logits, outs)
                 active = []
         while active:
@@ -456,16 +458,29 @@ class Eagle3Drafter(ModelDrafter):
         ]
 
     def _device_chains(self, rows: list[_Row], logits: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
-        """Greedy, unconstrained rows from their catch-up step's ``logits`` and prenorm ``outs``:
-        each step feeds the rows' argmax tokens where they lie, and the host reads every chain
-        once, at the end. A chain is then cut after its first token below ``min_confidence``,
-        where the host loop would have stopped (the steps past it were drafted in vain)."""
+        """Unconstrained rows from their catch-up step's ``logits`` and prenorm ``outs``: each
+        step feeds the rows' tokens where they lie (a greedy row's argmax; a sampled row's draw
+        from q on the device, with a generator of its own), and the host reads every chain once,
+        at the end, with the sampled rows' q. A chain is then cut after its first token below
+        ``min_confidence``, where the host loop would have stopped (the steps past it were
+        drafted in vain)."""
         cur, lg, hs = rows, torch.stack([x[-1] for x in logits]), [o[-1:] for o in outs]
         picks: list[tuple[list[_Row], torch.Tensor, torch.Tensor]] = []
+        qs: list[torch.Tensor] = []
         for n in range(max(r.budget for r in rows)):
             d = lg.argmax(-1)  # the draft vocabulary's first maximum, as ``head.greedy``
-            p_max = torch.softmax(lg.float(), -1).amax(-1) if self.min_confidence > 0 else torch.ones_like(d)
+            if self.min_confidence > 0:
+                p_max = torch.softmax(lg.float(), -1).amax(-1)
+            else:
+                p_max = torch.ones(d.shape, device=d.device)
             tok = self.head.to_target_ids(d) if self.head.remaps_vocab else d
+            for j, r in enumerate(cur):
+                if not r.st.sp.greedy:  # q as the host loop's (``_pick``), drawn on the device
+                    q = probs_from_logits(self.head.target_logits(lg[j]), r.st.sp)
+                    r.st.device_rng = r.st.device_rng or device_generator(r.st.rng, q.device)
+                    tok[j] = torch.multinomial(q, 1, generator=r.st.device_rng)[0]
+                    p_max[j] = q.max()
+                    qs.append(q)
             picks.append((cur, tok, p_max))
             nxt = [j for j, r in enumerate(cur) if r.budget > n + 1]
             if not nxt:
@@ -477,18 +492,12 @@ class Eagle3Drafter(ModelDrafter):
                 [cur[j].st.cache for j in nxt],
             )
             cur, lg, hs = [cur[j] for j in nxt], torch.stack([x[-1] for x in step]), [o[-1:] for o in outs]
-        # the one read: every step's tokens and confidences (float64 holds every token id exactly)
-        read = torch.cat([torch.stack([t.double(), p.double()]) for _, t, p in picks], 1).tolist()
-        chains: dict[int, list[tuple[int, float]]] = {id(r): [] for r in rows}
-        col = 0
-        for live, _, _ in picks:
-            for r in live:
-                chains[id(r)].append((int(read[0][col]), read[1][col]))
-                col += 1
+        chains = read_chains(picks, qs)
         for r in rows:
             chain = chains[id(r)]
-            n = next((i + 1 for i, (_, p) in enumerate(chain) if p < self.min_confidence), len(chain))
-            r.drafted = [t for t, _ in chain[:n]]
+            n = confident_length(chain, self.min_confidence)
+            r.drafted = [t for t, _, _ in chain[:n]]
+            r.qs = [q for _, _, q in chain[:n] if q is not None]
 
     def _grow(self, rows: list[tuple[_State, torch.Tensor, torch.Tensor, int]]) -> list[Draft]:
         """EAGLE-2's dynamic draft trees (as SGLang's ``speculative_eagle_topk``) for several

@@ -152,12 +152,20 @@ def test_sampled_device_chains_draw_from_the_q_they_return(tiny_engine, tiny_dir
             assert d.token_ids == want and all(d.probs[i, t] == 1 for i, t in enumerate(d.token_ids))
 
 
-def test_seeded_sampling_with_device_drafts_gives_vanillas_tokens(tiny_engine, monkeypatch):
-    """A seeded request's tokens are vanilla's own draws whatever its drafts drew."""
-    monkeypatch.setattr(tiny_engine.verifier.drafters["draft-lm"], "device_drafts", True)
+@pytest.mark.parametrize("method", ["sd", "eagle3"])
+def test_seeded_sampling_with_device_drafts_gives_vanillas_tokens(tiny_engine, bundled_engine, method, monkeypatch):
+    """A seeded request's tokens are vanilla's own draws whatever its drafts drew on the device,
+    and its drafts were drawn there (each cycle's q rows came back with them)."""
+    engine = tiny_engine if method == "sd" else bundled_engine
+    drafter = engine.verifier.drafters["draft-lm" if method == "sd" else "eagle3"]
+    monkeypatch.setattr(drafter, "device_drafts", True)
+    chains = drafter._device_chains
+    drawn: list[int] = []
+    monkeypatch.setattr(drafter, "_device_chains", lambda rows, *a: drawn.append(len(rows)) or chains(rows, *a))
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
     for p in PROMPTS:
-        ids = tiny_engine.encode(p)
-        sd = tiny_engine.generate(GenerationRequest(ids, 32, sampling=sp, method="sd", ignore_eos=True)).result()
-        van = tiny_engine.generate(GenerationRequest(ids, 32, sampling=sp, method="vanilla", ignore_eos=True)).result()
-        assert sd["token_ids"] == van["token_ids"]
+        ids = engine.encode(p)
+        out = engine.generate(GenerationRequest(ids, 32, sampling=sp, method=method, ignore_eos=True)).result()
+        van = engine.generate(GenerationRequest(ids, 32, sampling=sp, method="vanilla", ignore_eos=True)).result()
+        assert out["token_ids"] == van["token_ids"]
+    assert drawn, "no chain was drafted on the device"

@@ -139,15 +139,20 @@ def test_static_steps_add_no_host_round_trip(tiny_engine, method, monkeypatch):
     assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
 
 
-def test_sampled_device_drafts_copy_to_the_host_twice_a_cycle(tiny_engine, monkeypatch):
-    """A sampled sd cycle with device drafts copies to the host twice: its draft (tokens,
+@pytest.mark.parametrize("method", ["sd", "eagle3"])
+def test_sampled_device_drafts_copy_to_the_host_twice_a_cycle(tiny_engine, bundled_engine, method, monkeypatch):
+    """A sampled sd or eagle3 cycle with device drafts copies to the host twice: its draft (tokens,
     confidences and the q rows it drew from, in one blob) and the target's logits. The other
     reads counted here are of those host copies (rejection sampling runs on them), which on a
     GPU wait for nothing; with the host loop every drafted token is one more copy."""
     from services.common.types import SamplingParams
 
+    engine = tiny_engine if method == "sd" else bundled_engine
+
     def copies(device_drafts: bool) -> list[int]:
-        monkeypatch.setattr(tiny_engine.verifier.drafters["draft-lm"], "device_drafts", device_drafts)
+        monkeypatch.setattr(
+            engine.verifier.drafters["draft-lm" if method == "sd" else "eagle3"], "device_drafts", device_drafts
+        )
         counts: collections.Counter = collections.Counter()
         per_cycle: list[int] = []
         cycle = Generation._cycle
@@ -159,10 +164,10 @@ def test_sampled_device_drafts_copy_to_the_host_twice_a_cycle(tiny_engine, monke
             return out
 
         monkeypatch.setattr(Generation, "_cycle", counted_cycle)
-        ids = tiny_engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
-        req = GenerationRequest(ids, 32, sampling=SamplingParams(temperature=0.8), method="sd", ignore_eos=True)
+        ids = engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
+        req = GenerationRequest(ids, 32, sampling=SamplingParams(temperature=0.8), method=method, ignore_eos=True)
         with counted_syncs(counts):
-            tiny_engine.generate(req).result()
+            engine.generate(req).result()
         monkeypatch.setattr(Generation, "_cycle", cycle)
         return per_cycle
 
