@@ -30,7 +30,7 @@ from bench.harness import report as save_and_print
 from bench.workloads import humaneval
 from services.common.config import EngineConfig
 from services.common.graphs import StaticSteps
-from services.common.llama import Llama
+from services.common.llama import Llama, static_width
 from services.common.packed_linear import pack_linears
 from services.common.progress import Progress
 from services.router.engine import Engine
@@ -55,7 +55,8 @@ def positional(step: Callable) -> Callable:
     """A static step behind ``forward``'s signature (ids, start, cache, last_only)."""
 
     def call(ids: torch.Tensor, start: int, cache, last_only: bool = False, **_):
-        logits, _ = step(ids, torch.arange(start, start + ids.shape[1], device=ids.device), cache)
+        end = start + ids.shape[1]
+        logits, _ = step(ids, torch.arange(start, end, device=ids.device), cache, static_width(end, cache.capacity))
         return (logits[:, -1:] if last_only else logits), []
 
     return call

@@ -2,9 +2,10 @@
 on a GPU replayed from CUDA graphs, so a decode or a verification launches one graph rather
 than a kernel per operation.
 
-A graph is captured at a session's first step of each length (its cache and its step length
-fixed, positions and tokens copied into the graph's own input buffers at every replay), and
-dropped with the session's cache. Every graph allocates from one memory pool. The outputs are
+A graph is captured at a session's first step of each length and attention width (its cache,
+step length and width fixed, positions and tokens copied into the graph's own input buffers at
+every replay; the width grows by ``llama.STATIC_BUCKET`` positions), and dropped with the
+session's cache. Every graph allocates from one memory pool. The outputs are
 copied out of the graph's buffers, which its next replay overwrites."""
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ class StaticSteps:
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
 
     def __call__(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, capture: tuple[int, ...] = ()
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, width: int, capture: tuple[int, ...] = ()
     ) -> Step:
         if not self.graphs:
-            return self.model.forward_static(ids, positions, cache, capture)
-        key = (id(cache), tuple(ids.shape), capture)
+            return self.model.forward_static(ids, positions, cache, width, capture)
+        key = (id(cache), tuple(ids.shape), width, capture)
         if key not in self.captured:
-            self.captured[key] = self._capture(ids, positions, cache, capture)
+            self.captured[key] = self._capture(ids, positions, cache, width, capture)
             weakref.finalize(cache, self.captured.pop, key, None)  # the session's graphs go with its cache
         graph, static_ids, static_positions, (logits, hidden) = self.captured[key]
         static_ids.copy_(ids)
@@ -41,14 +42,16 @@ class StaticSteps:
         graph.replay()
         return logits.clone(), [h.clone() for h in hidden]
 
-    def _capture(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, capture: tuple[int, ...]):
+    def _capture(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, width: int, capture: tuple[int, ...]
+    ):
         static_ids, static_positions = ids.clone(), positions.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # a first run outside the capture (kernels load, workspaces settle)
-            self.model.forward_static(static_ids, static_positions, cache, capture)
+            self.model.forward_static(static_ids, static_positions, cache, width, capture)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.model.forward_static(static_ids, static_positions, cache, capture)
+            out = self.model.forward_static(static_ids, static_positions, cache, width, capture)
         return graph, static_ids, static_positions, out

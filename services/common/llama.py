@@ -79,6 +79,15 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")  # config.json model_type thi
 # steps (``Llama.static_steps``); longer ones (prompt chunks) run the eager forward: a graph per
 # prompt length would be captured once and replayed never.
 STATIC_ROWS = 16
+# A static step attends over the cache's first multiple of this many positions that holds the
+# step: a session's steps then take a few shapes as it grows, not one per position, and a short
+# context does not pay for the whole cache.
+STATIC_BUCKET = 256
+
+
+def static_width(end: int, capacity: int) -> int:
+    """The keys a static step ending before position ``end`` attends over (``STATIC_BUCKET``)."""
+    return min(capacity, -(-end // STATIC_BUCKET) * STATIC_BUCKET)
 
 
 def check_supported(cfg, path) -> None:
@@ -403,18 +412,24 @@ class Llama(nn.Module):
         return (head or self.lm_head)(self.norm(x)), [seen[i] for i in capture]
 
     def forward_static(
-        self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, capture: tuple[int, ...] = ()
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        width: int,
+        capture: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``forward`` in static shapes, for CUDA graphs: ``ids`` [B, T] at ``positions`` [T]
         (a device tensor) of ``cache`` → logits [B, T, V] and the residual stream entering each
-        layer in ``capture``. No shape depends on where in the
-        sequence the step is: K/V are written by index and every query attends over the whole
-        cache, masked to the keys at or before its position (a rolled-back draft's stale K/V
-        past it are masked too). So one graph, captured per (B, T), replays at every position;
-        the price is attention over the cache's capacity rather than its filled part."""
+        layer in ``capture``. No shape depends on where the step is within the cache's first
+        ``width`` positions (``static_width``): K/V are written by index, and every query
+        attends over those ``width`` keys, masked to the ones at or before its position (a
+        rolled-back draft's stale K/V past it are masked too). So one graph, captured per
+        (B, T, width), replays at every position the width holds; the price is attention over
+        up to a bucket more keys than the filled part."""
         x = self.embed_tokens(ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
-        visible = torch.arange(cache.capacity, device=ids.device)[None, :] <= positions[:, None]  # [T, S]
+        visible = torch.arange(width, device=ids.device)[None, :] <= positions[:, None]  # [T, width]
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
@@ -424,7 +439,9 @@ class Llama(nn.Module):
             kc, vc = cache.layers[i]
             kc.index_copy_(2, positions, k)
             vc.index_copy_(2, positions, v)
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=visible, enable_gqa=self.s.kv_heads != self.s.heads)
+            o = F.scaled_dot_product_attention(
+                q, kc[:, :, :width], vc[:, :, :width], attn_mask=visible, enable_gqa=self.s.kv_heads != self.s.heads
+            )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], self.s.heads * self.s.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x)), [seen[i] for i in capture]
@@ -459,7 +476,8 @@ class Llama(nn.Module):
             assert self.static_steps is not None, "checked by _static"
             ids, t = token_ids(seqs[:1], dev)[None], len(seqs[0])
             positions = torch.arange(starts[0], starts[0] + t, device=dev)
-            logits, captured = self.static_steps(ids, positions, caches[0], capture)
+            width = static_width(starts[0] + t, caches[0].capacity)
+            logits, captured = self.static_steps(ids, positions, caches[0], width, capture)
             if tails:
                 logits = logits[:, t - tails[0] :]
             return [logits[0]], [[h[0] for h in captured]]

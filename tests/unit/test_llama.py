@@ -253,32 +253,33 @@ def test_packed_gemm_equals_fp32_path(tiny_dirs):
 
 @pytest.mark.parametrize("kw", [{}, {"kv_heads": 4}])
 def test_the_static_forward_equals_the_eager_one(tmp_path, kw):
-    """forward_static (positions as a tensor, attention over the whole cache, masked) gives the
-    eager forward's logits for a prefill, decode steps and a 5-token verification, and a
-    rolled-back draft's stale K/V past a position do not leak into it."""
+    """forward_static (positions as a tensor, attention over a width of the cache, masked) gives
+    the eager forward's logits for a prefill, decode steps and a 5-token verification, whatever
+    width holds the step, and a rolled-back draft's stale K/V past a position do not leak into it."""
     path = make_tiny(tmp_path / "m", seed=5, **kw)
     m = Llama.from_pretrained(path)
     x = torch.randint(0, 8192, (1, 30))
     eager, static = m.new_cache(1, 64), m.new_cache(1, 64)
     with torch.inference_mode():
         a, _ = m(x[:, :20], 0, eager)
-        b, _ = m.forward_static(x[:, :20], torch.arange(20), static)
+        b, _ = m.forward_static(x[:, :20], torch.arange(20), static, 64)
         assert torch.allclose(a, b, atol=1e-5)
         junk = torch.randint(0, 8192, (1, 5))
-        m.forward_static(junk, torch.arange(20, 25), static)  # a draft that is then rolled back
+        m.forward_static(junk, torch.arange(20, 25), static, 64)  # a draft that is then rolled back
         for i in range(20, 25):  # decode steps over the stale positions
             a, _ = m(x[:, i : i + 1], i, eager)
-            b, _ = m.forward_static(x[:, i : i + 1], torch.tensor([i]), static)
+            b, _ = m.forward_static(x[:, i : i + 1], torch.tensor([i]), static, 32)  # a narrower width
             assert torch.allclose(a, b, atol=1e-5), (i, (a - b).abs().max())
         a, seen_a = m(x[:, 25:30], 25, eager, capture=(0, 1))  # a verification: each row sees those before it
-        b, seen_b = m.forward_static(x[:, 25:30], torch.arange(25, 30), static, capture=(0, 1))
+        b, seen_b = m.forward_static(x[:, 25:30], torch.arange(25, 30), static, 48, capture=(0, 1))
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert all(torch.allclose(h, g, atol=1e-5) for h, g in zip(seen_a, seen_b, strict=True))  # EAGLE-3's features
 
 
 def test_the_static_forward_compiles_once_for_every_position(tmp_path):
     """Static shapes are what CUDA graphs need: compiled with dynamic=False, one graph serves a
-    decode step at every position (no recompilation), with the eager step's greedy tokens."""
+    decode step at every position its width holds (no recompilation), with the eager step's
+    greedy tokens."""
     import torch._dynamo
 
     path = make_tiny(tmp_path / "m", seed=6)
@@ -291,8 +292,17 @@ def test_the_static_forward_compiles_once_for_every_position(tmp_path):
     with torch.inference_mode():
         for i in range(12):
             tok_e = m(tok_e, i, eager)[0][:, -1].argmax(-1, keepdim=True)
-            tok_s = step(tok_s, torch.tensor([i]), static)[0][:, -1].argmax(-1, keepdim=True)
+            tok_s = step(tok_s, torch.tensor([i]), static, 48)[0][:, -1].argmax(-1, keepdim=True)
             assert torch.equal(tok_e, tok_s), i
             if i == 1:
                 compiled_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled_before
+
+
+def test_a_static_steps_width_is_the_first_bucket_that_holds_it():
+    from services.common.llama import STATIC_BUCKET, static_width
+
+    assert static_width(1, 4096) == STATIC_BUCKET
+    assert static_width(STATIC_BUCKET, 4096) == STATIC_BUCKET
+    assert static_width(STATIC_BUCKET + 1, 4096) == 2 * STATIC_BUCKET
+    assert static_width(1000, 1024) == 1024 and static_width(1000, 900) == 900  # never past the cache
