@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -35,7 +36,7 @@ from pathlib import Path
 import grpc
 
 from bench.workloads import load
-from services.common.config import models_dir
+from services.common.config import EngineConfig, models_dir
 from services.common.grpc_server import free_port
 from services.common.runtime import stop_processes
 from specmesh.v1 import generate_pb2 as gpb
@@ -78,6 +79,8 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
         "64",
         "--batch-window-ms",
         str(args.batch_window_ms),
+        "--max-batch",
+        str(args.max_batch),
         "--threads",
         str(args.server_threads),
         "--spec-disable-batch",
@@ -86,10 +89,22 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
         str(args.prefix_cache_mb),
         "--kv-pool" if pool else "--no-kv-pool",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
+    log = tempfile.TemporaryFile()  # a file, not a pipe: a long run's logs would fill a pipe and stall the server
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **SERVER_ENV})
     addr = f"127.0.0.1:{port}"
     with grpc.insecure_channel(addr) as ch:
-        grpc.channel_ready_future(ch).result(timeout=300)
+        ready = grpc.channel_ready_future(ch)
+        for _ in range(300):  # up to 5 minutes, unless the server has exited
+            try:
+                ready.result(timeout=1)
+                break
+            except grpc.FutureTimeoutError:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    err = log.read().decode(errors="replace")[-2000:]
+                    raise RuntimeError(f"specmesh serve exited ({proc.returncode}) before serving: {err}") from None
+        else:
+            raise RuntimeError(f"specmesh serve did not answer on {addr} within 300 s")
     return proc, addr
 
 
@@ -166,6 +181,9 @@ def main() -> None:
     ap.add_argument("--overhead-prompts", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--batch-window-ms", type=float, default=5.0)
+    ap.add_argument(
+        "--max-batch", type=int, default=EngineConfig.max_batch, help="sessions a verifier step batches (serve's flag)"
+    )
     ap.add_argument(
         "--topologies",
         default="embedded,distributed",

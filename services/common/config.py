@@ -461,6 +461,11 @@ OPTIONS: dict[str, Option] = {
             "else the whole vocabulary",
         ),
         Option("threads", "count", "torch intra-op threads (0 = torch's default)"),
+        Option(
+            "max_batch",
+            "positive",
+            "verifier: sessions whose cycles one step verifies together (vLLM's --max-num-seqs); more wait for the next step",
+        ),
         Option("batch_window_ms", "float", "verifier: how long a step waits for the other open sessions' cycles"),
         Option(
             "prefill_chunk",
