@@ -108,11 +108,11 @@ def test_services_mode_gpu_workloads():
     assert (
         "--prefill-chunk=128" in c["args"] and "--prefix-cache-mb=256" in c["args"] and "--max-model-len=0" in c["args"]
     )
-    assert "--no-kv-pool" in c["args"]
+    assert "--no-kv-pool" in c["args"] and "--max-batch=16" in c["args"] and "--no-static-steps" in c["args"]
     pooled = values_file("services-gpu-values.yaml")
-    pooled["verifier"] = {**pooled.get("verifier", {}), "kvPool": True}
+    pooled["verifier"] = {**pooled.get("verifier", {}), "kvPool": True, "staticSteps": True, "maxBatch": 32}
     on = container(named(render(pooled), "StatefulSet", "-verifier"))
-    assert "--kv-pool" in on["args"]
+    assert "--kv-pool" in on["args"] and "--static-steps" in on["args"] and "--max-batch=32" in on["args"]
     spec = ver["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
@@ -176,6 +176,8 @@ def test_ray_mode_rayservice():
     assert serve["applications"][0]["args"]["affinity_slack"] == 2
     assert serve["applications"][0]["args"]["max_model_len"] == 0
     assert serve["applications"][0]["args"]["kv_pool"] is False
+    assert serve["applications"][0]["args"]["max_batch"] == 16
+    assert serve["applications"][0]["args"]["static_steps"] is False
     assert serve["applications"][0]["args"]["ingress_replicas"] == 1
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFILL_CHUNK"] == "128"
     assert serve["applications"][0]["runtime_env"]["env_vars"]["SPECMESH_PREFIX_CACHE_MB"] == "256"
