@@ -145,3 +145,20 @@ def device_generator(rng: torch.Generator | None, device: torch.device) -> torch
     draws (its cycles take vanilla's draws, ``policies._sampled_walk``); an unseeded one's need
     only be random."""
     return torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=rng)))
+
+
+def draw_on_device(st, q: torch.Tensor, tokens: torch.Tensor, p_max: torch.Tensor, j: int, qs: list) -> None:
+    """A sampled row's step of a device chain: row ``j``'s token drawn from its ``q`` where q
+    lies (the request state ``st`` keeps the generator, made once from its own) and its max q
+    as the confidence; ``q`` joins ``qs``, the draws' q rows in order (``read_chains``)."""
+    st.device_rng = st.device_rng or device_generator(st.rng, q.device)
+    tokens[j] = torch.multinomial(q, 1, generator=st.device_rng)[0]
+    p_max[j] = q.max()
+    qs.append(q)
+
+
+def kept(chain: list[Link], min_confidence: float) -> tuple[list[int], list[torch.Tensor]]:
+    """The tokens and q rows of a device chain that the host loop would have drafted
+    (``confident_length``)."""
+    n = confident_length(chain, min_confidence)
+    return [t for t, _, _ in chain[:n]], [q for _, _, q in chain[:n] if q is not None]

@@ -12,7 +12,7 @@ from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_p
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import ModelDrafter, common_prefix, confident_length, device_generator, read_chains, register
+from services.drafter.base import ModelDrafter, common_prefix, draw_on_device, kept, read_chains, register
 
 
 @dataclass
@@ -252,19 +252,13 @@ class DraftLMDrafter(ModelDrafter):
                     q = probs_from_logits(stacked[j], r.st.sp)
                     if self.vocab is not None:
                         q = q.new_zeros(r.st.vocab_size).index_copy_(0, self.vocab, q)
-                    r.st.device_rng = r.st.device_rng or device_generator(r.st.rng, q.device)
-                    tokens[j] = torch.multinomial(q, 1, generator=r.st.device_rng)[0]
-                    p_max[j] = q.max()
-                    qs.append(q)
+                    draw_on_device(r.st, q, tokens, p_max, j, qs)
             picks.append((live, tokens, p_max))
             feed.update((id(r), tokens[j : j + 1]) for j, r in enumerate(live))
         chains = read_chains(picks, qs)
         for r in rows:
-            chain = chains[id(r)]
-            n = confident_length(chain, self.min_confidence)
-            r.out = [t for t, _, _ in chain[:n]]
-            r.qs = [q for _, _, q in chain[:n] if q is not None]
-            r.pos += len(r.feed) + n - 1
+            r.out, r.qs = kept(chains[id(r)], self.min_confidence)
+            r.pos += len(r.feed) + len(r.out) - 1
 
     @torch.inference_mode()
     def absorb(self, req_id: str, upto: int) -> None:

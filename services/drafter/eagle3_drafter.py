@@ -22,7 +22,7 @@ from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_p
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
 from services.common.types import Draft, SamplingParams
-from services.drafter.base import ModelDrafter, confident_length, device_generator, read_chains, register
+from services.drafter.base import ModelDrafter, draw_on_device, kept, read_chains, register
 from services.drafter.eagle3 import Eagle3Head
 
 
@@ -477,10 +477,7 @@ class Eagle3Drafter(ModelDrafter):
             for j, r in enumerate(cur):
                 if not r.st.sp.greedy:  # q as the host loop's (``_pick``), drawn on the device
                     q = probs_from_logits(self.head.target_logits(lg[j]), r.st.sp)
-                    r.st.device_rng = r.st.device_rng or device_generator(r.st.rng, q.device)
-                    tok[j] = torch.multinomial(q, 1, generator=r.st.device_rng)[0]
-                    p_max[j] = q.max()
-                    qs.append(q)
+                    draw_on_device(r.st, q, tok, p_max, j, qs)
             picks.append((cur, tok, p_max))
             nxt = [j for j, r in enumerate(cur) if r.budget > n + 1]
             if not nxt:
@@ -494,10 +491,7 @@ class Eagle3Drafter(ModelDrafter):
             cur, lg, hs = [cur[j] for j in nxt], torch.stack([x[-1] for x in step]), [o[-1:] for o in outs]
         chains = read_chains(picks, qs)
         for r in rows:
-            chain = chains[id(r)]
-            n = confident_length(chain, self.min_confidence)
-            r.drafted = [t for t, _, _ in chain[:n]]
-            r.qs = [q for _, _, q in chain[:n] if q is not None]
+            r.drafted, r.qs = kept(chains[id(r)], self.min_confidence)
 
     def _grow(self, rows: list[tuple[_State, torch.Tensor, torch.Tensor, int]]) -> list[Draft]:
         """EAGLE-2's dynamic draft trees (as SGLang's ``speculative_eagle_topk``) for several
