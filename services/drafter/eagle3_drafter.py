@@ -219,7 +219,7 @@ class _DeviceTree:
         nodes = torch.sort(self.scores[n - self.fresh :], descending=True, stable=True).indices[:g] + (n - self.fresh)
         self.expanded += g
         slots = torch.arange(base, base + g, device=nodes.device)
-        mask = self.ancestors[nodes, : base + g].clone()
+        mask = self.ancestors[nodes, : base + g]  # a copy: indexed by a tensor
         mask[:, : st.n_feats] = True
         mask[torch.arange(g, device=nodes.device), slots] = True
         return _Expansion(nodes, slots, mask)

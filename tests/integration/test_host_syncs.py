@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 
+from services.common.types import SamplingParams
 from services.router.engine import Generation, GenerationRequest
 
 SYNCS = ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
@@ -65,6 +66,12 @@ BUNDLED_BUDGET = {
 def worst_cycle(engine, method: str, monkeypatch) -> dict:
     """The host reads of the request's cycle that made most of them, once the process has set
     up what it makes once (the predictor's numpy weights, a head's vocabulary map)."""
+    return max(cycle_reads(engine, method, monkeypatch), key=lambda c: sum(c.values()))
+
+
+def cycle_reads(engine, method: str, monkeypatch, sampling: SamplingParams = SamplingParams()) -> list[dict]:
+    """Each cycle's host reads, by kind, of a 32-token request after a first one has set up
+    what the process makes once."""
     counts: collections.Counter = collections.Counter()
     per_cycle: list[dict] = []
     cycle = Generation._cycle
@@ -77,14 +84,15 @@ def worst_cycle(engine, method: str, monkeypatch) -> dict:
 
     monkeypatch.setattr(Generation, "_cycle", counted_cycle)
     ids = engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
-    for _ in engine.generate(GenerationRequest(ids, 16, method=method)):  # once-per-process set-up first
+    for _ in engine.generate(GenerationRequest(ids, 16, sampling=sampling, method=method)):  # set-up first
         pass
     per_cycle.clear()
     with counted_syncs(counts):
-        for _ in engine.generate(GenerationRequest(ids, 32, method=method, ignore_eos=True)):
+        for _ in engine.generate(GenerationRequest(ids, 32, sampling=sampling, method=method, ignore_eos=True)):
             pass
+    monkeypatch.setattr(Generation, "_cycle", cycle)
     assert len(per_cycle) > 1
-    return max(per_cycle, key=lambda c: sum(c.values()))
+    return per_cycle
 
 
 @pytest.mark.parametrize("method", sorted(BUDGET))
@@ -145,31 +153,13 @@ def test_sampled_device_drafts_copy_to_the_host_twice_a_cycle(tiny_engine, bundl
     confidences and the q rows it drew from, in one blob) and the target's logits. The other
     reads counted here are of those host copies (rejection sampling runs on them), which on a
     GPU wait for nothing; with the host loop every drafted token is one more copy."""
-    from services.common.types import SamplingParams
-
     engine = tiny_engine if method == "sd" else bundled_engine
+    drafter = engine.verifier.drafters["draft-lm" if method == "sd" else "eagle3"]
 
     def copies(device_drafts: bool) -> list[int]:
-        monkeypatch.setattr(
-            engine.verifier.drafters["draft-lm" if method == "sd" else "eagle3"], "device_drafts", device_drafts
-        )
-        counts: collections.Counter = collections.Counter()
-        per_cycle: list[int] = []
-        cycle = Generation._cycle
-
-        def counted_cycle(self, session):
-            counts.clear()
-            out = cycle(self, session)
-            per_cycle.append(counts["cpu"] + counts["tolist"])
-            return out
-
-        monkeypatch.setattr(Generation, "_cycle", counted_cycle)
-        ids = engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
-        req = GenerationRequest(ids, 32, sampling=SamplingParams(temperature=0.8), method=method, ignore_eos=True)
-        with counted_syncs(counts):
-            engine.generate(req).result()
-        monkeypatch.setattr(Generation, "_cycle", cycle)
-        return per_cycle
+        monkeypatch.setattr(drafter, "device_drafts", device_drafts)
+        reads = cycle_reads(engine, method, monkeypatch, SamplingParams(temperature=0.8))
+        return [c.get("cpu", 0) + c.get("tolist", 0) for c in reads]
 
     assert max(copies(True)) == 2
     assert max(copies(False)) > 2  # the host loop copies each q: the test can tell them apart
