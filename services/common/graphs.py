@@ -5,12 +5,16 @@ than a kernel per operation.
 A graph is captured at a session's first step of each length and attention width (its cache,
 step length and width fixed, positions and tokens copied into the graph's own input buffers at
 every replay; the width grows by ``llama.STATIC_BUCKET`` positions), and dropped with the
-session's cache. Every graph allocates from one memory pool. The outputs are
-copied out of the graph's buffers, which its next replay overwrites."""
+session's cache. A session's graphs share one memory pool, made by its first capture and gone
+with its last graph: a pool handle kept past its graphs cannot be captured into again (torch's
+allocator asserts ``use_count > 0``, seen on an H200 when a second session captured into a process
+pool that the first session's graphs had taken down). The outputs are copied out of the graph's
+buffers, which its next replay overwrites."""
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -25,7 +29,7 @@ class StaticSteps:
         (the same arithmetic, the reference the graphs are checked against)."""
         self.model, self.graphs = model, graphs
         self.captured: dict[tuple, tuple] = {}
-        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.pools: dict[int, Any] = {}  # id(cache) -> the pool its graphs share
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, width: int, capture: tuple[int, ...] = ()
@@ -36,6 +40,9 @@ class StaticSteps:
         if key not in self.captured:
             self.captured[key] = self._capture(ids, positions, cache, width, capture)
             weakref.finalize(cache, self.captured.pop, key, None)  # the session's graphs go with its cache
+            if id(cache) not in self.pools:
+                self.pools[id(cache)] = self.captured[key][0].pool()
+                weakref.finalize(cache, self.pools.pop, id(cache), None)  # and their pool with them
         graph, static_ids, static_positions, (logits, hidden) = self.captured[key]
         static_ids.copy_(ids)
         static_positions.copy_(positions)
@@ -52,6 +59,6 @@ class StaticSteps:
             self.model.forward_static(static_ids, static_positions, cache, width, capture)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self.pools.get(id(cache))):  # None: a new pool
             out = self.model.forward_static(static_ids, static_positions, cache, width, capture)
         return graph, static_ids, static_positions, out
