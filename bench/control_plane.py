@@ -24,17 +24,19 @@ import argparse
 import itertools
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.prefill import percentile
 from services.common.types import CycleRequest, CycleResult, SessionSpec
+from services.verifier.backend import run_step
 from services.verifier.batcher import CycleBatcher, Pending
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +46,7 @@ T0_S, C_S = 0.0055, 0.000025
 MAX_NEW = 128
 SESSIONS = (1, 8, 32, 64, 128, 256)
 METHODS = ("suffix", "hybrid", "hybrid-tree", "csd")
+MAX_BATCH = 256  # sessions one modelled step takes (embedded: the engine's max_batch; remote: the stand-in's)
 DRAFTED_BY = {"draft-lm": "sd", "eagle3": "eagle3", "eagle3-tree": "eagle3"}  # verifier drafter: its trace
 
 
@@ -191,6 +194,8 @@ class StandInCore:
     """The verifier's interface (as ``VerifierCore`` offers it to the router and to the verifier's
     gRPC edge) over recorded outputs and a modelled step time."""
 
+    in_process = True  # as VerifierCore: its step (the modelled device time) blocks the caller
+
     def __init__(self, traces: list[dict], context_len: int, vocab_size: int, max_draft: dict[str, int]):
         self.by_prompt = {tuple(t["prompt"]): t for t in traces}
         self.context_len, self.vocab_size, self.max_draft = context_len, vocab_size, dict(max_draft)
@@ -200,7 +205,7 @@ class StandInCore:
         self.policies = {**dict.fromkeys(POLICIES), "csd": None, "scg": None}  # the verifier's names
         self.memory = None
         self.sessions: set[str] = set()
-        self.batcher = CycleBatcher(self._step, max_batch=256, window_s=0.002)
+        self.batcher = CycleBatcher(self._step, max_batch=MAX_BATCH, window_s=0.002)
         self.steps, self.cycles, self.step_s, self.step_cpu_s, self.fed = 0, 0, 0.0, 0.0, 0
         self._ids = itertools.count()
 
@@ -234,6 +239,10 @@ class StandInCore:
         self.cycles += len(batch)
         self.step_s += t
         self.fed += fed
+
+    def step(self, cycles, done) -> None:
+        """The router's step (``VerifierBackend``), in the caller's thread."""
+        run_step(self._step, cycles, done)
 
     def declare_capacity(self, max_sessions: int) -> None:
         pass
@@ -315,11 +324,13 @@ def drive(engine, traces: list[dict], method: str) -> tuple[Run, float]:
 def measure(engine, core_counters, traces: list[dict], method: str, topology: str, cpu_of) -> dict:
     """One configuration: ``cpu_of()`` is the control plane's CPU seconds so far (the processes
     that carry it, less the stand-in's own bookkeeping)."""
-    before, cpu0 = core_counters(), cpu_of()
+    before, cpu0, switches0 = core_counters(), cpu_of(), context_switches()
     run, wall = drive(engine, traces, method)
     after, cpu = core_counters(), cpu_of() - cpu0
+    switches = context_switches() - switches0
     steps = after["steps"] - before["steps"]
     step_s = after["step_s"] - before["step_s"]
+    fed = after["fed"] - before["fed"]
     session_cycles = after["cycles"] - before["cycles"]
     per_session_cycle_us = 1e6 * cpu / max(1, session_cycles)
     mean_step = step_s / max(1, steps)
@@ -339,10 +350,24 @@ def measure(engine, core_counters, traces: list[dict], method: str, topology: st
         "share_of_step": per_session_cycle_us * 1e-6 * per_step_sessions / mean_step if steps else 0.0,
         "tokens_per_s": run.tokens / wall,
         "bound_tokens_per_s": run.tokens / step_s if step_s else 0.0,
+        # the modelled device idle between steps: control-plane time not overlapped with a step
+        "exposed_us_per_step": 1e6 * max(0.0, wall - step_s) / max(1, steps),
+        "sessions_per_step": per_step_sessions,
+        # every session in every step: its mean cycles as steps, each paying t0 once, the same tokens fed
+        "full_batch_bound_tokens_per_s": run.tokens / (session_cycles / len(traces) * T0_S + C_S * fed)
+        if session_cycles
+        else 0.0,
+        "context_switches_per_session_cycle": switches / max(1, session_cycles),
         "itl_p50_ms": 1000 * percentile(run.itl_s, 0.5) if run.itl_s else 0.0,
         "itl_p99_ms": 1000 * percentile(run.itl_s, 0.99) if run.itl_s else 0.0,
         "wall_s": wall,
     }
+
+
+def context_switches() -> int:
+    """This process's context switches so far, every thread's, voluntary or not."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_nvcsw + use.ru_nivcsw
 
 
 # -- topologies -----------------------------------------------------------------------------------
@@ -436,24 +461,17 @@ def descendants_cpu_s(root: int) -> float:
     return sum(cpu[pid] for pid in below)
 
 
-def ray_slots() -> int:
-    """Sessions one Serve verifier replica holds (past it they evict each other every cycle)."""
-    from services.ray_app import SESSION_SLOTS
-
-    return SESSION_SLOTS
-
-
 def standin_deployment():
-    """The real Serve verifier deployment (``VerifierDeployment``: its multiplexed session slots,
-    its thread pool for cycles) with the stand-in in place of ``VerifierCore``."""
+    """The real Serve verifier deployment (``VerifierDeployment``: its session table, its step
+    calls into the batcher) with the stand-in in place of ``VerifierCore``."""
     from ray import serve
 
-    from services.ray_app import SESSION_SLOTS, VerifierDeployment
+    from services.ray_app import VerifierDeployment
 
     class StandInReplica(VerifierDeployment.func_or_class):  # type: ignore[name-defined,misc]
         def __init__(self, traces: list[dict], context_len: int, vocab_size: int, max_draft: dict[str, int]):
             self._standin = (traces, context_len, vocab_size, max_draft)
-            super().__init__({"max_sessions": SESSION_SLOTS})
+            super().__init__({"verifier_max_sessions": MAX_BATCH})
 
         def build_core(self, args: dict) -> StandInCore:
             return StandInCore(*self._standin)
@@ -523,15 +541,25 @@ def markdown(rows: list[dict], command: str) -> str:
         "links; both processes in distributed) over the step's modelled time; tokens/s against the "
         "stand-in's bound (its steps back to back).",
         "",
-        "| topology | method | sessions | τ | CP µs/session-cycle | share of step | tokens/s | bound | "
-        "achieved | ITL p50 ms | ITL p99 ms | step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "exposed: the stand-in idle between steps (wall less its steps), per step; full-batch bound: the "
+        "tokens/s if every session were in every step (its mean cycles as steps, t0 paid once each), so "
+        "splitting steps cannot flatter 'of full'; ctx sw: the router process's context switches per "
+        "session-cycle.",
+        "",
+        "| topology | method | sessions | τ | CP µs/session-cycle | share of step | exposed µs/step | sessions/step "
+        "| tokens/s | bound | achieved | full-batch bound | of full | ctx sw | ITL p50 ms | ITL p99 ms | step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        full = r.get("full_batch_bound_tokens_per_s", 0.0)
+        mb = r.get("micro_batches", 1)
         lines.append(
-            f"| {r['topology']} | {r['method']} | {r['sessions']} | {r['tau']:.2f} | "
-            f"{r['control_plane_us_per_session_cycle']:.0f} | {r['share_of_step']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"| {r['topology']} | {r['method']}{f' x{mb}' if mb else ''} | "
+            f"{r['sessions']} | {r['tau']:.2f} | {r['control_plane_us_per_session_cycle']:.0f} | {r['share_of_step']:.2f} | "
+            f"{r.get('exposed_us_per_step', 0.0):.0f} | {r.get('sessions_per_step', 0.0):.1f} | {r['tokens_per_s']:.0f} | "
             f"{r['bound_tokens_per_s']:.0f} | {r['tokens_per_s'] / max(1e-9, r['bound_tokens_per_s']):.0%} | "
+            f"{full:.0f} | {r['tokens_per_s'] / max(1e-9, full):.0%} | "
+            f"{r.get('context_switches_per_session_cycle', 0.0):.1f} | "
             f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['mean_step_ms']:.1f} |"
         )
     return "\n".join(lines) + "\n"
@@ -547,14 +575,29 @@ def plot(rows: list[dict], out: Path) -> None:
     fig, axes = plt.subplots(1, 2 * len(topologies), figsize=(6 * len(topologies) * 2, 4.2), squeeze=False)
     for k, topo in enumerate(topologies):
         share, achieved = axes[0][2 * k], axes[0][2 * k + 1]
-        for method in METHODS:
-            pts = sorted((r["sessions"], r) for r in rows if r["topology"] == topo and r["method"] == method)
+        for method, mb in itertools.product(METHODS, sorted({r.get("micro_batches", 1) for r in rows})):
+            pts = sorted(
+                (
+                    r
+                    for r in rows
+                    if r["topology"] == topo and r["method"] == method and r.get("micro_batches", 1) == mb
+                ),
+                key=lambda r: r["sessions"],
+            )
             if not pts:
                 continue
-            xs = [s for s, _ in pts]
-            share.plot(xs, [r["share_of_step"] for _, r in pts], marker="o", label=method)
+            xs, label, ls = (
+                [r["sessions"] for r in pts],
+                method + (f" x{mb}" if mb else ""),
+                "-" if mb in (0, 1) else ":",
+            )
+            share.plot(xs, [r["share_of_step"] for r in pts], marker="o", ls=ls, label=label)
             achieved.plot(
-                xs, [r["tokens_per_s"] / max(1e-9, r["bound_tokens_per_s"]) for _, r in pts], marker="o", label=method
+                xs,
+                [r["tokens_per_s"] / max(1e-9, r["bound_tokens_per_s"]) for r in pts],
+                marker="o",
+                ls=ls,
+                label=label,
             )
         share.axhline(0.05, color="grey", ls=":", lw=1)
         share.axhline(0.10, color="grey", ls="--", lw=1)
@@ -582,6 +625,12 @@ def main() -> int:
         help="the suffix cache on the Python reference tree, outputs entering the shared tree when finished "
         "(the drafter before the compiled tree, for an A/B run)",
     )
+    p.add_argument(
+        "--micro-batches",
+        default="0",
+        help="comma-separated router micro-batch counts to compare (the engine's micro_batches; 0: its auto "
+        "default, unlabelled), e.g. 0,1,2",
+    )
     p.add_argument("--standin-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--standin-counters", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -597,6 +646,7 @@ def main() -> int:
     tune_gc()  # as a server does
     sessions = [int(s) for s in a.sessions.split(",")]
     methods = a.methods.split(",")
+    micro = [int(m) for m in a.micro_batches.split(",")]
     traces = load_traces(max(max(sessions), a.count))
     cfg = (
         EngineConfig(suffix=SuffixConfig(compiled=False, live_outputs=False)) if a.suffix_reference else EngineConfig()
@@ -607,16 +657,14 @@ def main() -> int:
             place = PLACES[topology](len(traces), Path(tmp))
             try:
                 for n in sessions:
-                    if topology == "ray" and n > ray_slots():
-                        print(f"ray: {n} sessions skipped: one replica holds {ray_slots()} sessions")
-                        continue
-                    for method in methods:  # interleaved: every method at each session count
-                        engine = Engine(cfg, verifier=place.verifier())
+                    for method, mb in itertools.product(methods, micro):  # interleaved at each session count
+                        engine = Engine(replace(cfg, micro_batches=mb, max_batch=MAX_BATCH), verifier=place.verifier())
                         row = measure(engine, place.counters, traces[:n], method, topology, place.cpu)
+                        row["micro_batches"] = mb
                         engine.close()
                         rows.append(row)
                         print(
-                            f"{topology:11s} {method:11s} {n:4d} sessions: τ {row['tau']:.2f}, share "
+                            f"{topology:11s} {method:11s} x{mb} {n:4d} sessions: τ {row['tau']:.2f}, share "
                             f"{row['share_of_step']:.2f}, {row['tokens_per_s']:.0f}/{row['bound_tokens_per_s']:.0f} "
                             f"tokens/s, errors {row['errors']}",
                             flush=True,

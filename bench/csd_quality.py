@@ -130,7 +130,7 @@ def main() -> None:
     prompts = [engine.encode_fit(p.text, args.max_new_tokens) for p in loaded]
     prompt_texts = [p.text for p in loaded]
     decode = lambda runs: [engine.tokenizer.decode(r["ids"]) for r in runs]  # noqa: E731
-    prior = engine.memory.snapshot()
+    prior = engine.verifier.memory.snapshot()
     vanilla = score(engine, "vanilla", prompts, args.max_new_tokens, "vanilla")
     sd = score(engine, "sd", prompts, args.max_new_tokens, "sd")
     v_texts = decode(vanilla)
@@ -140,8 +140,8 @@ def main() -> None:
         fresh = LocalCorrectionMemory()
         fresh.restore(prior)
         engine.verifier.set_memory(fresh)
-        engine.policies["csd"] = CalibratedGreedy(gate, engine.memory)
-        engine.policies["scg"] = CalibratedGreedy(
+        engine.verifier.policies["csd"] = CalibratedGreedy(gate, engine.verifier.memory)
+        engine.verifier.policies["scg"] = CalibratedGreedy(
             GateConfig(top_k=gate.top_k, tau=gate.tau, use_memory=False, confirm=gate.confirm)
         )
         for method in ("csd", "scg") if args.scg else ("csd",):

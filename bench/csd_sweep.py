@@ -46,8 +46,8 @@ def main() -> None:
     )
     for i, (tau, k, c) in enumerate(grid):
         gate = GateConfig(min_count=c, top_k=k, tau=tau)
-        engine.policies["csd"] = CalibratedGreedy(gate, engine.memory)
-        engine.policies["scg"] = CalibratedGreedy(GateConfig(min_count=c, top_k=k, tau=tau, use_memory=False))
+        engine.verifier.policies["csd"] = CalibratedGreedy(gate, engine.verifier.memory)
+        engine.verifier.policies["scg"] = CalibratedGreedy(GateConfig(min_count=c, top_k=k, tau=tau, use_memory=False))
         for r in benchmark(engine, prompts, ["vanilla", "csd", "scg"], args.max_new_tokens, 1, None):
             if r["method"] == "vanilla":
                 continue

@@ -115,9 +115,9 @@ def target_nll(engine, prompt: list[int], out: list[int]) -> tuple[float, int]:
     """Sum of target negative log-likelihoods of ``out`` given ``prompt``, and its token count."""
     if not out:
         return 0.0, 0
-    device = next(engine.runner.model.parameters()).device
+    device = next(engine.verifier.runner.model.parameters()).device
     x = torch.tensor([prompt + out], device=device)
-    logp = torch.log_softmax(engine.runner.model.forward_train(x)[0, len(prompt) - 1 : -1].float(), -1)
+    logp = torch.log_softmax(engine.verifier.runner.model.forward_train(x)[0, len(prompt) - 1 : -1].float(), -1)
     return float(-logp[torch.arange(len(out), device=device), x[0, len(prompt) :]].sum()), len(out)
 
 

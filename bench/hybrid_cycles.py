@@ -23,19 +23,21 @@ from bench.workloads import load
 
 
 class Recorder:
-    """Wraps one hybrid drafter's ``propose``, ``observe`` and its rule's ``realize``."""
+    """Wraps one hybrid drafter's ``propose_batch`` (the engine's one call per step), ``observe``
+    and its rule's ``realize``."""
 
     def __init__(self, hybrid):
         from services.drafter.hybrid import length_bucket
 
         self.clear()
-        propose, observe, realize = hybrid.propose, hybrid.observe, hybrid.rule.realize
+        propose_batch, observe, realize = hybrid.propose_batch, hybrid.observe, hybrid.rule.realize
         started: dict[str, tuple[float, int]] = {}
 
-        def timed_propose(req_id, budget):
+        def timed_propose_batch(asks):
             t0 = time.perf_counter()
-            out = propose(req_id, budget)
-            started[req_id] = (t0, len(hybrid.states[req_id].cache_draft))
+            out = propose_batch(asks)
+            for req_id, _ in asks:
+                started[req_id] = (t0, len(hybrid.states[req_id].cache_draft))
             return out
 
         def timed_observe(req_id, tokens, target_states=None):
@@ -50,7 +52,7 @@ class Recorder:
             self.yields[length_bucket(length)].append((raw, y))
             realize(length, raw, y)
 
-        hybrid.propose, hybrid.observe, hybrid.rule.realize = timed_propose, timed_observe, recorded_realize
+        hybrid.propose_batch, hybrid.observe, hybrid.rule.realize = timed_propose_batch, timed_observe, recorded_realize
 
     def clear(self) -> None:
         self.cycles: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)

@@ -34,6 +34,7 @@ WAITS = (
 
 
 def profile_method(engine, method: str, prompts: list[list[int]], max_new: int, top: int) -> dict:
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     from services.router.engine import GenerationRequest
@@ -42,7 +43,15 @@ def profile_method(engine, method: str, prompts: list[list[int]], max_new: int, 
     cuda = engine.cfg.device.startswith("cuda")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     cycles, t0 = 0, time.perf_counter()
-    with profile(activities=acts) as prof:
+    # the router's scheduler and step threads run the cycles: every thread is profiled, not only this one
+    try:
+        every_thread = _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without the option profiles this thread only: the counts miss the cycles
+        print(
+            "op_profile: this torch cannot profile every thread; the cycles' operators are not counted", file=sys.stderr
+        )
+        every_thread = _ExperimentalConfig()
+    with profile(activities=acts, experimental_config=every_thread) as prof:
         for ids in prompts:
             engine.verifier.clear_prefix_cache()  # every run prefills cold
             cycles += engine.generate(GenerationRequest(ids, max_new, method=method)).result()["stats"]["cycles"]

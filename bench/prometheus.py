@@ -121,9 +121,10 @@ def prompts(n: int = 12) -> list[str]:
 
 
 def drive(addr: str, methods: list[str], seconds: float, streams: int = 3) -> dict[str, int]:
-    """``streams`` gRPC clients sending requests for ``seconds``: every method in turn on
-    HumanEval prompts, each prompt again later (prefix-cache hits), one structured-output request
-    and one invalid request per round. Returns counts by outcome."""
+    """``streams`` gRPC clients sending requests for ``seconds`` and until each has sent every
+    method once (a slow machine still covers them all): every method in turn on HumanEval prompts,
+    each prompt again later (prefix-cache hits), one structured-output request and one invalid
+    request per round. Returns counts by outcome."""
     import grpc
 
     from specmesh.v1 import generate_pb2 as pb
@@ -138,7 +139,7 @@ def drive(addr: str, methods: list[str], seconds: float, streams: int = 3) -> di
         with grpc.insecure_channel(addr) as ch:
             stub = pb_grpc.GenerationStub(ch)
             i = k
-            while time.monotonic() < end:
+            while time.monotonic() < end or i < k + len(methods):
                 method = methods[i % len(methods)]
                 prompt = texts[(i // len(methods)) % len(texts)]  # every method on each prompt
                 reqs = [pb.GenerateRequest(prompt=prompt, max_new_tokens=64, method=method)]

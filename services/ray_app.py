@@ -5,12 +5,14 @@
 - ``VerifierDeployment``: verifier replicas (target + EAGLE-3 + draft LM + gate), with
   ``ray_actor_options.num_gpus`` from the app args and autoscaling. A session opens on the
   replica holding its prompt's start in its prefix cache (``services/ray_router.py``, within
-  ``affinity_slack`` sessions of the least loaded), else where Serve routes. Its cycles carry
-  ``multiplexed_model_id = session id``, and the same request router sends them to the
-  replica its open went to, which holds its KV cache; a cycle that lands elsewhere
-  (scale-down, replica death) re-opens the session there from the prompt plus the committed
-  tokens, as the distributed router's failover does.
-- ``PredictorDeployment``: the yield predictor, batching concurrent calls (``@serve.batch``).
+  ``affinity_slack`` sessions of the least loaded), else where Serve routes. A router step is
+  one call per replica (``step``) carrying the cycles of every session it holds, routed as the
+  first of them (``multiplexed_model_id = session id``: the request router sends it to the
+  replica that session's open went to); a session the replica does not hold (scale-down,
+  replica death) is re-opened where Serve routes from the prompt plus the committed tokens,
+  as the distributed router's failover does. A replica holds any number of sessions (its
+  router closes them; one idle for ``SESSION_IDLE_S`` is closed there).
+- ``PredictorDeployment``: the yield predictor, one call per router step over its cache drafts.
 - ``MemoryDeployment`` (``shared_memory: true``): the correction memory every verifier replica
   shares without Redis (write-behind through a handle-backed store).
 - ``DrafterDeployment`` (``remote_drafter: true``): the suffix cache as a deployment shared by
@@ -23,28 +25,39 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from ray import serve
 from ray.serve.deployment import Deployment
-from ray.serve.handle import DeploymentResponse
 from ray.serve.schema import ReplicaState
 
 from services.common.config import OPTIONS, SERVER_OPTIONS, EngineConfig, ServerConfig
 from services.common.exposition import MODEL_NAME_ENV, start_node_exporter
-from services.common.types import CycleRequest, SessionCancelled, SessionSpec
+from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
 from services.drafter.base import Drafter
+from services.verifier.backend import Cycles, Done, Outcome
 
 log = logging.getLogger("specmesh.ray")
 
 METRICS_PORT_ENV, METRICS_HOST_ENV = "SPECMESH_NODE_METRICS_PORT", "SPECMESH_NODE_METRICS_HOST"
+
+
+# The deployments the router calls per cycle, per probe or per report: no access-log line per call
+# (a verifier replica logged one per cycle and one per health probe, every 2 s idle or not); the
+# ingress keeps its line per request, and errors are logged as they happen.
+QUIET = {"enable_access_log": False}
 
 
 def node_metrics() -> None:
@@ -113,26 +126,45 @@ def engine_config(args: dict) -> EngineConfig:
     return EngineConfig.from_mapping(values, METHODS)
 
 
-class _Slot:
-    """A replica-side session holder; evicting it (LRU over sessions) closes the session."""
+class SessionTable:
+    """A replica's open sessions by id; one not used for ``idle_s`` (its router gone without
+    closing it) is closed at the next ``put``."""
 
-    session = None
+    def __init__(self, idle_s: float):
+        self.idle_s = idle_s
+        self._sessions: dict[str, Any] = {}
+        self._used: dict[str, float] = {}
+        self._lock = threading.Lock()
 
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+    def put(self, sid: str, session) -> None:
+        """Hold ``session`` as ``sid`` (closing one held under it before, and the idle ones)."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [k for k, t in self._used.items() if now - t > self.idle_s or k == sid]
+            closing = [self._sessions.pop(k) for k in stale]
+            for k in stale:
+                del self._used[k]
+            self._sessions[sid], self._used[sid] = session, now
+        for old in closing:
+            old.close()
 
-    def drop(self, session) -> None:
-        """Close ``session`` if this slot still holds it (any thread)."""
-        if self.session is session:
-            self.close()
+    def get(self, sid: str):
+        with self._lock:
+            session = self._sessions.get(sid)
+            if session is not None:
+                self._used[sid] = time.monotonic()
+            return session
 
-    def __del__(self):
-        self.close()
+    def pop(self, sid: str):
+        with self._lock:
+            self._used.pop(sid, None)
+            return self._sessions.pop(sid, None)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
 
 
-@serve.deployment
+@serve.deployment(logging_config=QUIET)
 class MemoryDeployment:
     def __init__(self, args: dict):
         node_metrics()
@@ -148,7 +180,7 @@ class MemoryDeployment:
         return self.memory.snapshot()
 
 
-@serve.deployment(max_ongoing_requests=1000)
+@serve.deployment(max_ongoing_requests=1000, logging_config=QUIET)
 class AbortBoard:
     """The ingress replicas' aborts (``AbortLog``): each posts its own and long-polls for the
     others', so an abort reaches every ingress replica, wherever Serve's proxy sent it."""
@@ -199,7 +231,7 @@ class RayMemoryStore:
         return 0.5
 
 
-@serve.deployment
+@serve.deployment(logging_config=QUIET)
 class DrafterDeployment:
     """The suffix-cache drafter as a deployment; sessions routed by multiplexed id."""
 
@@ -248,12 +280,10 @@ class RayDrafter(Drafter):
         self._h(req_id).stop.remote()
 
 
-# Sessions one verifier replica holds at once (its multiplexed slots): past this, the least
-# recently used session's slot is dropped and its next cycle re-opens it from prompt + output.
-SESSION_SLOTS = 64
+SESSION_IDLE_S = 600.0  # a replica closes a session no call has used for this long (its router is gone)
 
 
-@serve.deployment
+@serve.deployment(logging_config=QUIET)
 class VerifierDeployment:
     def __init__(self, args: dict, memory=None):
         node_metrics()
@@ -262,14 +292,10 @@ class VerifierDeployment:
         tune_gc()
         self.core = self.build_core(args)
         self.core.declare_capacity(int(args.get("verifier_max_sessions", VERIFIER_MAX_SESSIONS)))
+        self.sessions = SessionTable(SESSION_IDLE_S)
         self._memory_handle = memory  # bound lazily: the constructor runs in the event loop
-        # A thread per in-flight cycle: the cycles that the batcher verifies together must all be
-        # able to block in it at once (asyncio's default pool has only cpus + 4 threads).
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._pool = ThreadPoolExecutor(
-            int(args.get("verifier_max_sessions", VERIFIER_MAX_SESSIONS)) * 4, thread_name_prefix="cycle"
-        )
+        # opens, and the threads that post a step's cycles (the batcher's stepper runs the steps)
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="verifier")
         from services.common.runtime import freeze_startup_heap
 
         freeze_startup_heap()
@@ -304,31 +330,39 @@ class VerifierDeployment:
             "max_draft": dict(self.core.max_draft),
         }
 
-    @serve.multiplexed(max_num_models_per_replica=SESSION_SLOTS)
-    async def _slot(self, session_id: str) -> _Slot:
-        return _Slot()
-
-    async def open(self, spec: SessionSpec) -> None:
+    async def open(self, spec: SessionSpec) -> str:
+        """Open the session here; the replica's id, where its router sends its steps."""
         await self._in_pool(self._share_memory)
-        slot = await self._slot(serve.get_multiplexed_model_id())
-        slot.close()
-        slot.session = await self._in_pool(self.core.open, spec)
+        self.sessions.put(spec.session_id, await self._in_pool(self.core.open, spec))
+        return serve.get_replica_context().replica_id.unique_id
 
-    async def cycle(self, req: CycleRequest):
-        slot = await self._slot(serve.get_multiplexed_model_id())
-        session = slot.session
-        if session is None:
-            raise SessionMissing(serve.get_multiplexed_model_id())
-        running = self._pool.submit(session.cycle, req)
-        try:
-            return await asyncio.wrap_future(running)
-        except asyncio.CancelledError:
-            # Its client went away: Ray cancels the stream's task and, recursively, this call,
-            # and may cancel the router's close as well. The cycle stops at the verifier's next
-            # step (a prompt prefilling in chunks included); then the session is closed here.
+    async def step(self, items: list[tuple[str, CycleRequest]]) -> list[Outcome]:
+        """One router step's cycles of the sessions held here, verified with every other
+        router's (the replica's batcher): each a ``CycleResult``, or the exception that failed
+        it (``SessionMissing``: not held here)."""
+        loop = asyncio.get_running_loop()
+        outcomes: list[Any] = [None] * len(items)
+        waits, posts = [], []
+        for i, (sid, req) in enumerate(items):
+            session = self.sessions.get(sid)
+            if session is None:
+                outcomes[i] = SessionMissing(sid)
+                continue
+            answer = loop.create_future()
+            waits.append((i, answer))
+            posts.append((session, req, partial(_answer, loop, answer)))
+        if posts:
+            self.core.batcher.post_all(posts)  # queued for the batcher's stepper: the loop does not wait
+        for i, answer in waits:
+            outcomes[i] = await answer
+        return outcomes
+
+    def cancel(self) -> None:
+        """The session's client went away: its cycle in flight ends with ``SessionCancelled`` at
+        the verifier's next step (a prompt prefilling in chunks included)."""
+        session = self.sessions.get(serve.get_multiplexed_model_id())
+        if session is not None:
             session.cancel()
-            running.add_done_callback(lambda _: slot.drop(session))
-            raise
 
     async def clear_prefix_cache(self, cleared: list[str]) -> dict:
         """Forget this replica's cached prompt blocks unless it is among ``cleared`` (the
@@ -347,7 +381,15 @@ class VerifierDeployment:
         }
 
     async def close(self) -> None:
-        (await self._slot(serve.get_multiplexed_model_id())).close()
+        session = self.sessions.pop(serve.get_multiplexed_model_id())
+        if session is not None:
+            await self._in_pool(session.close)
+
+
+def _answer(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, item) -> None:
+    """A posted cycle's outcome, from the batcher's thread to the awaiting call."""
+    outcome = item.error if item.error is not None else item.result
+    loop.call_soon_threadsafe(answer.set_result, outcome)
 
 
 MAX_REPLICAS = 1024  # a prefix-cache reset that reaches more replicas than this is looping
@@ -355,47 +397,67 @@ MAX_REPLICAS = 1024  # a prefix-cache reset that reaches more replicas than this
 
 class RaySession:
     def __init__(self, handle, spec: SessionSpec):
+        """Opened in the request's thread, in its context (Serve's request context: a client
+        gone during the open cancels it); its cycles go out with the router's steps."""
         self.spec = replace(spec, session_id=spec.session_id or uuid.uuid4().hex)
         self.h = handle.options(multiplexed_model_id=self.spec.session_id)
         self.tokens = list(spec.prompt_ids)
         self.cancelled = False
-        self._call: DeploymentResponse | None = None  # the cycle call in flight
+        self.replica = ""  # the replica that holds it
+        self._context = contextvars.copy_context()
         self._open()
 
+    @property
+    def session_id(self) -> str:
+        return self.spec.session_id
+
     def _open(self) -> None:
-        self.h.open.remote(self.spec.resumed(self.tokens[len(self.spec.prompt_ids) :])).result()
+        spec = self.spec.resumed(self.tokens[len(self.spec.prompt_ids) :])
+        self.replica = self._context.copy().run(self.h.open.remote, spec).result()
 
-    def _cycle(self, req: CycleRequest):
-        call = self._call = self.h.cycle.remote(req)
-        if self.cancelled:  # cancel() came before this call existed
-            call.cancel()
-        return call.result()
+    def settle(self, outcome: Outcome) -> Outcome:
+        """A cycle's outcome as its request sees it: the committed tokens kept (for a re-open);
+        any failure of a cancelled session is its cancellation."""
+        if isinstance(outcome, CycleResult):
+            self.tokens.extend(outcome.committed)
+        elif self.cancelled:
+            return SessionCancelled(f"session {self.session_id} was cancelled")
+        return outcome
 
-    def cycle(self, req: CycleRequest):
+    def cycle(self, req: CycleRequest) -> CycleResult:
+        """One cycle alone (a step of one); a replica that does not hold the session re-opens it."""
         try:
-            try:
-                res = self._cycle(req)
-            except Exception as e:  # Ray wraps the replica's exception
-                if self.cancelled or "SessionMissing" not in repr(e):
-                    raise
-                self._open()
-                res = self._cycle(req)
-        except BaseException as e:  # a cancelled call raises Ray's or asyncio's cancellation error
-            if self.cancelled:
-                raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
-            raise
-        self.tokens.extend(res.committed)
-        return res
+            outcome = self.h.step.remote([(self.session_id, req)]).result()[0]
+        except Exception as e:  # noqa: BLE001 - Ray's wrapping of the call's failure
+            outcome = e
+        if isinstance(outcome, SessionMissing) and not self.cancelled:
+            return self.failover(req)
+        return _raised(self.settle(outcome))
+
+    def failover(self, req: CycleRequest) -> CycleResult:
+        """Re-open where Serve routes (from the prompt plus the committed tokens), and cycle there."""
+        try:
+            self._open()
+            outcome = self.h.step.remote([(self.session_id, req)]).result()[0]
+        except Exception as e:  # noqa: BLE001
+            outcome = e
+        return _raised(self.settle(outcome))
 
     def cancel(self) -> None:
-        """The client went away (any thread): the cycle in flight is cancelled, and the replica
-        stops it at the verifier's next step and closes the session (``VerifierDeployment.cycle``)."""
+        """The client went away (any thread): the replica stops the cycle in flight at the
+        verifier's next step (``VerifierDeployment.cancel``)."""
         self.cancelled = True
-        if self._call is not None:
-            self._call.cancel()
+        self.h.cancel.remote()
 
     def close(self) -> None:
         self.h.close.remote()
+
+
+def _raised(outcome: Outcome) -> CycleResult:
+    if isinstance(outcome, BaseException):
+        raise outcome
+    assert isinstance(outcome, CycleResult), "a step settles every cycle"
+    return outcome
 
 
 def verifiers_live(handle, timeout_s: float = 2.0) -> int:
@@ -416,13 +478,35 @@ def verifiers_live(handle, timeout_s: float = 2.0) -> int:
 class RayVerifier:
     """The router's verifier interface over the Serve deployment."""
 
-    policies: dict = {}
-    memory = None
+    in_process = False  # VerifierBackend: the replicas answer each cycle later
 
     def __init__(self, handle):
         self.handle = handle
         info = handle.info.remote().result()
         self.context_len, self.vocab_size, self.max_draft = info["context_len"], info["vocab_size"], info["max_draft"]
+        self._pool = ThreadPoolExecutor(64, thread_name_prefix="ray-step")  # a call per replica in flight, failovers
+
+    def step(self, cycles: Cycles, done: Done) -> None:
+        """The router's step (``VerifierBackend``): one call per replica with every cycle of the
+        sessions it holds; each outcome as its replica answers."""
+        ours = cast(list[tuple[RaySession, CycleRequest]], cycles)  # the sessions this backend opened
+        by_replica: dict[str, list[int]] = {}
+        for i, (session, _) in enumerate(ours):
+            by_replica.setdefault(session.replica, []).append(i)
+        for idx in by_replica.values():
+            self._pool.submit(self._on_replica, [ours[i] for i in idx], [partial(done, i) for i in idx])
+
+    def _on_replica(self, cycles: list[tuple[RaySession, CycleRequest]], dones: list) -> None:
+        try:
+            call = cycles[0][0].h.step.remote([(s.session_id, r) for s, r in cycles])
+            outcomes: list[Outcome] = call.result()
+        except Exception as e:  # noqa: BLE001 - the call failed: every cycle of it
+            outcomes = [e] * len(cycles)
+        for (session, req), outcome, done in zip(cycles, outcomes, dones):
+            if isinstance(outcome, SessionMissing) and not session.cancelled:
+                self._pool.submit(_reported, partial(session.failover, req), done)
+            else:
+                done(session.settle(outcome))
 
     def open(self, spec: SessionSpec) -> RaySession:
         return RaySession(self.handle, spec)
@@ -443,10 +527,18 @@ class RayVerifier:
         raise RuntimeError(f"prefix cache: still clearing after {MAX_REPLICAS} replicas")
 
     def close(self) -> None:
-        pass
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-@serve.deployment
+def _reported(fn, done: Callable[[Outcome], None]) -> None:
+    try:
+        outcome: Outcome = fn()
+    except BaseException as e:  # noqa: BLE001 - the cycle's own failure, reported to its request
+        outcome = e
+    done(outcome)
+
+
+@serve.deployment(logging_config=QUIET)
 class PredictorDeployment:
     def __init__(self, path: str):
         node_metrics()
@@ -454,9 +546,9 @@ class PredictorDeployment:
 
         self.mlp = YieldMLP.load(Path(path))
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
-    async def predict(self, rows: list[np.ndarray]) -> list[float]:
-        return self.mlp.predict(np.stack(rows)).tolist()
+    def predict(self, phi: np.ndarray) -> list[float]:
+        """ŷ for every row: a router step's cache drafts come in one call."""
+        return self.mlp.predict(np.atleast_2d(phi)).tolist()
 
 
 class RayPredictor:
@@ -464,8 +556,7 @@ class RayPredictor:
         self.handle = handle
 
     def predict(self, phi: np.ndarray) -> np.ndarray:
-        rows = np.atleast_2d(phi)
-        return np.asarray([self.handle.predict.remote(r).result() for r in rows], dtype=np.float32)
+        return np.asarray(self.handle.predict.remote(np.atleast_2d(phi)).result(), dtype=np.float32)
 
 
 @serve.deployment
@@ -571,25 +662,26 @@ class GenerationIngress:
             refuse_under_serve(grpc_context, e)
         return abort_response(self._active.abort(target))
 
-    def Generate(self, request, grpc_context):
-        """Server streaming. A status set on grpc_context survives only if we then raise (Serve)."""
+    async def Generate(self, request, grpc_context):
+        """Server streaming, on the replica's event loop: when the client goes away Serve cancels
+        this call, which cancels its completions at once (``Completions.stream``). A status set on
+        grpc_context survives only if we then raise (Serve)."""
         from services.common.refusals import Refusal
         from services.router.grpc_server import refuse_under_serve
         from services.router.wire import final_to_pb, request_from_pb, step_to_pb
 
         self._authorized(grpc_context)
-        engine = self.engine
+        engine = await asyncio.to_thread(lambda: self.engine)
         try:
-            completions = engine.generate_all(request_from_pb(request, engine))
+            # off the event loop: validation tokenizes and compiles grammars, and admission may wait
+            completions = await asyncio.to_thread(lambda: engine.generate_all(request_from_pb(request, engine)))
         except Refusal as e:
             refuse_under_serve(grpc_context, e)
         self._active.add(completions.gens)
-        steps = iter(completions)
         try:
-            for i, step in steps:
+            async for i, step in completions.stream():
                 yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
         finally:
-            steps.close()
             self._active.remove(completions.gens)
 
     def __serve_build_asgi_app__(self):

@@ -64,9 +64,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         prompts,
         args.concurrency,
         "calibrate",
-        status=lambda: f", {len(engine.memory)} pairs",
+        status=lambda: f", {len(engine.verifier.memory)} pairs",
     )
-    counts = engine.memory.snapshot()
+    counts = engine.verifier.memory.snapshot()
     save_snapshot(
         args.out,
         counts,

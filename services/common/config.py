@@ -137,6 +137,9 @@ class EngineConfig:
     default_method: str = "hybrid"  # lossless; falls back, see Engine
     threads: int = 0  # torch intra-op threads; 0 = torch default
     max_batch: int = 16  # sessions verified together in one step
+    micro_batches: int = (
+        0  # the router's sessions in this many alternating steps (2: drafting overlaps a step; 0: auto)
+    )
     spec_disable_batch: int = 0  # no drafts while a
     #                                       verifier step batches more sessions than this; 0 = never (bench.serving)
     batch_window_ms: float = 5.0  # a step waits at most this long for the sessions it expects
@@ -465,6 +468,13 @@ OPTIONS: dict[str, Option] = {
             "max_batch",
             "positive",
             "verifier: sessions whose cycles one step verifies together (vLLM's --max-num-seqs); more wait for the next step",
+        ),
+        Option(
+            "micro_batches",
+            "count",
+            "router: run the sessions in this many alternating steps, so the router drafts for one while the "
+            "verifier runs another (2 pays each step's fixed cost twice); 0 = auto: 2 for remote verifiers "
+            "from 128 sessions, else 1 (bench/results/control_plane_batched_after.md)",
         ),
         Option("batch_window_ms", "float", "verifier: how long a step waits for the other open sessions' cycles"),
         Option(

@@ -50,16 +50,50 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self.last_seen[request.session_id] = time.monotonic()
         return pb.DrafterAck()
 
-    def Propose(self, request, context):
-        self._session(request.session_id, context)
-        if request.budget > self.max_budget:
+    def _budget(self, ask, context) -> None:
+        self._session(ask.session_id, context)
+        if ask.budget > self.max_budget:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"budget: at most {self.max_budget} tokens")
+
+    def Propose(self, request, context):
+        self._budget(request, context)
         return draft_to_pb(self.drafter.propose(request.session_id, request.budget, tree=request.tree))
 
     def Observe(self, request, context):
         self._session(request.session_id, context)
         self.drafter.observe(request.session_id, self._tokens(request.tokens, "tokens", context))
         return pb.DrafterAck()
+
+    def Step(self, request, context):
+        """A router step in one call: its observations, then its drafts. A session not started
+        here (reaped, or the service restarted) is answered ``missing`` and its observations are
+        skipped, so it costs its own drafts, not its step's; a bad budget or token refuses the
+        whole step before any of it is applied."""
+        for o in request.observed:
+            self._tokens(o.tokens, "observed.tokens", context)
+        for ask in request.asks:
+            if ask.budget > self.max_budget:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"asks.budget: at most {self.max_budget} tokens")
+        known = self._touch({o.session_id for o in request.observed} | {a.session_id for a in request.asks})
+        for o in request.observed:
+            if o.session_id in known:
+                self.drafter.observe(o.session_id, list(o.tokens))
+        return pb.DraftBatch(
+            drafts=[
+                draft_to_pb(self.drafter.propose(a.session_id, a.budget, tree=a.tree))
+                if a.session_id in known
+                else pb.DraftMessage(missing=True)
+                for a in request.asks
+            ]
+        )
+
+    def _touch(self, sids: set[str]) -> set[str]:
+        """The sessions of ``sids`` started here, marked as seen now."""
+        now = time.monotonic()
+        known = {s for s in sids if s in self.last_seen}
+        for s in known:
+            self.last_seen[s] = now
+        return known
 
     def Stop(self, request, context):
         with self._lock:

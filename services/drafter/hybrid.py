@@ -34,6 +34,7 @@ added to it before it is compared with what the draft needs.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -274,12 +275,18 @@ def passes(y_hat: float, need: float | None, tau: float) -> bool:
     return y_hat > tau if need is None else max(0.0, y_hat) >= need
 
 
+Ask = tuple[Draft, YieldTracker, int, str]  # a cache draft to judge: its session's tracker, budget and fallback
+
+
 class DecisionRule(Protocol):
     name: str
 
     def verify_cache(
         self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str, costs: CycleCosts | None
     ) -> bool: ...
+
+    def verify_batch(self, asks: list[Ask], costs: CycleCosts | None) -> list[bool]:
+        """``verify_cache`` for every cache draft of one step, at once."""
 
     def realize(self, length: int, raw: float, y: int) -> None:
         """A predicted n-token draft's true yield ``y`` is known; ``raw`` was the predictor's ŷ."""
@@ -325,18 +332,32 @@ class PredictorRule:
     def verify_cache(
         self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL, costs: CycleCosts | None = None
     ) -> bool:
-        n = len(draft.token_ids)
-        need, worth = costs.plan(n, fallback) if costs is not None else (None, True)
-        if not worth:
-            return True  # any ŷ ≥ 0 passes, or a decline would not repay the prediction
+        return self.verify_batch([(draft, tracker, budget, fallback)], costs)[0]
+
+    def verify_batch(self, asks: list[Ask], costs: CycleCosts | None = None) -> list[bool]:
+        """One predictor call over the drafts whose ŷ is worth asking for (the rest pass: any
+        ŷ ≥ 0 would, or a decline would not repay the prediction); each prediction costs its
+        share of the call."""
+        plans = [
+            costs.plan(len(d.token_ids), fallback) if costs is not None else (None, True) for d, _, _, fallback in asks
+        ]
+        asked = [i for i, (_, worth) in enumerate(plans) if worth]
+        verdicts = [True] * len(asks)
+        if not asked:
+            return verdicts
         t0 = time.perf_counter()
-        raw = float(self.mlp.predict(featurize(draft, tracker, self.flags, budget))[0])
-        y_hat = self.calibration(n, raw)
-        if costs is not None and need is not None:
-            costs.record_prediction_cost(time.perf_counter() - t0)
-            draft.features["yield_needed"] = need
-        draft.features["predicted_yield"], draft.features["raw_yield"] = y_hat, raw
-        return passes(y_hat, need, self.tau)
+        phi = np.stack([featurize(asks[i][0], asks[i][1], self.flags, asks[i][2]) for i in asked])
+        raws = self.mlp.predict(phi).tolist()
+        share = (time.perf_counter() - t0) / len(asked)
+        for i, raw in zip(asked, raws):
+            draft, need = asks[i][0], plans[i][0]
+            y_hat = self.calibration(len(draft.token_ids), raw)
+            if costs is not None and need is not None:
+                costs.record_prediction_cost(share)
+                draft.features["yield_needed"] = need
+            draft.features["predicted_yield"], draft.features["raw_yield"] = y_hat, raw
+            verdicts[i] = passes(y_hat, need, self.tau)
+        return verdicts
 
 
 class ScoreRule:
@@ -349,6 +370,9 @@ class ScoreRule:
         self, draft: Draft, tracker: YieldTracker, budget: int, fallback: str = MODEL, costs: CycleCosts | None = None
     ) -> bool:
         return draft.score >= self.threshold
+
+    def verify_batch(self, asks: list[Ask], costs: CycleCosts | None = None) -> list[bool]:
+        return [d.score >= self.threshold for d, _, _, _ in asks]
 
     def realize(self, length: int, raw: float, y: int) -> None:
         """Scores are not predictions: nothing to calibrate."""
@@ -377,6 +401,17 @@ class _State:
     since_model: int = 0  # tokens committed since it last drafted: its catch-up gap
     follow_up: bool = False  # the next cycle is the model's, to measure it back to back
     prev: str = CACHE  # the choice of the cycle before
+
+
+@functools.cache
+def _decisions(name: str, choice: str):
+    """The decision counter's child (a label lookup takes a lock: once, not per cycle)."""
+    return HYBRID_DECISIONS.labels(name, choice)
+
+
+@functools.cache
+def _predicted_vs_actual(name: str, high: bool, actual_high: bool):
+    return PREDICTED_VS_ACTUAL.labels(name, str(high).lower(), str(actual_high).lower())
 
 
 class HybridDrafter(Drafter):
@@ -409,18 +444,38 @@ class HybridDrafter(Drafter):
         self.states[req_id] = _State(YieldTracker(len(prompt), max_new_tokens), [])
 
     def propose(self, req_id: str, budget: int) -> Draft | Delegate:  # type: ignore[override]  # the router checks for Delegate
-        st = self.states[req_id]
-        st.started, st.prev = time.perf_counter(), st.choice
-        if st.follow_up:  # the model again, to measure it back to back (CycleCosts.follow_up)
-            st.follow_up, st.cache_draft, st.chose_cache, st.predicted = False, [], False, None
-            return self._chosen(st, MODEL, Draft.empty(), budget)
-        draft = self.cache.propose(req_id, min(budget, self.max_cache))
-        chain = draft.chain()  # what the rule and the predictor read (trained on paths); a tree goes out whole
-        st.cache_draft = chain.token_ids
-        fallback = self.costs.fallback() if self.costs else MODEL
-        st.chose_cache = bool(chain.token_ids) and self.rule.verify_cache(
-            chain, st.tracker, budget, fallback, self.costs
+        return self.propose_batch([(req_id, budget)])[0]
+
+    def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft | Delegate]:  # type: ignore[override]
+        """One step's choices: the cache drafts in one call, then the rule over all of them in
+        one (the predictor's ŷ for every draft that needs one), then each session's choice."""
+        states = [self.states[req_id] for req_id, _ in asks]
+        now = time.perf_counter()
+        for st in states:
+            st.started, st.prev = now, st.choice
+        # a follow-up is the model again, to measure it back to back (CycleCosts.follow_up)
+        drafting = [i for i, st in enumerate(states) if not st.follow_up]
+        drafts = self.cache.propose_batch([(asks[i][0], min(asks[i][1], self.max_cache)) for i in drafting])
+        fallbacks = {i: self.costs.fallback() if self.costs else MODEL for i in drafting}
+        chains = {i: d.chain() for i, d in zip(drafting, drafts)}  # what the rule reads (trained on paths)
+        judged = [i for i in drafting if chains[i].token_ids]
+        verdicts = self.rule.verify_batch(
+            [(chains[i], states[i].tracker, asks[i][1], fallbacks[i]) for i in judged], self.costs
         )
+        chose = dict(zip(judged, verdicts))
+        out: list[Draft | Delegate] = []
+        cache_drafts = dict(zip(drafting, drafts))
+        for i, (st, (_, budget)) in enumerate(zip(states, asks)):
+            if st.follow_up:
+                st.follow_up, st.cache_draft, st.chose_cache, st.predicted = False, [], False, None
+                out.append(self._chosen(st, MODEL, Draft.empty(), budget))
+                continue
+            out.append(self._decide(st, chains[i], cache_drafts[i], chose.get(i, False), fallbacks[i], budget))
+        return out
+
+    def _decide(self, st: _State, chain: Draft, draft: Draft, chose: bool, fallback: str, budget: int):
+        """A session's choice once the rule has judged its cache draft (a tree goes out whole)."""
+        st.cache_draft, st.chose_cache = chain.token_ids, chose
         y_hat = chain.features.get("predicted_yield")
         st.predicted = (
             None
@@ -430,16 +485,15 @@ class HybridDrafter(Drafter):
                 chain.features["raw_yield"],
                 len(chain.token_ids),
                 chain.features.get("yield_needed"),
-                not st.chose_cache,
+                not chose,
             )
         )
-        return self._chosen(
-            st, CACHE if st.chose_cache else self.costs.take(fallback) if self.costs else MODEL, draft, budget
-        )
+        choice = CACHE if chose else self.costs.take(fallback) if self.costs else MODEL
+        return self._chosen(st, choice, draft, budget)
 
     def _chosen(self, st: _State, choice: str, draft: Draft, budget: int) -> Draft | Delegate:
         st.choice = choice
-        HYBRID_DECISIONS.labels(self.name, choice).inc()
+        _decisions(self.name, choice).inc()
         if choice == CACHE:
             return draft
         if choice == PLAIN:
@@ -462,7 +516,7 @@ class HybridDrafter(Drafter):
         for p, y in st.tracker.update(st.cache_draft, tokens, st.chose_cache, st.predicted):
             if not isinstance(p, _Prediction):  # an unpredicted draft's tag is None
                 continue
-            PREDICTED_VS_ACTUAL.labels(self.name, str(p.high).lower(), str(y >= HIGH_YIELD).lower()).inc()
+            _predicted_vs_actual(self.name, p.high, y >= HIGH_YIELD).inc()
             self.rule.realize(p.length, p.raw, y)
             if p.need is not None and self.costs:
                 self.costs.realize_prediction(p.length, p.need, p.declined, y)

@@ -8,13 +8,15 @@ verifier is in-process (embedded) or remote (distributed); the loop is the same.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,10 +29,11 @@ from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOG
 from services.common.structured import GrammarCompiler, GrammarCursor, GrammarError, StructuredOutput
 from services.common.types import (
     CycleRequest,
+    CycleResult,
     Delegate,
+    Draft,
     SamplingParams,
     Session,
-    SessionCancelled,
     SessionSpec,
     SpecStats,
     TokenLogprob,
@@ -39,6 +42,7 @@ from services.drafter.base import Drafter
 from services.drafter.ngram import NgramDrafter
 from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 from services.router.detok import Detokenizer
+from services.router.scheduler import Scheduler
 from services.verifier.core import VerifierCore
 
 log = logging.getLogger("specmesh.engine")
@@ -177,7 +181,15 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.target))
         self.eos_id = self.tokenizer.eos_token_id
         self.verifier = verifier if verifier is not None else VerifierCore.from_config(cfg, self.eos_id)
-        self.remote_verifier = not isinstance(self.verifier, VerifierCore)  # its cycles cross a network
+        self.remote_verifier = not self.verifier.in_process  # its cycles cross a network
+        # a remote replica batches its sessions' cycles itself; in process a step takes max_batch of them
+        self.scheduler = Scheduler(
+            self.verifier,
+            prepare_step,
+            0 if self.remote_verifier else cfg.max_batch,
+            cfg.micro_batches,
+            offload=self.verifier.in_process,
+        )
         self.suffix_cache = GlobalSuffixCache.of(cfg.suffix)
         self.suffix_feed = None
         if cfg.redis_url:
@@ -283,21 +295,9 @@ class Engine:
         )
         self.max_draft[name] = max(limits)
 
-    # -- compatibility views onto the in-process verifier (tests, bench, calibration) ------------
-    @property
-    def runner(self):
-        return self.verifier.runner
-
-    @property
-    def memory(self):
-        return self.verifier.memory
-
-    @property
-    def policies(self):
-        return self.verifier.policies
-
     def close(self) -> None:
         """Flush state shared with other replicas (suffix-feed outputs, correction memory)."""
+        self.scheduler.close()
         if self.suffix_feed is not None:
             self.suffix_feed.close()
         self.verifier.close()
@@ -449,42 +449,60 @@ class Engine:
         return Completions(gens)
 
 
+def prepare_step(gens: list[Generation]) -> list[CycleRequest | BaseException]:
+    """One step's cycle requests, one per generation (its router draft or the drafter to ask).
+    Each router drafter is asked once for all of its sessions in the step
+    (``Drafter.propose_batch``: a hybrid consults its predictor once over them, a remote drafter
+    answers in one call); a drafter that fails fails its sessions' cycles, and only theirs."""
+    t0 = time.perf_counter()
+    budgets = [g._budget() for g in gens]
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(gens):
+        if g.drafter is not None and budgets[i] > 0:
+            groups.setdefault(id(g.drafter), []).append(i)
+    choices: list[Draft | Delegate | BaseException | None] = [None] * len(gens)
+    for idx in groups.values():
+        drafter = gens[idx[0]].drafter
+        assert drafter is not None, "grouped by their router drafter"
+        try:
+            drafts: list = drafter.propose_batch([(gens[i].req_id, budgets[i]) for i in idx])
+        except Exception as e:
+            drafts = [e] * len(idx)
+        for i, d in zip(idx, drafts):
+            choices[i] = d
+    t1 = time.perf_counter()
+    out: list[CycleRequest | BaseException] = []
+    for g, budget, choice in zip(gens, budgets, choices):
+        g._t0, g._t1 = t0, t1  # the step's drafting is every session's wait for its draft
+        try:
+            out.append(choice if isinstance(choice, BaseException) else g._request(budget, choice))
+        except Exception as e:
+            out.append(e)
+    return out
+
+
 class Completions:
     """A request's completions, streamed together: iterate for ``(index, step)`` pairs and
-    ``(index, None)`` when completion ``index`` has finished. With more than one, each runs in
-    a thread of its own, so their cycles share the verifier's batched steps."""
+    ``(index, None)`` when completion ``index`` has finished. The engine's scheduler steps them
+    with every other session; their outputs meet in one queue."""
 
     def __init__(self, gens: list["Generation"]):
         self.gens = gens
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        for i, g in enumerate(gens):
+            g.out, g.index = self._out, i
 
     def cancel(self) -> None:
-        self._stop.set()
         for g in self.gens:
             g.cancel()
 
     def __iter__(self) -> Generator[tuple[int, "StepOutput | None"], None, None]:
-        if len(self.gens) == 1:
-            steps = iter(self.gens[0])
-            try:
-                for step in steps:
-                    yield 0, step
-            finally:
-                steps.close()  # frees the session even when the consumer stopped early
-            yield 0, None
-            return
-        out: queue.Queue = queue.Queue()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i, g, out), daemon=True, name=f"completion-{i}")
-            for i, g in enumerate(self.gens)
-        ]
-        for t in self._threads:
-            t.start()
         try:
+            for g in self.gens:
+                g.start()
             left = len(self.gens)
             while left:
-                i, item = out.get()
+                i, item = self._out.get()
                 if isinstance(item, BaseException):
                     raise item
                 left -= item is None
@@ -492,24 +510,32 @@ class Completions:
         finally:
             self.close()
 
-    def _run(self, i: int, gen: "Generation", out: queue.Queue) -> None:
-        try:
-            steps = iter(gen)
-            for step in steps:
-                if self._stop.is_set():
-                    steps.close()  # frees the session now
-                    raise SessionCancelled(f"request {gen.req_id} was cancelled")
-                out.put((i, step))
-            out.put((i, None))
-        except BaseException as e:  # the consumer re-raises it
-            out.put((i, e))
-
     def close(self) -> None:
         """Stop every completion still running and wait for their sessions to close."""
-        if any(t.is_alive() for t in self._threads):
-            self.cancel()
-        for t in self._threads:
-            t.join(30)
+        for g in self.gens:
+            g.stop()
+
+    async def stream(self) -> AsyncGenerator[tuple[int, "StepOutput | None"], None]:
+        """``__iter__`` for a consumer on an event loop: what blocks (opening the sessions,
+        waiting for an output) runs in a worker thread, in the caller's context. If the
+        consumer stops early (cancelled: its client went away), every completion is cancelled
+        at once, a prompt mid-prefill included; the scheduler closes their sessions."""
+        left = len(self.gens)
+        try:
+            await asyncio.to_thread(self._start)
+            while left:
+                i, item = await asyncio.to_thread(self._out.get)
+                if isinstance(item, BaseException):
+                    raise item
+                left -= item is None
+                yield i, item
+        finally:
+            if left:
+                self.cancel()
+
+    def _start(self) -> None:
+        for g in self.gens:
+            g.start()
 
 
 class Generation:
@@ -533,6 +559,7 @@ class Generation:
         self.matched: int | str | None = None  # what stopped it: the EOS or stop token id, or the stop string
         self._detok = Detokenizer(engine.tokenizer, req.skip_special_tokens)
         self._raw = ""  # all detokenized output; ``text`` is the part already streamed
+        self._detokenized = 0  # output tokens in ``_raw``
         self._stop_window = max((len(s) for s in req.stop), default=1)
         self._batch = 1  # sessions in the verifier step of the last cycle
         self.cached_tokens = 0  # prompt tokens the verifier's prefix cache gave
@@ -540,6 +567,10 @@ class Generation:
         self.prompt_logprobs: list[TokenLogprob] = []  # per prompt token after the first, when asked
         self._session: Session | None = None
         self._cancelled = self._aborted = False
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # (index, StepOutput | error | None at the end)
+        self.index = 0  # its place among the request's completions
+        self._released = threading.Event()
+        self._t0 = self._t1 = 0.0  # the cycle in flight: when it began, when its draft was ready
         self.pattern = req.structured.pattern() if req.structured else None
         self.grammar = GrammarCursor.after(engine.grammars.compile(self.pattern), []) if self.pattern else None
 
@@ -563,9 +594,34 @@ class Generation:
         if self._session is not None:
             self._session.cancel()
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    @property
+    def session(self) -> Session:
+        assert self._session is not None, "the generation has started"
+        return self._session
+
     def __iter__(self) -> Generator[StepOutput, None, None]:
+        try:
+            self.start()
+            while (item := self.out.get()[1]) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.stop()
+
+    def start(self) -> None:
+        """Open the verifier session (in the caller's thread: a refusal reaches it as raised)
+        and hand the generation to the engine's scheduler."""
         req = self.req
-        session = self._session = self.engine.verifier.open(
+        self._session = self.engine.verifier.open(
             SessionSpec(
                 prompt_ids=req.prompt_ids,
                 max_new_tokens=req.max_new_tokens,
@@ -588,36 +644,59 @@ class Generation:
             self.cancel()
         if not self.prompt_repeat:
             self.metrics.prompt.inc(len(req.prompt_ids))
-        if self.drafter:
-            self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
         try:
-            while self.finish_reason is None:
-                out = self._ended_by_abort() if self._aborted else self._cycle(session)
-                if out.token_ids or out.text:
-                    yield out
+            if self.drafter:
+                self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
+            self.engine.scheduler.add(self)
+        except BaseException:
+            self.release()  # nothing will step it: its session closes here
+            raise
+
+    def stop(self, wait_s: float = 120.0) -> None:
+        """Cancel the generation unless it has ended, and wait until its session is closed."""
+        if self._session is None or self._released.is_set():
+            return
+        self.cancel()
+        if not self._released.wait(wait_s):
+            log.warning("request %s: its session was not closed within %.0f s", self.req_id, wait_s)
+
+    def emit(self, item: "StepOutput | BaseException | None") -> None:
+        """To the consumer: an output, the error that ended the generation, or None at its end;
+        from the scheduler's thread once the next step is sent (in order)."""
+        self.engine.scheduler.defer(partial(self.out.put, (self.index, item)))
+
+    def release(self) -> None:
+        """Close the session and the router drafter's state; count the request (the scheduler's
+        thread, once the generation has ended)."""
+        self.timings.end = time.perf_counter()
+        try:
+            self.session.close()
         finally:
-            self.timings.end = time.perf_counter()
-            session.close()
             if self.drafter:
                 self.drafter.stop(self.req_id)
             self.metrics.e2e.observe(self.timings.wall_s)
-            if req.log_metrics:
-                REQUESTS.labels(req.method, self.finish_reason or "cancelled").inc()
+            if self.req.log_metrics:
+                REQUESTS.labels(self.req.method, self.finish_reason or "cancelled").inc()
+            self._released.set()
 
-    def _ended_by_abort(self) -> StepOutput:
-        """The text held back for stop strings, as the last step."""
+    def end_by_abort(self) -> None:
+        """Finish now; the text held back for stop strings follows as the last output, after
+        the outputs still waiting to be published."""
         self.finish_reason = "abort"
-        delta = self._raw[len(self.text) :]
-        self.text += delta
-        return StepOutput([], delta)
+        self.engine.scheduler.defer(self._publish_rest)
 
-    def _request(self, budget: int) -> CycleRequest:
-        """What the verifier should verify this cycle."""
+    def _publish_rest(self) -> None:
+        if delta := self._delta():
+            self.out.put((self.index, StepOutput([], delta)))
+
+    def _request(self, budget: int, choice: Draft | Delegate | None) -> CycleRequest:
+        """What the verifier should verify this cycle, given the router drafter's ``choice``
+        (None: no router drafter, or no budget)."""
         if budget <= 0:
             return CycleRequest()
-        if self.drafter is None:
+        if choice is None:
             return CycleRequest(draft_with=self.model_drafter, budget=budget) if self.model_drafter else CycleRequest()
-        choice = self.drafter.propose(self.req_id, budget)
+        assert self.drafter is not None, "a choice comes from the router drafter"
         if isinstance(choice, Delegate):  # the cache draft beside it, unless a grammar or bad words must vet it
             also = choice.also if self.grammar is None and not self.req.sampling.bad_words else ()
             return CycleRequest(
@@ -671,13 +750,11 @@ class Generation:
             return 0
         return max(0, min(self.max_draft, self.req.max_new_tokens - len(self.output_ids) - 1))
 
-    def _cycle(self, session: Session) -> StepOutput:
-        t0 = time.perf_counter()
-        budget = self._budget()
-        creq = self._request(budget)
-        t1 = time.perf_counter()
-        res = session.cycle(creq)
-        waited = time.perf_counter() - t1  # for the verifier's answer
+    def apply(self, res: CycleResult) -> None:
+        """The verifier's outcome of this cycle. What the next step needs happens now (router
+        drafters observe, the tokens are taken up to where the request stops); the rest (text,
+        counts, metrics, the output to its queue) once that step is sent (``_publish``)."""
+        t2 = time.perf_counter()
         self._batch = res.batch_size
         # usage counts the prompt's own tokens (a failover's re-open may hit on tokens generated since)
         self.cached_tokens = min(len(self.req.prompt_ids), self.cached_tokens + res.cached_tokens)
@@ -686,22 +763,33 @@ class Generation:
             self.drafter.observe(self.req_id, res.committed)
         if self.grammar is not None:
             self.grammar.advance(res.committed)
-        t2 = time.perf_counter()
+        new_ids = self._take(res.committed)
+        # the cycle's clock as of now: the next prepare restarts it before this is published
+        self.engine.scheduler.defer(partial(self._publish, res, new_ids, (self._t0, self._t1, t2)))
+
+    def _publish(self, res: CycleResult, new_ids: list[int], clock: tuple[float, float, float]) -> None:
+        """A cycle's output to the consumer, with its text, and its counts (after ``apply``);
+        ``clock``: when the cycle began, when its draft was ready, when its outcome came."""
+        t0, t1, t2 = clock
         if self.stats.cycles == 0:  # the first cycle reads the prompt
             self.metrics.prefill.observe(t2 - t0)
         draft_s = (t1 - t0) + res.draft_s
         self.timings.draft_s += draft_s
         self.timings.verify_s += res.verify_s
         self.stats.add(res.drafted, res.accepted, res.source, res.rescued_pairs, res.rejected)
-        out = self._emit(res.committed)
+        out = StepOutput(new_ids, self._delta())
+        if new_ids and self.timings.first_token is None:
+            self.timings.first_token = time.perf_counter()
+            self.metrics.ttft.observe(self.timings.ttft_s)
         if self.req.logprobs is not None:  # the emitted tokens are a prefix of the committed ones
-            out.logprobs = list(res.logprobs[: len(out.token_ids)])
+            out.logprobs = list(res.logprobs[: len(new_ids)])
             self.logprobs += out.logprobs
+        waited = t2 - t1  # for the verifier's answer
         self.metrics.cycle(
             res.source,
             res.drafted,
             res.accepted,
-            len(out.token_ids),
+            len(new_ids),
             len(res.rescued_pairs),
             res.rejected,
             t2 - t0,
@@ -710,16 +798,13 @@ class Generation:
             res.gate_s,
             max(0.0, waited - res.server_s) if self.engine.remote_verifier else 0.0,
         )
-        return out
+        if out.token_ids or out.text:
+            self.out.put((self.index, out))
 
-    def _emit(self, tokens: list[int]) -> StepOutput:
+    def _take(self, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at EOS, the length limit, a stop token (kept) or a
-        stop string.
-
-        With stop strings, the last ``len(longest stop) - 1`` characters are held back until
-        the request ends, so a stop string is never partly streamed; it is emitted only with
-        ``include_stop_str_in_output``.
-        """
+        stop string; the tokens taken. Text is detokenized here only when stop strings need it
+        (else later, in ``_delta``)."""
         new_ids = []
         for tok in tokens:
             if tok == self.engine.eos_id and not self.req.ignore_eos:
@@ -727,24 +812,35 @@ class Generation:
                 break
             new_ids.append(tok)
             self.output_ids.append(tok)
-            before = len(self._raw)
-            self._raw += self._detok.push(tok)
-            if self._find_stop(before) or tok in self.req.stop_token_ids:
+            if self.req.stop and self._find_stop(self._detokenize()):
                 self.finish_reason = "stop"
-                if self.matched is None:  # a stop token (a stop string sets it in _find_stop)
-                    self.matched = tok
+                break
+            if tok in self.req.stop_token_ids:
+                self.finish_reason, self.matched = "stop", tok
                 break
             if len(self.output_ids) >= self.req.max_new_tokens:
                 self.finish_reason = "length"
                 break
         self.stats.generated_tokens = len(self.output_ids) + (self.finish_reason == "eos")
+        return new_ids
+
+    def _detokenize(self) -> int:
+        """Bring the raw text up to the tokens taken; its length before."""
+        before = len(self._raw)
+        while self._detokenized < len(self.output_ids):
+            self._raw += self._detok.push(self.output_ids[self._detokenized])
+            self._detokenized += 1
+        return before
+
+    def _delta(self) -> str:
+        """The text not yet streamed. With stop strings, the last ``len(longest stop) - 1``
+        characters are held back until the request ends, so a stop string is never partly
+        streamed; it is emitted only with ``include_stop_str_in_output``."""
+        self._detokenize()
         safe = len(self._raw) if self.finish_reason else max(0, len(self._raw) - self._stop_window + 1)
         delta = self._raw[len(self.text) : max(safe, len(self.text))]
         self.text += delta
-        if new_ids and self.timings.first_token is None:
-            self.timings.first_token = time.perf_counter()
-            self.metrics.ttft.observe(self.timings.ttft_s)
-        return StepOutput(new_ids, delta)
+        return delta
 
     def _find_stop(self, before: int) -> bool:
         """Truncate the raw text at the first stop string that ends in the new characters (after
@@ -760,9 +856,11 @@ class Generation:
         return first is not None
 
     def result(self) -> dict:
-        """Run to completion (if not yet) and return the `generate --json` object."""
-        for _ in self:
-            pass
+        """Run to completion (if not yet: a generation that has run, alone or among its request's
+        completions, is not run again) and return the `generate --json` object."""
+        if not self._released.is_set():
+            for _ in self:
+                pass
         t = self.timings
         stats = self.stats.to_dict()
         stats.update(

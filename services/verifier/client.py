@@ -11,7 +11,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import grpc
 
@@ -20,6 +21,7 @@ from services.common.grpc_server import channel, refusal_of
 from services.common.metrics import VERIFIER_FAILOVERS, VERIFIERS_LIVE
 from services.common.refusals import DeadlineExceeded, Unavailable
 from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
+from services.verifier.backend import CycleEach, Cycles, Deadlines, Done, Outcome
 from services.verifier.watch import ReplicaWatch
 from services.verifier.wire import cycle_to_pb, result_from_pb, spec_to_pb
 from specmesh.v1 import verifier_pb2 as pb
@@ -108,32 +110,65 @@ class RemoteSession:
             return self.pool.timeout_s
         return max(0.001, self.spec.deadline_s - (time.monotonic() - self._t0))
 
-    def cycle(self, req: CycleRequest) -> CycleResult:
-        tried: set[str] = set()
+    def cycle(self, req: CycleRequest, tried: set[str] | None = None) -> CycleResult:
+        tried = set() if tried is None else tried
         while True:
             prefill = len(self.tokens) if self._fresh else 0  # a session's first cycle on a replica prefills
             left, budget = self._timeout(), self.pool.watch.budget(self.addr, prefill)
             t0 = time.monotonic()
             try:
                 res = self._t.cycle(req, budget if left is None else min(left, budget))
-                if not self._fresh:  # a prefill's time is not the replica's pace
-                    self.pool.watch.answered(self.addr, time.monotonic() - t0)
-                self._fresh = False
                 break
             except grpc.RpcError as e:
-                if self.cancelled:
-                    raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
-                if isinstance(e, Stalled) and left is not None and left <= budget:
-                    raise DeadlineExceeded("verifier: the request's deadline passed") from e
-                if (e.code() not in _RETRYABLE and not isinstance(e, Stalled)) or self._timeout() == 0.001:
-                    raise refusal_of(e, "verifier") from e
-                log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, _why(e))
-                self.pool.failed(self.addr, "cycle", e)
-                self._release()
-                tried.add(self.addr)
-                self._connect(exclude=tried)  # same context, so the same request is valid there
+                self._failover(e, left, budget, tried)
+        return self._answered(res, t0)
+
+    def _answered(self, res: CycleResult, t0: float) -> CycleResult:
+        if not self._fresh:  # a prefill's time is not the replica's pace
+            self.pool.watch.answered(self.addr, time.monotonic() - t0)
+        self._fresh = False
         self.tokens.extend(res.committed)
         return res
+
+    def _failover(self, e: grpc.RpcError, left: float | None, budget: float, tried: set[str]) -> None:
+        """A cycle on this replica failed with ``e``: re-open the session on another (the caller
+        retries the cycle there), or raise what the request gets instead."""
+        if self.cancelled:
+            raise SessionCancelled(f"session {self.spec.session_id} was cancelled") from e
+        if isinstance(e, Stalled) and left is not None and left <= budget:
+            raise DeadlineExceeded("verifier: the request's deadline passed") from e
+        if (e.code() not in _RETRYABLE and not isinstance(e, Stalled)) or self._timeout() == 0.001:
+            raise refusal_of(e, "verifier") from e
+        log.warning("verifier %s failed (%s); re-opening the session elsewhere", self.addr, _why(e))
+        self.pool.failed(self.addr, "cycle", e)
+        self._release()
+        tried.add(self.addr)
+        self._connect(exclude=tried)  # same context, so the same request is valid there
+
+    def post(self, req: CycleRequest, done: Callable[[Outcome], None]) -> tuple["ReplicaLink", pb.LinkItem] | None:
+        """The cycle as a Link item for the caller to send with the step's others, no thread
+        waiting on it: ``done(outcome)`` comes from the link's reader thread, or, after a
+        failure (an error, a broken link, no answer within the replica's budget), from a pooled
+        thread once the session has failed over as ``cycle`` does. None: a transport that
+        cannot post (its own stream), or a cancelled session: ``cycle`` it."""
+        if not isinstance(self._t, LinkedSession) or self.cancelled:
+            return None
+        prefill = len(self.tokens) if self._fresh else 0
+        left, budget = self._timeout(), self.pool.watch.budget(self.addr, prefill)
+        t0 = time.monotonic()
+
+        def answered(outcome: CycleResult | grpc.RpcError) -> None:
+            if isinstance(outcome, CycleResult):
+                done(self._answered(outcome, t0))
+            else:
+                self.pool.recover(lambda: self._recover(req, outcome, left, budget), done)
+
+        return self._t.post(req, budget if left is None else min(left, budget), answered)
+
+    def _recover(self, req: CycleRequest, e: grpc.RpcError, left: float | None, budget: float) -> CycleResult:
+        tried: set[str] = set()
+        self._failover(e, left, budget, tried)
+        return self.cycle(req, tried)
 
     def cancel(self) -> None:
         """The client went away (any thread): the cycle in flight ends now with
@@ -157,6 +192,8 @@ def _why(e: grpc.RpcError) -> str:
 class RemoteVerifier:
     """Router-side view of verifier replicas: least-loaded placement with prefix affinity,
     session affinity."""
+
+    in_process = False  # VerifierBackend: the replicas answer each cycle later
 
     def __init__(
         self,
@@ -192,6 +229,29 @@ class RemoteVerifier:
         info = self._info(start_timeout_s)
         self.context_len, self.vocab_size = info.context_len, info.vocab_size
         self.max_draft = dict(info.max_draft)
+        self._cycles = CycleEach()  # cycles that cannot be posted, and failovers
+        self.deadlines = Deadlines()
+
+    def step(self, cycles: Cycles, done: Done) -> None:
+        """The router's step (``VerifierBackend``): every session's cycle on a Link goes out in
+        one message per replica and its outcome is applied as its reply comes (no thread waits
+        on it); sessions on streams of their own cycle on pooled threads."""
+        sends: dict[ReplicaLink, list[pb.LinkItem]] = {}
+        rest: list[int] = []
+        for i, (session, req) in enumerate(cycles):
+            posted = session.post(req, partial(done, i)) if isinstance(session, RemoteSession) else None
+            if posted is None:
+                rest.append(i)
+            else:
+                sends.setdefault(posted[0], []).append(posted[1])
+        for link, items in sends.items():
+            link.send_all(items)
+        if rest:
+            self._cycles.step([cycles[i] for i in rest], lambda j, outcome: done(rest[j], outcome))
+
+    def recover(self, fn: Callable[[], CycleResult], done: Callable[[Outcome], None]) -> None:
+        """``fn`` (a failover and the cycle again) on a pooled thread, its outcome to ``done``."""
+        self._cycles.run(fn, done)
 
     def _info(self, within_s: float) -> pb.InfoResponse:
         """The first replica's answer to Info, asking each in turn until one answers or
@@ -274,19 +334,17 @@ class RemoteVerifier:
         with self._links_lock:
             link = self._links.get(addr)
             if link is None or link.broken is not None:
-                link = self._links[addr] = ReplicaLink(self._stubs[addr], addr)
+                link = self._links[addr] = ReplicaLink(self._stubs[addr], addr, self.deadlines)
         return link.open(spec, wait)
 
     def close(self) -> None:
+        self._cycles.close()
+        self.deadlines.close()
         with self._links_lock:
             for link in self._links.values():
                 link.shut()
         for ch in self.channels.values():
             ch.close()
-
-    # the router's engine asks these of any verifier
-    policies: dict = {}
-    memory = None
 
 
 def serving(addr: str, timeout_s: float) -> bool:
@@ -332,13 +390,15 @@ class ReplicaLink:
     reply to its session. A broken link fails every session on it with UNAVAILABLE (they
     re-open elsewhere)."""
 
-    def __init__(self, stub: pb_grpc.VerifierStub, addr: str):
+    def __init__(self, stub: pb_grpc.VerifierStub, addr: str, deadlines: "Deadlines | None" = None):
         self.addr = addr
         self.broken: grpc.RpcError | None = None
         self._cond = threading.Condition()
         self._items: list[pb.LinkItem] = []
         self._shut = False
         self._inbox: dict[str, queue.SimpleQueue] = {}
+        self._waiters: dict[str, Callable] = {}  # sid -> the posted cycle's callback (its reply, once)
+        self._deadlines = deadlines or Deadlines()
         self._ids = itertools.count()
         self._call = stub.Link(self._requests())
         threading.Thread(target=self._read, name=f"link-{addr}", daemon=True).start()
@@ -355,24 +415,70 @@ class ReplicaLink:
                 return
 
     def _send(self, item: pb.LinkItem) -> None:
+        self.send_all([item])
+
+    def send_all(self, items: list[pb.LinkItem]) -> None:
+        """Queue ``items`` together: they leave in one message."""
         with self._cond:
-            self._items.append(item)
+            self._items.extend(items)
             self._cond.notify()
+
+    def _take_waiter(self, sid: str, expected: Callable | None = None) -> Callable | None:
+        """The session's posted-cycle callback, taken once (only ``expected`` if given)."""
+        with self._cond:
+            waiter = self._waiters.get(sid)
+            if waiter is None or (expected is not None and waiter is not expected):
+                return None
+            return self._waiters.pop(sid)
+
+    def _deliver(self, sid: str, r) -> None:
+        """A reply (or ``_BROKEN`` / ``_CLOSED``) to the session's posted cycle, else its inbox."""
+        waiter = self._take_waiter(sid)
+        if waiter is not None:
+            try:
+                outcome = result_from_pb(self._unwrap(sid, r).result)
+            except grpc.RpcError as e:
+                outcome = e
+            waiter(outcome)
+            return
+        box = self._inbox.get(sid)
+        if box is not None:
+            box.put(r)
+
+    def post(self, sid: str, item: pb.LinkItem, wait_s: float | None, answered: Callable) -> pb.LinkItem:
+        """Expect the reply to ``item`` (the caller sends it): ``answered(result or error)``
+        once, from the reader thread; ``Stalled`` if none comes within ``wait_s``."""
+        if self.broken is not None or sid not in self._inbox:
+            raise_later = self.broken or LinkError(grpc.StatusCode.UNAVAILABLE, "session is closed")
+            self._deadlines.add(0.0, lambda: answered(raise_later))
+            return item
+        with self._cond:
+            self._waiters[sid] = answered
+        if self.broken is not None:  # it broke meanwhile, after the reader failed the waiters it had
+            self._deliver(sid, _BROKEN)
+        if wait_s is not None:
+            self._deadlines.add(wait_s, lambda: self._stalled(sid, answered, wait_s))
+        return item
+
+    def _stalled(self, sid: str, answered: Callable, wait_s: float) -> None:
+        if self._take_waiter(sid, answered) is not None:  # not yet answered: the session leaves this replica
+            self.release(sid)
+            answered(Stalled(wait_s))
 
     def _read(self) -> None:
         err: grpc.RpcError = LinkError(grpc.StatusCode.UNAVAILABLE, f"link to {self.addr} ended")
         try:
             for msg in self._call:
                 for r in msg.replies:
-                    box = self._inbox.get(r.session_id)
-                    if box is not None:
-                        box.put(r)
+                    self._deliver(r.session_id, r)
         except grpc.RpcError as e:
             err = LinkError(
                 e.code() if e.code() in _RETRYABLE else grpc.StatusCode.UNAVAILABLE,
                 f"link to {self.addr}: {e.details()}",
             )
         self.broken = err
+        for sid in list(self._waiters):
+            self._deliver(sid, _BROKEN)
         for box in list(self._inbox.values()):
             box.put(_BROKEN)
 
@@ -382,6 +488,10 @@ class ReplicaLink:
         except queue.Empty:
             self.release(sid)
             raise Stalled(timeout or 0.0) from None
+        return self._unwrap(sid, r)
+
+    def _unwrap(self, sid: str, r) -> pb.LinkReply:
+        """The reply, or the error it stands for."""
         if r is _BROKEN:
             assert self.broken is not None  # set before _BROKEN is posted
             raise self.broken
@@ -402,6 +512,7 @@ class ReplicaLink:
 
     def release(self, sid: str) -> None:
         box = self._inbox.pop(sid, None)
+        self._deliver(sid, _CLOSED)  # a posted cycle ends (only a posted one: the box is gone)
         if box is not None:
             box.put(_CLOSED)
             if self.broken is None:
@@ -425,6 +536,10 @@ class LinkedSession:
             raise LinkError(grpc.StatusCode.UNAVAILABLE, "session is closed")
         self.link._send(pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req)))
         return result_from_pb(self.link._await(self.sid, timeout).result)
+
+    def post(self, req: CycleRequest, wait_s: float | None, answered: Callable) -> tuple[ReplicaLink, pb.LinkItem]:
+        item = pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req))
+        return self.link, self.link.post(self.sid, item, wait_s, answered)
 
     def close(self) -> None:
         self.link.release(self.sid)

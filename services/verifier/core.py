@@ -31,6 +31,7 @@ from services.common.types import CycleRequest, CycleResult, Draft, SessionCance
 from services.drafter.base import DRAFTERS, Drafter, ModelDrafter
 from services.memory.correction_memory import LocalCorrectionMemory
 from services.memory.snapshot import load_snapshot
+from services.verifier.backend import Cycles, Done, run_step
 from services.verifier.batcher import CycleBatcher, Pending
 from services.verifier.policies import POLICIES, CalibratedGreedy
 from services.verifier.runner import TargetRunner
@@ -48,6 +49,8 @@ def _load(path: Path, cfg: EngineConfig) -> Llama:
 
 
 class VerifierCore:
+    in_process = True  # VerifierBackend: the step runs the target in the caller's thread
+
     def __init__(
         self,
         runner: TargetRunner,
@@ -193,6 +196,10 @@ class VerifierCore:
         for drafter in self.drafters.values():
             if drafter.prefix is not None:
                 drafter.prefix.clear()
+
+    def step(self, cycles: Cycles, done: Done) -> None:
+        """The router's step (``VerifierBackend``): every cycle in one batched step, in this thread."""
+        run_step(self._step, cycles, done)
 
     def _step(self, batch: list[Pending]) -> None:
         """One step for a batch of sessions' cycles: draft, one target forward, finish each.

@@ -54,6 +54,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.DrafterStop.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DrafterAck.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/specmesh.v1.Drafter/Step',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.DrafterStep.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DraftBatch.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -83,6 +88,13 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """One router step: the cycles observed since the last step, then every session's draft.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Stop,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DrafterStop.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.DrafterAck.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DrafterStep.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.DraftBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +232,33 @@ class Drafter:
             '/specmesh.v1.Drafter/Stop',
             specmesh_dot_v1_dot_drafter__pb2.DrafterStop.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.DrafterAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/Step',
+            specmesh_dot_v1_dot_drafter__pb2.DrafterStep.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.DraftBatch.FromString,
             options,
             channel_credentials,
             insecure,

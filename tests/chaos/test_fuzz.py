@@ -151,6 +151,11 @@ VALID = {  # a call each method answers OK, the base of its mutations
     "Drafter.Start": [D.DrafterStart(session_id="r", prompt_ids=[5, 6, 7, 5, 6], max_new_tokens=8)],
     "Drafter.Propose": [D.DrafterPropose(session_id="r", budget=4)],
     "Drafter.Observe": [D.DrafterObserve(session_id="r", tokens=[7, 5])],
+    "Drafter.Step": [
+        D.DrafterStep(
+            observed=[D.DrafterObserve(session_id="r", tokens=[7])], asks=[D.DrafterPropose(session_id="r", budget=4)]
+        )
+    ],
     "Memory.RecordPairs": [M.RecordPairsRequest(pairs=[M.PairCount(draft=5, target=6, count=1)])],
 }
 

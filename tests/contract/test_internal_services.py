@@ -103,13 +103,53 @@ def test_drafter_service_matches_local_and_guards_sessions():
             code_of(stub.Observe, dpb.DrafterObserve(session_id="s", tokens=[VOCAB + 5]))
             == grpc.StatusCode.INVALID_ARGUMENT
         )
+        # a router step is one call: the observations since the last, then every session's draft
+        for d in (local, remote):
+            d.observe("s", [5, 6])
+            d.observe("t", [1, 2])
+        batch = remote.propose_batch([("s", 8), ("t", 8)])
+        assert [b.token_ids for b in batch] == [local.propose("s", 8).token_ids, local.propose("t", 8).token_ids]
+        # a step with a bad budget or token is refused whole: nothing of it applied
+        seq = list(servicer.drafter.states["s"].seq)
+        for bad in (
+            dpb.DrafterStep(
+                observed=[dpb.DrafterObserve(session_id="s", tokens=[7])],
+                asks=[dpb.DrafterPropose(session_id="s", budget=10_000)],
+            ),
+            dpb.DrafterStep(
+                observed=[dpb.DrafterObserve(session_id="s", tokens=[7]), dpb.DrafterObserve(tokens=[VOCAB])]
+            ),
+        ):
+            assert (
+                code_of(stub.Step, bad) == grpc.StatusCode.INVALID_ARGUMENT and servicer.drafter.states["s"].seq == seq
+            )
+        # a session the service does not hold costs only its own draft: answered missing, the rest served
+        reply = stub.Step(
+            dpb.DrafterStep(
+                observed=[
+                    dpb.DrafterObserve(session_id="s", tokens=[7]),
+                    dpb.DrafterObserve(session_id="nope", tokens=[1]),
+                ],
+                asks=[dpb.DrafterPropose(session_id="nope", budget=4), dpb.DrafterPropose(session_id="s", budget=4)],
+            )
+        )
+        assert [m.missing for m in reply.drafts] == [True, False] and servicer.drafter.states["s"].seq == seq + [7]
+        local.observe("s", [7])
+        assert list(reply.drafts[1].token_ids) == local.propose("s", 4).token_ids
+        lost = RemoteDrafter(addr)
+        assert lost.propose_batch([("nope", 4), ("s", 4)])[0].token_ids == []  # drafts nothing, fails nothing
+        # what a session observed before it stops reaches the service before its Stop
+        remote.observe("t", [3, 4])
+        tail = servicer.drafter.states["t"].seq[-2:]
+        remote.stop("t")
+        assert tail == [1, 2] and list(servicer.drafter.global_cache.outputs)[-1][-2:] == (3, 4)
         remote.stop("s")
         assert "s" not in servicer.drafter.states and "s" not in servicer.last_seen
         servicer.idle_s = 0.0  # forgotten sessions are reaped on the next Start
         remote.start("forgotten", [1, 2])
         remote.start("next", [1, 2])
         assert "forgotten" not in servicer.drafter.states
-        for m in ("Start", "Propose", "Observe", "Stop"):
+        for m in ("Start", "Propose", "Observe", "Stop", "Step"):
             fuzz(addr, f"/specmesh.v1.Drafter/{m}")
     finally:
         server.stop(0)

@@ -1,5 +1,7 @@
 """TLS, mutual TLS and bearer-token auth on the public API, with a throw-away CA."""
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -89,7 +91,7 @@ def test_ray_ingress_checks_the_token_itself(monkeypatch):
     for md in ([], [("authorization", "Bearer nope")]):
         ctx = Ctx(md)
         with pytest.raises(PermissionError):
-            next(ingress.Generate(pb.GenerateRequest(prompt="x"), ctx))
+            asyncio.run(anext(ingress.Generate(pb.GenerateRequest(prompt="x"), ctx)))
         assert ctx.code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in ctx.details
         ctx = Ctx(md)
         with pytest.raises(PermissionError):

@@ -63,7 +63,80 @@ def test_stopping_early_frees_every_session(tiny_engine):
     assert wait_for(lambda: not eng.verifier.sessions)
 
 
+def test_result_after_streaming_reports_that_run_without_running_again(tiny_engine):
+    """``Generation.result()`` on a completion already streamed (as the offline ``LLM`` reads its
+    stats) reports the streamed run; it does not open a session and decode again (sampled, unseeded:
+    a second run would differ)."""
+    eng = tiny_engine
+    completions = eng.generate_all(
+        GenerationRequest(eng.encode(PROMPT), 40, sampling=SamplingParams(temperature=1.0), method="sd", n=2)
+    )
+    steps, ended = collect(completions)
+    opened = len(eng.verifier.sessions)
+    assert sorted(ended) == [0, 1]
+    assert [g.result()["token_ids"] for g in completions.gens] == [steps[0], steps[1]]
+    assert len(eng.verifier.sessions) == opened == 0
+
+
+def test_an_async_consumer_streams_the_same_and_cancelled_it_frees_every_session(tiny_engine):
+    """``Completions.stream`` (the Ray ingress's Generate): the same outputs as iterating; a
+    consumer cancelled mid-stream (its client gone) cancels every completion at once, and
+    the scheduler closes their sessions."""
+    import asyncio
+
+    eng = tiny_engine
+    ids = eng.encode(PROMPT)
+    ref = eng.generate(GenerationRequest(ids, 24, method="vanilla")).result()["token_ids"]
+
+    async def collect_async(completions):
+        steps = defaultdict(list)
+        async for i, step in completions.stream():
+            steps[i] += step.token_ids if step is not None else []
+        return steps
+
+    steps = asyncio.run(collect_async(eng.generate_all(GenerationRequest(ids, 24, method="sd", n=2))))
+    assert steps[0] == ref == steps[1]
+
+    long = eng.generate_all(
+        GenerationRequest(ids, 200, sampling=SamplingParams(temperature=1.0), method="sd", n=3, ignore_eos=True)
+    )
+
+    async def cancel_after_first():
+        stream = long.stream()
+        task = asyncio.ensure_future(anext(stream))
+        await task  # the first output: decoding
+        follow = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        follow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await follow
+        await stream.aclose()
+
+    asyncio.run(cancel_after_first())
+    assert all(g.cancelled for g in long.gens)
+    assert wait_for(lambda: not eng.verifier.sessions)
+    assert all(len(g.output_ids) < 200 for g in long.gens)
+
+
 @pytest.mark.parametrize("n", [0, 17])
 def test_n_out_of_range_is_an_invalid_request(tiny_engine, n):
     with pytest.raises(InvalidRequest, match=r"^n: must be in \[1, 16\]"):
         tiny_engine.generate_all(GenerationRequest(tiny_engine.encode(PROMPT), 8, method="vanilla", n=n))
+
+
+def test_completions_share_the_scheduler_s_steps_without_a_thread_each(tiny_engine):
+    """The engine's scheduler steps every completion (one thread for all of them): the steps
+    are fewer than the completions' cycles, and no thread is started per completion."""
+    import threading
+
+    eng = tiny_engine
+    sp = SamplingParams(temperature=1.0, seed=3)
+    completions = eng.generate_all(GenerationRequest(eng.encode(PROMPT), 24, sampling=sp, method="sd", n=6))
+    eng.generate(GenerationRequest(eng.encode(PROMPT), 1, method="vanilla")).result()  # the scheduler's thread runs
+    threads, steps = threading.active_count(), eng.scheduler.steps
+    most = threads
+    for _ in completions:
+        most = max(most, threading.active_count())
+    cycles = sum(g.stats.cycles for g in completions.gens)
+    assert most == threads
+    assert eng.scheduler.steps - steps < cycles / 2  # six sessions to most steps

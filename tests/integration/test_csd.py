@@ -14,23 +14,23 @@ def run(eng, method, text, n=40):
 
 
 def with_policy(eng, name, policy):
-    old = eng.policies[name]
-    eng.policies[name] = policy
+    old = eng.verifier.policies[name]
+    eng.verifier.policies[name] = policy
     return old
 
 
 def test_closed_gate_is_exactly_vanilla_and_memory_learns(tiny_engine):
     eng = tiny_engine
-    old = with_policy(eng, "csd", CalibratedGreedy(GateConfig(min_count=0, top_k=50, tau=1.0), eng.memory))
+    old = with_policy(eng, "csd", CalibratedGreedy(GateConfig(min_count=0, top_k=50, tau=1.0), eng.verifier.memory))
     try:
-        pairs_before = len(eng.memory)
+        pairs_before = len(eng.verifier.memory)
         for text in PROMPTS:
             out = run(eng, "csd", text)
             assert out["token_ids"] == run(eng, "vanilla", text)["token_ids"]
             assert out["stats"]["rescued_tokens"] == 0
-        assert len(eng.memory) > pairs_before  # first rejections were recorded
+        assert len(eng.verifier.memory) > pairs_before  # first rejections were recorded
     finally:
-        eng.policies["csd"] = old
+        eng.verifier.policies["csd"] = old
 
 
 def test_open_gate_rescues_within_top_k(tiny_engine):
@@ -47,10 +47,10 @@ def test_open_gate_rescues_within_top_k(tiny_engine):
             ids = eng.encode(text)
             # every emitted token is within the target's top-k at its position
             with torch.no_grad():
-                logits = eng.runner.model.forward_train(torch.tensor([ids + out["token_ids"]]))[0]
+                logits = eng.verifier.runner.model.forward_train(torch.tensor([ids + out["token_ids"]]))[0]
             for i, tok in enumerate(out["token_ids"]):
                 row = logits[len(ids) - 1 + i]
                 assert int((row > row[tok]).sum()) < 3
         assert rescued > 0 and cycles_scg < cycles_sd
     finally:
-        eng.policies["scg"] = old
+        eng.verifier.policies["scg"] = old

@@ -695,3 +695,39 @@ def test_a_router_started_before_its_verifier_waits_for_it(tiny_dirs):
         late.join()
         if server is not None:
             server.stop(0)
+
+
+def test_a_step_sends_every_session_s_cycle_in_one_link_message(tiny_dirs, tiny_engine, monkeypatch):
+    """The router's scheduler steps n sessions together over the Link: each step's cycles leave in
+    one message (no more cycle-carrying messages than steps, each with every session still
+    running), their replies are applied from the link's reader thread, and every output equals
+    the embedded one."""
+    from services.verifier.grpc_server import LinkServer, build_verifier_server
+
+    cycles_per_message: list[int] = []
+    take = LinkServer._take
+
+    def counted(self, msg):
+        n = sum(item.WhichOneof("kind") == "cycle" for item in msg.items)
+        if n:
+            cycles_per_message.append(n)
+        return take(self, msg)
+
+    monkeypatch.setattr(LinkServer, "_take", counted)
+    cfg = EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None)
+    server, _, port = build_verifier_server(Engine(cfg).verifier, "127.0.0.1", 0)
+    server.start()
+    engine = Engine(cfg, verifier=RemoteVerifier([f"127.0.0.1:{port}"], link=True))
+    try:
+        ids = engine.encode(PROMPTS[0])
+        ref = tiny_engine.generate(GenerationRequest(ids, 24, method="vanilla", ignore_eos=True)).result()["token_ids"]
+        completions = engine.generate_all(GenerationRequest(ids, 24, method="sd", n=4, ignore_eos=True))
+        steps = engine.scheduler.steps
+        for _ in completions:
+            pass
+        assert all(g.output_ids == ref for g in completions.gens)
+        assert len(cycles_per_message) <= engine.scheduler.steps - steps
+        assert max(cycles_per_message) == 4  # the four sessions' cycles in one message
+    finally:
+        engine.close()
+        server.stop(0)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services.common.types import SamplingParams
-from services.router.engine import Generation, GenerationRequest
+from services.router.engine import GenerationRequest
+from services.router.scheduler import Scheduler
 
 SYNCS = ("item", "tolist", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 BUDGET = {
@@ -71,18 +72,22 @@ def worst_cycle(engine, method: str, monkeypatch) -> dict:
 
 def cycle_reads(engine, method: str, monkeypatch, sampling: SamplingParams = SamplingParams()) -> list[dict]:
     """Each cycle's host reads, by kind, of a 32-token request after a first one has set up
-    what the process makes once."""
+    what the process makes once. A lone request's cycle is the scheduler's step: from taking
+    it (the router's draft) to settling its outcome (the router drafters observe)."""
     counts: collections.Counter = collections.Counter()
     per_cycle: list[dict] = []
-    cycle = Generation._cycle
+    take, settle = Scheduler._take, Scheduler._settle
 
-    def counted_cycle(self, session):
+    def counted_take(self):
         counts.clear()
-        out = cycle(self, session)
-        per_cycle.append(dict(counts))
-        return out
+        return take(self)
 
-    monkeypatch.setattr(Generation, "_cycle", counted_cycle)
+    def counted_settle(self, gen, outcome):
+        settle(self, gen, outcome)
+        per_cycle.append(dict(counts))
+
+    monkeypatch.setattr(Scheduler, "_take", counted_take)
+    monkeypatch.setattr(Scheduler, "_settle", counted_settle)
     ids = engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
     for _ in engine.generate(GenerationRequest(ids, 16, sampling=sampling, method=method)):  # set-up first
         pass
@@ -90,7 +95,8 @@ def cycle_reads(engine, method: str, monkeypatch, sampling: SamplingParams = Sam
     with counted_syncs(counts):
         for _ in engine.generate(GenerationRequest(ids, 32, sampling=sampling, method=method, ignore_eos=True)):
             pass
-    monkeypatch.setattr(Generation, "_cycle", cycle)
+    monkeypatch.setattr(Scheduler, "_take", take)
+    monkeypatch.setattr(Scheduler, "_settle", settle)
     assert len(per_cycle) > 1
     return per_cycle
 
@@ -113,7 +119,7 @@ def test_a_cycle_of_the_eagle3_and_hybrid_methods_stays_within_its_budget(bundle
 def test_batch_invariant_verification_adds_no_host_round_trip(tiny_engine, method, monkeypatch):
     """The invariant plan (services/common/invariant.py) is built from host lists and read by
     index on the device: chains and trees stay within the same budgets."""
-    monkeypatch.setattr(tiny_engine.runner.model, "batch_invariant", True)
+    monkeypatch.setattr(tiny_engine.verifier.runner.model, "batch_invariant", True)
     worst = worst_cycle(tiny_engine, method, monkeypatch)
     budget = BUDGET[method](tiny_engine.cfg.num_speculative_tokens)
     assert sum(worst.values()) <= budget, f"{method}: a cycle read the device {worst}, budget {budget}"
@@ -140,7 +146,7 @@ def test_static_steps_add_no_host_round_trip(tiny_engine, method, monkeypatch):
     from host ints: the same budgets."""
     from services.common.graphs import StaticSteps
 
-    model = tiny_engine.runner.model
+    model = tiny_engine.verifier.runner.model
     monkeypatch.setattr(model, "static_steps", StaticSteps(model, graphs=False))
     worst = worst_cycle(tiny_engine, method, monkeypatch)
     budget = BUDGET[method](tiny_engine.cfg.num_speculative_tokens)

@@ -72,14 +72,14 @@ def test_cost_aware_hybrid_does_not_charge_a_prefill_to_a_choice(tiny_eagle_engi
     eng.add_hybrid("hybrid", PredictorRule(MatchLenMLP(), TokenFlags(eng.tokenizer), tau=1), cost_aware=True)
     hybrid = eng.drafters["hybrid"]
     chosen = []  # (request, delegated) of cycles the hybrid decided
-    propose = hybrid.propose
+    propose_batch = hybrid.propose_batch  # the engine asks once per step for all its sessions
 
-    def spy(req_id, budget):
-        choice = propose(req_id, budget)
-        chosen.append((req_id, isinstance(choice, Delegate)))
-        return choice
+    def spy(asks):
+        choices = propose_batch(asks)
+        chosen.extend((req_id, isinstance(c, Delegate)) for (req_id, _), c in zip(asks, choices))
+        return choices
 
-    hybrid.propose = spy
+    hybrid.propose_batch = spy
     for t in TEXTS:
         eng.generate(GenerationRequest(eng.encode(t), 24, method="hybrid")).result()
     recorded = sum(e.n for e in hybrid.costs.ema.values())

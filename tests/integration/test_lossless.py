@@ -93,7 +93,7 @@ def bundled_bf16_engine():
     from services.router.engine import Engine
 
     engine = Engine(EngineConfig(dtype="bfloat16"))
-    assert engine.runner.model.batch_invariant
+    assert engine.verifier.runner.model.batch_invariant
     yield engine
     engine.close()
 
@@ -131,7 +131,7 @@ def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_co
     monkeypatch.setattr(eng.verifier.drafters["draft-lm"], "min_confidence", min_confidence)
     ids = eng.encode("def f(x):\n    return")
     with torch.no_grad():
-        p = probs_from_logits(eng.runner.model.forward_train(torch.tensor([ids]))[0, -1], sp)
+        p = probs_from_logits(eng.verifier.runner.model.forward_train(torch.tensor([ids]))[0, -1], sp)
     n = 1500
     counts = torch.zeros_like(p)
     for seed in range(n):

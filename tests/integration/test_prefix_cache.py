@@ -10,6 +10,7 @@ import pytest
 from services.common.config import EngineConfig
 from services.drafter.base import common_prefix
 from services.router.engine import Engine, GenerationRequest
+from tests.conftest import wait_for
 
 SHARED = "import os\nimport sys\n\n" + "".join(f"def helper{i}(x):\n    return x * {i} + 1\n\n" for i in range(8))
 PROMPTS = [SHARED + f"def f{i}(a, b):\n    return a" for i in range(3)]
@@ -145,10 +146,17 @@ def test_concurrent_sessions_with_chunked_prefill_keep_every_output(engine):
         out[p, m], hits[p, m] = r["token_ids"], r["cached_prompt_tokens"]
 
     try:
-        threads = [threading.Thread(target=run, args=k) for k in refs]
-        for t in threads:
-            t.start()
-        for t in threads:
+        threads = {k: threading.Thread(target=run, args=k) for k in refs}
+        first = [k for k in refs if k[0] == PROMPTS[0]]
+        for k in first:
+            threads[k].start()
+        # the rest join the steps once the first prompt's blocks are stored (sessions that start in
+        # the same step cannot find each other's blocks: none is stored before its prefill ends)
+        assert wait_for(lambda: core.runner.prefix.bytes > 0, timeout=60)
+        for k, t in threads.items():
+            if k not in first:
+                t.start()
+        for t in threads.values():
             t.join(120)
     finally:
         core.prefill_chunk = chunk

@@ -83,6 +83,7 @@ def test_embedded_server_every_panel_has_data(tmp_path, private_redis):
     port, metrics = free_port(), free_port()
     args = ["--port", str(port), "--http-port", "0", "--metrics-port", str(metrics), "--max-sessions", "8"]
     args += ["--redis-url", private_redis.url, "--state-dir", str(tmp_path / "state")]
+    binary("prometheus")  # missing: said before a server starts, so none is left behind
     server = start_server(args, port, tmp_path / "serve.log")
     prom = Prometheus([f"127.0.0.1:{metrics}"], free_port(), tmp_path)
     try:
@@ -100,6 +101,7 @@ def test_distributed_router_and_verifiers_every_panel_has_data(tmp_path, private
     args = ["--topology", "distributed", "--replicas", "2", "--port", str(port), "--http-port", "0"]
     args += ["--metrics-port", str(metrics), "--max-sessions", "8", "--redis-url", private_redis.url]
     args += ["--state-dir", str(tmp_path / "state")]
+    binary("prometheus")  # missing: said before a server starts, so none is left behind
     server = start_server(args, port, tmp_path / "serve.log")
     prom = Prometheus([f"127.0.0.1:{metrics + i}" for i in range(3)], free_port(), tmp_path)
     try:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from services.drafter.base import Drafter
 from services.drafter.hybrid import CACHE, MODEL, PLAIN, CycleCosts
 
 
@@ -103,7 +104,7 @@ class CountingMLP:
         import numpy as np
 
         self.calls += 1
-        return np.array([self.y])
+        return np.full(np.atleast_2d(phi).shape[0], self.y)
 
 
 class NoFlags:
@@ -194,7 +195,7 @@ def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
     from services.common.types import Draft, SamplingParams
     from services.drafter.hybrid import HybridDrafter, ScoreRule
 
-    class Cache:
+    class Cache(Drafter):
         def start(self, *a, **k): ...
         def propose(self, req_id, budget):
             return Draft(token_ids=[1, 2, 3, 4, 5], score=5.0)
@@ -238,7 +239,7 @@ def test_the_hybrid_books_the_catch_up_gap_of_its_model_cycles():
 
     script = iter([(CACHE, 3), (MODEL, 2), (CACHE, 1), (PLAIN, 1), (MODEL, 2), (MODEL, 3)])
 
-    class Cache:
+    class Cache(Drafter):
         def start(self, *a, **k): ...
         def propose(self, req_id, budget):
             return Draft(token_ids=[1], score=9.0 if choice == CACHE else 0.0)
@@ -276,7 +277,7 @@ def test_a_sporadic_model_cycle_is_followed_by_another_while_none_came_back_to_b
     c.record(MODEL, 2, 0.009, gap=20)
     assert c.follow_up()  # two sporadic ones since
 
-    class Cache:  # drafts worth verifying only when ``good``
+    class Cache(Drafter):  # drafts worth verifying only when ``good``
         def start(self, *a, **k): ...
         def propose(self, req_id, budget):
             return Draft(token_ids=[1], score=9.0 if good else 0.0)
@@ -317,7 +318,7 @@ def test_the_hybrid_calibrates_its_predictor_by_the_yields_it_learns():
     from services.common.types import Draft, SamplingParams
     from services.drafter.hybrid import HybridDrafter, PredictorRule
 
-    class Cache:
+    class Cache(Drafter):
         def start(self, *a, **k): ...
         def propose(self, req_id, budget):
             return Draft(token_ids=[1], score=1.0)
@@ -336,3 +337,43 @@ def test_the_hybrid_calibrates_its_predictor_by_the_yields_it_learns():
         hybrid.observe("r", [5])  # the target never agrees
     assert chose == [True] * 16 + [False] * 8
     assert rule.calibration(1, 0.7) == pytest.approx(0.0)
+
+
+def test_a_step_s_cache_drafts_are_judged_in_one_predictor_call():
+    """``propose_batch``: the cache drafts of every session in the step are drafted in one
+    call and judged by one predictor call over all of them; each session's choice is its own."""
+    import numpy as np
+
+    from services.common.types import Delegate, Draft, SamplingParams
+    from services.drafter.hybrid import HybridDrafter, PredictorRule
+
+    class Cache(Drafter):
+        batches: list[int] = []
+
+        def start(self, *a, **k): ...
+        def propose(self, req_id, budget):
+            return Draft(token_ids=[1] * len(req_id), score=1.0)
+
+        def propose_batch(self, asks):
+            self.batches.append(len(asks))
+            return super().propose_batch(asks)
+
+        def observe(self, *a): ...
+        def stop(self, *a): ...
+
+    class ByLength:  # ŷ = draft length - 1.5 (feature 2 is the length)
+        calls, rows = 0, 0
+
+        def predict(self, phi):
+            self.calls, self.rows = self.calls + 1, self.rows + len(phi)
+            return np.asarray(phi)[:, 2] - 1.5
+
+    mlp, cache = ByLength(), Cache()
+    hybrid = HybridDrafter("h", cache, "eagle3", PredictorRule(mlp, NoFlags(), tau=0.5), max_cache=8, max_model=4)
+    names = ["a", "bb", "ccc", "dddd"]
+    for r in names:
+        hybrid.start(r, [7, 8], SamplingParams(), None, 64)
+    out = hybrid.propose_batch([(r, 8) for r in names])
+    assert mlp.calls == 1 and mlp.rows == 4 and cache.batches == [4]
+    assert [isinstance(o, Delegate) for o in out] == [True, True, False, False]  # ŷ > τ from 3 tokens
+    assert [hybrid.states[r].chose_cache for r in names] == [False, False, True, True]

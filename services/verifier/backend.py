@@ -1,0 +1,151 @@
+"""The router's verifier interface, declared once: ``VerifierBackend``. The router's scheduler
+(``services/router/scheduler.py``) opens sessions on it and hands it one step at a time: every
+ready session's cycle request together. Implemented in process (``VerifierCore``: the step runs
+in the caller's thread, one batched target forward), over gRPC (``RemoteVerifier``) and through
+Ray Serve (``RayVerifier``).
+
+A step's outcomes come back through ``done(i, outcome)``, one call per cycle ``i`` of the step:
+a ``CycleResult``, the exception that failed that cycle alone, or ``AGAIN`` when the step only
+advanced the cycle (a prompt fed a chunk) and the same request goes into the next step. An
+in-process backend calls ``done`` for every cycle before ``step`` returns; a remote one may call
+it later, from its own threads, in any order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Protocol
+
+from services.common.types import CycleRequest, CycleResult, Session, SessionSpec
+from services.verifier.batcher import Pending
+
+log = logging.getLogger(__name__)
+
+
+class Again:
+    """The step advanced the cycle without finishing it: send the same request next step."""
+
+    def __repr__(self) -> str:
+        return "AGAIN"
+
+
+AGAIN = Again()
+Outcome = CycleResult | BaseException | Again
+Done = Callable[[int, Outcome], None]
+Cycles = Sequence[tuple[Session, CycleRequest]]
+
+
+class VerifierBackend(Protocol):
+    # True: ``step`` runs the device in the caller's thread and answers every cycle before it
+    # returns (the scheduler gives it a thread of its own and caps its batch at ``max_batch``);
+    # False: a remote backend, whose replicas answer later and batch their sessions themselves
+    in_process: bool
+
+    @property
+    def context_len(self) -> int: ...  # positions a request may fill (prompt + new tokens)
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_draft(self) -> dict[str, int]: ...  # the drafters beside the target, and their longest draft
+
+    def open(self, spec: SessionSpec) -> Session: ...
+
+    def step(self, cycles: Cycles, done: Done) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def run_step(step: Callable[[list[Pending]], None], cycles: Cycles, done: Done) -> None:
+    """One batched step in this thread (``step`` as ``VerifierCore._step``: it sets each item's
+    result or error, or marks it ``again``), each cycle's outcome reported through ``done``."""
+    items = [Pending(session, request) for session, request in cycles]
+    try:
+        step(items)
+    except Exception as e:  # a failure of the step itself is every cycle's
+        for it in items:
+            if it.result is None and it.error is None:
+                it.error = e
+    for i, it in enumerate(items):
+        if it.error is not None:
+            done(i, it.error)
+        elif it.result is not None:
+            done(i, it.result)
+        else:
+            done(i, AGAIN if it.again else RuntimeError("the verifier's step left a cycle without a result"))
+
+
+class CycleEach:
+    """A step over sessions that cycle one by one (a remote replica's session: its transport
+    batches the cycles that travel together): each cycle on a pooled thread, its outcome
+    reported as it comes, so a slow replica holds up only its own sessions."""
+
+    def __init__(self, workers: int = 256):
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="verifier-cycle")
+
+    def step(self, cycles: Cycles, done: Done) -> None:
+        for i, (session, request) in enumerate(cycles):
+            self.run(partial(session.cycle, request), partial(done, i))
+
+    def run(self, fn: Callable[[], CycleResult], done: Callable[[Outcome], None]) -> None:
+        """``fn()`` on a pooled thread (a cycle, or a failover and the cycle again), its result
+        or the exception that ended it to ``done``."""
+        self._pool.submit(self._call, fn, done)
+
+    @staticmethod
+    def _call(fn: Callable[[], CycleResult], done: Callable[[Outcome], None]) -> None:
+        try:
+            outcome: Outcome = fn()
+        except BaseException as e:  # the cycle's own failure, reported to its request
+            outcome = e
+        done(outcome)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Deadlines:
+    """Calls due after a delay, on one thread: a posted cycle's \"no answer in time\" (the call
+    itself checks whether the answer came meanwhile)."""
+
+    def __init__(self):
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, delay_s: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._ids), fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="verifier-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][2] is fn:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                if self._closed:
+                    return
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:
+                log.exception("a deadline's call failed")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
