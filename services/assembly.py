@@ -135,7 +135,7 @@ def component_server(role: str, cfg: EngineConfig, host: str, port: int):
         from services.memory.suffix_feed import SuffixFeed
 
         cache = GlobalSuffixCache.of(cfg.suffix)
-        feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache).start()
+        feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache, vocab=vocab).start()
     if role == "drafter":
         from services.drafter.grpc_server import build_drafter_server
         from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter

@@ -314,6 +314,17 @@ SUFFIX_FEED_INGESTED = define(
 SUFFIX_FEED_PUBLISHED = define(
     Spec("specmesh_suffix_feed_published", "counter", "Finished outputs published to the shared suffix feed", S)
 )
+REDIS_BAD_ENTRIES = define(
+    Spec(
+        "specmesh_redis_bad_entries",
+        "counter",
+        "Entries read back from Redis that failed validation and were skipped (ragged or out-of-vocabulary "
+        "suffix-feed tokens, malformed or non-finite correction-memory counts)",
+        S,
+        ("source",),
+        known={"source": ("suffix_feed", "correction_memory")},
+    )
+)
 
 # -- verifier replicas and the fleet --------------------------------------------------------------
 S = "Verifier replicas and the fleet"

@@ -18,7 +18,7 @@ from typing import TypeVar
 import redis
 from redis.backoff import ExponentialBackoff
 
-from services.common.metrics import REDIS_ERRORS, REDIS_UP
+from services.common.metrics import REDIS_BAD_ENTRIES, REDIS_ERRORS, REDIS_UP
 from services.common.security import redacted
 
 log = logging.getLogger("specmesh.redis")
@@ -79,3 +79,20 @@ class RedisLink:
 
     def seconds_to_retry(self) -> float:
         return max(0.0, self._retry_at - time.monotonic()) if not self.healthy else 0.0
+
+
+class BadEntries:
+    """Entries read back from Redis that fail validation (Redis is shared, so its data is input,
+    not trusted state): each is skipped and counted (``specmesh_redis_bad_entries_total``), the
+    first is logged, and none stops the reader."""
+
+    def __init__(self, source: str):
+        self.source, self._said = source, False
+
+    def skip(self, why: str) -> None:
+        REDIS_BAD_ENTRIES.labels(self.source).inc()
+        if not self._said:
+            self._said = True
+            log.warning(
+                "Redis %s: skipped an entry that fails validation (%s); later ones are only counted", self.source, why
+            )

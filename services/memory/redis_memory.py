@@ -18,13 +18,14 @@ that have left are gone with Redis's memory; run Redis with persistence to keep 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections import Counter
 from pathlib import Path
 
 from services.memory.correction_memory import OCMConfig, Pair, decode_pair, encode_pair
-from services.memory.redis_link import RedisLink, RedisUnavailable
+from services.memory.redis_link import BadEntries, RedisLink, RedisUnavailable
 from services.memory.write_behind import StoreUnavailable, WriteBehindMemory
 
 log = logging.getLogger("specmesh.ocm")
@@ -65,6 +66,19 @@ return epoch
 """
 
 
+def read_count(field: bytes, n: bytes) -> tuple[Pair, float]:
+    """A hash field and its count, validated (``"draft:target"`` of token ids, a finite count
+    of at least 0); ValueError naming what is wrong."""
+    try:
+        pair = decode_pair(field)
+        count = float(n)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"field {field[:40]!r}: not a 'draft:target' pair of token ids with a count") from e
+    if min(pair) < 0 or not math.isfinite(count) or count < 0:
+        raise ValueError(f"field {field[:40]!r}: negative token ids or a count that is not a finite number >= 0")
+    return pair, count
+
+
 def _fields(counts: Counter | dict[Pair, float]) -> list:
     return [x for p, n in counts.items() if int(round(n)) for x in (encode_pair(p), int(round(n)))]
 
@@ -76,6 +90,7 @@ class RedisStore:
         self.prior: dict[Pair, float] = {}  # installed by whichever replica joins a store without one
         self.ledger: dict[int, Counter] = {}  # bucket -> counts this replica wrote there
         self.rejoins = 0
+        self.bad = BadEntries("correction_memory")
         self._write_script = link.client.register_script(_WRITE)
         self._join_script = link.client.register_script(_JOIN)
 
@@ -148,7 +163,12 @@ class RedisStore:
         counts: Counter = Counter()
         for h in hashes:
             for field, n in h.items():
-                counts[decode_pair(field)] += float(n)  # type: ignore[assignment]  # Redis floats
+                try:
+                    pair, count = read_count(field, n)
+                except ValueError as e:  # another writer's, or a tampered entry: skipped, counted
+                    self.bad.skip(str(e))
+                    continue
+                counts[pair] += count  # type: ignore[assignment]  # Redis floats
         return counts
 
     def replace_prior(self, counts: dict[Pair, float]) -> None:

@@ -21,12 +21,13 @@ from typing import cast
 
 from services.common.metrics import SUFFIX_FEED_INGESTED, SUFFIX_FEED_PUBLISHED
 from services.drafter.suffix import GlobalSuffixCache
-from services.memory.redis_link import RedisLink, RedisUnavailable
+from services.memory.redis_link import BadEntries, RedisLink, RedisUnavailable
 
 log = logging.getLogger("specmesh.suffix_feed")
 Entries = list[tuple[bytes, dict[bytes, bytes]]]  # a Redis stream's (id, fields), as redis-py returns them
 
 STREAM = "specmesh:suffix:outputs"
+MAX_ENTRY_TOKENS = 1 << 20  # an output longer than any context: a bad entry
 
 
 def pack(tokens: list[int]) -> bytes:
@@ -39,6 +40,20 @@ def unpack(data: bytes) -> list[int]:
     return a.tolist()
 
 
+def entry_tokens(fields: dict, vocab: int) -> list[int]:
+    """An entry's output tokens, validated (whole 4-byte ids, at most ``MAX_ENTRY_TOKENS``, each
+    below ``vocab`` when known); ValueError naming what is wrong."""
+    data = fields.get(b"tokens")
+    if not isinstance(data, bytes) or len(data) % 4:
+        raise ValueError("tokens: not a whole number of 4-byte token ids")
+    if len(data) > 4 * MAX_ENTRY_TOKENS:
+        raise ValueError(f"tokens: more than {MAX_ENTRY_TOKENS}")
+    tokens = unpack(data)
+    if vocab and tokens and max(tokens) >= vocab:
+        raise ValueError(f"tokens: ids must be < {vocab}")
+    return tokens
+
+
 class SuffixFeed:
     def __init__(
         self,
@@ -47,8 +62,11 @@ class SuffixFeed:
         maxlen: int = 10_000,
         origin: str | None = None,
         stream: str = STREAM,
+        vocab: int = 0,
     ):
-        self.link, self.cache, self.maxlen, self.stream = link, cache, maxlen, stream
+        """``vocab``: the target's vocabulary size, the bound of a read token id (0: unchecked)."""
+        self.link, self.cache, self.maxlen, self.stream, self.vocab = link, cache, maxlen, stream, vocab
+        self.bad = BadEntries("suffix_feed")
         self.origin = origin or uuid.uuid4().hex[:12]
         self.last_id = b"0-0"
         self._out: queue.Queue[list[int] | None] = queue.Queue()
@@ -74,7 +92,7 @@ class SuffixFeed:
             log.warning("suffix feed: cannot warm from Redis (%s); starting with a local cache", e)
             return
         for entry_id, fields in entries:
-            self.cache.insert(unpack(fields[b"tokens"]))
+            self._ingest(fields)
             self.last_id = entry_id
         log.info("suffix feed: warmed global tree with %d outputs", len(entries))
 
@@ -111,9 +129,18 @@ class SuffixFeed:
             for _, entries in cast(list[tuple[bytes, Entries]], resp or []):
                 for entry_id, fields in entries:
                     self.last_id = entry_id
-                    if fields[b"origin"].decode() != self.origin:
-                        self.cache.insert(unpack(fields[b"tokens"]))
+                    if fields.get(b"origin") != self.origin.encode() and self._ingest(fields):
                         SUFFIX_FEED_INGESTED.inc()
+
+    def _ingest(self, fields: dict) -> bool:
+        """Insert an entry's output into the global tree unless it fails validation (skipped, counted)."""
+        try:
+            tokens = entry_tokens(fields, self.vocab)
+        except ValueError as e:
+            self.bad.skip(str(e))
+            return False
+        self.cache.insert(tokens)
+        return True
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush queued outputs (best effort within ``timeout``), then stop both threads."""

@@ -102,7 +102,7 @@ class ActiveSessions:
 
     def add(self, gens) -> None:
         with self._lock:
-            self._gens.update((g.req_id, g) for g in gens)
+            self._gens.update((g.session_id, g) for g in gens)
             REQUESTS_RUNNING.set(len(self._gens))
             now = time.perf_counter()
             for g in gens:
@@ -140,7 +140,7 @@ class ActiveSessions:
     def remove(self, gens) -> None:
         with self._lock:
             for g in gens:
-                self._gens.pop(g.req_id, None)
+                self._gens.pop(g.session_id, None)
             REQUESTS_RUNNING.set(len(self._gens))
 
     def __len__(self) -> int:

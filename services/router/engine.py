@@ -9,11 +9,11 @@ verifier is in-process (embedded) or remote (distributed); the loop is the same.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -196,7 +196,9 @@ class Engine:
             from services.memory.redis_link import RedisLink
             from services.memory.suffix_feed import SuffixFeed
 
-            self.suffix_feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), self.suffix_cache).start()
+            self.suffix_feed = SuffixFeed(
+                RedisLink(cfg.redis_url, "suffix_feed"), self.suffix_cache, vocab=self.verifier.vocab_size
+            ).start()
         if cfg.drafter_addr:
             from services.drafter.client import RemoteDrafter
 
@@ -219,7 +221,6 @@ class Engine:
         }
         self.model_fallback = next((d for d in ("eagle3", "draft-lm") if d in self.verifier.max_draft), None)
         self._add_hybrids(cfg)
-        self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
         if self.default_method != cfg.default_method:  # said once, not per request
             log.warning(
@@ -428,13 +429,13 @@ class Engine:
         self.validate(req)
         if req.n != 1:
             raise InvalidRequest("n: one Generation is one completion; use generate_all for n > 1")
-        return Generation(self, req, req.request_id or f"req-{next(self._ids)}")
+        return Generation(self, req, req.request_id or f"req-{uuid.uuid4().hex}")
 
     def generate_all(self, req: GenerationRequest) -> "Completions":
         """The request's ``n`` completions, each its own session (vLLM's n): completion i of a
         seeded request samples with seed + i, so each equals the single request with that seed."""
         self.validate(req)
-        rid = req.request_id or f"req-{next(self._ids)}"
+        rid = req.request_id or f"req-{uuid.uuid4().hex}"
         if req.n == 1:
             return Completions([Generation(self, req, rid)])
         sp = req.sampling
@@ -465,7 +466,7 @@ def prepare_step(gens: list[Generation]) -> list[CycleRequest | BaseException]:
         drafter = gens[idx[0]].drafter
         assert drafter is not None, "grouped by their router drafter"
         try:
-            drafts: list = drafter.propose_batch([(gens[i].req_id, budgets[i]) for i in idx])
+            drafts: list = drafter.propose_batch([(gens[i].session_id, budgets[i]) for i in idx])
         except Exception as e:
             drafts = [e] * len(idx)
         for i, d in zip(idx, drafts):
@@ -543,6 +544,9 @@ class Generation:
 
     def __init__(self, engine: Engine, req: GenerationRequest, req_id: str):
         self.engine, self.req, self.req_id = engine, req, req_id
+        # The key of its verifier session and drafter state, made here: the client's request id is
+        # only a label (logs, metrics, replies, aborts), so two requests that share one run apart.
+        self.session_id = uuid.uuid4().hex
         self.prompt_repeat = False  # another completion of a prompt already counted (n > 1)
         self.method = METHODS[req.method]
         self.drafter = engine.drafters[self.method.router_drafter] if self.method.router_drafter else None
@@ -630,7 +634,7 @@ class Generation:
                 model_drafter=self.model_drafter,
                 max_draft=self.max_draft,
                 on_demand=self.drafter is not None and self.model_drafter is not None,
-                session_id=self.req_id,
+                session_id=self.session_id,
                 deadline_s=req.deadline_s,
                 logprobs=req.logprobs,
                 cache_salt=req.cache_salt,
@@ -646,7 +650,7 @@ class Generation:
             self.metrics.prompt.inc(len(req.prompt_ids))
         try:
             if self.drafter:
-                self.drafter.start(self.req_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
+                self.drafter.start(self.session_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
             self.engine.scheduler.add(self)
         except BaseException:
             self.release()  # nothing will step it: its session closes here
@@ -658,7 +662,7 @@ class Generation:
             return
         self.cancel()
         if not self._released.wait(wait_s):
-            log.warning("request %s: its session was not closed within %.0f s", self.req_id, wait_s)
+            log.warning("request %r: its session was not closed within %.0f s", self.req_id, wait_s)
 
     def emit(self, item: "StepOutput | BaseException | None") -> None:
         """To the consumer: an output, the error that ended the generation, or None at its end;
@@ -673,7 +677,7 @@ class Generation:
             self.session.close()
         finally:
             if self.drafter:
-                self.drafter.stop(self.req_id)
+                self.drafter.stop(self.session_id)
             self.metrics.e2e.observe(self.timings.wall_s)
             if self.req.log_metrics:
                 REQUESTS.labels(self.req.method, self.finish_reason or "cancelled").inc()
@@ -713,7 +717,7 @@ class Generation:
             )
         draft = self._without_bad_words(self._grammatical(choice.token_ids))
         if len(draft) < len(choice.token_ids):
-            self.drafter.verified(self.req_id, len(draft))
+            self.drafter.verified(self.session_id, len(draft))
         return CycleRequest(draft_ids=tuple(draft), draft_source=choice.source)
 
     def _grammatical(self, draft: list[int]) -> list[int]:
@@ -760,7 +764,7 @@ class Generation:
         self.cached_tokens = min(len(self.req.prompt_ids), self.cached_tokens + res.cached_tokens)
         self.prompt_logprobs += res.prompt_logprobs
         if self.drafter:
-            self.drafter.observe(self.req_id, res.committed)
+            self.drafter.observe(self.session_id, res.committed)
         if self.grammar is not None:
             self.grammar.advance(res.committed)
         new_ids = self._take(res.committed)

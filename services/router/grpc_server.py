@@ -70,11 +70,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             for i, step in steps:
                 if not context.is_active():  # cancelled or past its deadline
-                    log.info("request %s ended by the client", completions.gens[0].req_id)
+                    log.info("request %r ended by the client", completions.gens[0].req_id)
                     return
                 yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
         except SessionCancelled:
-            log.info("request %s cancelled by the client during a cycle", completions.gens[0].req_id)
+            log.info("request %r cancelled by the client during a cycle", completions.gens[0].req_id)
             return
         except Refusal as e:  # no live verifier, or a verifier's own status (e.g. the propagated deadline)
             context.abort(status_of(e), str(e))

@@ -175,7 +175,7 @@ class Scheduler:
                 fresh.append(gen)
         for gen, made in zip(fresh, self._prepare(fresh)):
             if isinstance(made, BaseException):
-                log.debug("request %s failed", gen.req_id, exc_info=made)
+                log.debug("request %r failed", gen.req_id, exc_info=made)
                 self._end(gen, made)
             else:
                 batch.append((gen, made))
@@ -252,7 +252,7 @@ class Scheduler:
         try:
             value = fn(*args)
         except Exception as e:
-            log.debug("request %s failed", gen.req_id, exc_info=True)
+            log.debug("request %r failed", gen.req_id, exc_info=True)
             self._end(gen, e)
             return None
         if gen.finish_reason is not None:
@@ -267,5 +267,5 @@ class Scheduler:
         try:
             gen.release()
         except Exception:
-            log.exception("request %s: closing its session failed", gen.req_id)
+            log.exception("request %r: closing its session failed", gen.req_id)
         gen.emit(error)  # the consumer sees the end (or the error) only once the session is closed

@@ -30,7 +30,7 @@ from services.common.structured import StructuredOutput
 
 MAX_TOOLS = 128
 OPEN = "<tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+CLOSE = "</tool_call>"
 
 
 class ToolError(ValueError):
@@ -172,9 +172,9 @@ def message(tools: Tools, text: str) -> tuple[str | None, list[dict], bool]:
 def hermes(text: str, names: set[str]) -> tuple[str | None, list[dict], bool]:
     """vLLM's ``hermes`` parser: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks."""
     calls = []
-    for m in _CALL.finditer(text):
+    for block in call_blocks(text):
         try:
-            obj = json.loads(m.group(1))
+            obj = json.loads(block)
             name, args = obj["name"], obj.get("arguments", {})
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
@@ -184,6 +184,21 @@ def hermes(text: str, names: set[str]) -> tuple[str | None, list[dict], bool]:
         return text, [], False
     content = text[: text.index("<tool_call>")].strip()
     return content or None, calls, True
+
+
+def call_blocks(text: str) -> list[str]:
+    """What each ``<tool_call>...</tool_call>`` block holds, stripped, in order: a tag's block ends
+    at the first closing tag after it. Linear in ``text`` (a regex with lazy ``.*?`` between
+    ``\\s*`` took cubic time on a tag followed by spaces: 40 s at 4,000, on the client's own
+    echoed text), since the client controls it."""
+    blocks, at = [], text.find(OPEN)
+    while at >= 0:
+        end = text.find(CLOSE, at + len(OPEN))
+        if end < 0:
+            break
+        blocks.append(text[at + len(OPEN) : end].strip())
+        at = text.find(OPEN, end + len(CLOSE))
+    return blocks
 
 
 class ToolStream:

@@ -10,6 +10,7 @@ from services.router.admission import AbortLog, ActiveSessions, relay
 class Gen:
     def __init__(self, request_id: str, started: float):
         self.req_id = request_id + "-0"
+        self.session_id = f"{request_id}-{started}"
         self.req = SimpleNamespace(request_id=request_id)
         self.timings = SimpleNamespace(start=started)
         self.aborted = False

@@ -1,0 +1,154 @@
+"""Hostile and careless clients against a real server, one test per defence (docs/reliability.md,
+"Threat model"): each failed before its defence was built."""
+
+import threading
+
+import grpc
+import pytest
+
+from services.common.config import ServerConfig
+from services.router.engine import GenerationRequest
+from services.router.grpc_server import build_server
+from specmesh.v1 import generate_pb2 as pb
+from specmesh.v1 import generate_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def bundled_server(bundled_engine):
+    server, _, port = build_server(bundled_engine, ServerConfig(port=0, max_sessions=8))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.GenerationStub(channel)
+    channel.close()
+    server.stop(0)
+
+
+@pytest.mark.parametrize("method", ["hybrid", "sd", "suffix"])
+def test_two_streams_that_share_a_request_id_are_served_apart(bundled_server, bundled_engine, method):
+    """A client's request_id is a label, not the session's key: two concurrent streams that
+    share one (a retry, a client library reusing ids) each get their own prompt's greedy tokens
+    (before: both ended UNKNOWN with hybrid, one with a KeyError with sd and suffix)."""
+    prompts = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n"]
+    got: dict[int, list] = {}
+
+    def stream(i: int) -> None:
+        req = pb.GenerateRequest(prompt=prompts[i], max_new_tokens=32, method=method, request_id="same")
+        try:
+            got[i] = list(bundled_server.Generate(req, timeout=120))
+        except grpc.RpcError as e:
+            got[i] = [e]
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    for i, prompt in enumerate(prompts):
+        msgs = got[i]
+        assert all(isinstance(m, pb.GenerateResponse) for m in msgs), msgs[-1]
+        ref = bundled_engine.generate(GenerationRequest(bundled_engine.encode(prompt), 32, method="vanilla")).result()
+        assert [t for m in msgs for t in m.token_ids] == ref["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>" + " " * 100_000,  # cubic under the old regex (40 s at 4,000 spaces)
+        ("<tool_call>" + " " * 50) * 1_700,
+        "<tool_call>" + " \n" * 50_000 + "</tool_call>",
+        ("<tool_call> x </tool_call>" + " " * 10) * 2_800,
+    ],
+)
+def test_the_tool_call_parser_is_linear_in_a_clients_text(text):
+    """A client's own text reaches the parser (an echoed assistant message): 100k characters of
+    any shape parse in well under 50 ms."""
+    import time
+
+    from services.router.tools import Tools, message
+
+    tools = Tools(({"type": "function", "function": {"name": "f", "parameters": {}}},), "auto")
+    assert len(text) >= 100_000
+    t0 = time.perf_counter()
+    content, calls, called = message(tools, text)
+    assert time.perf_counter() - t0 < 0.05
+    assert calls == [] and not called and content == text
+
+
+def test_the_tool_call_parser_reads_each_block_to_its_first_closing_tag():
+    from services.router.tools import call_blocks, hermes
+
+    text = 'hi <tool_call> {"name": "f", "arguments": {"a": 1}} </tool_call>\n<tool_call>{"name": "g"}</tool_call><tool_call>'
+    assert call_blocks(text) == ['{"name": "f", "arguments": {"a": 1}}', '{"name": "g"}']
+    content, calls, called = hermes(text, {"f", "g"})
+    assert content == "hi" and called and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert calls[0]["function"]["arguments"] == '{"a": 1}'
+
+
+def bad_entries(source: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("specmesh_redis_bad_entries_total", {"source": source}) or 0.0
+
+
+def test_bad_suffix_feed_entries_are_skipped_and_counted(redis_url):
+    """Redis is shared: a ragged entry, out-of-vocabulary ids or a missing field in the suffix feed
+    (before: a crash-looping router, or a step that failed every session in it) are skipped and
+    counted, at warm-up and while running, and the good entries around them still arrive."""
+    import uuid
+
+    import redis
+
+    from services.drafter.suffix import GlobalSuffixCache
+    from services.memory.redis_link import RedisLink
+    from services.memory.suffix_feed import SuffixFeed, pack
+    from tests.conftest import wait_for
+
+    stream, r = f"test:hostile:{uuid.uuid4().hex}", redis.Redis.from_url(redis_url)
+    bad = [{"origin": "x", "tokens": b"\x01\x02\x03"}, {"origin": "x", "tokens": pack([5, 70_000])}, {"origin": "x"}]
+    for fields in [*bad, {"origin": "x", "tokens": pack([11, 12, 13])}]:
+        r.xadd(stream, fields)
+    before = bad_entries("suffix_feed")
+    cache = GlobalSuffixCache(64, 100)
+    feed = SuffixFeed(RedisLink(redis_url, "suffix_feed"), cache, stream=stream, vocab=1000).start()
+    try:
+        assert len(cache) == 1 and bad_entries("suffix_feed") - before == 3  # warmed past them
+        r.xadd(stream, {"origin": "x", "tokens": b"\xff" * 7})
+        r.xadd(stream, {"origin": "x", "tokens": pack([21, 22, 23])})
+        assert wait_for(lambda: len(cache) == 2, timeout=10)
+        assert bad_entries("suffix_feed") - before == 4 and all(t.is_alive() for t in feed._threads)
+    finally:
+        feed.close()
+        r.delete(stream)
+
+
+def test_bad_correction_memory_counts_are_skipped_and_counted(redis_url):
+    """Malformed fields and NaN, infinite or negative counts in the shared correction memory
+    (before: a ValueError that stopped a verifier's start, or counts the gate trusted) are
+    skipped and counted; the good counts around them are read."""
+    import math
+    import uuid
+
+    import redis
+
+    from services.memory.redis_link import RedisLink
+    from services.memory.redis_memory import RedisCorrectionMemory
+
+    prefix, r = f"test:hostile:ocm:{uuid.uuid4().hex}", redis.Redis.from_url(redis_url)
+    writer = RedisCorrectionMemory(RedisLink(redis_url, "ocm"), prefix=prefix, flush_interval_s=0.05)
+    try:
+        writer.ensure_prior({(1, 2): 3.0})
+        r.hset(f"{prefix}:prior", mapping={"junk": "1", "3:4": "nan", "5:6": "inf", "7:8": "-2", "9:x": "1"})
+        before = bad_entries("correction_memory")
+        reader = RedisCorrectionMemory(RedisLink(redis_url, "ocm"), prefix=prefix)  # reads the store at start
+        try:
+            assert reader.lookup(1, 2) == 3.0
+            assert all(
+                math.isfinite(reader.lookup(a, b)) and reader.lookup(a, b) == 0 for a, b in [(3, 4), (5, 6), (7, 8)]
+            )
+            assert bad_entries("correction_memory") - before >= 5
+        finally:
+            reader.close()
+    finally:
+        writer.close()
+        for key in r.scan_iter(f"{prefix}*"):
+            r.delete(key)
