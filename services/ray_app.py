@@ -709,17 +709,19 @@ class GenerationIngress:
 
         return health_status(self._serving())
 
-    def Watch(self, request):
-        """The status now, then each change (checked every half second) until the client leaves."""
+    async def Watch(self, request, grpc_context):
+        """The status now, then each change (checked every half second) until the client leaves;
+        with the API token only (a stream held open), on the event loop (no thread held per stream)."""
         from services.router.grpc_server import health_status
 
+        self._authorized(grpc_context)
         last = None
         while True:
-            serving = self._serving()
+            serving = await asyncio.to_thread(self._serving)
             if serving != last:
                 yield health_status(serving)
                 last = serving
-            time.sleep(0.5)
+            await asyncio.sleep(0.5)
 
 
 def app(args: dict):

@@ -578,7 +578,7 @@ class ServerConfig:
     chat_template: Path | None = None  # Jinja chat template for /v1/chat/completions; None = the tokenizer's
     vllm_metric_names: bool = True  # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)
-    allowed_origins: tuple[str, ...] = ("*",)  # CORS: browser origins the HTTP API answers (vLLM's default)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins the HTTP API answers (none: no CORS headers)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ServerConfig:
@@ -626,7 +626,11 @@ SERVER_OPTIONS: dict[str, Option] = {
             "its model_name label, for dashboards written for vLLM (router, verifier and embedded; the Ray "
             "app's node exporter always does)",
         ),
-        _server("allowed_origins", "names", "CORS: browser origins the HTTP API answers (vLLM's; default: any, *)"),
+        _server(
+            "allowed_origins",
+            "names",
+            "CORS: browser origins the HTTP API answers (default: none, no CORS headers; * for any, vLLM's default)",
+        ),
         _server(
             "health_check_timeout",
             "seconds",

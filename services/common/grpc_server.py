@@ -15,7 +15,7 @@ from services.common import refusals
 from services.common.security import DENIED, TLSConfig, bearer_ok, internal_token
 
 log = logging.getLogger("specmesh.grpc")
-EXEMPT = ("/grpc.health.v1.Health/",)  # Kubernetes probes carry no token
+EXEMPT = ("/grpc.health.v1.Health/Check",)  # Kubernetes probes carry no token; Watch needs one (it holds a stream)
 
 # Each refusal's gRPC status (the HTTP edge has its own table).
 STATUS_OF: dict[type[refusals.Refusal], grpc.StatusCode] = {
@@ -293,13 +293,19 @@ class ParseGuard(grpc.ServerInterceptor):
 
         if kind.startswith("unary"):
 
-            def guarded(request, context):
+            def guarded(request, context, *callback):
                 if request is _UNPARSED:
                     refuse(context)
-                return behavior(request, context)
+                return behavior(request, context, *callback)
+
+            # a non-blocking method (health Watch) stays so: wrapped plainly, each of its streams
+            # would hold a worker thread for as long as it is open, and 16 idle ones stop the server
+            for attr in ("experimental_non_blocking", "experimental_thread_pool"):
+                if hasattr(behavior, attr):
+                    setattr(guarded, attr, getattr(behavior, attr))
         else:
 
-            def guarded(requests, context):
+            def guarded(requests, context, *callback):  # (streamed requests: no callback)
                 def checked():
                     for r in requests:
                         if r is _UNPARSED:

@@ -251,9 +251,11 @@ def build_app(
 
     # Outermost (added last): a browser's preflight is answered before the bearer check, which
     # it cannot pass (it carries no Authorization header). No credentials: the token is a header.
-    app.add_middleware(
-        CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["*"], allow_headers=["*"]
-    )
+    # Off unless origins are configured: a page on any site could otherwise drive the API.
+    if cfg.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(cfg.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from services.common.structured import StructuredOutput
 
 MAX_TOOLS = 128
+MAX_CALLS = 128  # tool-call blocks read from one answer; the rest stay text
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
@@ -187,12 +188,13 @@ def hermes(text: str, names: set[str]) -> tuple[str | None, list[dict], bool]:
 
 
 def call_blocks(text: str) -> list[str]:
-    """What each ``<tool_call>...</tool_call>`` block holds, stripped, in order: a tag's block ends
-    at the first closing tag after it. Linear in ``text`` (a regex with lazy ``.*?`` between
+    """What each ``<tool_call>...</tool_call>`` block holds, stripped, in order, the first
+    ``MAX_CALLS`` of them: a tag's block ends at the first closing tag after it. Linear in ``text`` (a regex with lazy ``.*?`` between
     ``\\s*`` took cubic time on a tag followed by spaces: 40 s at 4,000, on the client's own
     echoed text), since the client controls it."""
-    blocks, at = [], text.find(OPEN)
-    while at >= 0:
+    blocks: list[str] = []
+    at = text.find(OPEN)
+    while at >= 0 and len(blocks) < MAX_CALLS:
         end = text.find(CLOSE, at + len(OPEN))
         if end < 0:
             break

@@ -57,6 +57,7 @@ def test_two_streams_that_share_a_request_id_are_served_apart(bundled_server, bu
         ("<tool_call>" + " " * 50) * 1_700,
         "<tool_call>" + " \n" * 50_000 + "</tool_call>",
         ("<tool_call> x </tool_call>" + " " * 10) * 2_800,
+        "<tool_call>{</tool_call>" * 4_200,  # blocks past MAX_CALLS are not parsed
     ],
 )
 def test_the_tool_call_parser_is_linear_in_a_clients_text(text):
@@ -152,3 +153,51 @@ def test_bad_correction_memory_counts_are_skipped_and_counted(redis_url):
         writer.close()
         for key in r.scan_iter(f"{prefix}*"):
             r.delete(key)
+
+
+def test_500_idle_health_watches_leave_generate_and_check_answering(tiny_engine):
+    """Health Watch streams hold no worker thread (before: 16 idle ones, the server's workers,
+    left Generate and the kubelet's Check ending DEADLINE_EXCEEDED), and, with auth on, only
+    Check is open to a caller without the token."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server, _, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=2))
+    server.start()
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for _ in range(5)]  # 100 streams a connection
+    watches = []
+    try:
+        for i in range(500):
+            watch = health_pb2_grpc.HealthStub(channels[i % 5]).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+            watches.append(watch)
+        assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)  # all 500 open
+        check = health_pb2_grpc.HealthStub(channels[0]).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        stub = pb_grpc.GenerationStub(channels[1])
+        msgs = list(stub.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=4, method="sd"), timeout=5))
+        assert sum(len(m.token_ids) for m in msgs) == 4
+    finally:
+        for w in watches:
+            w.cancel()
+        for c in channels:
+            c.close()
+        server.stop(0)
+
+
+def test_only_health_check_is_open_without_the_token(tiny_engine):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server, _, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=2, auth_token="s3cret"))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            next(health.Watch(health_pb2.HealthCheckRequest(), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=5, metadata=[("authorization", "Bearer s3cret")])
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+    finally:
+        channel.close()
+        server.stop(0)

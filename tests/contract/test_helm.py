@@ -260,7 +260,7 @@ def test_router_http_settings_reach_its_flags():
     assert args[i + 1 : i + 3] == ["code-v2", "code"]
     assert args[args.index("--allowed-origins") + 1] == "https://ui.example" and "--health-check-timeout=5" in args
     default = container(named(render({"mode": "services"}), "Deployment", "-router"))["args"]
-    assert "--served-model-name" not in default and default[default.index("--allowed-origins") + 1] == "*"
+    assert "--served-model-name" not in default and "--allowed-origins" not in default
     serve = yaml.safe_load(
         kinds(render({"mode": "ray", "router": {"servedModelName": ["code"]}}), "RayService")[0]["spec"][
             "serveConfigV2"
@@ -269,7 +269,7 @@ def test_router_http_settings_reach_its_flags():
     assert serve["applications"][0]["args"]["served_model_name"] == ["code"]
     assert serve["applications"][0]["args"]["health_check_timeout"] == 20
     for bad in (
-        {"router": {"allowedOrigins": []}},
+        {"router": {"allowedOrigins": [""]}},
         {"router": {"healthCheckTimeout": 0}},
         {"router": {"servedModelName": [""]}},
     ):

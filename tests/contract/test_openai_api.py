@@ -725,8 +725,12 @@ def cors(port: int, origin: str, path: str = "/v1/completions") -> tuple[int, di
 
 
 def test_cors_preflight_is_answered_before_the_bearer_check(tiny_engine):
-    """vLLM's --allowed-origins (any by default): a browser UI on another origin may call the API."""
-    with http_api(tiny_engine, auth_token="s3cret") as (port, _):
+    """vLLM's --allowed-origins: a browser UI on another origin may call the API once its origin is
+    allowed; by default no origin is (no CORS headers: a page on any site cannot drive it)."""
+    with http_api(tiny_engine) as (port, _):
+        status, headers = cors(port, "https://ui.example")
+        assert status >= 400 and "access-control-allow-origin" not in {k.lower() for k in headers}
+    with http_api(tiny_engine, auth_token="s3cret", allowed_origins=("*",)) as (port, _):
         status, headers = cors(port, "https://ui.example")
         assert status == 200 and headers["access-control-allow-origin"] == "*"
         assert "authorization" in headers["access-control-allow-headers"].lower()
