@@ -572,6 +572,7 @@ class GenerationIngress:
         from services.router.admission import ActiveSessions
 
         self._handles, self._args, self._drafter = (verifier, predictor), args, drafter
+        self._max_sessions = server_config(args).max_sessions  # Generate streams; each completion a session
         self._engine = None
         self._lock = threading.Lock()
         self._origin = uuid.uuid4().hex
@@ -667,6 +668,7 @@ class GenerationIngress:
         this call, which cancels its completions at once (``Completions.stream``). A status set on
         grpc_context survives only if we then raise (Serve)."""
         from services.common.refusals import Refusal
+        from services.router.admission import check_completions
         from services.router.grpc_server import refuse_under_serve
         from services.router.wire import final_to_pb, request_from_pb, step_to_pb
 
@@ -674,7 +676,9 @@ class GenerationIngress:
         engine = await asyncio.to_thread(lambda: self.engine)
         try:
             # off the event loop: validation tokenizes and compiles grammars, and admission may wait
-            completions = await asyncio.to_thread(lambda: engine.generate_all(request_from_pb(request, engine)))
+            req = await asyncio.to_thread(request_from_pb, request, engine)
+            check_completions(req.n, self._max_sessions)  # Serve counts streams, not their completions
+            completions = await asyncio.to_thread(engine.generate_all, req)
         except Refusal as e:
             refuse_under_serve(grpc_context, e)
         self._active.add(completions.gens)

@@ -14,7 +14,7 @@ from typing import Protocol
 from services.common.metrics import QUEUE_DEPTH, QUEUE_TIME, REQUESTS_RUNNING
 from services.common.refusals import Cancelled, DeadlineExceeded, Overloaded, Refusal
 from services.router import openai_api as oa
-from services.router.engine import Generation
+from services.router.engine import Generation, InvalidRequest
 
 
 class Waiter(Protocol):
@@ -23,6 +23,12 @@ class Waiter(Protocol):
     def is_active(self) -> bool: ...
 
     def time_remaining(self) -> float | None: ...
+
+
+def check_completions(n: int, max_sessions: int) -> None:
+    """A request's completions must fit the server's sessions at once (each is a session)."""
+    if n > max_sessions:
+        raise InvalidRequest(f"n: at most {max_sessions} completions (this server's sessions)")
 
 
 class Admission:

@@ -19,7 +19,7 @@ from services.common.refusals import Refusal
 from services.common.security import DENIED, TLSConfig, bearer_ok
 from services.common.types import SessionCancelled
 from services.router import openai_api as oa
-from services.router.admission import ActiveSessions, Admission
+from services.router.admission import ActiveSessions, Admission, check_completions
 from services.router.engine import Engine, InvalidRequest
 from services.router.wire import SERVICE_NAME, abort_target, final_to_pb, request_from_pb, step_to_pb
 from specmesh.v1 import generate_pb2 as pb
@@ -54,8 +54,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         try:
             req = replace(request_from_pb(request, self.engine), deadline_s=client_deadline(context))
-            if req.n > self.admission.max_sessions:
-                raise InvalidRequest(f"n: at most {self.admission.max_sessions} completions (this server's sessions)")
+            check_completions(req.n, self.admission.max_sessions)
             completions = self.engine.generate_all(req)
         except InvalidRequest as e:
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
