@@ -1,5 +1,6 @@
-"""The process that compiles structured-output patterns (outlines-core ``Index``), so a
-pattern whose automaton explodes costs a killed worker, not a stalled server.
+"""The process that compiles structured-output patterns (outlines-core ``Index``) and expands
+JSON schemas into them, so a pattern whose automaton explodes, or a schema whose ``$ref``s fan
+out into gigabytes of regex, costs a killed worker, not a stalled server.
 
 Rule: a compilation gets ``timeout_s`` seconds and an address-space cap; past either the
 worker is killed (and respawned for the next pattern) and the pattern is refused as too
@@ -25,16 +26,26 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
 
     if memory_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    from outlines_core.json_schema import build_regex_from_schema
+
     vocabulary = pickle.loads(conn.recv_bytes())
     while True:
         try:
-            pattern = conn.recv()
+            ask = conn.recv()
         except EOFError:  # the server went away
             return
-        if pattern is None:
+        if ask is None:
             return
         try:
-            conn.send((True, pickle.dumps(Index(pattern, vocabulary))))
+            if ask[0] == "schema":  # ("schema", schema, most characters its regex may have)
+                regex = build_regex_from_schema(ask[1])
+                if len(regex) > ask[2]:
+                    raise OverflowError(f"its regex has {len(regex)} characters, at most {ask[2]}")
+                conn.send((True, regex))
+            else:  # ("index", pattern)
+                conn.send((True, pickle.dumps(Index(ask[1], vocabulary))))
+        except OverflowError as e:
+            conn.send((False, f"too long: {e}"))
         except (ValueError, TypeError, MemoryError) as e:
             conn.send((False, f"{type(e).__name__}: {e}"))
 
@@ -55,20 +66,28 @@ class IndexWorker:
 
     def compile(self, pattern: str):
         """The pattern's ``Index``; ValueError for a bad pattern, CompileTimeout past the limits."""
+        return pickle.loads(self._ask(("index", pattern), "its automaton"))
+
+    def schema_regex(self, schema: str, max_chars: int) -> str:
+        """The regex a JSON schema expands to; ValueError for a schema that cannot be used or
+        whose regex has more than ``max_chars`` characters, CompileTimeout past the limits."""
+        return self._ask(("schema", schema, max_chars), "its regex")
+
+    def _ask(self, ask: tuple, what: str):
         with self._lock:
             conn = self._connection()
-            conn.send(pattern)
+            conn.send(ask)
             if not conn.poll(self.timeout_s):
                 self._kill()
-                raise CompileTimeout(f"its automaton did not build within {self.timeout_s:g} s")
+                raise CompileTimeout(f"{what} did not build within {self.timeout_s:g} s")
             try:
                 ok, payload = conn.recv()
             except EOFError:  # the worker died (the address-space cap)
                 self._kill()
-                raise CompileTimeout("its automaton outgrew the compile worker's memory") from None
+                raise CompileTimeout(f"{what} outgrew the compile worker's memory") from None
         if not ok:
             raise ValueError(payload)
-        return pickle.loads(payload)
+        return payload
 
     def _connection(self) -> Connection:
         """The worker's end of a socket pair; a fresh interpreter running this module (not a

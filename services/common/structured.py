@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +46,10 @@ class StructuredOutput:
     choice: tuple[str, ...] = ()
     json_object: bool = False
 
-    def pattern(self) -> str:
-        """The regular expression the output must match as a whole."""
+    def pattern(self, expand: Callable[[str], str] | None = None) -> str:
+        """The regular expression the output must match as a whole. ``expand``: how a JSON schema
+        becomes its regex (a server's ``GrammarCompiler.schema_regex``, in its capped worker;
+        else ``schema_regex``, in this process, for trusted schemas)."""
         kinds = [k for k in ("json_schema", "regex", "choice", "json_object") if getattr(self, k)]
         if len(kinds) != 1:
             raise GrammarError(
@@ -63,7 +66,7 @@ class StructuredOutput:
             return "(" + "|".join(escape(c) for c in self.choice) + ")"
         if self.regex:
             return self.regex
-        return schema_regex(self.json_schema)
+        return (expand or schema_regex)(self.json_schema)
 
 
 def _json_object(depth: int) -> str:
@@ -222,11 +225,37 @@ class GrammarCompiler:
         self.eos_id, self.vocab_size = tokenizer.eos_token_id, vocab_size
         self.worker = IndexWorker(Vocabulary(self.eos_id, token_bytes(tokenizer)), timeout_s)
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
+        self._schemas: OrderedDict[str, str] = OrderedDict()  # schema -> its regex
         self._cached, self._lock = cached, threading.Lock()
 
     def cached(self, pattern: str) -> bool:
         with self._lock:
             return pattern in self._cache
+
+    def schema_regex(self, schema: str) -> str:
+        """``schema``'s regex, expanded in the compile worker (a schema of a few kilobytes whose
+        ``$ref``s fan out can expand to gigabytes: past the worker's time or memory, or past
+        ``MAX_REGEX_CHARS``, it is refused as too complex); recent ones cached."""
+        with self._lock:
+            if schema in self._schemas:
+                return self._schemas[schema]
+        try:
+            json.loads(schema)
+            regex = self.worker.schema_regex(schema, MAX_REGEX_CHARS)
+        except CompileTimeout as e:
+            raise GrammarError(f"structured_output.json_schema: too complex: {e}; bound its nesting") from None
+        except ValueError as e:
+            if str(e).startswith("too long"):
+                raise GrammarError(
+                    f"structured_output.json_schema: too complex ({str(e)[10:]}); bound nesting or drop "
+                    "open-ended objects"
+                ) from None
+            raise GrammarError(f"structured_output.json_schema: not a usable JSON schema: {e}") from None
+        with self._lock:
+            self._schemas[schema] = regex
+            while len(self._schemas) > self._cached:
+                self._schemas.popitem(last=False)
+        return regex
 
     def compile(self, pattern: str) -> TokenGrammar:
         from services.common.metrics import GRAMMAR_COMPILE_SECONDS, GRAMMAR_COMPILES

@@ -421,7 +421,7 @@ class Engine:
             )
         assert req.structured is not None, "called for a structured request"
         try:
-            self.grammars.compile(req.structured.pattern())
+            self.grammars.compile(req.structured.pattern(self.grammars.schema_regex))
         except GrammarError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -575,7 +575,7 @@ class Generation:
         self.index = 0  # its place among the request's completions
         self._released = threading.Event()
         self._t0 = self._t1 = 0.0  # the cycle in flight: when it began, when its draft was ready
-        self.pattern = req.structured.pattern() if req.structured else None
+        self.pattern = req.structured.pattern(engine.grammars.schema_regex) if req.structured else None
         self.grammar = GrammarCursor.after(engine.grammars.compile(self.pattern), []) if self.pattern else None
 
     @property

@@ -201,3 +201,38 @@ def test_only_health_check_is_open_without_the_token(tiny_engine):
     finally:
         channel.close()
         server.stop(0)
+
+
+def fan_out_schema(width: int) -> str:
+    """A schema of a few kilobytes whose ``$ref``s expand to ``width``³ string patterns."""
+    import json
+
+    defs: dict = {"d0": {"type": "string", "pattern": "[a-z]{1,5}"}}
+    for i in range(1, 4):
+        props = {f"p{j}": {"$ref": f"#/$defs/d{i - 1}"} for j in range(width)}
+        defs[f"d{i}"] = {"type": "object", "properties": props, "required": list(props)}
+    return json.dumps({"$defs": defs, "$ref": "#/$defs/d3"})
+
+
+def test_a_schema_that_fans_out_is_expanded_and_refused_in_the_compile_worker(tiny_engine, monkeypatch):
+    """A JSON schema's regex is built in the capped compile worker, never in the server's process
+    (a 14 KB schema here expands to about 150 MB; before, the router built it on its request
+    thread, with no time or memory cap): it is refused as too complex, and the server serves on."""
+    from services.common import structured
+    from services.common.structured import StructuredOutput
+    from services.router.engine import InvalidRequest
+
+    def in_process(schema: str) -> str:
+        raise AssertionError("a client's schema was expanded in the server's process")
+
+    monkeypatch.setattr(structured, "schema_regex", in_process)
+    bomb = fan_out_schema(150)
+    assert len(bomb) < structured.MAX_SPEC_CHARS
+    prompt = tiny_engine.encode("{")
+    with pytest.raises(InvalidRequest, match="json_schema: too complex"):
+        tiny_engine.generate(GenerationRequest(prompt, 8, structured=StructuredOutput(json_schema=bomb)))
+    small = StructuredOutput(
+        json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    )
+    out = tiny_engine.generate(GenerationRequest(prompt, 12, structured=small)).result()
+    assert out["finish_reason"] in ("stop", "length")
