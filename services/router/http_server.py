@@ -2,7 +2,7 @@
 engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/completions``
 (streamed as server-sent events when ``stream`` is true), ``GET /v1/models``, vLLM's
 ``POST /tokenize``, ``POST /detokenize`` and ``POST /reset_prefix_cache``, SGLang's native
-``POST /generate``, ``/flush_cache``, ``POST /abort_request``, ``GET /get_model_info``,
+``POST /generate``, ``POST /flush_cache``, ``POST /abort_request``, ``GET /get_model_info``,
 ``GET /get_server_info`` and ``GET /health_generate``, ``GET /health`` (and vLLM's ``/ping``),
 ``GET /metrics``.
 
@@ -354,7 +354,7 @@ def build_app(
         """vLLM's: every verifier replica forgets its cached prompt blocks (empty 200)."""
         return await _reset_prefix_cache(Response(status_code=200))
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")  # SGLang's also answers GET; a GET must not change state (a crawler, a prefetch)
     async def flush_cache():
         """SGLang's name for the same reset."""
         return await _reset_prefix_cache(Response("Cache flushed.\n", media_type="text/plain"))

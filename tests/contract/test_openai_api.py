@@ -640,6 +640,7 @@ def test_bearer_token_is_required_on_v1_but_not_health(tiny_engine):
 def test_reset_prefix_cache_forgets_cached_prompt_blocks(api, tiny_engine):
     """vLLM's POST /reset_prefix_cache (and SGLang's /flush_cache): a prompt served from the
     prefix cache is prefilled whole after it."""
+    import urllib.error
     import urllib.request
 
     from prometheus_client import REGISTRY
@@ -653,7 +654,11 @@ def test_reset_prefix_cache_forgets_cached_prompt_blocks(api, tiny_engine):
 
     cached()
     assert cached() > 0
-    for path, method, text in (("/reset_prefix_cache", "POST", ""), ("/flush_cache", "GET", "Cache flushed.\n")):
+    get = urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as e:  # a GET changes nothing (SGLang's also flushes on GET)
+        urllib.request.urlopen(get, timeout=30)
+    assert e.value.code == 405 and cached() > 0
+    for path, method, text in (("/reset_prefix_cache", "POST", ""), ("/flush_cache", "POST", "Cache flushed.\n")):
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}{path}", method=method, data=b"" if method == "POST" else None
         )
