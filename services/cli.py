@@ -99,20 +99,19 @@ def _trust(args: argparse.Namespace) -> None:
         )
 
 
-def _auth_token(path: str | None) -> str | None:
-    """The bearer token: from ``--auth-token-file`` (a file that cannot be read or holds no token
-    stops the server: it never serves open by mistake), else env SPECMESH_AUTH_TOKEN."""
+def _auth_token(path: str | None, flag: str = "--auth-token-file", env: str = "SPECMESH_AUTH_TOKEN") -> str | None:
+    """A bearer token: from its file (a file that cannot be read or holds no token stops the
+    server: it never serves open by mistake), else its environment variable."""
     if path is None:
-        return os.environ.get("SPECMESH_AUTH_TOKEN") or None
+        return os.environ.get(env) or None
     try:
         token = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
         sys.exit(
-            f"error: --auth-token-file {path}: cannot be read ({e.__class__.__name__}); the server would serve "
-            "without authentication"
+            f"error: {flag} {path}: cannot be read ({e.__class__.__name__}); the server would serve without authentication"
         )
     if not token:
-        sys.exit(f"error: --auth-token-file {path}: holds no token; the server would serve without authentication")
+        sys.exit(f"error: {flag} {path}: holds no token; the server would serve without authentication")
     return token
 
 
@@ -138,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         auth_token=token or None,
+        admin_token=_auth_token(args.admin_token_file, "--admin-token-file", "SPECMESH_ADMIN_TOKEN"),
     )
     if args.tls_cert:  # component servers read their TLS settings from the environment
         os.environ.setdefault("SPECMESH_TLS_CERT", str(args.tls_cert))
@@ -445,6 +445,12 @@ def _serve_parser(sub) -> None:
         "--auth-token-file",
         default=None,
         help="require `authorization: Bearer <token>` (token from this file, or env SPECMESH_AUTH_TOKEN)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="the admin endpoints (SGLang's /abort_request, /reset_prefix_cache, /flush_cache, gRPC Abort) "
+        "take this token instead of the API's (file, or env SPECMESH_ADMIN_TOKEN); unset: the API token guards them",
     )
     p.add_argument(
         "--internal-token-file",

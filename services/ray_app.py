@@ -101,7 +101,11 @@ VERIFIER_MAX_SESSIONS = 16  # sessions a verifier replica serves at once (verifi
 def server_config(args: dict) -> ServerConfig:
     """The ingress's server settings from the app's args (``ServerConfig.from_mapping``, as
     ``specmesh serve``'s flags); the bearer token from the environment, never from args."""
-    return replace(ServerConfig.from_mapping(args), auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None)
+    return replace(
+        ServerConfig.from_mapping(args),
+        auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None,
+        admin_token=os.environ.get("SPECMESH_ADMIN_TOKEN") or None,
+    )
 
 
 def engine_config(args: dict) -> EngineConfig:
@@ -653,10 +657,14 @@ class GenerationIngress:
         """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's;
         the other ingress replicas end theirs as the ``AbortBoard`` tells them."""
         from services.common.refusals import Refusal
-        from services.router.grpc_server import refuse_under_serve
+        from services.router.grpc_server import check_token_under_serve, refuse_under_serve
         from services.router.wire import abort_response, abort_target
 
-        self._authorized(grpc_context)
+        admin = os.environ.get("SPECMESH_ADMIN_TOKEN")
+        if admin:  # the admin token instead of the API's
+            check_token_under_serve(grpc_context, admin)
+        else:
+            self._authorized(grpc_context)
         try:
             target = abort_target(request)
         except Refusal as e:

@@ -572,6 +572,8 @@ class ServerConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # and require client certificates signed by this CA (mTLS)
     auth_token: str | None = None  # require `authorization: Bearer <token>` on the public API
+    # the admin endpoints (aborts, prefix-cache resets) take this token instead of auth_token
+    admin_token: str | None = None
     http_port: int = 8000  # OpenAI-compatible HTTP API (/v1/completions, ...); 0 = off
     served_model_name: tuple[str, ...] | str = ()  # the model's names in the HTTP API (answers carry the
     #                                       first); empty = the target's directory name

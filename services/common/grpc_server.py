@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import refusals
-from services.common.security import DENIED, TLSConfig, bearer_ok, internal_token
+from services.common.security import ADMIN_DENIED, DENIED, TLSConfig, bearer_ok, internal_token
 
 log = logging.getLogger("specmesh.grpc")
 EXEMPT = ("/grpc.health.v1.Health/Check",)  # Kubernetes probes carry no token; Watch needs one (it holds a stream)
@@ -62,16 +62,18 @@ def build_grpc_server(
     max_message_bytes: int = 4 * 1024 * 1024,
     tls: TLSConfig | None = None,
     auth_token: str | None = None,
+    admin: tuple[str | None, tuple[str, ...]] = (None, ()),
 ) -> tuple[grpc.Server, int]:
     """A server with the services ``register`` adds, all reported SERVING; ``server.health``
     is kept for graceful shutdown. Port 0 binds any free port; the bound port is returned.
     ``tls`` (default from the environment: SPECMESH_TLS_CERT / _KEY, and SPECMESH_TLS_CLIENT_CA
-    to require client certificates) serves TLS; ``auth_token`` requires a bearer token."""
+    to require client certificates) serves TLS; ``auth_token`` requires a bearer token;
+    ``admin`` = (token, methods): those methods take that token instead (when it is set)."""
     tls = tls if tls is not None else TLSConfig.server_from_env()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers),
         # auth first (a refused call's bytes are never parsed), then the parse check
-        interceptors=[*([BearerAuth(auth_token)] if auth_token else []), ParseGuard()],
+        interceptors=[*([BearerAuth(auth_token, *admin)] if auth_token or admin[0] else []), ParseGuard()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -236,16 +238,22 @@ def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
 
 
 class BearerAuth(grpc.ServerInterceptor):
-    def __init__(self, token: str):
-        if not token:
+    def __init__(self, token: str | None, admin_token: str | None = None, admin_methods: tuple[str, ...] = ()):
+        """``token`` (None: the API is open) for every method but health Check; ``admin_methods``
+        take ``admin_token`` instead, when it is set."""
+        if not token and not admin_token:
             raise ValueError("auth: the bearer token must not be empty")
-        self._token = token
+        self._token, self._admin_token, self._admin_methods = token, admin_token, admin_methods
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or details.method.startswith(EXEMPT) or bearer_ok(details.invocation_metadata, self._token):
+        if handler is None or details.method.startswith(EXEMPT):
             return handler
-        return _deny(handler)
+        admin = self._admin_token is not None and details.method in self._admin_methods
+        token = self._admin_token if admin else self._token
+        if token is None or bearer_ok(details.invocation_metadata, token):
+            return handler
+        return _deny(handler, ADMIN_DENIED if admin else DENIED)
 
 
 def _kind(handler) -> str:
@@ -253,11 +261,11 @@ def _kind(handler) -> str:
     return next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
 
 
-def _deny(handler):
+def _deny(handler, why: str = DENIED):
     """A refusal that never parses the request: auth is checked before any byte is read as protobuf."""
 
     def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     make = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
     return make(abort, request_deserializer=lambda raw: raw, response_serializer=handler.response_serializer)

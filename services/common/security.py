@@ -43,6 +43,7 @@ class TLSConfig:
 
 
 DENIED = "authorization: missing or invalid bearer token"
+ADMIN_DENIED = "authorization: an admin endpoint: send the admin token (`Authorization: Bearer <admin token>`)"
 
 
 def bearer_ok(metadata, token: str) -> bool:

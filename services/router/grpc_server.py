@@ -114,6 +114,7 @@ def build_server(engine: Engine, cfg: ServerConfig = ServerConfig()) -> tuple[gr
         cfg.max_message_bytes,
         tls,
         cfg.auth_token,
+        (cfg.admin_token, (f"/{SERVICE_NAME}/Abort",)),
     )
     if hasattr(engine.verifier, "live"):  # remote replicas: health says whether any answers
         threading.Thread(

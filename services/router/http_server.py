@@ -40,6 +40,8 @@ from services.router.engine import Completions, Engine, GenerationRequest, Inval
 from services.router.tools import ToolStream
 
 log = logging.getLogger("specmesh.http")
+# what ends other clients' requests or resets shared state: behind the admin token when one is set
+ADMIN_PATHS = ("/abort_request", "/reset_prefix_cache", "/flush_cache")
 
 # Each refusal's HTTP status (the gRPC edge has its own table).
 _HTTP_OF: dict[type[refusals.Refusal], int] = {
@@ -242,10 +244,14 @@ def build_app(
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if cfg.auth_token and request.url.path not in ("/health", "/ping", "/metrics", "/version"):
-            from services.common.security import bearer_ok
+        from services.common.security import ADMIN_DENIED, bearer_ok
 
-            if not bearer_ok([("authorization", request.headers.get("authorization", ""))], cfg.auth_token):
+        sent = [("authorization", request.headers.get("authorization", ""))]
+        if cfg.admin_token and request.url.path in ADMIN_PATHS:  # the admin token instead of the API's
+            if not bearer_ok(sent, cfg.admin_token):
+                return error(401, ADMIN_DENIED)
+        elif cfg.auth_token and request.url.path not in ("/health", "/ping", "/metrics", "/version"):
+            if not bearer_ok(sent, cfg.auth_token):
                 return error(401, "authorization: send `Authorization: Bearer <token>`")
         return await call_next(request)
 

@@ -236,3 +236,57 @@ def test_a_schema_that_fans_out_is_expanded_and_refused_in_the_compile_worker(ti
     )
     out = tiny_engine.generate(GenerationRequest(prompt, 12, structured=small)).result()
     assert out["finish_reason"] in ("stop", "length")
+
+
+def test_admin_endpoints_take_the_admin_token_not_the_apis(tiny_engine):
+    """With an admin token set, a client holding the API token cannot abort other clients'
+    requests or reset the prefix caches (HTTP or gRPC); the admin token can, and it is not an
+    API token."""
+    import urllib.error
+    import urllib.request
+
+    from tests.contract.test_openai_api import http_api
+
+    def post(port: int, path: str, token: str, body: bytes = b"{}") -> int:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}",
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    with http_api(tiny_engine, auth_token="api", admin_token="admin") as (port, _):
+        for path, body in (
+            ("/abort_request", b'{"abort_all": true}'),
+            ("/reset_prefix_cache", b""),
+            ("/flush_cache", b""),
+        ):
+            assert post(port, path, "api", body) == 401, path
+            assert post(port, path, "admin", body) == 200, path
+        assert post(port, "/v1/completions", "admin", b'{"prompt": "x", "max_tokens": 1}') == 401
+
+    server, _, grpc_port = build_server(tiny_engine, ServerConfig(port=0, auth_token="api", admin_token="admin"))
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Abort(pb.AbortRequest(abort_all=True), timeout=10, metadata=[("authorization", "Bearer api")])
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "admin token" in e.value.details()
+            done = stub.Abort(pb.AbortRequest(abort_all=True), timeout=10, metadata=[("authorization", "Bearer admin")])
+            assert done.aborted == 0
+            msgs = list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt="x", max_new_tokens=2),
+                    timeout=30,
+                    metadata=[("authorization", "Bearer api")],
+                )
+            )
+            assert sum(len(m.token_ids) for m in msgs) == 2
+    finally:
+        server.stop(0)
