@@ -106,10 +106,20 @@ def test_chart_passes_the_token_to_the_ray_head():
     import yaml
 
     chart = Path(__file__).resolve().parents[2] / "deploy/helm/specmesh"
-    out = helm.Chart.load(str(chart)).render({"auth": {"enabled": True, "secretName": "tok"}}, name="d", namespace="n")
+    auth = {"enabled": True, "secretName": "tok", "adminSecretName": "admin"}
+    out = helm.Chart.load(str(chart)).render({"auth": auth}, name="d", namespace="n")
     rs = next(d for d in yaml.safe_load_all(out["specmesh/templates/rayservice.yaml"]) if d)
     env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "SPECMESH_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "token"}}} in env
+    assert {"name": "SPECMESH_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "admin", "key": "token"}}} in env
+    services = helm.Chart.load(str(chart)).render({"mode": "services", "auth": auth}, name="d", namespace="n")
+    router = next(
+        d
+        for d in yaml.safe_load_all(services["specmesh/templates/services.yaml"])
+        if d and d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-router")
+    )
+    env = router["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "SPECMESH_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "admin", "key": "token"}}} in env
 
 
 def raw_generate(addr: str, blob: bytes, token: str | None = None):

@@ -84,6 +84,11 @@ redis://specmesh@{{ include "specmesh.fullname" . }}-redis:6379/0
   valueFrom:
     secretKeyRef: {name: {{ required "auth.secretName is required when auth.enabled" .Values.auth.secretName }}, key: token}
 {{- end }}
+{{- with .Values.auth.adminSecretName }}
+- name: SPECMESH_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ . }}, key: token}
+{{- end }}
 {{- end -}}
 
 {{- define "specmesh.mounts" -}}
