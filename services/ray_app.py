@@ -340,10 +340,12 @@ class VerifierDeployment:
         self.sessions.put(spec.session_id, await self._in_pool(self.core.open, spec))
         return serve.get_replica_context().replica_id.unique_id
 
-    async def step(self, items: list[tuple[str, CycleRequest]]) -> list[Outcome]:
+    async def step(self, items: list[tuple[str, CycleRequest]], home: str = "") -> list[Outcome]:
         """One router step's cycles of the sessions held here, verified with every other
         router's (the replica's batcher): each a ``CycleResult``, or the exception that failed
-        it (``SessionMissing``: not held here)."""
+        it (``SessionMissing``: not held here). ``home`` (here, on every session call) is the
+        replica the caller's open went to, read only by the request router, which sends the
+        call there."""
         loop = asyncio.get_running_loop()
         outcomes: list[Any] = [None] * len(items)
         waits, posts = [], []
@@ -361,7 +363,7 @@ class VerifierDeployment:
             outcomes[i] = await answer
         return outcomes
 
-    def cancel(self) -> None:
+    def cancel(self, home: str = "") -> None:
         """The session's client went away: its cycle in flight ends with ``SessionCancelled`` at
         the verifier's next step (a prompt prefilling in chunks included)."""
         session = self.sessions.get(serve.get_multiplexed_model_id())
@@ -382,9 +384,10 @@ class VerifierDeployment:
         return {
             "sessions": list(self.core.sessions.copy()),
             "replica": serve.get_replica_context().replica_id.unique_id,
+            "at": time.time(),  # when listed: a session opened after this is not absent from it
         }
 
-    async def close(self) -> None:
+    async def close(self, home: str = "") -> None:
         session = self.sessions.pop(serve.get_multiplexed_model_id())
         if session is not None:
             await self._in_pool(session.close)
@@ -431,7 +434,7 @@ class RaySession:
     def cycle(self, req: CycleRequest) -> CycleResult:
         """One cycle alone (a step of one); a replica that does not hold the session re-opens it."""
         try:
-            outcome = self.h.step.remote([(self.session_id, req)]).result()[0]
+            outcome = self.h.step.remote([(self.session_id, req)], home=self.replica).result()[0]
         except Exception as e:  # noqa: BLE001 - Ray's wrapping of the call's failure
             outcome = e
         if isinstance(outcome, SessionMissing) and not self.cancelled:
@@ -442,7 +445,7 @@ class RaySession:
         """Re-open where Serve routes (from the prompt plus the committed tokens), and cycle there."""
         try:
             self._open()
-            outcome = self.h.step.remote([(self.session_id, req)]).result()[0]
+            outcome = self.h.step.remote([(self.session_id, req)], home=self.replica).result()[0]
         except Exception as e:  # noqa: BLE001
             outcome = e
         return _raised(self.settle(outcome))
@@ -451,10 +454,12 @@ class RaySession:
         """The client went away (any thread): the replica stops the cycle in flight at the
         verifier's next step (``VerifierDeployment.cancel``)."""
         self.cancelled = True
-        self.h.cancel.remote()
+        self.h.cancel.remote(home=self.replica)
 
     def close(self) -> None:
-        self.h.close.remote()
+        """Not awaited; routed to the replica that holds the session (``home``), since a close
+        that lands elsewhere closes nothing there."""
+        self.h.close.remote(home=self.replica)
 
 
 def _raised(outcome: Outcome) -> CycleResult:
@@ -502,7 +507,8 @@ class RayVerifier:
 
     def _on_replica(self, cycles: list[tuple[RaySession, CycleRequest]], dones: list) -> None:
         try:
-            call = cycles[0][0].h.step.remote([(s.session_id, r) for s, r in cycles])
+            home = cycles[0][0]
+            call = home.h.step.remote([(s.session_id, r) for s, r in cycles], home=home.replica)
             outcomes: list[Outcome] = call.result()
         except Exception as e:  # noqa: BLE001 - the call failed: every cycle of it
             outcomes = [e] * len(cycles)

@@ -1,10 +1,12 @@
 """Ray Serve request router for the verifier deployment: session affinity and prefix
 affinity, as the distributed router's placement does them (``services/common/affinity.py``).
 
-- A session's later calls (cycles, close; its multiplexed id is the session id) go to the
-  replica its ``open`` went to, which holds its KV cache. Serve's own multiplexed routing
-  learns where an id lives only once the replica reports it, so a cycle right after an open
-  could land elsewhere (and re-open the session there).
+- A session's later calls (steps, cancel, close; its multiplexed id is the session id) go to
+  the replica its ``open`` went to, which holds its KV cache: the one the call names
+  (``home=``, the caller learned it from the open's answer), else the one this router placed
+  it on. Serve's own multiplexed routing learns where an id lives only once the replica
+  reports it, so a cycle right after an open could land elsewhere (and re-open the session
+  there), and a close that lands elsewhere closes nothing.
 - A session's ``open`` goes to the replica that holds the longest start of its prompt in its
   prefix cache, when that replica has at most ``slack`` sessions more than the least loaded;
   else to the least loaded. Sessions are counted over every router (each ingress replica has
@@ -36,8 +38,15 @@ from services.common.types import SessionSpec
 
 # Longer than a replica's report takes to arrive (its period, 1 s, plus the controller's
 # broadcast): a session this router closed is left out of reports for this long, and one it
-# opened this long ago that its replica no longer reports is gone.
+# opened that a report taken this long after does not list is gone.
 REPORT_LAG_S = 10.0
+
+
+def _home(pending_request) -> str:
+    """The replica a session call names as the session's (``home=``), else ""."""
+    if pending_request is None:
+        return ""
+    return str(pending_request.kwargs.get("home") or "")
 
 
 def _opened(pending_request) -> SessionSpec | None:
@@ -59,10 +68,10 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         """Open sessions per replica, every router's (``session_loads``)."""
         now = time.monotonic()
         self.closed = {s: t for s, t in self.closed.items() if now - t < REPORT_LAG_S}
-        reported = {
-            rid: r.routing_stats["sessions"] for rid, r in by_id.items() if "sessions" in (r.routing_stats or {})
-        }
-        for sid in unreported(self.placed, reported, now, REPORT_LAG_S):  # its close was cancelled with its stream
+        stats = {rid: r.routing_stats for rid, r in by_id.items() if "sessions" in (r.routing_stats or {})}
+        reported = {rid: st["sessions"] for rid, st in stats.items()}
+        taken = {rid: (st.get("at", 0.0), st["sessions"]) for rid, st in stats.items()}
+        for sid in unreported(self.placed, taken, REPORT_LAG_S):  # its close was cancelled with its stream
             del self.placed[sid]
         return session_loads(by_id, reported, {s: rid for s, (rid, _) in self.placed.items()}, self.closed)
 
@@ -74,7 +83,7 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
             cleared = set(pending_request.args[0])
             return [[next((r for rid, r in by_id.items() if rid not in cleared), next(iter(by_id.values())))]]
         spec = _opened(pending_request)
-        home = self.placed.get(sid, ("", 0.0))[0]
+        home = _home(pending_request) or self.placed.get(sid, ("", 0.0))[0]
         if spec is None and home in by_id:
             return [[by_id[home]]]
         if spec is None or not by_id:
@@ -90,7 +99,7 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         spec = _opened(pending_request)
         if spec is not None:
             self.affinity.placed(spec.prompt_ids, rid, spec.cache_salt)
-            self.placed[sid] = (rid, time.monotonic())  # a re-open moves the session
+            self.placed[sid] = (rid, time.time())  # a re-open moves it; wall time, as the reports'
             self.closed.pop(sid, None)
         elif pending_request.metadata.call_method == "close" and self.placed.pop(sid, None) is not None:
             self.closed[sid] = time.monotonic()

@@ -64,12 +64,15 @@ def choose(live: list[str], load: dict[str, int], held: dict[str, int], slack: i
 
 
 def unreported(
-    placed: Mapping[str, tuple[str, float]], reported: Mapping[str, Iterable[str]], now: float, lag: float
+    placed: Mapping[str, tuple[str, float]], reported: Mapping[str, tuple[float, Iterable[str]]], lag: float
 ) -> list[str]:
-    """Sessions this router placed (session → (replica, when)) more than ``lag`` ago that their
-    replica's report no longer lists: closed without this router's close (a cancel)."""
-    listed = {a: set(s) for a, s in reported.items()}
-    return [s for s, (a, t) in placed.items() if now - t > lag and a in listed and s not in listed[a]]
+    """Sessions this router placed (session → (replica, when)) that their replica's report
+    (replica → (when taken, sessions)) does not list though it was taken more than ``lag``
+    after the placement: closed without this router's close (a cancel). A report older than
+    that proves nothing: the replica may not have run the open yet, or a busy replica's
+    report may be late."""
+    listed = {a: (at, set(s)) for a, (at, s) in reported.items()}
+    return [s for s, (a, t) in placed.items() if a in listed and listed[a][0] - t > lag and s not in listed[a][1]]
 
 
 def session_loads(

@@ -486,6 +486,28 @@ def test_a_step_is_one_call_per_replica_and_replicas_hold_past_64_sessions(serve
     assert wait_for(none_open, timeout=60), open_sessions()
 
 
+def test_a_close_reaches_the_sessions_replica_through_a_router_that_did_not_open_it(serve_app, tiny_engine):
+    """A close names the replica the session's open went to (``home``), so it lands there even
+    through a request router with no record of the open (another ingress replica's, or one that
+    dropped it): routed as Serve routes by default, half of them closed nothing and the
+    sessions stayed open on their replica."""
+    from ray import serve
+    from ray.serve.handle import DeploymentHandle
+
+    from services.common.types import SessionSpec
+    from services.ray_app import RaySession
+
+    no_sessions_reported()
+    handle = serve.get_deployment_handle("VerifierDeployment", app_name="specmesh")
+    sessions = [RaySession(handle, SessionSpec(tiny_engine.encode(f"def away_{i}(x):\n"), 4)) for i in range(8)]
+    assert len({s.replica for s in sessions}) == 2  # least loaded first: both replicas
+    other = DeploymentHandle("VerifierDeployment", "specmesh")  # not the cached handle: a router of its own
+    for s in sessions:
+        s.h = other.options(multiplexed_model_id=s.session_id)
+        s.close()
+    assert wait_for(lambda: not any(open_sessions().values()), timeout=30), open_sessions()
+
+
 def no_sessions_reported() -> None:
     """Wait until no verifier replica holds a session, and until the request routers' copies of
     the replicas' reports (sent every 1 s, then broadcast by the controller) say so too: a

@@ -46,7 +46,9 @@ def test_session_loads_merge_the_replicas_reports_with_this_routers_changes_sinc
     assert session_loads([B], reported, {"s1": A}, set()) == {B: 0}  # only live replicas
 
 
-def test_unreported_sessions_are_those_placed_long_ago_that_their_replica_no_longer_lists():
+def test_unreported_sessions_are_those_a_report_taken_long_after_their_placement_does_not_list():
     placed = {"old-gone": (A, 0.0), "old-live": (A, 0.0), "new": (A, 9.0), "elsewhere": (B, 0.0)}
-    reported = {A: ["old-live"]}  # B has not reported yet
-    assert unreported(placed, reported, now=10.0, lag=5.0) == ["old-gone"]
+    reported = {A: (10.0, ["old-live"])}  # B has not reported yet
+    assert unreported(placed, reported, lag=5.0) == ["old-gone"]
+    # a report taken before the lag ran out (a busy replica's, late) proves no session gone
+    assert unreported(placed, {A: (4.0, [])}, lag=5.0) == []
