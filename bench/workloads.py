@@ -91,6 +91,20 @@ WORKLOADS = {
 EVALUATION = ("humaneval", "stdlib-heldout", "edit")
 
 
+CODE_TASK = "Continue this Python code."
+
+
+def through_chat(tokenizer, code: str) -> str:
+    """A code prompt as an instruct model is given it: a user turn asking to continue the code,
+    and the assistant's reply opened with a code fence and the code so far, so that the model
+    continues the code. (Asked without the opened reply, SmolLM2-Instruct closes the fence and
+    explains in prose; with the code in the user turn too, it copies it and closes the fence.)"""
+    head = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CODE_TASK}], tokenize=False, add_generation_prompt=True
+    )
+    return f"{head}```python\n{code}"
+
+
 def load(name: str, limit: int) -> list[Prompt]:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")

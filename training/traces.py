@@ -5,9 +5,13 @@ correction memory's calibration prior. From a checkout: the workloads are ``benc
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from services.cli import _engine_args, engine_config
 from services.common.progress import run_concurrently
@@ -15,34 +19,61 @@ from services.common.security import redacted
 
 
 def record_traces(
-    engine, prompts, max_new: int, progress: bool = True, method: str = "vanilla", concurrency: int = 1
+    engine,
+    prompts,
+    max_new: int,
+    progress: bool = True,
+    method: str = "vanilla",
+    concurrency: int = 1,
+    chat: bool = False,
+    done: Callable[[Any], None] = lambda trace: None,
 ) -> list:
-    """Greedy target generations of ``prompts`` as replayable traces. ``method`` must be lossless
-    (vanilla, sd, suffix, eagle3, hybrid): their greedy tokens are the target's."""
+    """Greedy target generations of ``prompts`` as replayable traces, each also passed to
+    ``done`` as it finishes. ``method`` must be lossless (vanilla, sd, suffix, eagle3, hybrid):
+    their greedy tokens are the target's. ``chat``: each prompt's code given through the
+    tokenizer's chat template (``bench.workloads.through_chat``), as an instruct target is asked."""
+    from bench.workloads import through_chat
     from services.drafter.replay import Trace
     from services.router.engine import GenerationRequest
 
     def trace(p):
-        ids = engine.encode_fit(p.text, max_new)
+        ids = engine.encode_fit(through_chat(engine.tokenizer, p.text) if chat else p.text, max_new)
         r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
-        return Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None)
+        t = Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None)
+        done(t)
+        return t
 
     return run_concurrently(trace, list(prompts), concurrency, "trace", progress=progress)
 
 
 def cmd_trace(args: argparse.Namespace) -> None:
     from bench.workloads import load
-    from services.drafter.replay import save_traces
+    from services.drafter.replay import load_traces
     from services.router.engine import Engine
 
-    engine = Engine(engine_config(args))
     if args.method not in ("vanilla", "sd", "suffix", "eagle3", "hybrid"):
         sys.exit(f"error: --method {args.method!r} is not lossless; traces must be the target's own tokens")
+    engine = Engine(engine_config(args))
+    # Resumable: each trace is appended as it finishes; a rerun skips the prompts already there.
+    have = {t.id for t in load_traces(args.out)} if args.out.exists() else set()
+    todo = [p for p in load(args.workload, args.limit) if p.id not in have]
+    lock = threading.Lock()
+
+    def append(trace) -> None:
+        with lock, open(args.out, "a") as f:
+            f.write(json.dumps(trace.__dict__) + "\n")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     traces = record_traces(
-        engine, load(args.workload, args.limit), args.max_new_tokens, method=args.method, concurrency=args.concurrency
+        engine,
+        todo,
+        args.max_new_tokens,
+        method=args.method,
+        concurrency=args.concurrency,
+        chat=args.chat,
+        done=append,
     )
-    save_traces(args.out, traces)
-    print(f"wrote {len(traces)} traces to {args.out}")
+    print(f"wrote {len(traces)} traces to {args.out} ({len(have)} were there)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -99,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--method", default="vanilla", help="a lossless method; suffix is fastest on edits")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (verified in one batch)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--chat", action="store_true", help="give each prompt through the chat template (instruct targets)")
+    p.add_argument("--out", type=Path, required=True, help="JSONL, appended as traces finish; a rerun resumes")
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("calibrate", help="fill the correction memory from sd runs on a calibration set")
