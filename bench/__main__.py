@@ -5,10 +5,10 @@ import argparse
 import logging
 
 from bench.harness import add_args, main
-from services.cli import _engine_args
+from services.cli import add_engine_args
 
 ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-_engine_args(ap)
+add_engine_args(ap)
 add_args(ap)
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 main(ap.parse_args())

@@ -386,7 +386,7 @@ def command(module: str, argv: list[str] | None) -> str:
 
 
 def bench_engine(args: argparse.Namespace):
-    """An in-process engine from ``_engine_args`` flags, one torch thread unless set, its
+    """An in-process engine from ``add_engine_args`` flags, one torch thread unless set, its
     start-up heap frozen as a serving process's is."""
     from services.cli import engine_config
     from services.common.runtime import freeze_startup_heap
@@ -507,10 +507,10 @@ def settings_main(
 ) -> dict:
     """The command line of a benchmark of methods under settings (``bench.penalties``,
     ``bench.structured``): `vanilla` first, the baseline of each setting."""
-    from services.cli import _engine_args
+    from services.cli import add_engine_args
 
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
-    _engine_args(p)
+    add_engine_args(p)
     workload_args(p, threads=False)  # --threads comes with the engine's arguments
     p.add_argument("--methods", default="vanilla,sd,suffix,eagle3,hybrid")
     p.add_argument("--repeats", type=int, default=1)

@@ -105,11 +105,11 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from services.cli import _engine_args, engine_config
+    from services.cli import add_engine_args, engine_config
     from services.router.engine import Engine
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--methods", default="vanilla,sd")
     p.add_argument("--workload", default="stdlib-heldout")
     p.add_argument("--prompts", type=int, default=3)

@@ -174,10 +174,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from services.cli import _engine_args
+    from services.cli import add_engine_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--method", default="hybrid")
     p.add_argument("--chunks", default="0,256,128,64")
     p.add_argument("--streams", type=int, default=4)

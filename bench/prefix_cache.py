@@ -155,10 +155,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from services.cli import _engine_args
+    from services.cli import add_engine_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--methods", default="vanilla,sd,eagle3,hybrid")
     p.add_argument("--limit", type=int, default=16)
     p.add_argument("--shots", type=int, default=3)

@@ -13,12 +13,12 @@ import statistics as S
 import torch
 
 from bench.workloads import load
-from services.cli import _engine_args, engine_config
+from services.cli import add_engine_args, engine_config
 from services.router.engine import Engine, GenerationRequest
 from services.verifier.runner import TargetRunner
 
 ap = argparse.ArgumentParser()
-_engine_args(ap)
+add_engine_args(ap)
 eng = Engine(engine_config(ap.parse_args(["--threads", "1"])))
 after = TargetRunner.verify_batch
 

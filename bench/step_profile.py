@@ -167,10 +167,10 @@ def plot(result: dict, path) -> None:
 def main() -> None:
     from dataclasses import replace
 
-    from services.cli import _engine_args, engine_config
+    from services.cli import add_engine_args, engine_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _engine_args(ap)  # the engine's flags (--device, --dtype, --threads, ...), as `specmesh serve` takes them
+    add_engine_args(ap)  # the engine's flags (--device, --dtype, --threads, ...), as `specmesh serve` takes them
     ap.add_argument("--workload", default="humaneval")
     ap.add_argument("--out", type=Path, default=None, help="JSON path; .md and .png are written beside it")
     ap.add_argument("--batches", default="1,4,8")

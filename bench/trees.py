@@ -106,10 +106,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from services.cli import _engine_args
+    from services.cli import add_engine_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    _engine_args(ap)
+    add_engine_args(ap)
     workload_args(ap, "humaneval", 20, 128, threads=False)
     ap.add_argument("--shapes", default="", help="extra EAGLE tree shapes, comma-separated topk:steps:tokens:min_score")
     ap.add_argument("--repeats", type=int, default=1)

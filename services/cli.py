@@ -57,7 +57,9 @@ def _add_options(
             )
 
 
-def _engine_args(ap: argparse.ArgumentParser) -> None:
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine's flags (the option table's, as ``specmesh generate`` takes them) on a script's
+    own parser; ``engine_config(args)`` turns the parsed flags into the engine's config."""
     _add_options(ap, serve_only=False)
 
 
@@ -396,7 +398,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
 def _serve_parser(sub) -> None:
     """``specmesh serve``: engine, topology and role, transport security, limits, front ends."""
     p = sub.add_parser("serve", help="run the gRPC server (embedded all-in-one by default)")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--topology", choices=["embedded", "distributed"], default="embedded")
     p.add_argument("--role", choices=["all", "router", "verifier", "predictor", "drafter", "memory"], default="all")
     _add_options(p, serve_only=True)
@@ -466,7 +468,7 @@ def _serve_parser(sub) -> None:
 def _generate_parser(sub) -> None:
     """``specmesh generate``: one request in-process."""
     p = sub.add_parser("generate", help="generate once in-process")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--method", default="sd")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -531,7 +533,7 @@ def _tool_parsers(sub) -> None:
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("run-batch", help="answer an OpenAI batch file offline (vLLM's run-batch)")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument(
         "-i",
         "--input-file",

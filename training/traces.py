@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.cli import _engine_args, engine_config
+from services.cli import add_engine_args, engine_config
 from services.common.progress import run_concurrently
 from services.common.security import redacted
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("trace", help="record greedy target generations of a workload as replay traces")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--workload", required=True)
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("calibrate", help="fill the correction memory from sd runs on a calibration set")
-    _engine_args(p)
+    add_engine_args(p)
     p.add_argument("--workload", default="stdlib-train")
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--max-new-tokens", type=int, default=128)
