@@ -387,10 +387,15 @@ class VerifierDeployment:
             "at": time.time(),  # when listed: a session opened after this is not absent from it
         }
 
-    async def close(self, home: str = "") -> None:
-        session = self.sessions.pop(serve.get_multiplexed_model_id())
+    async def close(self, home: str = "") -> dict:
+        """Close the session if held here and this is its ``home`` (a close meant for another
+        replica, where a session re-opened here after a failover was, must not close this
+        one); where the call landed and whether it closed one."""
+        me = serve.get_replica_context().replica_id.unique_id
+        session = self.sessions.pop(serve.get_multiplexed_model_id()) if home in ("", me) else None
         if session is not None:
             await self._in_pool(session.close)
+        return {"replica": me, "closed": session is not None}
 
 
 def _answer(loop: asyncio.AbstractEventLoop, answer: asyncio.Future, item) -> None:
@@ -444,7 +449,10 @@ class RaySession:
     def failover(self, req: CycleRequest) -> CycleResult:
         """Re-open where Serve routes (from the prompt plus the committed tokens), and cycle there."""
         try:
+            old = self.replica
             self._open()
+            if old and old != self.replica:  # a step that went elsewhere left it open there
+                _CLOSER.submit(close_at, self.h, old)
             outcome = self.h.step.remote([(self.session_id, req)], home=self.replica).result()[0]
         except Exception as e:  # noqa: BLE001
             outcome = e
@@ -457,9 +465,30 @@ class RaySession:
         self.h.cancel.remote(home=self.replica)
 
     def close(self) -> None:
-        """Not awaited; routed to the replica that holds the session (``home``), since a close
-        that lands elsewhere closes nothing there."""
-        self.h.close.remote(home=self.replica)
+        """Not waited for: closed on its replica from a background thread (``close_at``)."""
+        _CLOSER.submit(close_at, self.h, self.replica)
+
+
+_CLOSER = ThreadPoolExecutor(4, thread_name_prefix="ray-close")
+CLOSE_TRIES = 5
+
+
+def close_at(handle, home: str, timeout_s: float = 60.0) -> bool:
+    """Close a session (``handle`` carries its id) on ``home``, its replica. A close names its
+    replica and the request router sends it there, yet Serve was seen (2 of 140 closes sent at
+    once) handing one to the other replica, where it closes nothing and the session stays open
+    on its own: the answer says where the call landed, and one that landed elsewhere is sent
+    again, up to ``CLOSE_TRIES`` times. Whether a session was closed."""
+    for _ in range(CLOSE_TRIES):
+        try:
+            answer = handle.close.remote(home=home).result(timeout_s=timeout_s)
+        except Exception as e:  # noqa: BLE001 - its replica gone or not answering: nothing left to close
+            log.warning("closing a session on replica %s failed: %s", home, e)
+            return False
+        if answer["closed"] or not home or answer["replica"] == home:
+            return bool(answer["closed"])
+    log.warning("a session's close reached other replicas than its own (%s) %d times", home, CLOSE_TRIES)
+    return False
 
 
 def _raised(outcome: Outcome) -> CycleResult:
