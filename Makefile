@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -179,6 +179,13 @@ traces: setup
 	test -s $(TRACES)/edit-heldout.jsonl || $(BIN)/python -m training trace --method suffix --workload edit --limit 60 --max-new-tokens 512 --out $(TRACES)/edit-heldout.jsonl
 	test -s $(TRACES)/stdlib-heldout.jsonl || $(BIN)/python -m training trace --method suffix --workload stdlib-heldout --limit 60 --max-new-tokens 256 --out $(TRACES)/stdlib-heldout.jsonl
 
+# The real target's own greedy generations of training prompts, given through its chat template
+# (what its EAGLE-3 head, draft and predictor train on); resumable (each trace appended as it
+# finishes). 400 prompts x 256 tokens: about 93 k output tokens, 15-20 min on this 2-core CPU.
+traces-smollm2: setup
+	mkdir -p $(TRACES)
+	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
+	    --workload stdlib-train --limit 400 --max-new-tokens 256 --concurrency 16 --out $(TRACES)/smollm2-stdlib-train.jsonl
 # TTT head over a 2,048-token draft vocabulary, trained in three stages on the traces plus
 # pretraining text (target features and soft labels): it is data-limited, so each later stage
 # continues the one before (`--init`) for one epoch on more windows of the corpus (stage 2: 3 M
