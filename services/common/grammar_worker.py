@@ -45,13 +45,17 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
             else:  # ("index", pattern)
                 conn.send((True, pickle.dumps(Index(ask[1], vocabulary))))
         except OverflowError as e:
-            conn.send((False, f"too long: {e}"))
+            conn.send((False, ("long", str(e))))
         except (ValueError, TypeError, MemoryError) as e:
-            conn.send((False, f"{type(e).__name__}: {e}"))
+            conn.send((False, ("bad", f"{type(e).__name__}: {e}")))
 
 
 class CompileTimeout(RuntimeError):
     """The pattern's automaton did not build within the time or memory allowed."""
+
+
+class RegexTooLong(ValueError):
+    """A JSON schema's regex has more characters than the caller allows."""
 
 
 class IndexWorker:
@@ -69,8 +73,9 @@ class IndexWorker:
         return pickle.loads(self._ask(("index", pattern), "its automaton"))
 
     def schema_regex(self, schema: str, max_chars: int) -> str:
-        """The regex a JSON schema expands to; ValueError for a schema that cannot be used or
-        whose regex has more than ``max_chars`` characters, CompileTimeout past the limits."""
+        """The regex a JSON schema expands to; ValueError for a schema that cannot be used,
+        RegexTooLong for one whose regex has more than ``max_chars`` characters, CompileTimeout
+        past the limits."""
         return self._ask(("schema", schema, max_chars), "its regex")
 
     def _ask(self, ask: tuple, what: str):
@@ -86,7 +91,8 @@ class IndexWorker:
                 self._kill()
                 raise CompileTimeout(f"{what} outgrew the compile worker's memory") from None
         if not ok:
-            raise ValueError(payload)
+            kind, message = payload
+            raise RegexTooLong(message) if kind == "long" else ValueError(message)
         return payload
 
     def _connection(self) -> Connection:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.grammar_worker import CompileTimeout, IndexWorker
+from services.common.grammar_worker import CompileTimeout, IndexWorker, RegexTooLong
 
 MAX_SPEC_CHARS = 32768  # a schema, regex or all choices together
 MAX_CHOICES = 256
@@ -244,12 +244,11 @@ class GrammarCompiler:
             regex = self.worker.schema_regex(schema, MAX_REGEX_CHARS)
         except CompileTimeout as e:
             raise GrammarError(f"structured_output.json_schema: too complex: {e}; bound its nesting") from None
+        except RegexTooLong as e:
+            raise GrammarError(
+                f"structured_output.json_schema: too complex ({e}); bound nesting or drop open-ended objects"
+            ) from None
         except ValueError as e:
-            if str(e).startswith("too long"):
-                raise GrammarError(
-                    f"structured_output.json_schema: too complex ({str(e)[10:]}); bound nesting or drop "
-                    "open-ended objects"
-                ) from None
             raise GrammarError(f"structured_output.json_schema: not a usable JSON schema: {e}") from None
         with self._lock:
             self._schemas[schema] = regex

@@ -154,3 +154,20 @@ def test_masks_are_cached_per_state_up_to_the_limit(tok, compiler, monkeypatch):
         assert g.allowed(state) is masks[-1]  # cached while in use
         state = g.next(state, encode(tok, digit)[0])
     assert len(g._masks) == 3
+
+
+def test_the_compile_worker_tells_a_regex_too_long_from_a_bad_schema(tok):
+    """Its own error type, not a message prefix, says which refusal the caller words."""
+    from services.common.grammar_worker import RegexTooLong
+
+    compiler = GrammarCompiler(tok, len(tok.get_vocab()))
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    try:
+        with pytest.raises(RegexTooLong, match="at most 10"):
+            compiler.worker.schema_regex(schema, 10)
+        with pytest.raises(ValueError) as bad:
+            compiler.worker.schema_regex(json.dumps({"type": "no-such-type"}), 10_000)
+        assert not isinstance(bad.value, RegexTooLong)
+        assert compiler.worker.schema_regex(schema, 10_000).startswith(r"\{")
+    finally:
+        compiler.worker.close()
