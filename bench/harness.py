@@ -12,16 +12,17 @@ import argparse
 import contextlib
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from bench.quality import parses, rescued_breakdown, token_agreement
-from bench.workloads import Prompt, load
+from bench.workloads import Prompt, load, through_chat
 
 HF_PEERS = ("hf-vanilla", "hf-assisted", "hf-pld")
 
@@ -46,6 +47,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     workload_args(p, threads=False)  # --threads comes with the engine's arguments
     p.add_argument("--methods", default="vanilla,sd,hf-vanilla,hf-assisted,hf-pld")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--chat", action="store_true", help="give each prompt through the chat template (bench.workloads.through_chat)"
+    )
 
 
 @dataclass
@@ -332,6 +336,8 @@ def main(args: argparse.Namespace) -> dict:
         else None
     )
     prompts = load(args.workload, args.limit)
+    if args.chat:  # an instruct target, asked for code as users ask it
+        prompts = [replace(p, text=through_chat(engine.tokenizer, p.text)) for p in prompts]
     freeze_startup_heap()  # as a serving process does (services.common.grpc_server.run_until_signal)
     rows = benchmark(engine, prompts, methods, args.max_new_tokens, args.repeats, peers)
     result = {
@@ -339,11 +345,12 @@ def main(args: argparse.Namespace) -> dict:
         "limit": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
+        "chat": args.chat,
         "num_speculative_tokens": cfg.num_speculative_tokens,
         "threads": torch.get_num_threads(),
         "device": cfg.device,
         "machine": machine(),
-        "command": "python -m bench " + " ".join(sys.argv[1:]),
+        "command": command("bench", None),
         "rows": rows,
     }
     print(markdown(result))
@@ -382,7 +389,7 @@ def speed_probe(reps: int = 300) -> tuple[float, float]:
 
 def command(module: str, argv: list[str] | None) -> str:
     """The command line that made a result (``argv`` as main() got it; None = this process's)."""
-    return f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    return f"python -m {module} " + shlex.join(argv if argv is not None else sys.argv[1:])
 
 
 def bench_engine(args: argparse.Namespace):
