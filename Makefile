@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -105,6 +105,14 @@ bench: setup
 	  $(BIN)/python -m bench --workload $${w%%:*} --methods $(METHODS) --limit $(LIMIT) --threads 1 \
 	    --max-new-tokens $${w##*:} --out bench/results/$${w%%:*}.json || exit 1; done
 
+# The real target (SmolLM2-135M-Instruct), prompts through its chat template: the methods that
+# need no model trained for it (suffix decoding) against vanilla and transformers' peers.
+SMOLLM2_METHODS ?= vanilla,suffix,hf-vanilla,hf-pld
+bench-smollm2: setup
+	for w in humaneval stdlib-heldout; do \
+	  $(BIN)/python -m bench --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
+	    --workload $$w --methods $(SMOLLM2_METHODS) --limit $(LIMIT) --threads 1 --max-new-tokens $(TOKENS) \
+	    --out bench/results/smollm2/$$w.json || exit 1; done
 # The router, drafters, predictor, memory and links at modelled GPU speed (a verifier stand-in), 1-256 sessions.
 bench-control-plane: setup
 	$(BIN)/python -m bench.control_plane
