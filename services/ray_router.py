@@ -69,10 +69,10 @@ class PrefixAffinityRequestRouter(PowerOfTwoChoicesRequestRouter):
         now = time.monotonic()
         self.closed = {s: t for s, t in self.closed.items() if now - t < REPORT_LAG_S}
         stats = {rid: r.routing_stats for rid, r in by_id.items() if "sessions" in (r.routing_stats or {})}
-        reported = {rid: st["sessions"] for rid, st in stats.items()}
         taken = {rid: (st.get("at", 0.0), st["sessions"]) for rid, st in stats.items()}
         for sid in unreported(self.placed, taken, REPORT_LAG_S):  # its close was cancelled with its stream
             del self.placed[sid]
+        reported = {rid: sessions for rid, (_, sessions) in taken.items()}
         return session_loads(by_id, reported, {s: rid for s, (rid, _) in self.placed.items()}, self.closed)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):

@@ -27,11 +27,11 @@ BUNDLED_DRAFT = models_dir() / "draft"
 torch.set_num_threads(1)
 
 
-def tiny_config(layers: int = 2, hidden: int = 64, max_pos: int = 256, **kw):
+def tiny_config(layers: int = 2, hidden: int = 64, max_pos: int = 256, vocab: int = 8192, **kw):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=8192,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,

@@ -5,7 +5,6 @@ correction memory's calibration prior. From a checkout: the workloads are ``benc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 from collections.abc import Callable
@@ -48,7 +47,7 @@ def record_traces(
 
 def cmd_trace(args: argparse.Namespace) -> None:
     from bench.workloads import load
-    from services.drafter.replay import load_traces
+    from services.drafter.replay import load_traces, save_traces
     from services.router.engine import Engine
 
     if args.method not in ("vanilla", "sd", "suffix", "eagle3", "hybrid"):
@@ -60,10 +59,9 @@ def cmd_trace(args: argparse.Namespace) -> None:
     lock = threading.Lock()
 
     def append(trace) -> None:
-        with lock, open(args.out, "a") as f:
-            f.write(json.dumps(trace.__dict__) + "\n")
+        with lock:
+            save_traces(args.out, [trace], append=True)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     traces = record_traces(
         engine,
         todo,

@@ -39,9 +39,9 @@ def load_traces(path: Path) -> list[Trace]:
         return [Trace(**json.loads(line)) for line in f if line.strip()]
 
 
-def save_traces(path: Path, traces: list[Trace]) -> None:
+def save_traces(path: Path, traces: list[Trace], append: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, "a" if append else "w") as f:
         for t in traces:
             f.write(json.dumps(t.__dict__) + "\n")
 

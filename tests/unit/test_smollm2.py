@@ -10,9 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from tests.conftest import tiny_config
 from training import smollm2
 
 HEADS, KV_HEADS = 4, 2
@@ -92,16 +93,7 @@ def write_gguf(path, model: LlamaForCausalLM) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(vocabulary()),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    config = tiny_config(vocab=len(vocabulary()), max_pos=128, kv_heads=KV_HEADS)
     path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf"
     return path, write_gguf(path, LlamaForCausalLM(config).eval())
 
