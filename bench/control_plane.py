@@ -12,8 +12,14 @@ The step time models an 8B target in bf16 on one H100 SXM from its datasheet (a 
 measurement): a step of b sessions feeding n tokens takes t0 + c·n, with t0 = 5.5 ms (16 GB of
 weights read at 3.35 TB/s is 4.8 ms, plus launch overhead) and c = 25 µs per token (16 GFLOP
 per token at 989 TFLOPS dense bf16 and 65 % utilisation). Drafting forwards on the GPU are not
-modelled (their tokens count in n). The stand-in sleeps for the step (as a GPU step leaves the
-host's CPU and GIL free) and its own bookkeeping CPU is not counted as control plane.
+modelled (their tokens count in n). The stand-in's bookkeeping (each cycle's verdict, as the
+verifier's own acceptance) runs inside the modelled step and its CPU is not counted as control
+plane; it sleeps for the rest of the step (as a GPU step leaves the host's CPU and GIL free).
+
+Load: by default each session runs requests back to back and the run is measured over a window
+once all are open (``--load steady``), so N sessions are N open at every moment, as a serving
+benchmark holds its concurrency; ``--load burst`` gives each session one request, all at once,
+measured until the last ends (its tail, with few sessions left, counted).
 
     python -m bench.control_plane          # make bench-control-plane
 """
@@ -46,6 +52,7 @@ T0_S, C_S = 0.0055, 0.000025
 MAX_NEW = 128
 SESSIONS = (1, 8, 32, 64, 128, 256)
 METHODS = ("suffix", "hybrid", "hybrid-tree", "csd")
+TRACES = 1024  # enough that a steady load's sessions rarely run a prompt twice at 256 sessions
 MAX_BATCH = 256  # sessions one modelled step takes (embedded: the engine's max_batch; remote: the stand-in's)
 DRAFTED_BY = {"draft-lm": "sd", "eagle3": "eagle3", "eagle3-tree": "eagle3"}  # verifier drafter: its trace
 
@@ -73,13 +80,14 @@ def _run(engine, ids: list[int], method: str) -> tuple[list[int], list[int]]:
     return out, per_cycle
 
 
-def record_with(engine, texts: list[str]) -> list[dict]:
+def record_with(engine, texts: list[str], bar=None) -> list[dict]:
     """Real runs on ``engine``, one trace per prompt: the greedy output, csd's output, and each
     verifier-side drafter's (sd's draft LM, csd's, EAGLE-3's where the engine has it) accepted
     tokens per cycle."""
     from services.common.progress import Progress
 
-    bar = Progress(len(texts), "recording traces", "prompts")
+    own = bar is None
+    bar = bar or Progress(len(texts), "recording traces", "prompts")
     eagle = "eagle3" in engine.methods()
 
     def one(text: str) -> dict:
@@ -98,29 +106,38 @@ def record_with(engine, texts: list[str]) -> list[dict]:
         for t in pool.map(one, texts):
             traces.append(t)
             bar.advance(len(t["greedy"]))
-    bar.close()
+    if own:
+        bar.close()
     return traces
 
 
 def record(n: int, path: Path = CACHE) -> dict:
-    """Traces of the bundled models on ``n`` prompts (``record_with``), cached at ``path``."""
+    """Traces of the bundled models on ``prompts(n)`` (``record_with``), cached at ``path``; a
+    cache of fewer is extended (the prompts are the same list, longer), so recording resumes."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if data.get("max_new_tokens") != MAX_NEW:
+        data = {"max_new_tokens": MAX_NEW, "traces": []}
+    if len(data["traces"]) >= n:
+        return {**data, "traces": data["traces"][:n]}
     from services.common.config import EngineConfig
+    from services.common.progress import Progress
     from services.router.engine import Engine
 
     engine = Engine(EngineConfig())
-    traces = record_with(engine, prompts(n))
-    engine.close()
-    data = {"max_new_tokens": MAX_NEW, "traces": traces}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
+    texts = prompts(n)[len(data["traces"]) :]
+    bar = Progress(len(texts), "recording traces", "prompts")
+    try:
+        for i in range(0, len(texts), 64):  # saved every 64 prompts
+            data["traces"] += record_with(engine, texts[i : i + 64], bar)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data))
+    finally:
+        bar.close()
+        engine.close()
     return data
 
 
 def load_traces(n: int) -> list[dict]:
-    if CACHE.exists():
-        data = json.loads(CACHE.read_text())
-        if data["max_new_tokens"] == MAX_NEW and len(data["traces"]) >= n:
-            return data["traces"][:n]
     return record(n)["traces"]
 
 
@@ -207,6 +224,7 @@ class StandInCore:
         self.sessions: set[str] = set()
         self.batcher = CycleBatcher(self._step, max_batch=MAX_BATCH, window_s=0.002)
         self.steps, self.cycles, self.step_s, self.step_cpu_s, self.fed = 0, 0, 0.0, 0.0, 0
+        self.log: list[tuple[float, float, int, int]] = []  # per step: (its end, its modelled s, cycles, fed)
         self._ids = itertools.count()
 
     def open(self, spec: SessionSpec) -> StandInSession:
@@ -227,18 +245,21 @@ class StandInCore:
         return s
 
     def _step(self, batch: list[Pending]) -> None:
-        cpu0 = time.thread_time()
+        start, cpu0 = time.perf_counter(), time.thread_time()
         fed = 0
         for b in batch:
             b.result, n = b.session.verdict(b.request)
             fed += n
         self.step_cpu_s += time.thread_time() - cpu0
-        t = T0_S + C_S * fed  # the modelled GPU step: the GIL is free meanwhile
-        time.sleep(t)
+        # the modelled GPU step, from its start: the verdicts stand for the verifier's own
+        # acceptance, which is part of its step; the GIL is free for the rest of it
+        t = T0_S + C_S * fed
+        time.sleep(max(0.0, start + t - time.perf_counter()))
         self.steps += 1
         self.cycles += len(batch)
         self.step_s += t
         self.fed += fed
+        self.log.append((time.perf_counter(), t, len(batch), fed))
 
     def step(self, cycles, done) -> None:
         """The router's step (``VerifierBackend``), in the caller's thread."""
@@ -261,6 +282,7 @@ class StandInCore:
             "step_cpu_s": self.step_cpu_s,
             "fed": self.fed,
             "cpu_s": time.process_time(),
+            "log": self.log[-4096:],  # (the clock is the host's monotonic one, shared by its processes)
         }
 
 
@@ -282,64 +304,122 @@ class Run:
     tokens: int = 0
     itl_s: list[float] = field(default_factory=list)  # per token: its cycle's gap over its tokens
     errors: list[str] = field(default_factory=list)
+    requests: int = 0  # begun in the measured span
+    repeated: int = 0  # of those, on a prompt a client had already run in this configuration
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # every output step: (when, tokens)
 
 
-def drive(engine, traces: list[dict], method: str) -> tuple[Run, float]:
-    """One request per trace, all at once (a thread each, as the gRPC server gives each stream);
-    returns what the clients saw and the wall time until the last finished."""
+@dataclass
+class Load:
+    """``steady``: n sessions open at every moment (each client runs requests back to back, on
+    its own prompts), measured over ``window_s`` after ``warmup_s``, as a serving benchmark holds
+    its concurrency; ``burst``: one request per session, all at once, measured until the last
+    ends (the tail, where fewer sessions run, included)."""
+
+    kind: str = "steady"
+    warmup_s: float = 2.0
+    window_s: float = 4.0
+
+
+def _stream(engine, trace: dict, method: str, seen: list[tuple[float, int, bool]]) -> None:
+    """One request on ``trace``'s prompt; each output step as (arrival, tokens, first) into ``seen``."""
     from services.router.engine import GenerationRequest
 
-    run, lock = Run(), threading.Lock()
-    start = threading.Barrier(len(traces) + 1)
+    out = trace["csd"] if method == "csd" else trace["greedy"]
+    req = GenerationRequest(list(trace["prompt"]), max(1, len(out)), method=method)
+    first = True
+    for step in engine.generate(req):
+        if step.token_ids:
+            seen.append((time.perf_counter(), len(step.token_ids), first))
+            first = False
 
-    def client(trace: dict) -> None:
-        out = trace["csd"] if method == "csd" else trace["greedy"]
-        req = GenerationRequest(list(trace["prompt"]), max(1, len(out)), method=method)
-        start.wait()
-        last, gaps, n = time.perf_counter(), [], 0
-        try:
-            for step in engine.generate(req):
-                now = time.perf_counter()
-                if step.token_ids:
-                    gaps += [(now - last) / len(step.token_ids)] * len(step.token_ids)
-                    n += len(step.token_ids)
-                last = now
-        except Exception as e:  # noqa: BLE001 - counted and reported, never hidden
-            with lock:
-                run.errors.append(f"{type(e).__name__}: {e}")
-        with lock:
+
+def _tally(run: Run, seen: list[tuple[float, int, bool]], t0: float, t1: float, start: float) -> None:
+    """Add the tokens that arrived in [t0, t1] and their gaps (the time to first token is no gap)."""
+    last = start
+    for at, n, first in seen:
+        run.arrivals.append((at, n))
+        if t0 <= at <= t1:
             run.tokens += n
-            run.itl_s += gaps[1:]  # the first gap is the time to first token
+            if not first:
+                run.itl_s += [(at - last) / n] * n
+        last = at
 
-    threads = [threading.Thread(target=client, args=(t,)) for t in traces]
+
+def drive(engine, traces: list[dict], n: int, method: str, load: Load, mark) -> tuple[Run, dict, dict]:
+    """``n`` client threads (as the gRPC server gives each stream a thread) under ``load``;
+    returns what the clients saw in the measured span and ``mark()`` at its two ends."""
+    done: list[tuple[int, float, list[tuple[float, int, bool]]]] = []  # (trace index, begun, its steps)
+    errors: list[str] = []
+    stop = threading.Event()
+    start = threading.Barrier(n + 1)
+
+    def client(i: int) -> None:
+        k = i  # client i runs traces i, i + n, i + 2n, ... (round again once they run out)
+        start.wait()
+        while True:
+            seen: list[tuple[float, int, bool]] = []
+            begun = time.perf_counter()
+            try:
+                _stream(engine, traces[k % len(traces)], method, seen)
+            except Exception as e:  # noqa: BLE001 - counted and reported, never hidden
+                errors.append(f"{type(e).__name__}: {e}")
+            done.append((k, begun, seen))
+            k += n
+            if load.kind == "burst" or stop.is_set():
+                return
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     start.wait()
-    t0 = time.perf_counter()
+    before = mark()
+    if load.kind == "steady":
+        time.sleep(load.warmup_s)
+        before = mark()
+        time.sleep(load.window_s)
+        after = mark()
+        stop.set()
     for t in threads:
         t.join()
-    return run, time.perf_counter() - t0
+    if load.kind == "burst":
+        after = mark()
+    run = Run(errors=errors)
+    t0, t1 = (before["t"], after["t"]) if load.kind == "steady" else (float("-inf"), float("inf"))
+    for k, begun, seen in done:
+        _tally(run, seen, t0, t1, begun)
+        if t0 <= begun <= t1:
+            run.requests += 1
+            run.repeated += k >= len(traces)
+    return run, before, after
 
 
-def measure(engine, core_counters, traces: list[dict], method: str, topology: str, cpu_of) -> dict:
-    """One configuration: ``cpu_of()`` is the control plane's CPU seconds so far (the processes
-    that carry it, less the stand-in's own bookkeeping)."""
-    before, cpu0, switches0 = core_counters(), cpu_of(), context_switches()
-    run, wall = drive(engine, traces, method)
-    after, cpu = core_counters(), cpu_of() - cpu0
-    switches = context_switches() - switches0
-    steps = after["steps"] - before["steps"]
-    step_s = after["step_s"] - before["step_s"]
-    fed = after["fed"] - before["fed"]
-    session_cycles = after["cycles"] - before["cycles"]
+def measure(engine, place, traces: list[dict], n: int, method: str, topology: str, load: Load) -> dict:
+    """One configuration: the control plane's CPU is ``place``'s (the processes that carry it,
+    less the stand-in's own bookkeeping)."""
+
+    def mark() -> dict:
+        counters, cpu = place.snapshot()
+        return {"t": time.perf_counter(), "c": counters, "cpu": cpu, "switches": context_switches()}
+
+    run, m0, m1 = drive(engine, traces, n, method, load, mark)
+    steps, step_s, session_cycles, fed, (e0, e1) = window_steps(m1["c"]["log"], m0["t"], m1["t"])
+    if load.kind == "steady" and e1 > e0:  # the window is its steps' span; the tokens that came in it
+        run = replace(run, tokens=sum(k for at, k in run.arrivals if e0 < at <= e1))
+    wall = e1 - e0 if e1 > e0 else m1["t"] - m0["t"]
+    share = wall / max(1e-9, m1["t"] - m0["t"])  # CPU and switches were read at the marks
+    cpu, switches = share * (m1["cpu"] - m0["cpu"]), share * (m1["switches"] - m0["switches"])
     per_session_cycle_us = 1e6 * cpu / max(1, session_cycles)
     mean_step = step_s / max(1, steps)
     per_step_sessions = session_cycles / max(1, steps)
     return {
         "method": method,
         "topology": topology,
-        "sessions": len(traces),
+        "load": load.kind,
+        "sessions": n,
         "tokens": run.tokens,
+        "requests": run.requests,
+        "repeated_requests": run.repeated,
         "errors": len(run.errors),
         "first_error": run.errors[0] if run.errors else None,
         "steps": steps,
@@ -354,7 +434,7 @@ def measure(engine, core_counters, traces: list[dict], method: str, topology: st
         "exposed_us_per_step": 1e6 * max(0.0, wall - step_s) / max(1, steps),
         "sessions_per_step": per_step_sessions,
         # every session in every step: its mean cycles as steps, each paying t0 once, the same tokens fed
-        "full_batch_bound_tokens_per_s": run.tokens / (session_cycles / len(traces) * T0_S + C_S * fed)
+        "full_batch_bound_tokens_per_s": run.tokens / (session_cycles / n * T0_S + C_S * fed)
         if session_cycles
         else 0.0,
         "context_switches_per_session_cycle": switches / max(1, session_cycles),
@@ -362,6 +442,24 @@ def measure(engine, core_counters, traces: list[dict], method: str, topology: st
         "itl_p99_ms": 1000 * percentile(run.itl_s, 0.99) if run.itl_s else 0.0,
         "wall_s": wall,
     }
+
+
+def window_steps(log: list, t0: float, t1: float) -> tuple[int, float, int, int, tuple[float, float]]:
+    """The stand-in's steps within [t0, t1], on step boundaries: from the end of the last step
+    done by t0 to the end of the last done by t1, so a step across an edge (a 256-session
+    prefill lasts a second) counts wholly or not at all. Returns steps, their modelled
+    seconds, cycles and fed tokens, and the span."""
+    ends = [e for e, *_ in log]
+    e0 = max((e for e in ends if e <= t0), default=t0)
+    e1 = max((e for e in ends if e <= t1), default=t1)
+    inside = [row for row in log if e0 < row[0] <= e1]
+    return (
+        len(inside),
+        sum(r[1] for r in inside),
+        sum(r[2] for r in inside),
+        sum(r[3] for r in inside),
+        (e0, e1),
+    )
 
 
 def context_switches() -> int:
@@ -373,19 +471,25 @@ def context_switches() -> int:
 # -- topologies -----------------------------------------------------------------------------------
 def serve_standin(port: int, n: int, counters: Path) -> None:
     """The stand-in behind the real verifier gRPC edge (``--standin-port``): its counters are
-    written to ``counters`` every 0.2 s."""
+    written to ``counters`` at start and on each SIGUSR1, numbered (``seq``)."""
     from services.verifier.grpc_server import build_verifier_server
 
     core = standin_core(load_traces(n))
     server, _, bound = build_verifier_server(core, "127.0.0.1", port, max_sessions=1024, workers=64)
     server.start()
     print(f"stand-in verifier on 127.0.0.1:{bound}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    while True:
+    seq = itertools.count()
+
+    def write(*_) -> None:
         tmp = counters.with_suffix(".tmp")
-        tmp.write_text(json.dumps(core.counters()))
+        tmp.write_text(json.dumps({**core.counters(), "seq": next(seq)}))
         tmp.replace(counters)
-        time.sleep(0.2)
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGUSR1, write)
+    write()
+    while True:
+        signal.pause()
 
 
 class Distributed:
@@ -406,17 +510,29 @@ class Distributed:
             time.sleep(0.2)
 
     def counters(self) -> dict:
-        time.sleep(0.5)  # its last write after the run
-        return json.loads(self.counters_path.read_text())
+        """The stand-in's counters now: asked for by a signal, read once written."""
+        seq = json.loads(self.counters_path.read_text())["seq"]
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.001)
+            try:
+                c = json.loads(self.counters_path.read_text())
+            except (OSError, ValueError):  # being replaced
+                continue
+            if c["seq"] > seq:
+                return c
+        raise RuntimeError("the stand-in verifier did not write its counters")
 
     def verifier(self):
         from services.verifier.client import RemoteVerifier
 
         return RemoteVerifier([f"127.0.0.1:{self.port}"], link=True)
 
-    def cpu(self) -> float:
+    def snapshot(self) -> tuple[dict, float]:
+        """(the stand-in's counters, the control plane's CPU seconds so far): both processes'."""
         c = self.counters()
-        return time.process_time() + c["cpu_s"] - c["step_cpu_s"]
+        return c, time.process_time() + c["cpu_s"] - c["step_cpu_s"]
 
     def close(self) -> None:
         self.proc.terminate()
@@ -433,8 +549,8 @@ class Embedded:
     def verifier(self):
         return self.core
 
-    def cpu(self) -> float:
-        return time.process_time() - self.core.step_cpu_s
+    def snapshot(self) -> tuple[dict, float]:
+        return self.counters(), time.process_time() - self.core.step_cpu_s
 
     def close(self) -> None:
         pass
@@ -514,8 +630,9 @@ class RayServe:
 
         return RayVerifier(self.handle)
 
-    def cpu(self) -> float:
-        return time.process_time() + descendants_cpu_s(os.getpid()) - self.counters()["step_cpu_s"]
+    def snapshot(self) -> tuple[dict, float]:
+        c = self.counters()
+        return c, time.process_time() + descendants_cpu_s(os.getpid()) - c["step_cpu_s"]
 
     def close(self) -> None:
         import ray
@@ -529,14 +646,24 @@ PLACES = {"embedded": Embedded, "distributed": Distributed, "ray": RayServe}
 
 
 # -- report ---------------------------------------------------------------------------------------
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict], command: str, load: Load = Load()) -> str:
+    if load.kind == "steady":
+        how = (
+            f"Each session runs requests back to back ({MAX_NEW} new tokens at most, each on its own prompt: "
+            f"HumanEval, then held-out stdlib), so that many are open at every moment; measured over "
+            f"{load.window_s:g} s after {load.warmup_s:g} s of warm-up."
+        )
+    else:
+        how = (
+            f"One request per session, all at once, {MAX_NEW} new tokens at most, each on its own prompt "
+            "(HumanEval, then held-out stdlib), measured until the last ends."
+        )
     lines = [
         "# Control plane at modelled GPU speed",
         "",
         f"Command: `{command}`. Step model: t0 = {T0_S * 1e3:.1f} ms + {C_S * 1e6:.0f} µs per token in the "
         "batch (an 8B target in bf16 on one H100 SXM, from its datasheet: see bench/control_plane.py). "
-        f"One request per session, {MAX_NEW} new tokens at most, each on its own prompt (HumanEval, then "
-        "held-out stdlib); outputs and verifier-side acceptance replayed from real runs of the bundled "
+        f"{how} Outputs and verifier-side acceptance replayed from real runs of the bundled "
         "models. share_of_step: the control plane's CPU per step (router, drafters, predictor, memory, "
         "links; both processes in distributed) over the step's modelled time; tokens/s against the "
         "stand-in's bound (its steps back to back).",
@@ -544,11 +671,13 @@ def markdown(rows: list[dict], command: str) -> str:
         "exposed: the stand-in idle between steps (wall less its steps), per step; full-batch bound: the "
         "tokens/s if every session were in every step (its mean cycles as steps, t0 paid once each), so "
         "splitting steps cannot flatter 'of full'; ctx sw: the router process's context switches per "
-        "session-cycle.",
+        "session-cycle; requests: begun in the measured span (repeated: on a prompt its session had run "
+        "before, which the suffix cache may recall).",
         "",
         "| topology | method | sessions | τ | CP µs/session-cycle | share of step | exposed µs/step | sessions/step "
-        "| tokens/s | bound | achieved | full-batch bound | of full | ctx sw | ITL p50 ms | ITL p99 ms | step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens/s | bound | achieved | full-batch bound | of full | ctx sw | ITL p50 ms | ITL p99 ms | step ms "
+        "| requests (repeated) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         full = r.get("full_batch_bound_tokens_per_s", 0.0)
@@ -560,7 +689,8 @@ def markdown(rows: list[dict], command: str) -> str:
             f"{r['bound_tokens_per_s']:.0f} | {r['tokens_per_s'] / max(1e-9, r['bound_tokens_per_s']):.0%} | "
             f"{full:.0f} | {r['tokens_per_s'] / max(1e-9, full):.0%} | "
             f"{r.get('context_switches_per_session_cycle', 0.0):.1f} | "
-            f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['mean_step_ms']:.1f} |"
+            f"{r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['mean_step_ms']:.1f} | "
+            f"{r.get('requests', r['sessions'])} ({r.get('repeated_requests', 0)}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -618,7 +748,13 @@ def main() -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--topologies", default="embedded,distributed,ray")
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--count", type=int, default=max(SESSIONS), help="traces to load (prompts)")
+    p.add_argument(
+        "--count",
+        type=int,
+        default=TRACES,
+        help="traces to load (prompts; recorded once, then cached): a steady load's sessions take them in "
+        "turn, and a prompt run twice in a configuration is counted as repeated",
+    )
     p.add_argument(
         "--suffix-reference",
         action="store_true",
@@ -631,6 +767,15 @@ def main() -> int:
         help="comma-separated router micro-batch counts to compare (the engine's micro_batches; 0: its auto "
         "default, unlabelled), e.g. 0,1,2",
     )
+    p.add_argument(
+        "--load",
+        choices=("steady", "burst"),
+        default="steady",
+        help="steady: each session runs requests back to back, measured over --window-s after --warmup-s; "
+        "burst: one request per session, all at once, until the last ends",
+    )
+    p.add_argument("--warmup-s", type=float, default=Load.warmup_s)
+    p.add_argument("--window-s", type=float, default=Load.window_s)
     p.add_argument("--standin-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--standin-counters", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -648,6 +793,7 @@ def main() -> int:
     methods = a.methods.split(",")
     micro = [int(m) for m in a.micro_batches.split(",")]
     traces = load_traces(max(max(sessions), a.count))
+    load = Load(a.load, a.warmup_s, a.window_s)
     cfg = (
         EngineConfig(suffix=SuffixConfig(compiled=False, live_outputs=False)) if a.suffix_reference else EngineConfig()
     )
@@ -659,14 +805,17 @@ def main() -> int:
                 for n in sessions:
                     for method, mb in itertools.product(methods, micro):  # interleaved at each session count
                         engine = Engine(replace(cfg, micro_batches=mb, max_batch=MAX_BATCH), verifier=place.verifier())
-                        row = measure(engine, place.counters, traces[:n], method, topology, place.cpu)
+                        row = measure(
+                            engine, place, traces if a.load == "steady" else traces[:n], n, method, topology, load
+                        )
                         row["micro_batches"] = mb
                         engine.close()
                         rows.append(row)
                         print(
                             f"{topology:11s} {method:11s} x{mb} {n:4d} sessions: τ {row['tau']:.2f}, share "
                             f"{row['share_of_step']:.2f}, {row['tokens_per_s']:.0f}/{row['bound_tokens_per_s']:.0f} "
-                            f"tokens/s, errors {row['errors']}",
+                            f"tokens/s, {row['sessions_per_step']:.1f} sessions/step, exposed "
+                            f"{row['exposed_us_per_step']:.0f} µs/step, errors {row['errors']}",
                             flush=True,
                         )
             finally:
@@ -674,7 +823,7 @@ def main() -> int:
     command = "python -m bench.control_plane " + " ".join(sys.argv[1:])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    a.out.with_suffix(".md").write_text(markdown(rows, command))
+    a.out.with_suffix(".md").write_text(markdown(rows, command, load))
     plot(rows, a.out.with_suffix(".png"))
     print(f"wrote {a.out}.{{json,md,png}}")
     return 0

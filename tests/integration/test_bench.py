@@ -367,6 +367,32 @@ def test_control_plane_stand_in_answers_as_the_target_did(tiny_engine):
     engine.close()
 
 
+def test_control_plane_steady_load_keeps_every_session_open(tiny_engine):
+    """The control-plane benchmark's steady load: each session runs requests back to back, so
+    the measured steps hold every session (no tail of a few), and the tokens counted are those
+    that came within the measured span, on prompts run once each."""
+    from bench import control_plane as cp
+    from services.router.engine import Engine
+
+    texts = [f"def f{i}(a, b):\n    return a * {i} + b\n\ndef g{i}(x):\n" for i in range(12)]
+    traces = cp.record_with(tiny_engine, texts)
+    core = cp.StandInCore(
+        traces, tiny_engine.context_len, tiny_engine.verifier.vocab_size, tiny_engine.verifier.max_draft
+    )
+    place = cp.Embedded.__new__(cp.Embedded)
+    place.core = core
+    engine = Engine(tiny_engine.cfg, verifier=core)
+    row = cp.measure(engine, place, traces, 3, "suffix", "embedded", cp.Load("steady", 0.2, 1.0))
+    burst = cp.measure(engine, place, traces[:3], 3, "suffix", "embedded", cp.Load("burst"))
+    engine.close()
+    assert row["errors"] == burst["errors"] == 0
+    assert row["requests"] >= 3 and row["repeated_requests"] < row["requests"]  # begun after the first ones
+    assert row["sessions_per_step"] > 2.5
+    assert 0 < row["tokens"] < sum(len(t["greedy"]) for t in traces) and row["tau"] > 1
+    ends = sum(len(t["greedy"]) - (t["greedy"][-1] == tiny_engine.eos_id) for t in traces[:3])
+    assert burst["requests"] == 3 and burst["tokens"] == ends  # every token of the three, once
+
+
 def test_suffix_micro_replays_every_tree_on_the_same_traces(tmp_path, monkeypatch):
     """bench.suffix_micro: each kind of tree replays the same traces in interleaved rounds; the
     compiled tree drafts exactly as the reference (same τ); Arctic is left out, and says so,
@@ -419,13 +445,13 @@ def test_control_plane_stand_in_serves_as_a_ray_replica(tiny_engine):
     try:
         assert cp.descendants_cpu_s(os.getpid()) > 0  # Ray's GCS, raylet and the replica are ours
         engine = Engine(tiny_engine.cfg, verifier=place.verifier())
-        cpu0 = place.cpu()
+        cpu0 = place.snapshot()[1]
         for method in ("suffix", "sd"):
             t = traces[0]
             gen = engine.generate(GenerationRequest(list(t["prompt"]), len(t["greedy"]), method=method))
             out = [tok for step in gen for tok in step.token_ids] + [tiny_engine.eos_id] * (gen.finish_reason == "eos")
             assert out == t["greedy"], method
-        assert place.counters()["cycles"] > 0 and place.cpu() > cpu0
+        assert place.counters()["cycles"] > 0 and place.snapshot()[1] > cpu0
         engine.close()
     finally:
         place.close()
