@@ -6,13 +6,17 @@
 // index stays valid for the tree's life). A node seen once is a lazy leaf (kids == -1): its
 // continuation is read from the sequence it references. Children are kept in insertion order
 // (the reference's dict order decides ties), with a hash index once a node has more than 8.
-// Every call runs holding the GIL, so readers and the writer never interleave inside a call.
+// Each tree has a reader/writer lock: a call that changes it holds it alone, readers share it.
+// `step_batch` (one router step for many sessions) runs without the GIL, so another thread's
+// reads and writes (a feed inserting peers' outputs) are kept apart by that lock, not the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <queue>
+#include <shared_mutex>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -101,59 +105,111 @@ public:
     }
 
     int new_seq() {
-        seqs_.emplace_back();
-        actives_.emplace_back();
-        return static_cast<int>(seqs_.size()) - 1;
+        std::unique_lock lock(mu_);
+        return new_seq_();
     }
 
     void extend(int s, const std::vector<Tok>& tokens) {
-        check_seq(s);
-        for (Tok t : tokens) append(s, t);
+        std::unique_lock lock(mu_);
+        extend_(s, tokens);
     }
 
     int add(const std::vector<Tok>& tokens) {
-        int s = new_seq();
-        extend(s, tokens);
+        std::unique_lock lock(mu_);
+        int s = new_seq_();
+        extend_(s, tokens);
         std::vector<int32_t>().swap(actives_[s]);  // a finished sequence is never extended
         return s;
     }
 
     Matches match(const std::vector<Tok>& context) const {
-        Matches m;
-        size_t from = context.size() > static_cast<size_t>(max_depth_) ? context.size() - max_depth_ : 0;
-        advance(m, std::vector<Tok>(context.begin() + from, context.end()));
-        return m;
+        std::shared_lock lock(mu_);
+        return match_(context);
     }
 
     void advance(Matches& m, const std::vector<Tok>& tokens) const {
-        for (Tok t : tokens) {
-            advance_one(m.items, t, m.tail);
-            m.tail.push_back(t);
-            if (m.tail.size() > static_cast<size_t>(max_depth_)) m.tail.erase(m.tail.begin());
-        }
+        std::shared_lock lock(mu_);
+        advance_(m, tokens);
     }
 
     Draft speculate(int s, int budget, int max_spec_tokens, double factor, double offset, double min_prob,
                     bool tree) const {
-        check_seq(s);
-        std::vector<Match> ms;
-        ms.reserve(actives_[s].size());
-        for (int32_t n : actives_[s]) ms.push_back(Match{n, 0});
-        return best_draft(ms, budget, Limits{max_spec_tokens, factor, offset, min_prob}, tree);
+        std::shared_lock lock(mu_);
+        return speculate_(s, budget, Limits{max_spec_tokens, factor, offset, min_prob}, tree);
     }
 
     Draft speculate_matches(const Matches& m, int budget, int max_spec_tokens, double factor, double offset,
                             double min_prob, bool tree) const {
+        std::shared_lock lock(mu_);
         return best_draft(m.items, budget, Limits{max_spec_tokens, factor, offset, min_prob}, tree);
     }
 
+    // One router step's suffix drafting for many sessions (services/drafter/suffix.py:
+    // SuffixDrafter._step_batch), in the order the per-session calls would make it: first each
+    // session's new tokens enter its own tree and its live output in `global` (a live output the
+    // tree lacks, live_seqs -1, enters first as a new sequence of `carries`), and its global
+    // matches advance (mode kAdvance), session by session; then each asked session (budget > 0)
+    // re-matches its context where its matches went stale (kRematch) and drafts from both trees,
+    // the global draft winning only on a higher score. Returns the drafts (and whether global
+    // won) and each live output's sequence in `global`. Runs without the GIL.
+    using Batch = std::tuple<std::vector<std::tuple<Draft, bool>>, std::vector<int>>;
+    static Batch step_batch(SuffixTree& global, const std::vector<SuffixTree*>& locals, const std::vector<int>& seqs,
+                            const std::vector<std::vector<Tok>>& tokens, std::vector<int> live_seqs,
+                            const std::vector<std::vector<Tok>>& carries, const std::vector<Matches*>& matches,
+                            const std::vector<int>& modes, const std::vector<std::vector<Tok>>& contexts,
+                            const std::vector<int>& budgets, int max_spec_tokens, double factor, double offset,
+                            double min_prob, bool tree) {
+        const size_t n = locals.size();
+        if (seqs.size() != n || tokens.size() != n || live_seqs.size() != n || carries.size() != n ||
+            matches.size() != n || modes.size() != n || contexts.size() != n || budgets.size() != n)
+            throw py::value_error("step_batch: one entry per session in every list");
+        const Limits lim{max_spec_tokens, factor, offset, min_prob};
+        {
+            std::unique_lock glock(global.mu_);
+            for (size_t i = 0; i < n; ++i) {
+                locals[i]->extend(seqs[i], tokens[i]);
+                if (live_seqs[i] == kCarry) {
+                    live_seqs[i] = global.new_seq_();
+                    global.extend_(live_seqs[i], carries[i]);
+                }
+                if (live_seqs[i] >= 0) global.extend_(live_seqs[i], tokens[i]);
+                if (modes[i] == kAdvance) global.advance_(*matches[i], tokens[i]);
+            }
+        }
+        std::vector<std::tuple<Draft, bool>> out(n);
+        std::shared_lock glock(global.mu_);
+        for (size_t i = 0; i < n; ++i) {
+            if (budgets[i] <= 0) continue;
+            if (modes[i] == kRematch) *matches[i] = global.match_(contexts[i]);
+            Draft local;
+            {
+                std::shared_lock llock(locals[i]->mu_);
+                local = locals[i]->speculate_(seqs[i], budgets[i], lim, tree);
+            }
+            if (!matches[i]->items.empty()) {
+                Draft glob = global.best_draft(matches[i]->items, budgets[i], lim, tree);
+                if (std::get<3>(glob) > std::get<3>(local)) {
+                    out[i] = {std::move(glob), true};
+                    continue;
+                }
+            }
+            out[i] = {std::move(local), false};
+        }
+        return {std::move(out), std::move(live_seqs)};
+    }
+
+    static constexpr int kAdvance = 1, kRematch = 2;  // step_batch's modes (0: leave the matches)
+    static constexpr int kCarry = -1;                 // step_batch's live_seqs: not in the tree yet (-2: none)
+
     std::vector<int32_t> match_lengths(const Matches& m) const {
+        std::shared_lock lock(mu_);
         std::vector<int32_t> out;
         for (const Match& x : m.items) out.push_back(nodes_[x.node].depth + x.extra);
         return out;
     }
 
     int64_t count(const std::vector<Tok>& tokens) const {
+        std::shared_lock lock(mu_);
         int32_t n = 0, x = 0;
         for (Tok t : tokens) {
             const Node& nd = nodes_[n];
@@ -171,12 +227,19 @@ public:
         return nodes_[n].count;
     }
 
-    int64_t total() const { return nodes_[0].count; }
-    int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size()) - 1; }
+    int64_t total() const {
+        std::shared_lock lock(mu_);
+        return nodes_[0].count;
+    }
+    int64_t num_nodes() const {
+        std::shared_lock lock(mu_);
+        return static_cast<int64_t>(nodes_.size()) - 1;
+    }
     int max_depth() const { return max_depth_; }
 
 private:
     int max_depth_;
+    mutable std::shared_mutex mu_;
     std::vector<Node> nodes_;
     std::vector<Kids> kids_;
     std::vector<std::vector<Tok>> seqs_;
@@ -186,6 +249,41 @@ private:
 
     void check_seq(int s) const {
         if (s < 0 || static_cast<size_t>(s) >= seqs_.size()) throw py::index_error("no such sequence in this tree");
+    }
+
+    // The calls above without their lock (the caller holds it).
+    int new_seq_() {
+        seqs_.emplace_back();
+        actives_.emplace_back();
+        return static_cast<int>(seqs_.size()) - 1;
+    }
+
+    void extend_(int s, const std::vector<Tok>& tokens) {
+        check_seq(s);
+        for (Tok t : tokens) append(s, t);
+    }
+
+    Matches match_(const std::vector<Tok>& context) const {
+        Matches m;
+        size_t from = context.size() > static_cast<size_t>(max_depth_) ? context.size() - max_depth_ : 0;
+        advance_(m, std::vector<Tok>(context.begin() + from, context.end()));
+        return m;
+    }
+
+    void advance_(Matches& m, const std::vector<Tok>& tokens) const {
+        for (Tok t : tokens) {
+            advance_one(m.items, t, m.tail);
+            m.tail.push_back(t);
+            if (m.tail.size() > static_cast<size_t>(max_depth_)) m.tail.erase(m.tail.begin());
+        }
+    }
+
+    Draft speculate_(int s, int budget, const Limits& lim, bool tree) const {
+        check_seq(s);
+        std::vector<Match> ms;
+        ms.reserve(actives_[s].size());
+        for (int32_t n : actives_[s]) ms.push_back(Match{n, 0});
+        return best_draft(ms, budget, lim, tree);
     }
 
     int32_t new_node(Tok token, int32_t depth, int32_t seq, int32_t end) {
@@ -376,16 +474,31 @@ private:
 
 }  // namespace
 
+constexpr size_t kLongInput = 64;  // tokens from which extend/add run without the GIL
+
 PYBIND11_MODULE(_suffix_tree, m) {
     m.doc() = "Compiled suffix tree for SuffixDecoding; the reference is services/drafter/suffix_tree.py";
     py::class_<Matches>(m, "Matches")
+        .def(py::init<>())
         .def("__len__", [](const Matches& x) { return x.items.size(); })
         .def("__bool__", [](const Matches& x) { return !x.items.empty(); });
     py::class_<SuffixTree>(m, "SuffixTree")
         .def(py::init<int>(), py::arg("max_depth") = 64)
         .def("new_seq", &SuffixTree::new_seq)
-        .def("extend", &SuffixTree::extend)
-        .def("add", &SuffixTree::add)
+        // a long input (a prompt indexed by a request's own thread) is taken without the GIL, so
+        // the scheduler's step goes on meanwhile; a few tokens are not worth the GIL's handover
+        .def("extend",
+             [](SuffixTree& t, int s, const std::vector<Tok>& tokens) {
+                 if (tokens.size() < kLongInput) return t.extend(s, tokens);
+                 py::gil_scoped_release unlocked;
+                 t.extend(s, tokens);
+             })
+        .def("add",
+             [](SuffixTree& t, const std::vector<Tok>& tokens) {
+                 if (tokens.size() < kLongInput) return t.add(tokens);
+                 py::gil_scoped_release unlocked;
+                 return t.add(tokens);
+             })
         .def("match", &SuffixTree::match)
         .def("advance", &SuffixTree::advance)
         .def("speculate", &SuffixTree::speculate)
@@ -395,4 +508,6 @@ PYBIND11_MODULE(_suffix_tree, m) {
         .def_property_readonly("total", &SuffixTree::total)
         .def_property_readonly("num_nodes", &SuffixTree::num_nodes)
         .def_property_readonly("max_depth", &SuffixTree::max_depth);
+    m.def("step_batch", &SuffixTree::step_batch, py::call_guard<py::gil_scoped_release>(),
+          "One router step's suffix drafting for many sessions, without the GIL (SuffixTree::step_batch)");
 }

@@ -15,7 +15,7 @@ import torch
 from services.common.config import SuffixConfig
 from services.common.types import Draft, SamplingParams
 from services.drafter.base import Drafter, register
-from services.drafter.suffix_tree import Candidate, new_tree
+from services.drafter.suffix_tree import Candidate, CompiledMatches, new_tree, step_batch
 
 
 class LiveOutput:
@@ -54,7 +54,7 @@ class GlobalSuffixCache:
         self.version = 0
         self._evicted = 0
         self._held: list[tuple[int, ...]] | None = None
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # writers' (and a batched step's: SuffixDrafter._step_batch)
 
     @classmethod
     def of(cls, cfg: SuffixConfig) -> GlobalSuffixCache:
@@ -63,7 +63,7 @@ class GlobalSuffixCache:
     def insert(self, output: list[int]) -> None:
         if not output:
             return
-        with self._lock:
+        with self.lock:
             if self._held is not None:
                 self._held.append(tuple(output))
                 return
@@ -91,7 +91,7 @@ class GlobalSuffixCache:
 
     def grow(self, live: LiveOutput, tokens: list[int]) -> None:
         """Append a live output's new tokens to the tree."""
-        with self._lock:
+        with self.lock:
             if live.tree is not self.tree:  # new, or the tree was rebuilt: carry it over
                 live.tree, live.seq_id = self.tree, self.tree.new_seq()
                 self.tree.extend(live.seq_id, live.tokens)
@@ -103,7 +103,7 @@ class GlobalSuffixCache:
         tree (a rebuild without it) and waits for the block's end like any insert."""
         if not live.tokens:
             return
-        with self._lock:
+        with self.lock:
             output, in_tree = tuple(live.tokens), live.tree is self.tree
             live.tree = None
             if self._held is not None:
@@ -122,18 +122,18 @@ class GlobalSuffixCache:
         ``keep=False``). A benchmark runs every method on one prompt inside such a block: no
         method drafts from another method's output of that prompt, and later prompts see the
         outputs as later requests would."""
-        with self._lock:
+        with self.lock:
             self._held = []
         try:
             yield
         finally:
-            with self._lock:
+            with self.lock:
                 held, self._held = self._held, None
             for out in dict.fromkeys(held if keep else []):
                 self.insert(list(out))
 
     def clear(self) -> None:
-        with self._lock:
+        with self.lock:
             self.outputs.clear()
             self.tree, self._evicted = new_tree(self.max_depth, self.compiled), 0
             self.version += 1
@@ -150,6 +150,19 @@ class _Req:
     gtree: Any = None
     drafted: list[int] = field(default_factory=list)
     live: LiveOutput | None = None  # its output in the global tree as it grows (cfg.live_outputs)
+    pending: list[int] = field(default_factory=list)  # observed, not yet in the trees (``_absorb``)
+
+
+def _live_entry(st: _Req, tree) -> tuple[int, list[int]]:
+    """``step_batch``'s entry for a request's live output in ``tree``: its sequence there, or -1
+    with the tokens it had when it enters a tree it is new to (new, or the tree was rebuilt: it
+    enters as it grows, so only with tokens to add), or -2 when there is none to grow."""
+    live = st.live
+    if live is None:
+        return -2, []
+    if live.tree is tree:
+        return live.seq_id, []
+    return (-1, live.tokens) if st.pending else (-2, [])
 
 
 @register("suffix")
@@ -170,6 +183,9 @@ class SuffixDrafter(Drafter):
         p = cfg.spec
         self._limits = (p.max_spec_tokens, p.max_spec_factor, p.max_spec_offset, p.min_token_prob)
         self.states: dict[str, _Req] = {}
+        self._pending: dict[str, _Req] = {}  # requests with observed tokens not yet in the trees
+        # a step's drafting in one compiled call (``_step_batch``) where every tree is compiled
+        self.batched = cfg.compiled and self.global_cache.compiled and step_batch is not None
 
     def start(
         self,
@@ -196,6 +212,7 @@ class SuffixDrafter(Drafter):
         """The better of the request's own tree's draft and the global tree's; a speculation
         tree with ``tree`` (default: the config's), else a path."""
         st = self.states[req_id]
+        self._absorb_pending()
         tree = self.cfg.tree if tree is None else tree
         local = st.tree.speculate(st.seq_id, budget, *self._limits, tree)
         gm = self._global_matches(st)
@@ -204,7 +221,64 @@ class SuffixDrafter(Drafter):
         return Candidate.of(local), "local"
 
     def propose(self, req_id: str, budget: int, tree: bool | None = None) -> Draft:
-        cand, which = self.speculate(req_id, budget, tree)
+        return self._draft(req_id, *self.speculate(req_id, budget, tree))
+
+    def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
+        """One step's drafts; the tokens every request observed since its last step enter the
+        trees first, request by request (``_absorb``). With compiled trees, all of it is one
+        call (``_step_batch``)."""
+        if self.batched:
+            cands = self._step_batch(asks)
+        else:
+            self._absorb_pending()
+            cands = [self.speculate(req_id, budget) for req_id, budget in asks]
+        return [self._draft(req_id, cand, which) for (req_id, _), (cand, which) in zip(asks, cands)]
+
+    def _step_batch(self, asks: list[tuple[str, int]]) -> list[tuple[Candidate, str]]:
+        """``propose_batch`` in one compiled call without the GIL (``step_batch``: what the
+        per-request calls would do, in their order). The global cache's writers wait meanwhile,
+        so its tree and version stay put."""
+        g, budgets = self.global_cache, dict(asks)
+        reqs = {**self._pending, **{r: self.states[r] for r, _ in asks}}
+        self._pending = {}
+        states = list(reqs.values())
+        with g.lock:
+            gt, live, carries, modes, contexts = g.tree, [], [], [], []
+            for req_id, st in reqs.items():
+                current = st.gversion == g.version and st.gtree is gt
+                if not current and budgets.get(req_id, 0) > 0:
+                    st.gmatches, st.gtree, st.gversion = CompiledMatches(), gt, g.version
+                    modes.append(2)  # re-match (the context holds the new tokens)
+                    contexts.append(st.seq[-self.cfg.max_depth :])
+                else:
+                    modes.append(1 if current else 0)  # advance with the new tokens, or leave stale
+                    contexts.append([])
+                seq_id, carry = _live_entry(st, gt)
+                live.append(seq_id)
+                carries.append(carry)
+            drafts, seq_ids = step_batch(
+                gt,
+                [st.tree for st in states],
+                [st.seq_id for st in states],
+                [st.pending for st in states],
+                live,
+                carries,
+                [st.gmatches if isinstance(st.gmatches, CompiledMatches) else CompiledMatches() for st in states],
+                modes,
+                contexts,
+                [budgets.get(r, 0) for r in reqs],
+                *self._limits,
+                self.cfg.tree,
+            )
+            for st, seq_id in zip(states, seq_ids):
+                if st.live is not None and seq_id >= 0:
+                    st.live.tree, st.live.seq_id = gt, seq_id
+                    st.live.tokens.extend(st.pending)
+                st.pending = []
+        drafted = dict(zip(reqs, drafts))
+        return [(Candidate.of(drafted[r][0]), "global" if drafted[r][1] else "local") for r, _ in asks]
+
+    def _draft(self, req_id: str, cand: Candidate, which: str) -> Draft:
         st = self.states[req_id]
         st.drafted = cand.token_ids
         return Draft(
@@ -222,21 +296,40 @@ class SuffixDrafter(Drafter):
         st.drafted = st.drafted[:n]
 
     def observe(self, req_id: str, tokens: list[int], target_states=None) -> None:
+        """The tokens join the request's context now, and its trees (its own, its live output in
+        the global one) at the next step (``propose_batch``) or its next draft: a live output's
+        tokens are in the global tree from the step after they were committed."""
         st = self.states[req_id]
         st.drafted = []
+        st.seq.extend(tokens)  # (stale matches are redone from it at the next draft)
+        st.pending.extend(tokens)
+        self._pending[req_id] = st
+
+    def _absorb_pending(self) -> None:
+        """Every request's observed tokens into the trees, in the order they were observed."""
+        pending, self._pending = self._pending, {}
+        for st in pending.values():
+            self._absorb(st)
+
+    def _absorb(self, st: _Req) -> None:
+        """The request's observed tokens into its own tree, its live output and its matches."""
+        tokens, st.pending = st.pending, []
+        if not tokens:
+            return
         st.tree.extend(st.seq_id, tokens)
         if st.live is not None:  # first into the global tree, so the matches below can extend into it
             self.global_cache.grow(st.live, tokens)
         g = self.global_cache
         if st.gversion == g.version and st.gtree is g.tree:
             st.gtree.advance(st.gmatches, tokens)
-        st.seq.extend(tokens)  # (stale matches are redone from it at the next draft)
 
     def stop(self, req_id: str) -> list[int]:
         """Ends the request; its output enters the global tree. Returns that output."""
         st = self.states.pop(req_id, None)
         if st is None:
             return []
+        self._pending.pop(req_id, None)
+        self._absorb(st)
         output = st.seq[st.prompt_len :]
         if st.live is not None:
             self.global_cache.close(st.live)

@@ -32,9 +32,11 @@ from typing import cast
 from services.common.config import SpecParams
 
 try:
+    from services.drafter._suffix_tree import Matches as CompiledMatches
     from services.drafter._suffix_tree import SuffixTree as CompiledSuffixTree
+    from services.drafter._suffix_tree import step_batch
 except ImportError:  # built without a C++ compiler: the reference serves
-    CompiledSuffixTree = None
+    CompiledSuffixTree = CompiledMatches = step_batch = None
 
 
 # (token_ids, probs, parents, score, match_len): what both trees' speculate returns
