@@ -692,14 +692,12 @@ class GenerationIngress:
         """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's;
         the other ingress replicas end theirs as the ``AbortBoard`` tells them."""
         from services.common.refusals import Refusal
-        from services.router.grpc_server import check_token_under_serve, refuse_under_serve
+        from services.router.grpc_server import check_admin_under_serve, refuse_under_serve
         from services.router.wire import abort_response, abort_target
 
-        admin = os.environ.get("SPECMESH_ADMIN_TOKEN")
-        if admin:  # the admin token instead of the API's
-            check_token_under_serve(grpc_context, admin)
-        else:
-            self._authorized(grpc_context)
+        check_admin_under_serve(
+            grpc_context, os.environ.get("SPECMESH_AUTH_TOKEN"), os.environ.get("SPECMESH_ADMIN_TOKEN")
+        )
         try:
             target = abort_target(request)
         except Refusal as e:

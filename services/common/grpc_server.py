@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import refusals
-from services.common.security import ADMIN_DENIED, DENIED, TLSConfig, bearer_ok, internal_token
+from services.common.security import DENIED, TLSConfig, admin_refusal, bearer_ok, internal_token
 
 log = logging.getLogger("specmesh.grpc")
 EXEMPT = ("/grpc.health.v1.Health/Check",)  # Kubernetes probes carry no token; Watch needs one (it holds a stream)
@@ -240,7 +240,7 @@ def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
 class BearerAuth(grpc.ServerInterceptor):
     def __init__(self, token: str | None, admin_token: str | None = None, admin_methods: tuple[str, ...] = ()):
         """``token`` (None: the API is open) for every method but health Check; ``admin_methods``
-        take ``admin_token`` instead, when it is set."""
+        take ``admin_token`` instead (``security.admin_refusal``: off when only ``token`` is set)."""
         if not token and not admin_token:
             raise ValueError("auth: the bearer token must not be empty")
         self._token, self._admin_token, self._admin_methods = token, admin_token, admin_methods
@@ -249,11 +249,17 @@ class BearerAuth(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or details.method.startswith(EXEMPT):
             return handler
-        admin = self._admin_token is not None and details.method in self._admin_methods
-        token = self._admin_token if admin else self._token
-        if token is None or bearer_ok(details.invocation_metadata, token):
+        if details.method in self._admin_methods:
+            refused = admin_refusal(details.invocation_metadata, self._token, self._admin_token)
+            if refused is None:
+                return handler
+            forbidden, why = refused
+            return _deny(
+                handler, why, grpc.StatusCode.PERMISSION_DENIED if forbidden else grpc.StatusCode.UNAUTHENTICATED
+            )
+        if self._token is None or bearer_ok(details.invocation_metadata, self._token):
             return handler
-        return _deny(handler, ADMIN_DENIED if admin else DENIED)
+        return _deny(handler, DENIED)
 
 
 def _kind(handler) -> str:
@@ -261,11 +267,11 @@ def _kind(handler) -> str:
     return next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
 
 
-def _deny(handler, why: str = DENIED):
+def _deny(handler, why: str = DENIED, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED):
     """A refusal that never parses the request: auth is checked before any byte is read as protobuf."""
 
     def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        context.abort(code, why)
 
     make = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
     return make(abort, request_deserializer=lambda raw: raw, response_serializer=handler.response_serializer)

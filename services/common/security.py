@@ -44,6 +44,20 @@ class TLSConfig:
 
 DENIED = "authorization: missing or invalid bearer token"
 ADMIN_DENIED = "authorization: an admin endpoint: send the admin token (`Authorization: Bearer <admin token>`)"
+ADMIN_OFF = (
+    "authorization: an admin endpoint, off while the API takes a token and no admin token is set "
+    "(start the server with --admin-token-file, or SPECMESH_ADMIN_TOKEN under Ray)"
+)
+
+
+def admin_refusal(metadata, api_token: str | None, admin_token: str | None) -> tuple[bool, str] | None:
+    """Why an admin call (ending other clients' requests, resetting shared caches) is refused:
+    (forbidden, why), forbidden meaning no token could pass; None: allowed. It takes the admin
+    token when one is set. With only an API token the admin endpoints are off, since every API
+    client holds that token; an open server (no token at all) leaves them open with the rest."""
+    if admin_token:
+        return None if bearer_ok(metadata, admin_token) else (False, ADMIN_DENIED)
+    return (True, ADMIN_OFF) if api_token else None
 
 
 def bearer_ok(metadata, token: str) -> bool:

@@ -16,7 +16,7 @@ from services.common.config import ServerConfig
 from services.common.grpc_server import build_grpc_server, status_of
 from services.common.metrics import REQUESTS_REJECTED
 from services.common.refusals import Refusal
-from services.common.security import DENIED, TLSConfig, bearer_ok
+from services.common.security import DENIED, TLSConfig, admin_refusal, bearer_ok
 from services.common.types import SessionCancelled
 from services.router import openai_api as oa
 from services.router.admission import ActiveSessions, Admission, check_completions
@@ -155,6 +155,15 @@ def check_token_under_serve(context, token: str | None) -> None:
         context.set_code(grpc.StatusCode.UNAUTHENTICATED)
         context.set_details(DENIED)
         raise PermissionError(DENIED)
+
+
+def check_admin_under_serve(context, api_token: str | None, admin_token: str | None) -> None:
+    """An admin method under Serve (no interceptors): ``security.admin_refusal``'s rule."""
+    if refused := admin_refusal(context.invocation_metadata(), api_token, admin_token):
+        forbidden, why = refused
+        context.set_code(grpc.StatusCode.PERMISSION_DENIED if forbidden else grpc.StatusCode.UNAUTHENTICATED)
+        context.set_details(why)
+        raise PermissionError(why)
 
 
 def health_status(serving: bool):

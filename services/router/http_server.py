@@ -40,7 +40,7 @@ from services.router.engine import Completions, Engine, GenerationRequest, Inval
 from services.router.tools import ToolStream
 
 log = logging.getLogger("specmesh.http")
-# what ends other clients' requests or resets shared state: behind the admin token when one is set
+# what ends other clients' requests or resets shared state: the admin token's (security.admin_refusal)
 ADMIN_PATHS = ("/abort_request", "/reset_prefix_cache", "/flush_cache")
 
 # Each refusal's HTTP status (the gRPC edge has its own table).
@@ -244,12 +244,13 @@ def build_app(
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        from services.common.security import ADMIN_DENIED, bearer_ok
+        from services.common.security import admin_refusal, bearer_ok
 
         sent = [("authorization", request.headers.get("authorization", ""))]
-        if cfg.admin_token and request.url.path in ADMIN_PATHS:  # the admin token instead of the API's
-            if not bearer_ok(sent, cfg.admin_token):
-                return error(401, ADMIN_DENIED)
+        if request.url.path in ADMIN_PATHS:  # the admin token instead of the API's (security.admin_refusal)
+            if refused := admin_refusal(sent, cfg.auth_token, cfg.admin_token):
+                forbidden, why = refused
+                return error(403 if forbidden else 401, why)
         elif cfg.auth_token and request.url.path not in ("/health", "/ping", "/metrics", "/version"):
             if not bearer_ok(sent, cfg.auth_token):
                 return error(401, "authorization: send `Authorization: Bearer <token>`")

@@ -241,7 +241,8 @@ def test_a_schema_that_fans_out_is_expanded_and_refused_in_the_compile_worker(ti
 def test_admin_endpoints_take_the_admin_token_not_the_apis(tiny_engine):
     """With an admin token set, a client holding the API token cannot abort other clients'
     requests or reset the prefix caches (HTTP or gRPC); the admin token can, and it is not an
-    API token."""
+    API token. With an API token and no admin token the admin endpoints are off (403,
+    PERMISSION_DENIED), since every client holds the API token; an open server leaves them open."""
     import urllib.error
     import urllib.request
 
@@ -269,6 +270,24 @@ def test_admin_endpoints_take_the_admin_token_not_the_apis(tiny_engine):
             assert post(port, path, "api", body) == 401, path
             assert post(port, path, "admin", body) == 200, path
         assert post(port, "/v1/completions", "admin", b'{"prompt": "x", "max_tokens": 1}') == 401
+
+    with http_api(tiny_engine, auth_token="api") as (port, _):  # no admin token: the endpoints are off
+        for path, body in (("/abort_request", b'{"abort_all": true}'), ("/flush_cache", b"")):
+            assert post(port, path, "api", body) == 403, path
+    with http_api(tiny_engine) as (port, _):  # an open server: open to all, these too
+        assert post(port, "/abort_request", "", b'{"abort_all": true}') == 200
+
+    server, _, grpc_port = build_server(tiny_engine, ServerConfig(port=0, auth_token="api"))
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.GenerationStub(channel).Abort(
+                    pb.AbortRequest(abort_all=True), timeout=10, metadata=[("authorization", "Bearer api")]
+                )
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--admin-token-file" in e.value.details()
+    finally:
+        server.stop(0)
 
     server, _, grpc_port = build_server(tiny_engine, ServerConfig(port=0, auth_token="api", admin_token="admin"))
     server.start()

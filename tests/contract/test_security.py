@@ -96,7 +96,11 @@ def test_ray_ingress_checks_the_token_itself(monkeypatch):
         ctx = Ctx(md)
         with pytest.raises(PermissionError):
             ingress.Abort(pb.AbortRequest(abort_all=True), ctx)
-        assert ctx.code == grpc.StatusCode.UNAUTHENTICATED
+        assert ctx.code == grpc.StatusCode.PERMISSION_DENIED and "no admin token" in ctx.details
+    ctx = Ctx([("authorization", f"Bearer {TOKEN}")])  # the API's token does not open an admin method
+    with pytest.raises(PermissionError):
+        ingress.Abort(pb.AbortRequest(abort_all=True), ctx)
+    assert ctx.code == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_chart_passes_the_token_to_the_ray_head():
