@@ -720,6 +720,7 @@ class GenerationIngress:
             req = await asyncio.to_thread(request_from_pb, request, engine)
             check_completions(req.n, self._max_sessions)  # Serve counts streams, not their completions
             completions = await asyncio.to_thread(engine.generate_all, req)
+            await asyncio.to_thread(completions.prepare)  # its grammar: Serve has admitted the stream
         except Refusal as e:
             refuse_under_serve(grpc_context, e)
         self._active.add(completions.gens)

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from services.common.grammar_worker import CompileTimeout, IndexWorker, RegexTooLong
+from services.common.refusals import Overloaded
 
 MAX_SPEC_CHARS = 32768  # a schema, regex or all choices together
 MAX_CHOICES = 256
@@ -214,34 +218,89 @@ def _regex_detail(pattern: str) -> str:
 
 
 class GrammarCompiler:
-    """Compiles patterns over one tokenizer's vocabulary in a worker process with a time
-    limit (``IndexWorker``: some short patterns take longer to compile than any request
-    should wait, ``bench.grammar_compile``); the most recent ones stay cached (their
-    requests usually repeat them)."""
+    """Compiles patterns over one tokenizer's vocabulary in worker processes with a time limit
+    (``IndexWorker``: some short patterns take longer to compile than any request should wait,
+    ``bench.grammar_compile``). ``workers`` processes compile at once; a request waits at most
+    ``wait_s`` for one (then it is refused as overload, not queued without end); requests for a
+    pattern already compiling wait for that compile rather than start their own; the most recent
+    patterns stay cached (their requests usually repeat them)."""
 
-    def __init__(self, tokenizer, vocab_size: int, cached: int = 32, timeout_s: float = 10.0):
+    def __init__(
+        self, tokenizer, vocab_size: int, cached: int = 32, timeout_s: float = 10.0, workers: int = 2, wait_s=30.0
+    ):
         from outlines_core import Vocabulary
 
         self.eos_id, self.vocab_size = tokenizer.eos_token_id, vocab_size
-        self.worker = IndexWorker(Vocabulary(self.eos_id, token_bytes(tokenizer)), timeout_s)
+        vocabulary = Vocabulary(self.eos_id, token_bytes(tokenizer))
+        self.workers = [IndexWorker(vocabulary, timeout_s) for _ in range(workers)]
+        self._idle: queue.SimpleQueue[IndexWorker] = queue.SimpleQueue()
+        for w in self.workers:
+            self._idle.put(w)
+        self.wait_s = wait_s
         self._cache: OrderedDict[str, TokenGrammar] = OrderedDict()
         self._schemas: OrderedDict[str, str] = OrderedDict()  # schema -> its regex
+        self._flights: dict[tuple[str, str], Future] = {}  # (kind, text) being built -> its result
         self._cached, self._lock = cached, threading.Lock()
 
     def cached(self, pattern: str) -> bool:
         with self._lock:
             return pattern in self._cache
 
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+    def _build(self, kind: str, text: str, build: Callable[[IndexWorker], Any], store: OrderedDict):
+        """``build(worker)`` once for ``text`` however many ask at once (the others wait for
+        its result or its error), on a free worker; the result kept in ``store``."""
+        with self._lock:
+            if text in store:
+                store.move_to_end(text)
+                return store[text], True
+            waiting = self._flights.get((kind, text))
+            if waiting is None:
+                flight: Future = Future()
+                self._flights[(kind, text)] = flight
+        if waiting is not None:
+            return waiting.result(), True
+        try:
+            try:
+                worker = self._idle.get(timeout=self.wait_s)
+            except queue.Empty:
+                raise Overloaded(
+                    f"structured_output: every grammar compile worker stayed busy for {self.wait_s:g} s; retry later"
+                ) from None
+            try:
+                value = build(worker)
+            finally:
+                self._idle.put(worker)
+            with self._lock:
+                store[text] = value
+                while len(store) > self._cached:
+                    store.popitem(last=False)
+            flight.set_result(value)
+            return value, False
+        except BaseException as e:
+            flight.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                self._flights.pop((kind, text), None)
+
     def schema_regex(self, schema: str) -> str:
-        """``schema``'s regex, expanded in the compile worker (a schema of a few kilobytes whose
+        """``schema``'s regex, expanded in a compile worker (a schema of a few kilobytes whose
         ``$ref``s fan out can expand to gigabytes: past the worker's time or memory, or past
         ``MAX_REGEX_CHARS``, it is refused as too complex); recent ones cached."""
-        with self._lock:
-            if schema in self._schemas:
-                return self._schemas[schema]
         try:
             json.loads(schema)
-            regex = self.worker.schema_regex(schema, MAX_REGEX_CHARS)
+        except ValueError as e:
+            raise GrammarError(f"structured_output.json_schema: not a usable JSON schema: {e}") from None
+        return self._build("schema", schema, lambda w: self._expand(w, schema), self._schemas)[0]
+
+    @staticmethod
+    def _expand(worker: IndexWorker, schema: str) -> str:
+        try:
+            return worker.schema_regex(schema, MAX_REGEX_CHARS)
         except CompileTimeout as e:
             raise GrammarError(f"structured_output.json_schema: too complex: {e}; bound its nesting") from None
         except RegexTooLong as e:
@@ -250,23 +309,21 @@ class GrammarCompiler:
             ) from None
         except ValueError as e:
             raise GrammarError(f"structured_output.json_schema: not a usable JSON schema: {e}") from None
-        with self._lock:
-            self._schemas[schema] = regex
-            while len(self._schemas) > self._cached:
-                self._schemas.popitem(last=False)
-        return regex
 
     def compile(self, pattern: str) -> TokenGrammar:
+        from services.common.metrics import GRAMMAR_COMPILES
+
+        grammar, shared = self._build("pattern", pattern, lambda w: self._compile(w, pattern), self._cache)
+        if shared:
+            GRAMMAR_COMPILES.labels("cached").inc()
+        return grammar
+
+    def _compile(self, worker: IndexWorker, pattern: str) -> TokenGrammar:
         from services.common.metrics import GRAMMAR_COMPILE_SECONDS, GRAMMAR_COMPILES
 
-        with self._lock:
-            if pattern in self._cache:
-                self._cache.move_to_end(pattern)
-                GRAMMAR_COMPILES.labels("cached").inc()
-                return self._cache[pattern]
         t0 = time.perf_counter()
         try:
-            grammar = TokenGrammar(self.worker.compile(pattern), self.vocab_size, self.eos_id)
+            grammar = TokenGrammar(worker.compile(pattern), self.vocab_size, self.eos_id)
         except CompileTimeout as e:
             GRAMMAR_COMPILES.labels("too_complex").inc()
             raise GrammarError(
@@ -280,10 +337,6 @@ class GrammarCompiler:
             ) from None
         GRAMMAR_COMPILES.labels("compiled").inc()
         GRAMMAR_COMPILE_SECONDS.observe(time.perf_counter() - t0)
-        with self._lock:
-            self._cache[pattern] = grammar
-            while len(self._cache) > self._cached:
-                self._cache.popitem(last=False)
         return grammar
 
 

@@ -40,6 +40,9 @@ class Admission:
 
     def __init__(self, max_sessions: int, max_queue: int):
         self.max_sessions, self.max_queue = max_sessions, max_queue
+        # requests a front end holds at once (a thread each, parsing, queued or decoding): what
+        # could decode, wait, and one more to be told the queue is full
+        self._entered = threading.BoundedSemaphore(max_sessions + max_queue + 1)
         self._cond = threading.Condition()
         self.running = 0
         self._queue: list[tuple[int, int]] = []  # heap of (priority, ticket)
@@ -60,10 +63,7 @@ class Admission:
                 QUEUE_TIME.observe(0.0)
                 return None
             if len(self._queue) >= self.max_queue:
-                return Overloaded(
-                    f"server is at its limit of {self.max_sessions} concurrent sessions and "
-                    f"{self.max_queue} queued requests; retry later"
-                )
+                return self._full()
             me, since = (priority, next(self._tickets)), time.perf_counter()
             heapq.heappush(self._queue, me)
             QUEUE_DEPTH.set(len(self._queue))
@@ -83,6 +83,20 @@ class Admission:
                 heapq.heapify(self._queue)
                 QUEUE_DEPTH.set(len(self._queue))
                 self._cond.notify_all()  # a new head, which free slots may fit
+
+    def enter(self) -> Refusal | None:
+        """A request arrives at a front end that gives it a thread: None, or Overloaded when as
+        many as could decode or wait are already in (``leave`` when it is done)."""
+        return None if self._entered.acquire(blocking=False) else self._full()
+
+    def leave(self) -> None:
+        self._entered.release()
+
+    def _full(self) -> Overloaded:
+        return Overloaded(
+            f"server is at its limit of {self.max_sessions} concurrent sessions and "
+            f"{self.max_queue} queued requests; retry later"
+        )
 
     def release(self, n: int = 1) -> None:
         with self._cond:

@@ -303,7 +303,7 @@ class Engine:
             self.suffix_feed.close()
         self.verifier.close()
         if self._grammars is not None:
-            self._grammars.worker.close()
+            self._grammars.close()
 
     @property
     def context_len(self) -> int:
@@ -413,15 +413,25 @@ class Engine:
             self._validate_structured(req)
 
     def _validate_structured(self, req: GenerationRequest) -> None:
-        """The pattern compiles, and nothing else decides where the output ends."""
+        """Nothing but the grammar decides where the output ends. (The pattern compiles once the
+        request is admitted: ``compile_grammar``.)"""
         if req.ignore_eos or req.min_tokens:
             raise InvalidRequest(
                 "structured_output: cannot be combined with ignore_eos or min_tokens "
                 "(the grammar decides where the output may end)"
             )
-        assert req.structured is not None, "called for a structured request"
+
+    def compile_grammar(self, req: GenerationRequest) -> tuple[str, GrammarCursor] | None:
+        """The request's structured-output pattern and a cursor at its start (None: none asked),
+        compiled in the grammar workers (``GrammarCompiler``: a bounded pool, each pattern once).
+        A front end calls it only once the request holds its session slots, so requests refused
+        for load compile nothing. InvalidRequest for a pattern that cannot be used, Overloaded
+        while every worker stays busy."""
+        if req.structured is None:
+            return None
         try:
-            self.grammars.compile(req.structured.pattern(self.grammars.schema_regex))
+            pattern = req.structured.pattern(self.grammars.schema_regex)
+            return pattern, GrammarCursor.after(self.grammars.compile(pattern), [])
         except GrammarError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -496,6 +506,11 @@ class Completions:
     def cancel(self) -> None:
         for g in self.gens:
             g.cancel()
+
+    def prepare(self) -> None:
+        """Each completion's grammar compiled (``Generation.prepare``): after admission."""
+        for g in self.gens:
+            g.prepare()
 
     def __iter__(self) -> Generator[tuple[int, "StepOutput | None"], None, None]:
         try:
@@ -575,8 +590,9 @@ class Generation:
         self.index = 0  # its place among the request's completions
         self._released = threading.Event()
         self._t0 = self._t1 = 0.0  # the cycle in flight: when it began, when its draft was ready
-        self.pattern = req.structured.pattern(engine.grammars.schema_regex) if req.structured else None
-        self.grammar = GrammarCursor.after(engine.grammars.compile(self.pattern), []) if self.pattern else None
+        self.pattern: str | None = None  # the structured-output pattern, once compiled (``prepare``)
+        self.grammar: GrammarCursor | None = None
+        self._prepared = False
 
     @property
     def stop_reason(self) -> int | str | None:
@@ -621,9 +637,20 @@ class Generation:
         finally:
             self.stop()
 
+    def prepare(self) -> None:
+        """Compile the request's grammar (``Engine.compile_grammar``), once; ``start`` does it if
+        no one has. A front end calls it right after admission, so a bad pattern is refused with
+        the request's own status before its stream starts."""
+        if not self._prepared:
+            compiled = self.engine.compile_grammar(self.req)
+            if compiled is not None:
+                self.pattern, self.grammar = compiled
+            self._prepared = True
+
     def start(self) -> None:
         """Open the verifier session (in the caller's thread: a refusal reaches it as raised)
         and hand the generation to the engine's scheduler."""
+        self.prepare()
         req = self.req
         self._session = self.engine.verifier.open(
             SessionSpec(

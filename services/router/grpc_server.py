@@ -60,6 +60,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             REQUESTS_REJECTED.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         refused = self.admission.acquire(context, req.n, req.priority)
+        if refused is None:
+            try:
+                completions.prepare()  # its grammar, once it holds its slots
+            except Refusal as e:
+                self.admission.release(req.n)
+                refused = e
         if refused is not None:
             REQUESTS_REJECTED.labels(status_of(refused).name).inc()
             context.abort(status_of(refused), str(refused))

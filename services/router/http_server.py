@@ -119,6 +119,12 @@ class _Run(Generic[R]):
         self.queue: asyncio.Queue = asyncio.Queue()
         self._completions: Completions | None = None
         self.gone = False
+        # a thread only for a request that admission could still take (Admission.enter); the
+        # others are refused here, before a thread, a parse or a grammar
+        if (refused := admission.enter()) is not None:
+            REQUESTS_REJECTED.labels("RESOURCE_EXHAUSTED").inc()
+            self._put("error", 429, str(refused))
+            return
         threading.Thread(target=self._run, daemon=True, name="http-request").start()
 
     # Rule: the event loop reads these only after the "start" event, which follows their setting.
@@ -159,6 +165,8 @@ class _Run(Generic[R]):
         except Exception as e:  # never leave the event loop waiting
             log.exception("request failed before decoding")
             self._put("error", 500, f"internal error: {type(e).__name__}")
+        finally:
+            self.admission.leave()
 
     def _admit(self) -> None:
         engine = self._engine = self.get_engine()
@@ -178,8 +186,16 @@ class _Run(Generic[R]):
                 "(prompts × n, or × best_of when larger; this server's sessions)",
             )
         refused = self.admission.acquire(self, n, api.gens[0].priority)
+        if refused is None:
+            try:
+                completions.prepare()  # its grammars, once it holds its slots
+            except Refusal as e:
+                self.admission.release(n)
+                refused = e
         if refused is not None:
             REQUESTS_REJECTED.labels(rejected_code(refused)).inc()
+            if isinstance(refused, InvalidRequest):
+                return self._put("error", 400, self.describe(refused, self._api))
             return self._put("error", http_status(refused), str(refused))
         try:
             self._completions = completions

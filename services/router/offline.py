@@ -213,6 +213,7 @@ class LLM:
                 request_id=f"llm-{self._ids}",
             )
             self.engine.validate(req)
+            self.engine.compile_grammar(req)  # offline: every request's errors before any runs
         except InvalidRequest as e:  # the field as vLLM names it (max_tokens, ...)
             raise ValueError(f"prompt {i}: {oa.openai_message(e)}") from None
         except (TypeError, ValueError) as e:

@@ -185,7 +185,7 @@ class VerifierCore:
     def close(self) -> None:
         self.memory.close()
         if self._grammars is not None:
-            self._grammars.worker.close()
+            self._grammars.close()
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prompt block (vLLM's /reset_prefix_cache). Safe while steps run:

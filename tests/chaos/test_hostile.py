@@ -230,7 +230,7 @@ def test_a_schema_that_fans_out_is_expanded_and_refused_in_the_compile_worker(ti
     assert len(bomb) < structured.MAX_SPEC_CHARS
     prompt = tiny_engine.encode("{")
     with pytest.raises(InvalidRequest, match="json_schema: too complex"):
-        tiny_engine.generate(GenerationRequest(prompt, 8, structured=StructuredOutput(json_schema=bomb)))
+        tiny_engine.generate(GenerationRequest(prompt, 8, structured=StructuredOutput(json_schema=bomb))).result()
     small = StructuredOutput(
         json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     )
@@ -309,3 +309,127 @@ def test_admin_endpoints_take_the_admin_token_not_the_apis(tiny_engine):
             assert sum(len(m.token_ids) for m in msgs) == 2
     finally:
         server.stop(0)
+
+
+def test_a_grammar_compiles_only_once_its_request_is_admitted(tiny_engine):
+    """A structured request refused for load compiles nothing: the compile comes after
+    admission (before, every request compiled its pattern, up to 10 s in the worker, and only
+    then asked for a slot). Admitted, the same request compiles and decodes."""
+
+    class Holder:  # another client's request, holding the server's one slot
+        def is_active(self) -> bool:
+            return True
+
+        def time_remaining(self) -> None:
+            return None
+
+    server, servicer, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=1, max_queue=0))
+    server.start()
+    pattern = "[a-f]{3}-[0-9]{2}z"
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            ask = pb.GenerateRequest(
+                prompt="id: ", max_new_tokens=8, structured_output=pb.StructuredOutput(regex=pattern)
+            )
+            assert servicer.admission.acquire(Holder()) is None
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(ask, timeout=30))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert not tiny_engine.grammars.cached(pattern)
+            servicer.admission.release()
+            msgs = list(stub.Generate(ask, timeout=30))
+            assert "".join(m.text for m in msgs).startswith(tuple("abcdef"))
+            assert tiny_engine.grammars.cached(pattern)
+    finally:
+        server.stop(0)
+
+
+def test_grammar_workers_build_a_pattern_once_and_no_more_than_their_number_at_once(tiny_engine, monkeypatch):
+    """The compile pool: requests for one pattern share its one build; distinct patterns build
+    at most ``workers`` at a time; a request that finds every worker busy past ``wait_s`` is
+    refused as overload, not queued without end."""
+    import time
+
+    from services.common.refusals import Overloaded
+    from services.common.structured import GrammarCompiler
+
+    compiler = GrammarCompiler(tiny_engine.tokenizer, tiny_engine.verifier.vocab_size, workers=2, wait_s=5)
+    builds, running, peak, lock = [], [0], [0], threading.Lock()
+
+    def build(worker, pattern):
+        with lock:
+            builds.append(pattern)
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return f"grammar of {pattern}"
+
+    monkeypatch.setattr(compiler, "_compile", build)
+    asks = ["a"] * 4 + ["b", "c", "d"]
+    got: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i, p=p: got.update({i: compiler.compile(p)})) for i, p in enumerate(asks)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == {i: f"grammar of {p}" for i, p in enumerate(asks)}
+        assert sorted(builds) == ["a", "b", "c", "d"] and peak[0] == 2
+
+        compiler.wait_s = 0.1
+        slow = [threading.Thread(target=compiler.compile, args=(p,)) for p in ("e", "f")]
+        for t in slow:
+            t.start()
+        time.sleep(0.05)  # both workers busy for 0.3 s
+        with pytest.raises(Overloaded, match="compile worker"):
+            compiler.compile("g")
+        for t in slow:
+            t.join()
+    finally:
+        compiler.close()
+
+
+def test_an_http_flood_gets_no_more_threads_than_admission_could_take(tiny_engine):
+    """Each HTTP generation request decodes on a thread of its own; past the requests that
+    could decode or wait (sessions + queue + one to be told the queue is full) a request is
+    refused with 429 before it gets a thread (before, every request got one, and parsed and
+    compiled its grammar, before admission refused it)."""
+    import json
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.contract.test_openai_api import http_api
+
+    def post(port: int) -> int:
+        body = json.dumps({"prompt": "x", "max_tokens": 60, "ignore_eos": True}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], sum(t.name == "http-request" for t in threading.enumerate()))
+            stop.wait(0.002)
+
+    with http_api(tiny_engine, max_sessions=1, max_queue=1) as (port, _):
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(lambda _: post(port), range(12)))
+        stop.set()
+        watcher.join()
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+    assert peak[0] <= 3  # sessions 1 + queue 1 + 1
