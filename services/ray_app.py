@@ -249,8 +249,8 @@ class DrafterDeployment:
         self.drafter = SuffixDrafter(engine_config(args).suffix)
         freeze_startup_heap()
 
-    def start(self, prompt: list[int], max_new_tokens: int) -> None:
-        self.drafter.start(serve.get_multiplexed_model_id(), prompt, max_new_tokens=max_new_tokens)
+    def start(self, prompt: list[int], max_new_tokens: int, scope: str | None = None) -> None:
+        self.drafter.start(serve.get_multiplexed_model_id(), prompt, max_new_tokens=max_new_tokens, scope=scope)
 
     def propose(self, budget: int, tree: bool = False):
         return self.drafter.propose(serve.get_multiplexed_model_id(), budget, tree=tree)
@@ -271,8 +271,8 @@ class RayDrafter(Drafter):
     def _h(self, req_id: str):
         return self.handle.options(multiplexed_model_id=req_id)
 
-    def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0) -> None:
-        self._h(req_id).start.remote(list(prompt), max_new_tokens).result()
+    def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0, *, scope: str | None = None) -> None:
+        self._h(req_id).start.remote(list(prompt), max_new_tokens, scope).result()
 
     def propose(self, req_id, budget):
         return self._h(req_id).propose.remote(budget, self.tree).result()

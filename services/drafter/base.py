@@ -38,8 +38,17 @@ class Drafter(ABC):
 
     @abstractmethod
     def start(
-        self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None, max_new_tokens: int = 0
-    ) -> None: ...
+        self,
+        req_id: str,
+        prompt: list[int],
+        sp: SamplingParams,
+        rng: torch.Generator | None,
+        max_new_tokens: int = 0,
+        *,
+        scope: str | None = None,
+    ) -> None:
+        """``scope``: the tenant whose outputs the request may draft from and adds to (its
+        ``cache_salt``; None: the shared pool); drafters that learn from outputs keep scopes apart."""
 
     @abstractmethod
     def propose(self, req_id: str, budget: int) -> Draft:
@@ -86,6 +95,8 @@ class ModelDrafter(Drafter):
         cache_root: bytes = ROOT,
         grammar: GrammarCursor | None = None,
         trees: bool = False,
+        *,
+        scope: str | None = None,
     ) -> None: ...
 
 

@@ -33,9 +33,10 @@ class RemoteDrafter(Drafter):
             observed, self._observed = self._observed, []
         return observed
 
-    def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0) -> None:
+    def start(self, req_id, prompt, sp=None, rng=None, max_new_tokens: int = 0, *, scope: str | None = None) -> None:
         self.stub.Start(
-            pb.DrafterStart(session_id=req_id, prompt_ids=prompt, max_new_tokens=max_new_tokens), timeout=self.timeout_s
+            pb.DrafterStart(session_id=req_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, scope=scope or ""),
+            timeout=self.timeout_s,
         )
 
     def propose(self, req_id, budget) -> Draft:

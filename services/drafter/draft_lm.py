@@ -164,6 +164,8 @@ class DraftLMDrafter(ModelDrafter):
         cache_root: bytes = ROOT,
         grammar: GrammarCursor | None = None,
         trees: bool = False,
+        *,
+        scope: str | None = None,
     ) -> None:
         """Chains only: ``trees`` is not taken up."""
         self.states[req_id] = _State(

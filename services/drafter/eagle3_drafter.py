@@ -280,6 +280,8 @@ class Eagle3Drafter(ModelDrafter):
         cache_root: bytes = ROOT,
         grammar: GrammarCursor | None = None,
         trees: bool = False,
+        *,
+        scope: str | None = None,
     ) -> None:
         """``trees``: the session walks token trees (lossless policy, no per-row reshaping of logits)."""
         self.states[req_id] = _State(

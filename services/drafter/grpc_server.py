@@ -46,7 +46,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self._reap()
             if request.session_id in self.last_seen:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session_id: {request.session_id!r} already started")
-            self.drafter.start(request.session_id, prompt, max_new_tokens=request.max_new_tokens)
+            self.drafter.start(
+                request.session_id, prompt, max_new_tokens=request.max_new_tokens, scope=request.scope or None
+            )
             self.last_seen[request.session_id] = time.monotonic()
         return pb.DrafterAck()
 

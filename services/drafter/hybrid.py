@@ -438,9 +438,16 @@ class HybridDrafter(Drafter):
         self.states: dict[str, _State] = {}
 
     def start(
-        self, req_id: str, prompt: list[int], sp: SamplingParams, rng: torch.Generator | None, max_new_tokens: int = 0
+        self,
+        req_id: str,
+        prompt: list[int],
+        sp: SamplingParams,
+        rng: torch.Generator | None,
+        max_new_tokens: int = 0,
+        *,
+        scope: str | None = None,
     ) -> None:
-        self.cache.start(req_id, prompt, sp, rng)
+        self.cache.start(req_id, prompt, sp, rng, scope=scope)
         self.states[req_id] = _State(YieldTracker(len(prompt), max_new_tokens), [])
 
     def propose(self, req_id: str, budget: int) -> Draft | Delegate:  # type: ignore[override]  # the router checks for Delegate

@@ -36,7 +36,14 @@ class NgramDrafter(Drafter):
         self.states: dict[str, _Req] = {}
 
     def start(
-        self, req_id: str, prompt: list[int], sp: SamplingParams | None = None, rng=None, max_new_tokens: int = 0
+        self,
+        req_id: str,
+        prompt: list[int],
+        sp: SamplingParams | None = None,
+        rng=None,
+        max_new_tokens: int = 0,
+        *,
+        scope: str | None = None,
     ) -> None:
         self.states[req_id] = st = _Req()
         self._extend(st, prompt)

@@ -4,7 +4,7 @@ past outputs (and live ones); each cycle both speculate and the higher-scoring d
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -139,12 +139,17 @@ class GlobalSuffixCache:
             self.version += 1
 
 
+MAX_SCOPES = 64  # tenants' suffix caches kept (the least recently used beyond are dropped)
+
+
 @dataclass
 class _Req:
     tree: Any  # the request's own tree over prompt + output; its sequence is ``seq_id``
     seq_id: int
     seq: list[int]
     prompt_len: int
+    cache: GlobalSuffixCache  # its scope's global cache (the shared one unless it has a scope)
+    scope: str | None = None
     gmatches: Any = ()  # the context's matches in the global tree ``gtree``, as of ``gversion``
     gversion: int = -1
     gtree: Any = None
@@ -184,6 +189,8 @@ class SuffixDrafter(Drafter):
         self._limits = (p.max_spec_tokens, p.max_spec_factor, p.max_spec_offset, p.min_token_prob)
         self.states: dict[str, _Req] = {}
         self._pending: dict[str, _Req] = {}  # requests with observed tokens not yet in the trees
+        self.scoped: OrderedDict[str, GlobalSuffixCache] = OrderedDict()  # per tenant, recent first out
+        self._scopes_lock = threading.Lock()
         # a step's drafting in one compiled call (``_step_batch``) where every tree is compiled
         self.batched = cfg.compiled and self.global_cache.compiled and step_batch is not None
 
@@ -194,15 +201,33 @@ class SuffixDrafter(Drafter):
         sp: SamplingParams | None = None,
         rng: torch.Generator | None = None,
         max_new_tokens: int = 0,
+        *,
+        scope: str | None = None,
     ) -> None:
+        """A request of ``scope`` (a tenant's cache salt) drafts from its scope's outputs only,
+        and its output joins only those (and is not published to the replicas' feed)."""
         tree = new_tree(self.cfg.max_depth, self.cfg.compiled)
         seq_id = tree.new_seq()
         tree.extend(seq_id, prompt)
         live = LiveOutput() if self.cfg.live_outputs else None
-        self.states[req_id] = _Req(tree, seq_id, list(prompt), len(prompt), live=live)
+        self.states[req_id] = _Req(tree, seq_id, list(prompt), len(prompt), self._cache_of(scope), scope, live=live)
+
+    def _cache_of(self, scope: str | None) -> GlobalSuffixCache:
+        """The global cache of ``scope``: the shared one for None; a scope's own, made on first
+        use, the least recently used of more than MAX_SCOPES dropped (its live requests keep it)."""
+        if scope is None:
+            return self.global_cache
+        with self._scopes_lock:
+            cache = self.scoped.get(scope)
+            if cache is None:
+                cache = self.scoped[scope] = GlobalSuffixCache.of(self.cfg)
+                while len(self.scoped) > MAX_SCOPES:
+                    self.scoped.popitem(last=False)
+            self.scoped.move_to_end(scope)
+            return cache
 
     def _global_matches(self, st: _Req):
-        g = self.global_cache
+        g = st.cache
         if st.gversion != g.version or st.gtree is not g.tree:
             st.gtree, st.gversion = g.tree, g.version
             st.gmatches = g.tree.match(st.seq[-self.cfg.max_depth :])
@@ -235,12 +260,22 @@ class SuffixDrafter(Drafter):
         return [self._draft(req_id, cand, which) for (req_id, _), (cand, which) in zip(asks, cands)]
 
     def _step_batch(self, asks: list[tuple[str, int]]) -> list[tuple[Candidate, str]]:
-        """``propose_batch`` in one compiled call without the GIL (``step_batch``: what the
-        per-request calls would do, in their order). The global cache's writers wait meanwhile,
-        so its tree and version stay put."""
-        g, budgets = self.global_cache, dict(asks)
+        """``propose_batch`` in one compiled call per global cache (a scope's, the shared one)
+        without the GIL (``step_batch``: what the per-request calls would do, in their order)."""
+        budgets = dict(asks)
         reqs = {**self._pending, **{r: self.states[r] for r, _ in asks}}
         self._pending = {}
+        groups: dict[int, dict[str, _Req]] = {}
+        for req_id, st in reqs.items():
+            groups.setdefault(id(st.cache), {})[req_id] = st
+        drafted: dict[str, tuple] = {}
+        for group in groups.values():
+            drafted.update(self._step_cache(next(iter(group.values())).cache, group, budgets))
+        return [(Candidate.of(drafted[r][0]), "global" if drafted[r][1] else "local") for r, _ in asks]
+
+    def _step_cache(self, g: GlobalSuffixCache, reqs: dict[str, _Req], budgets: dict[str, int]) -> dict[str, tuple]:
+        """One ``step_batch`` over requests of one global cache; its writers wait meanwhile, so
+        its tree and version stay put."""
         states = list(reqs.values())
         with g.lock:
             gt, live, carries, modes, contexts = g.tree, [], [], [], []
@@ -275,8 +310,7 @@ class SuffixDrafter(Drafter):
                     st.live.tree, st.live.seq_id = gt, seq_id
                     st.live.tokens.extend(st.pending)
                 st.pending = []
-        drafted = dict(zip(reqs, drafts))
-        return [(Candidate.of(drafted[r][0]), "global" if drafted[r][1] else "local") for r, _ in asks]
+        return dict(zip(reqs, drafts))
 
     def _draft(self, req_id: str, cand: Candidate, which: str) -> Draft:
         st = self.states[req_id]
@@ -318,13 +352,13 @@ class SuffixDrafter(Drafter):
             return
         st.tree.extend(st.seq_id, tokens)
         if st.live is not None:  # first into the global tree, so the matches below can extend into it
-            self.global_cache.grow(st.live, tokens)
-        g = self.global_cache
+            st.cache.grow(st.live, tokens)
+        g = st.cache
         if st.gversion == g.version and st.gtree is g.tree:
             st.gtree.advance(st.gmatches, tokens)
 
     def stop(self, req_id: str) -> list[int]:
-        """Ends the request; its output enters the global tree. Returns that output."""
+        """Ends the request; its output enters its scope's global tree. Returns that output."""
         st = self.states.pop(req_id, None)
         if st is None:
             return []
@@ -332,9 +366,9 @@ class SuffixDrafter(Drafter):
         self._absorb(st)
         output = st.seq[st.prompt_len :]
         if st.live is not None:
-            self.global_cache.close(st.live)
+            st.cache.close(st.live)
         else:
-            self.global_cache.insert(output)
-        if self.on_finish is not None:
+            st.cache.insert(output)
+        if self.on_finish is not None and st.scope is None:  # a tenant's output stays in its scope
             self.on_finish(output)
         return output

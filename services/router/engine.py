@@ -677,7 +677,9 @@ class Generation:
             self.metrics.prompt.inc(len(req.prompt_ids))
         try:
             if self.drafter:
-                self.drafter.start(self.session_id, req.prompt_ids, req.sampling, None, req.max_new_tokens)
+                self.drafter.start(
+                    self.session_id, req.prompt_ids, req.sampling, None, req.max_new_tokens, scope=req.cache_salt
+                )
             self.engine.scheduler.add(self)
         except BaseException:
             self.release()  # nothing will step it: its session closes here

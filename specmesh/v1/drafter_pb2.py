@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\"N\n\x0c\x44rafterStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\"B\n\x0e\x44rafterPropose\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\x0c\n\x04tree\x18\x03 \x01(\x08\"4\n\x0e\x44rafterObserve\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"!\n\x0b\x44rafterStop\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0c\n\nDrafterAck\"g\n\x0b\x44rafterStep\x12-\n\x08observed\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.DrafterObserve\x12)\n\x04\x61sks\x18\x02 \x03(\x0b\x32\x1b.specmesh.v1.DrafterPropose\"7\n\nDraftBatch\x12)\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x19.specmesh.v1.DraftMessage\"\x98\x01\n\x0c\x44raftMessage\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x11\n\tmatch_len\x18\x05 \x01(\r\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x0c\n\x04tree\x18\x07 \x01(\t\x12\x0f\n\x07missing\x18\x08 \x01(\x08\x32\xc0\x02\n\x07\x44rafter\x12;\n\x05Start\x12\x19.specmesh.v1.DrafterStart\x1a\x17.specmesh.v1.DrafterAck\x12\x41\n\x07Propose\x12\x1b.specmesh.v1.DrafterPropose\x1a\x19.specmesh.v1.DraftMessage\x12?\n\x07Observe\x12\x1b.specmesh.v1.DrafterObserve\x1a\x17.specmesh.v1.DrafterAck\x12\x39\n\x04Stop\x12\x18.specmesh.v1.DrafterStop\x1a\x17.specmesh.v1.DrafterAck\x12\x39\n\x04Step\x12\x18.specmesh.v1.DrafterStep\x1a\x17.specmesh.v1.DraftBatchb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\"]\n\x0c\x44rafterStart\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\r\n\x05scope\x18\x04 \x01(\t\"B\n\x0e\x44rafterPropose\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62udget\x18\x02 \x01(\r\x12\x0c\n\x04tree\x18\x03 \x01(\x08\"4\n\x0e\x44rafterObserve\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\"!\n\x0b\x44rafterStop\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0c\n\nDrafterAck\"g\n\x0b\x44rafterStep\x12-\n\x08observed\x18\x01 \x03(\x0b\x32\x1b.specmesh.v1.DrafterObserve\x12)\n\x04\x61sks\x18\x02 \x03(\x0b\x32\x1b.specmesh.v1.DrafterPropose\"7\n\nDraftBatch\x12)\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x19.specmesh.v1.DraftMessage\"\x98\x01\n\x0c\x44raftMessage\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0btoken_probs\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x11\n\tmatch_len\x18\x05 \x01(\r\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x0c\n\x04tree\x18\x07 \x01(\t\x12\x0f\n\x07missing\x18\x08 \x01(\x08\x32\xc0\x02\n\x07\x44rafter\x12;\n\x05Start\x12\x19.specmesh.v1.DrafterStart\x1a\x17.specmesh.v1.DrafterAck\x12\x41\n\x07Propose\x12\x1b.specmesh.v1.DrafterPropose\x1a\x19.specmesh.v1.DraftMessage\x12?\n\x07Observe\x12\x1b.specmesh.v1.DrafterObserve\x1a\x17.specmesh.v1.DrafterAck\x12\x39\n\x04Stop\x12\x18.specmesh.v1.DrafterStop\x1a\x17.specmesh.v1.DrafterAck\x12\x39\n\x04Step\x12\x18.specmesh.v1.DrafterStep\x1a\x17.specmesh.v1.DraftBatchb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.drafter_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTERSTART']._serialized_start=42
-  _globals['_DRAFTERSTART']._serialized_end=120
-  _globals['_DRAFTERPROPOSE']._serialized_start=122
-  _globals['_DRAFTERPROPOSE']._serialized_end=188
-  _globals['_DRAFTEROBSERVE']._serialized_start=190
-  _globals['_DRAFTEROBSERVE']._serialized_end=242
-  _globals['_DRAFTERSTOP']._serialized_start=244
-  _globals['_DRAFTERSTOP']._serialized_end=277
-  _globals['_DRAFTERACK']._serialized_start=279
-  _globals['_DRAFTERACK']._serialized_end=291
-  _globals['_DRAFTERSTEP']._serialized_start=293
-  _globals['_DRAFTERSTEP']._serialized_end=396
-  _globals['_DRAFTBATCH']._serialized_start=398
-  _globals['_DRAFTBATCH']._serialized_end=453
-  _globals['_DRAFTMESSAGE']._serialized_start=456
-  _globals['_DRAFTMESSAGE']._serialized_end=608
-  _globals['_DRAFTER']._serialized_start=611
-  _globals['_DRAFTER']._serialized_end=931
+  _globals['_DRAFTERSTART']._serialized_end=135
+  _globals['_DRAFTERPROPOSE']._serialized_start=137
+  _globals['_DRAFTERPROPOSE']._serialized_end=203
+  _globals['_DRAFTEROBSERVE']._serialized_start=205
+  _globals['_DRAFTEROBSERVE']._serialized_end=257
+  _globals['_DRAFTERSTOP']._serialized_start=259
+  _globals['_DRAFTERSTOP']._serialized_end=292
+  _globals['_DRAFTERACK']._serialized_start=294
+  _globals['_DRAFTERACK']._serialized_end=306
+  _globals['_DRAFTERSTEP']._serialized_start=308
+  _globals['_DRAFTERSTEP']._serialized_end=411
+  _globals['_DRAFTBATCH']._serialized_start=413
+  _globals['_DRAFTBATCH']._serialized_end=468
+  _globals['_DRAFTMESSAGE']._serialized_start=471
+  _globals['_DRAFTMESSAGE']._serialized_end=623
+  _globals['_DRAFTER']._serialized_start=626
+  _globals['_DRAFTER']._serialized_end=946
 # @@protoc_insertion_point(module_scope)

@@ -433,3 +433,39 @@ def test_an_http_flood_gets_no_more_threads_than_admission_could_take(tiny_engin
         watcher.join()
     assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}
     assert peak[0] <= 3  # sessions 1 + queue 1 + 1
+
+
+def test_tenants_draft_only_from_their_own_outputs():
+    """The suffix cache is scoped as the prefix cache is, by ``cache_salt``: a tenant's outputs
+    (finished, or live token by token) are drafted for its own later requests, never for another
+    tenant's or the shared pool's, and never published to the replicas' feed; requests without a
+    salt share the pool as before. (Before, one tenant's output became every tenant's draft, and
+    with csd could appear in their outputs.)"""
+    from services.common.config import SuffixConfig
+    from services.drafter.suffix import SuffixDrafter
+
+    published: list[list[int]] = []
+    d = SuffixDrafter(SuffixConfig(), on_finish=published.append)
+    secret = list(range(700, 760))
+
+    def draft_after(req: str, scope: str | None, seen: list[int]) -> list[int]:
+        d.start(req, [1, 2, 3], scope=scope)
+        d.observe(req, seen)
+        return d.propose_batch([(req, 16)])[0].token_ids
+
+    d.start("a-writer", [9, 9], scope="tenant-a")
+    d.observe("a-writer", secret)
+    d.propose_batch([("a-writer", 4)])  # the live output is in tenant a's tree from this step
+    assert draft_after("b-live", "tenant-b", secret[:6]) == []  # live: not for tenant b
+    assert draft_after("pool-live", None, secret[:6]) == []  # nor for the shared pool
+    assert draft_after("a-live", "tenant-a", secret[:6])[:6] == secret[6:12]  # tenant a's own
+    d.stop("a-writer")
+    assert published == []  # a tenant's output stays off the shared feed
+    assert draft_after("b-done", "tenant-b", secret[:6]) == []
+    assert draft_after("a-done", "tenant-a", secret[:6])[:6] == secret[6:12]
+
+    d.start("pool-writer", [5], scope=None)
+    d.observe("pool-writer", secret)
+    d.stop("pool-writer")
+    assert published == [secret]
+    assert draft_after("pool-reader", None, secret[:6])[:6] == secret[6:12]  # unsalted requests share

@@ -88,6 +88,8 @@ def test_drafter_service_matches_local_and_guards_sessions():
         want = local.propose("t", 8, tree=True)
         assert (tree.token_ids, tree.parents) == (want.token_ids, want.parents) and tree.is_tree
         assert not remote.propose("t", 8).is_tree
+        remote.start("salted", prompt, scope="tenant-a")  # a tenant's scope reaches the service
+        assert servicer.drafter.states["salted"].scope == "tenant-a" and servicer.drafter.scoped
         stub = dgrpc.DrafterStub(grpc.insecure_channel(addr))
         assert code_of(stub.Start, dpb.DrafterStart(session_id="s", prompt_ids=[1])) == grpc.StatusCode.ALREADY_EXISTS
         assert code_of(stub.Start, dpb.DrafterStart(session_id="", prompt_ids=[1])) == grpc.StatusCode.INVALID_ARGUMENT

@@ -21,10 +21,12 @@ def test_the_protocol_names_the_lifecycle():
 
 @pytest.mark.parametrize("cls", [SuffixDrafter, RemoteDrafter, DraftLMDrafter, Eagle3Drafter, HybridDrafter])
 def test_every_drafter_implements_every_protocol_method(cls):
-    """Each method exists and takes the protocol's arguments positionally (self included)."""
+    """Each method exists and takes the protocol's arguments: positionally (self included),
+    keyword-only ones by name."""
     for name in PROTOCOL:
         theirs = inspect.signature(getattr(Drafter, name)).parameters.values()
-        inspect.signature(getattr(cls, name)).bind(*[None] * len(theirs))
+        named = [p.name for p in theirs if p.kind is p.KEYWORD_ONLY]
+        inspect.signature(getattr(cls, name)).bind(*[None] * (len(theirs) - len(named)), **dict.fromkeys(named))
 
 
 def test_a_cut_suffix_draft_is_what_the_drafter_remembers():

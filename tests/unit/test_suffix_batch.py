@@ -1,7 +1,8 @@
-"""The suffix drafter's batched step (one compiled call for a step's sessions, without the GIL)
-against its per-request calls: the same drafts, bit for bit, on random interleavings of starts,
-observations, steps that ask some of the sessions, finishes, and a peer's outputs arriving
-(which re-match, and with a small cache rebuild, the global tree)."""
+"""The suffix drafter's batched step (one compiled call per global cache for a step's sessions,
+without the GIL) against its per-request calls: the same drafts, bit for bit, on random
+interleavings of starts (in the shared pool or a tenant's scope), observations, steps that ask
+some of the sessions, finishes, and a peer's outputs arriving (which re-match, and with a small
+cache rebuild, the global tree)."""
 
 import threading
 
@@ -13,7 +14,7 @@ from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 
 tokens = st.lists(st.integers(0, 5), max_size=12)
 op = st.one_of(
-    st.tuples(st.just("start"), st.lists(st.integers(0, 5), max_size=20)),
+    st.tuples(st.just("start"), st.lists(st.integers(0, 5), max_size=20), st.sampled_from([None, None, "a", "b"])),
     st.tuples(st.just("observe"), st.integers(0, 5), tokens),
     st.tuples(st.just("step"), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 12)), max_size=6)),
     st.tuples(st.just("stop"), st.integers(0, 5)),
@@ -55,7 +56,7 @@ def test_a_batched_step_drafts_as_the_per_request_calls(depth, tree, live, min_p
         if o[0] == "start":
             running.append(f"r{n}")
             for d in (fast, ref):
-                d.start(f"r{n}", o[1])
+                d.start(f"r{n}", o[1], scope=o[2])
         elif o[0] == "observe" and running:
             req = running[o[1] % len(running)]
             for d in (fast, ref):
