@@ -3,10 +3,14 @@ and the bundled Redis's own command (tests/contract/test_helm.py and tests/image
 
 from __future__ import annotations
 
+import atexit
 import base64
+import os
 import re
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,9 +36,16 @@ def bundled_redis(docs, host: str, port: int, directory: Path, within_s: float =
     sts = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-redis"))
     c = sts["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][:2] == ["sh", "-c"]
+    as_user: list[str] = []
+    uid = sts["spec"]["template"]["spec"].get("securityContext", {}).get("runAsUser")
+    if uid is not None and os.geteuid() == 0 and shutil.which("setpriv"):  # as its pod runs it, not as root
+        directory = Path(tempfile.mkdtemp(prefix="specmesh-redis-"))  # (a pytest tmp_path is root's alone)
+        atexit.register(shutil.rmtree, directory, True)
+        os.chown(directory, uid, uid)
+        as_user = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     script = c["command"][2].replace("redis-server -", f"redis-server - --bind {host} --port {port} --dir {directory}")
     env = {"PATH": "/usr/bin:/bin", **dict(e.split("=", 1) for e in env_of(docs, c))}
-    proc = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([*as_user, "sh", "-c", script], env=env, stdout=subprocess.DEVNULL)
     end = time.monotonic() + within_s
     while True:
         assert proc.poll() is None, "the chart's Redis command did not start"

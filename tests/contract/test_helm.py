@@ -428,7 +428,7 @@ def test_containers_given_gpus_run_the_cuda_image():
     }
     gpu = images(render({"mode": "services", "verifier": {"gpus": 1}}))
     assert gpu.pop("verifier") == "specmesh/specmesh:0.1.0-cuda"
-    assert set(gpu.values()) <= {"specmesh/specmesh:0.1.0", "redis:7.0"}
+    assert set(gpu.values()) <= {"specmesh/specmesh:0.1.0", "redis:7.4"}
     assert images(render({"mode": "services", "verifier": {"gpus": 0}}))["verifier"] == "specmesh/specmesh:0.1.0"
     custom = render({"mode": "services", "image": {"repository": "r/s", "tag": "1", "cudaTag": "1-cu128"}})
     assert images(custom)["verifier"] == "r/s:1-cu128"
@@ -495,11 +495,29 @@ def test_services_mode_has_an_account_budgets_policies_an_hpa_and_a_helm_test():
     assert {"name": "tls", "mountPath": "/etc/specmesh/tls", "readOnly": True} in c["volumeMounts"]
 
 
+@pytest.mark.parametrize("mode", ["services", "ray"])
+def test_the_bundled_redis_runs_as_its_own_user_on_a_read_only_root(mode):
+    """The bundled Redis (both modes) starts as the image's redis user, never root (its command
+    skips the image's step-down), on a read-only root filesystem with no capabilities, writable
+    /data and /tmp, no service-account token, a maintained image, and the release's pull secrets."""
+    docs = render({"mode": mode, "imagePullSecrets": [{"name": "regcred"}]})
+    sts = named(docs, "StatefulSet", "-redis")
+    spec = sts["spec"]["template"]["spec"]
+    pod, c = spec["securityContext"], spec["containers"][0]
+    assert pod["runAsNonRoot"] and pod["runAsUser"] == pod["runAsGroup"] == pod["fsGroup"] == 999
+    assert c["securityContext"]["readOnlyRootFilesystem"] and not c["securityContext"]["allowPrivilegeEscalation"]
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/data", "/tmp"}
+    assert spec["automountServiceAccountToken"] is False and spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert c["image"] == "redis:7.4"
+
+
 def test_the_bundled_redis_admits_only_specmesh_as_its_acl_user_for_what_it_uses(tmp_path, monkeypatch):
     """The chart's Redis runs with one ACL user, `specmesh`, whose password is on no command line:
     the correction memory (Lua scripts, transactions) and the suffix feed (streams) work through
     it, with the password from SPECMESH_REDIS_PASSWORD and a URL without it; an admin command
-    and the default user are refused."""
+    and the default user are refused. It runs as the chart's redis uid where this machine can
+    switch to it (as root), as in its pod."""
     import redis as redis_py
 
     from services.common.grpc_server import free_port

@@ -47,6 +47,8 @@ redis://specmesh@{{ include "specmesh.fullname" . }}-redis:6379/0
 {{/* The bundled Redis's configuration, read from standard input (a here-document, the shell
      replaced by redis-server) so that the password is on no command line: one ACL user, `specmesh`, allowed only specmesh's keys and the command groups it
      uses (no admin or dangerous commands); the default user is off. */}}
+{{/* The bundled Redis: only specmesh's keys; +@scripting because the correction memory writes
+and joins through Lua scripts (services/memory/redis_memory.py), each one atomic */}}
 {{- define "specmesh.redisCommand" -}}
 - sh
 - -c
