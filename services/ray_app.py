@@ -98,12 +98,25 @@ RENAMED = {
 VERIFIER_MAX_SESSIONS = 16  # sessions a verifier replica serves at once (verifier_max_sessions)
 
 
+def api_token() -> str | None:
+    """The API's bearer token on this node (SPECMESH_AUTH_TOKEN). Where the deployment requires
+    one (SPECMESH_AUTH_REQUIRED, the chart's auth.enabled) and this node has none, the ingress
+    refuses to serve rather than serve open: RuntimeError."""
+    token = os.environ.get("SPECMESH_AUTH_TOKEN") or None
+    if token is None and os.environ.get("SPECMESH_AUTH_REQUIRED"):
+        raise RuntimeError(
+            "auth: this deployment requires a bearer token (SPECMESH_AUTH_REQUIRED) but SPECMESH_AUTH_TOKEN "
+            "is not set where this ingress replica runs; it will not serve without it"
+        )
+    return token
+
+
 def server_config(args: dict) -> ServerConfig:
     """The ingress's server settings from the app's args (``ServerConfig.from_mapping``, as
     ``specmesh serve``'s flags); the bearer token from the environment, never from args."""
     return replace(
         ServerConfig.from_mapping(args),
-        auth_token=os.environ.get("SPECMESH_AUTH_TOKEN") or None,
+        auth_token=api_token(),
         admin_token=os.environ.get("SPECMESH_ADMIN_TOKEN") or None,
     )
 
@@ -686,7 +699,7 @@ class GenerationIngress:
     def _authorized(grpc_context) -> None:
         from services.router.grpc_server import check_token_under_serve
 
-        check_token_under_serve(grpc_context, os.environ.get("SPECMESH_AUTH_TOKEN"))
+        check_token_under_serve(grpc_context, api_token())
 
     def Abort(self, request, grpc_context):
         """The completions of a request id (or all) on this ingress replica, gRPC's and HTTP's;
@@ -696,7 +709,7 @@ class GenerationIngress:
         from services.router.wire import abort_response, abort_target
 
         check_admin_under_serve(
-            grpc_context, os.environ.get("SPECMESH_AUTH_TOKEN"), os.environ.get("SPECMESH_ADMIN_TOKEN")
+            grpc_context, api_token(), os.environ.get("SPECMESH_ADMIN_TOKEN")
         )
         try:
             target = abort_target(request)

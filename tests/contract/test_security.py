@@ -126,6 +126,57 @@ def test_chart_passes_the_token_to_the_ray_head():
     assert {"name": "SPECMESH_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "admin", "key": "token"}}} in env
 
 
+def test_ray_mode_is_closed_as_services_mode_is():
+    """Ray mode (the chart's default) gets what services mode has: pods on a ServiceAccount that
+    mounts no API token; the API token (and "required") in every pod that can host an ingress
+    replica, workers included; with networkPolicy.enabled, clients reach only the Serve proxies'
+    ports and metrics, while the dashboard (whose Jobs API runs code) and Ray's own ports admit
+    only the release's pods and, on the head, the KubeRay operator's namespace."""
+    from pathlib import Path
+
+    import helm_python as helm
+    import yaml
+
+    chart = Path(__file__).resolve().parents[2] / "deploy/helm/specmesh"
+    values = {"auth": {"enabled": True, "secretName": "tok"}, "networkPolicy": {"enabled": True}}
+    out = helm.Chart.load(str(chart)).render(
+        {**values, "ray": {"operatorNamespace": "kuberay"}}, name="d", namespace="n"
+    )
+    docs = [d for name, text in out.items() if name.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is False
+    rc = next(d for d in docs if d["kind"] == "RayService")["spec"]["rayClusterConfig"]
+    for spec in (rc["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in rc["workerGroupSpecs"])):
+        assert spec["automountServiceAccountToken"] is False and spec["serviceAccountName"] == sa["metadata"]["name"]
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        assert env["SPECMESH_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tok"
+        assert env["SPECMESH_AUTH_REQUIRED"]["value"] == "1"
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    head, worker = policies["d-specmesh-ray-head"], policies["d-specmesh-ray-worker"]
+    for policy in (head, worker):
+        open_ports = {p["port"] for rule in policy["ingress"] if "from" not in rule for p in rule["ports"]}
+        assert open_ports == {50051, 8000, 9400} and 8265 not in open_ports  # no dashboard for clients
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}}} in head["ingress"][1][
+        "from"
+    ]
+    assert all("namespaceSelector" not in peer for peer in worker["ingress"][1]["from"])
+
+
+def test_a_ray_ingress_without_its_required_token_refuses_to_serve(monkeypatch):
+    """Fail closed: where the deployment requires a token (SPECMESH_AUTH_REQUIRED) but an
+    ingress replica's node has none, the ingress does not start (its server settings cannot be
+    read), rather than serve open."""
+    from services.ray_app import api_token, server_config
+
+    monkeypatch.delenv("SPECMESH_AUTH_TOKEN", raising=False)
+    assert api_token() is None and server_config({}).auth_token is None  # nothing required: open
+    monkeypatch.setenv("SPECMESH_AUTH_REQUIRED", "1")
+    with pytest.raises(RuntimeError, match="requires a bearer token"):
+        server_config({})  # what the ingress replica reads as it starts, and its HTTP app
+    monkeypatch.setenv("SPECMESH_AUTH_TOKEN", TOKEN)
+    assert api_token() == server_config({}).auth_token == TOKEN
+
+
 def raw_generate(addr: str, blob: bytes, token: str | None = None):
     """Raw bytes as a Generate request (no protobuf on the client side)."""
     md = [("authorization", f"Bearer {token}")] if token else None

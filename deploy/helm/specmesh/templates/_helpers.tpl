@@ -85,6 +85,8 @@ and joins through Lua scripts (services/memory/redis_memory.py), each one atomic
 - name: SPECMESH_AUTH_TOKEN
   valueFrom:
     secretKeyRef: {name: {{ required "auth.secretName is required when auth.enabled" .Values.auth.secretName }}, key: token}
+# fail closed: an ingress that finds no token here refuses to serve (services/ray_app.py: api_token)
+- {name: SPECMESH_AUTH_REQUIRED, value: "1"}
 {{- end }}
 {{- with .Values.auth.adminSecretName }}
 - name: SPECMESH_ADMIN_TOKEN
@@ -196,8 +198,6 @@ livenessProbe:
 {{/* non-root, read-only root filesystem, no capabilities (values: podSecurityContext, securityContext) */}}
 {{- define "specmesh.podSecurity" -}}
 securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
-{{- if eq .Values.mode "services" }}
 serviceAccountName: {{ include "specmesh.fullname" . }}
 automountServiceAccountToken: false
-{{- end }}
 {{- end -}}
