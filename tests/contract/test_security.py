@@ -128,7 +128,8 @@ def test_chart_passes_the_token_to_the_ray_head():
 
 def test_ray_mode_is_closed_as_services_mode_is():
     """Ray mode (the chart's default) gets what services mode has: pods on a ServiceAccount that
-    mounts no API token; the API token (and "required") in every pod that can host an ingress
+    mounts no API token (the head too unless KubeRay's in-tree autoscaler, which runs in it and
+    calls the Kubernetes API, needs KubeRay's account); the API token (and "required") in every pod that can host an ingress
     replica, workers included; with networkPolicy.enabled, clients reach only the Serve proxies'
     ports and metrics, while the dashboard (whose Jobs API runs code) and Ray's own ports admit
     only the release's pods and, on the head, the KubeRay operator's namespace."""
@@ -146,8 +147,20 @@ def test_ray_mode_is_closed_as_services_mode_is():
     sa = next(d for d in docs if d["kind"] == "ServiceAccount")
     assert sa["automountServiceAccountToken"] is False
     rc = next(d for d in docs if d["kind"] == "RayService")["spec"]["rayClusterConfig"]
-    for spec in (rc["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in rc["workerGroupSpecs"])):
-        assert spec["automountServiceAccountToken"] is False and spec["serviceAccountName"] == sa["metadata"]["name"]
+    head_spec = rc["headGroupSpec"]["template"]["spec"]
+    # in-tree autoscaling (the default): KubeRay's autoscaler in the head pod needs KubeRay's account
+    assert "serviceAccountName" not in head_spec and "automountServiceAccountToken" not in head_spec
+    fixed = helm.Chart.load(str(chart)).render({"ray": {"inTreeAutoscaling": False}}, name="d", namespace="n")
+    fixed_rc = next(d for d in yaml.safe_load_all(fixed["specmesh/templates/rayservice.yaml"]) if d)
+    assert (
+        fixed_rc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"]
+        is False
+    )
+    for spec in (head_spec, *(g["template"]["spec"] for g in rc["workerGroupSpecs"])):
+        if spec is not head_spec:
+            assert (
+                spec["automountServiceAccountToken"] is False and spec["serviceAccountName"] == sa["metadata"]["name"]
+            )
         env = {e["name"]: e for e in spec["containers"][0]["env"]}
         assert env["SPECMESH_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "tok"
         assert env["SPECMESH_AUTH_REQUIRED"]["value"] == "1"

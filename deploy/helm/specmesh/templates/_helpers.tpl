@@ -198,6 +198,8 @@ livenessProbe:
 {{/* non-root, read-only root filesystem, no capabilities (values: podSecurityContext, securityContext) */}}
 {{- define "specmesh.podSecurity" -}}
 securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- if not .kubeApi }}
 serviceAccountName: {{ include "specmesh.fullname" . }}
 automountServiceAccountToken: false
+{{- end }}
 {{- end -}}
