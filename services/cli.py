@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from services.common.config import OPTIONS, PARSE, SERVER_OPTIONS, EngineConfig, Option, ServerConfig
+from services.common.security import TokenFile
 
 
 def _flag_type(kind: str):
@@ -101,20 +102,24 @@ def _trust(args: argparse.Namespace) -> None:
         )
 
 
-def _auth_token(path: str | None, flag: str = "--auth-token-file", env: str = "SPECMESH_AUTH_TOKEN") -> str | None:
-    """A bearer token: from its file (a file that cannot be read or holds no token stops the
-    server: it never serves open by mistake), else its environment variable."""
+def _auth_token(
+    path: str | None, flag: str = "--auth-token-file", env: str = "SPECMESH_AUTH_TOKEN"
+) -> str | TokenFile | None:
+    """A bearer token: from its file, read again when it is rotated (``TokenFile``; a file that
+    cannot be read or holds no token stops the server: it never serves open by mistake), else
+    its environment variable."""
     if path is None:
         return os.environ.get(env) or None
     try:
-        token = Path(path).read_text().strip()
+        Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         sys.exit(
             f"error: {flag} {path}: cannot be read ({e.__class__.__name__}); the server would serve without authentication"
         )
-    if not token:
+    try:
+        return TokenFile(path)
+    except ValueError:
         sys.exit(f"error: {flag} {path}: holds no token; the server would serve without authentication")
-    return token
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

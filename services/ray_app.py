@@ -708,9 +708,7 @@ class GenerationIngress:
         from services.router.grpc_server import check_admin_under_serve, refuse_under_serve
         from services.router.wire import abort_response, abort_target
 
-        check_admin_under_serve(
-            grpc_context, api_token(), os.environ.get("SPECMESH_ADMIN_TOKEN")
-        )
+        check_admin_under_serve(grpc_context, api_token(), os.environ.get("SPECMESH_ADMIN_TOKEN"))
         try:
             target = abort_target(request)
         except Refusal as e:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from services.common.security import TokenFile
 from services.common.speculative_config import apply_speculative_config
 
 CHECKOUT_MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -571,9 +572,10 @@ class ServerConfig:
     tls_cert: Path | None = None  # serve TLS with this certificate + key
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # and require client certificates signed by this CA (mTLS)
-    auth_token: str | None = None  # require `authorization: Bearer <token>` on the public API
+    # require `authorization: Bearer <token>` on the public API (a TokenFile: re-read when rotated)
+    auth_token: str | TokenFile | None = None
     # the admin endpoints (aborts, prefix-cache resets) take this token instead of auth_token
-    admin_token: str | None = None
+    admin_token: str | TokenFile | None = None
     http_port: int = 8000  # OpenAI-compatible HTTP API (/v1/completions, ...); 0 = off
     served_model_name: tuple[str, ...] | str = ()  # the model's names in the HTTP API (answers carry the
     #                                       first); empty = the target's directory name

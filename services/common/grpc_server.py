@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import refusals
-from services.common.security import DENIED, TLSConfig, admin_refusal, bearer_ok, internal_token
+from services.common.security import DENIED, TLSConfig, Token, admin_refusal, bearer_ok, internal_token
 
 log = logging.getLogger("specmesh.grpc")
 EXEMPT = ("/grpc.health.v1.Health/Check",)  # Kubernetes probes carry no token; Watch needs one (it holds a stream)
@@ -61,8 +61,8 @@ def build_grpc_server(
     workers: int = 16,
     max_message_bytes: int = 4 * 1024 * 1024,
     tls: TLSConfig | None = None,
-    auth_token: str | None = None,
-    admin: tuple[str | None, tuple[str, ...]] = (None, ()),
+    auth_token: Token | None = None,
+    admin: tuple[Token | None, tuple[str, ...]] = (None, ()),
 ) -> tuple[grpc.Server, int]:
     """A server with the services ``register`` adds, all reported SERVING; ``server.health``
     is kept for graceful shutdown. Port 0 binds any free port; the bound port is returned.
@@ -238,7 +238,7 @@ def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
 
 
 class BearerAuth(grpc.ServerInterceptor):
-    def __init__(self, token: str | None, admin_token: str | None = None, admin_methods: tuple[str, ...] = ()):
+    def __init__(self, token: Token | None, admin_token: Token | None = None, admin_methods: tuple[str, ...] = ()):
         """``token`` (None: the API is open) for every method but health Check; ``admin_methods``
         take ``admin_token`` instead (``security.admin_refusal``: off when only ``token`` is set)."""
         if not token and not admin_token:

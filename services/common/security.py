@@ -14,9 +14,14 @@ mechanics, credentials and the interceptor, are in ``grpc_server``).
 from __future__ import annotations
 
 import hmac
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("specmesh.security")
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,61 @@ ADMIN_OFF = (
 )
 
 
-def admin_refusal(metadata, api_token: str | None, admin_token: str | None) -> tuple[bool, str] | None:
+class TokenFile:
+    """A bearer token read from a file, and read again once the file changes (a Kubernetes
+    Secret mounted as a volume is replaced in place when rotated), checked at most every
+    ``recheck_s``: a rotation takes effect without a restart. A file that cannot be read or
+    holds no token at start is a ValueError; one that becomes so later keeps the last token
+    (said once in the log), so the server never serves open by mistake."""
+
+    def __init__(self, path: str | Path, recheck_s: float = 1.0):
+        self.path, self.recheck_s = Path(path), recheck_s
+        self._lock = threading.Lock()
+        self._seen = self._signature()
+        token = self._read()
+        if token is None:
+            raise ValueError(f"{self.path}: cannot be read, or holds no token")
+        self._token, self._checked = token, time.monotonic()
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()  # (through the symlinks a mounted Secret swaps)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _read(self) -> str | None:
+        try:
+            return self.path.read_text().strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def get(self) -> str:
+        now = time.monotonic()
+        if now - self._checked < self.recheck_s:
+            return self._token
+        with self._lock:
+            self._checked = now
+            seen = self._signature()
+            if seen is not None and seen != self._seen:
+                self._seen = seen
+                token = self._read()
+                if token is None:
+                    log.warning("%s changed but holds no readable token: the last one stays", self.path)
+                elif token != self._token:
+                    self._token = token
+                    log.info("%s: a new token, in use from now", self.path)
+            return self._token
+
+
+Token = str | TokenFile  # a bearer token, fixed or read from a file that may be rotated
+
+
+def token_value(token: Token | None) -> str | None:
+    return token.get() if isinstance(token, TokenFile) else token
+
+
+def admin_refusal(metadata, api_token: Token | None, admin_token: Token | None) -> tuple[bool, str] | None:
     """Why an admin call (ending other clients' requests, resetting shared caches) is refused:
     (forbidden, why), forbidden meaning no token could pass; None: allowed. It takes the admin
     token when one is set. With only an API token the admin endpoints are off, since every API
@@ -60,9 +119,10 @@ def admin_refusal(metadata, api_token: str | None, admin_token: str | None) -> t
     return (True, ADMIN_OFF) if api_token else None
 
 
-def bearer_ok(metadata, token: str) -> bool:
+def bearer_ok(metadata, token: Token) -> bool:
     """``authorization: Bearer <token>`` present in ``metadata``: the scheme in any case (RFC 7235),
-    the token compared in constant time."""
+    the token (a rotated file's current one) compared in constant time."""
+    token = token.get() if isinstance(token, TokenFile) else token
     got = dict(metadata or ()).get("authorization", "")
     got = got.decode(errors="replace") if isinstance(got, bytes) else got
     scheme, _, given = got.partition(" ")

@@ -469,3 +469,62 @@ def test_tenants_draft_only_from_their_own_outputs():
     d.stop("pool-writer")
     assert published == [secret]
     assert draft_after("pool-reader", None, secret[:6])[:6] == secret[6:12]  # unsalted requests share
+
+
+def test_a_rotated_token_file_takes_effect_without_a_restart(tiny_engine, tmp_path):
+    """--auth-token-file is read again once it changes (a Kubernetes Secret volume is replaced in
+    place when rotated): the old token is refused and the new one taken, over gRPC and HTTP, with
+    no restart; a file emptied meanwhile keeps the last token rather than open the API."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    from services.common.security import TokenFile
+    from tests.contract.test_openai_api import http_api
+
+    path = tmp_path / "token"
+    path.write_text("old-token\n")
+
+    def rotate(text: str) -> None:  # as the kubelet does: a new file renamed over the old
+        new = tmp_path / "token.new"
+        new.write_text(text)
+        os.replace(new, path)
+
+    def http_status(port: int, token: str) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def grpc_ok(port: int, token: str) -> bool:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                list(
+                    pb_grpc.GenerationStub(channel).Generate(
+                        pb.GenerateRequest(prompt="x", max_new_tokens=1),
+                        timeout=30,
+                        metadata=[("authorization", f"Bearer {token}")],
+                    )
+                )
+                return True
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+                return False
+
+    token = TokenFile(path, recheck_s=0.0)
+    with http_api(tiny_engine, auth_token=token) as (port, servicer):
+        server, _, grpc_port = build_server(tiny_engine, ServerConfig(port=0, auth_token=token))
+        server.start()
+        try:
+            assert http_status(port, "old-token") == 200 and grpc_ok(grpc_port, "old-token")
+            rotate("new-token\n")
+            assert http_status(port, "old-token") == 401 and not grpc_ok(grpc_port, "old-token")
+            assert http_status(port, "new-token") == 200 and grpc_ok(grpc_port, "new-token")
+            rotate("")  # a half-written or emptied file: the last token stays, the API stays closed
+            assert http_status(port, "new-token") == 200 and http_status(port, "") == 401
+        finally:
+            server.stop(0)
+    with pytest.raises(ValueError, match="no token"):
+        TokenFile(tmp_path / "missing")
