@@ -50,23 +50,33 @@ class StructuredOutput:
     choice: tuple[str, ...] = ()
     json_object: bool = False
 
-    def pattern(self, expand: Callable[[str], str] | None = None) -> str:
-        """The regular expression the output must match as a whole. ``expand``: how a JSON schema
-        becomes its regex (a server's ``GrammarCompiler.schema_regex``, in its capped worker;
-        else ``schema_regex``, in this process, for trusted schemas)."""
+    def check(self) -> None:
+        """What can be told without compiling (a request is refused for it before admission):
+        exactly one kind, the size cap, the choices' bounds, a schema that parses as JSON."""
         kinds = [k for k in ("json_schema", "regex", "choice", "json_object") if getattr(self, k)]
         if len(kinds) != 1:
             raise GrammarError(
                 f"structured_output: set exactly one of json_schema, regex, choice, json_object (got {kinds or 'none'})"
             )
-        if self.json_object:
-            return JSON_OBJECT
         size = len(self.json_schema) + len(self.regex) + sum(len(c) for c in self.choice)
         if size > MAX_SPEC_CHARS:
             raise GrammarError(f"structured_output: at most {MAX_SPEC_CHARS} characters, got {size}")
+        if self.choice and (len(self.choice) > MAX_CHOICES or not all(self.choice)):
+            raise GrammarError(f"structured_output.choice: 1 to {MAX_CHOICES} non-empty strings")
+        if self.json_schema:
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise GrammarError(f"structured_output.json_schema: not a usable JSON schema: {e}") from None
+
+    def pattern(self, expand: Callable[[str], str] | None = None) -> str:
+        """The regular expression the output must match as a whole. ``expand``: how a JSON schema
+        becomes its regex (a server's ``GrammarCompiler.schema_regex``, in its capped worker;
+        else ``schema_regex``, in this process, for trusted schemas)."""
+        self.check()
+        if self.json_object:
+            return JSON_OBJECT
         if self.choice:
-            if len(self.choice) > MAX_CHOICES or not all(self.choice):
-                raise GrammarError(f"structured_output.choice: 1 to {MAX_CHOICES} non-empty strings")
             return "(" + "|".join(escape(c) for c in self.choice) + ")"
         if self.regex:
             return self.regex

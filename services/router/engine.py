@@ -413,13 +413,19 @@ class Engine:
             self._validate_structured(req)
 
     def _validate_structured(self, req: GenerationRequest) -> None:
-        """Nothing but the grammar decides where the output ends. (The pattern compiles once the
-        request is admitted: ``compile_grammar``.)"""
+        """What can be told without compiling (``StructuredOutput.check``), and that nothing but
+        the grammar decides where the output ends. (The pattern compiles once the request is
+        admitted: ``compile_grammar``.)"""
+        assert req.structured is not None, "called for a structured request"
         if req.ignore_eos or req.min_tokens:
             raise InvalidRequest(
                 "structured_output: cannot be combined with ignore_eos or min_tokens "
                 "(the grammar decides where the output may end)"
             )
+        try:
+            req.structured.check()
+        except GrammarError as e:
+            raise InvalidRequest(str(e)) from None
 
     def compile_grammar(self, req: GenerationRequest) -> tuple[str, GrammarCursor] | None:
         """The request's structured-output pattern and a cursor at its start (None: none asked),

@@ -133,6 +133,10 @@ def test_a_reopened_session_resumes_the_grammar_where_its_output_left_it(tiny_en
     ],
 )
 def test_bad_structured_output_is_an_invalid_request(tiny_engine, kw, word):
+    """Refused as the request is made, except a pattern that only its compile can judge: that
+    one compiles after admission, and its request fails as it starts."""
     with pytest.raises(InvalidRequest, match=word) as e:
-        tiny_engine.generate(GenerationRequest(tiny_engine.encode("x"), 8, method="vanilla", **kw))
+        gen = tiny_engine.generate(GenerationRequest(tiny_engine.encode("x"), 8, method="vanilla", **kw))
+        assert word == "cannot be compiled", "refused before it is made"
+        gen.result()
     assert str(e.value).startswith("structured_output")
