@@ -54,6 +54,7 @@ def start(args) -> tuple[subprocess.Popen, int, int]:
         "1",
         "--prefix-cache-mb",
         "0",
+        "--response-stats",  # each answer's speculation stats: the bench reads its cycles and model time
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**__import__("os").environ, **SERVER_ENV}

@@ -69,6 +69,7 @@ def start_server(topology: str, args, spec_disable_batch: int = 0) -> tuple[subp
         "0",
         "--http-port",
         "0",
+        "--response-stats",  # each final message's speculation stats: the bench reads them
         "--target",
         str(args.target),
         "--draft",

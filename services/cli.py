@@ -366,13 +366,14 @@ def cmd_client(args: argparse.Namespace) -> None:
                 else:
                     print(msg.text, end="", flush=True)
                 if msg.finish_reason:
-                    s = msg.stats
-                    print(
-                        f"\n[{finish_name(msg.finish_reason)}] {msg.usage.completion_tokens} tokens, "
-                        f"{s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}, "
-                        f"{msg.usage.cached_prompt_tokens} of {msg.usage.prompt_tokens} prompt tokens cached",
-                        file=sys.stderr,
+                    s, u = msg.stats, msg.usage
+                    how = (  # a server started with --response-stats says how it decoded
+                        f", {s.cycles} cycles, tau={s.tau:.2f}, acceptance={s.acceptance_rate:.2f}, "
+                        f"{u.cached_prompt_tokens} of {u.prompt_tokens} prompt tokens cached"
+                        if msg.HasField("stats")
+                        else ""
                     )
+                    print(f"\n[{finish_name(msg.finish_reason)}] {u.completion_tokens} tokens{how}", file=sys.stderr)
         except Refusal as e:
             sys.exit(f"\nerror: {e}")
 

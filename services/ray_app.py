@@ -624,7 +624,9 @@ class GenerationIngress:
         from services.router.admission import ActiveSessions
 
         self._handles, self._args, self._drafter = (verifier, predictor), args, drafter
-        self._max_sessions = server_config(args).max_sessions  # Generate streams; each completion a session
+        cfg = server_config(args)
+        self._max_sessions = cfg.max_sessions  # Generate streams; each completion a session
+        self._stats = cfg.response_stats  # final messages say how they were decoded
         self._engine = None
         self._lock = threading.Lock()
         self._origin = uuid.uuid4().hex
@@ -737,7 +739,7 @@ class GenerationIngress:
         self._active.add(completions.gens)
         try:
             async for i, step in completions.stream():
-                yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
+                yield (step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i, self._stats))
         finally:
             self._active.remove(completions.gens)
 

@@ -583,6 +583,7 @@ class ServerConfig:
     vllm_metric_names: bool = True  # /metrics also under vLLM's names (services/common/vllm_metrics.py)
     health_check_timeout_s: float = 20.0  # GET /health_generate's wait for progress (SGLang's default)
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins the HTTP API answers (none: no CORS headers)
+    response_stats: bool = False  # each response says how it was decoded and its prompt's cached tokens
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ServerConfig:
@@ -634,6 +635,13 @@ SERVER_OPTIONS: dict[str, Option] = {
             "allowed_origins",
             "names",
             "CORS: browser origins the HTTP API answers (default: none, no CORS headers; * for any, vLLM's default)",
+        ),
+        _server(
+            "response_stats",
+            "bool",
+            "each response also says how it was decoded (its speculation stats: cycles, drafted, accepted "
+            "and rescued tokens, τ) and how many prompt tokens the prefix cache gave (off by default, as "
+            "vLLM's --enable-prompt-tokens-details: across tenants they hint at what others sent)",
         ),
         _server(
             "health_check_timeout",

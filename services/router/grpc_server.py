@@ -41,6 +41,7 @@ def client_deadline(context) -> float | None:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, engine: Engine, cfg: ServerConfig):
         self.engine = engine
+        self.stats = cfg.response_stats  # speculation stats and cached tokens in final messages
         self.admission = Admission(cfg.max_sessions, cfg.max_queue)  # shared with the HTTP API
         self.active = ActiveSessions()  # shared with the HTTP API
 
@@ -77,7 +78,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if not context.is_active():  # cancelled or past its deadline
                     log.info("request %r ended by the client", completions.gens[0].req_id)
                     return
-                yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i)
+                yield step_to_pb(step, i) if step is not None else final_to_pb(completions.gens[i], i, self.stats)
         except SessionCancelled:
             log.info("request %r cancelled by the client during a cycle", completions.gens[0].req_id)
             return

@@ -119,6 +119,7 @@ class _Run(Generic[R]):
         self.queue: asyncio.Queue = asyncio.Queue()
         self._completions: Completions | None = None
         self.gone = False
+        self.stats = False  # its answers say how they were decoded (the server's --response-stats)
         # a thread only for a request that admission could still take (Admission.enter); the
         # others are refused here, before a thread, a parse or a grammar
         if (refused := admission.enter()) is not None:
@@ -430,12 +431,14 @@ def build_app(
         if refused is not None:
             return refused
         run: _Run[Any] = _Run(get_engine, parse, body, admission, asyncio.get_running_loop(), active, describe)
+        run.stats = cfg.response_stats
         first = await run.queue.get()
         if first[0] == "error":
             return error(first[1], first[2])
         if run.api.stream:
             return StreamingResponse((events or _events)(run), media_type="text/event-stream")
-        return await (collect or _collect)(request, run)
+        answer = await (collect or _collect)(request, run)
+        return answer if cfg.response_stats or not isinstance(answer, dict | list) else oa.without_stats(answer)
 
     return app
 
@@ -448,10 +451,10 @@ async def _sse(run: _Run[Any], step_chunks, done_chunks):
             event = await run.queue.get()
             if event[0] == "step":
                 for chunk in step_chunks(event[1], event[2]):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield f"data: {json.dumps(chunk if run.stats else oa.without_stats(chunk))}\n\n"
             elif event[0] == "done":
                 for chunk in done_chunks():
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield f"data: {json.dumps(chunk if run.stats else oa.without_stats(chunk))}\n\n"
                 break
             else:
                 yield f"data: {json.dumps(oa.error_body(event[2], _KIND_OF.get(event[1], 'server_error'), event[1]))}\n\n"

@@ -674,6 +674,19 @@ def usage(gens, completion_tokens: int | None = None) -> dict:
     }
 
 
+STATS_KEYS = ("speculation", "prompt_tokens_details", "cached_tokens", "spec_verify_ct")
+
+
+def without_stats(body):
+    """``body`` (a response or chunk, OpenAI's or SGLang's) without how it was decoded or what
+    the prefix cache gave (``STATS_KEYS``), unless the server gives them (--response-stats)."""
+    if isinstance(body, dict):
+        return {k: without_stats(v) for k, v in body.items() if k not in STATS_KEYS}
+    if isinstance(body, list):
+        return [without_stats(v) for v in body]
+    return body
+
+
 def speculation(g) -> dict:
     """specmesh's extension: how the completion was decoded."""
     s = g.stats

@@ -87,7 +87,9 @@ def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
     ]
 
 
-def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
+def final_to_pb(gen: Generation, index: int = 0, stats: bool = False) -> pb.GenerateResponse:
+    """A completion's last message; ``stats``: with its speculation stats and cached prompt
+    tokens (the server's --response-stats)."""
     s = gen.stats
     reason = gen.stop_reason
     stopped: dict[str, Any] = (
@@ -100,9 +102,11 @@ def final_to_pb(gen: Generation, index: int = 0) -> pb.GenerateResponse:
         usage=pb.Usage(
             prompt_tokens=len(gen.req.prompt_ids),
             completion_tokens=len(gen.output_ids),
-            cached_prompt_tokens=gen.cached_tokens,
+            cached_prompt_tokens=gen.cached_tokens if stats else 0,
         ),
-        stats=pb.SpeculationStats(
+        stats=None
+        if not stats
+        else pb.SpeculationStats(
             cycles=s.cycles,
             draft_tokens=s.draft_tokens,
             accepted_tokens=s.accepted_tokens,

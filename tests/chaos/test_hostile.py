@@ -528,3 +528,49 @@ def test_a_rotated_token_file_takes_effect_without_a_restart(tiny_engine, tmp_pa
             server.stop(0)
     with pytest.raises(ValueError, match="no token"):
         TokenFile(tmp_path / "missing")
+
+
+def test_responses_say_how_they_were_decoded_only_when_the_server_enables_it(tiny_engine):
+    """Per-response speculation stats and cached prompt tokens (an acceptance oracle across
+    tenants, as vLLM's prompt-tokens details are) are off by default: gRPC's last message has
+    neither, OpenAI's and SGLang's answers (streamed or not) carry no `speculation`,
+    `prompt_tokens_details`, `cached_tokens` or `spec_verify_ct`; --response-stats gives them."""
+    import json
+    import urllib.request
+
+    from tests.contract.test_openai_api import http_api
+
+    def post(port: int, path: str, body: dict) -> str:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.read().decode()
+
+    asks = [
+        ("/v1/completions", {"prompt": "def f(", "max_tokens": 3, "method": "suffix"}),
+        (
+            "/v1/completions",
+            {"prompt": "def f(", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+        ),
+        ("/generate", {"text": "def f(", "sampling_params": {"max_new_tokens": 3}}),
+        ("/generate", {"text": "def f(", "sampling_params": {"max_new_tokens": 3}, "stream": True}),
+    ]
+    for enabled in (False, True):
+        with http_api(tiny_engine, response_stats=enabled) as (port, _):
+            texts = [post(port, path, body) for path, body in asks]
+        for text in texts:
+            for key in ("speculation", "cached_tokens"):
+                assert (key in text) == enabled, (enabled, key, text[:200])
+        server, _, port = build_server(tiny_engine, ServerConfig(port=0, response_stats=enabled))
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                last = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(prompt="x", max_new_tokens=3)))[
+                    -1
+                ]
+            assert last.HasField("stats") == enabled and (last.stats.cycles > 0) == enabled
+        finally:
+            server.stop(0)

@@ -16,7 +16,7 @@ from tests.conftest import finish_order_by_priority
 
 @pytest.fixture(scope="module")
 def served(tiny_engine):
-    server, servicer, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=2))
+    server, servicer, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=2, response_stats=True))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield pb_grpc.GenerationStub(channel), servicer, channel

@@ -243,7 +243,7 @@ def test_vllm_metric_names_are_dropped_only_when_asked():
 
 
 def test_router_http_settings_reach_its_flags():
-    """router.servedModelName, allowedOrigins and healthCheckTimeout become the router's flags
+    """router.servedModelName, allowedOrigins, healthCheckTimeout and responseStats become the router's flags
     (and the Ray app's args); the schema refuses an empty origin list and a zero timeout."""
     docs = render(
         {
@@ -252,15 +252,18 @@ def test_router_http_settings_reach_its_flags():
                 "servedModelName": ["code-v2", "code"],
                 "allowedOrigins": ["https://ui.example"],
                 "healthCheckTimeout": 5,
+                "responseStats": True,
             },
         }
     )
     args = container(named(docs, "Deployment", "-router"))["args"]
+    assert "--response-stats" in args
     i = args.index("--served-model-name")
     assert args[i + 1 : i + 3] == ["code-v2", "code"]
     assert args[args.index("--allowed-origins") + 1] == "https://ui.example" and "--health-check-timeout=5" in args
     default = container(named(render({"mode": "services"}), "Deployment", "-router"))["args"]
     assert "--served-model-name" not in default and "--allowed-origins" not in default
+    assert "--response-stats" not in default  # off unless the release enables it
     serve = yaml.safe_load(
         kinds(render({"mode": "ray", "router": {"servedModelName": ["code"]}}), "RayService")[0]["spec"][
             "serveConfigV2"
@@ -268,6 +271,7 @@ def test_router_http_settings_reach_its_flags():
     )
     assert serve["applications"][0]["args"]["served_model_name"] == ["code"]
     assert serve["applications"][0]["args"]["health_check_timeout"] == 20
+    assert serve["applications"][0]["args"]["response_stats"] is False
     for bad in (
         {"router": {"allowedOrigins": [""]}},
         {"router": {"healthCheckTimeout": 0}},

@@ -43,7 +43,7 @@ def http_api(engine, **cfg):
 def api(tiny_engine, tmp_path_factory):
     tpl = tmp_path_factory.mktemp("chat") / "template.jinja"
     tpl.write_text(TEMPLATE)
-    with http_api(tiny_engine, chat_template=tpl, served_model_name="tiny") as (port, servicer):
+    with http_api(tiny_engine, chat_template=tpl, served_model_name="tiny", response_stats=True) as (port, servicer):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         yield client, servicer, port
 

@@ -17,7 +17,7 @@ PROMPT = "def add(a, b):\n"
 
 @pytest.fixture(scope="module")
 def url(tiny_engine):
-    with http_api(tiny_engine) as (port, _):
+    with http_api(tiny_engine, response_stats=True) as (port, _):
         yield f"http://127.0.0.1:{port}/generate"
 
 

@@ -102,6 +102,7 @@ def test_serve_then_client_streams(tiny_dirs):
             str(mport),
             "--http-port",
             str(hport),
+            "--response-stats",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -137,7 +138,7 @@ def test_serve_then_client_streams(tiny_dirs):
         )
         assert out.returncode == 0, out.stderr
         assert "FINISH_REASON_LENGTH" in out.stderr and "10 tokens" in out.stderr
-        assert "prompt tokens cached" in out.stderr
+        assert "prompt tokens cached" in out.stderr and "cycles" in out.stderr  # (the server gives stats)
         m = scrape(mport)
         assert m["specmesh_prefix_cache_tokens_total{kind=queried}"] >= 1
         drafted = m["specmesh_spec_decode_num_draft_tokens_total{method=sd,source=draft-lm}"]
@@ -290,6 +291,7 @@ def test_serve_takes_vllms_speculative_config(tiny_dirs, tiny_engine):
             str(http),
             "--speculative-config",
             json.dumps(spec),
+            "--response-stats",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -38,6 +38,7 @@ def serve_app(tiny_dirs, tmp_path_factory):
         "max_sessions": 2,  # the ingress's streams
         "max_queue": 1,
         "prefill_chunk": 1,  # beside an open session, a new prompt prefills 1 token a step
+        "response_stats": True,  # final messages carry their speculation stats and cached tokens
     }
     with ray_serve(args) as (channel, _, http_port):
         yield pb_grpc.GenerationStub(channel), channel, metrics_port, http_port
