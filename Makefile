@@ -31,8 +31,8 @@ $(STAMP): pyproject.toml constraints.txt setup.py services/drafter/_suffix_tree.
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[ray,bench,train,dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
-serve: setup
-	$(BIN)/specmesh serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
+serve: setup  # a local server for one user: its answers also say how they were decoded
+	$(BIN)/specmesh serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --response-stats
 
 serve-ray: setup
 	$(BIN)/serve run deploy/ray/serve.yaml
