@@ -210,12 +210,14 @@ class SuffixDrafter(Drafter):
         seq_id = tree.new_seq()
         tree.extend(seq_id, prompt)
         live = LiveOutput() if self.cfg.live_outputs else None
-        self.states[req_id] = _Req(tree, seq_id, list(prompt), len(prompt), self._cache_of(scope), scope, live=live)
+        self.states[req_id] = _Req(
+            tree, seq_id, list(prompt), len(prompt), self._cache_of(scope), scope or None, live=live
+        )
 
     def _cache_of(self, scope: str | None) -> GlobalSuffixCache:
         """The global cache of ``scope``: the shared one for None; a scope's own, made on first
         use, the least recently used of more than MAX_SCOPES dropped (its live requests keep it)."""
-        if scope is None:
+        if not scope:  # (an empty salt is none)
             return self.global_cache
         with self._scopes_lock:
             cache = self.scoped.get(scope)

@@ -684,7 +684,12 @@ class Generation:
         try:
             if self.drafter:
                 self.drafter.start(
-                    self.session_id, req.prompt_ids, req.sampling, None, req.max_new_tokens, scope=req.cache_salt
+                    self.session_id,
+                    req.prompt_ids,
+                    req.sampling,
+                    None,
+                    req.max_new_tokens,
+                    scope=req.cache_salt or None,
                 )
             self.engine.scheduler.add(self)
         except BaseException:

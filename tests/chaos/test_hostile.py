@@ -469,6 +469,7 @@ def test_tenants_draft_only_from_their_own_outputs():
     d.stop("pool-writer")
     assert published == [secret]
     assert draft_after("pool-reader", None, secret[:6])[:6] == secret[6:12]  # unsalted requests share
+    assert draft_after("empty-salt", "", secret[:6])[:6] == secret[6:12]  # an empty salt is none
 
 
 def test_a_rotated_token_file_takes_effect_without_a_restart(tiny_engine, tmp_path):
