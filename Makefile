@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 eagle3-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -194,6 +194,14 @@ traces-smollm2: setup
 	mkdir -p $(TRACES)
 	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
 	    --workload stdlib-train --limit 400 --max-new-tokens 256 --concurrency 16 --out $(TRACES)/smollm2-stdlib-train.jsonl
+# The real target's EAGLE-3 head (TTT, 4 steps) over an 8,192-token draft vocabulary: its own
+# generations of the training prompts plus 500 k tokens of the standard library's training split,
+# encoded with its tokenizer (target features and soft labels for both); one epoch, resumable.
+eagle3-smollm2: setup
+	test -s $(TRACES)/smollm2-stdlib-train.jsonl || $(MAKE) traces-smollm2
+	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
+	    --out build/models/smollm2-eagle3 --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3 \
+	    --draft-vocab 8192 --corpus-tokens 500000 --epochs 1
 # TTT head over a 2,048-token draft vocabulary, trained in three stages on the traces plus
 # pretraining text (target features and soft labels): it is data-limited, so each later stage
 # continues the one before (`--init`) for one epoch on more windows of the corpus (stage 2: 3 M

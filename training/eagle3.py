@@ -18,6 +18,7 @@ The attention pattern is exactly what chain drafting sees at inference.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from training.precision import autocast, use_bf16
 from training.pretrain import load_checkpoint, weights_digest
 
 STEP_WEIGHT = 0.8
+BUNDLED_TOKENIZER = Path("models/tokenizer")
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -189,20 +191,34 @@ def corpus_windows(
     corpus_dir: Path | None = None,
     offset: float = 0.0,
     packages: Path | None = None,
+    tokenizer: Path = BUNDLED_TOKENIZER,
 ) -> list[list[int]]:
     """``n_tokens`` of the pretraining stream as evenly spaced ``width``-token windows (more
     data for the head: the target still supplies features and soft labels). The stream is
-    the one cached in ``corpus_dir`` (default: pre-training's), encoded there if missing, with
-    the package corpus when ``packages`` is given (``pretrain.encode_corpus``); ``offset``
-    shifts every window by that fraction of the spacing."""
+    encoded with ``tokenizer`` (the target's) and cached in ``corpus_dir`` (default:
+    pre-training's for the bundled tokenizer, one per tokenizer otherwise), encoded there if
+    missing, with the package corpus when ``packages`` is given (``pretrain.encode_corpus``);
+    ``offset`` shifts every window by that fraction of the spacing."""
     if n_tokens <= 0:
         return []
-    from training.pretrain import default_work_dir, encode_corpus
+    from training.pretrain import encode_corpus
 
-    stream, _ = encode_corpus(Path("models/tokenizer"), corpus_dir or default_work_dir("corpus"), packages)
+    stream, _ = encode_corpus(tokenizer, corpus_dir or corpus_cache(tokenizer), packages)
     n = max(1, n_tokens // width)
     starts = [int((i + offset % 1.0) * (len(stream) - width) / n) for i in range(n)]
     return [stream[s : s + width].astype("int64").tolist() for s in starts]
+
+
+def corpus_cache(tokenizer: Path) -> Path:
+    """Where the corpus encoded with ``tokenizer`` is cached: pre-training's directory for the
+    bundled tokenizer, else one named by the tokenizer file's digest (another vocabulary's ids
+    must never be read as ours)."""
+    from training.pretrain import default_work_dir
+
+    mine = (tokenizer / "tokenizer.json").read_bytes()
+    if mine == (BUNDLED_TOKENIZER / "tokenizer.json").read_bytes():
+        return default_work_dir("corpus")
+    return default_work_dir(f"corpus-{hashlib.sha1(mine).hexdigest()[:12]}")
 
 
 def batches(seqs: list[list[int]], tokens_per_batch: int, seed: int):
@@ -272,7 +288,11 @@ def train(args: argparse.Namespace) -> None:
     aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
     seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
     corpus = corpus_windows(
-        args.corpus_tokens, corpus_dir=args.corpus_dir, offset=args.corpus_offset, packages=args.packages
+        args.corpus_tokens,
+        corpus_dir=args.corpus_dir,
+        offset=args.corpus_offset,
+        packages=args.packages,
+        tokenizer=args.target,
     )
     seqs = evenly(seqs, args.trace_fraction) + corpus
     n_tokens = sum(len(s) for s in seqs)

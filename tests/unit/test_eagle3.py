@@ -506,3 +506,20 @@ def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
             for k in seqs:
                 d.observe(k, seqs[k][pos[k] + 1 : pos[k] + 3], feats[k][pos[k] : pos[k] + 2])
         pos = {k: p + 2 for k, p in pos.items()}
+
+
+def test_the_corpus_is_cached_per_tokenizer_so_another_vocabularys_ids_are_never_read_as_ours(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from training.eagle3 import BUNDLED_TOKENIZER, corpus_cache
+
+    monkeypatch.setenv("SPECMESH_TRAIN_DIR", str(tmp_path))
+    assert corpus_cache(BUNDLED_TOKENIZER) == tmp_path / "corpus"  # pre-training's stream, shared
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    mine = corpus_cache(other)
+    assert mine.parent == tmp_path and mine.name.startswith("corpus-")
+    (other / "tokenizer.json").write_text('{"model": {"vocab": {"b": 0}}}')
+    assert corpus_cache(other) not in (mine, tmp_path / "corpus")
+    assert corpus_cache(Path("models/target")) == tmp_path / "corpus"  # the bundled target's tokenizer is ours
