@@ -476,7 +476,7 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate once in-process")
     add_engine_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--method", default="sd")
+    p.add_argument("--method", default="", help="speculative method (default: the engine's, as the server's)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     _sampling_args(p)
     _stop_args(p)

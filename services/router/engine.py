@@ -132,7 +132,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (kept in the output)
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # per prompt token after the first: its log-probability and alternatives
-    method: str = "sd"
+    method: str = ""  # "": the engine's default_method (one default for every front end)
     request_id: str = ""
     deadline_s: float | None = None  # time the client allows, from the request's arrival
     logprobs: int | None = None  # per generated token: its target log-probability and this many alternatives
@@ -405,7 +405,7 @@ class Engine:
             raise InvalidRequest(f"stop_token_ids: at most {MAX_STOPS} ids, each in [0, {vocab})")
         if len(req.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequest(f"cache_salt: at most {MAX_CACHE_SALT} characters, got {len(req.cache_salt)}")
-        if req.method not in self.methods():
+        if (req.method or self.default_method) not in self.methods():
             raise InvalidRequest(f"method: unknown method {req.method!r}; choose one of {', '.join(self.methods())}")
         if not 1 <= req.n <= MAX_N:
             raise InvalidRequest(f"n: must be in [1, {MAX_N}] (completions of the prompt), got {req.n}")
@@ -441,7 +441,12 @@ class Engine:
         except GrammarError as e:
             raise InvalidRequest(str(e)) from None
 
+    def with_method(self, req: GenerationRequest) -> GenerationRequest:
+        """``req`` naming its method: one that names none gets ``default_method``."""
+        return req if req.method else replace(req, method=self.default_method)
+
     def generate(self, req: GenerationRequest) -> "Generation":
+        req = self.with_method(req)
         self.validate(req)
         if req.n != 1:
             raise InvalidRequest("n: one Generation is one completion; use generate_all for n > 1")
@@ -450,6 +455,7 @@ class Engine:
     def generate_all(self, req: GenerationRequest) -> "Completions":
         """The request's ``n`` completions, each its own session (vLLM's n): completion i of a
         seeded request samples with seed + i, so each equals the single request with that seed."""
+        req = self.with_method(req)
         self.validate(req)
         rid = req.request_id or f"req-{uuid.uuid4().hex}"
         if req.n == 1:

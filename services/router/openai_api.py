@@ -284,7 +284,7 @@ def _request(
         stop_token_ids=_ids(body, "stop_token_ids"),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         prompt_logprobs=prompt_logprobs,
-        method=_typed(body, "method", (str,), "a method name", "") or engine.default_method,
+        method=_typed(body, "method", (str,), "a method name", ""),
         request_id=_typed(body, "request_id", (str,), "a string", ""),
         logprobs=logprobs,
         cache_salt=_typed(body, "cache_salt", (str,), "a string", ""),

@@ -48,7 +48,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
         stop_token_ids=tuple(r.stop_token_ids),
         include_stop_str_in_output=r.include_stop_str_in_output,
         prompt_logprobs=r.prompt_logprobs if r.HasField("prompt_logprobs") else None,
-        method=r.method or engine.default_method,
+        method=r.method,
         request_id=r.request_id,
         logprobs=r.logprobs if r.HasField("logprobs") else None,
         cache_salt=r.cache_salt,

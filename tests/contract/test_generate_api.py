@@ -163,6 +163,14 @@ def test_prompt_token_ids_and_default_method(served, tiny_engine):
     assert sum(len(m.token_ids) for m in msgs) == 8
 
 
+def test_a_request_that_names_no_method_gets_the_engines_default_in_process_too(tiny_engine):
+    ids = tiny_engine.encode("import os\n")
+    assert GenerationRequest(ids, 4).method == ""  # no front end picks a default of its own
+    assert tiny_engine.generate(GenerationRequest(ids, 4)).result()["method"] == tiny_engine.default_method
+    (g,) = tiny_engine.generate_all(GenerationRequest(ids, 4)).gens
+    assert g.req.method == tiny_engine.default_method
+
+
 def test_stop_string_ends_stream_without_emitting_it(served, tiny_engine):
     stub, _, _ = served
     full = tiny_engine.generate(GenerationRequest(tiny_engine.encode("x = ["), 60, method="vanilla")).result()["text"]

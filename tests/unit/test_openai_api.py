@@ -33,7 +33,9 @@ def test_defaults_are_openais():
     api = parse(prompt="ab")
     (g,) = api.gens
     assert g.prompt_ids == [0, 97, 98] and g.max_new_tokens == 16 and g.sampling.temperature == 1.0  # BOS: vLLM's
-    assert g.method == "hybrid" and g.n == 1 and g.logprobs is None and not api.stream and api.model == "m"
+    assert (
+        g.method == "" and g.n == 1 and g.logprobs is None and not api.stream and api.model == "m"
+    )  # "": the engine's
 
 
 @pytest.mark.parametrize(
