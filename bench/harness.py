@@ -103,12 +103,12 @@ def run_ours(engine, method: str, ids: list[int], max_new: int, sampling=None, s
     """One generation (greedy unless ``sampling``), prefilled cold: the verifier's prefix cache
     would otherwise give a method the prompt that the method before it prefilled
     (bench.prefix_cache measures it)."""
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
     from services.router.engine import GenerationRequest
 
     getattr(engine.verifier, "clear_prefix_cache", lambda: None)()
     gen = engine.generate(
-        GenerationRequest(ids, max_new, sampling=sampling or SamplingParams(), method=method, structured=structured)
+        GenerationRequest(ids, max_new, sampling=sampling or Sampling(), method=method, structured=structured)
     )
     r = gen.result()
     return Run(r["token_ids"], r["stats"]["wall_s"], r["stats"], list(gen.stats.rescued_pairs), r["finish_reason"])

@@ -18,13 +18,13 @@ from pathlib import Path
 
 from bench.harness import run_settings, setting_bars, settings_main, table_markdown
 from bench.workloads import load
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from training.evaluate import seq_rep
 
 SETTINGS = {
-    "none": SamplingParams(),
-    "repetition 1.2": SamplingParams(repetition_penalty=1.2),
-    "presence 0.5 + frequency 0.5": SamplingParams(presence_penalty=0.5, frequency_penalty=0.5),
+    "none": Sampling(),
+    "repetition 1.2": Sampling(repetition_penalty=1.2),
+    "presence 0.5 + frequency 0.5": Sampling(presence_penalty=0.5, frequency_penalty=0.5),
 }
 
 

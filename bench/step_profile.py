@@ -63,10 +63,10 @@ def timed_attention(sink: list[float]):
 
 def profile(core, prompts: list[list[int]], batch: int, cycles: int) -> dict[str, list[float]]:
     """Seconds per step of each part, per cycle, with ``batch`` sessions cycling together."""
-    from services.common.types import SamplingParams, Verdict
+    from services.common.types import Sampling, Verdict
 
     runner, drafter, policy = core.runner, core.drafters["draft-lm"], core.policies["lossless"]
-    greedy = SamplingParams()
+    greedy = Sampling()
     ids = [f"b{batch}-{i}" for i in range(batch)]
     sessions = []
     for sid, p in zip(ids, prompts):

@@ -240,7 +240,7 @@ def _structured(args: argparse.Namespace) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from services.common.structured import StructuredOutput
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
     from services.router.engine import Engine, GenerationRequest, InvalidRequest
 
     engine = Engine(engine_config(args))
@@ -251,7 +251,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     req = GenerationRequest(
         prompt_ids=engine.encode(args.prompt, add_special_tokens=True),
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(
+        sampling=Sampling(
             args.temperature,
             args.top_p,
             args.top_k,

@@ -5,7 +5,7 @@ import inspect
 
 import torch
 
-from services.common.types import Delegate, Draft, SamplingParams
+from services.common.types import Delegate, Draft, Sampling
 from services.drafter.base import Drafter
 
 METHODS = sorted(name for name, _ in inspect.getmembers(Drafter, inspect.isfunction) if not name.startswith("_"))
@@ -26,7 +26,7 @@ def exercise(drafter: Drafter, prompt: list[int], states_dim: int = 0) -> set[st
         return torch.zeros(n, states_dim) if drafter.needs_target_states else None
 
     for rid in ("a", "b"):
-        drafter.start(rid, list(prompt), SamplingParams(), None, 16)
+        drafter.start(rid, list(prompt), Sampling(), None, 16)
         # a prefill chunk of all but the prompt's last position: their states, taken in
         drafter.observe(rid, [], states(len(prompt) - 1))
         drafter.absorb(rid, len(prompt) - 1)

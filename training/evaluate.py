@@ -22,7 +22,7 @@ import torch
 from bench.workloads import edit, stdlib_heldout
 from services.common.llama import Llama
 from services.common.sampling import make_rng
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.verifier.policies import exact_greedy
 from services.verifier.runner import TargetRunner
 from training.corpus import HELD_OUT
@@ -67,7 +67,7 @@ def greedy(model: Llama, prompt: list[int], n: int, eos: int) -> list[int]:
     out: list[int] = []
     while len(out) < n:
         logits, _ = runner.verify(st, [])
-        v = exact_greedy(Draft.empty(), logits, SamplingParams(), make_rng(0))
+        v = exact_greedy(Draft.empty(), logits, Sampling(), make_rng(0))
         runner.commit(st, v)
         if v.tokens[0] == eos:
             break

@@ -11,10 +11,10 @@ import math
 
 import torch
 
-from services.common.types import SamplingParams, TokenLogprob
+from services.common.types import Sampling, TokenLogprob
 
 
-def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+def probs_from_logits(logits: torch.Tensor, sp: Sampling) -> torch.Tensor:
     """[..., V] logits → [..., V] float32 probabilities under ``sp`` (temperature > 0)."""
     x = logits.float() / sp.temperature
     if sp.min_p > 0.0:  # keep p ≥ min_p · max p, i.e. logits ≥ max logit + log min_p
@@ -37,10 +37,10 @@ def apply_penalties(
     tokens: list[int],
     output_from: int,
     draft: list[int],
-    sp: SamplingParams,
+    sp: Sampling,
     columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``SamplingParams``' penalties on verification rows [k+1, V]. Row i predicts the token after
+    """``Sampling``' penalties on verification rows [k+1, V]. Row i predicts the token after
     ``tokens`` (the prompt, then the output from ``output_from`` on) plus draft[:i], so it
     counts those draft tokens too: every row is penalized as a plain decoding step there would be.
     ``columns``: the token ids of the logits' columns when they cover a draft vocabulary."""
@@ -62,8 +62,8 @@ def apply_penalties(
     return (x - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()).to(logits.dtype)
 
 
-def apply_bias(logits: torch.Tensor, sp: SamplingParams, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """``SamplingParams``' logit_bias (added to the listed tokens' logits) and allowed_token_ids
+def apply_bias(logits: torch.Tensor, sp: Sampling, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """``Sampling``' logit_bias (added to the listed tokens' logits) and allowed_token_ids
     (every other token at −inf) on every row of ``logits`` [..., V]. ``columns``: the token ids
     of the logits' columns when they cover a draft vocabulary."""
     width, dev = logits.shape[-1], logits.device
@@ -176,7 +176,7 @@ MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's limit)
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 64, 32  # bad words per request (two token sequences each), tokens per word
 
 
-def sampling_error(sp: SamplingParams) -> str | None:
+def sampling_error(sp: Sampling) -> str | None:
     """What is out of range in ``sp``, starting with the field's name; None when all is valid.
     (Token ids are checked where the vocabulary is known.)"""
     if not 0 <= sp.temperature < float("inf"):  # nan fails too; inf would turn masked logits into nan

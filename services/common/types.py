@@ -15,8 +15,9 @@ SAMPLING_EPS = 1e-5  # temperatures below it are greedy (vLLM's _SAMPLING_EPS): 
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 (below ``SAMPLING_EPS``) = greedy; top_k 0 = off; top_p 1.0 = off; min_p 0 = off (vLLM's: tokens
+class Sampling:
+    """How the target's next token is chosen, as every front end's request maps into it (the
+    public, vLLM-named ``SamplingParams`` is the offline API's). temperature 0 (below ``SAMPLING_EPS``) = greedy; top_k 0 = off; top_p 1.0 = off; min_p 0 = off (vLLM's: tokens
     less likely than min_p × the most likely one are dropped). Penalties (vLLM's, off at their
     defaults) change the target's logits before greedy, sampling or the CSD gate read them:
     repetition_penalty divides a positive logit (multiplies a negative one) of every token seen
@@ -223,7 +224,7 @@ class SessionCancelled(RuntimeError):
 class SessionSpec:
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: Sampling = Sampling()
     policy: str = "lossless"
     model_drafter: str | None = None  # verifier-side drafter this session may use
     on_demand: bool = False  # it drafts only when a cycle asks (a hybrid): no eager catch-up

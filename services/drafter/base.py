@@ -9,7 +9,7 @@ import torch
 
 from services.common.prefix_cache import ROOT, PrefixCache
 from services.common.structured import GrammarCursor
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 
 
 class Drafter(ABC):
@@ -41,7 +41,7 @@ class Drafter(ABC):
         self,
         req_id: str,
         prompt: list[int],
-        sp: SamplingParams,
+        sp: Sampling,
         rng: torch.Generator | None,
         max_new_tokens: int = 0,
         *,
@@ -89,7 +89,7 @@ class ModelDrafter(Drafter):
         self,
         req_id: str,
         prompt: list[int],
-        sp: SamplingParams,
+        sp: Sampling,
         rng: torch.Generator | None,
         max_new_tokens: int = 0,
         cache_root: bytes = ROOT,

@@ -11,7 +11,7 @@ from services.common.llama import KVCache, Llama
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_per_position, load_kv
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.drafter.base import ModelDrafter, common_prefix, draw_on_device, kept, read_chains, register
 
 
@@ -19,7 +19,7 @@ from services.drafter.base import ModelDrafter, common_prefix, draw_on_device, k
 class _State:
     tokens: list[int]
     cache: KVCache
-    sp: SamplingParams
+    sp: Sampling
     rng: torch.Generator | None  # None: the global generator
     vocab_size: int
     cache_len: int = 0
@@ -158,7 +158,7 @@ class DraftLMDrafter(ModelDrafter):
         self,
         req_id: str,
         prompt: list[int],
-        sp: SamplingParams,
+        sp: Sampling,
         rng: torch.Generator | None,
         max_new_tokens: int = 0,
         cache_root: bytes = ROOT,

@@ -21,7 +21,7 @@ from services.common.llama import KVCache
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, kv_bytes_per_position, load_kv, root_key
 from services.common.sampling import apply_bias, apply_penalties, ban_columns, banned_tokens, probs_from_logits, sample
 from services.common.structured import GrammarCursor
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.drafter.base import ModelDrafter, draw_on_device, kept, read_chains, register
 from services.drafter.eagle3 import Eagle3Head
 
@@ -41,7 +41,7 @@ class TreeShape:
 class _State:
     tokens: list[int]
     cache: KVCache
-    sp: SamplingParams
+    sp: Sampling
     rng: torch.Generator | None
     feats: list[torch.Tensor] = field(default_factory=list)  # unprocessed [n, 3·H_t] chunks
     n_feats: int = 0  # target positions with features (processed or not)
@@ -274,7 +274,7 @@ class Eagle3Drafter(ModelDrafter):
         self,
         req_id: str,
         prompt: list[int],
-        sp: SamplingParams,
+        sp: Sampling,
         rng: torch.Generator | None,
         max_new_tokens: int = 0,
         cache_root: bytes = ROOT,

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from services.common.metrics import HYBRID_DECISIONS, PREDICTED_VS_ACTUAL
-from services.common.types import Delegate, Draft, SamplingParams
+from services.common.types import Delegate, Draft, Sampling
 from services.drafter.base import Drafter
 from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize
 
@@ -441,7 +441,7 @@ class HybridDrafter(Drafter):
         self,
         req_id: str,
         prompt: list[int],
-        sp: SamplingParams,
+        sp: Sampling,
         rng: torch.Generator | None,
         max_new_tokens: int = 0,
         *,

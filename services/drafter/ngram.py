@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import NgramConfig
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.drafter.base import Drafter, register
 
 
@@ -39,7 +39,7 @@ class NgramDrafter(Drafter):
         self,
         req_id: str,
         prompt: list[int],
-        sp: SamplingParams | None = None,
+        sp: Sampling | None = None,
         rng=None,
         max_new_tokens: int = 0,
         *,

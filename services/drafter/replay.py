@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.token_tree import accepted_by
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.drafter.base import Drafter
 
 
@@ -102,7 +102,7 @@ def replay(drafter: Drafter, traces: list[Trace], max_draft: int, progress: bool
     for n, tr in enumerate(traces):
         rid = f"replay-{tr.id}"
         t0 = time.perf_counter()
-        drafter.start(rid, tr.prompt_ids, SamplingParams(), None)
+        drafter.start(rid, tr.prompt_ids, Sampling(), None)
         st.index_s += time.perf_counter() - t0
         st.index_tokens += len(tr.prompt_ids)
         truth = tr.continuation

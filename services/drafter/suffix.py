@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from services.common.config import SuffixConfig
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.drafter.base import Drafter, register
 from services.drafter.suffix_tree import Candidate, CompiledMatches, new_tree, step_batch
 
@@ -198,7 +198,7 @@ class SuffixDrafter(Drafter):
         self,
         req_id: str,
         prompt: list[int],
-        sp: SamplingParams | None = None,
+        sp: Sampling | None = None,
         rng: torch.Generator | None = None,
         max_new_tokens: int = 0,
         *,

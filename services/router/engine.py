@@ -32,7 +32,7 @@ from services.common.types import (
     CycleResult,
     Delegate,
     Draft,
-    SamplingParams,
+    Sampling,
     Session,
     SessionSpec,
     SpecStats,
@@ -112,12 +112,12 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings (and stop token ids) per req
 MAX_N = 16  # completions per request
 
 
-def validate_sampling(sp: SamplingParams) -> None:
+def validate_sampling(sp: Sampling) -> None:
     if (err := sampling_error(sp)) is not None:
         raise InvalidRequest(err)
 
 
-def validate_token_ids(sp: SamplingParams, vocab: int) -> None:
+def validate_token_ids(sp: Sampling, vocab: int) -> None:
     for name, ids in (("logit_bias", [i for i, _ in sp.logit_bias]), ("allowed_token_ids", sp.allowed_token_ids)):
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequest(f"{name}: every token id must be in [0, {vocab})")
@@ -127,7 +127,7 @@ def validate_token_ids(sp: SamplingParams, vocab: int) -> None:
 class GenerationRequest:
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # generation ends after any of these (kept in the output)
     include_stop_str_in_output: bool = False

@@ -24,8 +24,7 @@ from typing import Any
 
 from services.common.config import EngineConfig, models_dir
 from services.common.progress import run_concurrently
-from services.common.types import SamplingParams as Sampling
-from services.common.types import TokenLogprob
+from services.common.types import Sampling, TokenLogprob
 from services.router import openai_api as oa
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from services.router.tools import template_messages

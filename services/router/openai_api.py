@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from services.common.structured import StructuredOutput
-from services.common.types import SamplingParams, TokenLogprob
+from services.common.types import Sampling, TokenLogprob
 from services.router.engine import MAX_N, Generation, GenerationRequest, InvalidRequest
 from services.router.tools import ToolError, Tools, parse_tools, template_messages
 from services.router.tools import message as tool_message
@@ -164,12 +164,12 @@ def _bad_words(body: dict, engine) -> tuple[tuple[int, ...], ...]:
     return engine.bad_word_ids(v)
 
 
-def _sampling(body: dict, engine) -> SamplingParams:
+def _sampling(body: dict, engine) -> Sampling:
     top_k = _int(body, "top_k", 0)
     seed = _opt_int(body, "seed")
     if seed is not None and not 0 <= seed < 2**63 - MAX_N:
         raise InvalidRequest(f"seed: must be in [0, 2**63 - {MAX_N}), got {seed}")
-    return SamplingParams(
+    return Sampling(
         temperature=_num(body, "temperature", 1.0),
         top_p=_num(body, "top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,  # vLLM's -1 = off

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.structured import StructuredOutput
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.router.engine import Engine, Generation, GenerationRequest, InvalidRequest
 from specmesh.v1 import generate_pb2 as pb
 
@@ -31,7 +31,7 @@ def request_from_pb(r: pb.GenerateRequest, engine: Engine) -> GenerationRequest:
             ids, r.truncate_prompt_tokens if r.HasField("truncate_prompt_tokens") else None, max_new
         ),
         max_new_tokens=max_new,
-        sampling=SamplingParams(
+        sampling=Sampling(
             temperature=r.temperature,
             top_p=r.top_p if r.HasField("top_p") else 1.0,
             top_k=r.top_k,

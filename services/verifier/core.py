@@ -488,7 +488,7 @@ class VerifierSession:
         )
 
     def _shaped(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
-        """The request's penalties (``SamplingParams``), over its output so far (the re-opened
+        """The request's penalties (``Sampling``), over its output so far (the re-opened
         part of the prompt, ``generated``, counts as output), then its logit bias, then its bad
         words (over the same output)."""
         sp = self.spec.sampling

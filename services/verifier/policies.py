@@ -21,16 +21,16 @@ import torch
 
 from services.common.sampling import Draws, greedy_ids, probs_from_logits, sample
 from services.common.token_tree import walk
-from services.common.types import Draft, SamplingParams, Verdict
+from services.common.types import Draft, Sampling, Verdict
 
 Rng = torch.Generator | Draws  # a request's draws (a bare generator: unseeded, in order)
 
 
 class AcceptancePolicy(Protocol):
-    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict: ...
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict: ...
 
 
-def exact_greedy(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
+def exact_greedy(draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
     """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus).
     A tree draft: follow the child carrying each argmax (``token_tree.walk``)."""
     target = greedy_ids(logits)
@@ -63,7 +63,7 @@ def _walked(draft: Draft, path: list[int], t: int) -> Verdict:
     )
 
 
-def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
+def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
     """A deterministic draft (a chain or a tree, no q) under sampling: at each node, sample
     the target's own token from its row (row 0 after the committed tokens, row j + 1 after
     node j) and follow the child that carries it; the first token no child carries is
@@ -79,7 +79,7 @@ def _sampled_walk(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: R
     return _walked(draft, *walk(draft.token_ids, draft.parents, target_token))
 
 
-def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
+def rejection_sampling(draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
     """Lossless speculative sampling.
 
     Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection emit a
@@ -129,7 +129,7 @@ class CalibratedGreedy:
         self.memory = memory if gate.use_memory else None
         self.log_tau = math.log(gate.tau)
 
-    def __call__(self, draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
+    def __call__(self, draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
         if not sp.greedy:
             return rejection_sampling(draft, logits, sp, rng)
         target = greedy_ids(logits)
@@ -160,7 +160,7 @@ class CalibratedGreedy:
         return int((vals > vals[d]).sum()) < self.gate.top_k  # d ranks within the top-k
 
 
-def lossless(draft: Draft, logits: torch.Tensor, sp: SamplingParams, rng: Rng) -> Verdict:
+def lossless(draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
     """Exact match when greedy, rejection sampling otherwise: output distribution = target's."""
     policy = exact_greedy if sp.greedy else rejection_sampling
     return policy(draft, logits, sp, rng)

@@ -13,7 +13,7 @@ from services.common.refusals import Invalid, Overloaded, Unavailable
 from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, sampling_error
 from services.common.structured import MAX_REGEX_CHARS, GrammarError
 from services.common.token_tree import check_tree
-from services.common.types import CycleRequest, SamplingParams, SessionSpec
+from services.common.types import CycleRequest, Sampling, SessionSpec
 from services.verifier.core import VerifierCore, VerifierSession
 
 
@@ -58,7 +58,7 @@ class Replica:
         if s.grammar is not None:
             self._check_grammar(s)
 
-    def _check_sampling(self, sp: SamplingParams) -> None:
+    def _check_sampling(self, sp: Sampling) -> None:
         if (err := sampling_error(sp)) is not None:
             raise Invalid(f"open.sampling.{err}")
         vocab = self.core.vocab_size

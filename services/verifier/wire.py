@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from services.common.types import CycleRequest, CycleResult, SamplingParams, SessionSpec, TokenLogprob
+from services.common.types import CycleRequest, CycleResult, Sampling, SessionSpec, TokenLogprob
 from specmesh.v1 import verifier_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -48,7 +48,7 @@ def spec_from_pb(o: pb.Open) -> SessionSpec:
     return SessionSpec(
         prompt_ids=list(o.prompt_ids),
         max_new_tokens=o.max_new_tokens,
-        sampling=SamplingParams(
+        sampling=Sampling(
             sp.temperature,
             sp.top_p or 1.0,
             sp.top_k,

@@ -91,12 +91,12 @@ def test_keepalive_drops_an_idle_link_to_a_stopped_replica(tiny_dirs):
 def test_a_seeded_sampled_stream_is_vanillas_own_across_a_failover(tiny_dirs, tiny_engine, method):
     """Seeded draws are keyed by output position, so a session re-opened on another replica
     after a kill -9 draws what the first would have: the stream equals vanilla's seeded one."""
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
 
     dying, addr_dying = start_verifier(tiny_dirs, delay_ms=40)
     other, addr_other = start_verifier(tiny_dirs)
     engine, server, _, stub = router(tiny_dirs, [addr_dying, addr_other])
-    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    sp = Sampling(temperature=0.8, top_p=0.95, seed=7)
     ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPT), 60, sp, method="vanilla")).result()
     try:
         engine.verifier.load[addr_other] = 100

@@ -494,7 +494,7 @@ def test_structured_output_streams_a_json_instance_of_the_schema(served, tiny_en
 def test_n_completions_stream_with_their_index_and_a_final_each(served, tiny_engine):
     """n = 2 sampled with seed 5: the messages of index i are the single request with seed
     5 + i, and each completion ends with its own final message."""
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
 
     stub, servicer, _ = served
     msgs = collect(stub, prompt="def add(a, b):\n", max_new_tokens=24, method="sd", temperature=1.0, seed=5, n=2)
@@ -506,7 +506,7 @@ def test_n_completions_stream_with_their_index_and_a_final_each(served, tiny_eng
                 tiny_engine.encode("def add(a, b):\n"),
                 24,
                 method="sd",
-                sampling=SamplingParams(temperature=1.0, seed=5 + i),
+                sampling=Sampling(temperature=1.0, seed=5 + i),
             )
         ).result()
         assert [t for m in msgs if m.index == i for t in m.token_ids] == single["token_ids"]

@@ -13,7 +13,7 @@ import pytest
 
 from services.assembly import start_http
 from services.common.config import ServerConfig
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.router.engine import GenerationRequest
 from services.router.grpc_server import build_server
 from tests.conftest import corrupt_bytes, finish_order_by_priority, wait_for
@@ -108,7 +108,7 @@ def test_seeded_n_and_batched_prompts_index_choices_prompt_major(api, tiny_engin
                 tiny_engine.encode(prompt),
                 12,
                 method="sd",
-                sampling=SamplingParams(temperature=1.0, seed=7 + j),
+                sampling=Sampling(temperature=1.0, seed=7 + j),
             )
             assert out.choices[p * 2 + j].text == ref["text"], (p, j)
     assert out.usage.completion_tokens == 4 * 12
@@ -121,7 +121,7 @@ def test_best_of_returns_the_n_likeliest_of_its_candidates(api, tiny_engine):
     client, servicer, _ = api
     ids = tiny_engine.encode(PROMPT)
     cands = [
-        greedy(tiny_engine, ids, 10, method="sd", logprobs=0, sampling=SamplingParams(temperature=1.5, seed=11 + j))
+        greedy(tiny_engine, ids, 10, method="sd", logprobs=0, sampling=Sampling(temperature=1.5, seed=11 + j))
         for j in range(3)
     ]
     mean = [sum(x["logprob"] for x in c["logprobs"]) / len(c["logprobs"]) for c in cands]
@@ -150,7 +150,7 @@ def test_min_p_reaches_the_sampler(api, tiny_engine):
     ids = tiny_engine.encode(PROMPT)
     texts = {}
     for min_p in (0.0, 0.3):
-        sp = SamplingParams(temperature=3.0, seed=5, min_p=min_p)
+        sp = Sampling(temperature=3.0, seed=5, min_p=min_p)
         out = client.completions.create(
             model="tiny",
             prompt=PROMPT,
@@ -275,7 +275,7 @@ def test_bad_words_never_appear(api, tiny_engine):
     client, _, _ = api
     plain = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30)["text"]
     word = next(w for w in plain.split() if w.isalpha() and len(w) > 2)
-    sp = SamplingParams(bad_words=tiny_engine.bad_word_ids([word]))
+    sp = Sampling(bad_words=tiny_engine.bad_word_ids([word]))
     ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 30, sampling=sp)["text"]
     out = client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, extra_body={"bad_words": [word], "method": "sd"}

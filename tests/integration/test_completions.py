@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import pytest
 
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.router.engine import GenerationRequest, InvalidRequest
 from tests.conftest import wait_for
 
@@ -26,13 +26,13 @@ def collect(completions):
 def test_seeded_completions_equal_single_requests_with_seed_plus_index(tiny_engine, method):
     eng = tiny_engine
     ids = eng.encode(PROMPT)
-    sp = SamplingParams(temperature=1.0, seed=11)
+    sp = Sampling(temperature=1.0, seed=11)
     completions = eng.generate_all(GenerationRequest(ids, 30, sampling=sp, method=method, n=4))
     steps, ended = collect(completions)
     assert sorted(ended) == [0, 1, 2, 3]
     singles = [
         eng.generate(
-            GenerationRequest(ids, 30, sampling=SamplingParams(temperature=1.0, seed=11 + i), method=method)
+            GenerationRequest(ids, 30, sampling=Sampling(temperature=1.0, seed=11 + i), method=method)
         ).result()["token_ids"]
         for i in range(4)
     ]
@@ -54,7 +54,7 @@ def test_stopping_early_frees_every_session(tiny_engine):
     eng = tiny_engine
     it = iter(
         eng.generate_all(
-            GenerationRequest(eng.encode(PROMPT), 200, sampling=SamplingParams(temperature=1.0), method="sd", n=3)
+            GenerationRequest(eng.encode(PROMPT), 200, sampling=Sampling(temperature=1.0), method="sd", n=3)
         )
     )
     for _ in range(4):
@@ -69,7 +69,7 @@ def test_result_after_streaming_reports_that_run_without_running_again(tiny_engi
     a second run would differ)."""
     eng = tiny_engine
     completions = eng.generate_all(
-        GenerationRequest(eng.encode(PROMPT), 40, sampling=SamplingParams(temperature=1.0), method="sd", n=2)
+        GenerationRequest(eng.encode(PROMPT), 40, sampling=Sampling(temperature=1.0), method="sd", n=2)
     )
     steps, ended = collect(completions)
     opened = len(eng.verifier.sessions)
@@ -98,7 +98,7 @@ def test_an_async_consumer_streams_the_same_and_cancelled_it_frees_every_session
     assert steps[0] == ref == steps[1]
 
     long = eng.generate_all(
-        GenerationRequest(ids, 200, sampling=SamplingParams(temperature=1.0), method="sd", n=3, ignore_eos=True)
+        GenerationRequest(ids, 200, sampling=Sampling(temperature=1.0), method="sd", n=3, ignore_eos=True)
     )
 
     async def cancel_after_first():
@@ -130,7 +130,7 @@ def test_completions_share_the_scheduler_s_steps_without_a_thread_each(tiny_engi
     import threading
 
     eng = tiny_engine
-    sp = SamplingParams(temperature=1.0, seed=3)
+    sp = Sampling(temperature=1.0, seed=3)
     completions = eng.generate_all(GenerationRequest(eng.encode(PROMPT), 24, sampling=sp, method="sd", n=6))
     eng.generate(GenerationRequest(eng.encode(PROMPT), 1, method="vanilla")).result()  # the scheduler's thread runs
     threads, steps = threading.active_count(), eng.scheduler.steps

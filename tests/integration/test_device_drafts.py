@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common.llama import Llama
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.drafter.draft_lm import DraftLMDrafter
 from services.drafter.vocab import frequency_ranking, top_vocabulary
 from services.router.engine import GenerationRequest
@@ -25,7 +25,7 @@ PROMPTS = [
 def drafts_of(drafter: DraftLMDrafter, prompts: list[list[int]], budgets: list[int], cycles: int) -> list:
     """Every cycle's drafts for the prompts in one batch; each cycle commits the first half of
     its draft plus a token of its own (a partial acceptance: the cache rolls back)."""
-    sp = SamplingParams(temperature=0.0)
+    sp = Sampling(temperature=0.0)
     for i, ids in enumerate(prompts):
         drafter.start(str(i), ids, sp, None)
     seen = []
@@ -136,11 +136,11 @@ def test_sampled_device_chains_draw_from_the_q_they_return(tiny_engine, tiny_dir
     model = Llama.from_pretrained(tiny_dirs[1])
     prompt = tiny_engine.encode(PROMPTS[0])
     greedy = DraftLMDrafter(model, 0.0)
-    greedy.start("g", prompt, SamplingParams(temperature=0.0), None)
+    greedy.start("g", prompt, Sampling(temperature=0.0), None)
     want = greedy.propose("g", 5).token_ids
     for sp, check_argmax in (
-        (SamplingParams(temperature=1.0, top_k=1), True),
-        (SamplingParams(temperature=0.9), False),
+        (Sampling(temperature=1.0, top_k=1), True),
+        (Sampling(temperature=0.9), False),
     ):
         drafter = DraftLMDrafter(model, 0.0, device_drafts=True)
         drafter.start("s", prompt, sp, torch.Generator().manual_seed(3))
@@ -162,7 +162,7 @@ def test_seeded_sampling_with_device_drafts_gives_vanillas_tokens(tiny_engine, b
     chains = drafter._device_chains
     drawn: list[int] = []
     monkeypatch.setattr(drafter, "_device_chains", lambda rows, *a: drawn.append(len(rows)) or chains(rows, *a))
-    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    sp = Sampling(temperature=0.8, top_p=0.95, seed=11)
     for p in PROMPTS:
         ids = engine.encode(p)
         out = engine.generate(GenerationRequest(ids, 32, sampling=sp, method=method, ignore_eos=True)).result()

@@ -130,10 +130,10 @@ def test_prompt_logprobs_over_the_link_equal_embedded(cluster, tiny_engine):
 def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
     """Penalties, logit bias and bad words reach the remote verifier with the session: the same
     output as in process."""
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
 
     _, stub, _, _ = cluster
-    sp = SamplingParams(repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.4)
+    sp = Sampling(repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.4)
     ids = tiny_engine.encode(PROMPTS[1])
     ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=sp, method="vanilla")).result()["token_ids"]
     assert ref != tiny_engine.generate(GenerationRequest(ids, 32, method="vanilla")).result()["token_ids"]
@@ -152,7 +152,7 @@ def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
             )
         )
         assert [t for m in msgs for t in m.token_ids] == ref, method
-    bias = SamplingParams(logit_bias=((ref[0], -8.0), (ref[1], 3.0)), allowed_token_ids=tuple(range(0, 4000)))
+    bias = Sampling(logit_bias=((ref[0], -8.0), (ref[1], 3.0)), allowed_token_ids=tuple(range(0, 4000)))
     ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=bias, method="vanilla")).result()["token_ids"]
     for method in ("vanilla", "sd"):  # and the logit bias
         msgs = list(
@@ -175,7 +175,7 @@ def test_penalties_over_the_link_equal_embedded(cluster, tiny_engine):
         return bool(d.strip()) and d in (d.lstrip(), " " + d.lstrip()) and tiny_engine.encode(d) == [t]
 
     word = tiny_engine.tokenizer.decode([next(t for t in plain["token_ids"] if bannable(t))]).strip()
-    banned = SamplingParams(bad_words=tiny_engine.bad_word_ids([word]))
+    banned = Sampling(bad_words=tiny_engine.bad_word_ids([word]))
     ref = tiny_engine.generate(GenerationRequest(ids, 32, sampling=banned, method="vanilla")).result()["token_ids"]
     assert ref != plain["token_ids"]
     for method in ("vanilla", "sd"):  # and bad words

@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.router.engine import GenerationRequest
 from services.router.scheduler import Scheduler
 
@@ -70,7 +70,7 @@ def worst_cycle(engine, method: str, monkeypatch) -> dict:
     return max(cycle_reads(engine, method, monkeypatch), key=lambda c: sum(c.values()))
 
 
-def cycle_reads(engine, method: str, monkeypatch, sampling: SamplingParams = SamplingParams()) -> list[dict]:
+def cycle_reads(engine, method: str, monkeypatch, sampling: Sampling = Sampling()) -> list[dict]:
     """Each cycle's host reads, by kind, of a 32-token request after a first one has set up
     what the process makes once. A lone request's cycle is the scheduler's step: from taking
     it (the router's draft) to settling its outcome (the router drafters observe)."""
@@ -164,7 +164,7 @@ def test_sampled_device_drafts_copy_to_the_host_twice_a_cycle(tiny_engine, bundl
 
     def copies(device_drafts: bool) -> list[int]:
         monkeypatch.setattr(drafter, "device_drafts", device_drafts)
-        reads = cycle_reads(engine, method, monkeypatch, SamplingParams(temperature=0.8))
+        reads = cycle_reads(engine, method, monkeypatch, Sampling(temperature=0.8))
         return [c.get("cpu", 0) + c.get("tolist", 0) for c in reads]
 
     assert max(copies(True)) == 2

@@ -2,7 +2,7 @@
 
 import torch
 
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.drafter.hybrid import CACHE, MODEL, PLAIN, Delegate, PredictorRule, ScoreRule
 from services.predictor.features import TokenFlags
 from services.predictor.mlp import YieldMLP
@@ -182,7 +182,7 @@ def test_a_delegated_cycle_verifies_the_cache_draft_beside_the_models(tiny_eagle
     finally:
         session.close()
     sampled = eng.verifier.open(
-        SessionSpec(ids, 12, SamplingParams(temperature=1.0, seed=3), model_drafter="eagle3", max_draft=8)
+        SessionSpec(ids, 12, Sampling(temperature=1.0, seed=3), model_drafter="eagle3", max_draft=8)
     )
     try:
         sampled.cycle(CycleRequest())

@@ -5,7 +5,7 @@ import torch
 
 from bench.workloads import load
 from services.common.sampling import probs_from_logits
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.router.engine import GenerationRequest
 
 PROMPTS = [
@@ -116,9 +116,9 @@ def test_lossless_methods_equal_vanilla_bit_for_bit_in_bfloat16(bundled_bf16_eng
 @pytest.mark.parametrize(
     "min_confidence,sp",
     [
-        (0.0, SamplingParams(temperature=1.5, top_k=6)),
-        (0.2, SamplingParams(temperature=1.5, top_k=6)),
-        (0.0, SamplingParams(temperature=1.5, min_p=0.02)),
+        (0.0, Sampling(temperature=1.5, top_k=6)),
+        (0.2, Sampling(temperature=1.5, top_k=6)),
+        (0.0, Sampling(temperature=1.5, min_p=0.02)),
     ],
 )
 def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_confidence, sp, monkeypatch):
@@ -147,7 +147,7 @@ def test_sd_sampling_first_token_matches_target_distribution(tiny_engine, min_co
 def test_seeded_sampling_is_reproducible_and_vanillas_own(tiny_engine):
     """A seeded sd request (a draft LM's drafts, with q) emits vanilla's seeded tokens."""
     ids = tiny_engine.encode("class A:")
-    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    sp = Sampling(temperature=0.9, top_p=0.95, seed=11)
     a = tiny_engine.generate(GenerationRequest(ids, 30, sp, method="sd")).result()
     assert a["token_ids"] == tiny_engine.generate(GenerationRequest(ids, 30, sp, method="sd")).result()["token_ids"]
     assert (
@@ -193,18 +193,16 @@ def test_min_tokens_holds_eos_back_and_stays_lossless(eos_in_output):
     assert len(van) >= 20 and eos not in van[:20] and van[:10] == ref[:10] and van[10] != eos
     assert all(o["token_ids"] == van for o in outs.values())
     sampled = [
-        eng.generate(
-            GenerationRequest(ids, 24, sampling=SamplingParams(1.0, seed=s), method="sd", min_tokens=24)
-        ).result()
+        eng.generate(GenerationRequest(ids, 24, sampling=Sampling(1.0, seed=s), method="sd", min_tokens=24)).result()
         for s in range(4)
     ]
     assert all(len(r["token_ids"]) == 24 and eos not in r["token_ids"] for r in sampled)
 
 
-PENALTIES = SamplingParams(repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.4)
+PENALTIES = Sampling(repetition_penalty=1.3, presence_penalty=0.3, frequency_penalty=0.4)
 
 
-def penalized_greedy(model, ids: list[int], n: int, sp: SamplingParams) -> list[int]:
+def penalized_greedy(model, ids: list[int], n: int, sp: Sampling) -> list[int]:
     """A plain decoding loop, apart from the verifier: the target's full forward, HF's
     repetition-penalty processor over prompt and output, presence and frequency over the output."""
     from transformers import RepetitionPenaltyLogitsProcessor
@@ -251,7 +249,7 @@ def plain_greedy(model, ids: list[int], n: int, eos: int, pick) -> list[int]:
     return out
 
 
-def biased_greedy(model, ids: list[int], n: int, sp: SamplingParams, eos: int) -> list[int]:
+def biased_greedy(model, ids: list[int], n: int, sp: Sampling, eos: int) -> list[int]:
     """The bias added, argmax over the allowed tokens."""
     bias = dict(sp.logit_bias)
     return plain_greedy(
@@ -274,8 +272,8 @@ def test_logit_bias_and_allowed_tokens_stay_lossless(request, engine):
     plain = eng.generate(GenerationRequest(ids, 30, method="vanilla")).result()["token_ids"]
     allowed = tuple(sorted(set(plain[::2]) | set(range(200, 400)) | {eng.eos_id}))
     for sp in (
-        SamplingParams(logit_bias=tuple((t, -5.0) for t in plain[:6]) + ((77, 4.0),)),
-        SamplingParams(allowed_token_ids=allowed, logit_bias=((plain[0], -100.0),)),
+        Sampling(logit_bias=tuple((t, -5.0) for t in plain[:6]) + ((77, 4.0),)),
+        Sampling(allowed_token_ids=allowed, logit_bias=((plain[0], -100.0),)),
     ):
         ref = biased_greedy(model, ids, 30, sp, eng.eos_id)
         assert ref != plain
@@ -310,7 +308,7 @@ def test_bad_words_stay_lossless(request, engine):
     ref = banned_greedy(model, ids, 30, words, eng.eos_id)
     assert ref != plain
     for method in methods:
-        got = eng.generate(GenerationRequest(ids, 30, sampling=SamplingParams(bad_words=words), method=method)).result()
+        got = eng.generate(GenerationRequest(ids, 30, sampling=Sampling(bad_words=words), method=method)).result()
         assert got["token_ids"] == ref, method
         assert not any(
             tuple(got["token_ids"][i : i + len(w)]) == w for w in words for i in range(len(got["token_ids"]))
@@ -324,7 +322,7 @@ def test_the_draft_lm_does_not_draft_a_bad_words_last_token(tiny_engine):
     ids = tiny_engine.encode(PROMPTS[0])
 
     def draft(words) -> list[int]:
-        drafter.start("bw", ids, SamplingParams(bad_words=words), None, 16)
+        drafter.start("bw", ids, Sampling(bad_words=words), None, 16)
         try:
             return drafter.propose("bw", 4).token_ids
         finally:
@@ -345,7 +343,7 @@ def test_router_drafts_end_before_a_bad_words_last_token():
     from services.router.engine import Generation
 
     def cut(output, draft, words):
-        gen = SimpleNamespace(req=SimpleNamespace(sampling=SamplingParams(bad_words=words)), output_ids=output)
+        gen = SimpleNamespace(req=SimpleNamespace(sampling=Sampling(bad_words=words)), output_ids=output)
         return Generation._without_bad_words(gen, draft)
 
     assert cut([1, 2], [3, 4, 5], ()) == [3, 4, 5]
@@ -361,7 +359,7 @@ def test_a_reopened_session_counts_its_generated_tokens_as_output(tiny_engine):
     from services.common.types import CycleRequest, SessionSpec
 
     eng = tiny_engine
-    sp = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0)
+    sp = Sampling(presence_penalty=2.0, frequency_penalty=2.0)
 
     def resume(ids: list[int], done: list[int], generated: int) -> list[int]:
         s = eng.verifier.open(SessionSpec(ids + done, 15, sampling=sp, generated=generated))
@@ -400,7 +398,7 @@ def test_seeded_sampling_is_vanillas_own_whatever_the_drafter(tiny_eagle_engine)
     assert {"eagle3", "hybrid"} <= set(methods)
     accepted = 0
     for i, text in enumerate(PROMPTS[:6]):
-        sp = SamplingParams(
+        sp = Sampling(
             temperature=0.8, top_p=0.95, top_k=40 if i % 2 else 0, min_p=0.02 if i % 3 == 0 else 0.0, seed=100 + i
         )
         ids = eng.encode(text * 2)

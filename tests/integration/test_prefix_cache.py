@@ -189,7 +189,7 @@ def test_the_draft_lm_starts_from_the_cached_blocks_kv(engine):
     import torch
 
     from services.common.prefix_cache import PrefixCache
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
     from services.drafter.draft_lm import DraftLMDrafter
 
     model = engine.verifier.drafters["draft-lm"].model
@@ -197,11 +197,11 @@ def test_the_draft_lm_starts_from_the_cached_blocks_kv(engine):
     cold = DraftLMDrafter(model)
     a, b = (engine.encode(p) for p in PROMPTS[:2])
     rng = torch.Generator()
-    cached.start("a", a, SamplingParams(), rng)
+    cached.start("a", a, Sampling(), rng)
     cached.propose("a", 4)
     cached.observe("a", [7])  # commits no draft: the prompt's K/V stay, stored as blocks
     for d in (cached, cold):
-        d.start("b", b, SamplingParams(), rng)
+        d.start("b", b, Sampling(), rng)
     drafts = [d.propose("b", 4).token_ids for d in (cached, cold)]
     assert drafts[0] == drafts[1]
     st, ref = cached.states["b"], cold.states["b"]
@@ -220,7 +220,7 @@ def test_the_eagle3_head_starts_from_the_cached_blocks_kv(engine):
     import torch
 
     from services.common.prefix_cache import PrefixCache
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
     from services.drafter.eagle3_drafter import Eagle3Drafter
 
     head = engine.verifier.drafters["eagle3"].head
@@ -233,11 +233,11 @@ def test_the_eagle3_head_starts_from_the_cached_blocks_kv(engine):
     cached = Eagle3Drafter(head, prefix=PrefixCache(16, 1 << 24))
     cold = Eagle3Drafter(head)
     a, b = (engine.encode(p) for p in PROMPTS[:2])
-    cached.start("a", a, SamplingParams(), None)
+    cached.start("a", a, Sampling(), None)
     cached.observe("a", [], features(a[:-1]))  # the target verified all but the newest token
     cached.propose("a", 4)
     for d in (cached, cold):
-        d.start("b", b, SamplingParams(), None)
+        d.start("b", b, Sampling(), None)
         d.observe("b", [], features(b[:-1]))
     drafts = [d.propose("b", 4).token_ids for d in (cached, cold)]
     assert drafts[0] == drafts[1]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.common.structured import StructuredOutput
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.router.engine import GenerationRequest, InvalidRequest
 
 PROMPTS = ["def add(a, b):\n", "import os\n\nclass Config:\n    def __init__(self", "x = [", "# utils\n"]
@@ -90,10 +90,10 @@ def test_sampled_and_calibrated_outputs_stay_in_the_grammar(tiny_engine, tiny_ea
     done = 0
     for seed in range(6):
         for eng, method, sp in (
-            (tiny_engine, "sd", SamplingParams(temperature=1.0, seed=seed)),
-            (tiny_eagle_engine, "eagle3", SamplingParams(temperature=0.7, seed=seed)),
-            (tiny_engine, "csd", SamplingParams()),
-            (tiny_eagle_engine, "hybrid-csd", SamplingParams()),
+            (tiny_engine, "sd", Sampling(temperature=1.0, seed=seed)),
+            (tiny_eagle_engine, "eagle3", Sampling(temperature=0.7, seed=seed)),
+            (tiny_engine, "csd", Sampling()),
+            (tiny_eagle_engine, "hybrid-csd", Sampling()),
         ):
             out = eng.generate(
                 GenerationRequest(eng.encode(PROMPTS[seed % 4]), 80, sampling=sp, method=method, structured=spec)

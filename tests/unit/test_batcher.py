@@ -7,7 +7,7 @@ import torch
 
 from services.common.llama import Llama
 from services.common.sampling import make_rng
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.drafter.draft_lm import DraftLMDrafter
 from services.verifier.batcher import CycleBatcher
 
@@ -184,7 +184,7 @@ def test_batched_draft_lm_proposals_equal_one_at_a_time(tiny_dirs):
     def drafter() -> DraftLMDrafter:
         d = DraftLMDrafter(model)
         for k, p in prompts.items():
-            d.start(k, p, SamplingParams(), make_rng(0))
+            d.start(k, p, Sampling(), make_rng(0))
         return d
 
     one, many = drafter(), drafter()
@@ -206,7 +206,7 @@ def test_absorbed_prompt_chunks_draft_what_the_whole_prompt_drafts(tiny_dirs):
     prompt = list(range(100, 130))
     a, b = DraftLMDrafter(model), DraftLMDrafter(model)
     for d in (a, b):
-        d.start("r", prompt, SamplingParams(), make_rng(0))
+        d.start("r", prompt, Sampling(), make_rng(0))
     for upto in (8, 16, 27, 40):  # the last asks past the prompt: capped
         a.absorb("r", upto)
         assert a.states["r"].cache_len == min(upto, len(prompt) - 1)
@@ -219,8 +219,8 @@ def test_absorbed_prompt_chunks_draft_what_the_whole_prompt_drafts(tiny_dirs):
 def test_batched_sampled_drafts_return_q_per_position(tiny_dirs):
     model = Llama.from_pretrained(tiny_dirs[1])
     d = DraftLMDrafter(model)
-    d.start("s", [5, 6, 7], SamplingParams(temperature=0.8, seed=3), torch.Generator().manual_seed(3))
-    d.start("g", [5, 6, 7], SamplingParams(), make_rng(0))
+    d.start("s", [5, 6, 7], Sampling(temperature=0.8, seed=3), torch.Generator().manual_seed(3))
+    d.start("g", [5, 6, 7], Sampling(), make_rng(0))
     s, g = d.propose_batch([("s", 3), ("g", 3)])
     assert s.probs is not None and s.probs.shape == (3, model.s.vocab)
     assert torch.allclose(s.probs.sum(-1), torch.ones(3), atol=1e-4)

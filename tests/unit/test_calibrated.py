@@ -5,11 +5,11 @@ import math
 import torch
 
 from services.common.config import GateConfig
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.memory.correction_memory import LocalCorrectionMemory
 from services.verifier.policies import CalibratedGreedy
 
-GREEDY = SamplingParams()
+GREEDY = Sampling()
 
 
 def logits_rows(rows):
@@ -77,7 +77,7 @@ def test_scg_ablation_ignores_memory():
 
 def test_sampling_stays_lossless_rejection_sampling():
     pol = CalibratedGreedy(GateConfig(min_count=0, top_k=6, tau=1e-9, use_memory=False))
-    sp = SamplingParams(temperature=1.0)
+    sp = Sampling(temperature=1.0)
     rows = logits_rows([[20.0, 0, 0, 0, 0, 0], [0, 0, 20.0, 0, 0, 0]])
     v = pol(Draft([3]), rows, sp, torch.Generator().manual_seed(0))
     assert v.rescued == 0 and v.tokens == [0]  # p(3) ≈ 0: rejected, never rescued

@@ -192,7 +192,7 @@ def test_rule_skips_the_predictor_where_it_does_not_pay():
 def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
     """Under a grammar the router cuts a cache draft at its first forbidden token: the cycle's
     seconds are fitted against the tokens verified, not the tokens the cache proposed."""
-    from services.common.types import Draft, SamplingParams
+    from services.common.types import Draft, Sampling
     from services.drafter.hybrid import HybridDrafter, ScoreRule
 
     class Cache(Drafter):
@@ -210,7 +210,7 @@ def test_a_cache_cycle_is_costed_at_the_length_the_router_verified():
     recorded, cut = [], []
     costs.record = lambda choice, tokens, seconds, drafted=0, gap=None: recorded.append((choice, drafted))
     hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(0.0), max_cache=8, max_model=4, costs=costs)
-    hybrid.start("r", [7, 8], SamplingParams(), None, 32)
+    hybrid.start("r", [7, 8], Sampling(), None, 32)
     for verified in (5, 2):  # the first cycle carries the prefill and is not costed
         hybrid.propose("r", 8)
         hybrid.verified("r", verified)
@@ -234,7 +234,7 @@ def test_the_model_drafter_is_judged_at_its_steady_catch_up_cost():
 
 
 def test_the_hybrid_books_the_catch_up_gap_of_its_model_cycles():
-    from services.common.types import Draft, SamplingParams
+    from services.common.types import Draft, Sampling
     from services.drafter.hybrid import HybridDrafter, ScoreRule
 
     script = iter([(CACHE, 3), (MODEL, 2), (CACHE, 1), (PLAIN, 1), (MODEL, 2), (MODEL, 3)])
@@ -256,7 +256,7 @@ def test_the_hybrid_books_the_catch_up_gap_of_its_model_cycles():
     costs.fallback = lambda: choice
     costs.take = lambda fallback: fallback
     hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(1.0), max_cache=8, max_model=4, costs=costs)
-    hybrid.start("r", [7, 8], SamplingParams(), None, 32)
+    hybrid.start("r", [7, 8], Sampling(), None, 32)
     for choice, n in script:
         hybrid.propose("r", 8)
         hybrid.observe("r", list(range(n)))
@@ -265,7 +265,7 @@ def test_the_hybrid_books_the_catch_up_gap_of_its_model_cycles():
 
 
 def test_a_sporadic_model_cycle_is_followed_by_another_while_none_came_back_to_back():
-    from services.common.types import Draft, SamplingParams
+    from services.common.types import Draft, Sampling
     from services.drafter.hybrid import Delegate, HybridDrafter, ScoreRule
 
     c = CycleCosts(steady_every=2)
@@ -290,7 +290,7 @@ def test_a_sporadic_model_cycle_is_followed_by_another_while_none_came_back_to_b
     costs.fallback = lambda: MODEL
     costs.take = lambda fallback: fallback
     hybrid = HybridDrafter("h", Cache(), "eagle3", ScoreRule(1.0), max_cache=8, max_model=4, costs=costs)
-    hybrid.start("r", [7, 8], SamplingParams(), None, 64)
+    hybrid.start("r", [7, 8], Sampling(), None, 64)
     picks = []
     for good in (True, False, True, False, True, True):
         picks.append(isinstance(hybrid.propose("r", 8), Delegate))
@@ -315,7 +315,7 @@ def test_yield_calibration_corrects_each_length_bucket_after_warm_up():
 def test_the_hybrid_calibrates_its_predictor_by_the_yields_it_learns():
     """A predictor that promises 0.7 tokens for 1-token drafts that never pass: once 16 true
     yields are known the hybrid stops verifying them (paper rule, ŷ > τ = 0.5)."""
-    from services.common.types import Draft, SamplingParams
+    from services.common.types import Draft, Sampling
     from services.drafter.hybrid import HybridDrafter, PredictorRule
 
     class Cache(Drafter):
@@ -330,7 +330,7 @@ def test_the_hybrid_calibrates_its_predictor_by_the_yields_it_learns():
     mlp = CountingMLP(0.7)
     rule = PredictorRule(mlp, NoFlags(), tau=0.5)
     hybrid = HybridDrafter("h", Cache(), "eagle3", rule, max_cache=8, max_model=4)
-    hybrid.start("r", [7, 8], SamplingParams(), None, 64)
+    hybrid.start("r", [7, 8], Sampling(), None, 64)
     chose = []
     for _ in range(24):
         chose.append(not hasattr(hybrid.propose("r", 8), "drafter"))  # a Delegate has .drafter
@@ -344,7 +344,7 @@ def test_a_step_s_cache_drafts_are_judged_in_one_predictor_call():
     call and judged by one predictor call over all of them; each session's choice is its own."""
     import numpy as np
 
-    from services.common.types import Delegate, Draft, SamplingParams
+    from services.common.types import Delegate, Draft, Sampling
     from services.drafter.hybrid import HybridDrafter, PredictorRule
 
     class Cache(Drafter):
@@ -372,7 +372,7 @@ def test_a_step_s_cache_drafts_are_judged_in_one_predictor_call():
     hybrid = HybridDrafter("h", cache, "eagle3", PredictorRule(mlp, NoFlags(), tau=0.5), max_cache=8, max_model=4)
     names = ["a", "bb", "ccc", "dddd"]
     for r in names:
-        hybrid.start(r, [7, 8], SamplingParams(), None, 64)
+        hybrid.start(r, [7, 8], Sampling(), None, 64)
     out = hybrid.propose_batch([(r, 8) for r in names])
     assert mlp.calls == 1 and mlp.rows == 4 and cache.batches == [4]
     assert [isinstance(o, Delegate) for o in out] == [True, True, False, False]  # ŷ > τ from 3 tokens

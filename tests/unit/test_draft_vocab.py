@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.config import EngineConfig
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.drafter.vocab import RANKING_FILE, coverage, frequency_ranking, load_ranking, save_ranking, top_vocabulary
 from services.router.engine import Engine, GenerationRequest
 
@@ -59,17 +59,15 @@ def test_restricted_drafts_and_q_stay_inside_the_vocabulary(restricted):
     eng, allowed = restricted
     drafter = eng.verifier.drafters["draft-lm"]
     prompt = eng.encode("def f(x):\n")
-    drafter.start("g", prompt, SamplingParams(), None)
+    drafter.start("g", prompt, Sampling(), None)
     assert set(drafter.propose("g", 4).token_ids) <= allowed
-    drafter.start("s", prompt, SamplingParams(1.0, 1.0, 0, 3), torch.Generator().manual_seed(0))
+    drafter.start("s", prompt, Sampling(1.0, 1.0, 0, 3), torch.Generator().manual_seed(0))
     d = drafter.propose("s", 4)
     outside = torch.ones(8192, dtype=torch.bool)
     outside[list(allowed)] = False
     assert d.token_ids and set(d.token_ids) <= allowed
     assert float(d.probs[:, outside].sum()) == 0.0 and torch.allclose(d.probs.sum(-1), torch.ones(len(d.token_ids)))
-    out = eng.generate(
-        GenerationRequest(prompt, 20, SamplingParams(0.8, 0.9, 0, 5), method="sd", ignore_eos=True)
-    ).result()
+    out = eng.generate(GenerationRequest(prompt, 20, Sampling(0.8, 0.9, 0, 5), method="sd", ignore_eos=True)).result()
     assert len(out["token_ids"]) == 20
 
 

@@ -30,10 +30,10 @@ def test_every_drafter_implements_every_protocol_method(cls):
 
 
 def test_a_cut_suffix_draft_is_what_the_drafter_remembers():
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
 
     d = SuffixDrafter()
-    d.start("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams())
+    d.start("r", [1, 2, 3, 1, 2, 3, 1, 2], Sampling())
     assert len(d.propose("r", 4).token_ids) >= 2
     d.verified("r", 1)
     assert len(d.states["r"].drafted) == 1
@@ -42,11 +42,11 @@ def test_a_cut_suffix_draft_is_what_the_drafter_remembers():
 def test_the_protocol_defaults_serve_drafters_without_batched_kernels():
     """A drafter without batched kernels answers ``propose_batch`` one request at a time, has
     nothing to ``absorb`` and no K/V for the prefix cache; the model drafters size theirs."""
-    from services.common.types import SamplingParams
+    from services.common.types import Sampling
 
     d = SuffixDrafter()
     for r, prompt in (("a", [1, 2, 3, 1, 2, 3, 1, 2]), ("b", [5, 6, 5, 6, 5])):
-        d.start(r, prompt, SamplingParams())
+        d.start(r, prompt, Sampling())
     batch = d.propose_batch([("a", 4), ("b", 2)])
     assert [x.token_ids for x in batch] == [d.propose("a", 4).token_ids, d.propose("b", 2).token_ids]
     assert batch[0].token_ids and len(batch[1].token_ids) <= 2

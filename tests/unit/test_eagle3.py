@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.common.llama import Llama
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 from services.drafter.eagle3 import Eagle3Head
 from services.drafter.eagle3_drafter import Eagle3Drafter
 from services.router.engine import GenerationRequest
@@ -56,7 +56,7 @@ def test_incremental_features_equal_one_shot(tiny_dirs, tiny_eagle3):
     seq = list(range(300, 340))
     f = features(target, seq, head.aux_layers)  # features of positions 0..39
     a = Eagle3Drafter(head)
-    a.start("r", seq[:10], SamplingParams(), None)
+    a.start("r", seq[:10], Sampling(), None)
     a.observe("r", [], f[:9])  # prefill cycle: 9 positions verified
     a.propose("r", 4)
     pos = 9
@@ -66,7 +66,7 @@ def test_incremental_features_equal_one_shot(tiny_dirs, tiny_eagle3):
         a.propose("r", 4)
     a.propose("r", 4)  # a dropped draft, proposed again
     b = Eagle3Drafter(head)
-    b.start("r", seq[: pos + 1], SamplingParams(), None)
+    b.start("r", seq[: pos + 1], Sampling(), None)
     b.observe("r", [], f[:pos])
     assert a.states["r"].tokens == b.states["r"].tokens
     assert a.propose("r", 5).token_ids == b.propose("r", 5).token_ids
@@ -81,7 +81,7 @@ def test_absorbing_prompt_chunks_drafts_what_the_whole_prompt_drafts(tiny_dirs, 
     f = features(target, seq, head.aux_layers)
     a, b = Eagle3Drafter(head), Eagle3Drafter(head)
     for d in (a, b):
-        d.start("r", seq[:30], SamplingParams(), None)
+        d.start("r", seq[:30], Sampling(), None)
     for lo, hi in ((0, 8), (8, 16), (16, 27)):  # three chunks; 3 prompt tokens still pending
         a.observe("r", [], f[lo:hi])
         a.absorb("r", hi)
@@ -102,7 +102,7 @@ def test_eagle3_equals_vanilla(tiny_eagle_engine):
         e3 = eng.generate(GenerationRequest(ids, 40, method="eagle3")).result()
         assert e3["token_ids"] == van["token_ids"]
         assert e3["stats"]["draft_tokens"] > 0 and e3["stats"]["drafts_by_source"].get("eagle3", 0) > 0
-    out = eng.generate(GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3"))
+    out = eng.generate(GenerationRequest(eng.encode("x ="), 20, Sampling(0.8, 0.9, 0, 3), method="eagle3"))
     assert len(out.result()["token_ids"]) == 20
 
 
@@ -140,7 +140,7 @@ def test_batched_proposals_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
     one, many = Eagle3Drafter(head), Eagle3Drafter(head)
     for d in (one, many):
         for k, s in seqs.items():
-            d.start(k, s[:5], SamplingParams(), None)
+            d.start(k, s[:5], Sampling(), None)
         d.observe("a", [], feats["a"][:4])
         d.observe("b", [], feats["b"][:4])  # "c" has no features yet: an empty draft
     budgets = {"a": 4, "b": 3, "c": 4}
@@ -167,7 +167,7 @@ def test_dynamic_chain_length_cuts_after_first_doubted_token(tiny_dirs, tiny_eag
 
     def drafter(min_confidence: float) -> Eagle3Drafter:
         d = Eagle3Drafter(head, min_confidence)
-        d.start("r", seq, SamplingParams(), None)
+        d.start("r", seq, Sampling(), None)
         d.observe("r", [], f[: len(seq) - 1])
         return d
 
@@ -354,7 +354,7 @@ def test_reduced_draft_vocabulary_maps_to_target_ids_and_stays_lossless(tiny_dir
     drafter = eng.verifier.drafters["eagle3"]
     p = eng.encode("import os\n")
     f = features(target, p, again.aux_layers)
-    drafter.start("s", p, SamplingParams(0.9, 1.0, 0, 5), torch.Generator().manual_seed(0))
+    drafter.start("s", p, Sampling(0.9, 1.0, 0, 5), torch.Generator().manual_seed(0))
     drafter.observe("s", [], f[: len(p) - 1])
     d = drafter.propose("s", 3)
     assert d.token_ids and set(d.token_ids) <= allowed
@@ -422,9 +422,9 @@ def test_draft_tree_children_are_the_heads_topk_along_each_branch(tiny_dirs, tin
     tree = Eagle3Drafter(head, tree=TreeShape(topk=3, steps=4), name="eagle3-tree")
     chain = Eagle3Drafter(head)
     for d in (tree, chain):
-        d.start("r", seq[:20], SamplingParams(), None, trees=True)
+        d.start("r", seq[:20], Sampling(), None, trees=True)
         d.observe("r", [], f[:19])
-    tree.start("plain", seq[:20], SamplingParams(), None)
+    tree.start("plain", seq[:20], Sampling(), None)
     tree.observe("plain", [], f[:19])
     greedy = chain.propose("r", 4).token_ids
     assert tree.propose("plain", 4).token_ids == greedy
@@ -470,9 +470,7 @@ def test_tree_methods_equal_vanilla_tiny(tiny_eagle_engine):
             assert out["token_ids"] == van["token_ids"], (method, text)
         drafted += out["stats"]["draft_tokens"]
     assert drafted > 0
-    sampled = eng.generate(
-        GenerationRequest(eng.encode("x ="), 20, SamplingParams(0.8, 0.9, 0, 3), method="eagle3-tree")
-    )
+    sampled = eng.generate(GenerationRequest(eng.encode("x ="), 20, Sampling(0.8, 0.9, 0, 3), method="eagle3-tree"))
     assert len(sampled.result()["token_ids"]) == 20  # a sampled request verifies its trees by sampling
 
 
@@ -491,7 +489,7 @@ def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
     start = {"a": 5, "b": 9, "c": 30}
     for d in (one, many):
         for k, s in seqs.items():
-            d.start(k, s[: start[k]], SamplingParams(), None, trees=True)
+            d.start(k, s[: start[k]], Sampling(), None, trees=True)
             d.observe(k, [], feats[k][: start[k] - 1])
     budgets = {"a": 8, "b": 3, "c": 6}
     pos = {k: start[k] - 1 for k in seqs}

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from services.common.sampling import probs_from_logits
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.verifier.policies import exact_greedy, lossless, rejection_sampling
 
-GREEDY = SamplingParams()
+GREEDY = Sampling()
 
 
 def onehot_logits(targets, vocab=10):
@@ -45,7 +45,7 @@ def test_rejection_sampling_reproduces_target_distribution(draft_has_probs):
     """First emitted token ~ p whatever q is (Leviathan et al., Thm 1)."""
     torch.manual_seed(0)
     vocab, n = 6, 30000
-    sp = SamplingParams(temperature=1.0)
+    sp = Sampling(temperature=1.0)
     logits_p = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -9.0], [0.0] * 6])
     p = probs_from_logits(logits_p[0], sp)
     q = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])
@@ -61,7 +61,7 @@ def test_rejection_sampling_reproduces_target_distribution(draft_has_probs):
 
 
 def test_rejection_sampling_bonus_when_all_accepted():
-    sp = SamplingParams(temperature=1.0)
+    sp = Sampling(temperature=1.0)
     logits = onehot_logits([2, 4, 1]) * 10  # target is (near) certain
     v = rejection_sampling(Draft([2, 4]), logits, sp, torch.Generator().manual_seed(0))
     assert v.accepted == 2 and v.tokens == [2, 4, 1]
@@ -70,7 +70,7 @@ def test_rejection_sampling_bonus_when_all_accepted():
 def test_lossless_dispatches_on_temperature():
     logits = onehot_logits([3, 3])
     assert lossless(Draft([3]), logits, GREEDY, torch.Generator()).tokens == [3, 3]
-    v = lossless(Draft([0]), logits * 10, SamplingParams(temperature=0.5), torch.Generator().manual_seed(0))
+    v = lossless(Draft([0]), logits * 10, Sampling(temperature=0.5), torch.Generator().manual_seed(0))
     assert v.accepted == 0 and v.tokens == [3]
     assert v.first_rejection == (0, 3)
 

@@ -3,7 +3,7 @@
 import torch
 
 from services.common.llama import Llama
-from services.common.types import SamplingParams, Verdict
+from services.common.types import Sampling, Verdict
 from services.drafter.draft_lm import DraftLMDrafter
 from services.verifier.runner import TargetRunner
 
@@ -29,7 +29,7 @@ def test_target_rollback_matches_fresh_forward(tiny_dirs):
 
 def test_draft_lm_rollback_matches_fresh_drafter(tiny_dirs):
     model = Llama.from_pretrained(tiny_dirs[1])
-    sp = SamplingParams()
+    sp = Sampling()
     a = DraftLMDrafter(model)
     a.start("r", [5, 17, 300], sp, torch.Generator())
     d = a.propose("r", 4).token_ids
@@ -52,13 +52,13 @@ def test_draft_lm_rollback_matches_fresh_drafter(tiny_dirs):
 def test_draft_respects_cache_capacity(tiny_dirs):
     model = Llama.from_pretrained(tiny_dirs[1])
     drafter = DraftLMDrafter(model)
-    drafter.start("r", list(range(1, 254)), SamplingParams(), torch.Generator())  # capacity 256
+    drafter.start("r", list(range(1, 254)), Sampling(), torch.Generator())  # capacity 256
     assert len(drafter.propose("r", 8)) == 3
 
 
 def test_dynamic_draft_length_cuts_after_first_doubted_token(tiny_dirs):
     model = Llama.from_pretrained(tiny_dirs[1])
-    prompt, sp = [5, 17, 300, 42], SamplingParams()
+    prompt, sp = [5, 17, 300, 42], Sampling()
     full = DraftLMDrafter(model)
     full.start("r", prompt, sp, torch.Generator())
     chain = full.propose("r", 8).token_ids

@@ -1,21 +1,21 @@
 import torch
 
 from services.common.sampling import probs_from_logits
-from services.common.types import SamplingParams
+from services.common.types import Sampling
 
 
 def test_temperature_top_k_top_p():
     x = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
-    p = probs_from_logits(x, SamplingParams(temperature=1.0))
+    p = probs_from_logits(x, Sampling(temperature=1.0))
     assert torch.allclose(p, torch.softmax(x, -1))
-    pk = probs_from_logits(x, SamplingParams(temperature=1.0, top_k=2))
+    pk = probs_from_logits(x, Sampling(temperature=1.0, top_k=2))
     assert (pk[2:] == 0).all() and torch.isclose(pk.sum(), torch.tensor(1.0))
     # top_p keeps the smallest prefix reaching the mass: p = [.64, .24, .09, ...] → top_p .8 keeps 2
-    pp = probs_from_logits(x, SamplingParams(temperature=1.0, top_p=0.8))
+    pp = probs_from_logits(x, Sampling(temperature=1.0, top_p=0.8))
     assert (pp[:2] > 0).all() and (pp[2:] == 0).all()
     # tiny top_p always keeps the most likely token
-    assert probs_from_logits(x, SamplingParams(temperature=1.0, top_p=1e-6))[0] == 1.0
-    cold = probs_from_logits(x, SamplingParams(temperature=0.1))
+    assert probs_from_logits(x, Sampling(temperature=1.0, top_p=1e-6))[0] == 1.0
+    cold = probs_from_logits(x, Sampling(temperature=0.1))
     assert cold[0] > 0.99
 
 
@@ -26,16 +26,16 @@ def test_min_p_drops_tokens_below_its_share_of_the_most_likely_after_temperature
 
     x = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     for temperature, kept in ((1.0, 2), (2.0, 4)):
-        p = probs_from_logits(x, SamplingParams(temperature=temperature, min_p=0.2))
+        p = probs_from_logits(x, Sampling(temperature=temperature, min_p=0.2))
         full = torch.softmax(x / temperature, -1)
         assert (p[:kept] > 0).all() and (p[kept:] == 0).all()
         assert torch.allclose(p[:kept], full[:kept] / full[:kept].sum())
-    assert probs_from_logits(x, SamplingParams(temperature=1.0, min_p=1.0))[0] == 1.0
-    both = probs_from_logits(x, SamplingParams(temperature=2.0, min_p=0.2, top_k=3))  # then top-k
+    assert probs_from_logits(x, Sampling(temperature=1.0, min_p=1.0))[0] == 1.0
+    both = probs_from_logits(x, Sampling(temperature=2.0, min_p=0.2, top_k=3))  # then top-k
     assert (both[:3] > 0).all() and (both[3:] == 0).all()
-    assert sampling_error(SamplingParams(min_p=0.5)) is None
+    assert sampling_error(Sampling(min_p=0.5)) is None
     for bad in (-0.1, 1.5, float("nan")):
-        assert sampling_error(SamplingParams(min_p=bad)).startswith("min_p: must be in [0, 1]")
+        assert sampling_error(Sampling(min_p=bad)).startswith("min_p: must be in [0, 1]")
 
 
 def test_temperature_must_be_finite_and_not_negative():
@@ -44,8 +44,8 @@ def test_temperature_must_be_finite_and_not_negative():
     from services.common.sampling import sampling_error
 
     for bad in (-1.0, float("inf"), float("nan")):
-        assert sampling_error(SamplingParams(temperature=bad)).startswith("temperature: must be a finite number >= 0")
-    assert sampling_error(SamplingParams(temperature=1e6)) is None
+        assert sampling_error(Sampling(temperature=bad)).startswith("temperature: must be a finite number >= 0")
+    assert sampling_error(Sampling(temperature=1e6)) is None
 
 
 def test_temperatures_below_vllms_epsilon_are_greedy():
@@ -53,9 +53,9 @@ def test_temperatures_below_vllms_epsilon_are_greedy():
     vLLM, any temperature below 1e-5 decodes greedily, and one at it still samples, finitely."""
     from services.common.types import SAMPLING_EPS
 
-    assert SamplingParams(temperature=1e-45).greedy and SamplingParams(temperature=9e-6).greedy
-    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
-    p = probs_from_logits(torch.tensor([30.0, 29.9999, -float("inf")]), SamplingParams(temperature=SAMPLING_EPS))
+    assert Sampling(temperature=1e-45).greedy and Sampling(temperature=9e-6).greedy
+    assert not Sampling(temperature=SAMPLING_EPS).greedy
+    p = probs_from_logits(torch.tensor([30.0, 29.9999, -float("inf")]), Sampling(temperature=SAMPLING_EPS))
     assert torch.isfinite(p).all() and p[2] == 0
 
 
@@ -70,7 +70,7 @@ def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context(
     torch.manual_seed(0)
     vocab, prompt, output, draft = 12, [1, 2, 2], [3, 3, 4], [4, 5, 1]
     logits = torch.randn(len(draft) + 1, vocab) * 3
-    sp = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
+    sp = Sampling(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
     got = apply_penalties(logits, prompt + output, len(prompt), draft, sp)
     for i in range(len(draft) + 1):
         out = output + draft[:i]
@@ -78,7 +78,7 @@ def test_penalties_per_verification_row_equal_a_plain_step_on_that_rows_context(
         counts = torch.bincount(torch.tensor(out), minlength=vocab).float()
         ref = ref - 0.25 * counts - 0.5 * (counts > 0).float()
         assert torch.allclose(got[i], ref), i
-    assert torch.equal(apply_penalties(logits, prompt + output, len(prompt), draft, SamplingParams()), logits)
+    assert torch.equal(apply_penalties(logits, prompt + output, len(prompt), draft, Sampling()), logits)
 
 
 def test_penalties_on_a_draft_vocabulary_follow_its_columns():
@@ -89,7 +89,7 @@ def test_penalties_on_a_draft_vocabulary_follow_its_columns():
     torch.manual_seed(1)
     full = torch.randn(1, 12) * 3
     columns = torch.tensor([1, 3, 4, 7, 11])
-    sp = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
+    sp = Sampling(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25)
     tokens, prompt_len = [1, 2, 3, 3, 4, 11], 2
     whole = apply_penalties(full, tokens, prompt_len, [], sp)
     assert torch.allclose(apply_penalties(full[:, columns], tokens, prompt_len, [], sp, columns), whole[:, columns])
@@ -98,7 +98,7 @@ def test_penalties_on_a_draft_vocabulary_follow_its_columns():
 def test_apply_bias_adds_and_masks_by_token_id_also_over_draft_columns():
     from services.common.sampling import apply_bias
 
-    sp = SamplingParams(logit_bias=((3, 2.0), (7, -1.0)), allowed_token_ids=(1, 3, 7))
+    sp = Sampling(logit_bias=((3, 2.0), (7, -1.0)), allowed_token_ids=(1, 3, 7))
     x = apply_bias(torch.zeros(2, 8), sp)
     assert x[0].tolist() == [float("-inf"), 0.0, float("-inf"), 2.0, float("-inf"), float("-inf"), float("-inf"), -1.0]
     assert torch.equal(x[0], x[1])

@@ -6,7 +6,7 @@ import torch
 
 from services.common.llama import Llama, ancestor_mask
 from services.common.token_tree import accepted_by, check_tree, depths, main_chain, walk
-from services.common.types import Draft, SamplingParams
+from services.common.types import Draft, Sampling
 from services.verifier.policies import exact_greedy
 from services.verifier.runner import TargetRunner
 
@@ -45,12 +45,12 @@ def test_draft_chain_and_greedy_walk():
     logits = torch.zeros(7, 32)
     for row, tok in {0: 11, 2: 14, 5: 30}.items():  # row j + 1 follows node j
         logits[row, tok] = 1.0
-    v = exact_greedy(d, logits, SamplingParams(), torch.Generator())
+    v = exact_greedy(d, logits, Sampling(), torch.Generator())
     assert v.path == (1, 4) and v.tokens == [11, 14, 30] and v.accepted == 2 and v.first_rejection is None
     logits[0] = 0
     logits[0, 10] = 1
     logits[1, 20] = 1  # after node 0 the target wants 20: children 12, 13 both miss
-    v = exact_greedy(d, logits, SamplingParams(), torch.Generator())
+    v = exact_greedy(d, logits, Sampling(), torch.Generator())
     assert v.path == (0,) and v.tokens == [10, 20] and v.first_rejection == (12, 20)
 
 
@@ -83,7 +83,7 @@ def test_tree_forward_equals_each_branch_and_commit_keeps_the_accepted_one(tiny_
     # the positions after the prompt, and the next verification sees exactly that context
     target = torch.zeros(7, model.s.vocab)
     target[0, 12], target[2, 15], target[5, 99] = 1, 1, 1
-    v = exact_greedy(Draft(toks, TREE), target, SamplingParams(), torch.Generator())
+    v = exact_greedy(Draft(toks, TREE), target, Sampling(), torch.Generator())
     assert v.path == (1, 4) and v.tokens == [12, 15, 99]
     runner.commit(st, v)
     assert st.tokens == prompt + [12, 15, 99] and st.cache_len == len(prompt) + 2

@@ -1,6 +1,6 @@
 """The verifier's protobuf edge: session specs and cycle results survive the round trip."""
 
-from services.common.types import CycleResult, SamplingParams, SessionSpec, TokenLogprob
+from services.common.types import CycleResult, Sampling, SessionSpec, TokenLogprob
 from services.verifier.wire import result_from_pb, result_to_pb, spec_from_pb, spec_to_pb
 
 
@@ -8,7 +8,7 @@ def test_session_spec_round_trip_keeps_every_field_but_the_deadline():
     spec = SessionSpec(
         prompt_ids=[5, 6, 7],
         max_new_tokens=9,
-        sampling=SamplingParams(0.75, 0.5, 5, 11, 1.25, 0.5, -0.25, min_p=0.125),
+        sampling=Sampling(0.75, 0.5, 5, 11, 1.25, 0.5, -0.25, min_p=0.125),
         policy="csd",
         model_drafter="eagle3",
         on_demand=True,
