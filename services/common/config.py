@@ -158,6 +158,7 @@ class EngineConfig:
     memory_addr: str | None = None  # share the correction memory through the Memory service
     state_dir: Path | None = None  # correction-memory counts a shutdown could not write, for the next start
     ocm_snapshot: Path | None = _bundled("ocm_snapshot.json")  # calibration prior, loaded when present
+    memory_pooled: bool = False  # salted requests share the correction memory too (default: one per salt)
 
     @property
     def invariant_verification(self) -> bool:
@@ -526,6 +527,15 @@ OPTIONS: dict[str, Option] = {
             "where a verifier keeps the shared correction-memory counts it could not write at shutdown (Redis "
             "or the memory service down), sent on its next start; default: none (they are dropped, with a warning)",
             env="SPECMESH_STATE_DIR",
+        ),
+        Option(
+            "memory_pooled",
+            "bool",
+            "verifier: requests with a cache_salt read and grow the shared correction memory as the others "
+            "do; default: each salt has one of its own on each verifier replica, started from the "
+            "calibration prior and never shared, so one tenant's divergence pairs never change another's "
+            "csd outputs",
+            env="SPECMESH_MEMORY_POOLED",
         ),
         Option(
             "speculative_config",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -104,3 +104,29 @@ class LocalCorrectionMemory:
 
     def close(self) -> None:
         pass
+
+
+class SaltedMemories:
+    """The correction memories of salted requests (``cache_salt``, a tenant's): one per salt,
+    in process, each started from the calibration prior and never shared (Redis, the memory
+    service), so one tenant's divergence pairs never change another's accepted tokens. At most
+    ``limit`` salts are kept; the least recently used is dropped (its pairs with it)."""
+
+    def __init__(self, prior: dict[Pair, float] | None = None, limit: int = 64):
+        self.prior, self.limit = dict(prior or {}), limit
+        self._by_salt: OrderedDict[str, LocalCorrectionMemory] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def of(self, salt: str) -> LocalCorrectionMemory:
+        with self._lock:
+            memory = self._by_salt.pop(salt, None)
+            if memory is None:
+                memory = LocalCorrectionMemory()
+                memory.restore(self.prior)
+            self._by_salt[salt] = memory
+            while len(self._by_salt) > self.limit:
+                self._by_salt.popitem(last=False)
+            return memory
+
+    def __len__(self) -> int:
+        return len(self._by_salt)

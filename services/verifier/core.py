@@ -29,7 +29,7 @@ from services.common.structured import GrammarCompiler, GrammarCursor
 from services.common.token_tree import graft
 from services.common.types import CycleRequest, CycleResult, Draft, SessionCancelled, SessionSpec, TokenLogprob, Verdict
 from services.drafter.base import DRAFTERS, Drafter, ModelDrafter
-from services.memory.correction_memory import LocalCorrectionMemory
+from services.memory.correction_memory import LocalCorrectionMemory, SaltedMemories
 from services.memory.snapshot import load_snapshot
 from services.verifier.backend import Cycles, Done, run_step
 from services.verifier.batcher import CycleBatcher, Pending
@@ -64,8 +64,10 @@ class VerifierCore:
         prefill_chunk: int = 0,
         tokenizer_dir: Path | None = None,
         max_model_len: int = 0,
+        salted: SaltedMemories | None = None,
     ):
-        """``max_model_len``: the context a request may fill, at most the target's positions (0: those)."""
+        """``max_model_len``: the context a request may fill, at most the target's positions (0:
+        those). ``salted``: salted requests' own correction memories (None: they share ``memory``)."""
         if max_model_len > runner.max_positions:
             raise ValueError(
                 f"max_model_len: {max_model_len} exceeds the target's {runner.max_positions} positions "
@@ -76,6 +78,7 @@ class VerifierCore:
         self.tokenizer_dir = tokenizer_dir
         self._grammars: GrammarCompiler | None = None
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
+        self.salted = salted
         self.prefill_chunk = prefill_chunk
         self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000)
         self._ids = itertools.count()
@@ -151,6 +154,7 @@ class VerifierCore:
             cfg.prefill_chunk,
             Path(cfg.target),
             cfg.max_model_len,
+            None if cfg.memory_pooled else SaltedMemories(calibration_prior(cfg)),
         )
 
     @property
@@ -163,6 +167,18 @@ class VerifierCore:
                 raise ValueError("structured output needs the target's tokenizer (VerifierCore(tokenizer_dir=...))")
             self._grammars = GrammarCompiler(AutoTokenizer.from_pretrained(str(self.tokenizer_dir)), self.vocab_size)
         return self._grammars
+
+    def memory_of(self, salt: str):
+        """The correction memory a request of ``salt`` reads and grows: its salt's own, unless
+        unsalted or pooled (``--memory-pooled``)."""
+        return self.memory if not salt or self.salted is None else self.salted.of(salt)
+
+    def policy_of(self, name: str, salt: str):
+        """Policy ``name`` for a request of ``salt``: csd gates from that request's memory."""
+        memory = self.memory_of(salt)
+        if name != "csd" or memory is self.memory:
+            return self.policies[name]
+        return CalibratedGreedy(self.policies["csd"].gate, memory)
 
     def set_memory(self, memory) -> None:
         """Swap the correction memory; the calibrated policy gates from the new one."""
@@ -363,10 +379,15 @@ def draft_vocabulary(cfg: EngineConfig) -> torch.Tensor | None:
     return top_vocabulary(ranking, size).to(cfg.device) if size < len(ranking) else None
 
 
+def calibration_prior(cfg: EngineConfig) -> dict | None:
+    """The correction memory's calibration prior (``ocm_snapshot``), when there is one."""
+    return load_snapshot(cfg.ocm_snapshot) if cfg.ocm_snapshot and Path(cfg.ocm_snapshot).exists() else None
+
+
 def open_memory(cfg: EngineConfig):
     """Correction memory: through the memory service, or Redis, when configured; else in-process.
     The calibration prior is installed unless the shared store already has one."""
-    prior = load_snapshot(cfg.ocm_snapshot) if cfg.ocm_snapshot and Path(cfg.ocm_snapshot).exists() else None
+    prior = calibration_prior(cfg)
     if cfg.memory_addr:
         from services.memory.client import RemoteCorrectionMemory
 
@@ -396,7 +417,8 @@ class VerifierSession:
         s = self.spec
         self.rng = Draws(s.sampling.seed)
         self.rng.position = s.generated  # output tokens before this session (a failover's re-open)
-        self.policy = self.core.policies[s.policy]
+        self.memory = self.core.memory_of(s.cache_salt)
+        self.policy = self.core.policy_of(s.policy, s.cache_salt)
         root = salt_root(s.cache_salt)
         self.target = self.core.runner.open(
             s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1, root, s.prompt_logprobs
@@ -467,7 +489,7 @@ class VerifierSession:
         if self.drafter:
             self.drafter.observe(self.session_id, committed, states if self._needs_states else None)
         if verdict.first_rejection is not None and self.spec.sampling.greedy:
-            self.core.memory.record([verdict.first_rejection])
+            self.memory.record([verdict.first_rejection])
         accepted = min(verdict.accepted, len(committed))
         return CycleResult(
             committed=committed,

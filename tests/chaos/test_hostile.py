@@ -575,3 +575,52 @@ def test_responses_say_how_they_were_decoded_only_when_the_server_enables_it(tin
             assert last.HasField("stats") == enabled and (last.stats.cycles > 0) == enabled
         finally:
             server.stop(0)
+
+
+def test_a_tenants_correction_memory_pairs_stay_in_its_own_memory(tiny_engine):
+    """csd's correction memory is scoped by ``cache_salt`` too: a salted request reads and grows
+    its salt's own memory on the replica (started from the calibration prior), so its divergence
+    pairs never change another tenant's, or the pool's, accepted tokens; unsalted requests grow the
+    shared one; ``--memory-pooled`` puts every request in the shared one."""
+    from dataclasses import replace
+
+    from services.memory.correction_memory import SaltedMemories
+
+    core = tiny_engine.verifier
+    ids = tiny_engine.encode("def fibonacci(n):\n")
+
+    def run(salt: str) -> None:
+        tiny_engine.generate(GenerationRequest(ids, 40, method="csd", cache_salt=salt)).result()
+
+    shared = dict(core.memory.snapshot())
+    run("tenant-a")
+    mine = core.memory_of("tenant-a").snapshot()
+    assert sum(mine.values()) > 0  # the run's first rejections were recorded ...
+    assert core.memory.snapshot() == shared  # ... in tenant a's memory only
+    assert core.memory_of("tenant-b").snapshot() == {} and core.memory_of("tenant-b") is not core.memory_of("tenant-a")
+    assert core.policy_of("csd", "tenant-a").memory is core.memory_of("tenant-a")
+    run("")
+    assert sum(core.memory.snapshot().values()) > sum(shared.values())  # unsalted: the shared pool
+    assert core.memory_of("") is core.memory and core.policy_of("csd", "") is core.policies["csd"]
+
+    salted = core.salted
+    try:
+        core.salted = None  # --memory-pooled
+        assert core.memory_of("tenant-a") is core.memory
+    finally:
+        core.salted = salted
+    few = SaltedMemories({(1, 2): 5.0}, limit=2)
+    first = few.of("x")
+    assert first.lookup(1, 2) == 5.0  # each salt starts from the calibration prior
+    few.of("y"), few.of("z")
+    assert len(few) == 2 and few.of("x") is not first  # the least recently used salt was dropped
+    from services.common.config import EngineConfig
+    from services.verifier.core import VerifierCore
+
+    pooled = VerifierCore.from_config(replace(tiny_engine.cfg, memory_pooled=True), tiny_engine.eos_id)
+    try:
+        assert pooled.salted is None and pooled.memory_of("tenant-a") is pooled.memory
+    finally:
+        pooled.close()
+    assert EngineConfig.from_mapping({"memory_pooled": "true"}).memory_pooled  # --memory-pooled, the chart's value
+    assert not EngineConfig.from_mapping({}).memory_pooled
