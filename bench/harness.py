@@ -72,6 +72,12 @@ class HFPeers:
 
         self.target = load(target)
         self.draft = load(draft) if draft else None
+        if self.draft is not None and getattr(self.draft.config, "shares_target_embedding", False):
+            # a draft cut from the target (training/draft_from_target.py) runs on the target's embedding
+            # (and, tied, LM head), which its directory does not store: the same tensors as ours
+            self.draft.model.embed_tokens.weight = self.target.model.embed_tokens.weight
+            if self.draft.config.tie_word_embeddings:
+                self.draft.lm_head.weight = self.target.model.embed_tokens.weight
         self.eos, self.device = eos, device
 
     @torch.inference_mode()

@@ -43,7 +43,11 @@ def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict
     steps, max_len = max(CARD_POSITIONS, state["ttt_steps"]), target.s.max_positions
     seqs = build_sequences(heldout, max_len)
     train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], max_len)
-    draft = Llama.from_pretrained(draft_dir) if str(draft_dir) != "." and (draft_dir / "config.json").exists() else None
+    draft = (
+        Llama.from_pretrained(draft_dir, target_embed=target.embed_tokens.weight)
+        if str(draft_dir) != "." and (draft_dir / "config.json").exists()
+        else None
+    )
     return {
         "heldout_traces": [str(p) for p in heldout],
         "heldout_sequences": len(seqs),

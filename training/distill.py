@@ -59,7 +59,7 @@ def train(args: argparse.Namespace) -> None:
         )
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = Llama.from_pretrained(args.target, device=device).requires_grad_(False)
-    draft = Llama.from_pretrained(args.draft, device=device).train()
+    draft = Llama.from_pretrained(args.draft, device=device, target_embed=target.embed_tokens.weight).train()
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
     work = Path(args.work_dir)

@@ -90,6 +90,12 @@ def static_width(end: int, capacity: int) -> int:
     return min(capacity, -(-end // STATIC_BUCKET) * STATIC_BUCKET)
 
 
+def shares_target_embedding(cfg) -> bool:
+    """A draft made from its target's first layers keeps the target's input embedding (and, tied,
+    its LM head) and does not store it: ``shares_target_embedding`` in its config.json."""
+    return bool(getattr(cfg, "shares_target_embedding", False))
+
+
 def check_supported(cfg, path) -> None:
     """ValueError for a checkpoint this forward would run wrong: another architecture, or
     attention over a sliding window shorter than the context."""
@@ -564,7 +570,11 @@ class Llama(nn.Module):
 
     # -- Hugging Face directory I/O --------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype=torch.float32, device="cpu") -> "Llama":
+    def from_pretrained(
+        cls, path: str | Path, dtype=torch.float32, device="cpu", target_embed: torch.Tensor | None = None
+    ) -> "Llama":
+        """``target_embed``: the target's input embedding, for a draft that shares it
+        (``shares_target_embedding``: it is not stored with the draft, as an EAGLE-3 head's is not)."""
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
@@ -577,6 +587,13 @@ class Llama(nn.Module):
         for f in sorted(path.glob("*.safetensors")):
             state.update(load_file(str(f)))
         state = {k.removeprefix("model."): v for k, v in state.items()}
+        if shares_target_embedding(cfg):
+            if target_embed is None or tuple(target_embed.shape) != (model.s.vocab, model.s.hidden):
+                raise ValueError(
+                    f"{path}: this draft shares its target's embedding ({model.s.vocab} x {model.s.hidden}), "
+                    "which is not stored with it; load it beside that target (--target)"
+                )
+            state["embed_tokens.weight"] = target_embed.detach()
         if model.s.tie_embeddings or "lm_head.weight" not in state:
             state["lm_head.weight"] = state["embed_tokens.weight"]
         unused = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
@@ -604,8 +621,9 @@ class Llama(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {}
+        shared = shares_target_embedding(self.hf_config)
         for k, v in self.state_dict().items():
-            if k == "lm_head.weight" and self.s.tie_embeddings:
+            if (k == "lm_head.weight" and self.s.tie_embeddings) or (k == "embed_tokens.weight" and shared):
                 continue
             name = k if k.startswith("lm_head.") else f"model.{k}"
             state[name] = v.detach().to("cpu", dtype).contiguous()

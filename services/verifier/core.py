@@ -39,8 +39,9 @@ from services.verifier.runner import TargetRunner
 log = logging.getLogger(__name__)
 
 
-def _load(path: Path, cfg: EngineConfig) -> Llama:
-    model = Llama.from_pretrained(path, getattr(torch, cfg.dtype), cfg.device)
+def _load(path: Path, cfg: EngineConfig, target_embed: torch.Tensor | None = None) -> Llama:
+    """``target_embed``: the target's, for a draft that shares it."""
+    model = Llama.from_pretrained(path, getattr(torch, cfg.dtype), cfg.device, target_embed)
     if cfg.packed_gemm:
         pack_linears(model)
     if cfg.kv_pool:
@@ -100,7 +101,7 @@ class VerifierCore:
         if cfg.draft is not None:
             drafters["draft-lm"] = model_drafter(
                 "draft-lm",
-                _load(cfg.draft, cfg),
+                _load(cfg.draft, cfg, runner.model.embed_tokens.weight),
                 cfg.draft_confidence,
                 draft_vocabulary(cfg),
                 device_drafts=cfg.drafts_on_device,

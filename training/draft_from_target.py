@@ -1,0 +1,129 @@
+"""A draft LM cut from its target: the target's first ``--layers`` decoder layers, its final norm
+and its input embedding, then distilled toward the target (soft cross-entropy to the target's
+next-token distributions, as `training.distill`) on the target's own generations plus corpus
+text encoded with its tokenizer.
+
+Only the layers and the norm train. The embedding, and with tied embeddings the LM head, stay
+the target's: the draft shares them at serving time (``shares_target_embedding``; the engine
+hands it the target's), so they are not stored and the draft directory holds a few layers.
+Serve it with a reduced LM head (FR-Spec: ``python -m training.vocab`` ranks the vocabulary
+beside it) to keep its step a small share of the target's.
+
+    python -m training.draft_from_target --target build/models/smollm2 --layers 2 \\
+        --traces build/traces/smollm2-stdlib-train.jsonl --corpus-tokens 500000 --out build/models/smollm2-draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from services.common.llama import Llama
+from training.distill import run_epochs
+from training.eagle3 import batches, build_sequences, corpus_windows
+from training.pretrain import export, load_checkpoint, weights_digest
+
+
+def cut(target_dir: Path, layers: int, work: Path) -> Llama:
+    """The target's first ``layers`` layers, final norm and (shared) embedding as a draft LM."""
+    target = Llama.from_pretrained(target_dir)
+    if not 1 <= layers < target.s.layers:
+        raise SystemExit(f"--layers: between 1 and {target.s.layers - 1} of the target's {target.s.layers}")
+    cfg = target.hf_config.__class__.from_dict(target.hf_config.to_dict())
+    cfg.num_hidden_layers = layers
+    cfg.shares_target_embedding = True
+    draft = Llama(cfg)
+    keep = {
+        k: v for k, v in target.state_dict().items() if not k.startswith("layers.") or int(k.split(".")[1]) < layers
+    }
+    missing = [k for k in draft.load_state_dict(keep, strict=False).missing_keys if "rope" not in k]
+    assert not missing, f"a cut target lacks {missing[:3]}"
+    draft.save_pretrained(work / "cut", dtype=torch.float32)
+    return Llama.from_pretrained(work / "cut", target_embed=target.embed_tokens.weight)
+
+
+def trainable(draft: Llama) -> list[torch.nn.Parameter]:
+    """The layers and the final norm; the shared embedding (and a tied LM head) stay frozen."""
+    draft.embed_tokens.weight.requires_grad_(False)
+    if not draft.s.tie_embeddings:
+        draft.lm_head.weight.requires_grad_(False)
+    return [p for p in draft.parameters() if p.requires_grad]
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    target = Llama.from_pretrained(args.target).requires_grad_(False)
+    draft = cut(args.target, args.layers, work).train()
+    opt = torch.optim.AdamW(trainable(draft), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
+    seqs += corpus_windows(args.corpus_tokens, tokenizer=args.target)
+    toward = f"{weights_digest(args.target)}:{args.layers}:{args.corpus_tokens}"
+    ckpt = work / "ckpt.pt"
+    prog = {"epoch": 0, "done": 0, "step": 0, "elapsed": 0.0, "target": toward}
+    st = load_checkpoint(ckpt, toward, lambda c: c["progress"].get("target"), "draft", "cpu")
+    if st:
+        draft.load_state_dict({**st["draft"], "embed_tokens.weight": target.embed_tokens.weight}, strict=False)
+        opt.load_state_dict(st["opt"])
+        prog = st["progress"]
+        print(f"[draft] resumed at epoch {prog['epoch']} step {prog['step']}", flush=True)
+    total = sum(1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e))
+    print(
+        f"[draft] the target's first {args.layers} of {target.s.layers} layers; {len(seqs)} sequences, "
+        f"{sum(map(len, seqs)):,} tokens, {total} steps",
+        flush=True,
+    )
+
+    def save() -> None:
+        own = {k: v for k, v in draft.state_dict().items() if not k.startswith(("embed_tokens", "lm_head"))}
+        torch.save({"draft": own, "opt": opt.state_dict(), "progress": prog}, ckpt.with_suffix(".tmp"))
+        os.replace(ckpt.with_suffix(".tmp"), ckpt)
+        state = {
+            "from_target": {"target": str(args.target), "layers": args.layers, "of": target.s.layers},
+            "distill": {
+                "traces": args.traces,
+                "corpus_tokens": args.corpus_tokens,
+                "sequences": len(seqs),
+                "epochs": args.epochs,
+                "step": prog["step"],
+                "total_steps": total,
+                "lr": args.lr,
+                "train_minutes": round(prog["elapsed"] / 60, 1),
+                "final": prog["step"] >= total,
+                "target": toward,
+            },
+        }
+        export(draft, args.target, args.out, state)
+
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
+    run_epochs(args, target, draft, opt, seqs, prog, total, save, stop)
+    save()
+    print(f"[draft] saved {args.out} (step {prog['step']}/{total})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=2, help="the target's first layers the draft keeps")
+    ap.add_argument("--traces", required=True, help="comma-separated trace files (training prompts only)")
+    ap.add_argument("--corpus-tokens", type=int, default=0, help="add this many corpus tokens (512-token windows)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work-dir", default=str(Path.home() / ".cache/specmesh/train/draft-from-target"))
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--ckpt-minutes", type=float, default=10.0)
+    ap.add_argument("--log-every", type=int, default=5)
+    train(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
