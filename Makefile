@@ -105,12 +105,14 @@ bench: setup
 	  $(BIN)/python -m bench --workload $${w%%:*} --methods $(METHODS) --limit $(LIMIT) --threads 1 \
 	    --max-new-tokens $${w##*:} --out bench/results/$${w%%:*}.json || exit 1; done
 
-# The real target (SmolLM2-135M-Instruct), prompts through its chat template: the methods that
-# need no model trained for it (suffix decoding) against vanilla and transformers' peers.
-SMOLLM2_METHODS ?= vanilla,suffix,hf-vanilla,hf-pld
+# The real target (SmolLM2-135M-Instruct), prompts through its chat template, with the heads
+# trained for it (models/smollm2/: make publish-smollm2), against vanilla and transformers' peers.
+SMOLLM2_METHODS ?= vanilla,suffix,eagle3,hybrid,hf-vanilla,hf-pld
+# (--models-dir: its draft, head, predictor and correction-memory prior are those under models/smollm2/,
+# and none where one is missing, never the bundled pair's)
 bench-smollm2: setup
 	for w in humaneval stdlib-heldout; do \
-	  $(BIN)/python -m bench --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
+	  $(BIN)/python -m bench --models-dir models/smollm2 --target build/models/smollm2 --chat \
 	    --workload $$w --methods $(SMOLLM2_METHODS) --limit $(LIMIT) --threads 1 --max-new-tokens $(TOKENS) \
 	    --out bench/results/smollm2/$$w.json || exit 1; done
 # The router, drafters, predictor, memory and links at modelled GPU speed (a verifier stand-in), 1-256 sessions.
