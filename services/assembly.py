@@ -11,10 +11,10 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from services.common.config import EngineConfig, ServerConfig, option_flags, secret_env
+from services.common.config import EngineConfig, ServerConfig, Topology, option_flags, secret_env
 from services.common.grpc_server import run_until_signal
 from services.common.security import TLSConfig, exposure_warning, internal_token
 from services.drafter.hybrid import HybridDrafter
@@ -23,17 +23,6 @@ from services.router.engine import Engine
 from services.router.grpc_server import SERVICE_NAME, GenerationServicer, build_server
 
 log = logging.getLogger("specmesh")
-
-
-@dataclass(frozen=True)
-class Topology:
-    kind: str = "embedded"  # embedded | distributed
-    role: str = "all"  # all | router | verifier | predictor | drafter | memory
-    verifiers: tuple[str, ...] = ()  # a router's verifier replicas (distributed: spawned when none)
-    replicas: int = 2  # verifier processes a distributed topology spawns
-    multiplex: bool = True  # one Link per replica for all sessions, else a stream per session
-    affinity_slack: int | None = 2  # prefix-affinity placement's allowance (common/affinity.py)
-    verifier_timeout_s: float = 10.0  # a replica's least budget per cycle before it counts as hung
 
 
 def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[str, Any]) -> None:
@@ -59,7 +48,9 @@ def run(cfg: EngineConfig, topo: Topology, scfg: ServerConfig, options: Mapping[
         supervisor, addrs = spawn_verifiers(options, topo, scfg)
     try:
         watch = ReplicaWatch(floor_s=topo.verifier_timeout_s)
-        pool = RemoteVerifier(addrs, link=topo.multiplex, affinity_slack=topo.affinity_slack, watch=watch)
+        pool = RemoteVerifier(
+            addrs, link=topo.verifier_link == "multiplex", affinity_slack=topo.affinity_slack, watch=watch
+        )
         serve(checked(build_engine(cfg, pool), options), scfg)
     finally:
         if supervisor is not None:

@@ -10,7 +10,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.config import OPTIONS, PARSE, SERVER_OPTIONS, EngineConfig, Option, ServerConfig
+from services.common.config import (
+    OPTIONS,
+    PARSE,
+    SERVER_OPTIONS,
+    TOPOLOGY_OPTIONS,
+    EngineConfig,
+    Option,
+    ServerConfig,
+    Topology,
+)
 from services.common.security import TokenFile
 
 
@@ -37,8 +46,8 @@ def _add_options(
     names: tuple[str, ...] | None = None,
     table: dict[str, Option] = OPTIONS,
 ) -> None:
-    """Flags for an option table's options (``services/common/config.py``: the engine's, or
-    ``SERVER_OPTIONS``); ``names``: only those."""
+    """Flags for an option table's options (``services/common/config.py``: the engine's,
+    ``SERVER_OPTIONS`` or ``TOPOLOGY_OPTIONS``); ``names``: only those."""
     for opt in table.values():
         if opt.serve_only != serve_only or (names is not None and opt.name not in names):
             continue
@@ -53,6 +62,7 @@ def _add_options(
                 *flags,
                 type=_flag_type(opt.kind),
                 default=opt.fallback(),
+                choices=opt.choices or None,
                 help=text,
                 metavar={"ngram": "MIN:MAX:K", "json": "JSON", "seconds": "SECONDS"}.get(opt.kind),
             )
@@ -126,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """embedded (default): everything in this process. distributed: verifier replicas as
     separate processes on loopback + the router here. --role runs one service alone
     (services/assembly.py builds each)."""
-    from services.assembly import Topology, run
+    from services.assembly import run
     from services.common.security import INTERNAL_TOKEN_ENV, internal_token
     from services.common.supervisor import StartFailed
 
@@ -152,15 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if args.tls_client_ca:
             os.environ.setdefault("SPECMESH_TLS_CLIENT_CA", str(args.tls_client_ca))
     _trust(args)
-    topo = Topology(
-        kind=args.topology,
-        role=args.role,
-        verifiers=tuple(a for a in (args.verifiers or "").split(",") if a),
-        replicas=args.replicas,
-        multiplex=args.verifier_link == "multiplex",
-        affinity_slack=args.affinity_slack,
-        verifier_timeout_s=args.verifier_timeout,
-    )
+    topo = Topology.from_mapping(vars(args))
     options = {k: v for k, v in vars(args).items() if k in OPTIONS}
     try:
         run(cfg, topo, scfg, options)
@@ -405,40 +407,8 @@ def _serve_parser(sub) -> None:
     """``specmesh serve``: engine, topology and role, transport security, limits, front ends."""
     p = sub.add_parser("serve", help="run the gRPC server (embedded all-in-one by default)")
     add_engine_args(p)
-    p.add_argument("--topology", choices=["embedded", "distributed"], default="embedded")
-    p.add_argument("--role", choices=["all", "router", "verifier", "predictor", "drafter", "memory"], default="all")
+    _add_options(p, serve_only=False, table=TOPOLOGY_OPTIONS)
     _add_options(p, serve_only=True)
-    p.add_argument(
-        "--verifiers",
-        default=os.environ.get("SPECMESH_VERIFIERS", ""),
-        help="router: comma-separated verifier addresses (env SPECMESH_VERIFIERS)",
-    )
-    p.add_argument(
-        "--verifier-link",
-        choices=["multiplex", "stream"],
-        default=os.environ.get("SPECMESH_VERIFIER_LINK", "multiplex"),
-        help="router: one multiplexed Link per verifier replica carrying every session (one message "
-        "per step each way), or one Session stream per request (env SPECMESH_VERIFIER_LINK)",
-    )
-    p.add_argument(
-        "--affinity-slack",
-        type=_flag_type("count"),
-        default=int(os.environ.get("SPECMESH_AFFINITY_SLACK", "2")),
-        help="router: a new session may go to a verifier replica with up to this many more sessions than "
-        "the least loaded when it holds the longest start of the prompt in its prefix cache "
-        "(env SPECMESH_AFFINITY_SLACK); 0 = only among the least loaded",
-    )
-    p.add_argument(
-        "--verifier-timeout",
-        type=_flag_type("float"),
-        default=float(os.environ.get("SPECMESH_VERIFIER_TIMEOUT", "10")),
-        help="router: seconds a verifier replica may take to answer a cycle before it counts as hung, at "
-        "least (the budget is the larger of this and 10x its slowest recent cycle, plus 1 ms per prompt token "
-        "for a session's first cycle); a hung replica's sessions "
-        "move to another replica with every token so far, and it is left out until it answers again "
-        "(env SPECMESH_VERIFIER_TIMEOUT)",
-    )
-    p.add_argument("--replicas", type=int, default=2, help="distributed topology: verifier processes to start")
     p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS: PEM certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None)
     p.add_argument("--tls-client-ca", type=Path, default=None, help="require client certificates from this CA (mTLS)")

@@ -273,10 +273,10 @@ def _seconds(text: Any) -> float:
 
 
 def _names(text: Any) -> tuple[str, ...]:
-    """One name or several: a list, or a comma-separated string (an environment variable's)."""
-    if isinstance(text, str):
-        return tuple(n.strip() for n in text.split(",") if n.strip())
-    return tuple(str(n) for n in text)
+    """One name or several: a list, or comma-separated (an environment variable's, or a flag's
+    `--verifiers a:1,b:2`); no name holds a comma."""
+    items = [text] if isinstance(text, str) else list(text)
+    return tuple(n.strip() for item in items for n in str(item).split(",") if n.strip())
 
 
 PARSE: dict[str, Callable[[Any], Any]] = {
@@ -319,6 +319,7 @@ class Option:
     secret: bool = False  # may carry a password: never on a spawned process's command line
     sets: str = ""  # the EngineConfig field it sets, dotted; "" = name
     owner: Any = None  # the config whose field it sets: None = EngineConfig (ServerConfig's: SERVER_OPTIONS)
+    choices: tuple[str, ...] = ()  # the values it takes, when they are a fixed few
 
     @property
     def path(self) -> list[str]:
@@ -326,9 +327,12 @@ class Option:
 
     def parse(self, value: Any) -> Any:
         try:
-            return PARSE[self.kind](value)
+            parsed = PARSE[self.kind](value)
         except ValueError as e:
             raise ValueError(f"{self.name}: {e}") from None
+        if self.choices and parsed not in self.choices:
+            raise ValueError(f"{self.name}: {parsed!r} is not one of {', '.join(self.choices)}")
+        return parsed
 
     def fallback(self) -> Any:
         """What the option is when it is left out: its environment variable, else its default."""
@@ -694,3 +698,84 @@ def secret_env(values: Mapping[str, Any]) -> dict[str, str]:
     """The secret options' values as their environment variables, for a spawned process (its
     environment is private to its user; its command line is not)."""
     return {o.env: str(values[n]) for n, o in OPTIONS.items() if o.secret and o.env and values.get(n) is not None}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How `specmesh serve` lays the system out (``TOPOLOGY_OPTIONS``)."""
+
+    kind: str = "embedded"  # embedded | distributed
+    role: str = "all"  # all | router | verifier | predictor | drafter | memory
+    verifiers: tuple[str, ...] = ()  # a router's verifier replicas (distributed: spawned when none)
+    replicas: int = 2  # verifier processes a distributed topology spawns
+    verifier_link: str = "multiplex"  # one Link per replica for all sessions, or a stream per session
+    affinity_slack: int | None = 2  # prefix-affinity placement's allowance (common/affinity.py)
+    verifier_timeout_s: float = 10.0  # a replica's least budget per cycle before it counts as hung
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Topology:
+        """The topology that `specmesh serve`'s topology options describe (``TOPOLOGY_OPTIONS``'
+        names); one left out takes its environment variable, else its default."""
+        return cls(**{opt.path[0]: opt.value(values) for opt in TOPOLOGY_OPTIONS.values()})
+
+
+def _topology(name: str, kind: str, help: str, **kw) -> Option:
+    return Option(name, kind, help, owner=Topology, **kw)
+
+
+# `specmesh serve`'s layout: where each service runs and how the router reaches the verifiers.
+TOPOLOGY_OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in [
+        _topology(
+            "topology",
+            "str",
+            "embedded: every service in this process; distributed: verifier replicas as processes of "
+            "their own (spawned on loopback unless --verifiers names them) and the router here",
+            sets="kind",
+            choices=("embedded", "distributed"),
+            env="SPECMESH_TOPOLOGY",
+        ),
+        _topology(
+            "role",
+            "str",
+            "all: the topology's services; or one service alone (a router, a verifier replica, the "
+            "predictor, the suffix-cache drafter, the memory service), as the Helm chart runs them",
+            choices=("all", "router", "verifier", "predictor", "drafter", "memory"),
+            env="SPECMESH_ROLE",
+        ),
+        _topology(
+            "verifiers",
+            "names",
+            "router: the verifier replicas' addresses (host:port)",
+            env="SPECMESH_VERIFIERS",
+        ),
+        _topology("replicas", "positive", "distributed topology: verifier processes to start"),
+        _topology(
+            "verifier_link",
+            "str",
+            "router: one multiplexed Link per verifier replica carrying every session (one message "
+            "per step each way), or one Session stream per request",
+            choices=("multiplex", "stream"),
+            env="SPECMESH_VERIFIER_LINK",
+        ),
+        _topology(
+            "affinity_slack",
+            "count",
+            "router: a new session may go to a verifier replica with up to this many more sessions than "
+            "the least loaded when it holds the longest start of the prompt in its prefix cache; 0 = only "
+            "among the least loaded",
+            env="SPECMESH_AFFINITY_SLACK",
+        ),
+        _topology(
+            "verifier_timeout",
+            "seconds",
+            "router: seconds a verifier replica may take to answer a cycle before it counts as hung, at "
+            "least (the budget is the larger of this and 10x its slowest recent cycle, plus 1 ms per prompt "
+            "token for a session's first cycle); a hung replica's sessions move to another replica with "
+            "every token so far, and it is left out until it answers again",
+            sets="verifier_timeout_s",
+            env="SPECMESH_VERIFIER_TIMEOUT",
+        ),
+    ]
+}

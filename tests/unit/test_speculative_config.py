@@ -221,3 +221,32 @@ def test_server_options_come_from_one_table_for_the_cli_and_the_ray_app():
         engine_config({"max_streams": 8})
     with pytest.raises(ValueError, match="unknown arg"):
         engine_config({"max_sesions": 8})
+
+
+def test_the_topology_comes_from_its_option_table_with_environment_variables_and_choices(monkeypatch):
+    """`specmesh serve`'s layout flags are TOPOLOGY_OPTIONS: each has its environment variable,
+    a flag's comma-separated verifiers split as the env's do, and a value outside a fixed few is
+    refused naming the option and the choices."""
+    from services.cli import build_parser
+    from services.common.config import TOPOLOGY_OPTIONS, Topology
+
+    assert Topology.from_mapping({}) == Topology()
+    ns = vars(
+        build_parser().parse_args(["serve", "--role", "router", "--verifiers=a:1,b:2", "--verifier-link", "stream"])
+    )
+    topo = Topology.from_mapping(ns)
+    assert (topo.role, topo.verifiers, topo.verifier_link, topo.kind) == (
+        "router",
+        ("a:1", "b:2"),
+        "stream",
+        "embedded",
+    )
+    assert set(TOPOLOGY_OPTIONS) <= set(ns)  # every topology option is a flag
+    monkeypatch.setenv("SPECMESH_TOPOLOGY", "distributed")
+    monkeypatch.setenv("SPECMESH_VERIFIER_TIMEOUT", "2.5")
+    topo = Topology.from_mapping({})
+    assert (topo.kind, topo.verifier_timeout_s) == ("distributed", 2.5)
+    with pytest.raises(ValueError, match="role: 'routr' is not one of all, router"):
+        Topology.from_mapping({"role": "routr"})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--topology", "mesh"])
