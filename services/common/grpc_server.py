@@ -12,7 +12,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import refusals
-from services.common.security import DENIED, TLSConfig, Token, admin_refusal, bearer_ok, internal_token
+from services.common.security import (
+    DENIED,
+    TLSConfig,
+    Token,
+    admin_refusal,
+    bearer_ok,
+    internal_token,
+    token_value,
+)
 
 log = logging.getLogger("specmesh.grpc")
 EXEMPT = ("/grpc.health.v1.Health/Check",)  # Kubernetes probes carry no token; Watch needs one (it holds a stream)
@@ -157,13 +165,14 @@ class SendToken(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Every call on the channel carries ``authorization: Bearer <token>`` (the internal token)."""
+    """Every call on the channel carries ``authorization: Bearer <token>`` (the internal token:
+    a token file's first line as it is at the call, so a rotation reaches open channels)."""
 
-    def __init__(self, token: str):
-        self._header = ("authorization", f"Bearer {token}")
+    def __init__(self, token: Token):
+        self._token = token
 
     def _with_token(self, d):
-        metadata = [*(d.metadata or ()), self._header]
+        metadata = [*(d.metadata or ()), ("authorization", f"Bearer {token_value(self._token)}")]
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
 
     def intercept_unary_unary(self, continuation, details, request):

@@ -56,20 +56,23 @@ ADMIN_OFF = (
 
 
 class TokenFile:
-    """A bearer token read from a file, and read again once the file changes (a Kubernetes
-    Secret mounted as a volume is replaced in place when rotated), checked at most every
-    ``recheck_s``: a rotation takes effect without a restart. A file that cannot be read or
-    holds no token at start is a ValueError; one that becomes so later keeps the last token
-    (said once in the log), so the server never serves open by mistake."""
+    """Bearer tokens read from a file, and read again once the file changes (a Kubernetes Secret
+    mounted as a volume is replaced in place when rotated), checked at most every ``recheck_s``:
+    a rotation takes effect without a restart. One token per line: the first is the one a client
+    sends (``get``), and a server accepts any (``accepted``), so two ends rotate without a window
+    in which they disagree: add the new token as a second line everywhere, then make it the first,
+    then drop the old one. A file that cannot be read or holds no token at start is a ValueError;
+    one that becomes so later keeps the last tokens (said once in the log), so the server never
+    serves open by mistake."""
 
     def __init__(self, path: str | Path, recheck_s: float = 1.0):
         self.path, self.recheck_s = Path(path), recheck_s
         self._lock = threading.Lock()
         self._seen = self._signature()
-        token = self._read()
-        if token is None:
+        tokens = self._read()
+        if tokens is None:
             raise ValueError(f"{self.path}: cannot be read, or holds no token")
-        self._token, self._checked = token, time.monotonic()
+        self._tokens, self._checked = tokens, time.monotonic()
 
     def _signature(self) -> tuple[int, int, int] | None:
         try:
@@ -78,28 +81,34 @@ class TokenFile:
             return None
         return st.st_ino, st.st_mtime_ns, st.st_size
 
-    def _read(self) -> str | None:
+    def _read(self) -> tuple[str, ...] | None:
         try:
-            return self.path.read_text().strip() or None
+            lines = self.path.read_text().splitlines()
         except (OSError, UnicodeDecodeError):
             return None
+        return tuple(t for t in (line.strip() for line in lines) if t) or None
 
     def get(self) -> str:
+        """The token to send (the file's first)."""
+        return self.accepted()[0]
+
+    def accepted(self) -> tuple[str, ...]:
+        """Every token the file lists: a server takes any of them."""
         now = time.monotonic()
         if now - self._checked < self.recheck_s:
-            return self._token
+            return self._tokens
         with self._lock:
             self._checked = now
             seen = self._signature()
             if seen is not None and seen != self._seen:
                 self._seen = seen
-                token = self._read()
-                if token is None:
+                tokens = self._read()
+                if tokens is None:
                     log.warning("%s changed but holds no readable token: the last one stays", self.path)
-                elif token != self._token:
-                    self._token = token
-                    log.info("%s: a new token, in use from now", self.path)
-            return self._token
+                elif tokens != self._tokens:
+                    self._tokens = tokens
+                    log.info("%s: new tokens, in use from now", self.path)
+            return self._tokens
 
 
 Token = str | TokenFile  # a bearer token, fixed or read from a file that may be rotated
@@ -121,12 +130,13 @@ def admin_refusal(metadata, api_token: Token | None, admin_token: Token | None) 
 
 def bearer_ok(metadata, token: Token) -> bool:
     """``authorization: Bearer <token>`` present in ``metadata``: the scheme in any case (RFC 7235),
-    the token (a rotated file's current one) compared in constant time."""
-    token = token.get() if isinstance(token, TokenFile) else token
+    the token compared in constant time with each accepted one (a token file's every line)."""
+    tokens = token.accepted() if isinstance(token, TokenFile) else (token,)
     got = dict(metadata or ()).get("authorization", "")
     got = got.decode(errors="replace") if isinstance(got, bytes) else got
     scheme, _, given = got.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    matches = [hmac.compare_digest(given.strip().encode(), t.encode()) for t in tokens]  # each compared
+    return scheme.lower() == "bearer" and any(matches)
 
 
 def redacted(url: str) -> str:
@@ -142,7 +152,7 @@ def redacted(url: str) -> str:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def exposure_warning(role: str, host: str, tls: TLSConfig, token: str | None = None) -> str | None:
+def exposure_warning(role: str, host: str, tls: TLSConfig, token: Token | None = None) -> str | None:
     """What to say at start when an internal service (verifier, drafter, predictor, memory) listens
     beyond loopback authenticating no peer (neither mutual TLS nor the internal token); None when
     it does not."""
@@ -158,17 +168,17 @@ def exposure_warning(role: str, host: str, tls: TLSConfig, token: str | None = N
 INTERNAL_TOKEN_ENV = "SPECMESH_INTERNAL_TOKEN_FILE"
 
 
-def internal_token() -> str | None:
-    """The internal token from the file SPECMESH_INTERNAL_TOKEN_FILE names; None when unset. An
-    empty or unreadable file is a ValueError: internal services never fall back to no
-    authentication silently."""
+def internal_token() -> TokenFile | None:
+    """The internal token file SPECMESH_INTERNAL_TOKEN_FILE names (re-read when rotated: servers
+    accept each of its lines, clients send the first); None when unset. An empty or unreadable
+    file is a ValueError: internal services never fall back to no authentication silently."""
     path = os.environ.get(INTERNAL_TOKEN_ENV)
     if not path:
         return None
     try:
-        token = Path(path).read_text().strip()
+        text = Path(path).read_text()
     except OSError as e:
         raise ValueError(f"internal token: cannot read {path} ({e.strerror})") from None
-    if not token:
+    if not text.strip():
         raise ValueError(f"internal token: {path} is empty")
-    return token
+    return TokenFile(path)

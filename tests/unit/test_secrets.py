@@ -78,4 +78,42 @@ def test_an_empty_or_unreadable_internal_token_file_is_refused(tmp_path, monkeyp
         internal_token()
     (tmp_path / "token").write_text("s3cret\n")
     monkeypatch.setenv(INTERNAL_TOKEN_ENV, str(tmp_path / "token"))
-    assert internal_token() == "s3cret"
+    assert internal_token().get() == "s3cret"
+
+
+def test_token_files_rotate_without_a_window_the_two_ends_disagree(tmp_path, monkeypatch):
+    """A token file lists one token per line: servers accept each, clients send the first, both
+    read the file again when it changes. So a rotation adds the new token as a second line,
+    moves it first, then drops the old; at every step each client's token is one every server
+    accepts. An open channel sends the file's current first line."""
+    import os
+
+    from services.common.grpc_server import SendToken
+    from services.common.security import INTERNAL_TOKEN_ENV, bearer_ok, internal_token
+
+    path = tmp_path / "internal"
+
+    def write(text: str) -> None:  # as the kubelet swaps a Secret: a new file renamed over the old
+        (tmp_path / "next").write_text(text)
+        os.replace(tmp_path / "next", path)
+
+    write("old\n")
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, str(path))
+    server, client = internal_token(), internal_token()
+    server.recheck_s = client.recheck_s = 0.0
+    send = SendToken(client)
+
+    def header() -> list:
+        class Details:
+            method, timeout, metadata, credentials, wait_for_ready, compression = "/m", None, None, None, None, None
+
+        return list(send._with_token(Details()).metadata)
+
+    steps = ["old\nnew\n", "new\nold\n", "new\n"]
+    for text in steps:
+        write(text)
+        assert bearer_ok(header(), server)  # the client's token is always one the server takes
+    assert header() == [("authorization", "Bearer new")]
+    assert not bearer_ok([("authorization", "Bearer old")], server)  # dropped at the last step
+    write("\n")
+    assert server.accepted() == ("new",)  # an emptied file keeps the last tokens
