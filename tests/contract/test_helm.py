@@ -491,7 +491,13 @@ def test_services_mode_has_an_account_budgets_policies_an_hpa_and_a_helm_test():
     args = test["spec"]["containers"][0]["args"]
     assert args[0] == "client" and "--addr=demo-specmesh:50051" in args
     plain = render({"mode": "services"})
-    assert not kinds(plain, "NetworkPolicy") and not kinds(plain, "HorizontalPodAutoscaler")
+    assert kinds(plain, "NetworkPolicy") and not kinds(plain, "HorizontalPodAutoscaler")  # policies by default
+    assert not kinds(render({"mode": "services", "networkPolicy": {"enabled": False}}), "NetworkPolicy")
+    ray = render({})  # the default mode: the dashboard and Ray's ports closed to other pods by default
+    head = named(ray, "NetworkPolicy", "-ray-head")["spec"]["ingress"]
+    open_ports = {p["port"] for rule in head if "from" not in rule for p in rule["ports"]}
+    assert 8265 not in open_ports and {50051, 8000} <= open_ports  # clients: Serve's proxies only
+    assert all("from" in rule or "ports" in rule for rule in head) and "namespaceSelector" in str(head)
     tls = render(values_file("services-tls-auth-values.yaml"))
     test = next(d for d in kinds(tls, "Pod") if d["metadata"]["annotations"]["helm.sh/hook"] == "test")
     c = test["spec"]["containers"][0]
