@@ -1,0 +1,75 @@
+"""Tensor-parallel shards of our Llama forward (services/common/tensor_parallel.py), run as N
+gloo processes against the same model on one process: logits within float32 rounding and the
+same greedy tokens, for a whole sequence, a cached prefill and decode, and a ragged step with a
+token tree; GQA with fewer KV heads than ranks replicates them."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.common.llama import Llama
+from services.common.tensor_parallel import shard, split_check
+from tests.conftest import make_tiny
+
+TOL = 1e-4  # float32: the all-reduce adds the ranks' partial sums in another order than one GEMM
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def outputs(model: Llama) -> list[torch.Tensor]:
+    """The forwards a verifier runs, on fixed inputs: logits of each."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.s.vocab, (2, 12))
+    out = [model.forward_train(ids)]
+    cache = model.new_cache(1, 32)
+    prefill, _ = model(ids[:1, :8], 0, cache)
+    step, _ = model(ids[:1, 8:9], 8, cache)
+    out += [prefill, step]
+    caches = [model.new_cache(1, 32), model.new_cache(1, 32)]
+    rows, _ = model.forward_ragged([ids[0, :6].tolist(), ids[1, :9].tolist()], [0, 0], caches)
+    tree, _ = model.forward_ragged(
+        [ids[0, 6:10].tolist(), ids[1, 9:10].tolist()], [6, 9], caches, tails=[4, 1], trees=[[-1, 0, 0, 1], None]
+    )
+    return out + rows + tree
+
+
+def rank_main(rank: int, world: int, port: int, path: str, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        whole = [t.detach() for t in outputs(Llama.from_pretrained(path))]
+        model = shard(Llama.from_pretrained(path), rank, world)
+        parts = [t.detach() for t in outputs(model)]
+        diff = max(float((a - b).abs().max()) for a, b in zip(whole, parts))
+        same = all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(whole, parts))
+        results.put((rank, diff, same, model.s.heads, model.s.kv_heads, model.layers[0].self_attn.k_proj.out_features))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, kv_heads", [(2, 2), (4, 2)])
+def test_a_sharded_target_gives_one_devices_logits_and_tokens(tmp_path, world, kv_heads):
+    path = make_tiny(tmp_path / "tiny", seed=5, layers=2, hidden=64, kv_heads=kv_heads)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    mp.start_processes(
+        rank_main, (world, free_port(), str(path), results), nprocs=world, join=True, start_method="spawn"
+    )
+    got = sorted(results.get(timeout=60) for _ in range(world))
+    for rank, diff, same, heads, kv, k_rows in got:
+        assert diff < TOL and same, (rank, diff)
+        assert heads == 4 // world and kv == max(1, kv_heads // world)  # each rank its share of the heads
+        assert k_rows == kv * 16  # head_dim 16: only its KV heads' rows
+
+
+def test_a_target_that_does_not_split_evenly_is_refused_naming_what_to_set(tmp_path):
+    model = Llama.from_pretrained(make_tiny(tmp_path / "tiny", seed=5, layers=1, hidden=64))
+    with pytest.raises(ValueError, match="4 attention heads do not split evenly over 3 ranks"):
+        split_check(model, 3)
