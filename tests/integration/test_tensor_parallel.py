@@ -57,8 +57,7 @@ def rank_main(rank: int, world: int, port: int, path: str, results) -> None:
 @pytest.mark.parametrize("world, kv_heads", [(2, 2), (4, 2)])
 def test_a_sharded_target_gives_one_devices_logits_and_tokens(tmp_path, world, kv_heads):
     path = make_tiny(tmp_path / "tiny", seed=5, layers=2, hidden=64, kv_heads=kv_heads)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = mp.get_context("spawn").Queue()
     mp.start_processes(
         rank_main, (world, free_port(), str(path), results), nprocs=world, join=True, start_method="spawn"
     )
@@ -67,6 +66,19 @@ def test_a_sharded_target_gives_one_devices_logits_and_tokens(tmp_path, world, k
         assert diff < TOL and same, (rank, diff)
         assert heads == 4 // world and kv == max(1, kv_heads // world)  # each rank its share of the heads
         assert k_rows == kv * 16  # head_dim 16: only its KV heads' rows
+
+
+@pytest.mark.parametrize("path, world", [("models/target", 2), ("build/models/smollm2", 3)])
+def test_the_bundled_and_the_real_target_split_as_they_run_on_one_device(path, world):
+    """The bundled target over 2 ranks; SmolLM2-135M-Instruct (9 heads, 3 KV heads: `make setup`
+    converts it) over 3, one KV head each."""
+    from pathlib import Path
+
+    assert (Path(path) / "config.json").exists(), f"{path}: missing (make setup converts the real target)"
+    results = mp.get_context("spawn").Queue()
+    mp.start_processes(rank_main, (world, free_port(), path, results), nprocs=world, join=True, start_method="spawn")
+    for rank, diff, same, *_ in sorted(results.get(timeout=120) for _ in range(world)):
+        assert diff < 5 * TOL and same, (rank, diff)
 
 
 def test_a_target_that_does_not_split_evenly_is_refused_naming_what_to_set(tmp_path):
