@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,9 +40,16 @@ from services.verifier.runner import TargetRunner
 log = logging.getLogger(__name__)
 
 
-def _load(path: Path, cfg: EngineConfig, target_embed: torch.Tensor | None = None) -> Llama:
-    """``target_embed``: the target's, for a draft that shares it."""
+def _load(
+    path: Path, cfg: EngineConfig, target_embed: torch.Tensor | None = None, rank: int = 0, world: int = 1
+) -> Llama:
+    """``target_embed``: the target's, for a draft that shares it; ``world`` > 1: rank ``rank``'s
+    tensor-parallel shard."""
     model = Llama.from_pretrained(path, getattr(torch, cfg.dtype), cfg.device, target_embed)
+    if world > 1:
+        from services.common.tensor_parallel import shard
+
+        shard(model, rank, world)
     if cfg.packed_gemm:
         pack_linears(model)
     if cfg.kv_pool:
@@ -90,7 +98,7 @@ class VerifierCore:
         if cfg.threads:  # every process that runs the models: embedded, verifier role, Ray replica
             torch.set_num_threads(cfg.threads)
         dtype = getattr(torch, cfg.dtype)
-        runner = TargetRunner(_load(cfg.target, cfg))
+        runner = target_runner(cfg)
         runner.model.batch_invariant = cfg.invariant_verification
         if cfg.static_steps:
             from services.common.graphs import StaticSteps
@@ -201,6 +209,8 @@ class VerifierCore:
 
     def close(self) -> None:
         self.memory.close()
+        if hasattr(self.runner, "shutdown"):  # a tensor-parallel replica's workers
+            self.runner.shutdown()
         if self._grammars is not None:
             self._grammars.close()
 
@@ -378,6 +388,25 @@ def draft_vocabulary(cfg: EngineConfig) -> torch.Tensor | None:
         raise ValueError(f"--draft-vocab {size} needs {path} (python -m training.vocab)")
     ranking = load_ranking(path)
     return top_vocabulary(ranking, size).to(cfg.device) if size < len(ranking) else None
+
+
+def _load_shard(cfg: EngineConfig, rank: int, world: int) -> Llama:
+    return _load(cfg.target, cfg, rank=rank, world=world)
+
+
+def target_runner(cfg: EngineConfig) -> TargetRunner:
+    """The target on this device, or split over ``tensor_parallel`` processes (this one the
+    leader: services/verifier/sharded.py)."""
+    if cfg.tensor_parallel <= 1:
+        return TargetRunner(_load(cfg.target, cfg))
+    if cfg.static_steps or cfg.kv_pool or not cfg.device.startswith("cpu"):
+        raise ValueError(
+            "tensor_parallel: runs on the CPU (gloo) without static steps or the K/V pool so far; "
+            "unset --static-steps and --kv-pool, or use --tensor-parallel 1"
+        )
+    from services.verifier import sharded
+
+    return sharded.start(cfg.tensor_parallel, partial(_load_shard, cfg))
 
 
 def calibration_prior(cfg: EngineConfig) -> dict | None:
@@ -594,6 +623,7 @@ class VerifierSession:
             return
         self._closed = True
         self.core.batcher.closed(self)
+        self.core.runner.close(self.target)
         self.core.sessions.discard(self.session_id)
         VERIFIER_SESSIONS.set(len(self.core.sessions))
         if self.drafter:

@@ -34,6 +34,7 @@ class TargetSession:
     prompt_top: int | None = None  # prompt logprobs wanted, with this many alternatives
     prompt_len: int = 0
     prompt_lps: list = field(default_factory=list)  # prompt logprobs computed, not yet reported
+    sid: int = -1  # a tensor-parallel replica's name for it on every rank (services/verifier/sharded.py)
 
     @property
     def pending(self) -> list[int]:
@@ -157,6 +158,9 @@ class TargetRunner:
         st.cache_len += len(st.pending) + verdict.accepted
         st.tokens.extend(verdict.tokens)
         self._keep(st, states)
+
+    def close(self, st: TargetSession) -> None:
+        """The session is over (its K/V go with it; a sharded runner tells its other ranks)."""
 
     # -- prefix cache: full blocks of verified positions outlive their session -------------
     def attach(self, st: TargetSession) -> tuple[int, torch.Tensor | None]:

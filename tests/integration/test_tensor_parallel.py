@@ -85,3 +85,35 @@ def test_a_target_that_does_not_split_evenly_is_refused_naming_what_to_set(tmp_p
     model = Llama.from_pretrained(make_tiny(tmp_path / "tiny", seed=5, layers=1, hidden=64))
     with pytest.raises(ValueError, match="4 attention heads do not split evenly over 3 ranks"):
         split_check(model, 3)
+
+
+def test_a_verifier_replica_split_over_two_processes_decodes_as_one(tiny_dirs):
+    """`--tensor-parallel 2`: the replica's leader sends each runner call to its worker, both run
+    their shards in step (K/V, rollback, prefix cache per rank): every method's tokens equal the
+    single-process engine's, greedy and seeded sampling, a repeated prompt read from the prefix
+    cache; closing the engine stops the worker."""
+    from services.common.config import EngineConfig
+    from services.common.types import Sampling
+    from services.router.engine import Engine, GenerationRequest
+
+    base = dict(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None)
+    one = Engine(EngineConfig(**base))
+    two = Engine(EngineConfig(**base, tensor_parallel=2))
+    try:
+        workers = two.verifier.runner.workers
+        assert len(workers) == 1 and workers[0].is_alive()
+        prompt = one.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)
+        asks = [(m, Sampling()) for m in ("vanilla", "sd", "suffix", "csd")] + [
+            ("sd", Sampling(temperature=1.0, seed=3))
+        ]
+        for method, sp in asks + asks[:2]:  # the repeats attach the prompt's cached blocks
+            req = GenerationRequest(prompt, 24, method=method, sampling=sp)
+            want = one.generate(req).result()
+            got = two.generate(req).result()
+            assert got["token_ids"] == want["token_ids"], (method, sp)
+        assert got["cached_prompt_tokens"] > 0
+    finally:
+        one.close()
+        two.close()
+    workers[0].join(timeout=10)
+    assert not workers[0].is_alive()

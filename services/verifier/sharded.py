@@ -1,0 +1,157 @@
+"""A tensor-parallel verifier replica: one leader process and N − 1 worker processes, each with
+its shard of the target (``services/common/tensor_parallel.py``) and a ``TargetRunner`` of its own.
+
+The leader is rank 0 and the replica's runner (``ShardedRunner``): before each call the verifier
+makes on it (open a session, a step, a commit, a prefix-cache attach or reset, a close), it sends
+the call to the workers, which make it on their shards with their own copies of the sessions. So
+every rank runs the same forwards in the same order, their collectives meet, and each rank's K/V
+caches, rollback and prefix cache stay in step with the leader's without ever being sent. The
+logits and captured states come out whole on every rank; the leader's answer the verifier.
+
+A worker that dies breaks the group: the leader's next call raises, the replica's cycles fail and
+the router fails its sessions over as for a dead replica. The workers exit with the leader.
+Transport: torch.distributed (gloo on the CPU). No gRPC, Redis or Ray here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.common.prefix_cache import ROOT, PrefixCache
+from services.common.types import Verdict
+from services.verifier.runner import TargetRunner, TargetSession
+
+log = logging.getLogger("specmesh.verifier")
+
+TIMEOUT = timedelta(seconds=60)  # a collective that waits longer on a dead peer fails
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ShardedRunner(TargetRunner):
+    """The leader's runner: every call is sent to the workers, then made here (rank 0)."""
+
+    def __init__(self, model, world: int, workers: list):
+        self.world, self.workers = world, workers
+        self._sids = itertools.count()
+        self._prefix: PrefixCache | None = None
+        super().__init__(model)
+
+    def _send(self, *call: Any) -> None:
+        dist.broadcast_object_list([call], src=0)
+
+    @property  # type: ignore[override]
+    def prefix(self) -> PrefixCache | None:
+        return self._prefix
+
+    @prefix.setter
+    def prefix(self, cache: PrefixCache | None) -> None:
+        """Every rank keeps a prefix cache of the same block size and budget (of its own shard's K/V)."""
+        self._send("prefix", None if cache is None else (cache.block, cache.budget))
+        self._prefix = cache
+
+    def open(self, prompt, capacity, root=ROOT, prompt_top=None) -> TargetSession:
+        st = super().open(prompt, capacity, root, prompt_top)
+        st.sid = next(self._sids)
+        self._send("open", st.sid, list(prompt), capacity, root, prompt_top)
+        return st
+
+    def step(self, verify, prefill, trees=None):
+        model = self.model
+        self._send(
+            "step",
+            [(st.sid, list(d)) for st, d in verify],
+            [(st.sid, n) for st, n in prefill],
+            trees,
+            self.capture_layers,
+            model.batch_invariant,
+        )
+        return super().step(verify, prefill, trees)
+
+    def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
+        self._send("commit", st.sid, verdict, states)
+        super().commit(st, verdict, states)
+
+    def attach(self, st: TargetSession):
+        self._send("attach", st.sid)
+        return super().attach(st)
+
+    def clear_prefix(self) -> None:
+        self._send("clear_prefix")
+        super().clear_prefix()
+
+    def close(self, st: TargetSession) -> None:
+        self._send("close", st.sid)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the group."""
+        try:
+            self._send("stop")
+        except RuntimeError:  # a worker already gone
+            pass
+        for p in self.workers:
+            p.join(timeout=10)
+        dist.destroy_process_group()
+
+
+def serve_calls(runner: TargetRunner) -> None:
+    """A worker: make each call the leader sends on this rank's runner until it says stop."""
+    sessions: dict[int, TargetSession] = {}
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        op, *a = box[0]
+        if op == "stop":
+            return
+        if op == "open":
+            sid, prompt, capacity, root, top = a
+            sessions[sid] = runner.open(prompt, capacity, root, top)
+        elif op == "step":
+            verify, prefill, trees, runner.capture_layers, runner.model.batch_invariant = a
+            runner.step([(sessions[s], d) for s, d in verify], [(sessions[s], n) for s, n in prefill], trees)
+        elif op == "commit":
+            runner.commit(sessions[a[0]], a[1], a[2])
+        elif op == "attach":
+            runner.attach(sessions[a[0]])
+        elif op == "clear_prefix":
+            runner.clear_prefix()
+        elif op == "close":
+            sessions.pop(a[0], None)
+        elif op == "prefix":
+            runner.prefix = None if a[0] is None else PrefixCache(*a[0])
+
+
+def _worker(rank: int, world: int, port: int, load) -> None:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT)
+    try:
+        serve_calls(TargetRunner(load(rank, world)))
+    except RuntimeError as e:  # the leader is gone
+        log.warning("tensor-parallel rank %d: %s; exiting", rank, e)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start(world: int, load) -> ShardedRunner:
+    """A replica's ``world`` ranks: workers 1..world−1 in processes of their own, this process the
+    leader. ``load(rank, world)`` returns a rank's model, sharded (a picklable function)."""
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_worker, args=(r, world, port, load), daemon=True) for r in range(1, world)]
+    for p in workers:
+        p.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world, timeout=TIMEOUT)
+    return ShardedRunner(load(0, world), world, workers)
