@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from dataclasses import replace
@@ -97,6 +98,8 @@ def _serve_verifier(cfg: EngineConfig, scfg: ServerConfig) -> None:
 
     exit_with_parent()  # spawned by a router: do not outlive it
     core = VerifierCore.from_config(cfg, eos_id(cfg))
+    if hasattr(core.runner, "on_broken"):  # a tensor-parallel replica that loses a rank stops, as a dead one
+        core.runner.on_broken = lambda: os.kill(os.getpid(), signal.SIGTERM)
     if scfg.vllm_metric_names:  # vllm:kv_cache_usage_perc comes from where the K/V is
         from services.common import vllm_metrics
 

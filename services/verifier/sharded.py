@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -47,10 +48,26 @@ class ShardedRunner(TargetRunner):
         self.world, self.workers = world, workers
         self._sids = itertools.count()
         self._prefix: PrefixCache | None = None
+        self.on_broken: Callable[[], None] | None = None  # a verifier server: stop, so it is failed over
+        self.broken: str | None = None
         super().__init__(model)
 
     def _send(self, *call: Any) -> None:
-        dist.broadcast_object_list([call], src=0)
+        self._guarded(dist.broadcast_object_list, [call], src=0)
+
+    def _guarded(self, fn, *args, **kwargs):
+        """``fn`` over the group; a lost rank breaks the replica for good: it says so once and,
+        as a server, stops (``on_broken``) so that its sessions fail over and it is restarted."""
+        if self.broken:
+            raise RuntimeError(f"tensor-parallel replica broken: {self.broken}")
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            self.broken = str(e).splitlines()[0][:200]
+            log.error("tensor-parallel replica: a rank is lost (%s); this replica stops", self.broken)
+            if self.on_broken is not None:
+                self.on_broken()
+            raise
 
     @property  # type: ignore[override]
     def prefix(self) -> PrefixCache | None:
@@ -78,7 +95,7 @@ class ShardedRunner(TargetRunner):
             self.capture_layers,
             model.batch_invariant,
         )
-        return super().step(verify, prefill, trees)
+        return self._guarded(super().step, verify, prefill, trees)
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
         self._send("commit", st.sid, verdict, states)

@@ -146,3 +146,33 @@ def test_a_verifier_with_an_internal_token_serves_only_peers_that_send_it(
             engine.close()
     finally:
         stop([proc])
+
+
+def test_a_tensor_parallel_replica_that_loses_a_rank_is_failed_over_and_stops(tiny_dirs, tiny_engine):
+    """A replica split over two processes (--tensor-parallel 2) whose worker rank is killed
+    mid-stream: the leader's next step finds the group broken, the replica stops as a dead one
+    would, and its session moves to another replica with every token so far, identical to
+    vanilla greedy."""
+    import os
+    import subprocess
+
+    split, addr_split = start_verifier(tiny_dirs, delay_ms=40, env={"SPECMESH_TENSOR_PARALLEL": "2"})
+    other, addr_other = start_verifier(tiny_dirs)
+    engine, server, _, stub = router(tiny_dirs, [addr_split, addr_other])
+    ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(PROMPT), 60, method="vanilla")).result()
+    try:
+        workers = subprocess.run(["pgrep", "-P", str(split.pid), "-f", "spawn_main"], capture_output=True, text=True)
+        (worker,) = [int(p) for p in workers.stdout.split()]  # the replica's one worker rank
+        engine.verifier.load[addr_other] = 100
+        call = stub.Generate(gpb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, method="sd"), timeout=120)
+        ids = list(next(call).token_ids)
+        os.kill(worker, signal.SIGKILL)
+        for m in call:
+            ids += m.token_ids
+        assert ids == ref["token_ids"]
+        assert until(lambda: split.poll() is not None, 30)  # the broken replica stopped
+        assert b"a rank is lost" in split.stderr.read()
+    finally:
+        server.stop(0)
+        engine.close()
+        stop([split, other])
