@@ -21,7 +21,7 @@ import torch
 
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head
-from training.eagle3 import build_sequences, heldout_agreement, lm_agreement
+from training.eagle3 import build_sequences, evenly, heldout_agreement, lm_agreement
 
 
 def data_limited(heldout: list[float], train: list[float], tokens: int) -> str:
@@ -35,6 +35,7 @@ def data_limited(heldout: list[float], train: list[float], tokens: int) -> str:
     )
 
 
+TRAIN_SAMPLE_TOKENS = 60_000  # the training traces a card measures agreement on: an even spread of this many
 CARD_POSITIONS = 4  # chain positions every card reports, whatever the head was trained with
 
 
@@ -43,6 +44,7 @@ def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict
     steps, max_len = max(CARD_POSITIONS, state["ttt_steps"]), target.s.max_positions
     seqs = build_sequences(heldout, max_len)
     train = build_sequences([Path(p) for p in state["traces"].split(",") if Path(p).exists()], max_len)
+    train = evenly(train, min(1.0, TRAIN_SAMPLE_TOKENS / max(1, sum(map(len, train)))))  # a spread sample
     draft = (
         Llama.from_pretrained(draft_dir, target_embed=target.embed_tokens.weight)
         if str(draft_dir) != "." and (draft_dir / "config.json").exists()
@@ -53,6 +55,7 @@ def agreements(head: Eagle3Head, target: Llama, heldout: list[Path], state: dict
         "heldout_sequences": len(seqs),
         "agreement_per_position": heldout_agreement(head, target, seqs, steps),
         "train_agreement_per_position": heldout_agreement(head, target, train, steps) if train else [],
+        "train_sequences": len(train),
         "draft_lm_agreement": lm_agreement(draft, target, seqs) if draft else None,
     }
 
@@ -172,7 +175,7 @@ accepted, so acceptance falls with position faster than agreement does:
 | position | {" | ".join(str(j + 1) for j in range(len(agree)))} |
 |---|{"---|" * len(agree)}
 | agreement | {rows} |
-| on its training traces | {" | ".join(f"{a:.1%}" for a in train_agree) or "—"} |
+| on its training traces ({ev.get("train_sequences", "all")} of them) | {" | ".join(f"{a:.1%}" for a in train_agree) or "—"} |
 
 For comparison, the draft LM (`sd`) agrees with the target on {"—" if draft is None else f"{draft:.1%}"} of the
 same held-out positions. {data_limited(agree, train_agree, sum(st["tokens"] for st in chain))}
