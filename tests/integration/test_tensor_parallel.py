@@ -87,7 +87,7 @@ def test_a_target_that_does_not_split_evenly_is_refused_naming_what_to_set(tmp_p
         split_check(model, 3)
 
 
-def test_a_verifier_replica_split_over_two_processes_decodes_as_one(tiny_dirs):
+def test_a_verifier_replica_split_over_two_processes_decodes_as_one(tiny_dirs, tiny_eagle3):
     """`--tensor-parallel 2`: the replica's leader sends each runner call to its worker, both run
     their shards in step (K/V, rollback, prefix cache per rank): every method's tokens equal the
     single-process engine's, greedy and seeded sampling, a repeated prompt read from the prefix
@@ -96,14 +96,14 @@ def test_a_verifier_replica_split_over_two_processes_decodes_as_one(tiny_dirs):
     from services.common.types import Sampling
     from services.router.engine import Engine, GenerationRequest
 
-    base = dict(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None)
+    base = dict(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=tiny_eagle3, predictor=None, ocm_snapshot=None)
     one = Engine(EngineConfig(**base))
     two = Engine(EngineConfig(**base, tensor_parallel=2))
     try:
         workers = two.verifier.runner.workers
         assert len(workers) == 1 and workers[0].is_alive()
         prompt = one.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)
-        asks = [(m, Sampling()) for m in ("vanilla", "sd", "suffix", "csd")] + [
+        asks = [(m, Sampling()) for m in ("vanilla", "sd", "suffix", "csd", "eagle3")] + [
             ("sd", Sampling(temperature=1.0, seed=3))
         ]
         for method, sp in asks + asks[:2]:  # the repeats attach the prompt's cached blocks
