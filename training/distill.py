@@ -78,25 +78,35 @@ def train(args: argparse.Namespace) -> None:
     def save() -> None:
         torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "progress": prog}, ckpt.with_suffix(".tmp"))
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
-        distill = {
-            "traces": args.traces,
-            "sequences": len(seqs),
-            "epochs": args.epochs,
-            "step": prog["step"],
-            "total_steps": total,
-            "lr": args.lr,
-            "train_minutes": round(prog["elapsed"] / 60, 1),
-            "final": prog["step"] >= total,
-            "target": toward,
-        }
-        export(draft, args.draft, args.out, {**state, "distill": distill})
+        export(draft, args.draft, args.out, {**state, "distill": distill_record(args, seqs, prog, total, toward)})
 
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
-    signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
+    stop = stop_on_signal()
     run_epochs(args, target, draft, opt, seqs, prog, total, save, stop)
     save()
     print(f"[distill] saved {args.out} (step {prog['step']}/{total})", flush=True)
+
+
+def distill_record(args, seqs, prog: dict, total: int, toward: str) -> dict:
+    """The ``distill`` section of a draft's training_state.json."""
+    return {
+        "traces": args.traces,
+        "sequences": len(seqs),
+        "epochs": args.epochs,
+        "step": prog["step"],
+        "total_steps": total,
+        "lr": args.lr,
+        "train_minutes": round(prog["elapsed"] / 60, 1),
+        "final": prog["step"] >= total,
+        "target": toward,
+    }
+
+
+def stop_on_signal() -> dict:
+    """{"now": True} once SIGTERM or SIGINT arrives: the run saves and stops at its next step."""
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
+    return stop
 
 
 def run_epochs(args, target, draft, opt, seqs, prog, total, save, stop) -> None:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 from pathlib import Path
 
 import torch
 
 from services.common.llama import Llama
-from training.distill import run_epochs
+from training.distill import distill_record, run_epochs, stop_on_signal
 from training.eagle3 import batches, build_sequences, corpus_windows
 from training.pretrain import export, load_checkpoint, weights_digest
 
@@ -85,24 +84,11 @@ def train(args: argparse.Namespace) -> None:
         os.replace(ckpt.with_suffix(".tmp"), ckpt)
         state = {
             "from_target": {"target": str(args.target), "layers": args.layers, "of": target.s.layers},
-            "distill": {
-                "traces": args.traces,
-                "corpus_tokens": args.corpus_tokens,
-                "sequences": len(seqs),
-                "epochs": args.epochs,
-                "step": prog["step"],
-                "total_steps": total,
-                "lr": args.lr,
-                "train_minutes": round(prog["elapsed"] / 60, 1),
-                "final": prog["step"] >= total,
-                "target": toward,
-            },
+            "distill": {**distill_record(args, seqs, prog, total, toward), "corpus_tokens": args.corpus_tokens},
         }
         export(draft, args.target, args.out, state)
 
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
-    signal.signal(signal.SIGINT, lambda *a: stop.update(now=True))
+    stop = stop_on_signal()
     run_epochs(args, target, draft, opt, seqs, prog, total, save, stop)
     save()
     print(f"[draft] saved {args.out} (step {prog['step']}/{total})", flush=True)
