@@ -143,6 +143,21 @@ def engine_config(args: dict) -> EngineConfig:
     return EngineConfig.from_mapping(values, METHODS)
 
 
+def verifier_placement(cfg: EngineConfig, cpus: float, gpus: float) -> dict:
+    """A tensor-parallel verifier replica's placement group: one bundle, on one node, holding the
+    CPUs and the GPUs of all its ranks (the replica's actor takes them, and the rank processes it
+    starts see them: a rank per GPU). On GPUs it needs one GPU per rank (``verifier_gpus``)."""
+    if cfg.tensor_parallel <= 1:
+        return {}
+    if gpus > 0 and gpus != cfg.tensor_parallel:
+        raise ValueError(
+            f"tensor_parallel {cfg.tensor_parallel} with verifier_gpus {gpus:g}: a replica's ranks take "
+            "one GPU each; set verifier_gpus to tensor_parallel"
+        )
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus > 0 else {})}
+    return {"placement_group_bundles": [bundle], "placement_group_strategy": "STRICT_PACK"}
+
+
 class SessionTable:
     """A replica's open sessions by id; one not used for ``idle_s`` (its router gone without
     closing it) is closed at the next ``put``."""
@@ -849,6 +864,7 @@ def app(args: dict):
             ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
             max_ongoing_requests=int(args.get("verifier_max_sessions", VERIFIER_MAX_SESSIONS)) * 4,
             request_router_config=routing,
+            **verifier_placement(cfg, cpus, float(args.get("verifier_gpus", 0))),
             **scaling,
         )
         .bind(args, memory)

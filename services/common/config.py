@@ -159,7 +159,7 @@ class EngineConfig:
     state_dir: Path | None = None  # correction-memory counts a shutdown could not write, for the next start
     ocm_snapshot: Path | None = _bundled("ocm_snapshot.json")  # calibration prior, loaded when present
     memory_pooled: bool = False  # salted requests share the correction memory too (default: one per salt)
-    tensor_parallel: int = 1  # a verifier replica's target split over this many processes (gloo, CPU)
+    tensor_parallel: int = 1  # a verifier replica's target split over this many processes (gloo; NCCL on GPUs)
 
     @property
     def invariant_verification(self) -> bool:
@@ -537,8 +537,9 @@ OPTIONS: dict[str, Option] = {
             "tensor_parallel",
             "positive",
             "verifier: split the target over this many processes per replica (tensor parallelism, "
-            "Megatron style: heads, MLP width and vocabulary divided; gloo on the CPU so far), for a target "
-            "larger than one device; the sizes must divide the target's heads, MLP width and vocabulary",
+            "Megatron style: heads, MLP width and vocabulary divided; gloo on the CPU, NCCL and a GPU per rank "
+            "on cuda), for a target larger than one device; the sizes must divide the target's heads, MLP "
+            "width and vocabulary",
             env="SPECMESH_TENSOR_PARALLEL",
         ),
         Option(

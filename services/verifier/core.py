@@ -391,6 +391,9 @@ def draft_vocabulary(cfg: EngineConfig) -> torch.Tensor | None:
 
 
 def _load_shard(cfg: EngineConfig, rank: int, world: int) -> Llama:
+    """Rank ``rank``'s shard, on its own GPU on ``cuda`` (``cuda:rank``)."""
+    if cfg.device.startswith("cuda"):
+        cfg = replace(cfg, device=f"cuda:{rank}")
     return _load(cfg.target, cfg, rank=rank, world=world)
 
 
@@ -399,14 +402,14 @@ def target_runner(cfg: EngineConfig) -> TargetRunner:
     leader: services/verifier/sharded.py)."""
     if cfg.tensor_parallel <= 1:
         return TargetRunner(_load(cfg.target, cfg))
-    if cfg.static_steps or cfg.kv_pool or not cfg.device.startswith("cpu"):
+    if cfg.static_steps or cfg.kv_pool:
         raise ValueError(
-            "tensor_parallel: runs on the CPU (gloo) without static steps or the K/V pool so far; "
+            "tensor_parallel: runs without static steps or the K/V pool so far; "
             "unset --static-steps and --kv-pool, or use --tensor-parallel 1"
         )
     from services.verifier import sharded
 
-    return sharded.start(cfg.tensor_parallel, partial(_load_shard, cfg))
+    return sharded.start(cfg.tensor_parallel, partial(_load_shard, cfg), cfg.device)
 
 
 def calibration_prior(cfg: EngineConfig) -> dict | None:

@@ -10,7 +10,8 @@ logits and captured states come out whole on every rank; the leader's answer the
 
 A worker that dies breaks the group: the leader's next call raises, the replica's cycles fail and
 the router fails its sessions over as for a dead replica. The workers exit with the leader.
-Transport: torch.distributed (gloo on the CPU). No gRPC, Redis or Ray here.
+Transport: torch.distributed, gloo on the CPU and NCCL between GPUs (rank r on ``cuda:r`` of the
+devices the pod or the Ray placement group gives the replica). No gRPC, Redis or Ray here.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from services.verifier.runner import TargetRunner, TargetSession
 log = logging.getLogger("specmesh.verifier")
 
 TIMEOUT = timedelta(seconds=60)  # a collective that waits longer on a dead peer fails
+
+
+def backend(device: str) -> str:
+    """The collectives' transport for a replica on ``device``."""
+    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def _free_port() -> int:
@@ -98,7 +104,8 @@ class ShardedRunner(TargetRunner):
         return self._guarded(super().step, verify, prefill, trees)
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
-        self._send("commit", st.sid, verdict, states)
+        # a tensor travels through the host: a pickled CUDA tensor would unpickle on the leader's device
+        self._send("commit", st.sid, verdict, None if states is None else states.cpu())
         super().commit(st, verdict, states)
 
     def attach(self, st: TargetSession):
@@ -139,7 +146,8 @@ def serve_calls(runner: TargetRunner) -> None:
             verify, prefill, trees, runner.capture_layers, runner.model.batch_invariant = a
             runner.step([(sessions[s], d) for s, d in verify], [(sessions[s], n) for s, n in prefill], trees)
         elif op == "commit":
-            runner.commit(sessions[a[0]], a[1], a[2])
+            states = None if a[2] is None else a[2].to(runner.model.norm.weight.device)
+            runner.commit(sessions[a[0]], a[1], states)
         elif op == "attach":
             runner.attach(sessions[a[0]])
         elif op == "clear_prefix":
@@ -150,9 +158,18 @@ def serve_calls(runner: TargetRunner) -> None:
             runner.prefix = None if a[0] is None else PrefixCache(*a[0])
 
 
-def _worker(rank: int, world: int, port: int, load) -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT)
+def _join(rank: int, world: int, port: int, device: str) -> None:
+    """Join the replica's group as ``rank`` (on GPUs, on device ``cuda:rank``)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
+
+
+def _worker(rank: int, world: int, port: int, load, device: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    _join(rank, world, port, device)
     try:
         serve_calls(TargetRunner(load(rank, world)))
     except RuntimeError as e:  # the leader is gone
@@ -162,13 +179,24 @@ def _worker(rank: int, world: int, port: int, load) -> None:
             dist.destroy_process_group()
 
 
-def start(world: int, load) -> ShardedRunner:
+def start(world: int, load, device: str = "cpu") -> ShardedRunner:
     """A replica's ``world`` ranks: workers 1..world−1 in processes of their own, this process the
-    leader. ``load(rank, world)`` returns a rank's model, sharded (a picklable function)."""
+    leader. ``load(rank, world)`` returns a rank's model, sharded, on its device (a picklable
+    function). On ``cuda`` the replica needs ``world`` visible GPUs."""
+    if device.startswith("cuda") and torch.cuda.device_count() < world:
+        raise ValueError(
+            f"tensor_parallel {world} on {device}: {torch.cuda.device_count()} GPUs visible; a replica's "
+            "ranks take one GPU each (give its pod or Ray placement group that many)"
+        )
     port = _free_port()
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=_worker, args=(r, world, port, load), daemon=True) for r in range(1, world)]
+    # each rank computes with the leader's torch threads: a spawned process would take every core,
+    # and ranks whose idle threads spin on cores another rank needs wait on each other's collectives
+    threads = torch.get_num_threads()
+    workers = [
+        ctx.Process(target=_worker, args=(r, world, port, load, device, threads), daemon=True) for r in range(1, world)
+    ]
     for p in workers:
         p.start()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world, timeout=TIMEOUT)
+    _join(0, world, port, device)
     return ShardedRunner(load(0, world), world, workers)

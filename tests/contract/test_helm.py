@@ -407,18 +407,45 @@ def test_services_mode_pods_are_non_root_read_only_and_wait_for_their_models():
         assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
 
 
-def test_a_verifier_asks_only_for_the_gpu_it_uses():
-    """A verifier replica runs on one device: services mode refuses verifier.gpus > 1 saying
-    what to set instead; in Ray mode each verifier replica reserves one GPU, so a worker pod
-    with four hosts four replicas."""
-    with pytest.raises(helm.HelmRenderError, match="verifier.gpus: 2 asked.*verifier.replicas"):
-        render({"mode": "services", "verifier": {"gpus": 2}})
-    ray = render({"mode": "ray", "ray": {"gpuWorkers": {"gpus": 4}}})
-    service = kinds(ray, "RayService")[0]
-    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
-    assert serve["applications"][0]["args"]["verifier_gpus"] == 1
-    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
-    assert workers["rayStartParams"]["num-gpus"] == "4"
+def verifier_container(docs: list[dict]) -> dict:
+    return container(named(docs, "StatefulSet", "-verifier"))
+
+
+def test_verifier_gpus_n_is_one_replica_split_over_n_gpus():
+    """verifier.gpus: N runs each replica's target tensor-parallel over N GPUs of one pod (a rank
+    per GPU, /dev/shm for their collectives); verifier.tensorParallel splits it on the CPU too,
+    and on GPUs must agree with gpus (refused, saying what to set)."""
+    two = render({"mode": "services", "verifier": {"gpus": 2}})
+    c = verifier_container(two)
+    assert "--tensor-parallel=2" in c["args"] and "--device=cuda" in c["args"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    pod = named(two, "StatefulSet", "-verifier")["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]["medium"] == "Memory"
+    one = verifier_container(render({"mode": "services", "verifier": {"gpus": 1}}))
+    assert "--tensor-parallel=1" in one["args"] and not any(m["name"] == "shm" for m in one["volumeMounts"])
+    cpu = verifier_container(render({"mode": "services", "verifier": {"gpus": 0, "tensorParallel": 2}}))
+    assert "--tensor-parallel=2" in cpu["args"] and "--device=cpu" in cpu["args"]
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+    with pytest.raises(helm.HelmRenderError, match="tensorParallel: 4 with verifier.gpus: 2.*set tensorParallel"):
+        render({"mode": "services", "verifier": {"gpus": 2, "tensorParallel": 4}})
+
+
+def test_ray_verifier_replica_takes_its_ranks_gpus_on_one_worker():
+    """In Ray mode a replica reserves a GPU per rank (the app's placement group holds them on one
+    worker pod): a 4-GPU worker hosts four replicas at TP 1, two at TP 2; a size that does not
+    divide the worker's GPUs is refused."""
+    for tp, gpus in ((0, 1), (1, 1), (2, 2)):
+        ray = render({"mode": "ray", "verifier": {"tensorParallel": tp}, "ray": {"gpuWorkers": {"gpus": 4}}})
+        service = kinds(ray, "RayService")[0]
+        args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert (args["verifier_gpus"], args["tensor_parallel"]) == (gpus, max(1, tp))
+        workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+        assert workers["rayStartParams"]["num-gpus"] == "4"
+        mounts = workers["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert any(m["name"] == "shm" for m in mounts) == (tp > 1)
+    with pytest.raises(helm.HelmRenderError, match="tensorParallel: 3 does not divide ray.gpuWorkers.gpus: 4"):
+        render({"mode": "ray", "verifier": {"tensorParallel": 3}, "ray": {"gpuWorkers": {"gpus": 4}}})
 
 
 def test_containers_given_gpus_run_the_cuda_image():

@@ -35,7 +35,8 @@ VALUES = {
     "mode": "services",
     "image": {"tag": VERSION, "pullPolicy": "Never"},
     "models": {"image": f"specmesh/specmesh-models:{VERSION}"},
-    "verifier": {"replicas": 1, "gpus": 0},
+    # the verifier's target split over two processes (tensor parallel on the CPU: gloo)
+    "verifier": {"replicas": 1, "gpus": 0, "tensorParallel": 2},
     "router": {"replicas": 1},
 }
 
@@ -49,6 +50,7 @@ def podman(*args: str, check: bool = True) -> str:
 
 RAY_VALUES = {
     **VALUES,
+    "verifier": {"replicas": 1, "gpus": 0},
     "mode": "ray",
     # the head alone serves (no GPU here): no GPU workers, one replica of each deployment, and
     # CPUs enough on the head for all of them (Ray's CPUs are a logical count)
@@ -322,6 +324,17 @@ def test_the_containers_run_as_the_chart_says(release):
     out = podman("exec", "demo-specmesh-router", "sh", "-c", "id -u; touch /opt/x 2>&1; grep CapEff /proc/1/status")
     uid, touched, caps = out.splitlines()
     assert uid == "10001" and "Read-only file system" in touched and caps.split()[-1] == "0000000000000000"
+
+
+def test_the_verifier_serves_split_over_two_ranks(release):
+    """verifier.tensorParallel: 2 on the CPU: the verifier's container runs a second rank (a
+    spawned worker process) beside the server; every Generate of this release goes through both."""
+    ip, docs = release
+    args = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-verifier"))
+    assert "--tensor-parallel=2" in args["spec"]["template"]["spec"]["containers"][0]["args"]
+    name = args["metadata"]["name"]
+    ranks = podman("exec", name, "sh", "-c", "grep -l 'spawn_mai[n]' /proc/[0-9]*/cmdline | wc -l")
+    assert int(ranks) == 1, ranks
 
 
 def test_ray_mode_generate_health_http_and_metrics_through_the_head_container(ray_release):

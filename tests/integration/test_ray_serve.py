@@ -597,3 +597,36 @@ def test_the_ray_drafter_answers_every_drafter_method(serve_app):
 
     handle = serve.get_deployment_handle("DrafterDeployment", app_name="specmesh")
     assert exercise(RayDrafter(handle), [5, 6, 7, 5, 6, 7, 5, 6]) == set(METHODS)
+
+
+def test_a_tensor_parallel_verifier_replica_serves_through_ray(serve_app, tiny_dirs, tiny_engine, tmp_path):
+    """tensor_parallel: 2 in the app's args: the verifier replica is placed with a placement group
+    (one bundle holding its ranks' CPUs), starts its second rank beside it (gloo) and gives
+    vanilla's greedy tokens for sd and suffix."""
+    import shutil
+
+    from ray import serve
+    from ray.util import placement_group_table
+
+    from services.ray_app import app
+
+    stub = serve_app[0]
+    for name, src in (("target", tiny_dirs[0]), ("draft", tiny_dirs[1])):
+        shutil.copytree(src, tmp_path / name)
+    args = {"models_dir": str(tmp_path), "verifier_gpus": 0, "verifier_replicas": 1, "cpus_per_replica": 0.1}
+    serve.run(app({**args, "tensor_parallel": 2}), name="tp2", route_prefix="/tp2")
+    meta = (("application", "tp2"),)
+    try:
+        prompt = "def add(a, b):\n"
+        ref = tiny_engine.generate(GenerationRequest(tiny_engine.encode(prompt), 24, method="vanilla")).result()
+        for method in ("sd", "suffix"):
+            msgs = list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt=prompt, max_new_tokens=24, method=method), metadata=meta, timeout=120
+                )
+            )
+            assert [t for m in msgs for t in m.token_ids] == ref["token_ids"], method
+        groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        assert any(g["strategy"] == "STRICT_PACK" and list(g["bundles"].values()) == [{"CPU": 0.1}] for g in groups)
+    finally:
+        serve.delete("tp2")

@@ -203,3 +203,14 @@ serviceAccountName: {{ include "specmesh.fullname" . }}
 automountServiceAccountToken: false
 {{- end }}
 {{- end -}}
+
+{{/* A verifier replica's tensor-parallel size: verifier.tensorParallel, or 0 for verifier.gpus
+(one rank per GPU; 1 on the CPU). On GPUs the two must agree: a rank takes one GPU. */}}
+{{- define "specmesh.verifierTP" -}}
+{{- $gpus := int .Values.verifier.gpus }}
+{{- $tp := int .Values.verifier.tensorParallel }}
+{{- if and (gt $gpus 0) (gt $tp 0) (ne $tp $gpus) }}
+{{- fail (printf "verifier.tensorParallel: %d with verifier.gpus: %d: a replica's ranks take one GPU each; set tensorParallel to gpus (or 0, which follows gpus)" $tp $gpus) }}
+{{- end }}
+{{- if gt $tp 0 }}{{ $tp }}{{ else }}{{ max 1 $gpus }}{{ end }}
+{{- end -}}
