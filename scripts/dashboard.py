@@ -223,7 +223,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     (
         "Correction memory and Redis",
         [
-            ("Redis link up", "short", [("min(specmesh_redis_up) by (component)", "{{component}}")]),
+            (
+                "Redis link (1 up, 0 degraded to local, -1 none configured)",
+                "short",
+                [("min(specmesh_redis_up) by (component)", "{{component}}")],
+            ),
             ("Redis errors per second", "short", [(rate("specmesh_redis_errors_total", "component"), "{{component}}")]),
             ("Correction memory pairs", "short", [("max(specmesh_ocm_pairs)", "pairs")]),
             (

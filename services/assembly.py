@@ -17,6 +17,7 @@ from typing import Any
 
 from services.common.config import EngineConfig, ServerConfig, Topology, option_flags, secret_env
 from services.common.grpc_server import run_until_signal
+from services.common.metrics import redis_off
 from services.common.security import TLSConfig, exposure_warning, internal_token
 from services.drafter.hybrid import HybridDrafter
 from services.router import openai_api as oa
@@ -130,6 +131,8 @@ def component_server(role: str, cfg: EngineConfig, host: str, port: int):
 
         cache = GlobalSuffixCache.of(cfg.suffix)
         feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache, vocab=vocab).start()
+    elif role == "drafter":
+        redis_off("suffix_feed")
     if role == "drafter":
         from services.drafter.grpc_server import build_drafter_server
         from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter

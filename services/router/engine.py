@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from services.common.config import EngineConfig
-from services.common.metrics import REQUESTS, MethodMetrics
+from services.common.metrics import REQUESTS, MethodMetrics, redis_off
 from services.common.prefix_cache import MAX_CACHE_SALT
 from services.common.refusals import Invalid
 from services.common.sampling import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGPROBS, banned_tokens, sampling_error
@@ -199,6 +199,8 @@ class Engine:
             self.suffix_feed = SuffixFeed(
                 RedisLink(cfg.redis_url, "suffix_feed"), self.suffix_cache, vocab=self.verifier.vocab_size
             ).start()
+        else:
+            redis_off("suffix_feed")
         if cfg.drafter_addr:
             from services.drafter.client import RemoteDrafter
 

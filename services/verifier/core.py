@@ -22,7 +22,7 @@ import torch
 
 from services.common.config import EngineConfig
 from services.common.llama import Llama
-from services.common.metrics import KV_CACHE_CAPACITY, VERIFIER_SESSIONS
+from services.common.metrics import KV_CACHE_CAPACITY, VERIFIER_SESSIONS, redis_off
 from services.common.packed_linear import pack_linears
 from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, salt_root
 from services.common.sampling import Draws, apply_bias, apply_penalties, ban_bad_words, token_logprobs
@@ -433,6 +433,7 @@ def open_memory(cfg: EngineConfig):
         if prior:
             memory.ensure_prior(prior)
         return memory
+    redis_off("ocm")
     local = LocalCorrectionMemory()
     if prior:
         local.restore(prior)

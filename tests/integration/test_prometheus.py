@@ -95,6 +95,25 @@ def test_embedded_server_every_panel_has_data(tmp_path, private_redis):
         stop_processes([server])
 
 
+def test_embedded_server_without_redis_every_panel_has_data(tmp_path):
+    """`make serve`'s shape (no Redis): every panel still has data; the Redis link reads -1 (none
+    configured: local memory by choice), which the Redis-down alert does not take for an outage."""
+    port, metrics = free_port(), free_port()
+    args = ["--port", str(port), "--http-port", "0", "--metrics-port", str(metrics), "--max-sessions", "8"]
+    args += ["--state-dir", str(tmp_path / "state")]
+    binary("prometheus")
+    server = start_server(args, port, tmp_path / "serve.log")
+    prom = Prometheus([f"127.0.0.1:{metrics}"], free_port(), tmp_path)
+    try:
+        check_under_load(prom, f"127.0.0.1:{port}", 1)
+        up = {r["metric"]["component"]: float(r["value"][1]) for r in prom.query("specmesh_redis_up")}
+        assert up == {"ocm": -1.0, "suffix_feed": -1.0}, up
+        assert not prom.query('ALERTS{alertname=~".*Redis.*"}')
+    finally:
+        prom.stop()
+        stop_processes([server])
+
+
 def test_distributed_router_and_verifiers_every_panel_has_data(tmp_path, private_redis):
     """The router and its two spawned verifiers, each scraped on its own port."""
     port, metrics = free_run(3), free_run(3)

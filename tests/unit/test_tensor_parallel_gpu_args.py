@@ -26,5 +26,7 @@ def test_rank_r_loads_its_shard_on_cuda_r(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs: the refusal cannot show")
 def test_a_replica_seeing_fewer_gpus_than_ranks_is_refused_before_starting():
-    with pytest.raises(ValueError, match="tensor_parallel 2 on cuda: .* GPUs visible; a replica's ranks take one GPU each"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel 2 on cuda: .* GPUs visible; a replica's ranks take one GPU each"
+    ):
         sharded.start(2, lambda rank, world: None, "cuda")
