@@ -37,6 +37,57 @@ log = logging.getLogger("specmesh.scheduler")
 SPLIT_AT = 128
 
 
+class Publisher:
+    """Deferred work (outputs to their queues, metrics), run in order on a thread of its own
+    while the step it waited for runs; ``drain`` waits until all handed over has run."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._batches: deque[list[Callable[[], None]]] = deque()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def hand(self, fns: list[Callable[[], None]]) -> None:
+        if not fns:
+            return
+        with self._cond:
+            self._batches.append(fns)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        with self._cond:
+            while self._batches or self._busy:
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            self._next()
+
+    def _next(self) -> None:
+        """Run the next batch handed over. (A method of its own so that nothing of a finished
+        generation outlives the batch in a local: its caches go back to the K/V pool when
+        collected.)"""
+        with self._cond:
+            while not self._batches:
+                self._cond.wait()
+            fns, self._busy = self._batches.popleft(), True
+        run_all(fns)
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+def run_all(fns: list[Callable[[], None]]) -> None:
+    for fn in fns:
+        try:
+            fn()
+        except Exception:
+            log.exception("deferred work failed")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -51,8 +102,11 @@ class Scheduler:
         sessions run in that many alternating steps, each at most its share of them, and at most
         that many steps in flight, so the router drafts for one while another is verified (0:
         two for a remote backend from ``SPLIT_AT`` sessions on, else one);
-        ``offload``: the backend answers in the caller's thread (in process), so its steps run
-        on a thread of their own (one at a time), and what is deferred (``defer``) overlaps them."""
+        ``offload``: the backend answers in the caller's thread (in process): with one
+        micro-batch the scheduler runs each step itself, with more on a thread of their own (one
+        at a time); either way what is deferred (``defer``) runs on a publisher thread meanwhile.
+        Rule: a step's deferred work has run before the next step's outcomes are applied (they
+        touch the same generations), and no thread hand-off lies between two in-process steps."""
         self.backend, self.prepare, self.max_batch, self.micro_batches = backend, prepare, max_batch, micro_batches
         self._cond = threading.Condition()
         self._added: list[Generation] = []
@@ -63,6 +117,7 @@ class Scheduler:
         self._step_of: dict[int, list[int]] = {}  # id(gen) -> its step's count of cycles not yet settled
         self._steps_in_flight = 0
         self._device = ThreadPoolExecutor(1, thread_name_prefix="step") if offload else None
+        self._publisher = Publisher() if offload else None
         self._later: list[Callable[[], None]] = []  # what waits for the next step to be sent
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -104,10 +159,14 @@ class Scheduler:
                 if self._closed and not self._in_flight:
                     if self._device is not None:
                         self._device.shutdown(wait=False)
+                    if self._publisher is not None:
+                        self._publisher.drain()
                     return False
                 self._cond.wait()
             added, self._added = self._added, []
             outcomes, self._outcomes = self._outcomes, []
+        if self._publisher is not None:
+            self._publisher.drain()  # the last step's outputs are out before its sessions move on
         self._ready.extend(added)
         for gen, outcome in outcomes:
             self._in_flight -= 1
@@ -129,11 +188,10 @@ class Scheduler:
 
     def _run_later(self) -> None:
         later, self._later = self._later, []
-        for fn in later:
-            try:
-                fn()
-            except Exception:
-                log.exception("deferred work failed")
+        if self._publisher is not None:
+            self._publisher.hand(later)
+        else:
+            run_all(later)
 
     def _micro(self) -> int:
         """Micro-batches now (``micro_batches``, or auto's choice for the sessions running)."""
@@ -214,7 +272,12 @@ class Scheduler:
                     self._cond.notify()
 
         cycles = [(gen.session, req) for gen, req in batch]
-        if self._device is not None:
+        if self._device is not None and self._micro() == 1:
+            # in process, one micro-batch: the outputs of the last step go to the publisher and
+            # the step runs here (the device holds it, the GIL is free): nothing to hand over
+            self._run_later()
+            self._send(cycles, done)
+        elif self._device is not None:
             # the step thread starts the step before anything deferred runs here, so it holds the
             # GIL until the device has the step (else it waits out this thread's turn: a switch
             # interval); behind another step in flight, it starts when that one ends

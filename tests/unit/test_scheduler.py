@@ -272,21 +272,35 @@ def test_two_micro_batches_alternate_and_overlap_the_router_s_work_with_a_step()
     sched.close()
 
 
-def test_an_offloaded_step_starts_before_the_work_its_turn_deferred():
-    """In process (offload): the step thread has begun the step before the scheduler runs what
-    waited for the step to be sent (outputs, metrics), so the device never waits on that work."""
+def test_an_in_process_step_runs_on_the_scheduler_while_its_deferred_work_is_published():
+    """In process (offload), one micro-batch: the scheduler runs each step itself (no hand-off
+    between two steps) after handing what waited for it (outputs, metrics) to the publisher
+    thread, which runs it while the step runs; a step's deferred work has all run before the
+    next step's outcomes are applied."""
     order: list[str] = []
+    threads: set[tuple[str, str]] = set()
+    pending: dict[int, int] = {}  # steps sent when it was deferred -> deferred calls not yet run
 
     class Recording(Backend):
         def step(self, cycles, done):
             order.append("step")
+            threads.add(("step", threading.current_thread().name))
             threading.Event().wait(0.005)  # the device holds the step; the GIL is free
             super().step(cycles, done)
 
     class Deferring(Gen):
         def apply(self, res):
+            sent = sched.steps
+            assert not any(n for s, n in pending.items() if s < sent), "an earlier step's deferred work is pending"
             super().apply(res)
-            sched.defer(lambda: order.append("deferred"))
+            pending[sent] = pending.get(sent, 0) + 1
+            sched.defer(lambda: deferred(sent))
+
+    def deferred(sent: int):
+        threading.Event().wait(0.004)  # two of them outlast the step: the next turn must wait for them
+        threads.add(("deferred", threading.current_thread().name))
+        order.append("deferred")
+        pending[sent] -= 1
 
     gens = [Deferring(n, cycles=5) for n in "ab"]
     sched = Scheduler(Recording(ok), each, offload=True)
@@ -295,8 +309,10 @@ def test_an_offloaded_step_starts_before_the_work_its_turn_deferred():
             sched.add(g)
     assert all(g.released.wait(10) for g in gens)
     sched.close()
-    # each step's outcomes defer their work into the next turn, which sends its step first
+    # each step's outcomes defer their work into the next turn, whose step starts first
     assert order == ["step"] + ["step", "deferred", "deferred"] * 4 + ["deferred", "deferred"]
+    assert threads == {("step", "scheduler"), ("deferred", "publisher")}
+    assert all(g.items() == [[1], [2], [3], [4], [5]] for g in gens)  # no apply failed
 
 
 def test_auto_micro_batches_split_a_remote_backend_s_sessions_from_split_at(monkeypatch):
