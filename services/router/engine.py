@@ -714,7 +714,7 @@ class Generation:
 
     def emit(self, item: "StepOutput | BaseException | None") -> None:
         """To the consumer: an output, the error that ended the generation, or None at its end;
-        from the scheduler's thread once the next step is sent (in order)."""
+        once the next step is sent, in order (``Scheduler.defer``)."""
         self.engine.scheduler.defer(partial(self.out.put, (self.index, item)))
 
     def release(self) -> None:

@@ -182,8 +182,9 @@ class Scheduler:
         return True
 
     def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (in order, on the scheduler's thread) once the next step is sent: work no
-        step waits for (outputs to their queues, metrics) overlaps the step."""
+        """Run ``fn`` (in order) once the next step is sent: work no step waits for (outputs to
+        their queues, metrics) overlaps the step, on the publisher thread in process, else on the
+        scheduler's thread; the scheduler's thread only (it is not locked)."""
         self._later.append(fn)
 
     def _run_later(self) -> None:
