@@ -24,6 +24,8 @@
 #   lossless_fp32   fp32, trees included: every lossless method equals vanilla token for token;
 #   kv_pool, trees, link_hop, prefill, compile_inductor: the pooled attention, token trees, the
 #                   verifier hop, the --prefill-chunk for a GPU, torch.compile; last (they may not fit).
+# Not here: tensor parallel over NCCL needs a GPU per rank, and the machine lent has one, so only
+# TP 1 runs (on a machine with two: python -m bench.tensor_parallel --device cuda --tensor-parallel 2).
 # The archive is re-made after each step, so a run cut off at its limit still returns what it
 # finished. Here: tar xf <files_at>/gpu_cuda_check.tar -C bench/results/cuda/ (the .md files
 # are the record), and read them before changing the CUDA step.
