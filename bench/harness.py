@@ -492,26 +492,30 @@ def run_settings(
     return runs
 
 
+def grouped_bars(ax, groups: list, series: list, value, label=str) -> None:
+    """One group of bars per item of ``groups`` (labelled on the x axis), one bar per item of
+    ``series`` in each, of height ``value(series_item, group)``, in a legend as ``label(item)``."""
+    width = 0.8 / len(series)
+    for j, s in enumerate(series):
+        ax.bar(
+            [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))],
+            [value(s, g) for g in groups],
+            width,
+            label=label(s),
+        )
+    ax.set_xticks(range(len(groups)), groups)
+    ax.legend(fontsize=8)
+
+
 def setting_bars(result: dict, settings, ylabel: str, path: Path, label=str) -> None:
     """Speedup bars: one group per method (`vanilla` left out), one bar per setting."""
     plt = pyplot()
     methods = [m for m in result["args"]["methods"].split(",") if m != "vanilla"]
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    width = 0.8 / len(settings)
-    for j, s in enumerate(settings):
-        ax.bar(
-            [i + (j - (len(settings) - 1) / 2) * width for i in range(len(methods))],
-            [
-                next(r["speedup_vs_vanilla"] for r in result["rows"] if r["setting"] == s and r["method"] == m)
-                for m in methods
-            ],
-            width,
-            label=label(s),
-        )
+    speedup = {(r["setting"], r["method"]): r["speedup_vs_vanilla"] for r in result["rows"]}
+    grouped_bars(ax, methods, list(settings), lambda s, m: speedup[(s, m)], label)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(len(methods)), methods)
     ax.set(ylabel=ylabel)
-    ax.legend(fontsize=8)
     write_figure(fig, path)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.harness import (
     command,
+    grouped_bars,
     machine,
     past_outputs,
     pyplot,
@@ -125,21 +126,10 @@ def plot(result: dict, path: Path) -> None:
     methods = list(dict.fromkeys(r["method"] for r in result["rows"] if r["method"] != "vanilla"))
     heads = list(dict.fromkeys(r["head"] for r in result["rows"] if r["head"]))
     fig, ax = plt.subplots(figsize=(7, 3.4))
-    width = 0.8 / len(heads)
-    for j, h in enumerate(heads):
-        ax.bar(
-            [i + (j - (len(heads) - 1) / 2) * width for i in range(len(methods))],
-            [
-                next(r["speedup_vs_vanilla"] for r in result["rows"] if r["method"] == m and r["head"] == h)
-                for m in methods
-            ],
-            width,
-            label=h,
-        )
+    speedup = {(r["head"], r["method"]): r["speedup_vs_vanilla"] for r in result["rows"]}
+    grouped_bars(ax, methods, heads, lambda h, m: speedup[(h, m)])
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(len(methods)), methods)
     ax.set(ylabel="speedup over vanilla", title=f"EAGLE-3 heads — {result['workload']}")
-    ax.legend(fontsize=8)
     write_figure(fig, path)
 
 

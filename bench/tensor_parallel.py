@@ -22,6 +22,7 @@ from dataclasses import replace
 from bench.harness import (
     Run,
     command,
+    grouped_bars,
     machine,
     past_outputs,
     pyplot,
@@ -58,10 +59,10 @@ def all_reduce_us(world: int, hidden: int) -> float:
     """One gloo all-reduce of a step's [8, hidden] rows among ``world`` processes, alone (µs)."""
     import torch.multiprocessing as mp
 
-    from services.verifier.sharded import _free_port
+    from services.verifier.sharded import free_port
 
     out = mp.get_context("spawn").Queue()
-    mp.start_processes(_probe_rank, (world, _free_port(), hidden, out), nprocs=world, start_method="spawn")
+    mp.start_processes(_probe_rank, (world, free_port(), hidden, out), nprocs=world, start_method="spawn")
     return round(1e6 * out.get(timeout=60), 1)
 
 
@@ -132,20 +133,9 @@ def plot(result: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.2))
     methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
     sizes = sorted({r["tensor_parallel"] for r in result["rows"]})
-    width = 0.8 / len(sizes)
-    for j, n in enumerate(sizes):
-        ax.bar(
-            [i + (j - (len(sizes) - 1) / 2) * width for i in range(len(methods))],
-            [
-                next(r["step_ms"] for r in result["rows"] if r["method"] == m and r["tensor_parallel"] == n)
-                for m in methods
-            ],
-            width,
-            label=f"TP {n}",
-        )
-    ax.set_xticks(range(len(methods)), methods)
+    step = {(r["tensor_parallel"], r["method"]): r["step_ms"] for r in result["rows"]}
+    grouped_bars(ax, methods, sizes, lambda n, m: step[(n, m)], lambda n: f"TP {n}")
     ax.set(ylabel="target step, ms per cycle")
-    ax.legend(fontsize=8)
     write_figure(fig, path)
 
 

@@ -41,7 +41,7 @@ def backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -188,7 +188,7 @@ def start(world: int, load, device: str = "cpu") -> ShardedRunner:
             f"tensor_parallel {world} on {device}: {torch.cuda.device_count()} GPUs visible; a replica's "
             "ranks take one GPU each (give its pod or Ray placement group that many)"
         )
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     # each rank computes with the leader's torch threads: a spawned process would take every core,
     # and ranks whose idle threads spin on cores another rank needs wait on each other's collectives
