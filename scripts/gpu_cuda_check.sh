@@ -21,6 +21,8 @@
 #                   compilation may take a minute, is the last step: compile_inductor);
 #   serving         bench.serving, embedded, vanilla: aggregate tokens/s at 1, 8 and 32 streams (x32 >= 10x);
 #   pair_cost       a 1-layer draft's step against target shapes (the draft at most 10 % of a step);
+#   step_reads      a step's greedy verdicts: each session's rows copied to the host against one
+#                   batched read of the step (policies.read_greedy), 1-128 sessions;
 #   lossless_fp32   fp32, trees included: every lossless method equals vanilla token for token;
 #   kv_pool, trees, link_hop, prefill, compile_inductor: the pooled attention, token trees, the
 #                   verifier hop, the --prefill-chunk for a GPU, torch.compile; last (they may not fit).
@@ -69,6 +71,7 @@ step serving 100 "$PY" -m bench.serving --methods vanilla --concurrency 1,8,32 -
   --overhead-prompts 1 --repeats 1 --window-s 6 --warmup-s 2 --server-threads 1 --topologies embedded --out "$W/serving.json"
 step pair_cost 30 "$PY" -m bench.pair_cost --device "$DEVICE" --targets 8x256,12x512 --drafts 1x128,1x256 --rounds 2 \
   --out "$W/pair_cost.json"
+step step_reads 20 "$PY" -m bench.step_reads --device "$DEVICE" --dtype "$DT" --rounds 10 --out "$W/step_reads.json"
 step lossless_fp32 60 "$PY" -m bench --device "$DEVICE" --dtype float32 --threads 1 --workload humaneval --limit 3 \
   --max-new-tokens 64 --methods vanilla,sd,eagle3,hybrid,suffix-tree,eagle3-tree,hybrid-tree --out "$W/lossless_fp32.json"
 step kv_pool 40 "$PY" -m bench.step_profile --device "$DEVICE" --batches 1,8,16 --kv-pools off,on --repeats 1 --out "$W/kv_pool.json"

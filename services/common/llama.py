@@ -463,11 +463,28 @@ class Llama(nn.Module):
         tails: list[int] | None = None,
         trees: list[list[int] | None] | None = None,
     ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """``forward_joined``, each row's logits split off: per-row logits [T_r, V]."""
+        if last_only:
+            tails = [1] * len(seqs)
+        logits, hidden = self.forward_joined(seqs, starts, caches, capture, head, tails, trees)
+        return list(torch.split(logits, tails or [len(t) for t in seqs])), hidden
+
+    def forward_joined(
+        self,
+        seqs: Sequence[list[int] | torch.Tensor],
+        starts: list[int],
+        caches: list[KVCache],
+        capture: tuple[int, ...] = (),
+        head: nn.Module | None = None,
+        tails: list[int] | None = None,
+        trees: list[list[int] | None] | None = None,
+    ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Several sequences in one pass: row r feeds ``seqs[r]`` at positions starts[r].. of
-        ``caches[r]`` (batch-1 caches). Returns per-row logits [T_r, V] and captured states
-        [T_r, H]. The LM head runs only where logits are wanted: on each row's last ``tails[r]``
-        positions when given (a verification needs the draft's and the bonus position's, not
-        a prompt's), on its last one with ``last_only`` (a drafter). ``trees[r]``, when given
+        ``caches[r]`` (batch-1 caches). Returns the logits of every row's last ``tails[r]``
+        positions (without ``tails``: all its positions), joined in row order [Σ tails, V],
+        and per-row captured states [T_r, H]. The LM head runs only where logits are wanted: a
+        verification needs the draft's and the bonus position's, not a prompt's; a drafter
+        its last (``forward_ragged``'s ``last_only``). ``trees[r]``, when given
         and not None, makes row r's last len(trees[r]) tokens a token tree with those parents
         (``token_tree``): each sits at its depth's position and attends to its ancestors; its
         K/V go to the cache in row order (the caller keeps the accepted path's). A single
@@ -475,8 +492,6 @@ class Llama(nn.Module):
         A row's tokens may be a device tensor (a drafter's chain feeds its last argmax without
         reading it)."""
         dev = self.embed_tokens.weight.device
-        if last_only:
-            tails = [1] * len(seqs)
         trees = trees if trees and any(t is not None for t in trees) else None
         if len(seqs) == 1 and not self.batch_invariant and self._static(seqs[0], head, trees):
             assert self.static_steps is not None, "checked by _static"
@@ -486,7 +501,7 @@ class Llama(nn.Module):
             logits, captured = self.static_steps(ids, positions, caches[0], width, capture)
             if tails:
                 logits = logits[:, t - tails[0] :]
-            return [logits[0]], [[h[0] for h in captured]]
+            return logits[0], [[h[0] for h in captured]]
         if len(seqs) == 1 and not self.batch_invariant:
             logits, hidden = self(
                 token_ids(seqs[:1], dev)[None],
@@ -497,7 +512,7 @@ class Llama(nn.Module):
                 tail=tails[0] if tails else None,
                 tree=trees[0] if trees else None,
             )
-            return [logits[0]], [[h[0] for h in hidden]]
+            return logits[0], [[h[0] for h in hidden]]
         lens = [len(t) for t in seqs]
         ids = token_ids(seqs, dev)
         trees = trees or [None] * len(seqs)
@@ -524,18 +539,17 @@ class Llama(nn.Module):
                 layer.self_attn, layer.input_layernorm(x), cos, sin, rows, i, groups, alone, lens, calls
             )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        split = lambda t: list(torch.split(t, lens))  # noqa: E731
-        per_layer = [split(seen[i]) for i in capture]
+        per_layer = [list(torch.split(seen[i], lens)) for i in capture]
         hidden = [[h[r] for h in per_layer] for r in range(len(lens))]
         head = head or self.lm_head
         if tails is None:
-            return split(head(self.norm(x))), hidden
+            return head(self.norm(x)), hidden
         keep = torch.tensor(
             [j for off, n, t in zip(offsets, lens, tails) for j in range(off + n - t, off + n)],
             dtype=torch.long,
             device=dev,
         )
-        return list(torch.split(head(self.norm(x[keep])), tails)), hidden
+        return head(self.norm(x[keep])), hidden
 
     # Single-session steps of at most STATIC_ROWS tokens run here when set (``--static-steps``):
     # forward_static, replayed from CUDA graphs on a GPU (services/common/graphs.py). Not in the

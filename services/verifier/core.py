@@ -34,8 +34,8 @@ from services.memory.correction_memory import LocalCorrectionMemory, SaltedMemor
 from services.memory.snapshot import load_snapshot
 from services.verifier.backend import Cycles, Done, run_step
 from services.verifier.batcher import CycleBatcher, Pending
-from services.verifier.policies import POLICIES, CalibratedGreedy
-from services.verifier.runner import TargetRunner
+from services.verifier.policies import POLICIES, CalibratedGreedy, GreedyRows, read_greedy, rows_policy
+from services.verifier.runner import StepRows, TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class VerifierCore:
             b.again = id(b) in chunks
         if not live and not filling:
             return
-        outs, states = self.runner.step(
+        rows, states = self.runner.step(
             [(b.session.target, drafts[id(b)].token_ids) for b in live],
             [(b.session.target, chunks[id(b)]) for b in filling],
             [drafts[id(b)].parents if drafts[id(b)].is_tree else None for b in live],
@@ -257,13 +257,35 @@ class VerifierCore:
                 b.session.prefilled(fused)
             except Exception as e:  # one session's failure is its own (an item with an error ends)
                 b.error = e
-        for b, (logits, hidden) in zip(live, outs):
+        reads = self._greedy_reads(live, drafts, rows)
+        for i, b in enumerate(live):
             try:
                 b.result = b.session.finish(
-                    drafts[id(b)], logits, hidden, t1 - t0, t1, len(live) + len(filling), b.arrived
+                    drafts[id(b)],
+                    reads.get(i) or rows.host(i),
+                    rows.hidden[i],
+                    t1 - t0,
+                    t1,
+                    len(live) + len(filling),
+                    b.arrived,
                 )
             except Exception as e:
                 b.error = e
+
+    @staticmethod
+    def _greedy_reads(live: list[Pending], drafts: dict[int, Draft], rows: StepRows) -> dict[int, GreedyRows]:
+        """The greedy policies' reads of the step for every session whose rows no per-row rule
+        reshapes, taken at once (``read_greedy``); the rest read their own rows on the host."""
+        plain = [i for i, b in enumerate(live) if b.session.reads_greedy]
+        if not plain:
+            return {}
+        reads = read_greedy(
+            rows.logits,
+            [rows.spans[i] for i in plain],
+            [drafts[id(live[i])].token_ids for i in plain],
+            [live[i].session.gate_top_k for i in plain],
+        )
+        return dict(zip(plain, reads))
 
     def _attach(self, batch: list[Pending]) -> None:
         """A session's first step takes what the prefix cache holds of its prompt; its drafter
@@ -453,6 +475,7 @@ class VerifierSession:
         self.rng.position = s.generated  # output tokens before this session (a failover's re-open)
         self.memory = self.core.memory_of(s.cache_salt)
         self.policy = self.core.policy_of(s.policy, s.cache_salt)
+        self._rows_policy = rows_policy(self.policy)
         root = salt_root(s.cache_salt)
         self.target = self.core.runner.open(
             s.prompt_ids, len(s.prompt_ids) + s.max_new_tokens + s.max_draft + 1, root, s.prompt_logprobs
@@ -488,7 +511,7 @@ class VerifierSession:
     def finish(
         self,
         draft: Draft,
-        logits: torch.Tensor,
+        logits: torch.Tensor | GreedyRows,
         hidden: list[torch.Tensor],
         draft_s: float,
         verify_start: float,
@@ -496,19 +519,17 @@ class VerifierSession:
         arrived: float | None = None,
     ) -> CycleResult:
         """Apply the policy to the verified draft, commit, let the local drafter observe.
-        ``arrived``: when the cycle reached this verifier (its ``server_s`` counts from then)."""
+        ``logits``: the target's rows [k+1, V] on the host, or the step's greedy reads of them
+        (``reads_greedy``). ``arrived``: when the cycle reached this verifier (its ``server_s``
+        counts from then)."""
         gate_start = time.perf_counter()
-        verdict: Verdict = self.policy(
-            draft,
-            self._constrained(self._no_early_eos(self._shaped(logits, draft)), draft),
-            self.spec.sampling,
-            self.rng,
-        )
+        verdict = self._verdict(draft, logits)
         gate_s = time.perf_counter() - gate_start
         pending = len(self.target.pending)
         kept = pending + verdict.accepted
         if verdict.path is not None:  # a tree: its accepted path's rows, in order
-            logits = logits[[0] + [n + 1 for n in verdict.path]]
+            if isinstance(logits, torch.Tensor):
+                logits = logits[[0] + [n + 1 for n in verdict.path]]
             hidden = [h[:, list(range(pending)) + [pending + n for n in verdict.path]] for h in hidden]
         states = None  # the kept positions' fused target states, for EAGLE-3 and the prefix cache
         if hidden and (self._needs_states or self.core.runner.prefix is not None):
@@ -540,8 +561,17 @@ class VerifierSession:
             batch_size=batch_size,
             cached_tokens=self._report_cached(),
             prompt_logprobs=self._report_prompt_logprobs(),
-            logprobs=token_logprobs(logits, committed, self.spec.logprobs) if self.spec.logprobs is not None else (),
+            logprobs=token_logprobs(logits, committed, self.spec.logprobs)
+            if self.spec.logprobs is not None and isinstance(logits, torch.Tensor)
+            else (),
         )
+
+    def _verdict(self, draft: Draft, logits: torch.Tensor | GreedyRows) -> Verdict:
+        if isinstance(logits, GreedyRows):
+            assert self._rows_policy is not None, "reads are taken for sessions that read greedily"
+            return self._rows_policy(draft, logits)
+        shaped = self._constrained(self._no_early_eos(self._shaped(logits, draft)), draft)
+        return self.policy(draft, shaped, self.spec.sampling, self.rng)
 
     def _shaped(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
         """The request's penalties (``Sampling``), over its output so far (the re-opened
@@ -587,14 +617,34 @@ class VerifierSession:
     @property
     def takes_trees(self) -> bool:
         """Tree drafts are verified by the lossless policies (greedy's exact walk, sampling's
-        ``_sampled_walk``), on logits no per-row rule (penalties, bias, bad words, grammar,
-        min_tokens) reshapes: those read rows as a chain. CSD relaxes chains only."""
+        ``_sampled_walk``), on logits no per-row rule reshapes: those read rows as a chain.
+        CSD relaxes chains only."""
+        return self.spec.policy in ("lossless", "exact") and not self._reshaped
+
+    @property
+    def reads_greedy(self) -> bool:
+        """Its verdict needs only the step's greedy reads of its rows (argmaxes, a gate's gaps
+        and ranks): a greedy request under a greedy policy, whose rows no per-row rule reshapes,
+        that wants no logprobs."""
+        s = self.spec
+        return s.sampling.greedy and self._rows_policy is not None and not self._reshaped and s.logprobs is None
+
+    @property
+    def gate_top_k(self) -> int:
+        """The calibrated gate's top-k (0: no gate), for the step's reads."""
+        return self.policy.gate.top_k if isinstance(self.policy, CalibratedGreedy) else 0
+
+    @property
+    def _reshaped(self) -> bool:
+        """A per-row rule reshapes its logits: penalties, bias, bad words, a grammar, or
+        min_tokens still ahead."""
         s, sp = self.spec, self.spec.sampling
         return (
-            s.policy in ("lossless", "exact")
-            and not (sp.penalized or sp.biased or sp.bad_words)
-            and self.grammar is None
-            and s.min_tokens <= len(self.target.tokens) - len(s.prompt_ids)
+            sp.penalized
+            or sp.biased
+            or bool(sp.bad_words)
+            or self.grammar is not None
+            or s.min_tokens > len(self.target.tokens) - len(s.prompt_ids)
         )
 
     @property

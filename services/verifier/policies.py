@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -30,10 +31,103 @@ class AcceptancePolicy(Protocol):
     def __call__(self, draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict: ...
 
 
+@dataclass
+class GreedyRows:
+    """What a greedy policy reads of a draft's target rows: each row's argmax (``target``), and
+    for a calibrated gate, at each draft row i, logit(d_i) − logit(t_i) (``gaps``) and whether
+    d_i ranks within the gate's top-k (``within``). A step reads them for all its sessions at
+    once (``read_greedy``); None where the step did not, and the gate reads ``logits`` then."""
+
+    target: list[int]
+    logits: torch.Tensor | None = None
+    gaps: list[float] | None = None
+    within: list[bool] | None = None
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> "GreedyRows":
+        return cls(greedy_ids(logits), logits)
+
+    def gap(self, i: int, d: int, t: int) -> float:
+        """logit(d) − logit(t) at row i."""
+        if self.gaps is not None:
+            return self.gaps[i]
+        vals = self._row(i)
+        return float(vals[d] - vals[t])
+
+    def ranks_within(self, i: int, d: int, k: int) -> bool:
+        """Fewer than k tokens rank strictly above d at row i."""
+        if self.within is not None:
+            return self.within[i]
+        vals = self._row(i)
+        return int((vals > vals[d]).sum()) < k
+
+    def _row(self, i: int):
+        assert self.logits is not None, "reads without gaps or ranks keep their rows"
+        row = self.logits[i]
+        return row.float().numpy() if row.device.type == "cpu" else row  # scalar reads: numpy's are ~1 µs
+
+
+def read_greedy(
+    logits: torch.Tensor, spans: Sequence[tuple[int, int]], drafts: Sequence[list[int]], top_k: Sequence[int]
+) -> list[GreedyRows]:
+    """Every greedy session's reads of one step's logits [N, V] in one pass (as vLLM's rejection
+    sampler takes a batch): session i's rows are ``spans[i]`` (start, k + 1), its draft
+    ``drafts[i]``; ``top_k[i]`` > 0 asks for a calibrated gate's reads on its draft rows. One
+    argmax over the step and one transfer to the host, not a row read per session. On a GPU
+    the gate's reads of every gated row come with it: the top-k test is d's logit ≥ the k-th
+    largest (fewer than k tokens rank strictly above d). From fp32 rows on the CPU, where a
+    row's reads cost no transfer and its top-k test a pass over the vocabulary, the gate reads
+    the few rows it reaches itself (``logits`` kept)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        targets = logits.numpy().argmax(-1).tolist()  # numpy's argmax: several times faster than torch's here
+        gaps = within = None
+    else:
+        gated = [(s + j, d[j], k) for (s, _), d, k in zip(spans, drafts, top_k) if k > 0 for j in range(len(d))]
+        targets, gaps, within = _read_on_device(logits, gated)
+    out, g = [], 0
+    for (start, n), draft, k in zip(spans, drafts, top_k):
+        m = len(draft) if k > 0 else 0
+        reads = GreedyRows(targets[start : start + n])
+        if m and gaps is not None and within is not None:
+            reads.gaps, reads.within = gaps[g : g + m], within[g : g + m]
+        elif m:
+            reads.logits = logits[start : start + n]
+        out.append(reads)
+        g += m
+    return out
+
+
+def _read_on_device(
+    logits: torch.Tensor, gated: list[tuple[int, int, int]]
+) -> tuple[list[int], list[float], list[bool]]:
+    """``read_greedy``'s reads where the logits are (a GPU, or low precision): every row's
+    argmax, and the gated rows' gaps and top-k tests, in one transfer."""
+    ids = logits.argmax(-1)
+    parts = [ids.double()]
+    if gated:
+        dev = logits.device
+        r = torch.tensor([g[0] for g in gated], device=dev)
+        d = torch.tensor([g[1] for g in gated], device=dev)
+        k = torch.tensor([g[2] for g in gated], device=dev)
+        at_d = logits[r, d].float()
+        top = logits[r].topk(max(g[2] for g in gated), dim=-1).values
+        kth = top.gather(1, (k - 1)[:, None])[:, 0].float()
+        parts += [(at_d - logits[r, ids[r]].float()).double(), (at_d >= kth).double()]
+    host = torch.cat(parts).tolist()
+    n, m = len(ids), len(gated)
+    targets = [int(x) for x in host[:n]]
+    return targets, host[n : n + m], [bool(x) for x in host[n + m :]]
+
+
 def exact_greedy(draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
     """Accept while d_i == argmax p_i; then emit argmax at the first mismatch (or the bonus).
     A tree draft: follow the child carrying each argmax (``token_tree.walk``)."""
-    target = greedy_ids(logits)
+    return exact_rows(draft, GreedyRows.of(logits))
+
+
+def exact_rows(draft: Draft, rows: GreedyRows) -> Verdict:
+    """``exact_greedy`` on a step's reads."""
+    target = rows.target
     d = draft.token_ids
     if draft.is_tree:
         return _greedy_walk(draft, target)
@@ -132,13 +226,17 @@ class CalibratedGreedy:
     def __call__(self, draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
         if not sp.greedy:
             return rejection_sampling(draft, logits, sp, rng)
-        target = greedy_ids(logits)
+        return self.rows(draft, GreedyRows.of(logits))
+
+    def rows(self, draft: Draft, rows: GreedyRows) -> Verdict:
+        """The greedy walk on a step's reads (``read_greedy``)."""
+        target = rows.target
         d = draft.token_ids
         m = 0
         rescued: list[tuple[int, int]] = []
         while m < len(d):
             if d[m] != target[m]:
-                if not (self._confirmed(d, target, m) and self._rescue(d[m], target[m], logits[m])):
+                if not (self._confirmed(d, target, m) and self._rescue(d[m], target[m], rows, m)):
                     break
                 rescued.append((d[m], target[m]))
             m += 1
@@ -150,20 +248,26 @@ class CalibratedGreedy:
         c = self.gate.confirm
         return m + c < len(d) and d[m + 1 : m + 1 + c] == target[m + 1 : m + 1 + c]
 
-    def _rescue(self, d: int, t: int, row: torch.Tensor) -> bool:
+    def _rescue(self, d: int, t: int, rows: GreedyRows, m: int) -> bool:
         if self.memory is not None and self.memory.lookup(d, t) < self.gate.min_count:
             return False
-        vals = row.numpy() if row.device.type == "cpu" else row  # scalar reads: numpy's are ~1 µs
-        gap = float(vals[d] - vals[t])  # ≤ 0: t is the argmax
-        if gap < self.log_tau:
+        if rows.gap(m, d, t) < self.log_tau:  # ≤ 0: t is the argmax
             return False
-        return int((vals > vals[d]).sum()) < self.gate.top_k  # d ranks within the top-k
+        return rows.ranks_within(m, d, self.gate.top_k)
 
 
 def lossless(draft: Draft, logits: torch.Tensor, sp: Sampling, rng: Rng) -> Verdict:
     """Exact match when greedy, rejection sampling otherwise: output distribution = target's."""
     policy = exact_greedy if sp.greedy else rejection_sampling
     return policy(draft, logits, sp, rng)
+
+
+def rows_policy(policy: AcceptancePolicy) -> Callable[[Draft, GreedyRows], Verdict] | None:
+    """A greedy request's policy as a walk on a step's reads (``read_greedy``); None for one
+    that reads whole rows (rejection sampling)."""
+    if isinstance(policy, CalibratedGreedy):
+        return policy.rows
+    return exact_rows if policy in (exact_greedy, lossless) else None
 
 
 POLICIES: dict[str, Callable[..., Verdict]] = {

@@ -41,6 +41,26 @@ class TargetSession:
         return self.tokens[self.cache_len :]
 
 
+@dataclass
+class StepRows:
+    """A step's verification logits, left where the step ran: ``logits`` [N, V] holds every
+    row the LM head produced, session i's verification rows at ``spans[i]`` (start, k + 1);
+    ``hidden[i]``: session i's captured states [1, T_i, H] per capture layer. A step's policy
+    reads what it needs of them for every session at once (``policies.read_greedy``)."""
+
+    logits: torch.Tensor
+    spans: list[tuple[int, int]]
+    hidden: list[list[torch.Tensor]]
+
+    def rows(self, i: int) -> torch.Tensor:
+        start, n = self.spans[i]
+        return self.logits[start : start + n]
+
+    def host(self, i: int) -> torch.Tensor:
+        """Session i's rows [k+1, V] as fp32 on the host (a per-row rule reshapes them)."""
+        return self.rows(i).float().cpu()
+
+
 def keep_path(cache: KVCache, at: int, path: tuple[int, ...]) -> None:
     """Move the K/V of tree nodes ``path`` (written at ``at`` + node) to ``at``, ``at`` + 1, ...
     Their K carry the RoPE of their depth, which is where they land."""
@@ -86,7 +106,8 @@ class TargetRunner:
     def verify_batch(
         self, items: list[tuple[TargetSession, list[int]]]
     ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-        return self.step(items, [])[0]
+        rows = self.step(items, [])[0]
+        return [(rows.host(i), rows.hidden[i]) for i in range(len(items))]
 
     @torch.inference_mode()
     def step(
@@ -94,15 +115,15 @@ class TargetRunner:
         verify: list[tuple[TargetSession, list[int]]],
         prefill: list[tuple[TargetSession, int]],
         trees: list[list[int] | None] | None = None,
-    ) -> tuple[list[tuple[torch.Tensor, list[torch.Tensor]]], list[torch.Tensor | None]]:
+    ) -> tuple[StepRows, list[torch.Tensor | None]]:
         """One ragged forward over every session. ``verify`` sessions feed their pending tokens
-        plus a draft → per session target logits [k+1, V] (the draft positions and the bonus)
-        and captured states [1, len(pending) + k, H] per capture layer; ``trees[i]``, when not
-        None, are the parents of verify[i]'s draft, a token tree (row j+1 of its logits
-        follows draft node j; ``commit`` keeps the accepted path's K/V). ``prefill`` sessions feed
-        the next n of their pending (prompt) tokens only and keep them (chunked prefill: no
-        logits, no verdict) → their captured states fused across capture layers, [n, ΣH]
-        (None without capture layers)."""
+        plus a draft → their target logits, [k+1, V] each (the draft positions and the bonus),
+        left on the device in one tensor (``StepRows``), and captured states
+        [1, len(pending) + k, H] per capture layer; ``trees[i]``, when not None, are the parents
+        of verify[i]'s draft, a token tree (row j+1 of its logits follows draft node j;
+        ``commit`` keeps the accepted path's K/V). ``prefill`` sessions feed the next n of their
+        pending (prompt) tokens only and keep them (chunked prefill: no logits, no verdict) →
+        their captured states fused across capture layers, [n, ΣH] (None without capture layers)."""
         VERIFY_BATCH.observe(len(verify) + len(prefill))
         seqs = [st.pending + draft for st, draft in verify] + [st.pending[:n] for st, n in prefill]
         sessions = [st for st, _ in verify] + [st for st, _ in prefill]
@@ -111,19 +132,19 @@ class TargetRunner:
         extra = [self._prompt_rows(st, len(st.pending) - 1) for st, _ in verify] + [
             self._prompt_rows(st, n) for st, n in prefill
         ]
-        logits, hidden = self.model.forward_ragged(
+        tails = [len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify) :]
+        logits, hidden = self.model.forward_joined(
             seqs,
             [st.cache_len for st in sessions],
             [st.cache for st in sessions],
             self.capture_layers,
-            tails=[len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify) :],
+            tails=tails,
             trees=trees and trees + [None] * len(prefill),
         )
-        if any(extra):
-            for st, lg, e in zip(sessions, logits, extra):
-                if e:
-                    self._prompt_logprobs(st, lg[:e])
-            logits = [lg[e:] for lg, e in zip(logits, extra)]
+        offsets = [sum(tails[:i]) for i in range(len(tails))]
+        for st, off, e in zip(sessions, offsets, extra):
+            if e:
+                self._prompt_logprobs(st, logits[off : off + e])
         v = len(verify)
         fused = [torch.cat(hs, dim=-1) if hs else None for hs in hidden[v:]]
         if prefill:
@@ -132,7 +153,8 @@ class TargetRunner:
                 self._keep(st, states)
             PREFILL_CHUNKS.inc(len(prefill))
         KV_CACHE_TOKENS.set(sum(st.cache_len for st in sessions))
-        return [(lg.float().cpu(), [h[None] for h in hs]) for lg, hs in zip(logits[:v], hidden[:v])], fused
+        spans = [(off + e, len(draft) + 1) for off, e, (_, draft) in zip(offsets, extra, verify)]
+        return StepRows(logits, spans, [[h[None] for h in hs] for hs in hidden[:v]]), fused
 
     @staticmethod
     def _prompt_rows(st: TargetSession, fed: int) -> int:

@@ -68,8 +68,8 @@ def test_tree_forward_equals_each_branch_and_commit_keeps_the_accepted_one(tiny_
     st = runner.open(prompt, capacity=64)
     other = runner.open([7, 8, 9], capacity=64)
     items = [(st, toks)] + ([(other, [1, 2])] if batched else [])
-    outs, _ = runner.step(items, [], [TREE] + ([None] if batched else []))
-    logits = outs[0][0]
+    rows, _ = runner.step(items, [], [TREE] + ([None] if batched else []))
+    logits = rows.host(0)
     assert torch.allclose(logits[0], fresh(model, prompt), atol=1e-4)
     for node in range(len(TREE)):  # row node + 1: the branch from the root to that node
         branch, cur = [], node
@@ -78,7 +78,7 @@ def test_tree_forward_equals_each_branch_and_commit_keeps_the_accepted_one(tiny_
             cur = TREE[cur]
         assert torch.allclose(logits[node + 1], fresh(model, prompt + branch), atol=1e-4), node
     if batched:
-        assert torch.allclose(outs[1][0][2], fresh(model, [7, 8, 9, 1, 2]), atol=1e-4)
+        assert torch.allclose(rows.host(1)[2], fresh(model, [7, 8, 9, 1, 2]), atol=1e-4)
     # accept branch 1 → 4 (tokens 12, 15), then the target's 99: the K/V of 12 and 15 move to
     # the positions after the prompt, and the next verification sees exactly that context
     target = torch.zeros(7, model.s.vocab)
