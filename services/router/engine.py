@@ -506,6 +506,23 @@ def prepare_step(gens: list[Generation]) -> list[CycleRequest | BaseException]:
     return out
 
 
+class LoopQueue:
+    """The outputs of a request whose consumer runs on an event loop: the engine's threads put,
+    the loop's coroutine awaits. A put after the loop closed (its consumer gone) is dropped."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop, self._queue = loop, asyncio.Queue()  # type: ignore[var-annotated]
+
+    def put(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: no one reads this request any more
+            pass
+
+    async def get(self):
+        return await self._queue.get()
+
+
 class Completions:
     """A request's completions, streamed together: iterate for ``(index, step)`` pairs and
     ``(index, None)`` when completion ``index`` has finished. The engine's scheduler steps them
@@ -546,15 +563,20 @@ class Completions:
             g.stop()
 
     async def stream(self) -> AsyncGenerator[tuple[int, "StepOutput | None"], None]:
-        """``__iter__`` for a consumer on an event loop: what blocks (opening the sessions,
-        waiting for an output) runs in a worker thread, in the caller's context. If the
-        consumer stops early (cancelled: its client went away), every completion is cancelled
-        at once, a prompt mid-prefill included; the scheduler closes their sessions."""
+        """``__iter__`` for a consumer on an event loop. Opening the sessions (which may wait on
+        a remote verifier) runs in a worker thread, in the caller's context; the outputs come
+        to the loop itself (``LoopQueue``): no thread waits for them, so any number of streams
+        share the loop's few workers. If the consumer stops early (cancelled: its client went
+        away), every completion is cancelled at once, a prompt mid-prefill included; the
+        scheduler closes their sessions."""
         left = len(self.gens)
+        out = LoopQueue(asyncio.get_running_loop())
+        for g in self.gens:
+            g.out = out
         try:
             await asyncio.to_thread(self._start)
             while left:
-                i, item = await asyncio.to_thread(self._out.get)
+                i, item = await out.get()
                 if isinstance(item, BaseException):
                     raise item
                 left -= item is None
@@ -600,7 +622,8 @@ class Generation:
         self.prompt_logprobs: list[TokenLogprob] = []  # per prompt token after the first, when asked
         self._session: Session | None = None
         self._cancelled = self._aborted = False
-        self.out: queue.SimpleQueue = queue.SimpleQueue()  # (index, StepOutput | error | None at the end)
+        # (index, StepOutput | error | None at the end); a LoopQueue for a consumer on an event loop
+        self.out: queue.SimpleQueue | LoopQueue = queue.SimpleQueue()
         self.index = 0  # its place among the request's completions
         self._released = threading.Event()
         self._t0 = self._t1 = 0.0  # the cycle in flight: when it began, when its draft was ready
@@ -644,6 +667,7 @@ class Generation:
     def __iter__(self) -> Generator[StepOutput, None, None]:
         try:
             self.start()
+            assert isinstance(self.out, queue.SimpleQueue), "an event loop's consumer reads Completions.stream"
             while (item := self.out.get()[1]) is not None:
                 if isinstance(item, BaseException):
                     raise item

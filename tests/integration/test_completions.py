@@ -118,6 +118,40 @@ def test_an_async_consumer_streams_the_same_and_cancelled_it_frees_every_session
     assert all(len(g.output_ids) < 200 for g in long.gens)
 
 
+def test_async_streams_wait_for_outputs_without_holding_a_worker_thread(tiny_engine):
+    """The Ray ingress serves every stream on one event loop whose default executor has a few
+    workers (min(32, cores + 4)): a stream waiting for its next output must not hold one, or
+    the streams beyond the workers stall behind those waiting. With one worker, and that one
+    taken (after the streams' starts) by a task that ends only once every stream has finished,
+    4 streams still finish."""
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    eng = tiny_engine
+    ids = eng.encode(PROMPT)
+    ref = eng.generate(GenerationRequest(ids, 16, method="vanilla")).result()["token_ids"]
+
+    async def consume(completions):
+        return [t for _, step in [x async for x in completions.stream()] if step is not None for t in step.token_ids]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        gens = [eng.generate_all(GenerationRequest(ids, 16, method="sd")) for _ in range(4)]
+        streams = [asyncio.ensure_future(consume(g)) for g in gens]
+        await asyncio.sleep(0)  # each stream has asked the worker for its start (a short call)
+        finished = threading.Event()
+        holder = loop.run_in_executor(None, finished.wait, 60)  # then the only worker is taken
+        try:
+            return await asyncio.wait_for(asyncio.gather(*streams), 20)
+        finally:
+            finished.set()
+            await holder
+
+    assert asyncio.run(run()) == [ref] * 4
+
+
 @pytest.mark.parametrize("n", [0, 17])
 def test_n_out_of_range_is_an_invalid_request(tiny_engine, n):
     with pytest.raises(InvalidRequest, match=r"^n: must be in \[1, 16\]"):
