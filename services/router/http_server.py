@@ -6,15 +6,17 @@ engine and the same admission limits: ``POST /v1/completions``, ``POST /v1/chat/
 ``GET /get_server_info`` and ``GET /health_generate``, ``GET /health`` (and vLLM's ``/ping``),
 ``GET /metrics``.
 
-Each request runs on a thread of its own, as a gRPC stream does: validation (a grammar may
-take seconds to compile), admission, the decode cycles and the session's release all happen
-there; the event loop only moves JSON. A client that disconnects cancels its cycles and frees
-its sessions.
+A request is validated (a grammar may take seconds to compile) and admitted (it may wait in
+the admission queue) on a thread of its own; then it decodes on the event loop, where the
+engine's scheduler delivers its outputs: no thread waits through its cycles. A client that
+disconnects cancels its cycles and frees its sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -99,8 +101,11 @@ R = TypeVar("R", bound=Parsed)
 
 
 class _Run(Generic[R]):
-    """One request's completions on a thread of its own; events reach the event loop as
-    ("start",), ("step", index, step | None), ("done",) or ("error", status, message)."""
+    """One request: parsed and admitted on a thread of its own (tokenizing, a chat template, a
+    grammar and a wait in the admission queue take time), then decoded on the event loop, where
+    its outputs arrive (``Completions.stream``: no thread per decoding request). Events reach
+    the loop's consumer as ("start",), ("step", index, step | None), ("done",) or ("error",
+    status, message)."""
 
     def __init__(
         self,
@@ -120,6 +125,7 @@ class _Run(Generic[R]):
         self._completions: Completions | None = None
         self.gone = False
         self.stats = False  # its answers say how they were decoded (the server's --response-stats)
+        self._decoding: concurrent.futures.Future | None = None  # its decoding on the loop, once admitted
         # a thread only for a request that admission could still take (Admission.enter); the
         # others are refused here, before a thread, a parse or a grammar
         if (refused := admission.enter()) is not None:
@@ -167,7 +173,8 @@ class _Run(Generic[R]):
             log.exception("request failed before decoding")
             self._put("error", 500, f"internal error: {type(e).__name__}")
         finally:
-            self.admission.leave()
+            if self._decoding is None:  # else it leaves when its decoding ends
+                self.admission.leave()
 
     def _admit(self) -> None:
         engine = self._engine = self.get_engine()
@@ -198,32 +205,37 @@ class _Run(Generic[R]):
             if isinstance(refused, InvalidRequest):
                 return self._put("error", 400, self.describe(refused, self._api))
             return self._put("error", http_status(refused), str(refused))
-        try:
-            self._completions = completions
-            self._decode(completions)
-        finally:
-            self.admission.release(n)
+        self._completions = completions
+        self.active.add(completions.gens)  # before "start": an abort from now on reaches it
+        self._decoding = asyncio.run_coroutine_threadsafe(self._decode(completions, n), self.loop)
 
-    def _decode(self, completions: Completions) -> None:
-        self.active.add(completions.gens)
+    async def _decode(self, completions: Completions, n: int) -> None:
+        """On the event loop: every output as an event; then the request's admission slots and
+        place are given back once its sessions have closed, and only then its end is told (a
+        client that sends its next request on the answer finds its slots free)."""
         self._put("start")
-        steps = iter(completions)
+        end: tuple = ("done",)
         try:
-            for i, step in steps:
-                if self.gone:
-                    return
-                self._put("step", i, step)
-            self._put("done")
+            async with contextlib.aclosing(completions.stream()) as steps:
+                async for i, step in steps:
+                    if self.gone:
+                        end = ()
+                        return
+                    self._put("step", i, step)
         except SessionCancelled:
-            pass
+            end = ()
         except Refusal as e:  # no live verifier, or a verifier's own status
-            self._put("error", http_status(e), str(e))
+            end = ("error", http_status(e), str(e))
         except Exception as e:  # the client gets a status, the log the trace
             log.exception("request failed")
-            self._put("error", 500, f"internal error: {type(e).__name__}")
+            end = ("error", 500, f"internal error: {type(e).__name__}")
         finally:
-            steps.close()  # frees the sessions even when the client went away mid-stream
+            await asyncio.to_thread(completions.close)  # frees the sessions even when the client went away
             self.active.remove(completions.gens)
+            self.admission.release(n)
+            self.admission.leave()
+            if end:
+                self._put(*end)
 
 
 async def _read_at_most(request: Request, limit: int) -> bytes | None:

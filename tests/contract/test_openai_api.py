@@ -94,6 +94,27 @@ def test_stream_concatenates_to_the_whole_answer_then_usage_then_done(api, tiny_
     assert idle(servicer)
 
 
+def test_streams_decode_on_the_event_loop_without_a_thread_each(api, tiny_engine):
+    """A request's thread parses and admits it; its decoding runs on the server's event loop:
+    while streams are mid-answer, no request thread is alive, and each answer is whole."""
+    import threading
+
+    client, servicer, _ = api
+    streams = [
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        for _ in range(3)
+    ]
+    firsts = [next(iter(s)) for s in streams]  # every stream has begun answering
+    assert servicer.active  # the last one at least is still decoding
+    assert not [t for t in threading.enumerate() if t.name == "http-request"]
+    texts = [f.choices[0].text + "".join(ch.choices[0].text for ch in s if ch.choices) for f, s in zip(firsts, streams)]
+    ref = greedy(tiny_engine, tiny_engine.encode(PROMPT), 200, ignore_eos=True)
+    assert texts == [ref["text"]] * 3
+    assert idle(servicer)
+
+
 def test_seeded_n_and_batched_prompts_index_choices_prompt_major(api, tiny_engine):
     client, _, _ = api
     prompts = [PROMPT, "class Stack:\n"]
