@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 eagle3-smollm2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 smollm2-traces eagle3-smollm2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -191,27 +191,34 @@ traces: setup
 
 # The real target's own greedy generations of training prompts, given through its chat template
 # (what its EAGLE-3 head, draft and predictor train on); resumable (each trace appended as it
-# finishes). 400 prompts x 256 tokens: about 93 k output tokens, 15-20 min on this 2-core CPU.
+# finishes). 400 prompts x 256 tokens: about 93 k output tokens, 30 min on this 2-core CPU.
+# They are committed (training/data/, gzipped): a training target takes them from there when
+# build/ lacks them (`smollm2-traces`), so a fresh clone trains without recording them again.
+SMOLLM2_TRAIN := $(TRACES)/smollm2-stdlib-train.jsonl
 traces-smollm2: setup
 	mkdir -p $(TRACES)
 	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
-	    --workload stdlib-train --limit 400 --max-new-tokens 256 --concurrency 16 --out $(TRACES)/smollm2-stdlib-train.jsonl
+	    --workload stdlib-train --limit 400 --max-new-tokens 256 --concurrency 16 --out $(SMOLLM2_TRAIN)
+smollm2-traces:
+	mkdir -p $(TRACES)
+	for t in smollm2-stdlib-train smollm2-stdlib-heldout; do test -s $(TRACES)/$$t.jsonl || \
+	  { test -f training/data/$$t.jsonl.gz && gunzip -c training/data/$$t.jsonl.gz > $(TRACES)/$$t.jsonl; } || true; done
+	test -s $(SMOLLM2_TRAIN) || $(MAKE) traces-smollm2
 # The real target's EAGLE-3 head (TTT, 4 steps) over an 8,192-token draft vocabulary: its own
 # generations of the training prompts plus 500 k tokens of the standard library's training split,
 # encoded with its tokenizer (target features and soft labels for both); one epoch, resumable.
-eagle3-smollm2: setup
-	test -s $(TRACES)/smollm2-stdlib-train.jsonl || $(MAKE) traces-smollm2
+eagle3-smollm2: setup smollm2-traces
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
 	    --out build/models/smollm2-eagle3 --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3 \
 	    --draft-vocab 8192 --corpus-tokens 500000 --epochs 1
 
-# The real target's draft LM: its first 4 of 30 layers, distilled toward it on its traces plus
+# The real target's draft LM: its first 3 of 30 layers, distilled toward it on its traces plus
 # 500 k corpus tokens; it shares the target's embedding (not stored), and its vocabulary ranking
-# lets it serve a 4,096-token LM head (FR-Spec); 4 of 30 layers and that head are about 12 % of
-# the target's multiply-adds (its step cost is measured with its training). One epoch, resumable.
-draft-smollm2: setup
-	test -s $(TRACES)/smollm2-stdlib-train.jsonl || $(MAKE) traces-smollm2
-	$(BIN)/python -m training.draft_from_target --target build/models/smollm2 --layers 4 \
+# lets it serve a 4,096-token LM head (FR-Spec). Measured before training (batch-1 decode steps,
+# 2 threads): 2 layers 6.7 % of the target's step, 3 layers 9.5 %, 4 layers 12.3 % (the gate:
+# 10 %); its card measures it again. One epoch, resumable.
+draft-smollm2: setup smollm2-traces
+	$(BIN)/python -m training.draft_from_target --target build/models/smollm2 --layers 3 \
 	    --traces $(TRACES)/smollm2-stdlib-train.jsonl --corpus-tokens 500000 --out build/models/smollm2-draft \
 	    --work-dir $$HOME/.cache/specmesh/train/smollm2-draft
 	$(BIN)/python -m training.vocab --traces $(TRACES)/smollm2-stdlib-train.jsonl --out build/models/smollm2-draft
@@ -220,15 +227,15 @@ draft-smollm2: setup
 # the cards of both (held-out: its generations of 60 stdlib-heldout prompts), and their publication
 # into models/smollm2/ (the converted target stays in build/: it is made, not committed).
 SMOLLM2_HELDOUT := $(TRACES)/smollm2-stdlib-heldout.jsonl
-predictor-smollm2: setup
+predictor-smollm2: setup smollm2-traces
 	test -s $(SMOLLM2_HELDOUT) || $(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' \
 	    --predictor '' --chat --workload stdlib-heldout --limit 60 --max-new-tokens 256 --concurrency 16 --out $(SMOLLM2_HELDOUT)
 	$(BIN)/python -m training.predictor --train $(TRACES)/smollm2-stdlib-train.jsonl --heldout $(SMOLLM2_HELDOUT) \
 	    --tokenizer build/models/smollm2 --out build/models/smollm2-predictor
 cards-smollm2: setup
 	$(BIN)/python -m training.cards --target build/models/smollm2 --draft build/models/smollm2-draft --eagle3 build/models/smollm2-eagle3 \
-	    --predictor build/models/smollm2-predictor --heldout $(SMOLLM2_HELDOUT) \
-	    --regenerate 'make eagle3-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2'
+	    --predictor build/models/smollm2-predictor --heldout $(SMOLLM2_HELDOUT) --draft-card \
+	    --regenerate 'make eagle3-smollm2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2'
 publish-smollm2:
 	for m in eagle3 predictor draft; do test -d build/models/smollm2-$$m && mkdir -p models/smollm2/$$m && \
 	  cp -r build/models/smollm2-$$m/. models/smollm2/$$m/ || true; done

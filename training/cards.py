@@ -1,9 +1,13 @@
-"""Model cards for the bundled EAGLE-3 head and yield predictor (the LMs' cards: `training.evaluate`).
+"""Model cards for the bundled EAGLE-3 heads, yield predictors and a draft cut from its target
+(the pretrained LMs' cards: `training.evaluate`).
 
 Each card states what the model was trained on, how, and what it scores on held-out data:
 - EAGLE-3: per chain position, how often the head's greedy token equals the target's on
   held-out traces (teacher-forced, as in training-time test) — an upper bound on greedy
   acceptance at that position, measured without the serving stack.
+- A draft cut from its target (`training.draft_from_target`): greedy-chain acceptance per
+  position on held-out traces of the target's own output, through the head it serves with
+  (FR-Spec), and its batch-1 decode step against the target's on this machine.
 - Predictor: the `training.predictor` report (precision/recall at the yield threshold
   against the score rule and the oracle), from its `eval.json`.
 
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
 
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head
+from services.drafter.replay import load_traces
 from training.eagle3 import build_sequences, evenly, heldout_agreement, lm_agreement
 
 
@@ -188,6 +194,113 @@ Regenerate: `{regenerate or f"make traces {name}"}`. Card: `python -m training.c
     return ev
 
 
+@torch.no_grad()
+def chain_acceptance(
+    draft: Llama, target: Llama, heldout: list[Path], columns: torch.Tensor | None, positions: int = CARD_POSITIONS
+) -> dict:
+    """On the target's own greedy continuations (its traces), teacher-forced: a greedy chain
+    drafted after position t keeps its j-th token when the draft's argmax (over ``columns``,
+    its serving head's vocabulary) equals the target's at t .. t+j-1, for then the draft was
+    fed exactly the target's tokens. Also the agreement over the whole vocabulary, for scale."""
+    kept, room, full_hits, starts = [0] * positions, [0] * positions, 0, 0
+    for f in heldout:
+        for t in load_traces(f):
+            seq = (t.prompt_ids + t.continuation)[: target.s.max_positions]
+            lo, hi = len(t.prompt_ids) - 1, len(seq) - 1  # positions that predict a continuation token
+            if hi - lo < 1:
+                continue
+            ids = torch.tensor([seq])
+            want = target.forward_train(ids)[0, lo:hi].argmax(-1)
+            logits = draft.forward_train(ids)[0, lo:hi]
+            full_hits += int((logits.argmax(-1) == want).sum())
+            served = logits.argmax(-1) if columns is None else columns[logits[:, columns].argmax(-1)]
+            agree = (served == want).tolist()
+            starts += len(agree)
+            for start in range(len(agree)):  # position j counts where the trace has room for it
+                for j in range(min(positions, len(agree) - start)):
+                    room[j] += 1
+                for j in range(min(positions, len(agree) - start)):
+                    if not agree[start + j]:
+                        break
+                    kept[j] += 1
+    return {
+        "positions_measured": starts,
+        "acceptance_per_position": [round(k / max(r, 1), 4) for k, r in zip(kept, room)],
+        "full_vocabulary_agreement": round(full_hits / max(starts, 1), 4),
+    }
+
+
+def step_share(draft: Llama, target: Llama, columns: torch.Tensor | None, rounds: int = 5) -> dict:
+    """Batch-1 decode steps after 256 tokens (fewer in a short context) on the serving path (packed GEMMs), draft (with
+    its serving head) and target interleaved, medians: the draft's step as a share of the target's."""
+    from bench.pair_cost import step_ms
+    from services.common.packed_linear import pack_linears
+
+    head = None
+    if columns is not None:  # FR-Spec: the tied embedding's rows of its vocabulary
+        head = torch.nn.Linear(draft.s.hidden, len(columns), bias=False)
+        head.weight.data.copy_(target.embed_tokens.weight[columns])
+    for m in (draft, target, head):
+        if m is not None:
+            pack_linears(m)
+    times: dict[str, list[float]] = {"draft": [], "target": []}
+    context = min(256, target.s.max_positions - 64)
+    for _ in range(rounds):
+        times["draft"].append(step_ms(draft, context, 32, head, "cpu"))
+        times["target"].append(step_ms(target, context, 32, None, "cpu"))
+    d, t = statistics.median(times["draft"]), statistics.median(times["target"])
+    return {"draft_step_ms": round(d, 3), "target_step_ms": round(t, 3), "share": round(d / t, 4)}
+
+
+def draft_card(draft_dir: Path, target_dir: Path, heldout: list[Path], vocab: int, regenerate: str = "") -> dict:
+    """The card of a draft cut from its target and distilled toward it."""
+    from services.drafter.vocab import RANKING_FILE, load_ranking, top_vocabulary
+
+    state = json.loads((draft_dir / "training_state.json").read_text())
+    cut, d = state["from_target"], state["distill"]
+    target = Llama.from_pretrained(target_dir).eval()
+    draft = Llama.from_pretrained(draft_dir, target_embed=target.embed_tokens.weight).eval()
+    ranking = draft_dir / RANKING_FILE
+    columns = top_vocabulary(load_ranking(ranking), vocab) if vocab and ranking.exists() else None
+    ev = chain_acceptance(draft, target, heldout, columns)
+    ev |= step_share(draft, target, columns) | {"serving_vocabulary": len(columns) if columns is not None else None}
+    accept = ev["acceptance_per_position"]
+    head = (
+        f"an FR-Spec head over its {len(columns):,} most frequent tokens"
+        if columns is not None
+        else "the whole vocabulary"
+    )
+    card = f"""# specmesh model: `{draft_dir.name}`
+
+Draft LM for {target_name(target_dir)}: the target's first {cut["layers"]} of {cut["of"]} decoder layers and its
+final norm, distilled toward the target's next-token distributions by `training/draft_from_target.py`. It
+shares the target's embedding (not stored: the engine hands it over) and serves with {head}
+(`{RANKING_FILE}`, `--draft-vocab`).
+
+| | |
+|---|---|
+| training data | {d["sequences"]:,} sequences: the target's generations (`{d["traces"]}`) and {d.get("corpus_tokens", 0):,} tokens of package source |
+| recipe | {d["epochs"]} epoch(s), peak LR {d["lr"]}, soft cross-entropy to the target |
+| steps | {d["step"]}/{d["total_steps"]}, {d["train_minutes"]} min |
+| step cost (batch 1, this machine) | {ev["draft_step_ms"]:.2f} ms against the target's {ev["target_step_ms"]:.2f} ms: **{ev["share"]:.1%}** |
+
+Greedy-chain acceptance per position, teacher-forced on the target's own continuations of held-out
+prompts ({ev["positions_measured"]:,} positions): position j counts when the draft's tokens 1..j all
+equal the target's, so the sum is the expected accepted length of a chain of {len(accept)}.
+
+| position | {" | ".join(str(j + 1) for j in range(len(accept)))} |
+|---|{"---|" * len(accept)}
+| acceptance | {" | ".join(f"{a:.1%}" for a in accept)} |
+
+Over the whole vocabulary it agrees with the target on {ev["full_vocabulary_agreement"]:.1%} of the same positions.
+
+Regenerate: `{regenerate or "make draft-smollm2 cards-smollm2"}`.
+"""
+    (draft_dir / "README.md").write_text(card)
+    (draft_dir / "eval.json").write_text(json.dumps(ev, indent=2) + "\n")
+    return ev
+
+
 def predictor_card(pred_dir: Path, regenerate: str = "") -> dict:
     ev = json.loads((pred_dir / "eval.json").read_text())
     cfg = json.loads((pred_dir / "config.json").read_text())
@@ -225,6 +338,8 @@ def main() -> None:
     ap.add_argument("--predictor", type=Path, default=None)
     ap.add_argument("--target", type=Path, default=Path("models/target"))
     ap.add_argument("--draft", type=Path, default=Path("models/draft"), help="the draft LM to compare with")
+    ap.add_argument("--draft-card", action="store_true", help="write the card of --draft, a draft cut from --target")
+    ap.add_argument("--draft-vocab", type=int, default=4096, help="its serving head's tokens (FR-Spec; 0: all)")
     ap.add_argument("--heldout", default="build/traces/stdlib-heldout.jsonl,build/traces/edit-heldout.jsonl")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--regenerate", default="", help="the card's regenerate command (default: the bundled pair's)")
@@ -235,6 +350,11 @@ def main() -> None:
             args.eagle3, args.target, [Path(p) for p in args.heldout.split(",")], args.draft, args.regenerate
         )
         print(f"[cards] {args.eagle3}: agreement per position {ev['agreement_per_position']}")
+    if args.draft_card and (args.draft / "training_state.json").exists():
+        ev = draft_card(
+            args.draft, args.target, [Path(p) for p in args.heldout.split(",")], args.draft_vocab, args.regenerate
+        )
+        print(f"[cards] {args.draft}: acceptance per position {ev['acceptance_per_position']}, step {ev['share']:.1%}")
     if args.predictor and (args.predictor / "eval.json").exists():
         predictor_card(args.predictor, args.regenerate)
         print(f"[cards] {args.predictor}: card written")

@@ -75,3 +75,13 @@ def test_a_draft_cut_from_the_target_trains_shares_its_embedding_and_serves_loss
     assert torch.equal(peers.draft.model.embed_tokens.weight, peers.target.model.embed_tokens.weight)
     ids = served.encode(prompts[0].text)
     assert peers.run("hf-assisted", ids, 24).ids == peers.run("hf-vanilla", ids, 24).ids
+
+    from training.cards import chain_acceptance, draft_card
+
+    # its card: acceptance per position on the target's own continuations, falling with position,
+    # and all of them for the target itself as the draft (it agrees with itself everywhere)
+    ev = draft_card(out, target, [tmp_path / "t.jsonl"], vocab=0, regenerate="test")
+    accept = ev["acceptance_per_position"]
+    assert ev["positions_measured"] > 100 and 0 < accept[-1] <= accept[0] <= 1
+    assert 0 < ev["share"] < 1 and "step cost" in (out / "README.md").read_text()
+    assert chain_acceptance(tgt, tgt, [tmp_path / "t.jsonl"], None)["acceptance_per_position"] == [1.0] * 4
