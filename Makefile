@@ -107,7 +107,7 @@ bench: setup
 
 # The real target (SmolLM2-135M-Instruct), prompts through its chat template, with the heads
 # trained for it (models/smollm2/: make publish-smollm2), against vanilla and transformers' peers.
-SMOLLM2_METHODS ?= vanilla,suffix,eagle3,hybrid,hf-vanilla,hf-pld
+SMOLLM2_METHODS ?= vanilla,sd,suffix,eagle3,hybrid,hf-vanilla,hf-assisted,hf-pld
 # (--models-dir: its draft, head, predictor and correction-memory prior are those under models/smollm2/,
 # and none where one is missing, never the bundled pair's)
 bench-smollm2: setup
