@@ -424,10 +424,9 @@ def target_runner(cfg: EngineConfig) -> TargetRunner:
     leader: services/verifier/sharded.py)."""
     if cfg.tensor_parallel <= 1:
         return TargetRunner(_load(cfg.target, cfg))
-    if cfg.static_steps or cfg.kv_pool:
+    if cfg.static_steps:  # the leader's single-session steps would take the static path, its workers' not
         raise ValueError(
-            "tensor_parallel: runs without static steps or the K/V pool so far; "
-            "unset --static-steps and --kv-pool, or use --tensor-parallel 1"
+            "tensor_parallel: runs without static steps so far; unset --static-steps, or use --tensor-parallel 1"
         )
     from services.verifier import sharded
 

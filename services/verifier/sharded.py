@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -48,10 +49,14 @@ def free_port() -> int:
 
 
 class ShardedRunner(TargetRunner):
-    """The leader's runner: every call is sent to the workers, then made here (rank 0)."""
+    """The leader's runner: every call is sent to the workers, then made here (rank 0). One call
+    at a time, from any thread (sessions open on request threads while the scheduler steps): a
+    call's send and its own work hold one lock, so the workers make the calls in the leader's
+    order and no two broadcasts interleave on the group."""
 
     def __init__(self, model, world: int, workers: list):
         self.world, self.workers = world, workers
+        self._lock = threading.RLock()
         self._sids = itertools.count()
         self._prefix: PrefixCache | None = None
         self.on_broken: Callable[[], None] | None = None  # a verifier server: stop, so it is failed over
@@ -82,47 +87,55 @@ class ShardedRunner(TargetRunner):
     @prefix.setter
     def prefix(self, cache: PrefixCache | None) -> None:
         """Every rank keeps a prefix cache of the same block size and budget (of its own shard's K/V)."""
-        self._send("prefix", None if cache is None else (cache.block, cache.budget))
-        self._prefix = cache
+        with self._lock:
+            self._send("prefix", None if cache is None else (cache.block, cache.budget))
+            self._prefix = cache
 
     def open(self, prompt, capacity, root=ROOT, prompt_top=None) -> TargetSession:
-        st = super().open(prompt, capacity, root, prompt_top)
-        st.sid = next(self._sids)
-        self._send("open", st.sid, list(prompt), capacity, root, prompt_top)
-        return st
+        with self._lock:
+            st = super().open(prompt, capacity, root, prompt_top)
+            st.sid = next(self._sids)
+            self._send("open", st.sid, list(prompt), capacity, root, prompt_top)
+            return st
 
     def step(self, verify, prefill, trees=None):
         model = self.model
-        self._send(
-            "step",
-            [(st.sid, list(d)) for st, d in verify],
-            [(st.sid, n) for st, n in prefill],
-            trees,
-            self.capture_layers,
-            model.batch_invariant,
-        )
-        return self._guarded(super().step, verify, prefill, trees)
+        with self._lock:
+            self._send(
+                "step",
+                [(st.sid, list(d)) for st, d in verify],
+                [(st.sid, n) for st, n in prefill],
+                trees,
+                self.capture_layers,
+                model.batch_invariant,
+            )
+            return self._guarded(super().step, verify, prefill, trees)
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
-        # a tensor travels through the host: a pickled CUDA tensor would unpickle on the leader's device
-        self._send("commit", st.sid, verdict, None if states is None else states.cpu())
-        super().commit(st, verdict, states)
+        with self._lock:
+            # a tensor travels through the host: a pickled CUDA tensor would unpickle on the leader's device
+            self._send("commit", st.sid, verdict, None if states is None else states.cpu())
+            super().commit(st, verdict, states)
 
     def attach(self, st: TargetSession):
-        self._send("attach", st.sid)
-        return super().attach(st)
+        with self._lock:
+            self._send("attach", st.sid)
+            return super().attach(st)
 
     def clear_prefix(self) -> None:
-        self._send("clear_prefix")
-        super().clear_prefix()
+        with self._lock:
+            self._send("clear_prefix")
+            super().clear_prefix()
 
     def close(self, st: TargetSession) -> None:
-        self._send("close", st.sid)
+        with self._lock:
+            self._send("close", st.sid)
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group."""
         try:
-            self._send("stop")
+            with self._lock:
+                self._send("stop")
         except RuntimeError:  # a worker already gone
             pass
         for p in self.workers:

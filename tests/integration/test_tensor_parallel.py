@@ -112,8 +112,48 @@ def test_a_verifier_replica_split_over_two_processes_decodes_as_one(tiny_dirs, t
             got = two.generate(req).result()
             assert got["token_ids"] == want["token_ids"], (method, sp)
         assert got["cached_prompt_tokens"] > 0
+        concurrent_requests_match(one, two)
     finally:
         one.close()
         two.close()
     workers[0].join(timeout=10)
     assert not workers[0].is_alive()
+
+
+def concurrent_requests_match(one, two) -> None:
+    """Requests arriving together: sessions open on their own threads while the scheduler steps
+    (every call to the workers in the leader's order, none interleaved), the same tokens."""
+    import threading
+
+    from services.router.engine import GenerationRequest
+
+    prompts = [one.encode(f"x{i} = [") for i in range(4)]
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        got[i] = two.generate(GenerationRequest(prompts[i], 20, method="sd")).result()["token_ids"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == {
+        i: one.generate(GenerationRequest(p, 20, method="sd")).result()["token_ids"] for i, p in enumerate(prompts)
+    }
+
+
+def test_a_replica_split_over_two_processes_serves_from_the_kv_pool(tiny_dirs):
+    """`--kv-pool` with `--tensor-parallel 2`: each rank pools its own shard's K/V slots."""
+    from services.common.config import EngineConfig
+    from services.router.engine import Engine
+
+    base = dict(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None)
+    one = Engine(EngineConfig(**base))
+    two = Engine(EngineConfig(**base, tensor_parallel=2, kv_pool=True))
+    try:
+        assert two.verifier.runner.model.kv_pool is not None
+        concurrent_requests_match(one, two)
+    finally:
+        one.close()
+        two.close()
