@@ -254,21 +254,24 @@ class BearerAuth(grpc.ServerInterceptor):
             raise ValueError("auth: the bearer token must not be empty")
         self._token, self._admin_token, self._admin_methods = token, admin_token, admin_methods
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or details.method.startswith(EXEMPT):
-            return handler
+    def refusal(self, details) -> tuple[str, grpc.StatusCode] | None:
+        """Why a call is refused (its message and status), or None."""
+        if details.method.startswith(EXEMPT):
+            return None
         if details.method in self._admin_methods:
             refused = admin_refusal(details.invocation_metadata, self._token, self._admin_token)
             if refused is None:
-                return handler
+                return None
             forbidden, why = refused
-            return _deny(
-                handler, why, grpc.StatusCode.PERMISSION_DENIED if forbidden else grpc.StatusCode.UNAUTHENTICATED
-            )
+            return why, grpc.StatusCode.PERMISSION_DENIED if forbidden else grpc.StatusCode.UNAUTHENTICATED
         if self._token is None or bearer_ok(details.invocation_metadata, self._token):
-            return handler
-        return _deny(handler, DENIED)
+            return None
+        return DENIED, grpc.StatusCode.UNAUTHENTICATED
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        refused = None if handler is None else self.refusal(details)
+        return handler if refused is None else _deny(handler, *refused)
 
 
 def _kind(handler) -> str:

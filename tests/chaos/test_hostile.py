@@ -597,7 +597,9 @@ def test_a_tenants_correction_memory_pairs_stay_in_its_own_memory(tiny_engine):
     mine = core.memory_of("tenant-a").snapshot()
     assert sum(mine.values()) > 0  # the run's first rejections were recorded ...
     assert core.memory.snapshot() == shared  # ... in tenant a's memory only
-    assert core.memory_of("tenant-b").snapshot() == {} and core.memory_of("tenant-b") is not core.memory_of("tenant-a")
+    assert core.memory_of("tenant-never-seen").snapshot() == {} and core.memory_of(
+        "tenant-never-seen"
+    ) is not core.memory_of("tenant-a")
     assert core.policy_of("csd", "tenant-a").memory is core.memory_of("tenant-a")
     run("")
     assert sum(core.memory.snapshot().values()) > sum(shared.values())  # unsalted: the shared pool
