@@ -1,5 +1,6 @@
 """gRPC contract of specmesh.v1.Generation: streaming, final message, every error status."""
 
+import threading
 import time
 
 import grpc
@@ -53,6 +54,31 @@ def test_stream_matches_engine_and_ends_with_final(served, tiny_engine):
     assert abs(s.tau - 40 / s.cycles) < 1e-6 and s.accepted_tokens <= s.draft_tokens
     assert final.method == "sd"
     assert wait_idle(servicer)
+
+
+def test_streams_beyond_the_servers_worker_threads_decode_at_once(tiny_engine):
+    """The server runs on grpc.aio: a stream holds a worker thread only to validate and be
+    admitted, so 8 streams decode together on a server with 4 such workers, each answer whole."""
+    server, servicer, port = build_server(tiny_engine, ServerConfig(port=0, max_sessions=8, max_queue=0, workers=1))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.GenerationStub(channel)
+        collect(stub, prompt="x = 1", max_new_tokens=2)  # the engine's and the channel's threads are up
+        threads = threading.active_count()
+        ask = dict(prompt="def add(a, b):\n", max_new_tokens=200, method="sd", ignore_eos=True)
+        streams = [stub.Generate(pb.GenerateRequest(**ask), timeout=60) for _ in range(8)]
+        firsts = [next(s) for s in streams]  # every stream has begun answering
+        assert len(servicer.active) == 8  # all decoding at once, though at most 4 could hold a thread
+        assert threading.active_count() - threads <= 4, "; ".join(t.name for t in threading.enumerate())  # not 8
+        answers = [[*f.token_ids, *(t for m in s for t in m.token_ids)] for f, s in zip(firsts, streams)]
+        ids = tiny_engine.encode("def add(a, b):\n")
+        ref = tiny_engine.generate(GenerationRequest(ids, 200, method="vanilla", ignore_eos=True)).result()
+        assert answers == [ref["token_ids"]] * 8
+        assert wait_idle(servicer)
+    finally:
+        channel.close()
+        server.stop(0)
 
 
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_gave(served, tiny_engine):
