@@ -17,15 +17,15 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from services.common.grpc_server import (
-    _UNPARSED,
     SERVER_KEEPALIVE,
+    UNPARSED,
     BearerAuth,
     PortBusy,
-    _kind,
+    handler_kind,
     server_credentials,
 )
 from services.common.security import TLSConfig, Token
@@ -36,7 +36,7 @@ log = logging.getLogger("specmesh.grpc")
 class AioServer:
     """A grpc.aio server and the loop it runs on, driven from other threads as a ``grpc.Server``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, server: grpc.aio.Server, health: HealthServicer):
+    def __init__(self, loop: asyncio.AbstractEventLoop, server: grpc.aio.Server, health: health_aio.HealthServicer):
         self.loop, self._server = loop, server
         self.health = _Health(self, health)
         self._stopped = threading.Event()
@@ -63,7 +63,7 @@ class AioServer:
 class _Health:
     """The health servicer's setters, from other threads."""
 
-    def __init__(self, server: AioServer, servicer: HealthServicer):
+    def __init__(self, server: AioServer, servicer: health_aio.HealthServicer):
         self._server, self._servicer = server, servicer
 
     def set(self, name: str, status) -> None:
@@ -92,7 +92,7 @@ def build_aio_grpc_server(
     threading.Thread(target=loop.run_forever, daemon=True, name="grpc-aio").start()
     auth = [AioBearerAuth(auth_token, *admin)] if auth_token or admin[0] else []
 
-    async def build() -> tuple[grpc.aio.Server, HealthServicer, int]:
+    async def build() -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
         server = grpc.aio.server(
             interceptors=[*auth, AioParseGuard()],  # auth first: a refused call's bytes are never parsed
             options=[
@@ -103,7 +103,7 @@ def build_aio_grpc_server(
             ],
         )
         register(server)
-        hs = HealthServicer()
+        hs = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         for name in ("", *service_names):
             await hs.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -141,7 +141,7 @@ class AioBearerAuth(grpc.aio.ServerInterceptor):
         async def abort(request, context):  # the request's bytes are never parsed
             await context.abort(code, why)
 
-        make = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
+        make = getattr(grpc, f"{handler_kind(handler)}_rpc_method_handler")
         return make(abort, request_deserializer=lambda raw: raw, response_serializer=handler.response_serializer)
 
 
@@ -153,14 +153,14 @@ class AioParseGuard(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        kind, parse = _kind(handler), handler.request_deserializer
+        kind, parse = handler_kind(handler), handler.request_deserializer
         behavior = getattr(handler, kind)
 
         def tolerant(raw: bytes):
             try:
                 return parse(raw)
             except Exception:  # noqa: BLE001 - any decode failure is the same refusal
-                return _UNPARSED
+                return UNPARSED
 
         async def refuse(context):
             log.info("%s: a request that does not parse (%s)", details.method, context.peer())
@@ -171,7 +171,7 @@ class AioParseGuard(grpc.aio.ServerInterceptor):
 
         async def checked(requests, context):
             async for r in requests:
-                if r is _UNPARSED:
+                if r is UNPARSED:
                     await refuse(context)
                 yield r
 
@@ -179,14 +179,14 @@ class AioParseGuard(grpc.aio.ServerInterceptor):
         if kind == "unary_unary":
 
             async def guarded(request, context):
-                if request is _UNPARSED:
+                if request is UNPARSED:
                     await refuse(context)
                 return await _result(behavior(request, context))
 
         elif kind == "unary_stream":
 
             async def guarded(request, context):
-                if request is _UNPARSED:
+                if request is UNPARSED:
                     await refuse(context)
                 async for r in _stream(behavior(request, context)):
                     yield r

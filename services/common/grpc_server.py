@@ -274,7 +274,7 @@ class BearerAuth(grpc.ServerInterceptor):
         return handler if refused is None else _deny(handler, *refused)
 
 
-def _kind(handler) -> str:
+def handler_kind(handler) -> str:
     """Which of the four RPC shapes a method handler has."""
     return next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
 
@@ -285,11 +285,11 @@ def _deny(handler, why: str = DENIED, code: grpc.StatusCode = grpc.StatusCode.UN
     def abort(request, context):
         context.abort(code, why)
 
-    make = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
+    make = getattr(grpc, f"{handler_kind(handler)}_rpc_method_handler")
     return make(abort, request_deserializer=lambda raw: raw, response_serializer=handler.response_serializer)
 
 
-_UNPARSED = object()  # a request message whose bytes did not parse
+UNPARSED = object()  # a request message whose bytes did not parse
 
 
 class ParseGuard(grpc.ServerInterceptor):
@@ -301,14 +301,14 @@ class ParseGuard(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        kind, parse = _kind(handler), handler.request_deserializer
+        kind, parse = handler_kind(handler), handler.request_deserializer
         behavior = getattr(handler, kind)
 
         def tolerant(raw: bytes):
             try:
                 return parse(raw)
             except Exception:  # noqa: BLE001 - any decode failure is the same refusal
-                return _UNPARSED
+                return UNPARSED
 
         def refuse(context):
             log.info("%s: a request that does not parse (%s)", details.method, context.peer())
@@ -320,7 +320,7 @@ class ParseGuard(grpc.ServerInterceptor):
         if kind.startswith("unary"):
 
             def guarded(request, context, *callback):
-                if request is _UNPARSED:
+                if request is UNPARSED:
                     refuse(context)
                 return behavior(request, context, *callback)
 
@@ -334,7 +334,7 @@ class ParseGuard(grpc.ServerInterceptor):
             def guarded(requests, context, *callback):  # (streamed requests: no callback)
                 def checked():
                     for r in requests:
-                        if r is _UNPARSED:
+                        if r is UNPARSED:
                             refuse(context)
                         yield r
 
