@@ -27,6 +27,8 @@ from services.common.grpc_server import (
     PortBusy,
     handler_kind,
     server_credentials,
+    tolerant,
+    unparsed,
 )
 from services.common.security import TLSConfig, Token
 
@@ -153,21 +155,11 @@ class AioParseGuard(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        kind, parse = handler_kind(handler), handler.request_deserializer
+        kind = handler_kind(handler)
         behavior = getattr(handler, kind)
 
-        def tolerant(raw: bytes):
-            try:
-                return parse(raw)
-            except Exception:  # noqa: BLE001 - any decode failure is the same refusal
-                return UNPARSED
-
         async def refuse(context):
-            log.info("%s: a request that does not parse (%s)", details.method, context.peer())
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request: bytes that do not parse as {details.method}'s request message",
-            )
+            await context.abort(*unparsed(details.method, context))
 
         async def checked(requests, context):
             async for r in requests:
@@ -203,7 +195,8 @@ class AioParseGuard(grpc.aio.ServerInterceptor):
                     yield r
 
         make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(guarded, request_deserializer=tolerant, response_serializer=handler.response_serializer)
+        deserializer = tolerant(handler.request_deserializer)
+        return make(guarded, request_deserializer=deserializer, response_serializer=handler.response_serializer)
 
 
 async def _result(out):

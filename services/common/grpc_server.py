@@ -6,6 +6,7 @@ import collections
 import logging
 from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -301,21 +302,11 @@ class ParseGuard(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        kind, parse = handler_kind(handler), handler.request_deserializer
+        kind = handler_kind(handler)
         behavior = getattr(handler, kind)
 
-        def tolerant(raw: bytes):
-            try:
-                return parse(raw)
-            except Exception:  # noqa: BLE001 - any decode failure is the same refusal
-                return UNPARSED
-
         def refuse(context):
-            log.info("%s: a request that does not parse (%s)", details.method, context.peer())
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request: bytes that do not parse as {details.method}'s request message",
-            )
+            context.abort(*unparsed(details.method, context))
 
         if kind.startswith("unary"):
 
@@ -341,4 +332,26 @@ class ParseGuard(grpc.ServerInterceptor):
                 return behavior(checked(), context)
 
         make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(guarded, request_deserializer=tolerant, response_serializer=handler.response_serializer)
+        return make(
+            guarded,
+            request_deserializer=tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+
+def tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``parse``, giving UNPARSED for bytes that do not parse (the handler refuses them)."""
+
+    def parsed(raw: bytes):
+        try:
+            return parse(raw)
+        except Exception:  # noqa: BLE001 - any decode failure is the same refusal
+            return UNPARSED
+
+    return parsed
+
+
+def unparsed(method: str, context) -> tuple[grpc.StatusCode, str]:
+    """The refusal of a request that does not parse (logged once, without a traceback)."""
+    log.info("%s: a request that does not parse (%s)", method, context.peer())
+    return grpc.StatusCode.INVALID_ARGUMENT, f"request: bytes that do not parse as {method}'s request message"
