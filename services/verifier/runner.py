@@ -10,6 +10,7 @@ The runner is not thread-safe: one caller at a time (the verifier's ``CycleBatch
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -141,7 +142,7 @@ class TargetRunner:
             tails=tails,
             trees=trees and trees + [None] * len(prefill),
         )
-        offsets = [sum(tails[:i]) for i in range(len(tails))]
+        offsets = [0, *itertools.accumulate(tails)][:-1]
         for st, off, e in zip(sessions, offsets, extra):
             if e:
                 self._prompt_logprobs(st, logits[off : off + e])
