@@ -14,7 +14,7 @@ PRODUCT = sorted((ROOT / "services").rglob("*.py"))
 GRPC = ("grpc", "grpc_health", "grpc_reflection", "specmesh.v1")
 # Where each transport may be imported: a module's path relative to services/, by glob.
 EDGES = {
-    GRPC: ("*/wire.py", "*/grpc_server.py", "*/client.py"),
+    GRPC: ("*/wire.py", "*/grpc_server.py", "*/client.py", "common/grpc_aio.py"),
     ("redis",): ("memory/redis_*.py",),
     ("ray",): ("ray_app.py", "ray_router.py"),
     ("fastapi", "starlette", "uvicorn"): ("router/http_server.py",),
