@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 smollm2-traces eagle3-smollm2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -211,6 +211,21 @@ eagle3-smollm2: setup smollm2-traces
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
 	    --out build/models/smollm2-eagle3 --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3 \
 	    --draft-vocab 8192 --corpus-tokens 500000 --epochs 1
+
+# The target's side of that training kept once (training/target_cache.py): its top-32 labels and
+# the head's features over the same sequences (about 1.25 M tokens, 4.3 GB, resumable), so that
+# more epochs cost the head's training only. eagle3-smollm2-more continues the published head
+# (models/smollm2/eagle3) for E3_EPOCHS epochs over it.
+SMOLLM2_CACHE := $(HOME)/.cache/specmesh/smollm2-target-cache
+E3_EPOCHS ?= 2
+smollm2-target-cache: setup smollm2-traces
+	$(BIN)/python -m training.target_cache --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
+	    --corpus-tokens 500000 --aux-layers 1,15,29 --out $(SMOLLM2_CACHE)
+eagle3-smollm2-more: smollm2-target-cache
+	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
+	    --cache $(SMOLLM2_CACHE) --init models/smollm2/eagle3 --out build/models/smollm2-eagle3 \
+	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-more --draft-vocab 8192 --aux-layers 1 15 29 \
+	    --epochs $(E3_EPOCHS) --lr 5e-4
 
 # The real target's draft LM: its first 3 of 30 layers, distilled toward it on its traces plus
 # 500 k corpus tokens; it shares the target's embedding (not stored), and its vocabulary ranking

@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 
 
 def corpus_batch(rows: int, width: int, offset: float) -> torch.Tensor:
-    from training.eagle3 import corpus_windows
+    from training.sequences import corpus_windows
 
     return torch.tensor(corpus_windows(rows * width, width=width, offset=offset)[:rows])
 

@@ -24,7 +24,8 @@ import torch
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head
 from training.cards import stages
-from training.eagle3 import build_sequences, chain_agreement
+from training.eagle3 import chain_agreement
+from training.sequences import build_sequences
 
 
 def score_head(head_dir: Path, target: Llama, seqs: list[list[int]], positions: int) -> dict:

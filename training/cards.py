@@ -27,7 +27,8 @@ import torch
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head
 from services.drafter.replay import load_traces
-from training.eagle3 import build_sequences, evenly, heldout_agreement, lm_agreement
+from training.eagle3 import heldout_agreement, lm_agreement
+from training.sequences import build_sequences, evenly
 
 
 def data_limited(heldout: list[float], train: list[float], tokens: int) -> str:

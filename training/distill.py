@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from services.common.llama import Llama
-from training.eagle3 import batches, build_sequences, pad
 from training.pretrain import export, load_checkpoint, weights_digest
+from training.sequences import batches, build_sequences, pad
 
 
 def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch
 
 from services.common.llama import Llama
 from training.distill import distill_record, run_epochs, stop_on_signal
-from training.eagle3 import batches, build_sequences, corpus_windows
 from training.pretrain import export, load_checkpoint, weights_digest
+from training.sequences import batches, build_sequences, corpus_windows
 
 
 def cut(target_dir: Path, layers: int, work: Path) -> Llama:

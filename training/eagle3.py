@@ -18,11 +18,9 @@ The attention pattern is exactly what chain drafting sees at inference.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -31,13 +29,13 @@ import torch
 
 from services.common.llama import Llama
 from services.drafter.eagle3 import Eagle3Head, eagle3_config
-from services.drafter.replay import load_traces
 from services.drafter.vocab import coverage, frequency_ranking, top_vocabulary
 from training.precision import autocast, use_bf16
 from training.pretrain import load_checkpoint, weights_digest
+from training.sequences import batches, build_sequences, corpus_windows, evenly, index_batches, pad
+from training.target_cache import TargetCache, sparse_probs
 
 STEP_WEIGHT = 0.8
-BUNDLED_TOKENIZER = Path("models/tokenizer")
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -170,80 +168,6 @@ def set_draft_vocabulary(head: Eagle3Head, ids: torch.Tensor, target_lm_head: to
     head.remaps_vocab = len(ids) != head.s.vocab
 
 
-def build_sequences(trace_files: list[Path], max_len: int) -> list[list[int]]:
-    seqs = []
-    for f in trace_files:
-        for t in load_traces(f):
-            seq = (t.prompt_ids + t.continuation)[:max_len]
-            if len(seq) > 8:
-                seqs.append(seq)
-    return seqs
-
-
-def evenly(seqs: list, fraction: float) -> list:
-    """An evenly spaced ``fraction`` of ``seqs`` (every source file keeps its share)."""
-    return [s for i, s in enumerate(seqs) if int((i + 1) * fraction) > int(i * fraction)]
-
-
-def corpus_windows(
-    n_tokens: int,
-    width: int = 512,
-    corpus_dir: Path | None = None,
-    offset: float = 0.0,
-    packages: Path | None = None,
-    tokenizer: Path = BUNDLED_TOKENIZER,
-) -> list[list[int]]:
-    """``n_tokens`` of the pretraining stream as evenly spaced ``width``-token windows (more
-    data for the head: the target still supplies features and soft labels). The stream is
-    encoded with ``tokenizer`` (the target's) and cached in ``corpus_dir`` (default:
-    pre-training's for the bundled tokenizer, one per tokenizer otherwise), encoded there if
-    missing, with the package corpus when ``packages`` is given (``pretrain.encode_corpus``);
-    ``offset`` shifts every window by that fraction of the spacing."""
-    if n_tokens <= 0:
-        return []
-    from training.pretrain import encode_corpus
-
-    stream, _ = encode_corpus(tokenizer, corpus_dir or corpus_cache(tokenizer), packages)
-    n = max(1, n_tokens // width)
-    starts = [int((i + offset % 1.0) * (len(stream) - width) / n) for i in range(n)]
-    return [stream[s : s + width].astype("int64").tolist() for s in starts]
-
-
-def corpus_cache(tokenizer: Path) -> Path:
-    """Where the corpus encoded with ``tokenizer`` is cached: pre-training's directory for the
-    bundled tokenizer, else one named by the tokenizer file's digest (another vocabulary's ids
-    must never be read as ours)."""
-    from training.pretrain import default_work_dir
-
-    mine = (tokenizer / "tokenizer.json").read_bytes()
-    if mine == (BUNDLED_TOKENIZER / "tokenizer.json").read_bytes():
-        return default_work_dir("corpus")
-    return default_work_dir(f"corpus-{hashlib.sha1(mine).hexdigest()[:12]}")
-
-
-def batches(seqs: list[list[int]], tokens_per_batch: int, seed: int):
-    order = list(range(len(seqs)))
-    random.Random(seed).shuffle(order)
-    batch, width = [], 0
-    for i in order:
-        w = max(width, len(seqs[i]))
-        if batch and w * (len(batch) + 1) > tokens_per_batch:
-            yield batch
-            batch, w = [], len(seqs[i])
-        batch.append(seqs[i])
-        width = w
-    if batch:
-        yield batch
-
-
-def pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(s) for s in batch)
-    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
-    for r, s in enumerate(batch):
-        ids[r, : len(s)] = torch.tensor(s)
-    return ids, torch.tensor([len(s) for s in batch])
-
-
 def new_head(
     target: Llama, aux: tuple[int, ...], seqs: list[list[int]], draft_vocab: int, device
 ) -> tuple[Eagle3Head, torch.Tensor]:
@@ -278,6 +202,27 @@ def warm_head(
     return head, vocab_ids
 
 
+@torch.no_grad()
+def target_side(target: Llama, cache: TargetCache | None, seqs, index: list[int], head: Eagle3Head, vocab_ids, device):
+    """(ids, lengths, features, labels over the draft vocabulary, keep) for sequences ``index``:
+    from the target's forward, or read back from ``cache``. Labels are renormalised over the
+    draft vocabulary (as EAGLE-3's); with a reduced one, ``keep`` marks positions whose target
+    token it holds (None otherwise)."""
+    reduced = len(vocab_ids) < target.s.vocab
+    if cache is None:
+        ids, lengths = (t.to(device) for t in pad([seqs[i] for i in index], pad_id=0))
+        logits, hidden = target.forward_train(ids, capture=head.aux_layers)
+        keep = head.t2d[logits.argmax(-1)] if reduced else None
+        probs = torch.softmax((logits[..., vocab_ids] if reduced else logits).float(), -1)
+        return ids, lengths, torch.cat(hidden, -1), probs, keep
+    b = {k: v.to(device) for k, v in cache.batch(index).items()}
+    to_draft = torch.full((target.s.vocab,), -1, dtype=torch.long, device=device)
+    to_draft[vocab_ids] = torch.arange(len(vocab_ids), device=device)
+    probs = sparse_probs(b["topk_ids"], b["topk_logp"], to_draft, len(vocab_ids))
+    keep = head.t2d[b["topk_ids"][..., 0]] if reduced else None
+    return b["ids"], b["lengths"], b["feats"].float(), probs, keep
+
+
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -286,15 +231,23 @@ def train(args: argparse.Namespace) -> None:
     for p in target.parameters():
         p.requires_grad_(False)
     aux = tuple(args.aux_layers) if args.aux_layers else default_aux_layers(target.s.layers)
-    seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
-    corpus = corpus_windows(
-        args.corpus_tokens,
-        corpus_dir=args.corpus_dir,
-        offset=args.corpus_offset,
-        packages=args.packages,
-        tokenizer=args.target,
+    cache = (
+        TargetCache.open(args.cache, {"target": weights_digest(args.target), "aux_layers": list(aux)})
+        if args.cache
+        else None
     )
-    seqs = evenly(seqs, args.trace_fraction) + corpus
+    if cache is not None:  # the sequences the cache was made of (its traces and corpus windows)
+        seqs = [cache.sequence(i) for i in range(cache.meta["sequences"])]
+    else:
+        seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
+        corpus = corpus_windows(
+            args.corpus_tokens,
+            corpus_dir=args.corpus_dir,
+            offset=args.corpus_offset,
+            packages=args.packages,
+            tokenizer=args.target,
+        )
+        seqs = evenly(seqs, args.trace_fraction) + corpus
     n_tokens = sum(len(s) for s in seqs)
     vocab = target.s.vocab
     draft_vocab = args.draft_vocab if 0 < args.draft_vocab < vocab else vocab
@@ -327,7 +280,7 @@ def train(args: argparse.Namespace) -> None:
         epoch, done_in_epoch, step, elapsed = st["epoch"], st["done"], st["step"], st["elapsed"]
         print(f"[eagle3] resumed at epoch {epoch} step {step}", flush=True)
     total_steps = sum(
-        1 for e in range(args.epochs) for _ in batches(seqs, args.batch_tokens, e)
+        1 for e in range(args.epochs) for _ in index_batches([len(s) for s in seqs], args.batch_tokens, e)
     )  # packing varies by epoch
     covered = coverage(seqs, vocab_ids.cpu(), vocab)
     print(
@@ -392,19 +345,11 @@ def train(args: argparse.Namespace) -> None:
 
     t_last, t_seg, ema, seen, t_run = time.time(), time.time(), None, 0, time.time()
     while epoch < args.epochs and not stop["now"]:
-        for i, batch in enumerate(batches(seqs, args.batch_tokens, epoch)):
+        for i, index in enumerate(index_batches([len(s) for s in seqs], args.batch_tokens, epoch)):
             if i < done_in_epoch:
                 continue
-            ids, lengths = pad(batch, pad_id=0)
-            ids, lengths = ids.to(device), lengths.to(device)
             with autocast(device, bf16):
-                with torch.no_grad():
-                    logits, hidden = target.forward_train(ids, capture=aux)
-                    feats, keep = torch.cat(hidden, -1), None
-                    if draft_vocab < vocab:  # labels renormalised over the draft vocabulary (as EAGLE-3's)
-                        keep = head.t2d[logits.argmax(-1)]
-                        logits = logits[..., vocab_ids]
-                    probs = torch.softmax(logits.float(), -1)
+                ids, lengths, feats, probs, keep = target_side(target, cache, seqs, index, head, vocab_ids, device)
                 loss, per_step = ttt_loss(head, feats, probs, ids, lengths, args.ttt_steps, keep)
             warmup = min(50, max(1, total_steps // 10))
             lr = (
@@ -504,6 +449,13 @@ def main() -> None:
         default=0.0,
         help="shift the corpus windows by this fraction of their spacing (0.5 = between a "
         "previous run's windows of the same count)",
+    )
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="read the target's features and top-k labels from this cache (python -m training.target_cache, "
+        "made with the same target and --aux-layers) instead of running the target every epoch",
     )
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)

