@@ -27,6 +27,7 @@ measured until the last ends (its tail, with few sessions left, counted).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
@@ -319,6 +320,7 @@ class Load:
     kind: str = "steady"
     warmup_s: float = 2.0
     window_s: float = 4.0
+    clients: str = "loop"  # loop: every stream a coroutine on one event loop (as grpc.aio serves); threads: one each
 
 
 def _stream(engine, trace: dict, method: str, seen: list[tuple[float, int, bool]]) -> None:
@@ -330,6 +332,20 @@ def _stream(engine, trace: dict, method: str, seen: list[tuple[float, int, bool]
     first = True
     for step in engine.generate(req):
         if step.token_ids:
+            seen.append((time.perf_counter(), len(step.token_ids), first))
+            first = False
+
+
+async def _stream_on_loop(engine, trace: dict, method: str, seen: list[tuple[float, int, bool]]) -> None:
+    """``_stream`` as an event loop's consumer reads it (``Completions.stream``: the public gRPC
+    and HTTP servers' path)."""
+    from services.router.engine import GenerationRequest
+
+    out = trace["csd"] if method == "csd" else trace["greedy"]
+    req = GenerationRequest(list(trace["prompt"]), max(1, len(out)), method=method)
+    first = True
+    async for _, step in engine.generate_all(req).stream():
+        if step is not None and step.token_ids:
             seen.append((time.perf_counter(), len(step.token_ids), first))
             first = False
 
@@ -347,12 +363,13 @@ def _tally(run: Run, seen: list[tuple[float, int, bool]], t0: float, t1: float, 
 
 
 def drive(engine, traces: list[dict], n: int, method: str, load: Load, mark) -> tuple[Run, dict, dict]:
-    """``n`` client threads (as the gRPC server gives each stream a thread) under ``load``;
-    returns what the clients saw in the measured span and ``mark()`` at its two ends."""
+    """``n`` clients under ``load`` (coroutines on one event loop, as the gRPC and HTTP servers
+    stream, or a thread each); returns what they saw in the measured span and ``mark()`` at its
+    two ends."""
     done: list[tuple[int, float, list[tuple[float, int, bool]]]] = []  # (trace index, begun, its steps)
     errors: list[str] = []
     stop = threading.Event()
-    start = threading.Barrier(n + 1)
+    start = threading.Barrier(2 if load.clients == "loop" else n + 1)  # the clients' thread(s) and this one
 
     def client(i: int) -> None:
         k = i  # client i runs traces i, i + n, i + 2n, ... (round again once they run out)
@@ -369,7 +386,28 @@ def drive(engine, traces: list[dict], n: int, method: str, load: Load, mark) -> 
             if load.kind == "burst" or stop.is_set():
                 return
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    async def on_loop(i: int) -> None:
+        k = i
+        while True:
+            seen: list[tuple[float, int, bool]] = []
+            begun = time.perf_counter()
+            try:
+                await _stream_on_loop(engine, traces[k % len(traces)], method, seen)
+            except Exception as e:  # noqa: BLE001 - counted and reported, never hidden
+                errors.append(f"{type(e).__name__}: {e}")
+            done.append((k, begun, seen))
+            k += n
+            if load.kind == "burst" or stop.is_set():
+                return
+
+    async def loop_clients() -> None:
+        start.wait()
+        await asyncio.gather(*(on_loop(i) for i in range(n)))
+
+    if load.clients == "loop":
+        threads = [threading.Thread(target=asyncio.run, args=(loop_clients(),), name="clients")]
+    else:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     start.wait()
@@ -658,6 +696,11 @@ def markdown(rows: list[dict], command: str, load: Load = Load()) -> str:
             f"One request per session, all at once, {MAX_NEW} new tokens at most, each on its own prompt "
             "(HumanEval, then held-out stdlib), measured until the last ends."
         )
+    how += (
+        " Clients: every stream a coroutine on one event loop, reading `Completions.stream` as the public servers do."
+        if load.clients == "loop"
+        else " Clients: a thread per stream."
+    )
     lines = [
         "# Control plane at modelled GPU speed",
         "",
@@ -774,6 +817,12 @@ def main() -> int:
         help="steady: each session runs requests back to back, measured over --window-s after --warmup-s; "
         "burst: one request per session, all at once, until the last ends",
     )
+    p.add_argument(
+        "--clients",
+        choices=("loop", "threads"),
+        default=Load.clients,
+        help="loop: the streams as coroutines on one event loop (the public servers' way); threads: a thread each",
+    )
     p.add_argument("--warmup-s", type=float, default=Load.warmup_s)
     p.add_argument("--window-s", type=float, default=Load.window_s)
     p.add_argument("--standin-port", type=int, help=argparse.SUPPRESS)
@@ -793,7 +842,7 @@ def main() -> int:
     methods = a.methods.split(",")
     micro = [int(m) for m in a.micro_batches.split(",")]
     traces = load_traces(max(max(sessions), a.count))
-    load = Load(a.load, a.warmup_s, a.window_s)
+    load = Load(a.load, a.warmup_s, a.window_s, a.clients)
     cfg = (
         EngineConfig(suffix=SuffixConfig(compiled=False, live_outputs=False)) if a.suffix_reference else EngineConfig()
     )

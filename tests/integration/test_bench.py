@@ -370,7 +370,8 @@ def test_control_plane_stand_in_answers_as_the_target_did(tiny_engine):
 def test_control_plane_steady_load_keeps_every_session_open(tiny_engine):
     """The control-plane benchmark's steady load: each session runs requests back to back, so
     the measured steps hold every session (no tail of a few), and the tokens counted are those
-    that came within the measured span, on prompts run once each."""
+    that came within the measured span, on prompts run once each; the clients stream on one event
+    loop (the public servers' way) or from a thread each."""
     from bench import control_plane as cp
     from services.router.engine import Engine
 
@@ -384,8 +385,10 @@ def test_control_plane_steady_load_keeps_every_session_open(tiny_engine):
     engine = Engine(tiny_engine.cfg, verifier=core)
     row = cp.measure(engine, place, traces, 3, "suffix", "embedded", cp.Load("steady", 0.2, 1.0))
     burst = cp.measure(engine, place, traces[:3], 3, "suffix", "embedded", cp.Load("burst"))
+    threads = cp.measure(engine, place, traces, 3, "suffix", "embedded", cp.Load("steady", 0.2, 1.0, "threads"))
     engine.close()
-    assert row["errors"] == burst["errors"] == 0
+    assert row["errors"] == burst["errors"] == threads["errors"] == 0
+    assert threads["sessions_per_step"] > 2.5 and threads["tokens"] > 0  # a thread per stream, the same load
     assert row["requests"] >= 3 and row["repeated_requests"] < row["requests"]  # begun after the first ones
     assert row["sessions_per_step"] > 2.5
     assert 0 < row["tokens"] < sum(len(t["greedy"]) for t in traces) and row["tau"] > 1
