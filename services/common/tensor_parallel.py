@@ -8,7 +8,10 @@ gpt-fast's ``tp.py`` do it): one rank's shard of a target, run in step with the 
 - KV heads are split with their query heads. With fewer KV heads than ranks (GQA), each rank
   keeps the one KV head its query heads read (replicated across the ranks that share it).
 - The LM head is split by vocabulary: each rank scores its rows and the logits are gathered
-  (``VocabParallel``), so every rank holds the same full logits as one device would.
+  (``VocabParallel``), so every rank holds the same full logits as one device would. A step
+  whose verdicts need only greedy reads (each row's argmax; a calibrated gate's gap and top-k
+  test at its draft rows) skips the gather: ``greedy_reads`` gathers a few columns per row
+  instead of the vocabulary, and reads what one device would have read.
 
 After each all-reduce every rank holds the same residual stream, so the layers' inputs that
 EAGLE-3 reads are captured on every rank as on one device. The collectives are
@@ -45,11 +48,12 @@ class RowParallel(nn.Module):
 
 
 class VocabParallel(nn.Module):
-    """An LM head split by vocabulary rows: this rank's logits, gathered into the full vocabulary."""
+    """An LM head split by vocabulary rows: this rank's logits, gathered into the full vocabulary.
+    ``linear`` alone scores this rank's ids, ``offset`` on (``greedy_reads`` reads from them)."""
 
-    def __init__(self, linear: nn.Linear, world: int, group=None):
+    def __init__(self, linear: nn.Linear, world: int, offset: int = 0, group=None):
         super().__init__()
-        self.linear, self.world, self.group = linear, world, group
+        self.linear, self.world, self.offset, self.group = linear, world, offset, group
 
     @property
     def weight(self) -> torch.Tensor:
@@ -60,6 +64,44 @@ class VocabParallel(nn.Module):
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts, -1)
+
+
+def greedy_reads(
+    local: torch.Tensor, head: VocabParallel, gated: list[tuple[int, int, int]]
+) -> tuple[list[int], list[float], list[bool]]:
+    """``policies.read_greedy``'s reads of a step from this rank's logits [N, V / world] (ids
+    ``head.offset`` on), without gathering the vocabulary: every row's argmax (the first of equal
+    maxima, as one device's), and at each ``gated`` (row, draft id, k) the gap logit(d) −
+    max and whether d ranks within the top k. Each rank sends its rows' maxima and their ids,
+    the gated rows' draft logits (−inf where another rank holds d) and their k largest logits:
+    one all-gather of N × 2 + G × (1 + k) values; every rank reads the same answer."""
+    n, v = local.shape
+    ids = local.argmax(-1)
+    mine = [local.gather(1, ids[:, None])[:, 0].float(), (ids + head.offset).float()]
+    top_k = max((k for *_, k in gated), default=0)
+    if gated:
+        r = torch.tensor([g[0] for g in gated], device=local.device)
+        d = torch.tensor([g[1] for g in gated], device=local.device) - head.offset
+        held = (d >= 0) & (d < v)
+        at_d = torch.where(held, local[r, d.clamp(0, v - 1)].float(), float("-inf"))
+        top = local[r].topk(min(top_k, v), dim=-1).values.float()
+        mine += [at_d, top.flatten()]
+    packed = torch.cat([x.double() for x in mine])
+    parts = [torch.empty_like(packed) for _ in range(head.world)]
+    dist.all_gather(parts, packed, group=head.group)
+    every = torch.stack(parts)  # [world, ...]: rank r holds ids r·V/world..
+    best = every[:, :n].argmax(0)  # the first rank holding a row's maximum: the first maximal id
+    rows = torch.arange(n, device=local.device)
+    peak, targets = every[best, rows], every[best, n + rows]
+    if not gated:
+        return [int(t) for t in targets.tolist()], [], []
+    g = len(gated)
+    at_d = every[:, 2 * n : 2 * n + g].max(0).values  # the one rank that holds d
+    tops = every[:, 2 * n + g :].reshape(head.world, g, -1).permute(1, 0, 2).reshape(g, -1)
+    k = torch.tensor([x[2] for x in gated], device=local.device)
+    kth = tops.topk(top_k, dim=-1).values.gather(1, (k - 1)[:, None])[:, 0]
+    gaps = (at_d.float() - peak[r].float()).double()  # in fp32, as one device's read
+    return [int(t) for t in targets.tolist()], gaps.tolist(), (at_d >= kth).tolist()
 
 
 def _rows(linear: nn.Linear, lo: int, hi: int) -> nn.Linear:
@@ -121,6 +163,6 @@ def shard(model: Llama, rank: int, world: int, group=None) -> Llama:
         m.down_proj = RowParallel(_cols(m.down_proj, rank * width, (rank + 1) * width), group)
     v = s.vocab // world
     head = _rows(model.lm_head, rank * v, (rank + 1) * v)
-    model.lm_head = VocabParallel(head, world, group)  # (untied from the embedding, which stays whole)
+    model.lm_head = VocabParallel(head, world, rank * v, group)  # (untied from the embedding, which stays whole)
     model.s = local
     return model

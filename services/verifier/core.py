@@ -247,10 +247,12 @@ class VerifierCore:
             b.again = id(b) in chunks
         if not live and not filling:
             return
+        greedy = bool(live) and all(b.session.reads_greedy for b in live)  # no session needs its rows
         rows, states = self.runner.step(
             [(b.session.target, drafts[id(b)].token_ids) for b in live],
             [(b.session.target, chunks[id(b)]) for b in filling],
             [drafts[id(b)].parents if drafts[id(b)].is_tree else None for b in live],
+            [b.session.gate_top_k for b in live] if greedy else None,
         )
         for b, fused in zip(filling, states):
             try:
@@ -284,6 +286,7 @@ class VerifierCore:
             [rows.spans[i] for i in plain],
             [drafts[id(live[i])].token_ids for i in plain],
             [live[i].session.gate_top_k for i in plain],
+            rows.reads,  # (taken over every session, each plain: the same order)
         )
         return dict(zip(plain, reads))
 

@@ -68,7 +68,11 @@ class GreedyRows:
 
 
 def read_greedy(
-    logits: torch.Tensor, spans: Sequence[tuple[int, int]], drafts: Sequence[list[int]], top_k: Sequence[int]
+    logits: torch.Tensor | None,
+    spans: Sequence[tuple[int, int]],
+    drafts: Sequence[list[int]],
+    top_k: Sequence[int],
+    taken: tuple[list[int], list[float], list[bool]] | None = None,
 ) -> list[GreedyRows]:
     """Every greedy session's reads of one step's logits [N, V] in one pass (as vLLM's rejection
     sampler takes a batch): session i's rows are ``spans[i]`` (start, k + 1), its draft
@@ -77,8 +81,15 @@ def read_greedy(
     the gate's reads of every gated row come with it: the top-k test is d's logit ≥ the k-th
     largest (fewer than k tokens rank strictly above d). From fp32 rows on the CPU, where a
     row's reads cost no transfer and its top-k test a pass over the vocabulary, the gate reads
-    the few rows it reaches itself (``logits`` kept)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    the few rows it reaches itself (``logits`` kept). ``taken``: the step's argmaxes, gaps and
+    top-k tests already read where its logits were (a vocabulary-split step's), in this order."""
+    gaps: list[float] | None
+    within: list[bool] | None
+    if taken is not None:
+        targets, gaps, within = taken
+    elif logits is None:
+        raise ValueError("read_greedy: a step's logits or its reads")
+    elif logits.device.type == "cpu" and logits.dtype == torch.float32:
         targets = logits.numpy().argmax(-1).tolist()  # numpy's argmax: several times faster than torch's here
         gaps = within = None
     else:
@@ -90,7 +101,7 @@ def read_greedy(
         reads = GreedyRows(targets[start : start + n])
         if m and gaps is not None and within is not None:
             reads.gaps, reads.within = gaps[g : g + m], within[g : g + m]
-        elif m:
+        elif m and logits is not None:
             reads.logits = logits[start : start + n]
         out.append(reads)
         g += m

@@ -19,6 +19,7 @@ from services.common.llama import KVCache, Llama
 from services.common.metrics import KV_CACHE_TOKENS, PREFILL_CHUNKS, PREFIX_CACHE, PREFIX_CACHE_BYTES, VERIFY_BATCH
 from services.common.prefix_cache import ROOT, PrefixCache, kv_block, load_kv
 from services.common.sampling import token_logprobs
+from services.common.tensor_parallel import VocabParallel, greedy_reads
 from services.common.types import Verdict
 
 
@@ -49,17 +50,27 @@ class StepRows:
     ``hidden[i]``: session i's captured states [1, T_i, H] per capture layer. A step's policy
     reads what it needs of them for every session at once (``policies.read_greedy``)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     spans: list[tuple[int, int]]
     hidden: list[list[torch.Tensor]]
+    # a vocabulary-split step's greedy reads, taken where its logits were split (and not kept):
+    # (every row's argmax, the gated draft rows' gaps and top-k tests), as ``read_greedy`` reads them
+    reads: tuple[list[int], list[float], list[bool]] | None = None
 
     def rows(self, i: int) -> torch.Tensor:
+        assert self.logits is not None, "a step that kept its logits (no gates given to TargetRunner.step)"
         start, n = self.spans[i]
         return self.logits[start : start + n]
 
     def host(self, i: int) -> torch.Tensor:
         """Session i's rows [k+1, V] as fp32 on the host (a per-row rule reshapes them)."""
         return self.rows(i).float().cpu()
+
+
+def split_head(model: Llama) -> VocabParallel | None:
+    """The model's LM head if split by vocabulary (a tensor-parallel shard's), else None."""
+    head = model.lm_head
+    return head if isinstance(head, VocabParallel) else None
 
 
 def keep_path(cache: KVCache, at: int, path: tuple[int, ...]) -> None:
@@ -116,6 +127,7 @@ class TargetRunner:
         verify: list[tuple[TargetSession, list[int]]],
         prefill: list[tuple[TargetSession, int]],
         trees: list[list[int] | None] | None = None,
+        gates: list[int] | None = None,
     ) -> tuple[StepRows, list[torch.Tensor | None]]:
         """One ragged forward over every session. ``verify`` sessions feed their pending tokens
         plus a draft → their target logits, [k+1, V] each (the draft positions and the bonus),
@@ -124,7 +136,10 @@ class TargetRunner:
         of verify[i]'s draft, a token tree (row j+1 of its logits follows draft node j;
         ``commit`` keeps the accepted path's K/V). ``prefill`` sessions feed the next n of their
         pending (prompt) tokens only and keep them (chunked prefill: no logits, no verdict) →
-        their captured states fused across capture layers, [n, ΣH] (None without capture layers)."""
+        their captured states fused across capture layers, [n, ΣH] (None without capture layers).
+        ``gates``: every verification's verdict needs only the step's greedy reads, with its
+        calibrated gate's top-k (0: none); an LM head split by vocabulary then reads them where
+        the logits are (``tensor_parallel.greedy_reads``) instead of gathering them (``reads``)."""
         VERIFY_BATCH.observe(len(verify) + len(prefill))
         seqs = [st.pending + draft for st, draft in verify] + [st.pending[:n] for st, n in prefill]
         sessions = [st for st, _ in verify] + [st for st, _ in prefill]
@@ -134,11 +149,13 @@ class TargetRunner:
             self._prompt_rows(st, n) for st, n in prefill
         ]
         tails = [len(draft) + 1 + e for (_, draft), e in zip(verify, extra)] + extra[len(verify) :]
+        split = split_head(self.model) if gates is not None and not any(extra) else None
         logits, hidden = self.model.forward_joined(
             seqs,
             [st.cache_len for st in sessions],
             [st.cache for st in sessions],
             self.capture_layers,
+            head=split.linear if split is not None else None,
             tails=tails,
             trees=trees and trees + [None] * len(prefill),
         )
@@ -155,7 +172,13 @@ class TargetRunner:
             PREFILL_CHUNKS.inc(len(prefill))
         KV_CACHE_TOKENS.set(sum(st.cache_len for st in sessions))
         spans = [(off + e, len(draft) + 1) for off, e, (_, draft) in zip(offsets, extra, verify)]
-        return StepRows(logits, spans, [[h[None] for h in hs] for hs in hidden[:v]]), fused
+        hidden_rows = [[h[None] for h in hs] for hs in hidden[:v]]
+        if split is not None and gates is not None:
+            gated = [
+                (s + j, d[j], k) for (s, _), (_, d), k in zip(spans, verify, gates) if k > 0 for j in range(len(d))
+            ]
+            return StepRows(None, spans, hidden_rows, greedy_reads(logits, split, gated)), fused
+        return StepRows(logits, spans, hidden_rows), fused
 
     @staticmethod
     def _prompt_rows(st: TargetSession, fed: int) -> int:

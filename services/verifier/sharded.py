@@ -98,7 +98,7 @@ class ShardedRunner(TargetRunner):
             self._send("open", st.sid, list(prompt), capacity, root, prompt_top)
             return st
 
-    def step(self, verify, prefill, trees=None):
+    def step(self, verify, prefill, trees=None, gates=None):
         model = self.model
         with self._lock:
             self._send(
@@ -106,10 +106,11 @@ class ShardedRunner(TargetRunner):
                 [(st.sid, list(d)) for st, d in verify],
                 [(st.sid, n) for st, n in prefill],
                 trees,
+                gates,
                 self.capture_layers,
                 model.batch_invariant,
             )
-            return self._guarded(super().step, verify, prefill, trees)
+            return self._guarded(super().step, verify, prefill, trees, gates)
 
     def commit(self, st: TargetSession, verdict: Verdict, states: torch.Tensor | None = None) -> None:
         with self._lock:
@@ -156,8 +157,8 @@ def serve_calls(runner: TargetRunner) -> None:
             sid, prompt, capacity, root, top = a
             sessions[sid] = runner.open(prompt, capacity, root, top)
         elif op == "step":
-            verify, prefill, trees, runner.capture_layers, runner.model.batch_invariant = a
-            runner.step([(sessions[s], d) for s, d in verify], [(sessions[s], n) for s, n in prefill], trees)
+            verify, prefill, trees, gates, runner.capture_layers, runner.model.batch_invariant = a
+            runner.step([(sessions[s], d) for s, d in verify], [(sessions[s], n) for s, n in prefill], trees, gates)
         elif op == "commit":
             states = None if a[2] is None else a[2].to(runner.model.norm.weight.device)
             runner.commit(sessions[a[0]], a[1], states)

@@ -81,6 +81,53 @@ def test_the_bundled_and_the_real_target_split_as_they_run_on_one_device(path, w
         assert diff < 5 * TOL and same, (rank, diff)
 
 
+def reads_main(rank: int, world: int, port: int, path: str, results) -> None:
+    """Greedy reads of a vocabulary-split step against one device's reads of the whole logits:
+    random logits with many ties (the first maximal id wins, across ranks too), and a runner's
+    step on a sharded target that keeps no logits against one that gathers them."""
+    from services.common.tensor_parallel import VocabParallel, greedy_reads
+    from services.verifier.policies import _read_on_device
+    from services.verifier.runner import TargetRunner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ok = True
+        for seed in range(20):
+            g = torch.Generator().manual_seed(seed)
+            logits = torch.randint(0, 4, (9, 24), generator=g).float() + torch.randn(9, 24, generator=g).round() * 0.5
+            gated = [
+                (r, int(torch.randint(0, 24, (1,), generator=g)), int(k)) for r, k in [(0, 1), (3, 5), (4, 2), (8, 9)]
+            ]
+            head = VocabParallel(torch.nn.Linear(1, 24 // world), world, rank * (24 // world))
+            local = logits[:, rank * (24 // world) : (rank + 1) * (24 // world)]
+            ok &= greedy_reads(local, head, gated) == _read_on_device(logits, gated)
+            ok &= greedy_reads(local, head, []) == (_read_on_device(logits, [])[0], [], [])
+        model = shard(Llama.from_pretrained(path), rank, world)
+        runner = TargetRunner(model)
+        drafts = [[5, 9, 14], [7]]
+        plain = [runner.open(list(range(20 + i, 30 + i)), 64) for i in range(2)]
+        split = [runner.open(list(range(20 + i, 30 + i)), 64) for i in range(2)]
+        rows, _ = runner.step(list(zip(plain, drafts)), [])
+        reads, _ = runner.step(list(zip(split, drafts)), [], None, [0, 3])
+        gated = [(s + j, drafts[1][j], 3) for s, _ in rows.spans[1:] for j in range(len(drafts[1]))]
+        ok &= reads.logits is None and reads.spans == rows.spans
+        ok &= reads.reads == _read_on_device(rows.logits, gated)
+        results.put((rank, ok))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_greedy_reads_of_a_vocabulary_split_step_are_one_devices_without_gathering_the_logits(tmp_path, world):
+    path = make_tiny(tmp_path / "tiny", seed=5, layers=2, hidden=64)
+    results = mp.get_context("spawn").Queue()
+    mp.start_processes(
+        reads_main, (world, free_port(), str(path), results), nprocs=world, join=True, start_method="spawn"
+    )
+    assert sorted(results.get(timeout=60) for _ in range(world)) == [(r, True) for r in range(world)]
+
+
 def test_a_target_that_does_not_split_evenly_is_refused_naming_what_to_set(tmp_path):
     model = Llama.from_pretrained(make_tiny(tmp_path / "tiny", seed=5, layers=1, hidden=64))
     with pytest.raises(ValueError, match="4 attention heads do not split evenly over 3 ranks"):
