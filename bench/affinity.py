@@ -32,8 +32,7 @@ import grpc
 from bench.harness import command, machine, pyplot, report, table_markdown, write_figure
 from bench.workloads import humaneval
 from services.assembly import verifier_command
-from services.common.grpc_server import free_port
-from services.common.runtime import stop_processes
+from services.common.runtime import free_port, stop_processes
 
 
 def start_verifiers(n: int) -> tuple[list[subprocess.Popen], list[str]]:

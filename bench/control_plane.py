@@ -534,7 +534,7 @@ class Distributed:
     """The stand-in in its own process, reached over the Link as a router reaches a verifier."""
 
     def __init__(self, n: int, workdir: Path):
-        from services.common.grpc_server import free_port
+        from services.common.runtime import free_port
 
         self.port, self.counters_path = free_port(), workdir / "standin.json"
         self.proc = subprocess.Popen(

@@ -27,8 +27,7 @@ from bench.harness import command, pyplot, save, table_markdown, write_figure
 from bench.serving import SERVER_ENV
 from bench.workloads import load
 from services.common.config import models_dir
-from services.common.grpc_server import free_port
-from services.common.runtime import stop_processes
+from services.common.runtime import free_port, stop_processes
 from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
 

@@ -32,8 +32,7 @@ from pathlib import Path
 from bench.workloads import load
 from services.assembly import verifier_command
 from services.common.config import EngineConfig, models_dir
-from services.common.grpc_server import free_port
-from services.common.runtime import freeze_startup_heap, stop_processes
+from services.common.runtime import free_port, freeze_startup_heap, stop_processes
 from services.common.types import CycleRequest, SessionSpec
 from services.verifier.client import RemoteVerifier
 from services.verifier.core import VerifierCore

@@ -265,8 +265,7 @@ def plot(prom: Prometheus, start: float, end: float, out: Path) -> None:
 
 
 def main() -> int:
-    from services.common.grpc_server import free_port
-    from services.common.runtime import stop_processes
+    from services.common.runtime import free_port, stop_processes
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/dashboard.png")

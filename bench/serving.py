@@ -37,8 +37,7 @@ import grpc
 
 from bench.workloads import load
 from services.common.config import EngineConfig, models_dir
-from services.common.grpc_server import free_port
-from services.common.runtime import stop_processes
+from services.common.runtime import free_port, stop_processes
 from specmesh.v1 import generate_pb2 as gpb
 from specmesh.v1 import generate_pb2_grpc as ggrpc
 

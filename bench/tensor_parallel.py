@@ -59,7 +59,7 @@ def all_reduce_us(world: int, hidden: int) -> float:
     """One gloo all-reduce of a step's [8, hidden] rows among ``world`` processes, alone (µs)."""
     import torch.multiprocessing as mp
 
-    from services.verifier.sharded import free_port
+    from services.common.runtime import free_port
 
     out = mp.get_context("spawn").Queue()
     mp.start_processes(_probe_rank, (world, free_port(), hidden, out), nprocs=world, start_method="spawn")

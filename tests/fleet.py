@@ -10,8 +10,7 @@ import grpc
 
 from services.assembly import verifier_command
 from services.common.config import EngineConfig, ServerConfig
-from services.common.grpc_server import free_port
-from services.common.runtime import stop_processes
+from services.common.runtime import free_port, stop_processes
 from services.router.engine import Engine
 from services.router.grpc_server import build_server
 from services.verifier.client import RemoteVerifier

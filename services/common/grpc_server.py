@@ -220,15 +220,6 @@ def run_until_signal(
     server.stop(grace=grace_s).wait()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (tests, benchmarks, local multi-process topologies)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 # -- transport security ------------------------------------------------------------------------
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     if tls.cert is None or tls.key is None:

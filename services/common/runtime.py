@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import socket
 
 
 def tune_gc() -> None:
@@ -49,3 +50,10 @@ def stop_processes(procs, timeout_s: float = 60.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (tests, benchmarks, local multi-process topologies)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.common.prefix_cache import ROOT, PrefixCache
+from services.common.runtime import free_port
 from services.common.types import Verdict
 from services.verifier.runner import TargetRunner, TargetSession
 
@@ -40,12 +40,6 @@ TIMEOUT = timedelta(seconds=60)  # a collective that waits longer on a dead peer
 def backend(device: str) -> str:
     """The collectives' transport for a replica on ``device``."""
     return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ShardedRunner(TargetRunner):

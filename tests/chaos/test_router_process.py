@@ -12,8 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from services.assembly import verifier_command
-from services.common.grpc_server import free_port
-from services.common.runtime import stop_processes
+from services.common.runtime import free_port, stop_processes
 from tests.fleet import start_verifier, stop
 
 CLI = [sys.executable, "-m", "services.cli"]

@@ -557,7 +557,7 @@ def test_the_bundled_redis_admits_only_specmesh_as_its_acl_user_for_what_it_uses
     switch to it (as root), as in its pod."""
     import redis as redis_py
 
-    from services.common.grpc_server import free_port
+    from services.common.runtime import free_port
     from services.drafter.suffix import GlobalSuffixCache
     from services.memory.redis_link import RedisLink
     from services.memory.redis_memory import RedisCorrectionMemory

@@ -10,7 +10,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import free_port
+from services.common.runtime import free_port
 
 CLI = [sys.executable, "-m", "services.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

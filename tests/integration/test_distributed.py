@@ -666,7 +666,7 @@ def test_a_router_started_before_its_verifier_waits_for_it(tiny_dirs):
     """Pods of one release start together and a verifier loads its models before it listens:
     the router's verifier pool waits for a replica's answer (within ``start_timeout_s``)
     instead of failing at once; with none by then it says so."""
-    from services.common.grpc_server import free_port
+    from services.common.runtime import free_port
     from services.verifier.grpc_server import build_verifier_server
 
     port = free_port()

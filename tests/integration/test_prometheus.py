@@ -8,8 +8,7 @@ import time
 import pytest
 
 from bench.prometheus import ROOT, RULES, OpenStreams, Prometheus, binary, drive, panel_queries, start_server
-from services.common.grpc_server import free_port
-from services.common.runtime import stop_processes
+from services.common.runtime import free_port, stop_processes
 from tests.conftest import bundled_available, wait_for
 
 METHODS = ["vanilla", "sd", "suffix", "csd", "eagle3", "hybrid"]

@@ -3,24 +3,17 @@ gloo processes against the same model on one process: logits within float32 roun
 same greedy tokens, for a whole sequence, a cached prefill and decode, and a ragged step with a
 token tree; GQA with fewer KV heads than ranks replicates them."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.common.llama import Llama
+from services.common.runtime import free_port
 from services.common.tensor_parallel import shard, split_check
 from tests.conftest import make_tiny
 
 TOL = 1e-4  # float32: the all-reduce adds the ranks' partial sums in another order than one GEMM
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def outputs(model: Llama) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.grpc_server import free_port
+from services.common.runtime import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
