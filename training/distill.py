@@ -28,14 +28,31 @@ import torch
 
 from services.common.llama import Llama
 from training.pretrain import export, load_checkpoint, weights_digest
-from training.sequences import batches, build_sequences, pad
+from training.sequences import batches, build_sequences, index_batches, pad
 
 
-def soft_ce(draft_logits: torch.Tensor, p: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Mean over real positions of −Σ p·log q; logits [B, L, V], p [B, L, V], lengths [B]."""
+def soft_ce(
+    draft_logits: torch.Tensor, p: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean over real positions (and those ``keep`` [B, L] marks) of −Σ p·log q; logits [B, L, V],
+    p [B, L, V], lengths [B]."""
     valid = torch.arange(draft_logits.shape[1], device=p.device)[None, :] < lengths[:, None]
+    if keep is not None:
+        valid = valid & keep
     per_pos = -(p * torch.log_softmax(draft_logits.float(), -1)).sum(-1)
     return per_pos[valid].mean()
+
+
+def live_labels(target: Llama, seqs: list[list[int]]):
+    """Batches' soft labels from the target's forward: index → (ids, lengths, p, None)."""
+    device = next(target.parameters()).device
+
+    @torch.no_grad()
+    def labels(index: list[int]):
+        ids, lengths = (t.to(device) for t in pad([seqs[i] for i in index], pad_id=0))
+        return ids, lengths, torch.softmax(target.forward_train(ids).float(), -1), None
+
+    return labels
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
@@ -81,7 +98,7 @@ def train(args: argparse.Namespace) -> None:
         export(draft, args.draft, args.out, {**state, "distill": distill_record(args, seqs, prog, total, toward)})
 
     stop = stop_on_signal()
-    run_epochs(args, target, draft, opt, seqs, prog, total, save, stop)
+    run_epochs(args, live_labels(target, seqs), draft, opt, seqs, prog, total, save, stop)
     save()
     print(f"[distill] saved {args.out} (step {prog['step']}/{total})", flush=True)
 
@@ -109,18 +126,18 @@ def stop_on_signal() -> dict:
     return stop
 
 
-def run_epochs(args, target, draft, opt, seqs, prog, total, save, stop) -> None:
-    t_last, t_seg, ema, device = time.time(), time.time(), None, next(draft.parameters()).device
+def run_epochs(args, labels, draft, opt, seqs, prog, total, save, stop) -> None:
+    """``args.epochs`` epochs of soft cross-entropy toward ``labels(index)`` (the batch's ids,
+    lengths, label distributions and the positions they count at), resumable at any step."""
+    t_last, t_seg, ema = time.time(), time.time(), None
     while prog["epoch"] < args.epochs and not stop["now"]:
-        for i, batch in enumerate(batches(seqs, args.batch_tokens, seed=prog["epoch"])):
+        for i, index in enumerate(index_batches([len(s) for s in seqs], args.batch_tokens, seed=prog["epoch"])):
             if i < prog["done"]:
                 continue
-            ids, lengths = (t.to(device) for t in pad(batch, pad_id=0))
-            with torch.no_grad():
-                p = torch.softmax(target.forward_train(ids).float(), -1)
+            ids, lengths, p, keep = labels(index)
             for g in opt.param_groups:
                 g["lr"] = lr_at(prog["step"], total, args.lr)
-            loss = soft_ce(draft.forward_train(ids), p, lengths)
+            loss = soft_ce(draft.forward_train(ids), p, lengths, keep)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

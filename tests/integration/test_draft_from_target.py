@@ -85,3 +85,35 @@ def test_a_draft_cut_from_the_target_trains_shares_its_embedding_and_serves_loss
     assert ev["positions_measured"] > 100 and 0 < accept[-1] <= accept[0] <= 1
     assert 0 < ev["share"] < 1 and "step cost" in (out / "README.md").read_text()
     assert chain_acceptance(tgt, tgt, [tmp_path / "t.jsonl"], None)["acceptance_per_position"] == [1.0] * 4
+
+
+def test_a_draft_trains_on_cached_labels_over_its_reduced_head_and_exports_the_whole_one(tiny_dirs, tmp_path):
+    """--cache: the target's top-k labels read back (training/target_cache.py) instead of its
+    forward; --loss-vocab: the draft scores only the traces' most frequent ids, as its FR-Spec head
+    will; the export keeps the target's whole (tied) head, and the draft serves losslessly."""
+    target = tiny_dirs[0]
+    eng = Engine(EngineConfig(target=target, draft=None, eagle3=None, predictor=None, max_new_tokens_limit=200))
+    prompts = [Prompt(f"p{i}", t) for i, t in enumerate(["def g(y):\n", "from x import y\n", "for i in"])]
+    save_traces(tmp_path / "t.jsonl", record_traces(eng, prompts, 48, progress=False))
+    run = lambda *a: subprocess.run([sys.executable, "-m", *a], capture_output=True, text=True, timeout=600, check=True)  # noqa: E731
+    run("training.target_cache", "--target", str(target), "--traces", str(tmp_path / "t.jsonl"), "--out",
+        str(tmp_path / "cache"), "--top-k", "8", "--threads", "1")  # fmt: skip
+    out = tmp_path / "draft"
+    log = run("training.draft_from_target", "--target", str(target), "--layers", "1", "--traces",
+              str(tmp_path / "t.jsonl"), "--cache", str(tmp_path / "cache"), "--loss-vocab", "512", "--out",
+              str(out), "--work-dir", str(tmp_path / "work"), "--epochs", "20", "--batch-tokens", "256",
+              "--log-every", "1", "--lr", "3e-3").stdout  # fmt: skip
+    losses = [float(line.split("soft-CE ")[1].split()[0]) for line in log.splitlines() if "soft-CE" in line]
+    assert len(losses) > 10 and losses[-1] < 0.9 * losses[0], losses
+    state = json.loads((out / "training_state.json").read_text())["distill"]
+    assert state["final"] and state["loss_vocab"] == 512 and state["cached_labels"]
+    stored = load_file(str(out / "model.safetensors"))
+    assert not any("lm_head" in k or "embed_tokens" in k for k in stored)  # the target's, handed over
+    tgt = Llama.from_pretrained(target)
+    draft = Llama.from_pretrained(out, target_embed=tgt.embed_tokens.weight)
+    assert draft.lm_head.weight.shape[0] == tgt.s.vocab  # the whole head came back
+    served = Engine(EngineConfig(target=target, draft=out, eagle3=None, predictor=None, max_new_tokens_limit=200))
+    for p in prompts:
+        ids = served.encode(p.text)
+        sd = served.generate(GenerationRequest(ids, 40, method="sd")).result()
+        assert sd["token_ids"] == served.generate(GenerationRequest(ids, 40, method="vanilla")).result()["token_ids"]
