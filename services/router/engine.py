@@ -14,10 +14,12 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -506,18 +508,57 @@ def prepare_step(gens: list[Generation]) -> list[CycleRequest | BaseException]:
     return out
 
 
-class LoopQueue:
-    """The outputs of a request whose consumer runs on an event loop: the engine's threads put,
-    the loop's coroutine awaits. A put after the loop closed (its consumer gone) is dropped."""
+class LoopOutbox:
+    """What the engine's threads hand to one event loop's queues, delivered in batches: a put
+    wakes the loop only when no delivery is pending, so a step's outputs to every stream on the
+    loop cost one wake-up (a write to its self-pipe), not one each. Each queue gets its items
+    in the order they were put. After the loop closed (its consumers gone) puts are dropped."""
+
+    _of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _made = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop, self._queue = loop, asyncio.Queue()  # type: ignore[var-annotated]
+        self._loop, self._lock = weakref.ref(loop), threading.Lock()  # (a box must not keep its loop)
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopOutbox":
+        with cls._made:
+            box = cls._of.get(loop)
+            if box is None:
+                box = cls._of[loop] = cls(loop)
+            return box
+
+    def put(self, q: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((q, item))
+            if len(self._items) > 1:  # a delivery is already on its way
+                return
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: no one reads these any more
+            with self._lock:
+                self._items.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for q, item in items:
+            q.put_nowait(item)
+
+
+class LoopQueue:
+    """The outputs of a request whose consumer runs on an event loop: the engine's threads put
+    (through the loop's ``LoopOutbox``), the loop's coroutine awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._box, self._queue = LoopOutbox.of(loop), asyncio.Queue()  # type: ignore[var-annotated]
 
     def put(self, item) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: no one reads this request any more
-            pass
+        self._box.put(self._queue, item)
 
     async def get(self):
         return await self._queue.get()
