@@ -213,7 +213,7 @@ eagle3-smollm2: setup smollm2-traces
 	    --draft-vocab 8192 --corpus-tokens 500000 --epochs 1
 
 # The target's side of that training kept once (training/target_cache.py): its top-32 labels and
-# the head's features over the same sequences (about 1.25 M tokens, 4.3 GB, resumable), so that
+# the head's features over the same sequences (752 k tokens, 2.6 GB, resumable), so that
 # more epochs cost the head's training only. eagle3-smollm2-more continues the published head
 # (models/smollm2/eagle3) for E3_EPOCHS epochs over it.
 SMOLLM2_CACHE := $(HOME)/.cache/specmesh/smollm2-target-cache
