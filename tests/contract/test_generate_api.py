@@ -442,9 +442,9 @@ def test_cancelled_stream_stops_its_prompt_prefill_at_the_next_step(served, tiny
     chunks: list[int] = []
     step = core.runner.step
 
-    def logged(verify, prefill, trees=None):
+    def logged(verify, prefill, trees=None, gates=None):
         chunks.extend(n for _, n in prefill)
-        return step(verify, prefill, trees)
+        return step(verify, prefill, trees, gates)
 
     core.runner.step, core.prefill_chunk = logged, 2
     try:

@@ -98,11 +98,11 @@ def test_chunked_prefill_beside_decoding_sessions_keeps_every_output(tiny_dirs, 
     decoding = threading.Event()
     step = runner.step
 
-    def logged(verify, prefill, trees=None):
+    def logged(verify, prefill, trees=None, gates=None):
         steps.append(([len(st.pending) for st, _ in verify], [n for _, n in prefill]))
         if verify and all(len(st.pending) == 1 for st, _ in verify):
             decoding.set()
-        return step(verify, prefill, trees)
+        return step(verify, prefill, trees, gates)
 
     long_prompts = [p * 4 for p in PROMPTS[:4]]
     methods = ("vanilla", "sd", "suffix", "eagle3")
@@ -146,7 +146,7 @@ def test_a_drafter_failure_fails_only_its_cycles_and_runs_no_empty_forward(tiny_
     session = core.open(SessionSpec(eng.encode("def add(a, b):\n"), 8, model_drafter="draft-lm", max_draft=4))
     forwards = []
     step = core.runner.step
-    core.runner.step = lambda v, p, t=None: forwards.append((v, p)) or step(v, p, t)
+    core.runner.step = lambda v, p, t=None, g=None: forwards.append((v, p)) or step(v, p, t, g)
     propose = drafter.propose_batch
     drafter.propose_batch = lambda asks: (_ for _ in ()).throw(RuntimeError("draft failed"))
     try:
@@ -189,10 +189,10 @@ def test_a_cancelled_prompt_stops_prefilling_at_the_next_step(tiny_dirs):
     step = runner.step
     long_gen = eng.generate(GenerationRequest(long_ids, 8, method="sd"))
 
-    def logged(verify, prefill, trees=None):
+    def logged(verify, prefill, trees=None, gates=None):
         target = long_gen._session.target if long_gen._session is not None else None
         fed.extend(n for st, n in prefill if st is target)
-        return step(verify, prefill, trees)
+        return step(verify, prefill, trees, gates)
 
     runner.step = logged
     out, err = {}, {}
@@ -256,7 +256,7 @@ def test_closing_a_busy_session_on_the_link_cancels_its_prefill(tiny_dirs):
     server.start()
     chunks: list[int] = []
     step = core.runner.step
-    core.runner.step = lambda v, p, t=None: chunks.extend(n for _, n in p) or step(v, p, t)
+    core.runner.step = lambda v, p, t=None, g=None: chunks.extend(n for _, n in p) or step(v, p, t, g)
     items: queue.Queue = queue.Queue()
 
     def requests():

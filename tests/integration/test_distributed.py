@@ -583,7 +583,7 @@ def test_cancel_stops_a_remote_prefill_at_the_next_step(tiny_dirs, link):
     idle = core.open(SessionSpec([5], 4))  # another open session: prompts prefill in chunks
     chunks: list[int] = []
     step = core.runner.step
-    core.runner.step = lambda v, p, t=None: chunks.extend(n for _, n in p) or step(v, p, t)
+    core.runner.step = lambda v, p, t=None, g=None: chunks.extend(n for _, n in p) or step(v, p, t, g)
     remote = RemoteVerifier([f"127.0.0.1:{port}"], link=link)
     engine = Engine(
         EngineConfig(target=tiny_dirs[0], draft=None, eagle3=None, max_new_tokens_limit=200), verifier=remote
