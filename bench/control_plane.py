@@ -371,14 +371,13 @@ def drive(engine, traces: list[dict], n: int, method: str, load: Load, mark) -> 
     stop = threading.Event()
     start = threading.Barrier(2 if load.clients == "loop" else n + 1)  # the clients' thread(s) and this one
 
-    def client(i: int) -> None:
+    async def client(i: int, stream) -> None:
         k = i  # client i runs traces i, i + n, i + 2n, ... (round again once they run out)
-        start.wait()
         while True:
             seen: list[tuple[float, int, bool]] = []
             begun = time.perf_counter()
             try:
-                _stream(engine, traces[k % len(traces)], method, seen)
+                await stream(engine, traces[k % len(traces)], method, seen)
             except Exception as e:  # noqa: BLE001 - counted and reported, never hidden
                 errors.append(f"{type(e).__name__}: {e}")
             done.append((k, begun, seen))
@@ -386,28 +385,21 @@ def drive(engine, traces: list[dict], n: int, method: str, load: Load, mark) -> 
             if load.kind == "burst" or stop.is_set():
                 return
 
-    async def on_loop(i: int) -> None:
-        k = i
-        while True:
-            seen: list[tuple[float, int, bool]] = []
-            begun = time.perf_counter()
-            try:
-                await _stream_on_loop(engine, traces[k % len(traces)], method, seen)
-            except Exception as e:  # noqa: BLE001 - counted and reported, never hidden
-                errors.append(f"{type(e).__name__}: {e}")
-            done.append((k, begun, seen))
-            k += n
-            if load.kind == "burst" or stop.is_set():
-                return
-
-    async def loop_clients() -> None:
+    async def on_loop() -> None:
         start.wait()
-        await asyncio.gather(*(on_loop(i) for i in range(n)))
+        await asyncio.gather(*(client(i, _stream_on_loop) for i in range(n)))
+
+    async def blocking(*a) -> None:  # a thread's own loop, which only this client's stream runs on
+        _stream(*a)
+
+    def on_thread(i: int) -> None:
+        start.wait()
+        asyncio.run(client(i, blocking))
 
     if load.clients == "loop":
-        threads = [threading.Thread(target=asyncio.run, args=(loop_clients(),), name="clients")]
+        threads = [threading.Thread(target=asyncio.run, args=(on_loop(),), name="clients")]
     else:
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        threads = [threading.Thread(target=on_thread, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     start.wait()

@@ -238,6 +238,7 @@ def train(args: argparse.Namespace) -> None:
     )
     if cache is not None:  # the sequences the cache was made of (its traces and corpus windows)
         seqs = [cache.sequence(i) for i in range(cache.meta["sequences"])]
+        args.traces, args.corpus_tokens = cache.meta["traces"], cache.meta["corpus_tokens"]  # (its record)
     else:
         seqs = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
         corpus = corpus_windows(
@@ -336,6 +337,7 @@ def train(args: argparse.Namespace) -> None:
                     "bf16": bf16,
                     "draft_vocab": draft_vocab,
                     "draft_vocab_coverage": round(covered, 4),
+                    "labels": f"top-{cache.meta['top_k']} cached (training/target_cache.py)" if cache else "full",
                     "init": init_state,
                 },
                 indent=2,
