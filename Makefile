@@ -207,15 +207,16 @@ smollm2-traces:
 # The real target's EAGLE-3 head (TTT, 4 steps) over an 8,192-token draft vocabulary: its own
 # generations of the training prompts plus 500 k tokens of the standard library's training split,
 # encoded with its tokenizer (target features and soft labels for both); one epoch, resumable.
+# Its first stage: eagle3-smollm2-more continues it into build/models/smollm2-eagle3.
 eagle3-smollm2: setup smollm2-traces
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
-	    --out build/models/smollm2-eagle3 --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3 \
+	    --out build/models/smollm2-eagle3-stage1 --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3 \
 	    --draft-vocab 8192 --corpus-tokens 500000 --epochs 1
 
 # The target's side of that training kept once (training/target_cache.py): its top-32 labels and
 # the head's features over the same sequences (752 k tokens, 2.6 GB, resumable), so that
-# more epochs cost the head's training only. eagle3-smollm2-more continues the published head
-# (models/smollm2/eagle3) for E3_EPOCHS epochs over it.
+# more epochs cost the head's training only. eagle3-smollm2-more continues the first stage for
+# E3_EPOCHS epochs over it (the published head: stage 1 then 2 epochs, 34.5 min here).
 SMOLLM2_CACHE := $(HOME)/.cache/specmesh/smollm2-target-cache
 E3_EPOCHS ?= 2
 smollm2-target-cache: setup smollm2-traces
@@ -223,7 +224,7 @@ smollm2-target-cache: setup smollm2-traces
 	    --corpus-tokens 500000 --aux-layers 1,15,29 --out $(SMOLLM2_CACHE)
 eagle3-smollm2-more: smollm2-target-cache
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
-	    --cache $(SMOLLM2_CACHE) --init models/smollm2/eagle3 --out build/models/smollm2-eagle3 \
+	    --cache $(SMOLLM2_CACHE) --init build/models/smollm2-eagle3-stage1 --out build/models/smollm2-eagle3 \
 	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-more --draft-vocab 8192 --aux-layers 1 15 29 \
 	    --epochs $(E3_EPOCHS) --lr 5e-4
 
@@ -250,7 +251,7 @@ predictor-smollm2: setup smollm2-traces
 cards-smollm2: setup
 	$(BIN)/python -m training.cards --target build/models/smollm2 --draft build/models/smollm2-draft --eagle3 build/models/smollm2-eagle3 \
 	    --predictor build/models/smollm2-predictor --heldout $(SMOLLM2_HELDOUT) --draft-card \
-	    --regenerate 'make eagle3-smollm2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2'
+	    --regenerate 'make eagle3-smollm2 eagle3-smollm2-more draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2'
 publish-smollm2:
 	for m in eagle3 predictor draft; do test -d build/models/smollm2-$$m && mkdir -p models/smollm2/$$m && \
 	  cp -r build/models/smollm2-$$m/. models/smollm2/$$m/ || true; done
