@@ -247,19 +247,20 @@ class VerifierCore:
             b.again = id(b) in chunks
         if not live and not filling:
             return
-        greedy = bool(live) and all(b.session.reads_greedy for b in live)  # no session needs its rows
+        plain = [i for i, b in enumerate(live) if b.session.reads_greedy]  # read from the step at once
+        gates = [b.session.gate_top_k for b in live]
         rows, states = self.runner.step(
             [(b.session.target, drafts[id(b)].token_ids) for b in live],
             [(b.session.target, chunks[id(b)]) for b in filling],
             [drafts[id(b)].parents if drafts[id(b)].is_tree else None for b in live],
-            [b.session.gate_top_k for b in live] if greedy else None,
+            gates if live and len(plain) == len(live) else None,  # no session needs its rows
         )
         for b, fused in zip(filling, states):
             try:
                 b.session.prefilled(fused)
             except Exception as e:  # one session's failure is its own (an item with an error ends)
                 b.error = e
-        reads = self._greedy_reads(live, drafts, rows)
+        reads = self._greedy_reads(live, drafts, rows, plain, gates)
         for i, b in enumerate(live):
             try:
                 b.result = b.session.finish(
@@ -275,17 +276,18 @@ class VerifierCore:
                 b.error = e
 
     @staticmethod
-    def _greedy_reads(live: list[Pending], drafts: dict[int, Draft], rows: StepRows) -> dict[int, GreedyRows]:
-        """The greedy policies' reads of the step for every session whose rows no per-row rule
-        reshapes, taken at once (``read_greedy``); the rest read their own rows on the host."""
-        plain = [i for i, b in enumerate(live) if b.session.reads_greedy]
+    def _greedy_reads(
+        live: list[Pending], drafts: dict[int, Draft], rows: StepRows, plain: list[int], gates: list[int]
+    ) -> dict[int, GreedyRows]:
+        """The greedy policies' reads of the step for the ``plain`` sessions (whose rows no per-row
+        rule reshapes), taken at once (``read_greedy``); the rest read their own rows on the host."""
         if not plain:
             return {}
         reads = read_greedy(
             rows.logits,
             [rows.spans[i] for i in plain],
             [drafts[id(live[i])].token_ids for i in plain],
-            [live[i].session.gate_top_k for i in plain],
+            [gates[i] for i in plain],
             rows.reads,  # (taken over every session, each plain: the same order)
         )
         return dict(zip(plain, reads))
