@@ -10,8 +10,8 @@ file with Q4_1 weights (its embedding Q8_0). Rules:
   are exact in fp32, not in bf16 or fp16) and builds the tokenizer, chat template included.
 - They are stored in fp16 by default: the engine's CPU GEMMs read fp16-exact weights
   (services/common/packed_linear.py), and on fp32 values they fall back to MKL, whose small-row
-  GEMMs make verifying a draft dear (measured on this target, one thread: 5 tokens cost 1.42x
-  one token in fp32, 1.20x on fp16 weights; one token 14 % less). About a quarter of the values
+  GEMMs make verifying a draft dear (bench/results/smollm2/weight_storage.md, one thread: 5
+  tokens cost 1.65x one token in fp32, 1.27x on fp16 weights; one token 29 % less). About a quarter of the values
   move, each by at most half an fp16 ulp. ``--dtype float32`` keeps them exact. The model
   it loads is flagged quantized and refuses ``save_pretrained``, so its state dict goes into a
   fresh ``LlamaForCausalLM`` of the same config, without the quantization config.
