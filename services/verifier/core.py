@@ -101,9 +101,7 @@ class VerifierCore:
         runner = target_runner(cfg)
         runner.model.batch_invariant = cfg.invariant_verification
         if cfg.static_steps:
-            from services.common.graphs import StaticSteps
-
-            runner.model.static_steps = StaticSteps(runner.model, graphs=cfg.device.startswith("cuda"))
+            runner.use_static_steps(graphs=cfg.device.startswith("cuda"))
         drafters: dict[str, ModelDrafter] = {}
         max_draft: dict[str, int] = {}
         if cfg.draft is not None:
@@ -429,10 +427,6 @@ def target_runner(cfg: EngineConfig) -> TargetRunner:
     leader: services/verifier/sharded.py)."""
     if cfg.tensor_parallel <= 1:
         return TargetRunner(_load(cfg.target, cfg))
-    if cfg.static_steps:  # the leader's single-session steps would take the static path, its workers' not
-        raise ValueError(
-            "tensor_parallel: runs without static steps so far; unset --static-steps, or use --tensor-parallel 1"
-        )
     from services.verifier import sharded
 
     return sharded.start(cfg.tensor_parallel, partial(_load_shard, cfg), cfg.device)

@@ -99,6 +99,13 @@ class TargetRunner:
     def max_positions(self) -> int:
         return self.model.s.max_positions
 
+    def use_static_steps(self, graphs: bool) -> None:
+        """Single-session steps in static shapes (``Llama.static_steps``), replayed from CUDA
+        graphs with ``graphs``."""
+        from services.common.graphs import StaticSteps
+
+        self.model.static_steps = StaticSteps(self.model, graphs=graphs)
+
     def open(
         self, prompt: list[int], capacity: int, root: bytes = ROOT, prompt_top: int | None = None
     ) -> TargetSession:

@@ -2,7 +2,8 @@
 its shard of the target (``services/common/tensor_parallel.py``) and a ``TargetRunner`` of its own.
 
 The leader is rank 0 and the replica's runner (``ShardedRunner``): before each call the verifier
-makes on it (open a session, a step, a commit, a prefix-cache attach or reset, a close), it sends
+makes on it (open a session, a step, a commit, a prefix-cache attach or reset, a close, static
+steps on), it sends
 the call to the workers, which make it on their shards with their own copies of the sessions. So
 every rank runs the same forwards in the same order, their collectives meet, and each rank's K/V
 caches, rollback and prefix cache stay in step with the leader's without ever being sent. The
@@ -85,6 +86,13 @@ class ShardedRunner(TargetRunner):
             self._send("prefix", None if cache is None else (cache.block, cache.budget))
             self._prefix = cache
 
+    def use_static_steps(self, graphs: bool) -> None:
+        """Every rank's single-session steps take the static path (each rank decides it from the
+        same step, so their collectives meet); on GPUs each rank captures its own graphs."""
+        with self._lock:
+            self._send("static", graphs)
+            super().use_static_steps(graphs)
+
     def open(self, prompt, capacity, root=ROOT, prompt_top=None) -> TargetSession:
         with self._lock:
             st = super().open(prompt, capacity, root, prompt_top)
@@ -164,6 +172,8 @@ def serve_calls(runner: TargetRunner) -> None:
             sessions.pop(a[0], None)
         elif op == "prefix":
             runner.prefix = None if a[0] is None else PrefixCache(*a[0])
+        elif op == "static":
+            runner.use_static_steps(a[0])
 
 
 def _join(rank: int, world: int, port: int, device: str) -> None:

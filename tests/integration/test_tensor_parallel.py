@@ -183,16 +183,24 @@ def concurrent_requests_match(one, two) -> None:
     }
 
 
-def test_a_replica_split_over_two_processes_serves_from_the_kv_pool(tiny_dirs):
-    """`--kv-pool` with `--tensor-parallel 2`: each rank pools its own shard's K/V slots."""
+@pytest.mark.parametrize("option", [{"kv_pool": True}, {"static_steps": True}], ids=["kv-pool", "static-steps"])
+def test_a_replica_split_over_two_processes_serves_with_per_rank_options(tiny_dirs, option):
+    """`--kv-pool` with `--tensor-parallel 2`: each rank pools its own shard's K/V slots.
+    `--static-steps`: every rank runs its single-session steps in static shapes (eagerly on the
+    CPU); requests alone and together give one process's tokens."""
     from services.common.config import EngineConfig
-    from services.router.engine import Engine
+    from services.router.engine import Engine, GenerationRequest
 
     base = dict(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None)
     one = Engine(EngineConfig(**base))
-    two = Engine(EngineConfig(**base, tensor_parallel=2, kv_pool=True))
+    two = Engine(EngineConfig(**base, tensor_parallel=2, **option))
     try:
-        assert two.verifier.runner.model.kv_pool is not None
+        model = two.verifier.runner.model
+        assert model.kv_pool is not None if "kv_pool" in option else model.static_steps is not None
+        prompt = one.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+        for method in ("vanilla", "sd", "suffix"):
+            req = GenerationRequest(prompt, 24, method=method)
+            assert two.generate(req).result()["token_ids"] == one.generate(req).result()["token_ids"], method
         concurrent_requests_match(one, two)
     finally:
         one.close()

@@ -30,3 +30,20 @@ def test_a_replica_seeing_fewer_gpus_than_ranks_is_refused_before_starting():
         ValueError, match="tensor_parallel 2 on cuda: .* GPUs visible; a replica's ranks take one GPU each"
     ):
         sharded.start(2, lambda rank, world: None, "cuda")
+
+
+def test_a_worker_turns_static_steps_on_as_the_leader_does(monkeypatch):
+    """With `--static-steps` every rank takes the static path for the same steps: on GPUs the
+    leader's graph capture runs its forward (and its all-reduces) to warm up, which a worker on
+    the eager path would not meet. The leader sends it (``use_static_steps``) and a worker makes it
+    on its runner, with the leader's choice of graphs."""
+    calls = iter([("static", True), ("stop",)])
+    monkeypatch.setattr(sharded.dist, "broadcast_object_list", lambda box, src: box.__setitem__(0, next(calls)))
+    seen = []
+
+    class Runner:
+        def use_static_steps(self, graphs: bool) -> None:
+            seen.append(graphs)
+
+    sharded.serve_calls(Runner())  # type: ignore[arg-type]
+    assert seen == [True]
