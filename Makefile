@@ -228,15 +228,15 @@ eagle3-smollm2-more: smollm2-target-cache
 	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-more --draft-vocab 8192 --aux-layers 1 15 29 \
 	    --epochs $(E3_EPOCHS) --lr 5e-4
 
-# The real target's draft LM: its first 3 of 30 layers, distilled toward it on its traces plus
-# 500 k corpus tokens; it shares the target's embedding (not stored), and its vocabulary ranking
-# lets it serve a 4,096-token LM head (FR-Spec). Measured before training (batch-1 decode steps,
-# 2 threads): 2 layers 6.7 % of the target's step, 3 layers 9.5 %, 4 layers 12.3 % (the gate:
-# 10 %); its card measures it again. One epoch, resumable.
-draft-smollm2: setup smollm2-traces
+# The real target's draft LM: its first 3 of 30 layers, distilled toward it three epochs on the
+# target's cached top-32 labels (smollm2-target-cache: its traces plus 500 k corpus tokens),
+# scoring only the 4,096 ids its FR-Spec head serves (--loss-vocab); it shares the target's
+# embedding (not stored). Its card (cards-smollm2) measures its step against the target's and
+# its acceptance. About 35 min here, resumable.
+draft-smollm2: smollm2-target-cache
 	$(BIN)/python -m training.draft_from_target --target build/models/smollm2 --layers 3 \
-	    --traces $(TRACES)/smollm2-stdlib-train.jsonl --corpus-tokens 500000 --out build/models/smollm2-draft \
-	    --work-dir $$HOME/.cache/specmesh/train/smollm2-draft
+	    --traces $(TRACES)/smollm2-stdlib-train.jsonl --cache $(SMOLLM2_CACHE) --loss-vocab 4096 --epochs 3 --lr 1e-3 \
+	    --out build/models/smollm2-draft --work-dir $$HOME/.cache/specmesh/train/smollm2-draft-cached
 	$(BIN)/python -m training.vocab --traces $(TRACES)/smollm2-stdlib-train.jsonl --out build/models/smollm2-draft
 
 # The real target's yield predictor, by replay of its own traces (the features read its tokenizer),

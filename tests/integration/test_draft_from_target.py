@@ -102,11 +102,13 @@ def test_a_draft_trains_on_cached_labels_over_its_reduced_head_and_exports_the_w
     log = run("training.draft_from_target", "--target", str(target), "--layers", "1", "--traces",
               str(tmp_path / "t.jsonl"), "--cache", str(tmp_path / "cache"), "--loss-vocab", "512", "--out",
               str(out), "--work-dir", str(tmp_path / "work"), "--epochs", "20", "--batch-tokens", "256",
-              "--log-every", "1", "--lr", "3e-3").stdout  # fmt: skip
+              "--log-every", "1", "--lr", "3e-3", "--corpus-tokens", "512").stdout  # fmt: skip
     losses = [float(line.split("soft-CE ")[1].split()[0]) for line in log.splitlines() if "soft-CE" in line]
     assert len(losses) > 10 and losses[-1] < 0.9 * losses[0], losses
     state = json.loads((out / "training_state.json").read_text())["distill"]
     assert state["final"] and state["loss_vocab"] == 512 and state["cached_labels"]
+    # the data is the cache's: its corpus tokens are recorded, not --corpus-tokens (unused with --cache)
+    assert state["corpus_tokens"] == json.loads((tmp_path / "cache/meta.json").read_text())["corpus_tokens"] == 0
     stored = load_file(str(out / "model.safetensors"))
     assert not any("lm_head" in k or "embed_tokens" in k for k in stored)  # the target's, handed over
     tgt = Llama.from_pretrained(target)
