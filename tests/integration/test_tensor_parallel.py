@@ -130,7 +130,7 @@ def test_a_target_that_does_not_split_evenly_is_refused_naming_what_to_set(tmp_p
 def test_a_verifier_replica_split_over_two_processes_decodes_as_one(tiny_dirs, tiny_eagle3):
     """`--tensor-parallel 2`: the replica's leader sends each runner call to its worker, both run
     their shards in step (K/V, rollback, prefix cache per rank): every method's tokens equal the
-    single-process engine's, greedy and seeded sampling, a repeated prompt read from the prefix
+    single-process engine's (chains and trees), greedy and seeded sampling, a repeated prompt read from the prefix
     cache; closing the engine stops the worker."""
     from services.common.config import EngineConfig
     from services.common.types import Sampling
@@ -143,7 +143,7 @@ def test_a_verifier_replica_split_over_two_processes_decodes_as_one(tiny_dirs, t
         workers = two.verifier.runner.workers
         assert len(workers) == 1 and workers[0].is_alive()
         prompt = one.encode("def fibonacci(n):\n    if n < 2:\n        return n\n" * 3)
-        asks = [(m, Sampling()) for m in ("vanilla", "sd", "suffix", "csd", "eagle3")] + [
+        asks = [(m, Sampling()) for m in ("vanilla", "sd", "suffix", "csd", "eagle3", "suffix-tree", "eagle3-tree")] + [
             ("sd", Sampling(temperature=1.0, seed=3))
         ]
         for method, sp in asks + asks[:2]:  # the repeats attach the prompt's cached blocks
