@@ -3,11 +3,11 @@ its shard of the target (``services/common/tensor_parallel.py``) and a ``TargetR
 
 The leader is rank 0 and the replica's runner (``ShardedRunner``): before each call the verifier
 makes on it (open a session, a step, a commit, a prefix-cache attach or reset, a close, static
-steps on), it sends
-the call to the workers, which make it on their shards with their own copies of the sessions. So
-every rank runs the same forwards in the same order, their collectives meet, and each rank's K/V
-caches, rollback and prefix cache stay in step with the leader's without ever being sent. The
-logits and captured states come out whole on every rank; the leader's answer the verifier.
+steps on), it sends the call to the workers, which make it on their shards with their own copies
+of the sessions. So every rank runs the same forwards in the same order, their collectives meet,
+and each rank's K/V caches, rollback and prefix cache stay in step with the leader's without ever
+being sent. The logits and captured states come out whole on every rank; the leader's answer the
+verifier.
 
 A worker that dies breaks the group: the leader's next call raises, the replica's cycles fail and
 the router fails its sessions over as for a dead replica. The workers exit with the leader.
