@@ -87,12 +87,11 @@ def train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(trainable(draft), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     traces = build_sequences([Path(x) for x in args.traces.split(",")], target.s.max_positions)
     full_head = draft.lm_head
-    corpus_tokens = args.corpus_tokens
     if args.cache:  # the sequences the cache holds (its traces and corpus windows), its labels
         cache = TargetCache.open(args.cache, {"target": weights_digest(args.target)})
         seqs = [cache.sequence(i) for i in range(cache.meta["sequences"])]
         labels, draft.lm_head = cached_labels(cache, draft, traces, args.loss_vocab)
-        corpus_tokens = cache.meta["corpus_tokens"]  # (the card's data: the cache's, not --corpus-tokens)
+        args.corpus_tokens = cache.meta["corpus_tokens"]  # (its record, as training.eagle3 keeps it)
     else:
         seqs = traces + corpus_windows(args.corpus_tokens, tokenizer=args.target)
         labels = live_labels(target, seqs)
@@ -121,7 +120,7 @@ def train(args: argparse.Namespace) -> None:
             "from_target": {"target": str(args.target), "layers": args.layers, "of": target.s.layers},
             "distill": {
                 **distill_record(args, seqs, prog, total, toward),
-                "corpus_tokens": corpus_tokens,
+                "corpus_tokens": args.corpus_tokens,
                 "loss_vocab": args.loss_vocab,
                 "cached_labels": bool(args.cache),
             },
