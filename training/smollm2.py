@@ -13,8 +13,9 @@ file with Q4_1 weights (its embedding Q8_0). Rules:
   GEMMs make verifying a draft dear (bench/results/smollm2/weight_storage.md, one thread: 5
   tokens cost 1.65x one token in fp32, 1.27x on fp16 weights; one token 29 % less). About a
   quarter of the values move, each by at most half an fp16 ulp. ``--dtype float32`` keeps them
-  exact. The model it loads is flagged quantized and refuses ``save_pretrained``, so its state dict goes into a
-  fresh ``LlamaForCausalLM`` of the same config, without the quantization config.
+  exact. The model it loads is flagged quantized and refuses ``save_pretrained``, so its state
+  dict goes into a fresh ``LlamaForCausalLM`` of the same config, without the quantization
+  config.
 - The tokenizer splits digits one by one before GPT-2's byte-level split, as llama.cpp's
   ``smollm`` pre-tokenizer does (the file names it; transformers' loader does not know it).
 - The output directory records what it was made from (``source.json``); a run that finds it
