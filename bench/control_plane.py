@@ -213,6 +213,7 @@ class StandInCore:
     gRPC edge) over recorded outputs and a modelled step time."""
 
     in_process = True  # as VerifierCore: its step (the modelled device time) blocks the caller
+    split_at = 0
 
     def __init__(self, traces: list[dict], context_len: int, vocab_size: int, max_draft: dict[str, int]):
         self.by_prompt = {tuple(t["prompt"]): t for t in traces}
@@ -261,6 +262,10 @@ class StandInCore:
         self.step_s += t
         self.fed += fed
         self.log.append((time.perf_counter(), t, len(batch), fed))
+
+    def lane(self, session) -> None:
+        """One device, one lane (``VerifierBackend``)."""
+        return None
 
     def step(self, cycles, done) -> None:
         """The router's step (``VerifierBackend``), in the caller's thread."""

@@ -45,7 +45,7 @@ from ray.serve.schema import ReplicaState
 
 from services.common.config import OPTIONS, SERVER_OPTIONS, EngineConfig, ServerConfig
 from services.common.exposition import MODEL_NAME_ENV, start_node_exporter
-from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
+from services.common.types import CycleRequest, CycleResult, Session, SessionCancelled, SessionSpec
 from services.drafter.base import Drafter
 from services.verifier.backend import Cycles, Done, Outcome
 
@@ -545,6 +545,7 @@ class RayVerifier:
     """The router's verifier interface over the Serve deployment."""
 
     in_process = False  # VerifierBackend: the replicas answer each cycle later
+    split_at = 64  # VerifierBackend: a Serve call's round trip is longer (bench/results/control_plane_lanes_ab/)
 
     def __init__(self, handle):
         self.handle = handle
@@ -561,6 +562,10 @@ class RayVerifier:
             by_replica.setdefault(session.replica, []).append(i)
         for idx in by_replica.values():
             self._pool.submit(self._on_replica, [ours[i] for i in idx], [partial(done, i) for i in idx])
+
+    def lane(self, session: Session) -> str:
+        """The replica that holds the session (``VerifierBackend``)."""
+        return cast(RaySession, session).replica
 
     def _on_replica(self, cycles: list[tuple[RaySession, CycleRequest]], dones: list) -> None:
         try:

@@ -143,7 +143,7 @@ class EngineConfig:
     )
     spec_disable_batch: int = 0  # no drafts while a
     #                                       verifier step batches more sessions than this; 0 = never (bench.serving)
-    batch_window_ms: float = 5.0  # a step waits at most this long for the sessions it expects
+    batch_window_ms: float = 5.0  # a step waits at most this long for the sessions it expects (per-session streams)
     prefill_chunk: int = 128  # beside decoding sessions, a
     #                                       prompt prefills at most this many tokens per step; 0 = whole (bench.prefill)
     prefix_cache_mb: int = 256  # verified state of full
@@ -479,11 +479,16 @@ OPTIONS: dict[str, Option] = {
         Option(
             "micro_batches",
             "count",
-            "router: run the sessions in this many alternating steps, so the router drafts for one while the "
-            "verifier runs another (2 pays each step's fixed cost twice); 0 = auto: 2 for remote verifiers "
-            "from 128 sessions, else 1 (bench/results/control_plane_batched_after.md)",
+            "router: run each replica's sessions in this many alternating steps, so the router drafts for one "
+            "while the verifier runs another (2 pays each step's fixed cost twice); 0 = auto: 2 for a remote "
+            "verifier replica from 128 sessions, else 1 (bench/results/control_plane_batched_after.md)",
         ),
-        Option("batch_window_ms", "float", "verifier: how long a step waits for the other open sessions' cycles"),
+        Option(
+            "batch_window_ms",
+            "float",
+            "verifier: how long a step waits for the other open sessions' cycles (per-session streams; a "
+            "router's step over the Link or Serve waits for no one)",
+        ),
         Option(
             "prefill_chunk",
             "count",

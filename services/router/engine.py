@@ -184,13 +184,16 @@ class Engine:
         self.eos_id = self.tokenizer.eos_token_id
         self.verifier = verifier if verifier is not None else VerifierCore.from_config(cfg, self.eos_id)
         self.remote_verifier = not self.verifier.in_process  # its cycles cross a network
-        # a remote replica batches its sessions' cycles itself; in process a step takes max_batch of them
+        # a remote replica's step takes all its ready sessions (it caps its batch itself); in process
+        # a step takes max_batch of them
         self.scheduler = Scheduler(
             self.verifier,
             prepare_step,
             0 if self.remote_verifier else cfg.max_batch,
             cfg.micro_batches,
             offload=self.verifier.in_process,
+            lane=self.verifier.lane,
+            split_at=self.verifier.split_at,
         )
         self.suffix_cache = GlobalSuffixCache.of(cfg.suffix)
         self.suffix_feed = None

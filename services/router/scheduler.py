@@ -10,18 +10,22 @@ router drafters observe, detokenize, stop checks) and emit each generation's out
 own queue, where its consumer (a gRPC stream, an HTTP response, ``result()``) reads it.
 
 An in-process backend answers every cycle before ``step`` returns; a remote one answers each
-as its replica does, so a slow replica holds up only its own sessions. A generation is ready
-again once its outcome is applied; a cycle the backend only advanced (``AGAIN``: a prompt fed
-a chunk) goes first into the next step with the same request.
+as its replica does. Sessions step in lanes, one per replica (``lane``): a lane has at most
+its micro-batch count of steps in flight, so each replica gets all its ready sessions in one
+step (one message), a session that opens or comes back early waits for its lane's step
+instead of going out alone into a step of its own, and a slow replica holds up only its own
+lane. A generation is ready again once its outcome is applied; a cycle the backend only
+advanced (``AGAIN``: a prompt fed a chunk) goes first into the next step with the same request.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.common.types import CycleRequest, CycleResult, SessionCancelled
@@ -31,10 +35,6 @@ if TYPE_CHECKING:
     from services.router.engine import Generation
 
 log = logging.getLogger("specmesh.scheduler")
-
-# micro_batches 0 (auto): a remote backend's sessions alternate in two micro-batches from this many
-# running, one below it; in process always one (bench/results/control_plane_batched_after.md)
-SPLIT_AT = 128
 
 
 class Publisher:
@@ -88,6 +88,14 @@ def run_all(fns: list[Callable[[], None]]) -> None:
             log.exception("deferred work failed")
 
 
+@dataclass
+class _Step:
+    """A step's cycles on one lane."""
+
+    lane: Hashable
+    left: int = 0  # cycles not yet settled
+
+
 class Scheduler:
     def __init__(
         self,
@@ -96,12 +104,16 @@ class Scheduler:
         max_batch: int = 0,
         micro_batches: int = 0,
         offload: bool = False,
+        lane: Callable[[Any], Hashable] | None = None,
+        split_at: int = 0,
     ):
         """``prepare``: the generations' cycle requests for one step (an error: that one's
         failure). ``max_batch``: sessions one step takes (0: every ready one). ``micro_batches`` > 1: the
-        sessions run in that many alternating steps, each at most its share of them, and at most
-        that many steps in flight, so the router drafts for one while another is verified (0:
-        two for a remote backend from ``SPLIT_AT`` sessions on, else one);
+        sessions of a lane run in that many alternating steps, each at most its share of them,
+        and at most that many steps in flight, so the router drafts for one while another is
+        verified (0: two for a lane from ``split_at`` sessions running on it, else one; a
+        ``split_at`` of 0: always one);
+        ``lane(session)``: the replica a session's cycles go to (None: one lane);
         ``offload``: the backend answers in the caller's thread (in process): with one
         micro-batch the scheduler runs each step itself, with more on a thread of their own (one
         at a time); either way what is deferred (``defer``) runs on a publisher thread meanwhile.
@@ -111,11 +123,14 @@ class Scheduler:
         self._cond = threading.Condition()
         self._added: list[Generation] = []
         self._outcomes: list[tuple[Generation, Outcome]] = []
-        self._ready: deque[Generation] = deque()
+        self._lane = lane or (lambda session: None)
+        self._split_at = split_at
+        self._ready: dict[Hashable, deque[Generation]] = {}  # per lane, oldest waiting first
         self._requests: dict[int, CycleRequest] = {}  # id(gen) -> its cycle in flight or to repeat
         self._in_flight = 0  # cycles sent, not yet settled
-        self._step_of: dict[int, list[int]] = {}  # id(gen) -> its step's count of cycles not yet settled
-        self._steps_in_flight = 0
+        self._step_of: dict[int, _Step] = {}  # id(gen) -> its step
+        self._lane_cycles: Counter[Hashable] = Counter()  # per lane: cycles sent, not yet settled
+        self._lane_steps: Counter[Hashable] = Counter()  # per lane: steps with a cycle not yet settled
         self._device = ThreadPoolExecutor(1, thread_name_prefix="step") if offload else None
         self._publisher = Publisher() if offload else None
         self._later: list[Callable[[], None]] = []  # what waits for the next step to be sent
@@ -155,7 +170,7 @@ class Scheduler:
         (A method of its own so that nothing of a finished generation outlives it in a local:
         its caches go back to the K/V pool when collected.)"""
         with self._cond:
-            while not (self._added or self._outcomes or (self._ready and self._room())):
+            while not (self._added or self._outcomes or self._room()):
                 if self._closed and not self._in_flight:
                     if self._device is not None:
                         self._device.shutdown(wait=False)
@@ -167,17 +182,19 @@ class Scheduler:
             outcomes, self._outcomes = self._outcomes, []
         if self._publisher is not None:
             self._publisher.drain()  # the last step's outputs are out before its sessions move on
-        self._ready.extend(added)
+        for gen in added:
+            self._enqueue(gen)
         for gen, outcome in outcomes:
             self._in_flight -= 1
-            left = self._step_of.pop(id(gen))
-            left[0] -= 1
-            self._steps_in_flight -= left[0] == 0
+            step = self._step_of.pop(id(gen))
+            step.left -= 1
+            self._lane_cycles[step.lane] -= 1
+            self._lane_steps[step.lane] -= step.left == 0
             self._settle(gen, outcome)
-        while self._ready and self._room():
+        while self._room():
             self._step(self._take())
-            if self._micro() == 1:  # one step a turn: the next takes the outcomes settled first
-                break
+            if self._device is not None and self.micro_batches <= 1:
+                break  # one in-process step a turn: the next takes the outcomes settled first
         self._run_later()
         return True
 
@@ -194,34 +211,58 @@ class Scheduler:
         else:
             run_all(later)
 
-    def _micro(self) -> int:
-        """Micro-batches now (``micro_batches``, or auto's choice for the sessions running)."""
+    def _enqueue(self, gen: Generation, first: bool = False) -> None:
+        """``gen`` waits for its lane's next step (``first``: at its head)."""
+        ready = self._ready.setdefault(self._lane(gen.session), deque())
+        (ready.appendleft if first else ready.append)(gen)
+
+    def _running(self, lane: Hashable) -> int:
+        return len(self._ready.get(lane, ())) + self._lane_cycles[lane]
+
+    def _micro(self, lane: Hashable) -> int:
+        """A lane's micro-batches now (``micro_batches``, or auto's choice for its sessions)."""
         if self.micro_batches:
             return self.micro_batches
-        return 2 if self._device is None and len(self._ready) + self._in_flight >= SPLIT_AT else 1
+        return 2 if self._split_at and self._running(lane) >= self._split_at else 1
+
+    def _open(self, lane: Hashable) -> bool:
+        """Whether a step may go out on ``lane`` now: sessions wait, and fewer than its
+        micro-batches are in flight."""
+        return bool(self._ready.get(lane)) and self._lane_steps[lane] < self._micro(lane)
 
     def _room(self) -> bool:
-        """Whether another step may go out now: at most ``micro_batches`` in flight (a remote
-        backend's one micro-batch: any number, each session's cycle its own business)."""
-        micro = self._micro()
-        if micro == 1 and self._device is None:
-            return True
-        return self._steps_in_flight < micro
+        """Whether a step may go out on some lane now."""
+        return any(self._open(lane) for lane in self._ready)
 
-    def _share(self) -> int:
-        """The most sessions the next step takes."""
-        cap = self.max_batch or len(self._ready) + self._in_flight
-        if (micro := self._micro()) > 1:
-            cap = min(cap, -(-(len(self._ready) + self._in_flight) // micro))
+    def _share(self, lane: Hashable) -> int:
+        """The most sessions the lane's next step takes."""
+        running = self._running(lane)
+        cap = self.max_batch or running
+        if (micro := self._micro(lane)) > 1:
+            cap = min(cap, -(-running // micro))
         return max(1, cap)
 
     def _take(self) -> list[tuple[Generation, CycleRequest]]:
-        """The next step's generations and their cycle requests; the cancelled and aborted end here."""
+        """The next step's generations and their cycle requests, from every lane that may step;
+        the cancelled and aborted end here."""
         batch: list[tuple[Generation, CycleRequest]] = []
         fresh: list[Generation] = []  # their cycle to draft
-        share = self._share()
-        while self._ready and len(batch) + len(fresh) < share:
-            gen = self._ready.popleft()
+        for lane in [lane for lane in self._ready if self._open(lane)]:
+            self._take_lane(self._ready[lane], self._share(lane), batch, fresh)
+        for gen, made in zip(fresh, self._prepare(fresh)):
+            if isinstance(made, BaseException):
+                log.debug("request %r failed", gen.req_id, exc_info=made)
+                self._end(gen, made)
+            else:
+                batch.append((gen, made))
+        return batch
+
+    def _take_lane(self, ready: deque, share: int, batch: list, fresh: list) -> None:
+        """Up to ``share`` of a lane's ready generations into ``batch`` (a request to repeat) or
+        ``fresh`` (a cycle to draft)."""
+        taken = 0
+        while ready and taken < share:
+            gen = ready.popleft()
             if gen.cancelled:
                 self._end(gen, SessionCancelled(f"request {gen.req_id} was cancelled"))
             elif gen.aborted:
@@ -230,15 +271,10 @@ class Scheduler:
                 self._end(gen, None)
             elif (req := self._requests.pop(id(gen), None)) is not None:
                 batch.append((gen, req))
+                taken += 1
             else:
                 fresh.append(gen)
-        for gen, made in zip(fresh, self._prepare(fresh)):
-            if isinstance(made, BaseException):
-                log.debug("request %r failed", gen.req_id, exc_info=made)
-                self._end(gen, made)
-            else:
-                batch.append((gen, made))
-        return batch
+                taken += 1
 
     def _prepare(self, gens: list[Generation]) -> list[CycleRequest | BaseException]:
         if not gens:
@@ -252,13 +288,18 @@ class Scheduler:
     def _step(self, batch: list[tuple[Generation, CycleRequest]]) -> None:
         if not batch:
             return
-        self.steps += 1
-        self._in_flight += len(batch)
-        self._steps_in_flight += 1
-        left = [len(batch)]
+        steps: dict[Hashable, _Step] = {}  # one per lane
         for gen, req in batch:
+            lane = self._lane(gen.session)
+            step = steps.get(lane) or steps.setdefault(lane, _Step(lane))
+            step.left += 1
             self._requests[id(gen)] = req
-            self._step_of[id(gen)] = left
+            self._step_of[id(gen)] = step
+        for lane, step in steps.items():
+            self._lane_cycles[lane] += step.left
+            self._lane_steps[lane] += 1
+        self.steps += len(steps)
+        self._in_flight += len(batch)
 
         answered: list[tuple[Generation, Outcome]] = []
 
@@ -273,7 +314,7 @@ class Scheduler:
                     self._cond.notify()
 
         cycles = [(gen.session, req) for gen, req in batch]
-        if self._device is not None and self._micro() == 1:
+        if self._device is not None and self.micro_batches <= 1:
             # in process, one micro-batch: the outputs of the last step go to the publisher and
             # the step runs here (the device holds it, the GIL is free): nothing to hand over
             self._run_later()
@@ -284,7 +325,7 @@ class Scheduler:
             # interval); behind another step in flight, it starts when that one ends
             started = threading.Event()
             self._device.submit(self._send, cycles, done, started)
-            if self._steps_in_flight == 1:
+            if self._lane_steps[next(iter(steps))] == 1:  # (in process: one lane)
                 started.wait()
         else:
             self._send(cycles, done)
@@ -300,7 +341,7 @@ class Scheduler:
 
     def _settle(self, gen: Generation, outcome: Outcome) -> None:
         if isinstance(outcome, Again) and not gen.cancelled:
-            self._ready.appendleft(gen)  # its request is kept: the prompt goes on feeding
+            self._enqueue(gen, first=True)  # its request is kept: the prompt goes on feeding
             return
         self._requests.pop(id(gen), None)
         if gen.cancelled:
@@ -323,7 +364,7 @@ class Scheduler:
             self._end(gen, None)
             return None
         if then_ready:
-            self._ready.append(gen)
+            self._enqueue(gen)
         return value
 
     def _end(self, gen: Generation, error: BaseException | None) -> None:

@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Protocol
@@ -47,6 +47,9 @@ class VerifierBackend(Protocol):
     # returns (the scheduler gives it a thread of its own and caps its batch at ``max_batch``);
     # False: a remote backend, whose replicas answer later and batch their sessions themselves
     in_process: bool
+    # micro_batches 0 (auto): a replica's sessions run in two alternating steps from this many on,
+    # so the router's work and the round trip for one overlap the other's step; 0: never
+    split_at: int
 
     @property
     def context_len(self) -> int: ...  # positions a request may fill (prompt + new tokens)
@@ -58,6 +61,10 @@ class VerifierBackend(Protocol):
     def max_draft(self) -> dict[str, int]: ...  # the drafters beside the target, and their longest draft
 
     def open(self, spec: SessionSpec) -> Session: ...
+
+    # the replica a session's cycles go to: the scheduler sends each replica's sessions in one
+    # step (in process: one device, one lane)
+    def lane(self, session: Session) -> Hashable: ...
 
     def step(self, cycles: Cycles, done: Done) -> None: ...
 

@@ -9,10 +9,11 @@ of a step is done by one thread instead of contending for the interpreter across
 threads. A session that misses the window is not waited for again until it is back, so an
 idle client costs at most one window; a lone session never waits.
 
-``post_all`` is the non-blocking entry (the multiplexed link, where one reader thread carries
-many sessions): each finished item is handed to its callback. Its cycles are led by the
-batcher's own stepper thread, or by the posting thread itself when it asks to and the step
-would not wait for anyone.
+``post_all`` is the non-blocking entry (the multiplexed link and Serve, where one call
+carries a router's whole step): each finished item is handed to its callback. Posted cycles
+wait for no one (the router's scheduler batched them; the window is for per-session
+streams): they are led at once by the batcher's own stepper thread, or by the posting thread
+itself when it asks to and no step is running.
 
 A step may leave an item unfinished (``again``: its prompt is being prefilled in chunks); the
 item goes back to the head of the queue for the next step, and its caller keeps waiting.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
+LAST_READ = 0.0
 
 
 @dataclass
@@ -66,8 +68,13 @@ class CycleBatcher:
             self._cond.notify_all()
 
     def _ready(self) -> bool:
+        """Whether the next step may start without waiting: the queue is full, every expected
+        session has submitted, or a posted cycle is queued (posts are their sender's whole step,
+        a router's scheduler having batched them: nothing more of that sender's is coming)."""
+        if len(self._queue) >= self.max_batch or any(b.on_done is not None for b in self._queue):
+            return True
         queued = {id(b.session) for b in self._queue}
-        return len(self._queue) >= self.max_batch or (self._expected | self._fresh) <= queued
+        return (self._expected | self._fresh) <= queued
 
     def submit(self, session, request):
         """Rule: a submitter sleeps on its own item's condition, woken when its item is done or

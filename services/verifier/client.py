@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import cast
 
 import grpc
 
@@ -20,7 +21,7 @@ from services.common.affinity import PrefixAffinity, choose
 from services.common.grpc_server import channel, refusal_of
 from services.common.metrics import VERIFIER_FAILOVERS, VERIFIERS_LIVE
 from services.common.refusals import DeadlineExceeded, Unavailable
-from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
+from services.common.types import CycleRequest, CycleResult, Session, SessionCancelled, SessionSpec
 from services.verifier.backend import CycleEach, Cycles, Deadlines, Done, Outcome
 from services.verifier.watch import ReplicaWatch
 from services.verifier.wire import cycle_to_pb, result_from_pb, spec_to_pb
@@ -194,6 +195,7 @@ class RemoteVerifier:
     session affinity."""
 
     in_process = False  # VerifierBackend: the replicas answer each cycle later
+    split_at = 128  # VerifierBackend (bench/results/control_plane_batched_after.md, control_plane_lanes_ab/)
 
     def __init__(
         self,
@@ -245,9 +247,13 @@ class RemoteVerifier:
             else:
                 sends.setdefault(posted[0], []).append(posted[1])
         for link, items in sends.items():
-            link.send_all(items)
+            link.send_all(items, wait_s=SEND_WAIT_S)  # out before the router's deferred work
         if rest:
             self._cycles.step([cycles[i] for i in rest], lambda j, outcome: done(rest[j], outcome))
+
+    def lane(self, session: Session) -> str:
+        """The replica the session is on (``VerifierBackend``)."""
+        return cast(RemoteSession, session).addr
 
     def recover(self, fn: Callable[[], CycleResult], done: Callable[[Outcome], None]) -> None:
         """``fn`` (a failover and the cycle again) on a pooled thread, its outcome to ``done``."""
@@ -384,6 +390,10 @@ _BROKEN = object()
 _CLOSED = object()  # put in a session's inbox when the router closes it: a waiting cycle ends
 
 
+# how long a step's sender waits for its message to leave (``ReplicaLink.send_all``)
+SEND_WAIT_S = 0.002
+
+
 class ReplicaLink:
     """The router's end of one multiplexed ``Link`` to a replica. Sessions queue items; the
     request generator sends all queued items as one message; a reader thread hands each
@@ -395,6 +405,7 @@ class ReplicaLink:
         self.broken: grpc.RpcError | None = None
         self._cond = threading.Condition()
         self._items: list[pb.LinkItem] = []
+        self._queued = self._sent = 0  # messages queued; of them, sent (gRPC asked for the next)
         self._shut = False
         self._inbox: dict[str, queue.SimpleQueue] = {}
         self._waiters: dict[str, Callable] = {}  # sid -> the posted cycle's callback (its reply, once)
@@ -409,19 +420,30 @@ class ReplicaLink:
                 while not self._items and not self._shut:
                     self._cond.wait()
                 items, self._items = self._items, []
+                queued = self._queued
             if items:
                 yield pb.LinkRequest(items=items)
+                with self._cond:  # gRPC asks for the next message once this one is sent
+                    self._sent = queued
+                    self._cond.notify_all()
             elif self._shut:
                 return
 
     def _send(self, item: pb.LinkItem) -> None:
         self.send_all([item])
 
-    def send_all(self, items: list[pb.LinkItem]) -> None:
-        """Queue ``items`` together: they leave in one message."""
+    def send_all(self, items: list[pb.LinkItem], wait_s: float = 0.0) -> None:
+        """Queue ``items`` together: they leave in one message. ``wait_s``: wait (at most that
+        long) until it has left, so the sender's thread gives the GIL to gRPC's sending one
+        at once rather than after its own switch interval (a step's message: see
+        ``RemoteVerifier.step``)."""
         with self._cond:
             self._items.extend(items)
-            self._cond.notify()
+            self._queued += 1
+            queued = self._queued
+            self._cond.notify_all()
+            if wait_s:
+                self._cond.wait_for(lambda: self._sent >= queued or self._shut or self.broken is not None, wait_s)
 
     def _take_waiter(self, sid: str, expected: Callable | None = None) -> Callable | None:
         """The session's posted-cycle callback, taken once (only ``expected`` if given)."""

@@ -28,7 +28,16 @@ from services.common.prefix_cache import PrefixCache, kv_bytes_per_position, sal
 from services.common.sampling import Draws, apply_bias, apply_penalties, ban_bad_words, token_logprobs
 from services.common.structured import GrammarCompiler, GrammarCursor
 from services.common.token_tree import graft
-from services.common.types import CycleRequest, CycleResult, Draft, SessionCancelled, SessionSpec, TokenLogprob, Verdict
+from services.common.types import (
+    CycleRequest,
+    CycleResult,
+    Draft,
+    Session,
+    SessionCancelled,
+    SessionSpec,
+    TokenLogprob,
+    Verdict,
+)
 from services.drafter.base import DRAFTERS, Drafter, ModelDrafter
 from services.memory.correction_memory import LocalCorrectionMemory, SaltedMemories
 from services.memory.snapshot import load_snapshot
@@ -59,6 +68,7 @@ def _load(
 
 class VerifierCore:
     in_process = True  # VerifierBackend: the step runs the target in the caller's thread
+    split_at = 0  # VerifierBackend: one step at a time (csd at 256 sessions lost 10 % with two)
 
     def __init__(
         self,
@@ -221,6 +231,10 @@ class VerifierCore:
         for drafter in self.drafters.values():
             if drafter.prefix is not None:
                 drafter.prefix.clear()
+
+    def lane(self, session: Session) -> None:
+        """One device, one lane (``VerifierBackend``)."""
+        return None
 
     def step(self, cycles: Cycles, done: Done) -> None:
         """The router's step (``VerifierBackend``): every cycle in one batched step, in this thread."""

@@ -77,9 +77,10 @@ def test_lone_session_runs_inline_without_waiting_for_closed_ones():
     assert time.monotonic() - t0 < 2.5  # the 5 s window is not awaited: only one session is open
 
 
-def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_stepper():
-    """``post`` (the multiplexed link) does not block; its cycles join the same step as a
-    blocking ``submit`` and each item reaches its callback with its own result or error."""
+def test_posted_cycles_are_a_whole_step_that_waits_for_no_one():
+    """``post_all`` (a router's step over the link or Serve) does not block, and its cycles
+    wait for no one: a blocking ``submit`` in its window for another session joins them and
+    the step runs at once; each item reaches its callback with its own result or error."""
     steps: list[list[str]] = []
 
     def step(batch):
@@ -91,7 +92,7 @@ def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_st
                 b.result = b.request + 1
 
     batcher = CycleBatcher(step, window_s=5.0)
-    for name in "abc":
+    for name in "cd":  # per-session streams: c's step waits its window for d
         batcher.opened(name)
     got: dict[str, object] = {}
     done = threading.Event()
@@ -101,14 +102,18 @@ def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_st
         if len(got) == 2:
             done.set()
 
-    batcher.post_all([("a", 1, callback)])
-    batcher.post_all([("b", -1, callback)])
-    assert batcher.submit("c", 5) == 6  # the step waited for c, then ran all three
-    assert done.wait(5)
-    assert steps == [["a", "b", "c"]]
+    t0 = time.monotonic()
+    c = threading.Thread(target=lambda: got.__setitem__("c", batcher.submit("c", 5)))
+    c.start()
+    while not batcher._running and time.monotonic() < t0 + 5:  # c leads, in its window
+        time.sleep(0.01)
+    batcher.post_all([("a", 1, callback), ("b", -1, callback)])
+    c.join(5)
+    assert done.wait(5) and time.monotonic() - t0 < 2.5  # d was not waited for
+    assert steps == [["a", "b", "c"]] and got["c"] == 6
     assert got["a"][:2] == (2, None) and isinstance(got["b"][1], ValueError)
-    batcher.closed("b")
     batcher.closed("c")
+    batcher.closed("d")
     batcher.post_all([("a", 7, callback)])  # a posted cycle alone: the stepper leads it
     end = time.monotonic() + 5
     while got["a"][0] != 8 and time.monotonic() < end:
@@ -116,13 +121,17 @@ def test_posted_cycles_share_a_step_with_blocking_ones_and_call_back_from_the_st
     assert got["a"][0] == 8 and got["a"][2] == "cycle-stepper"
 
 
-def test_a_poster_leads_only_a_step_that_awaits_no_one():
-    """``post_all(lead=True)`` (the link's reader) runs the step in the calling thread when every
-    expected session is queued; when one is still awaited, the stepper leads and waits for it."""
+def test_a_poster_leads_a_step_when_none_is_running_else_the_stepper_runs_it_next():
+    """``post_all(lead=True)`` (the link's reader) runs the step in the calling thread when no
+    step is running, though a per-session stream's session is expected; behind a running step
+    its cycles queue and the stepper runs them as soon as that step ends."""
     threads: list[tuple[list[str], str]] = []
+    release = threading.Event()
 
     def step(batch):
         threads.append((sorted(b.session for b in batch), threading.current_thread().name))
+        if "slow" in [b.session for b in batch]:
+            release.wait(5)
         for b in batch:
             b.result = b.request + 1
 
@@ -130,19 +139,23 @@ def test_a_poster_leads_only_a_step_that_awaits_no_one():
     got: dict[str, int] = {}
     callback = lambda item: got.__setitem__(item.session, item.result)  # noqa: E731
     batcher.opened("a")
-    batcher.post_all([("a", 1, callback)], lead=True)  # a lone session: no hand-off
+    batcher.opened("stream")  # expected, never submits
+    t0 = time.monotonic()
+    batcher.post_all([("a", 1, callback)], lead=True)  # no hand-off, no wait for the stream
     assert got == {"a": 2} and threads == [(["a"], threading.current_thread().name)]
-    batcher.opened("b")  # now a and b are expected
-    batcher.post_all([("a", 3, callback)], lead=True)  # b is awaited: returns at once
-    assert got == {"a": 2}
-    end = time.monotonic() + 5
-    while not batcher._running and time.monotonic() < end:  # the stepper is waiting for b
+    assert time.monotonic() - t0 < 2.5
+    slow = threading.Thread(target=batcher.post_all, args=([("slow", 0, callback)],), kwargs={"lead": True})
+    slow.start()
+    while len(threads) < 2 and time.monotonic() < t0 + 5:
         time.sleep(0.01)
-    batcher.post_all([("b", 5, callback)], lead=True)  # so it takes both
+    batcher.post_all([("a", 3, callback), ("b", 5, callback)], lead=True)  # behind slow: returns at once
+    assert "a" in got and got["a"] == 2
+    release.set()
+    slow.join(5)
     end = time.monotonic() + 5
-    while len(threads) < 2 and time.monotonic() < end:
+    while len(got) < 3 and time.monotonic() < end:
         time.sleep(0.01)
-    assert threads[1] == (["a", "b"], "cycle-stepper") and got == {"a": 4, "b": 6}
+    assert threads[2] == (["a", "b"], "cycle-stepper") and got == {"a": 4, "b": 6, "slow": 1}
 
 
 def test_a_session_that_missed_the_window_is_not_awaited_again():
@@ -229,8 +242,8 @@ def test_batched_sampled_drafts_return_q_per_position(tiny_dirs):
 
 def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
     """A step may advance a cycle without finishing it (``again``: a prompt prefilled in chunks).
-    That item goes first in the next step; its waiter and its callback see only the final result,
-    once; the other sessions' cycles finish in the steps it takes."""
+    That item goes first in the next step; its callback sees only the final result, once; the
+    other sessions' cycles finish in the step that advanced it."""
     steps: list[list[str]] = []
     left = {"long": 2}  # steps before the long prompt's cycle can finish
 
@@ -245,13 +258,9 @@ def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
 
     batcher = CycleBatcher(step, window_s=5.0)
     got: list[tuple] = []
-    batcher.opened("short")
-    batcher.opened("long")
-    batcher.post_all([("long", 0, lambda item: got.append(item.result))])
-    assert batcher.submit("short", 0) == ("short", 1)  # the first step: long advanced, short done
-    assert batcher.submit("short", 0) == ("short", 2)  # long again, first in the step
-    batcher.closed("short")  # the next step awaits no one else
+    batcher.post_all([("long", 0, got.append), ("short", 0, got.append)])  # one router step
     end = time.monotonic() + 5
-    while not got and time.monotonic() < end:
+    while len(got) < 2 and time.monotonic() < end:
         time.sleep(0.01)
-    assert got == [("long", 3)] and steps[:2] == [["long", "short"], ["long", "short"]]
+    assert [item.result for item in got] == [("short", 1), ("long", 3)]  # long's callback once, at the end
+    assert steps == [["long", "short"], ["long"], ["long"]]

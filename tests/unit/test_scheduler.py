@@ -1,7 +1,8 @@
 """The router's scheduler over a backend stand-in: steps of at most max_batch sessions taken
 oldest-waiting first, AGAIN repeats a cycle's request first in the next step, a failure is its
 session's alone, cancelled and aborted generations end with their sessions closed, and a remote
-backend's outcomes are applied as they come, in any order."""
+backend's sessions step per replica (lane), one step in flight each, a slow replica holding up
+only its own."""
 
 import queue
 import threading
@@ -175,35 +176,66 @@ def test_cancelled_and_aborted_generations_end_with_their_sessions_closed():
     sched.close()
 
 
-def test_a_remote_backend_s_outcomes_are_applied_as_they_come():
-    """A slow replica's session holds up only itself: the fast one finishes first."""
+class Replica:
+    """A remote backend's sessions: each cycle on a pooled thread, answered as it ends; every
+    step's sessions recorded."""
+
+    def __init__(self):
+        self.each, self.steps = CycleEach(8), []
+
+    def step(self, cycles, done):
+        self.steps.append(sorted(s.name for s, _ in cycles))
+        self.each.step(cycles, done)
+
+
+class Held:
+    """A session whose cycles wait for ``gate`` while ``held``."""
+
+    def __init__(self, name: str, gate: threading.Event, held: bool = True):
+        self.name, self.gate, self.held = name, gate, held
+
+    def cycle(self, request):
+        if self.held:
+            self.gate.wait(10)
+        return ok(self.name, request)
+
+
+def test_a_slow_replica_holds_up_only_its_own_lane():
+    """Sessions on two replicas (lanes): the slow replica's session holds up only itself, the
+    fast one's lane steps on and finishes first."""
     gate = threading.Event()
-
-    class Session:
-        def __init__(self, name):
-            self.name = name
-
-        def cycle(self, request):
-            if self.name == "slow":
-                gate.wait(10)
-            return ok(self.name, request)
-
-    class Remote:
-        def __init__(self):
-            self.each = CycleEach(8)
-
-        def step(self, cycles, done):
-            self.each.step(cycles, done)
-
     slow, fast = Gen("slow", 1), Gen("fast", 5)
-    slow.session, fast.session = Session("slow"), Session("fast")
-    sched = Scheduler(Remote(), each)
+    slow.session, fast.session = Held("slow", gate), Held("fast", gate, held=False)
+    sched = Scheduler(Replica(), each, lane=lambda s: s.name)
     sched.add(slow)
     sched.add(fast)
     assert fast.released.wait(10) and not slow.released.is_set()
     gate.set()
     assert slow.released.wait(10)
     assert fast.items() == [[1], [2], [3], [4], [5]] and slow.items() == [[1]]
+    sched.close()
+
+
+def test_a_lane_s_sessions_step_together_one_step_in_flight():
+    """One replica (lane): while its step is in flight, a session added or answered early
+    waits for it and goes out in the lane's next step with the others, never in a step alone."""
+    gate = threading.Event()
+    replica = Replica()
+    a, b, late = Gen("a", 3), Gen("b", 3), Gen("late", 2)
+    a.session, b.session, late.session = Held("a", gate), Held("b", gate, held=False), Held("late", gate, held=False)
+    sched = Scheduler(replica, each, lane=lambda s: "one")
+    with sched._cond:
+        sched.add(a)
+        sched.add(b)
+    while not replica.steps:
+        threading.Event().wait(0.001)
+    sched.add(late)  # the step of a and b is in flight, a held
+    threading.Event().wait(0.05)
+    assert replica.steps == [["a", "b"]]  # b answered and late came: both wait for a
+    gate.set()
+    assert all(g.released.wait(10) for g in (a, b, late))
+    assert replica.steps == [["a", "b"], ["a", "b", "late"], ["a", "b", "late"]]
+    assert a.items() == b.items() == [[1], [2], [3]] and late.items() == [[1], [2]]
     sched.close()
 
 
@@ -315,16 +347,18 @@ def test_an_in_process_step_runs_on_the_scheduler_while_its_deferred_work_is_pub
     assert all(g.items() == [[1], [2], [3], [4], [5]] for g in gens)  # no apply failed
 
 
-def test_auto_micro_batches_split_a_remote_backend_s_sessions_from_split_at(monkeypatch):
-    """micro_batches 0 (the default): a remote backend's sessions run in two alternating halves
-    once SPLIT_AT of them are running, in one step below it; an in-process one always in one."""
-    from services.router import scheduler as sched_mod
-
-    monkeypatch.setattr(sched_mod, "SPLIT_AT", 6)
-    for names, offload, first in (("abcdef", False, 3), ("abcde", False, 5), ("abcdef", True, 6)):
+def test_auto_micro_batches_split_a_lane_s_sessions_from_split_at():
+    """micro_batches 0 (the default): a backend's sessions run in two alternating halves once
+    its ``split_at`` of them are running, in one step below it; a ``split_at`` of 0 (in process)
+    always in one."""
+    for names, offload, split_at, first in (
+        ("abcdef", False, 6, 3),
+        ("abcde", False, 6, 5),
+        ("abcdef", True, 0, 6),
+    ):
         backend = Backend(ok)
         gens = [Gen(n, cycles=2) for n in names]
-        sched = Scheduler(backend, each, offload=offload)
+        sched = Scheduler(backend, each, offload=offload, split_at=split_at)
         with sched._cond:  # all of them before the first step
             for g in gens:
                 sched.add(g)

@@ -1,0 +1,64 @@
+"""The router's end of a replica's Link over a stand-in for gRPC's call: a step's items leave
+in one message, and a sender that asks to wait returns once gRPC has sent it (asked for the
+next message), not before."""
+
+import threading
+import time
+
+from services.verifier.client import ReplicaLink
+from specmesh.v1 import verifier_pb2 as pb
+
+
+class Call:
+    """gRPC's stream-stream call as the link sees it: a thread takes each message from the
+    request iterator, takes ``send_s`` to send it, then asks for the next; no replies until
+    cancelled."""
+
+    def __init__(self, requests, send_s: float):
+        self.sent: list[list[str]] = []
+        self._end = threading.Event()
+        threading.Thread(target=self._consume, args=(requests, send_s), daemon=True).start()
+
+    def _consume(self, requests, send_s: float) -> None:
+        for msg in requests:
+            time.sleep(send_s)
+            self.sent.append([item.session_id for item in msg.items])
+
+    def __iter__(self):
+        self._end.wait()
+        return iter(())
+
+    def cancel(self) -> None:
+        self._end.set()
+
+
+class Stub:
+    def __init__(self, send_s: float):
+        self.send_s, self.call = send_s, None
+
+    def Link(self, requests):  # noqa: N802 - gRPC's method name
+        self.call = Call(requests, self.send_s)
+        return self.call
+
+
+def items(*sids: str) -> list[pb.LinkItem]:
+    return [pb.LinkItem(session_id=sid, close=pb.Close()) for sid in sids]
+
+
+def test_a_waiting_sender_returns_once_its_message_is_sent():
+    stub = Stub(send_s=0.2)
+    link = ReplicaLink(stub, "replica")
+    try:
+        link.send_all(items("a", "b", "c"), wait_s=5.0)
+        assert stub.call.sent == [["a", "b", "c"]]  # one message, sent before the sender went on
+        t0 = time.monotonic()
+        link.send_all(items("d"))  # not waiting: back before it is sent
+        assert time.monotonic() - t0 < 0.1 and stub.call.sent == [["a", "b", "c"]]
+        link.send_all(items("e"), wait_s=0.05)  # waits at most wait_s
+        assert time.monotonic() - t0 < 0.15
+        end = time.monotonic() + 5
+        while sum(map(len, stub.call.sent)) < 5 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert [sid for msg in stub.call.sent for sid in msg] == list("abcde")
+    finally:
+        link.shut()
