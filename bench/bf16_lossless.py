@@ -14,6 +14,11 @@ so their cost or gain is measured the same way.
 
     python -m bench.bf16_lossless [--modes float32,bfloat16,bfloat16-invariant] [--prompts 8] [--device cuda]
     python -m bench.bf16_lossless --modes float32,float32-device-drafts
+    python -m bench.bf16_lossless --models-dir models/smollm2 --target build/models/smollm2 --chat
+
+The engine's flags are ``specmesh serve``'s (``--target``, ``--models-dir``, ``--device``, ...);
+a mode sets its dtype and verification on top of them, and a method the engine lacks (``sd``
+without a draft) is left out.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.harness import past_outputs
 from bench.harness import report as save_and_print
-from bench.workloads import humaneval, stdlib_heldout
+from bench.workloads import humaneval, stdlib_heldout, through_chat
+from services.cli import add_engine_args, engine_config
 from services.common.config import EngineConfig
 from services.common.progress import Progress
 from services.router.engine import Engine, GenerationRequest
@@ -75,10 +82,11 @@ def timed(engine: Engine, ids: list[int], max_new: int, method: str) -> tuple[li
     return out, len(out) / (time.perf_counter() - t0)
 
 
-def run(modes: list[str], texts: list[str], max_new: int, device: str) -> dict:
-    engines = {m: Engine(EngineConfig(device=device, **(mode_config(m) or {}))) for m in modes}
+def run(modes: list[str], texts: list[str], max_new: int, cfg: EngineConfig) -> dict:
+    engines = {m: Engine(replace(cfg, **(mode_config(m) or {}))) for m in modes}
+    methods = [m for m in METHODS if m in next(iter(engines.values())).methods()]
     rows = {
-        mode: {m: {"differing": 0, "first_difference": [], "tok_s": []} for m in ("vanilla", *METHODS)}
+        mode: {m: {"differing": 0, "first_difference": [], "tok_s": []} for m in ("vanilla", *methods)}
         for mode in modes
     }
     bar = Progress(len(texts), "prompts", "prompts")
@@ -88,7 +96,7 @@ def run(modes: list[str], texts: list[str], max_new: int, device: str) -> dict:
             with past_outputs(engine):  # no method drafts from another's answer to this prompt
                 vanilla, speed = timed(engine, ids, max_new, "vanilla")
                 rows[mode]["vanilla"]["tok_s"].append(speed)
-                for m in METHODS:
+                for m in methods:
                     out, speed = timed(engine, ids, max_new, m)
                     rows[mode][m]["tok_s"].append(speed)
                     k = first_difference(out, vanilla)
@@ -114,46 +122,61 @@ def main() -> int:
     )
     p.add_argument("--prompts", type=int, default=8, help="of each workload")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--chat", action="store_true", help="give each prompt through the chat template (bench.workloads.through_chat)"
+    )
     p.add_argument("--out", type=Path, default=OUT.with_suffix(".json"), help="the JSON; .md and .png beside it")
+    add_engine_args(p)
     a = p.parse_args()
     modes = a.modes.split(",")
     unknown = [m for m in modes if mode_config(m) is None]
     if unknown:
         p.error(f"--modes: {', '.join(unknown)} is not DTYPE[-invariant][-static][-device-drafts|-host-drafts]")
+    cfg = engine_config(a)
     texts = [x.text for x in humaneval(a.prompts)] + [x.text for x in stdlib_heldout(a.prompts, prompt_chars=600)]
+    if a.chat:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(cfg.target))
+        texts = [through_chat(tokenizer, t) for t in texts]
     result = {
         "command": "python -m bench.bf16_lossless " + " ".join(sys.argv[1:]),
+        "target": str(cfg.target),
         "prompts": len(texts),
         "max_new_tokens": a.max_new_tokens,
-        "device": a.device,
-        "modes": run(modes, texts, a.max_new_tokens, a.device),
+        "device": cfg.device,
+        "modes": run(modes, texts, a.max_new_tokens, cfg),
     }
     save_and_print(result, a.out, lambda r: "\n".join(markdown(r)) + "\n", plot)
     return 0
 
 
+def ran(result: dict) -> tuple[str, ...]:
+    """The methods a result has (vanilla's peers the engine had)."""
+    return tuple(m for m in next(iter(result["modes"].values())) if m != "vanilla")
+
+
 def markdown(result: dict) -> list[str]:
-    n, modes = result["prompts"], result["modes"]
+    n, modes, methods = result["prompts"], result["modes"], ran(result)
     lines = [
         f"# Lossless methods against vanilla, per verification mode ({result['device']})",
         "",
-        f"Command: `{result['command']}`. {n} prompts, {result['max_new_tokens']} new tokens, greedy; "
-        "every method under every mode per prompt, interleaved.",
+        f"Command: `{result['command']}`. Target: `{result.get('target', 'the bundled one')}`. {n} prompts, "
+        f"{result['max_new_tokens']} new tokens, greedy; every method under every mode per prompt, interleaved.",
         "",
         "Prompts on which a method's tokens leave vanilla's:",
         "",
-        *_table(modes, METHODS, lambda rows, m: f"{rows[m]['differing']} of {n}"),
+        *_table(modes, methods, lambda rows, m: f"{rows[m]['differing']} of {n}"),
         "",
         "Median tokens/s (speedup over the mode's own vanilla):",
         "",
-        *_table(modes, ("vanilla", *METHODS), _speed),
+        *_table(modes, ("vanilla", *methods), _speed),
     ]
     for base in modes:
         for other in (f"{base}-invariant", f"{base}-static", f"{base}-device-drafts", f"{base}-host-drafts"):
             if other in modes:
                 ratios = {
-                    m: modes[other][m]["median_tok_s"] / modes[base][m]["median_tok_s"] for m in ("vanilla", *METHODS)
+                    m: modes[other][m]["median_tok_s"] / modes[base][m]["median_tok_s"] for m in ("vanilla", *methods)
                 }
                 lines += [
                     "",
@@ -182,12 +205,12 @@ def plot(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 3.8))
-    modes = list(result["modes"])
+    modes, methods = list(result["modes"]), ran(result)
     width = 0.8 / len(modes)
     for k, mode in enumerate(modes):
-        xs = [i + k * width for i in range(len(METHODS))]
-        ax.bar(xs, [result["modes"][mode][m]["differing"] for m in METHODS], width, label=mode)
-    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(METHODS))], METHODS)
+        xs = [i + k * width for i in range(len(methods))]
+        ax.bar(xs, [result["modes"][mode][m]["differing"] for m in methods], width, label=mode)
+    ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(methods))], methods)
     ax.set_ylabel(f"prompts differing from vanilla (of {result['prompts']})")
     ax.legend()
     fig.tight_layout()

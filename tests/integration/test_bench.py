@@ -504,6 +504,15 @@ def test_bf16_lossless_bench_finds_the_invariant_mode_lossless(tmp_path, monkeyp
     assert all(row["differing"] == 0 for row in r["modes"]["float32-device-drafts"].values())
     md = out.with_suffix(".md").read_text()
     assert "| bfloat16-invariant |" in md and "float32-device-drafts against float32: " in md
+    # the engine's flags: without a draft LM, sd is left out
+    argv = ["bf16_lossless", "--modes", "float32", "--prompts", "1", "--max-new-tokens", "8", "--draft", ""]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    assert bf16_lossless.main() == 0
+    r = json.loads(out.read_text())
+    assert "sd" not in r["modes"]["float32"] and "suffix" in r["modes"]["float32"]
+    assert all(row["differing"] == 0 for row in r["modes"]["float32"].values())
+    md = out.with_suffix(".md").read_text()
+    assert "| sd |" not in md and "| suffix |" in md
 
 
 def test_compile_bench_finds_the_compiled_forward_greedy_equal_to_eager(tmp_path, monkeypatch):
