@@ -26,8 +26,57 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 KV_BUCKET = 64  # keys are padded to a multiple of this: the waste per query is under one bucket
+# A CPU bfloat16 GEMM rounds a row the same whatever rows share the call in every shape tried up
+# to this many inputs; over it (SmolLM2's 1,536-wide MLP input) a row can round differently beside
+# another (docs/decisions.md, Verification)
+K_CHUNK = 768
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose rows do not depend on the rows beside them: over more than ``K_CHUNK``
+    inputs, in chunks of at most that many, the partial products summed in float32 in input
+    order."""
+    k = weight.shape[1]
+    if k <= K_CHUNK:
+        return F.linear(x, weight, bias)
+    out = F.linear(x[..., :K_CHUNK], weight[:, :K_CHUNK]).float()
+    for s in range(K_CHUNK, k, K_CHUNK):
+        out += F.linear(x[..., s : s + K_CHUNK], weight[:, s : s + K_CHUNK]).float()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """An ``nn.Linear``'s parameters (the same tensors, under the same names) through ``linear``;
+    ``plain`` gives the ``nn.Linear`` back."""
+
+    def __init__(self, plain: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = plain.weight, plain.bias
+        self.in_features, self.out_features = plain.in_features, plain.out_features
+        self._plain = [plain]  # (in a list: not a submodule, so no parameter is listed twice)
+
+    @property
+    def plain(self) -> nn.Linear:
+        return self._plain[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_invariant_linears(model: nn.Module, on: bool) -> None:
+    """Run (``on``) every ``nn.Linear`` of ``model`` over more than ``K_CHUNK`` inputs through
+    ``linear``, or give the plain ones back."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if on and type(child) is nn.Linear and child.in_features > K_CHUNK:
+                setattr(parent, name, Linear(child))
+            elif not on and isinstance(child, Linear):
+                setattr(parent, name, child.plain)
 
 
 def bucket_len(n: int, bucket: int = KV_BUCKET) -> int:

@@ -562,9 +562,19 @@ class Llama(nn.Module):
         return self.static_steps is not None and head is None and not trees and len(seq) <= STATIC_ROWS
 
     kv_pool: KVPool | None = None  # set (``use_kv_pool``): batch-1 caches come from pooled slots
-    # A row's logits do not depend on the rows beside it (``invariant``): every ragged forward,
-    # one row included, attends through the invariant plan.
-    batch_invariant: bool = False
+    _batch_invariant = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        """A row's logits do not depend on the rows beside it (``invariant``): every ragged
+        forward, one row included, attends through the invariant plan, and the linear layers
+        over more than ``invariant.K_CHUNK`` inputs sum their inputs in fixed chunks."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        invariant.use_invariant_linears(self, on)
+        self._batch_invariant = on
 
     def use_kv_pool(self, **kwargs) -> KVPool:
         """Serve batch-1 caches from pooled slots (``kv_pool``), so that the ragged forward

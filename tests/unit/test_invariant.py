@@ -5,7 +5,9 @@ verified beside another session, or reached through a token tree."""
 import pytest
 import torch
 
+from services.common.invariant import Linear as InvariantLinear
 from services.common.invariant import ancestry, bucket_len
+from services.common.invariant import linear as invariant_linear
 from services.common.llama import Llama
 from tests.conftest import BUNDLED_TARGET, make_tiny
 
@@ -52,8 +54,36 @@ def bf16_gqa(tmp_path_factory) -> Llama:
     return m
 
 
-@pytest.mark.parametrize("model", ["bf16_target", "bf16_gqa"])
-@pytest.mark.parametrize("p", [40, 63, 64, 86, 125, 190])
+@pytest.fixture(scope="module")
+def bf16_smollm2() -> Llama:
+    """The real target (9 query / 3 K/V heads, a 1,536-wide MLP input: `make setup` converts it)."""
+    m = Llama.from_pretrained("build/models/smollm2", torch.bfloat16)
+    m.batch_invariant = True
+    return m
+
+
+def test_invariant_linear_rows_equal_one_row_calls():
+    """A linear over 1,536 inputs in bfloat16: every row of a call of 1-16 rows equals that row
+    alone through ``invariant.linear`` (``F.linear`` here rounds row 13 of 14-16 differently)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(576, 1536).bfloat16(), torch.randn(16, 1536).bfloat16()
+    alone = torch.cat([invariant_linear(x[j : j + 1], w) for j in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(invariant_linear(x[:m], w), alone[:m]), m
+    model = Llama.from_pretrained("build/models/smollm2", torch.bfloat16)
+    names = dict(model.named_parameters())
+    model.batch_invariant = True  # the MLPs' down projections, the same parameters under the same names
+    assert sum(isinstance(mod, InvariantLinear) for mod in model.modules()) == model.s.layers
+    assert {k: id(v) for k, v in model.named_parameters()} == {k: id(v) for k, v in names.items()}
+    model.batch_invariant = False
+    assert not any(isinstance(mod, InvariantLinear) for mod in model.modules())
+
+
+@pytest.mark.parametrize(
+    "model,p",
+    [(m, p) for m in ("bf16_target", "bf16_gqa") for p in (40, 63, 64, 86, 125, 190)]
+    + [("bf16_smollm2", p) for p in (40, 63, 125)],
+)
 def test_chain_verification_equals_decoding_bit_for_bit(request, model, p):
     """Positions p - 1.. straddle a key bucket for some p (63, 125): the rows of one draft then
     attend over different padded lengths, each its own position's."""
