@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
-LAST_READ = 0.0
 
 
 @dataclass
