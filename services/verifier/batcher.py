@@ -11,9 +11,9 @@ idle client costs at most one window; a lone session never waits.
 
 ``post_all`` is the non-blocking entry (the multiplexed link and Serve, where one call
 carries a router's whole step): each finished item is handed to its callback. Posted cycles
-wait for no one (the router's scheduler batched them; the window is for per-session
-streams): they are led at once by the batcher's own stepper thread, or by the posting thread
-itself when it asks to and no step is running.
+wait for no one (the router's scheduler batched them; the window is for per-session streams
+and for a prompt's next chunk): they are led at once by the batcher's own stepper thread, or
+by the posting thread itself when it asks to and no step is running.
 
 A step may leave an item unfinished (``again``: its prompt is being prefilled in chunks); the
 item goes back to the head of the queue for the next step, and its caller keeps waiting.
@@ -40,6 +40,7 @@ class Pending:
     done: bool = False
     on_done: Callable[["Pending"], None] | None = None
     again: bool = False  # set by a step that advanced the cycle without finishing it (a prefill chunk)
+    carried: bool = False  # put back for the next step (again): no longer its sender's whole step
     arrived: float = field(default_factory=time.perf_counter)
     wake: threading.Condition | None = None  # its submitter waits on it (``submit``); posted items have none
 
@@ -69,8 +70,10 @@ class CycleBatcher:
     def _ready(self) -> bool:
         """Whether the next step may start without waiting: the queue is full, every expected
         session has submitted, or a posted cycle is queued (posts are their sender's whole step,
-        a router's scheduler having batched them: nothing more of that sender's is coming)."""
-        if len(self._queue) >= self.max_batch or any(b.on_done is not None for b in self._queue):
+        a router's scheduler having batched them: nothing more of that sender's is coming). A
+        prompt's next chunk (carried) waits for the expected sessions as a submitted cycle does,
+        so that chunks are fed beside the decoding sessions rather than in steps of their own."""
+        if len(self._queue) >= self.max_batch or any(b.on_done is not None and not b.carried for b in self._queue):
             return True
         queued = {id(b.session) for b in self._queue}
         return (self._expected | self._fresh) <= queued
@@ -150,6 +153,8 @@ class CycleBatcher:
             for b in batch:  # an unfinished item without an error goes first in the next step
                 (again if b.again and b.result is None and b.error is None else finished).append(b)
                 b.again = False
+            for b in again:
+                b.carried = True
             self._queue[:0] = again
             batch = finished
             for b in batch:

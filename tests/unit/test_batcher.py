@@ -242,8 +242,9 @@ def test_batched_sampled_drafts_return_q_per_position(tiny_dirs):
 
 def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
     """A step may advance a cycle without finishing it (``again``: a prompt prefilled in chunks).
-    That item goes first in the next step; its callback sees only the final result, once; the
-    other sessions' cycles finish in the step that advanced it."""
+    That item goes first in the next step, which waits its window for the sessions of the last
+    one (chunks are fed beside the decoding sessions); its callback sees only the final result,
+    once; the other sessions' cycles finish in the step that advanced it."""
     steps: list[list[str]] = []
     left = {"long": 2}  # steps before the long prompt's cycle can finish
 
@@ -256,11 +257,13 @@ def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
             else:
                 b.result = (b.session, len(steps))
 
-    batcher = CycleBatcher(step, window_s=5.0)
-    got: list[tuple] = []
+    batcher = CycleBatcher(step, window_s=0.3)
+    got: list = []
+    t0 = time.monotonic()
     batcher.post_all([("long", 0, got.append), ("short", 0, got.append)])  # one router step
     end = time.monotonic() + 5
     while len(got) < 2 and time.monotonic() < end:
         time.sleep(0.01)
     assert [item.result for item in got] == [("short", 1), ("long", 3)]  # long's callback once, at the end
     assert steps == [["long", "short"], ["long"], ["long"]]
+    assert time.monotonic() - t0 > 0.3  # the carried chunk waited out the window for short
