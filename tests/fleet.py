@@ -63,10 +63,10 @@ def active(addr) -> int:
 
 
 @contextlib.contextmanager
-def ray_serve(app_args: dict):
+def ray_serve(app_args: dict, env: dict[str, str] | None = None):
     """The Ray Serve app (``services.ray_app:app``) on a fresh local Ray of 2 CPUs, with gRPC (the
     Generation and Health services) and HTTP proxies on free ports; yields (gRPC channel, gRPC
-    port, HTTP port)."""
+    port, HTTP port). ``env``: more environment variables for every Ray worker (its replicas)."""
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -83,7 +83,7 @@ def ray_serve(app_args: dict):
                 num_cpus=2,
                 include_dashboard=False,
                 log_to_driver=False,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **(env or {})}},
             )
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for the raylet's

@@ -46,9 +46,18 @@ class Pending:
 
 
 class CycleBatcher:
-    def __init__(self, step: Callable[[list[Pending]], None], max_batch: int = 16, window_s: float = 0.005):
-        """``step(batch)`` sets ``result`` or ``error`` on every item of the batch."""
+    def __init__(
+        self,
+        step: Callable[[list[Pending]], None],
+        max_batch: int = 16,
+        window_s: float = 0.005,
+        chunk_delay_s: float = 0.0,
+    ):
+        """``step(batch)`` sets ``result`` or ``error`` on every item of the batch.
+        ``chunk_delay_s``: fault injection (``faults.chunk_delay_s``), a step that feeds a
+        prompt's next chunk waits this long first."""
         self.step, self.max_batch, self.window_s = step, max_batch, window_s
+        self.chunk_delay_s = chunk_delay_s
         self._lock = threading.RLock()  # a done-callback may call back in (``closed``)
         self._cond = threading.Condition(self._lock)
         self._queue: list[Pending] = []
@@ -140,6 +149,8 @@ class CycleBatcher:
         self._fresh = set()  # had their window; those opened from now on are awaited next
         self._cond.release()
         try:
+            if self.chunk_delay_s and any(b.carried for b in batch):
+                time.sleep(self.chunk_delay_s)
             self.step(batch)
         except BaseException as e:  # a failure of the step itself reaches every waiter
             for b in batch:

@@ -41,6 +41,7 @@ from services.common.types import (
 from services.drafter.base import DRAFTERS, Drafter, ModelDrafter
 from services.memory.correction_memory import LocalCorrectionMemory, SaltedMemories
 from services.memory.snapshot import load_snapshot
+from services.verifier import faults
 from services.verifier.backend import Cycles, Done, run_step
 from services.verifier.batcher import CycleBatcher, Pending
 from services.verifier.policies import POLICIES, CalibratedGreedy, GreedyRows, read_greedy, rows_policy
@@ -99,7 +100,7 @@ class VerifierCore:
         self.policies, self.memory, self.eos_id = policies, memory, eos_id
         self.salted = salted
         self.prefill_chunk = prefill_chunk
-        self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000)
+        self.batcher = CycleBatcher(self._step, max_batch, batch_window_ms / 1000, faults.chunk_delay_s())
         self._ids = itertools.count()
         self.sessions: set[str] = set()  # open sessions' ids (set add/discard are atomic)
 

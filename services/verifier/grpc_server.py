@@ -5,7 +5,6 @@ Refusals become status codes here (``status_of``); conversions are in ``wire``."
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -17,6 +16,7 @@ from services.common.grpc_server import build_grpc_server, status_of
 from services.common.refusals import Invalid, Refusal
 from services.common.security import internal_token
 from services.common.types import CycleRequest, SessionCancelled, SessionSpec
+from services.verifier import faults
 from services.verifier.core import VerifierCore
 from services.verifier.replica import Replica
 from services.verifier.wire import SERVICE_NAME, cycle_from_pb, result_to_pb, spec_from_pb
@@ -26,17 +26,11 @@ from specmesh.v1 import verifier_pb2_grpc as pb_grpc
 log = logging.getLogger("specmesh.verifier")
 
 
-def fault_delay_s() -> float:
-    """Fault injection for failure tests only: every cycle waits this long first
-    (SPECMESH_FAULT_CYCLE_DELAY_MS, read when a servicer starts)."""
-    return float(os.environ.get("SPECMESH_FAULT_CYCLE_DELAY_MS", "0")) / 1000
-
-
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, sessions: Replica):
         self.sessions = sessions
         self.links: set[LinkServer] = set()
-        self.delay_s = fault_delay_s()
+        self.delay_s = faults.cycle_delay_s()
 
     @property
     def active(self) -> set[str]:

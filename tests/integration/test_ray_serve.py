@@ -40,7 +40,9 @@ def serve_app(tiny_dirs, tmp_path_factory):
         "prefill_chunk": 1,  # beside an open session, a new prompt prefills 1 token a step
         "response_stats": True,  # final messages carry their speculation stats and cached tokens
     }
-    with ray_serve(args) as (channel, _, http_port):
+    # a step feeding a prompt's chunk waits 10 ms (fault injection, services/verifier/faults.py), so
+    # the cancel tests' prefills outlast Ray's cancel on a loaded host whatever the step's speed
+    with ray_serve(args, env={"SPECMESH_FAULT_CHUNK_DELAY_MS": "10"}) as (channel, _, http_port):
         yield pb_grpc.GenerationStub(channel), channel, metrics_port, http_port
 
 
@@ -375,8 +377,8 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     assert wait_for(lambda: fed() - before >= 3, timeout=30), f"the prompt never prefilled in chunks: {open_sessions()}"
     call.cancel()
     assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
-    # Stopped before the end: a loaded host takes some steps to deliver Ray's cancel, which is
-    # why the tail is long (in CI the cancel once landed ~60 steps in).
+    # Stopped before the end: the tail's chunks take at least 1.5 s (10 ms each, the fixture's
+    # fault delay), and a loaded host takes some steps to deliver Ray's cancel.
     assert fed() - before < len(tail) - 1
     rest = list(other)
     assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 190
@@ -408,8 +410,8 @@ def test_a_cancelled_ray_session_stops_its_cycle_in_flight(serve_app, tiny_engin
 
     before = fed()
     # Never cached: fed 1 token a step beside the holder, the tail takes len(tail) - 1 steps, alone in
-    # them (fast ones). Long, so that Ray's cancel lands before the end on a loaded host (in CI a
-    # 180-token tail once finished first).
+    # them, 10 ms each at least (the fixture's fault delay): Ray's cancel lands long before the end
+    # (in CI, without the delay, a 900-token tail once finished first).
     tail = list(range(300, 300 + 900 - len(start)))
     session = RaySession(handle, SessionSpec(start + tail, 4))  # affinity: beside the holder
     raised: list[BaseException] = []

@@ -267,3 +267,30 @@ def test_an_item_left_unfinished_is_stepped_again_before_it_returns():
     assert [item.result for item in got] == [("short", 1), ("long", 3)]  # long's callback once, at the end
     assert steps == [["long", "short"], ["long"], ["long"]]
     assert time.monotonic() - t0 > 0.3  # the carried chunk waited out the window for short
+
+
+def test_the_chunk_fault_delay_holds_only_steps_that_feed_a_chunk():
+    """``chunk_delay_s`` (fault injection for tests that cancel a prefill in flight): a step
+    that feeds a carried chunk waits it first; a step of fresh cycles does not."""
+    began: list[tuple[list[str], float]] = []
+    left = {"long": 2}
+
+    def step(batch):
+        began.append(([b.session for b in batch], time.monotonic()))
+        for b in batch:
+            if b.session == "long" and left["long"] > 0:
+                left["long"] -= 1
+                b.again = True
+            else:
+                b.result = b.session
+
+    batcher = CycleBatcher(step, window_s=0.0, chunk_delay_s=0.25)
+    got: list = []
+    t0 = time.monotonic()
+    batcher.post_all([("long", 0, got.append)])
+    end = time.monotonic() + 5
+    while not got and time.monotonic() < end:
+        time.sleep(0.01)
+    assert [s for s, _ in began] == [["long"], ["long"], ["long"]]
+    assert began[0][1] - t0 < 0.2  # the fresh cycle ran at once
+    assert began[1][1] - began[0][1] >= 0.25 and began[2][1] - began[1][1] >= 0.25  # each chunk waited
