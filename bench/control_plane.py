@@ -855,13 +855,16 @@ def main() -> int:
                             engine, place, traces if a.load == "steady" else traces[:n], n, method, topology, load
                         )
                         row["micro_batches"] = mb
+                        if (tuner := engine.scheduler.tuner) is not None:  # in process, auto: what it chose
+                            row["tuner"] = {"chosen": tuner.chosen, "trials": tuner.trials, "rates": tuner.rates}
                         engine.close()
                         rows.append(row)
                         print(
                             f"{topology:11s} {method:11s} x{mb} {n:4d} sessions: τ {row['tau']:.2f}, share "
                             f"{row['share_of_step']:.2f}, {row['tokens_per_s']:.0f}/{row['bound_tokens_per_s']:.0f} "
                             f"tokens/s, {row['sessions_per_step']:.1f} sessions/step, exposed "
-                            f"{row['exposed_us_per_step']:.0f} µs/step, errors {row['errors']}",
+                            f"{row['exposed_us_per_step']:.0f} µs/step, errors {row['errors']}"
+                            + (f", tuner chose x{row['tuner']['chosen']}" if "tuner" in row else ""),
                             flush=True,
                         )
             finally:

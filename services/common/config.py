@@ -481,7 +481,9 @@ OPTIONS: dict[str, Option] = {
             "count",
             "router: run each replica's sessions in this many alternating steps, so the router drafts for one "
             "while the verifier runs another (2 pays each step's fixed cost twice); 0 = auto: 2 for a remote "
-            "verifier replica from 128 sessions, else 1 (bench/results/control_plane_batched_after.md)",
+            "verifier replica from 128 sessions (64 under Ray), and in process whichever of 1 and 2 a short "
+            "trial on the live load measures faster from 32 sessions (services/router/overlap.py), else 1 "
+            "(bench/results/control_plane_overlap_tuner/)",
         ),
         Option(
             "batch_window_ms",

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.common.types import CycleRequest, CycleResult, SessionCancelled
+from services.router.overlap import OverlapTuner
 from services.verifier.backend import Again, Outcome, VerifierBackend
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class Scheduler:
         sessions of a lane run in that many alternating steps, each at most its share of them,
         and at most that many steps in flight, so the router drafts for one while another is
         verified (0: two for a lane from ``split_at`` sessions running on it, else one; a
-        ``split_at`` of 0: always one);
+        ``split_at`` of 0 in process: as ``OverlapTuner`` measures faster, else one);
         ``lane(session)``: the replica a session's cycles go to (None: one lane);
         ``offload``: the backend answers in the caller's thread (in process): with one
         micro-batch the scheduler runs each step itself, with more on a thread of their own (one
@@ -133,6 +134,7 @@ class Scheduler:
         self._lane_steps: Counter[Hashable] = Counter()  # per lane: steps with a cycle not yet settled
         self._device = ThreadPoolExecutor(1, thread_name_prefix="step") if offload else None
         self._publisher = Publisher() if offload else None
+        self.tuner = OverlapTuner() if offload and not micro_batches and not split_at else None
         self._later: list[Callable[[], None]] = []  # what waits for the next step to be sent
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -191,12 +193,27 @@ class Scheduler:
             self._lane_cycles[step.lane] -= 1
             self._lane_steps[step.lane] -= step.left == 0
             self._settle(gen, outcome)
+        if self.tuner is not None and outcomes:
+            self._tune(outcomes)
         while self._room():
             self._step(self._take())
-            if self._device is not None and self.micro_batches <= 1:
+            if self._inline():
                 break  # one in-process step a turn: the next takes the outcomes settled first
         self._run_later()
         return True
+
+    def _tune(self, outcomes: list[tuple[Generation, Outcome]]) -> None:
+        """The in-process lane's micro-batches from now on (``OverlapTuner``), told what settled."""
+        assert self.tuner is not None
+        tokens = sum(len(o.committed) for _, o in outcomes if isinstance(o, CycleResult))
+        before, chosen = self.tuner.chosen, self.tuner.observe(tokens, self._running(None))
+        if self.tuner.chosen != before:
+            rates = ", ".join(f"{m}: {r:,.0f}" for m, r in sorted(self.tuner.rates.items()))
+            log.info("in-process steps in %d micro-batch(es) from now on (tokens/s by micro-batches %s)", chosen, rates)
+
+    def _inline(self) -> bool:
+        """Whether the scheduler runs the next step itself (in process, one micro-batch)."""
+        return self._device is not None and self._micro(None) <= 1
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (in order) once the next step is sent: work no step waits for (outputs to
@@ -223,6 +240,8 @@ class Scheduler:
         """A lane's micro-batches now (``micro_batches``, or auto's choice for its sessions)."""
         if self.micro_batches:
             return self.micro_batches
+        if self.tuner is not None:
+            return self.tuner.mode
         return 2 if self._split_at and self._running(lane) >= self._split_at else 1
 
     def _open(self, lane: Hashable) -> bool:
@@ -314,7 +333,7 @@ class Scheduler:
                     self._cond.notify()
 
         cycles = [(gen.session, req) for gen, req in batch]
-        if self._device is not None and self.micro_batches <= 1:
+        if self._inline():
             # in process, one micro-batch: the outputs of the last step go to the publisher and
             # the step runs here (the device holds it, the GIL is free): nothing to hand over
             self._run_later()

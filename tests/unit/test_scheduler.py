@@ -350,7 +350,7 @@ def test_an_in_process_step_runs_on_the_scheduler_while_its_deferred_work_is_pub
 def test_auto_micro_batches_split_a_lane_s_sessions_from_split_at():
     """micro_batches 0 (the default): a backend's sessions run in two alternating halves once
     its ``split_at`` of them are running, in one step below it; a ``split_at`` of 0 (in process)
-    always in one."""
+    as the overlap tuner chooses, in one below its ``min_sessions`` (32)."""
     for names, offload, split_at, first in (
         ("abcdef", False, 6, 3),
         ("abcde", False, 6, 5),
@@ -366,3 +366,47 @@ def test_auto_micro_batches_split_a_lane_s_sessions_from_split_at():
         assert len(backend.steps[0]) == first, (names, offload, backend.steps)
         assert all(g.items() == [[1], [2]] for g in gens)
         sched.close()
+
+
+def test_in_process_auto_micro_batches_follow_the_tuner_and_switch_between_steps():
+    """In process, auto: the lane runs in the micro-batches the tuner returns after each turn,
+    told the tokens committed and the sessions running: two halves on the step thread while it
+    says 2, whole steps on the scheduler itself once it says 1 (after the halves in flight)."""
+    step_threads: list[tuple[int, str]] = []
+
+    class Recording(Backend):
+        def step(self, cycles, done):
+            step_threads.append((len(cycles), threading.current_thread().name))
+            threading.Event().wait(0.005)
+            super().step(cycles, done)
+
+    class Scripted:
+        """Two for the first 6 turns, then one."""
+
+        mode, chosen, rates = 2, 2, {}
+
+        def __init__(self):
+            self.seen: list[tuple[int, int]] = []
+
+        def observe(self, tokens: int, sessions: int) -> int:
+            self.seen.append((tokens, sessions))
+            self.mode = self.chosen = 2 if len(self.seen) < 6 else 1
+            return self.mode
+
+    backend = Recording(ok)
+    gens = [Gen(n, cycles=8) for n in "abcdef"]
+    sched = Scheduler(backend, each, offload=True)
+    assert sched.tuner is not None  # auto, in process
+    sched.tuner = tuner = Scripted()  # type: ignore[assignment]
+    with sched._cond:
+        for g in gens:
+            sched.add(g)
+    assert all(g.released.wait(10) for g in gens)
+    sched.close()
+    assert step_threads[0] == (3, "step_0") and step_threads[1][0] == 3  # halves, on the step thread
+    first = next(i for i, (_, t) in enumerate(step_threads) if t == "scheduler")
+    assert all(t == "scheduler" for _, t in step_threads[first:])  # once it said 1, on the scheduler
+    assert (6, "scheduler") in step_threads  # whole (the halves' last cycles may end a step apart)
+    assert all(n <= 3 for n, t in step_threads[:first])
+    assert tuner.seen[0] == (3, 6)  # a half's 3 tokens settled, 6 sessions running
+    assert all(g.items() == [[i] for i in range(1, 9)] for g in gens)
