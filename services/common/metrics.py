@@ -365,6 +365,17 @@ VERIFY_BATCH = define(
         buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256),
     )
 )
+ROUTER_MICRO_BATCHES = define(
+    Spec(
+        "specmesh_router_micro_batches",
+        "gauge",
+        "Alternating steps an in-process verifier's sessions run in now: 1, whole steps; 2, halves, the router "
+        "drafting for one while the other's step runs (the overlap tuner's choice, or --micro-batches); 0 "
+        "where the verifier is remote",
+        S,
+        mode="livemax",
+    )
+)
 KV_CACHE_TOKENS = define(
     Spec(
         "specmesh_kv_cache_tokens",

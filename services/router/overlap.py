@@ -20,7 +20,8 @@ from dataclasses import dataclass
 class TunerConfig:
     min_sessions: int = 32  # fewer running: one micro-batch, no trial (halves of a few sessions)
     settle_s: float = 0.15  # after a switch, not measured (the steps in flight end in the old shape)
-    trial_s: float = 0.5  # each mode's measured span
+    trial_s: float = 0.5  # each mode's measured span, at least
+    min_turns: int = 8  # ... and at least this many turns (settled steps) in it
     hold_s: float = 30.0  # a choice stands this long at most
     load_change: float = 1.5  # ... or until the running sessions change by this factor
     margin: float = 0.03  # two must beat one by this share (one is the simpler shape)
@@ -28,10 +29,12 @@ class TunerConfig:
 
 class OverlapTuner:
     """Rule: below ``min_sessions`` one micro-batch. Otherwise a trial runs one, two, then one
-    again, each for ``settle_s`` unmeasured and ``trial_s`` measured (one's rate the mean of its
-    two spans, so a load that drifts during the trial, as it does while a burst's prompts are
-    read, favours neither), and the faster (two only by ``margin``) holds until ``hold_s`` has
-    passed or the running sessions changed by ``load_change``; then a trial again."""
+    again, each for ``settle_s`` unmeasured, then measured from a turn to a turn at least
+    ``trial_s`` and ``min_turns`` later (whole turns: a turn's tokens were made before it, and
+    two micro-batches settle half as many a turn; one's rate the mean of its two spans, so a
+    load that drifts during the trial, as it does while a burst's prompts are read, favours
+    neither), and the faster (two only by ``margin``) holds until ``hold_s`` has passed or the
+    running sessions changed by ``load_change``; then a trial again."""
 
     def __init__(self, cfg: TunerConfig = TunerConfig(), clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
@@ -43,6 +46,8 @@ class OverlapTuner:
         self._trying: list[int] = []  # modes of the trial still to run, the current first
         self._since = 0.0  # when the current mode began
         self._tokens = 0  # measured in the current trial span
+        self._turns = 0
+        self._from: float | None = None  # the turn the current span's measure starts from
         self._held_until = 0.0
         self._held_at = 0  # running sessions when the choice was made
 
@@ -68,16 +73,18 @@ class OverlapTuner:
         self._switch(now)
 
     def _switch(self, now: float) -> None:
-        self.mode, self._since, self._tokens = self._trying[0], now, 0
+        self.mode, self._since, self._tokens, self._turns, self._from = self._trying[0], now, 0, 0, None
 
     def _measure(self, now: float, tokens: int) -> None:
-        begin = self._since + self.cfg.settle_s
-        if now <= begin:
+        if self._from is None:
+            if now > self._since + self.cfg.settle_s:
+                self._from = now  # this turn's tokens were made before it: not counted
             return
         self._tokens += tokens
-        if now - begin < self.cfg.trial_s:
+        self._turns += 1
+        if now - self._from < self.cfg.trial_s or self._turns < self.cfg.min_turns:
             return
-        self._spans.setdefault(self.mode, []).append(self._tokens / (now - begin))
+        self._spans.setdefault(self.mode, []).append(self._tokens / (now - self._from))
         self._trying.pop(0)
         if self._trying:
             self._switch(now)

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.common.metrics import ROUTER_MICRO_BATCHES
 from services.common.types import CycleRequest, CycleResult, SessionCancelled
 from services.router.overlap import OverlapTuner
 from services.verifier.backend import Again, Outcome, VerifierBackend
@@ -135,6 +136,8 @@ class Scheduler:
         self._device = ThreadPoolExecutor(1, thread_name_prefix="step") if offload else None
         self._publisher = Publisher() if offload else None
         self.tuner = OverlapTuner() if offload and not micro_batches and not split_at else None
+        if offload:
+            ROUTER_MICRO_BATCHES.set(micro_batches or 1)
         self._later: list[Callable[[], None]] = []  # what waits for the next step to be sent
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -207,6 +210,7 @@ class Scheduler:
         assert self.tuner is not None
         tokens = sum(len(o.committed) for _, o in outcomes if isinstance(o, CycleResult))
         before, chosen = self.tuner.chosen, self.tuner.observe(tokens, self._running(None))
+        ROUTER_MICRO_BATCHES.set(chosen)
         if self.tuner.chosen != before:
             rates = ", ".join(f"{m}: {r:,.0f}" for m, r in sorted(self.tuner.rates.items()))
             log.info("in-process steps in %d micro-batch(es) from now on (tokens/s by micro-batches %s)", chosen, rates)

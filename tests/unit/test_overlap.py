@@ -69,3 +69,22 @@ def test_a_choice_holds_until_its_time_is_up_or_the_load_changes():
     assert tuner.trials == 2 and tuner.chosen == 1
     run(tuner, clock, {1: 1000, 2: 1200}, 11.0, sessions=16)  # the hold ran out: tried again
     assert tuner.trials == 3 and tuner.chosen == 2
+
+
+def test_spans_are_whole_turns_and_at_least_min_turns_long():
+    """Turns of 100 ms under one micro-batch and 50 ms under two, both at 1,000 tokens/s: each
+    span is measured over whole turns, at least 8 of them (0.8 s of one's), and both rates come
+    out true, so neither mode is favoured by its turns' size."""
+    clock = Clock()
+    tuner = OverlapTuner(CFG, clock)
+    spans: list[tuple[int, float]] = []  # (mode, when it began)
+    while tuner.trials == 0 and clock.t < 20:
+        turn = 0.1 if tuner.mode == 1 else 0.05
+        clock.t += turn
+        tuner.observe(round(1000 * turn), 8)
+        if not spans or spans[-1][0] != tuner.mode:
+            spans.append((tuner.mode, clock.t))
+    assert tuner.trials == 1 and tuner.chosen == 1
+    assert abs(tuner.rates[1] - 1000) < 1 and abs(tuner.rates[2] - 1000) < 1
+    first_two = next(t for m, t in spans if m == 2)
+    assert first_two >= 0.1 + 0.1 + 8 * 0.1 - 1e-9  # settle, the turn it starts from, then 8 turns of one

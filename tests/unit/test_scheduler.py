@@ -371,12 +371,17 @@ def test_auto_micro_batches_split_a_lane_s_sessions_from_split_at():
 def test_in_process_auto_micro_batches_follow_the_tuner_and_switch_between_steps():
     """In process, auto: the lane runs in the micro-batches the tuner returns after each turn,
     told the tokens committed and the sessions running: two halves on the step thread while it
-    says 2, whole steps on the scheduler itself once it says 1 (after the halves in flight)."""
+    says 2, whole steps on the scheduler itself once it says 1 (after the halves in flight); the
+    gauge ``specmesh_router_micro_batches`` follows."""
+    from services.common.metrics import ROUTER_MICRO_BATCHES
+
     step_threads: list[tuple[int, str]] = []
+    gauge: list[float] = []
 
     class Recording(Backend):
         def step(self, cycles, done):
             step_threads.append((len(cycles), threading.current_thread().name))
+            gauge.append(ROUTER_MICRO_BATCHES._value.get())
             threading.Event().wait(0.005)
             super().step(cycles, done)
 
@@ -409,4 +414,5 @@ def test_in_process_auto_micro_batches_follow_the_tuner_and_switch_between_steps
     assert (6, "scheduler") in step_threads  # whole (the halves' last cycles may end a step apart)
     assert all(n <= 3 for n, t in step_threads[:first])
     assert tuner.seen[0] == (3, 6)  # a half's 3 tokens settled, 6 sessions running
+    assert 2 in gauge[:first] and gauge[-1] == 1  # specmesh_router_micro_batches says which, as it goes
     assert all(g.items() == [[i] for i in range(1, 9)] for g in gens)
