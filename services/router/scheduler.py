@@ -136,8 +136,9 @@ class Scheduler:
         self._device = ThreadPoolExecutor(1, thread_name_prefix="step") if offload else None
         self._publisher = Publisher() if offload else None
         self.tuner = OverlapTuner() if offload and not micro_batches and not split_at else None
+        self._shown = micro_batches or 1  # what specmesh_router_micro_batches says (in process)
         if offload:
-            ROUTER_MICRO_BATCHES.set(micro_batches or 1)
+            ROUTER_MICRO_BATCHES.set(self._shown)
         self._later: list[Callable[[], None]] = []  # what waits for the next step to be sent
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -210,7 +211,9 @@ class Scheduler:
         assert self.tuner is not None
         tokens = sum(len(o.committed) for _, o in outcomes if isinstance(o, CycleResult))
         before, chosen = self.tuner.chosen, self.tuner.observe(tokens, self._running(None))
-        ROUTER_MICRO_BATCHES.set(chosen)
+        if chosen != self._shown:  # the gauge is set when the shape changes, not every turn
+            ROUTER_MICRO_BATCHES.set(chosen)
+            self._shown = chosen
         if self.tuner.chosen != before:
             rates = ", ".join(f"{m}: {r:,.0f}" for m, r in sorted(self.tuner.rates.items()))
             log.info("in-process steps in %d micro-batch(es) from now on (tokens/s by micro-batches %s)", chosen, rates)
