@@ -4,15 +4,20 @@
 - stdlib-heldout: the start of held-out stdlib modules (never trained on), cut at a line end.
 - edit:           edit documents from held-out modules: prompt = block + instruction line,
                   reference = the block rewritten with exactly those edits.
+- functions-train: stdlib functions of the training split cut after their docstring (HumanEval's
+                  shape: signature and docstring, the body to write); training only.
 - humaneval-fewshot: HumanEval prompts after the same few solved HumanEval problems (the
                   last ones of the set, with their canonical solutions): a shared prompt prefix.
 """
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import os
+import textwrap
+import warnings
 from dataclasses import dataclass
 
 from training import corpus
@@ -73,6 +78,52 @@ def stdlib_heldout(limit: int, prompt_chars: int = 1200, split: str = "heldout")
     return out
 
 
+def _documented_functions(text: str) -> list[tuple[int, str]]:
+    """(line, source up to the end of its docstring, dedented) of each function in ``text``
+    whose body opens with a docstring of at least two lines."""
+    try:
+        with warnings.catch_warnings():  # some stdlib sources hold invalid escapes
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        doc = node.body[0]
+        if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            continue
+        if doc.end_lineno is None or doc.end_lineno - doc.lineno < 1 or len(node.body) < 2:
+            continue  # a one-line docstring, or nothing after it to write
+        out.append((node.lineno, textwrap.dedent("".join(lines[node.lineno - 1 : doc.end_lineno]))))
+    return sorted(out)
+
+
+def functions(limit: int, split: str = "train", prompt_chars: int = 1200) -> list[Prompt]:
+    """Up to ``limit`` documented functions of ``split``, round-robin over its files, each cut
+    after its docstring: a prompt in HumanEval's shape (the signature and docstring, the body to
+    write) whose answer nobody here wrote either."""
+    per_file = []
+    for path in corpus.source_files(split):
+        found = [
+            (n, src) for n, src in _documented_functions(corpus.read_source(path) or "") if len(src) <= prompt_chars
+        ]
+        if found:
+            per_file.append((path.relative_to(corpus.stdlib_root()).as_posix(), found))
+    out: list[Prompt] = []
+    for rank in range(max((len(f) for _, f in per_file), default=0)):
+        for rel, found in per_file:
+            if rank < len(found):
+                line, src = found[rank]
+                out.append(Prompt(f"{rel}:{line}", src))
+                if len(out) >= limit:
+                    return out
+    return out
+
+
 def edit(limit: int, split: str = "heldout") -> list[Prompt]:
     docs = corpus.edit_documents(split, per_lines=250 if split == "heldout" else 2000, seed=7)
     return [Prompt(f"{d.path}#{i}", d.prompt, reference=d.edited) for i, d in enumerate(docs[:limit])]
@@ -87,6 +138,7 @@ WORKLOADS = {
     "humaneval-fewshot": humaneval_fewshot,
     "stdlib-train": lambda limit: stdlib_heldout(limit, split="train"),
     "edit-train": lambda limit: edit(limit, split="train"),
+    "functions-train": functions,
 }
 EVALUATION = ("humaneval", "stdlib-heldout", "edit")
 

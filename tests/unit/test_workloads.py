@@ -1,0 +1,53 @@
+import ast
+
+from bench import workloads
+from training import corpus
+
+SOURCE = '''
+def short(x):
+    """One line."""
+    return x
+
+
+class K:
+    def method(self, a):
+        """Two lines
+        of docstring."""
+        return a
+
+
+def empty():
+    """Nothing
+
+    after it."""
+
+
+def documented(a, b):
+    """Add them.
+
+    >>> documented(1, 2)
+    3
+    """
+    return a + b
+'''
+
+
+def test_documented_functions_cut_after_the_docstring_dedented_with_a_body_left_to_write():
+    found = workloads._documented_functions(SOURCE)
+    assert [line for line, _ in found] == [8, 20]  # not one-line docstrings, not empty bodies
+    method = found[0][1]
+    assert method.startswith("def method(self, a):\n") and method.endswith('of docstring."""\n')
+    assert found[1][1].endswith('    3\n    """\n')
+    for _, src in found:  # each prompt is a function its body would complete
+        ast.parse(src + "    pass\n")
+
+
+def test_functions_train_round_robins_the_training_split_only():
+    prompts = workloads.load("functions-train", 300)
+    assert len(prompts) == 300 and len({p.id for p in prompts}) == 300
+    files = [p.id.rsplit(":", 1)[0] for p in prompts]
+    assert len(set(files[:100])) == 100  # the first round takes one function per file
+    heldout = {f.relative_to(corpus.stdlib_root()).as_posix() for f in corpus.source_files("heldout")}
+    assert not heldout & set(files)
+    assert all(len(p.text) <= 1200 and p.text.startswith(("def ", "async def ")) for p in prompts)
+    assert "functions-train" not in workloads.EVALUATION
