@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from services.common.llama import Llama
+from training.precision import autocast, use_bf16
 from training.pretrain import weights_digest
 from training.sequences import build_sequences, corpus_windows, pad
 
@@ -152,7 +153,7 @@ def fill(args, target: Llama, aux: tuple[int, ...], seqs, cache: TargetCache, me
             j += 1
         rows = order[i:j]
         ids, lengths = pad([seqs[s] for s in rows], pad_id=0)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        with torch.no_grad(), autocast(torch.device("cpu"), use_bf16(args.bf16, torch.device("cpu"))):
             logits, hidden = target.forward_train(ids, capture=aux) if aux else (target.forward_train(ids), [])
             logp, top = torch.log_softmax(logits.float(), -1).topk(args.top_k, -1)
             feats = torch.cat(hidden, -1).to(torch.bfloat16) if aux else None
@@ -183,7 +184,13 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=TOP_K)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--batch-tokens", type=int, default=4096)
-    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast on the CPU")
+    ap.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 autocast: auto = where bf16 matmuls are native (a CPU with AMX or AVX-512 BF16); "
+        "elsewhere it is emulated, many times slower than fp32",
+    )
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     build(ap.parse_args())
 

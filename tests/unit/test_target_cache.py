@@ -33,7 +33,7 @@ def cache_dir(tiny_dirs, tmp_path_factory):
 
 def cache_args(target, root, **kw) -> argparse.Namespace:
     args = dict(target=target, traces=str(root / "traces.jsonl"), corpus_tokens=0, aux_layers=AUX, top_k=8192)
-    args |= dict(out=root / "cache", batch_tokens=64, bf16=False, threads=1) | kw
+    args |= dict(out=root / "cache", batch_tokens=64, bf16="off", threads=1) | kw
     return argparse.Namespace(**args)
 
 
