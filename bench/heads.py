@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.harness import (
@@ -33,7 +34,7 @@ from bench.harness import (
     workload_args,
     write_figure,
 )
-from bench.workloads import load
+from bench.workloads import load, through_chat
 
 
 def run(engines: dict[str, object], prompts, methods: list[str], max_new: int) -> dict[tuple[str, str], list]:
@@ -134,21 +135,27 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from services.common.config import EngineConfig
+    from services.cli import add_engine_args, engine_config
     from services.common.runtime import freeze_startup_heap
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    workload_args(ap, "humaneval", 20, 128)
+    workload_args(ap, "humaneval", 20, 128, threads=False)  # --threads comes with the engine's flags
+    add_engine_args(ap)  # the target, predictor and the rest, as `python -m bench` takes them
     ap.add_argument("--heads", required=True, help="comma-separated EAGLE-3 head directories")
     ap.add_argument("--methods", default="eagle3,hybrid", help="methods that draft with the head")
+    ap.add_argument("--chat", action="store_true", help="give each prompt through the chat template")
     args = ap.parse_args(argv)
-    engines = {h: Engine(EngineConfig(eagle3=Path(h), threads=args.threads or 1)) for h in args.heads.split(",")}
+    cfg = engine_config(args)
+    engines = {h: Engine(replace(cfg, eagle3=Path(h), threads=cfg.threads or 1)) for h in args.heads.split(",")}
     freeze_startup_heap()  # as `make bench` and a serving process do: no full collections of the start-up heap
     for h, eng in engines.items():
         if "eagle3" not in eng.verifier.drafters:
             sys.exit(f"error: {h} is not an EAGLE-3 head for the target")
     prompts = load(args.workload, args.limit)
+    if args.chat:  # an instruct target, asked for code as users ask it
+        tokenizer = next(iter(engines.values())).tokenizer
+        prompts = [replace(p, text=through_chat(tokenizer, p.text)) for p in prompts]
     methods = args.methods.split(",")
     runs = run(engines, prompts, methods, args.max_new_tokens)
     result = {
@@ -157,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "heads": list(engines),
         "methods": methods,
+        "chat": args.chat,
+        "target": str(cfg.target),
         "machine": machine(),
         "command": command("bench.heads", argv),
         "rows": rows(next(iter(engines.values())), prompts, runs, args.max_new_tokens),

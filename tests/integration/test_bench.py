@@ -534,3 +534,25 @@ def test_compile_bench_finds_the_compiled_forward_greedy_equal_to_eager(tmp_path
     with pytest.raises(SystemExit):  # CUDA graphs need CUDA
         monkeypatch.setattr(sys, "argv", ["compile", "--variants", "reduce-overhead", "--out", str(out)])
         compile_bench.main()
+
+
+def test_heads_main_takes_the_engines_flags_for_every_head(tiny_dirs, tiny_eagle3, tmp_path):
+    """bench.heads from its command line: the target and the rest from the engine's flags, only
+    the head differs between the engines (what a real target's heads are compared with)."""
+    import shutil
+
+    from bench.heads import main
+
+    copy = tmp_path / "head-copy"
+    shutil.copytree(tiny_eagle3, copy)
+    out = tmp_path / "heads.json"
+    result = main(
+        ["--target", str(tiny_dirs[0]), "--draft", "", "--predictor", "", "--threads", "1"]
+        + ["--heads", f"{tiny_eagle3},{copy}", "--methods", "eagle3", "--limit", "2", "--max-new-tokens", "12"]
+        + ["--out", str(out)]
+    )
+    assert result["target"] == str(tiny_dirs[0]) and result["heads"] == [str(tiny_eagle3), str(copy)]
+    assert {(r["method"], r["head"]) for r in result["rows"]} == {("vanilla", None)} | {
+        ("eagle3", h) for h in result["heads"]
+    }
+    assert all(r["exact_match_vs_vanilla"] == 1.0 for r in result["rows"]) and out.with_suffix(".md").exists()
