@@ -101,6 +101,13 @@ def stages(state: dict) -> list[dict]:
     return chain[::-1]
 
 
+def distinct_tokens(chain: list[dict]) -> int:
+    """The tokens of the different data a head's stages trained on: a stage that continued on
+    the data of an earlier one (same traces and corpus share) adds none."""
+    data = {(st.get("traces"), st.get("corpus_tokens", 0), st.get("corpus_offset", 0.0)): st["tokens"] for st in chain}
+    return sum(data.values())
+
+
 def staged(chain: list[dict], cell) -> str:
     """One table cell over the stages: ``cell(stage)``, stages numbered when there are several."""
     if len(chain) == 1:
@@ -184,8 +191,7 @@ accepted, so acceptance falls with position faster than agreement does:
 | agreement | {rows} |
 | on its training traces ({ev.get("train_sequences", "all")} of them) | {" | ".join(f"{a:.1%}" for a in train_agree) or "—"} |
 
-For comparison, the draft LM (`sd`) agrees with the target on {"—" if draft is None else f"{draft:.1%}"} of the
-same held-out positions. {data_limited(agree, train_agree, sum(st["tokens"] for st in chain))}
+{"" if draft is None else f"For comparison, the draft LM (`sd`) agrees with the target on {draft:.1%} of the same held-out positions. "}{data_limited(agree, train_agree, distinct_tokens(chain))}
 Tokens seen in training, all stages and epochs: {seen:,}.
 
 Regenerate: `{regenerate or f"make traces {name}"}`. Card: `python -m training.cards --eagle3 {head_dir}`.

@@ -285,6 +285,15 @@ def test_card_lists_every_training_stage_of_a_continued_head():
     assert "stage" not in staged([first], recipe_row)
 
 
+def test_card_counts_the_data_of_stages_that_reran_it_once():
+    from training.cards import distinct_tokens
+
+    first = {"traces": "a.jsonl", "corpus_tokens": 500, "tokens": 1000}
+    again = {**first, "epochs": 2, "init": first}  # more epochs over the same data
+    more = {"traces": "b.jsonl", "corpus_tokens": 0, "tokens": 400, "init": again}
+    assert distinct_tokens([first, again, more]) == 1400 and distinct_tokens([first]) == 1000
+
+
 def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_path):
     """training.ablation: position 1's chain acceptance is its agreement; later positions need
     every earlier one, so chain acceptance never rises and never exceeds agreement."""
