@@ -354,27 +354,36 @@ def test_a_cancelled_stream_stops_its_prefill_at_the_next_step(serve_app, tiny_e
     import time
 
     stub, _, port, _ = serve_app
-    # earlier tests' sessions count toward a replica's load until their reports age out: past the
-    # affinity slack they would send the second stream to the other replica, where it is fed whole
-    no_sessions_reported()
     start = tiny_engine.encode("".join(f"def chunked_{i}(x):\n    return x * {i}\n\n" for i in range(4)))
 
     def fed() -> float:
         return scrape(port).get("specmesh_prefill_chunks_total", 0.0)
 
-    before = fed()  # read first: a prompt fed alone counts no chunk, and the other stream's time is short
-    # The other stream outlasts the prompt's chunks (~27 + len(tail) of them), else the rest would be fed
-    # whole; the second request goes out as soon as the other decodes (a loaded host once let the other
-    # finish during a metrics scrape in between).
-    other = stub.Generate(
-        pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=190, method="vanilla", ignore_eos=True), timeout=120
-    )
-    first = next(other)  # decoding on the replica that now holds the start
-    tail = list(range(300, 450))  # never cached: fed whole, they take len(tail) - 1 chunks of 1 at least
-    call = stub.Generate(
-        pb.GenerateRequest(prompt_token_ids=start + tail, max_new_tokens=4, method="vanilla"), timeout=120
-    )
-    assert wait_for(lambda: fed() - before >= 3, timeout=30), f"the prompt never prefilled in chunks: {open_sessions()}"
+    for attempt in range(3):
+        # earlier sessions count toward a replica's load until their reports age out: past the
+        # affinity slack they would send the second stream to the other replica, where it is fed whole
+        no_sessions_reported()
+        before = fed()  # read first: a prompt fed alone counts no chunk, and the other stream's time is short
+        # The other stream should outlast the prompt's chunks (~27 + len(tail) of them), else the rest is
+        # fed whole; the second request goes out as soon as the other decodes.
+        other = stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=start, max_new_tokens=190, method="vanilla", ignore_eos=True),
+            timeout=120,
+        )
+        first = next(other)  # decoding on the replica that now holds the start
+        # never cached (a new range each attempt): fed whole, they take len(tail) - 1 chunks of 1 at least
+        tail = list(range(300 + 200 * attempt, 450 + 200 * attempt))
+        call = stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=start + tail, max_new_tokens=4, method="vanilla"), timeout=120
+        )
+        if wait_for(lambda b=before: fed() - b >= 3, timeout=30):
+            break
+        # A loaded host can take longer to route the second request than the other takes to decode
+        # its tokens: then the prompt is fed alone, whole, and there is no prefill in flight to cancel.
+        call.cancel()
+        other.cancel()
+    else:
+        raise AssertionError(f"the prompt never prefilled in chunks in 3 attempts: {open_sessions()}")
     call.cancel()
     assert wait_for(lambda: (f := fed(), time.sleep(0.3), fed() == f)[-1], timeout=30)
     # Stopped before the end: the tail's chunks take at least 1.5 s (10 ms each, the fixture's
