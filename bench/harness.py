@@ -16,13 +16,13 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from bench.quality import parses, rescued_breakdown, token_agreement
-from bench.workloads import Prompt, load, through_chat
+from bench.workloads import Prompt, load
 
 HF_PEERS = ("hf-vanilla", "hf-assisted", "hf-pld")
 
@@ -341,9 +341,7 @@ def main(args: argparse.Namespace) -> dict:
         if any(m in HF_PEERS for m in methods)
         else None
     )
-    prompts = load(args.workload, args.limit)
-    if args.chat:  # an instruct target, asked for code as users ask it
-        prompts = [replace(p, text=through_chat(engine.tokenizer, p.text)) for p in prompts]
+    prompts = load(args.workload, args.limit, engine.tokenizer if args.chat else None)  # instruct: as users ask
     freeze_startup_heap()  # as a serving process does (services.common.grpc_server.run_until_signal)
     rows = benchmark(engine, prompts, methods, args.max_new_tokens, args.repeats, peers)
     result = {

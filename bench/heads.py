@@ -34,7 +34,7 @@ from bench.harness import (
     workload_args,
     write_figure,
 )
-from bench.workloads import load, through_chat
+from bench.workloads import load
 
 
 def run(engines: dict[str, object], prompts, methods: list[str], max_new: int) -> dict[tuple[str, str], list]:
@@ -152,10 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     for h, eng in engines.items():
         if "eagle3" not in eng.verifier.drafters:
             sys.exit(f"error: {h} is not an EAGLE-3 head for the target")
-    prompts = load(args.workload, args.limit)
-    if args.chat:  # an instruct target, asked for code as users ask it
-        tokenizer = next(iter(engines.values())).tokenizer
-        prompts = [replace(p, text=through_chat(tokenizer, p.text)) for p in prompts]
+    prompts = load(args.workload, args.limit, next(iter(engines.values())).tokenizer if args.chat else None)
     methods = args.methods.split(",")
     runs = run(engines, prompts, methods, args.max_new_tokens)
     result = {

@@ -18,7 +18,7 @@ import json
 import os
 import textwrap
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from training import corpus
 
@@ -157,7 +157,12 @@ def through_chat(tokenizer, code: str) -> str:
     return f"{head}```python\n{code}"
 
 
-def load(name: str, limit: int) -> list[Prompt]:
+def load(name: str, limit: int, chat_tokenizer=None) -> list[Prompt]:
+    """A workload's first ``limit`` prompts; with ``chat_tokenizer``, each given through its chat
+    template (``through_chat``), as an instruct target is asked."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](limit)
+    prompts = WORKLOADS[name](limit)
+    if chat_tokenizer is None:
+        return prompts
+    return [replace(p, text=through_chat(chat_tokenizer, p.text)) for p in prompts]

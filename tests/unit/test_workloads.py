@@ -51,3 +51,16 @@ def test_functions_train_round_robins_the_training_split_only():
     assert not heldout & set(files)
     assert all(len(p.text) <= 1200 and p.text.startswith(("def ", "async def ")) for p in prompts)
     assert "functions-train" not in workloads.EVALUATION
+
+
+def test_load_gives_prompts_through_the_chat_template_when_asked():
+    class Tok:
+        def apply_chat_template(self, turns, tokenize, add_generation_prompt):
+            return f"<user>{turns[0]['content']}</user><assistant>"
+
+    plain = workloads.load("humaneval", 2)
+    chat = workloads.load("humaneval", 2, Tok())
+    assert [c.id for c in chat] == [p.id for p in plain]
+    assert all(
+        c.text == f"<user>{workloads.CODE_TASK}</user><assistant>```python\n{p.text}" for c, p in zip(chat, plain)
+    )
