@@ -37,7 +37,7 @@ def _flag_type(kind: str):
 
 
 # The suffix cache's options of the table that `specmesh replay` takes (it runs no model).
-REPLAY_OPTIONS = ("suffix_max_depth", "suffix_max_draft", "suffix_live_outputs")
+REPLAY_OPTIONS = ("suffix_max_depth", "suffix_max_draft", "suffix_live_outputs", "suffix_lag_live")
 
 
 def _add_options(

@@ -34,7 +34,8 @@ def exercise(drafter: Drafter, prompt: list[int], states_dim: int = 0) -> set[st
     assert fits(drafter.propose("a", 4), 4)
     batch = drafter.propose_batch([("a", 3), ("b", 2)])
     assert len(batch) == 2 and all(fits(d, k) for d, k in zip(batch, (3, 2)))
-    called |= {"propose", "propose_batch"}
+    drafter.after_step()  # (the router's, once the step is sent)
+    called |= {"propose", "propose_batch", "after_step"}
     for rid, d in zip(("a", "b"), batch):
         drafter.verified(rid, min(1, len(getattr(d, "token_ids", []))))
         committed = list(getattr(d, "token_ids", [])[:1]) + [prompt[-1]]

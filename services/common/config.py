@@ -53,6 +53,9 @@ class SuffixConfig:
     tree: bool = False  # draft speculation trees (lossless verification walks them), not paths
     compiled: bool = True  # the compiled tree (_suffix_tree.cpp) when built; else the Python reference
     live_outputs: bool = True  # outputs enter the global tree as they grow, not only when finished
+    # a step's new tokens enter the global tree after the step is sent (off the device's path),
+    # so its drafts miss only the same step's tokens there (the compiled batched step)
+    lag_live: bool = True
 
 
 @dataclass(frozen=True)
@@ -428,6 +431,14 @@ OPTIONS: dict[str, Option] = {
             "suffix cache: outputs enter the shared tree as they are generated, not only when they "
             "finish (as ArcticInference does; bench/results/suffix_micro.md)",
             sets="suffix.live_outputs",
+        ),
+        Option(
+            "suffix_lag_live",
+            "bool",
+            "suffix cache: a step's live-output tokens enter the shared tree once the step is sent, "
+            "while the verifier works, not before its drafts (which then miss only that step's own "
+            "tokens there; docs/decisions.md)",
+            sets="suffix.lag_live",
         ),
         Option(
             "batch_invariant",

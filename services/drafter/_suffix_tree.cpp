@@ -145,36 +145,32 @@ public:
     }
 
     // One router step's suffix drafting for many sessions (services/drafter/suffix.py:
-    // SuffixDrafter._step_batch), in the order the per-session calls would make it: first each
-    // session's new tokens enter its own tree and its live output in `global` (a live output the
-    // tree lacks, live_seqs -1, enters first as a new sequence of `carries`), and its global
-    // matches advance (mode kAdvance), session by session; then each asked session (budget > 0)
-    // re-matches its context where its matches went stale (kRematch) and drafts from both trees,
-    // the global draft winning only on a higher score. Returns the drafts (and whether global
-    // won) and each live output's sequence in `global`. Runs without the GIL.
+    // SuffixDrafter._step_cache), in the order the per-session calls would make it: first each
+    // session's new tokens enter its own tree and (`grow`) its live output in `global`, and its
+    // global matches advance (mode kAdvance), session by session; then each asked session
+    // (budget > 0) re-matches its context where its matches went stale (kRematch) and drafts
+    // from both trees, the global draft winning only on a higher score. Returns the drafts (and
+    // whether global won) and each live output's sequence in `global`. Runs without the GIL.
+    // With `lag`, `global` is not written: a session drafts from a copy of its matches advanced
+    // over the tree as it is, and `grow_live` (once the step is sent) grows the live outputs and
+    // advances the matches themselves; the drafts then miss only the step's own new tokens in
+    // the shared tree.
     using Batch = std::tuple<std::vector<std::tuple<Draft, bool>>, std::vector<int>>;
     static Batch step_batch(SuffixTree& global, const std::vector<SuffixTree*>& locals, const std::vector<int>& seqs,
                             const std::vector<std::vector<Tok>>& tokens, std::vector<int> live_seqs,
                             const std::vector<std::vector<Tok>>& carries, const std::vector<Matches*>& matches,
                             const std::vector<int>& modes, const std::vector<std::vector<Tok>>& contexts,
                             const std::vector<int>& budgets, int max_spec_tokens, double factor, double offset,
-                            double min_prob, bool tree) {
+                            double min_prob, bool tree, bool lag) {
         const size_t n = locals.size();
         if (seqs.size() != n || tokens.size() != n || live_seqs.size() != n || carries.size() != n ||
             matches.size() != n || modes.size() != n || contexts.size() != n || budgets.size() != n)
             throw py::value_error("step_batch: one entry per session in every list");
         const Limits lim{max_spec_tokens, factor, offset, min_prob};
-        {
+        for (size_t i = 0; i < n; ++i) locals[i]->extend(seqs[i], tokens[i]);
+        if (!lag) {
             std::unique_lock glock(global.mu_);
-            for (size_t i = 0; i < n; ++i) {
-                locals[i]->extend(seqs[i], tokens[i]);
-                if (live_seqs[i] == kCarry) {
-                    live_seqs[i] = global.new_seq_();
-                    global.extend_(live_seqs[i], carries[i]);
-                }
-                if (live_seqs[i] >= 0) global.extend_(live_seqs[i], tokens[i]);
-                if (modes[i] == kAdvance) global.advance_(*matches[i], tokens[i]);
-            }
+            global.grow_(live_seqs, carries, tokens, matches, modes);
         }
         std::vector<std::tuple<Draft, bool>> out(n);
         std::shared_lock glock(global.mu_);
@@ -186,8 +182,15 @@ public:
                 std::shared_lock llock(locals[i]->mu_);
                 local = locals[i]->speculate_(seqs[i], budgets[i], lim, tree);
             }
-            if (!matches[i]->items.empty()) {
-                Draft glob = global.best_draft(matches[i]->items, budgets[i], lim, tree);
+            Matches ahead;
+            const Matches* m = matches[i];
+            if (lag && modes[i] == kAdvance) {
+                ahead = *m;
+                global.advance_(ahead, tokens[i]);
+                m = &ahead;
+            }
+            if (!m->items.empty()) {
+                Draft glob = global.best_draft(m->items, budgets[i], lim, tree);
                 if (std::get<3>(glob) > std::get<3>(local)) {
                     out[i] = {std::move(glob), true};
                     continue;
@@ -196,6 +199,25 @@ public:
             out[i] = {std::move(local), false};
         }
         return {std::move(out), std::move(live_seqs)};
+    }
+
+    // A lagged step's shared-tree writes (step_batch with `lag`), as its first phase would have
+    // made them: each live output takes its new tokens (a live output the tree lacks, live_seqs
+    // kCarry, enters first as a new sequence of `carries`) and its session's matches advance
+    // (kAdvance), session by session; then the kRematch sessions re-match their `contexts`.
+    // Returns each live output's sequence. Runs without the GIL.
+    static std::vector<int> grow_live(SuffixTree& global, std::vector<int> live_seqs,
+                                      const std::vector<std::vector<Tok>>& carries,
+                                      const std::vector<std::vector<Tok>>& tokens,
+                                      const std::vector<Matches*>& matches, const std::vector<int>& modes,
+                                      const std::vector<std::vector<Tok>>& contexts) {
+        const size_t n = live_seqs.size();
+        if (carries.size() != n || tokens.size() != n || matches.size() != n || modes.size() != n ||
+            contexts.size() != n)
+            throw py::value_error("grow_live: one entry per session in every list");
+        std::unique_lock glock(global.mu_);
+        global.grow_(live_seqs, carries, tokens, matches, modes, &contexts);
+        return live_seqs;
     }
 
     static constexpr int kAdvance = 1, kRematch = 2;  // step_batch's modes (0: leave the matches)
@@ -261,6 +283,26 @@ private:
     void extend_(int s, const std::vector<Tok>& tokens) {
         check_seq(s);
         for (Tok t : tokens) append(s, t);
+    }
+
+    // The live outputs' new tokens and the matches' advance (step_batch's first phase in the
+    // shared tree), session by session; live_seqs are updated where a carried output entered as
+    // a new sequence. With `contexts`, the kRematch sessions then re-match theirs (as step_batch
+    // would after this phase).
+    void grow_(std::vector<int>& live_seqs, const std::vector<std::vector<Tok>>& carries,
+               const std::vector<std::vector<Tok>>& tokens, const std::vector<Matches*>& matches,
+               const std::vector<int>& modes, const std::vector<std::vector<Tok>>* contexts = nullptr) {
+        for (size_t i = 0; i < live_seqs.size(); ++i) {
+            if (live_seqs[i] == kCarry) {
+                live_seqs[i] = new_seq_();
+                extend_(live_seqs[i], carries[i]);
+            }
+            if (live_seqs[i] >= 0) extend_(live_seqs[i], tokens[i]);
+            if (modes[i] == kAdvance) advance_(*matches[i], tokens[i]);
+        }
+        if (contexts == nullptr) return;
+        for (size_t i = 0; i < live_seqs.size(); ++i)
+            if (modes[i] == kRematch) *matches[i] = match_((*contexts)[i]);
     }
 
     Matches match_(const std::vector<Tok>& context) const {
@@ -510,4 +552,6 @@ PYBIND11_MODULE(_suffix_tree, m) {
         .def_property_readonly("max_depth", &SuffixTree::max_depth);
     m.def("step_batch", &SuffixTree::step_batch, py::call_guard<py::gil_scoped_release>(),
           "One router step's suffix drafting for many sessions, without the GIL (SuffixTree::step_batch)");
+    m.def("grow_live", &SuffixTree::grow_live, py::call_guard<py::gil_scoped_release>(),
+          "A lagged step's shared-tree writes, without the GIL (SuffixTree::grow_live)");
 }

@@ -27,6 +27,7 @@ class Drafter(ABC):
     ``observe``, ``stop``); it inherits defaults for what only some of them do: ``verified``
     (nothing to count),
     ``propose_batch`` (one call per request unless batched kernels make one call for all),
+    ``after_step`` (nothing left for after a step is sent),
     ``absorb`` (nothing to take in without a model of its own) and ``kv_bytes_per_position``
     (0 without a K/V cache, so no share of the prefix-cache budget; a drafter with one keeps
     its blocks in ``prefix`` once the verifier gives it a share).
@@ -68,6 +69,11 @@ class Drafter(ABC):
     def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
         """Drafts for several ``(req_id, budget)`` asks of one verifier step."""
         return [self.propose(req_id, budget) for req_id, budget in asks]
+
+    def after_step(self) -> None:
+        """Work a step's drafts left for later, run by the router once the step is sent (the
+        suffix cache's lagged global writes); any call that needs it done does it first."""
+        return None
 
     def absorb(self, req_id: str, upto: int) -> None:
         """Take in the prompt positions before ``upto`` that the target has fed (a prefill

@@ -507,6 +507,9 @@ class HybridDrafter(Drafter):
             return Draft.empty()
         return Delegate(self.model, min(budget, self.max_model), tuple(st.cache_draft) if self.both else ())
 
+    def after_step(self) -> None:
+        self.cache.after_step()
+
     def verified(self, req_id: str, n: int) -> None:
         """The router verifies only the first ``n`` tokens of the cache draft (a grammar forbids
         the next): the cycle is costed at that length. Its yield is unchanged, since a forbidden

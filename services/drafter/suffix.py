@@ -15,7 +15,7 @@ import torch
 from services.common.config import SuffixConfig
 from services.common.types import Draft, Sampling
 from services.drafter.base import Drafter, register
-from services.drafter.suffix_tree import Candidate, CompiledMatches, new_tree, step_batch
+from services.drafter.suffix_tree import Candidate, CompiledMatches, grow_live, new_tree, step_batch
 
 
 class LiveOutput:
@@ -158,16 +158,24 @@ class _Req:
     pending: list[int] = field(default_factory=list)  # observed, not yet in the trees (``_absorb``)
 
 
-def _live_entry(st: _Req, tree) -> tuple[int, list[int]]:
-    """``step_batch``'s entry for a request's live output in ``tree``: its sequence there, or -1
-    with the tokens it had when it enters a tree it is new to (new, or the tree was rebuilt: it
-    enters as it grows, so only with tokens to add), or -2 when there is none to grow."""
+def _live_entry(st: _Req, tree, tokens: list[int]) -> tuple[int, list[int]]:
+    """``step_batch``'s (``grow_live``'s) entry for a request's live output in ``tree``, about to
+    take ``tokens``: its sequence there, or -1 with the tokens it had when it enters a tree it
+    is new to (new, or the tree was rebuilt: it enters as it grows, so only with tokens to
+    add), or -2 when there is none to grow."""
     live = st.live
     if live is None:
         return -2, []
     if live.tree is tree:
         return live.seq_id, []
-    return (-1, live.tokens) if st.pending else (-2, [])
+    return (-1, live.tokens) if tokens else (-2, [])
+
+
+def _grew(st: _Req, tree, seq_id: int, tokens: list[int]) -> None:
+    """A live output took ``tokens`` in ``tree`` as sequence ``seq_id`` (-2: it has none)."""
+    if st.live is not None and seq_id >= 0:
+        st.live.tree, st.live.seq_id = tree, seq_id
+        st.live.tokens.extend(tokens)
 
 
 @register("suffix")
@@ -193,6 +201,10 @@ class SuffixDrafter(Drafter):
         self._scopes_lock = threading.Lock()
         # a step's drafting in one compiled call (``_step_batch``) where every tree is compiled
         self.batched = cfg.compiled and self.global_cache.compiled and step_batch is not None
+        # lagged global writes (cfg.lag_live): per global cache, its sessions' tokens not yet
+        # in it as (request, tokens, its step_batch mode, its context when re-matched)
+        self._lagged: list[tuple[GlobalSuffixCache, list[tuple[_Req, list[int], int, list[int]]]]] = []
+        self._lag_lock = threading.Lock()  # taken before a global cache's lock
 
     def start(
         self,
@@ -277,42 +289,86 @@ class SuffixDrafter(Drafter):
 
     def _step_cache(self, g: GlobalSuffixCache, reqs: dict[str, _Req], budgets: dict[str, int]) -> dict[str, tuple]:
         """One ``step_batch`` over requests of one global cache; its writers wait meanwhile, so
-        its tree and version stay put."""
+        its tree and version stay put. Lagged (``cfg.lag_live`` with live outputs), the global
+        tree's writes wait for ``after_step``: the step's drafts go out first."""
         states = list(reqs.values())
-        with g.lock:
-            gt, live, carries, modes, contexts = g.tree, [], [], [], []
-            for req_id, st in reqs.items():
-                current = st.gversion == g.version and st.gtree is gt
-                if not current and budgets.get(req_id, 0) > 0:
-                    st.gmatches, st.gtree, st.gversion = CompiledMatches(), gt, g.version
-                    modes.append(2)  # re-match (the context holds the new tokens)
-                    contexts.append(st.seq[-self.cfg.max_depth :])
+        lag = self.cfg.lag_live and self.cfg.live_outputs
+        with self._lag_lock:
+            self._catch_up()
+            with g.lock:
+                gt, live, carries, modes, contexts = g.tree, [], [], [], []
+                for req_id, st in reqs.items():
+                    current = st.gversion == g.version and st.gtree is gt
+                    if not current and budgets.get(req_id, 0) > 0:
+                        st.gmatches, st.gtree, st.gversion = CompiledMatches(), gt, g.version
+                        modes.append(2)  # re-match (the context holds the new tokens)
+                        contexts.append(st.seq[-self.cfg.max_depth :])
+                    else:
+                        modes.append(1 if current else 0)  # advance with the new tokens, or leave stale
+                        contexts.append([])
+                    seq_id, carry = (-2, []) if lag else _live_entry(st, gt, st.pending)
+                    live.append(seq_id)
+                    carries.append(carry)
+                drafts, seq_ids = step_batch(
+                    gt,
+                    [st.tree for st in states],
+                    [st.seq_id for st in states],
+                    [st.pending for st in states],
+                    live,
+                    carries,
+                    [self._matches(st) for st in states],
+                    modes,
+                    contexts,
+                    [budgets.get(r, 0) for r in reqs],
+                    *self._limits,
+                    self.cfg.tree,
+                    lag,
+                )
+                if lag:
+                    self._lagged.append((g, list(zip(states, [st.pending for st in states], modes, contexts))))
                 else:
-                    modes.append(1 if current else 0)  # advance with the new tokens, or leave stale
-                    contexts.append([])
-                seq_id, carry = _live_entry(st, gt)
-                live.append(seq_id)
-                carries.append(carry)
-            drafts, seq_ids = step_batch(
-                gt,
-                [st.tree for st in states],
-                [st.seq_id for st in states],
-                [st.pending for st in states],
-                live,
-                carries,
-                [st.gmatches if isinstance(st.gmatches, CompiledMatches) else CompiledMatches() for st in states],
-                modes,
-                contexts,
-                [budgets.get(r, 0) for r in reqs],
-                *self._limits,
-                self.cfg.tree,
-            )
-            for st, seq_id in zip(states, seq_ids):
-                if st.live is not None and seq_id >= 0:
-                    st.live.tree, st.live.seq_id = gt, seq_id
-                    st.live.tokens.extend(st.pending)
-                st.pending = []
+                    for st, seq_id in zip(states, seq_ids):
+                        _grew(st, gt, seq_id, st.pending)
+                for st in states:
+                    st.pending = []
         return dict(zip(reqs, drafts))
+
+    @staticmethod
+    def _matches(st: _Req):
+        if not isinstance(st.gmatches, CompiledMatches):
+            st.gmatches = CompiledMatches()
+        return st.gmatches
+
+    def after_step(self) -> None:
+        """The lagged global writes of the steps drafted so far (``_catch_up``); the router runs
+        it once the step is sent, while the verifier works."""
+        with self._lag_lock:  # (also when none is left: another thread may be writing them)
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Lagged global writes, in the order they were drafted (``_lag_lock`` held), as the
+        unlagged step would have made them: each live output takes its tokens (entering a
+        rebuilt tree whole), and where the tree is still the one drafted from, matches advance
+        over them or (re-matched for the draft) re-match."""
+        lagged, self._lagged = self._lagged, []
+        for g, entries in lagged:
+            with g.lock:
+                gt, live, carries = g.tree, [], []
+                for st, tokens, _, _ in entries:
+                    seq_id, carry = _live_entry(st, gt, tokens)
+                    live.append(seq_id)
+                    carries.append(carry)
+                seq_ids = grow_live(
+                    gt,
+                    live,
+                    carries,
+                    [tokens for _, tokens, _, _ in entries],
+                    [self._matches(st) for st, _, _, _ in entries],
+                    [mode if st.gversion == g.version and st.gtree is gt else 0 for st, _, mode, _ in entries],
+                    [context for _, _, _, context in entries],
+                )
+                for (st, tokens, _, _), seq_id in zip(entries, seq_ids):
+                    _grew(st, gt, seq_id, tokens)
 
     def _draft(self, req_id: str, cand: Candidate, which: str) -> Draft:
         st = self.states[req_id]
@@ -343,6 +399,7 @@ class SuffixDrafter(Drafter):
 
     def _absorb_pending(self) -> None:
         """Every request's observed tokens into the trees, in the order they were observed."""
+        self.after_step()
         pending, self._pending = self._pending, {}
         for st in pending.values():
             self._absorb(st)
@@ -361,6 +418,7 @@ class SuffixDrafter(Drafter):
 
     def stop(self, req_id: str) -> list[int]:
         """Ends the request; its output enters its scope's global tree. Returns that output."""
+        self.after_step()  # its lagged tokens first
         st = self.states.pop(req_id, None)
         if st is None:
             return []

@@ -34,9 +34,9 @@ from services.common.config import SpecParams
 try:
     from services.drafter._suffix_tree import Matches as CompiledMatches
     from services.drafter._suffix_tree import SuffixTree as CompiledSuffixTree
-    from services.drafter._suffix_tree import step_batch
+    from services.drafter._suffix_tree import grow_live, step_batch
 except ImportError:  # built without a C++ compiler: the reference serves
-    CompiledSuffixTree = CompiledMatches = step_batch = None
+    CompiledSuffixTree = CompiledMatches = grow_live = step_batch = None
 
 
 # (token_ids, probs, parents, score, match_len): what both trees' speculate returns

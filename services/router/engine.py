@@ -483,7 +483,8 @@ def prepare_step(gens: list[Generation]) -> list[CycleRequest | BaseException]:
     """One step's cycle requests, one per generation (its router draft or the drafter to ask).
     Each router drafter is asked once for all of its sessions in the step
     (``Drafter.propose_batch``: a hybrid consults its predictor once over them, a remote drafter
-    answers in one call); a drafter that fails fails its sessions' cycles, and only theirs."""
+    answers in one call); a drafter that fails fails its sessions' cycles, and only theirs.
+    What a drafter left for later (``Drafter.after_step``) runs once the step is sent."""
     t0 = time.perf_counter()
     budgets = [g._budget() for g in gens]
     groups: dict[int, list[int]] = {}
@@ -500,6 +501,7 @@ def prepare_step(gens: list[Generation]) -> list[CycleRequest | BaseException]:
             drafts = [e] * len(idx)
         for i, d in zip(idx, drafts):
             choices[i] = d
+        gens[idx[0]].engine.scheduler.defer(drafter.after_step)  # once the step is sent
     t1 = time.perf_counter()
     out: list[CycleRequest | BaseException] = []
     for g, budget, choice in zip(gens, budgets, choices):

@@ -18,6 +18,7 @@ def test_the_base_class_names_the_lifecycle_and_refuses_a_partial_drafter():
         "observe",
         "stop",
         "propose_batch",
+        "after_step",
         "absorb",
         "kv_bytes_per_position",
     } <= set(METHODS)

@@ -2,7 +2,8 @@
 without the GIL) against its per-request calls: the same drafts, bit for bit, on random
 interleavings of starts (in the shared pool or a tenant's scope), observations, steps that ask
 some of the sessions, finishes, and a peer's outputs arriving (which re-match, and with a small
-cache rebuild, the global tree)."""
+cache rebuild, the global tree). Lagged (the global tree's writes after the step is sent), the
+trees and matches it leaves once caught up are the unlagged step's."""
 
 import threading
 
@@ -49,7 +50,9 @@ def same(a, b) -> None:
     ops=st.lists(op, max_size=40),
 )
 def test_a_batched_step_drafts_as_the_per_request_calls(depth, tree, live, min_prob, ops):
-    cfg = SuffixConfig(max_depth=depth, tree=tree, live_outputs=live, spec=SpecParams(min_token_prob=min_prob))
+    cfg = SuffixConfig(
+        max_depth=depth, tree=tree, live_outputs=live, lag_live=False, spec=SpecParams(min_token_prob=min_prob)
+    )
     fast, ref = drafter(cfg, True), drafter(cfg, False)
     running: list[str] = []
     for n, o in enumerate(ops):
@@ -71,6 +74,72 @@ def test_a_batched_step_drafts_as_the_per_request_calls(depth, tree, live, min_p
         elif o[0] == "peer" and o[1]:
             for d in (fast, ref):
                 d.global_cache.insert(list(o[1]))
+
+
+def state(d: SuffixDrafter) -> tuple:
+    """What later drafts read: the global trees (the shared one and the scopes') by size and by
+    each sequence's draft, and every request's matches in its global tree."""
+    caches = [d.global_cache, *d.scoped.values()]
+    trees = [(c.tree.num_nodes, c.tree.total, c.version) for c in caches]
+    matches = {
+        r: (st.gversion, list(st.gtree.match_lengths(st.gmatches)) if st.gversion >= 0 else None)
+        for r, st in d.states.items()
+    }
+    lives = {r: (list(st.live.tokens), st.live.seq_id) if st.live else None for r, st in d.states.items()}
+    return trees, matches, lives
+
+
+@settings(max_examples=250, deadline=None)
+@given(depth=st.integers(2, 10), tree=st.booleans(), ops=st.lists(op, max_size=40))
+def test_a_lagged_step_leaves_the_unlagged_ones_trees_once_caught_up(depth, tree, ops):
+    """Lagged, a step's drafts come before its live outputs enter the global tree; once the step
+    is sent (``after_step``) the trees, live outputs and matches are the unlagged step's, so
+    every later step starts from the same state; drafts agree wherever the step's own new tokens
+    in the global tree could not change them (no live outputs there: the same drafts)."""
+    lagged = drafter(SuffixConfig(max_depth=depth, tree=tree), True)
+    plain = drafter(SuffixConfig(max_depth=depth, tree=tree, lag_live=False), True)
+    running: list[str] = []
+    for n, o in enumerate(ops):
+        if o[0] == "start":
+            running.append(f"r{n}")
+            for d in (lagged, plain):
+                d.start(f"r{n}", o[1], scope=o[2])
+        elif o[0] == "observe" and running:
+            for d in (lagged, plain):
+                d.observe(running[o[1] % len(running)], list(o[2]))
+        elif o[0] == "step" and running:
+            asks = list({running[i % len(running)]: b for i, b in o[1]}.items())
+            lagged.propose_batch(asks)
+            plain.propose_batch(asks)
+            assert lagged._lagged or not asks
+            lagged.after_step()
+            assert state(lagged) == state(plain)
+        elif o[0] == "stop" and running:
+            req = running.pop(o[1] % len(running))
+            assert lagged.stop(req) == plain.stop(req)
+        elif o[0] == "peer" and o[1]:
+            for d in (lagged, plain):
+                d.global_cache.insert(list(o[1]))
+    for req in running:
+        lagged.speculate(req, 8)  # (catches up first)
+        plain.speculate(req, 8)
+    assert state(lagged) == state(plain)
+
+
+def test_a_lagged_draft_misses_only_its_steps_own_tokens_in_the_global_tree():
+    """A peer's tokens of the same step reach another session's draft a step later."""
+    cfg = SuffixConfig(max_depth=16)
+    d = SuffixDrafter(cfg, GlobalSuffixCache(16, 50))
+    d.start("a", [9, 9, 9])
+    d.start("b", [8, 8, 8])
+    d.observe("a", [1, 2, 3, 4, 5, 6])  # a writes what b is about to need
+    d.observe("b", [1, 2])
+    first = d.propose_batch([("a", 4), ("b", 4)])[1]
+    assert first.token_ids != [3, 4, 5, 6]  # a's tokens are not in the shared tree yet
+    d.after_step()
+    assert d.global_cache.tree.count([1, 2, 3, 4, 5, 6]) == 1
+    d.observe("b", [3])
+    assert d.propose_batch([("b", 3)])[0].token_ids == [4, 5, 6]
 
 
 def test_a_batched_step_runs_beside_a_writer_of_the_global_tree():

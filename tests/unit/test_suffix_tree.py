@@ -189,5 +189,6 @@ def test_a_live_output_leaves_the_tree_inside_a_deferred_block_and_survives_rebu
     for i in range(6):  # evictions rebuild the tree under the live output
         cache.insert([1000 + i, 2000 + i])
     d.observe("long", [903])
-    d.propose_batch([])  # the next step takes the observed tokens into the trees
+    d.propose_batch([])  # the next step takes the observed tokens into the trees ...
+    d.after_step()  # ... the global one once the step is sent
     assert cache.tree.count([900, 901, 902, 903]) == 1
