@@ -129,7 +129,7 @@ def component_server(role: str, cfg: EngineConfig, host: str, port: int):
         from services.memory.redis_link import RedisLink
         from services.memory.suffix_feed import SuffixFeed
 
-        cache = GlobalSuffixCache.of(cfg.suffix)
+        cache = GlobalSuffixCache.of(cfg.suffix, background=True)
         feed = SuffixFeed(RedisLink(cfg.redis_url, "suffix_feed"), cache, vocab=vocab).start()
     elif role == "drafter":
         redis_off("suffix_feed")
@@ -137,7 +137,7 @@ def component_server(role: str, cfg: EngineConfig, host: str, port: int):
         from services.drafter.grpc_server import build_drafter_server
         from services.drafter.suffix import GlobalSuffixCache, SuffixDrafter
 
-        cache = feed.cache if feed else GlobalSuffixCache.of(cfg.suffix)
+        cache = feed.cache if feed else GlobalSuffixCache.of(cfg.suffix, background=True)
         drafter = SuffixDrafter(cfg.suffix, cache, feed.publish if feed else None)
         server, _, bound = build_drafter_server(drafter, vocab, host, port)
         return server, bound

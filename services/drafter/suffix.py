@@ -43,22 +43,33 @@ class GlobalSuffixCache:
     output added, a rebuild); a live output's growth needs none: a reader's matches advance with
     its own context through the grown tree (a suffix another live output creates meanwhile is
     found at the next re-match). Writers serialize on a lock; readers never wait.
+
+    With ``background`` (a serving router's cache, compiled), an eviction's rebuild runs on a
+    thread of its own over the deque as it was, while the old tree serves; the outputs that
+    finish meanwhile are added to the new tree before it replaces the old one. (A rebuild of
+    the last 1,000 outputs takes tens of milliseconds: on the router's step path, every
+    session would wait it out.)
     """
 
-    def __init__(self, max_depth: int = 64, max_cached_requests: int = 1000, compiled: bool = True):
+    def __init__(
+        self, max_depth: int = 64, max_cached_requests: int = 1000, compiled: bool = True, background: bool = False
+    ):
         self.max_depth = max_depth
         self.capacity = max_cached_requests
         self.compiled = compiled
+        self.background = background and compiled
         self.outputs: deque[tuple[int, ...]] = deque()
         self.tree = new_tree(max_depth, compiled)
         self.version = 0
         self._evicted = 0
         self._held: list[tuple[int, ...]] | None = None
+        self._building: list[tuple[int, ...]] | None = None  # finished while a rebuild builds
+        self._epoch = 0  # a background rebuild's tree is kept only if no rebuild or clear came first
         self.lock = threading.Lock()  # writers' (and a batched step's: SuffixDrafter._step_batch)
 
     @classmethod
-    def of(cls, cfg: SuffixConfig) -> GlobalSuffixCache:
-        return cls(cfg.max_depth, cfg.max_cached_requests, cfg.compiled)
+    def of(cls, cfg: SuffixConfig, background: bool = False) -> GlobalSuffixCache:
+        return cls(cfg.max_depth, cfg.max_cached_requests, cfg.compiled, background)
 
     def insert(self, output: list[int]) -> None:
         if not output:
@@ -72,12 +83,17 @@ class GlobalSuffixCache:
     def _append(self, output: tuple[int, ...], in_tree: bool) -> None:
         """A finished output joins the deque (and the tree unless it is there): under the lock."""
         self.outputs.append(output)
+        if self._building is not None:
+            self._building.append(output)
         if len(self.outputs) > self.capacity:
             self.outputs.popleft()
             self._evicted += 1
-        if self._evicted >= max(1, self.capacity // 4):
-            self._rebuild()
-        elif not in_tree:
+        if self._evicted >= max(1, self.capacity // 4) and self._building is None:
+            if not self.background:
+                self._rebuild()
+                return
+            self._rebuild_later()
+        if not in_tree:
             self.tree.add(output)
             self.version += 1
 
@@ -86,8 +102,29 @@ class GlobalSuffixCache:
         tree = new_tree(self.max_depth, self.compiled)
         for out in self.outputs:
             tree.add(out)
-        self.tree, self._evicted = tree, 0
+        self._replace(tree)
+
+    def _replace(self, tree) -> None:
+        self.tree, self._evicted, self._building = tree, 0, None
+        self._epoch += 1
         self.version += 1
+
+    def _rebuild_later(self) -> None:
+        """``_rebuild`` on a thread of its own (under the lock: it starts it)."""
+        outputs, self._building, self._evicted = list(self.outputs), [], 0
+        # not a daemon: an exit waits for it rather than ending it inside the compiled tree
+        threading.Thread(target=self._build, args=(outputs, self._epoch), name="suffix-rebuild").start()
+
+    def _build(self, outputs: list[tuple[int, ...]], epoch: int) -> None:
+        tree = new_tree(self.max_depth, self.compiled)
+        for out in outputs:  # (the compiled tree takes a long output without the GIL)
+            tree.add(out)
+        with self.lock:
+            if self._epoch != epoch:  # rebuilt or cleared meanwhile: that tree stands
+                return
+            for out in self._building or ():
+                tree.add(out)
+            self._replace(tree)
 
     def grow(self, live: LiveOutput, tokens: list[int]) -> None:
         """Append a live output's new tokens to the tree."""
@@ -135,8 +172,7 @@ class GlobalSuffixCache:
     def clear(self) -> None:
         with self.lock:
             self.outputs.clear()
-            self.tree, self._evicted = new_tree(self.max_depth, self.compiled), 0
-            self.version += 1
+            self._replace(new_tree(self.max_depth, self.compiled))
 
 
 MAX_SCOPES = 64  # tenants' suffix caches kept (the least recently used beyond are dropped)

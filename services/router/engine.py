@@ -195,7 +195,7 @@ class Engine:
             lane=self.verifier.lane,
             split_at=self.verifier.split_at,
         )
-        self.suffix_cache = GlobalSuffixCache.of(cfg.suffix)
+        self.suffix_cache = GlobalSuffixCache.of(cfg.suffix, background=True)
         self.suffix_feed = None
         if cfg.redis_url:
             from services.memory.redis_link import RedisLink

@@ -121,9 +121,12 @@ class CycleEach:
 
 class Deadlines:
     """Calls due after a delay, on one thread: a posted cycle's \"no answer in time\" (the call
-    itself checks whether the answer came meanwhile)."""
+    itself checks whether the answer came meanwhile). Rule: a call runs at most ``slack_s``
+    after it is due, together with every other call due by then, so a step's cycles (posted
+    together, due microseconds apart) take one wake-up of this thread, not one each."""
 
-    def __init__(self):
+    def __init__(self, slack_s: float = 0.005):
+        self.slack_s = slack_s
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._cond = threading.Condition()
         self._ids = itertools.count()
@@ -142,15 +145,18 @@ class Deadlines:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                while not self._closed and (not self._heap or self._heap[0][0] + self.slack_s > time.monotonic()):
+                    self._cond.wait(self._heap[0][0] + self.slack_s - time.monotonic() if self._heap else None)
                 if self._closed:
                     return
-                _, _, fn = heapq.heappop(self._heap)
-            try:
-                fn()
-            except Exception:
-                log.exception("a deadline's call failed")
+                now, due = time.monotonic(), []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap)[2])
+            for fn in due:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("a deadline's call failed")
 
     def close(self) -> None:
         with self._cond:

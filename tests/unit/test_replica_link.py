@@ -62,3 +62,32 @@ def test_a_waiting_sender_returns_once_its_message_is_sent():
         assert [sid for msg in stub.call.sent for sid in msg] == list("abcde")
     finally:
         link.shut()
+
+
+def test_deadlines_due_together_run_in_one_wake_up_never_early():
+    """Calls due within the slack of the first run together (a step's posted cycles are due
+    microseconds apart), each no earlier than it is due, in due order."""
+    from services.verifier.backend import Deadlines
+
+    deadlines = Deadlines(slack_s=0.05)
+    ran: list[tuple[int, float, float, int]] = []
+    wakeups = []
+    try:
+        for i in range(50):
+            due = time.monotonic() + 0.1
+
+            def call(i=i, due=due) -> None:
+                ran.append((i, due, time.monotonic(), len(wakeups)))
+
+            deadlines.add(0.1, call)
+            time.sleep(0.0005)  # due 25 ms apart first to last: within the slack
+        deadlines.add(0.0, lambda: wakeups.append(1))  # due now: runs first, alone
+        deadline = time.monotonic() + 5
+        while len(ran) < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        deadlines.close()
+    assert [i for i, *_ in ran] == list(range(50))
+    assert all(at >= due for _, due, at, _ in ran)
+    assert ran[-1][2] - ran[0][2] < 0.01  # together, not each at its own moment
+    assert {w for *_, w in ran} == {1}

@@ -1,6 +1,8 @@
 """Suffix tree against brute force: exact substring counts and greedy-path speculation."""
 
 import random
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -113,6 +115,48 @@ def test_global_cache_fifo_eviction(compiled):
     assert cache.tree.count([1000]) == 0  # evicted outputs leave the tree
     live = sum(1 for i in range(12) if cache.tree.count([1000 + i]))
     assert 4 <= live <= 5  # rebuild slack: at most a quarter of capacity extra
+
+
+def _rebuilt(cache: GlobalSuffixCache, version: int) -> None:
+    deadline = time.monotonic() + 10
+    while cache.version == version or cache._building is not None:
+        assert time.monotonic() < deadline, "the background rebuild never replaced the tree"
+        time.sleep(0.01)
+
+
+def test_a_background_rebuild_serves_the_old_tree_until_the_new_one_holds_every_output(monkeypatch):
+    """An eviction's rebuild builds on a thread of its own: meanwhile the old tree serves and
+    takes the outputs that finish; the new tree, once in place, has them too."""
+    gate = threading.Event()
+    build = GlobalSuffixCache._build
+    monkeypatch.setattr(GlobalSuffixCache, "_build", lambda self, *a: (gate.wait(10), build(self, *a)))
+    cache = GlobalSuffixCache(max_depth=8, max_cached_requests=4, background=True)
+    outs = [[1000 + i, 2000 + i, 3000 + i] for i in range(7)]
+    for out in outs[:5]:  # the fifth evicts the first: a rebuild starts
+        cache.insert(out)
+    assert cache._building == []
+    for out in outs[5:]:  # finished while it builds
+        cache.insert(out)
+    assert all(cache.tree.count(out) == 1 for out in outs)  # the old tree, evicted output included
+    version = cache.version
+    gate.set()
+    _rebuilt(cache, version)
+    assert cache.tree.count(outs[0]) == 0
+    assert all(cache.tree.count(out) == 1 for out in outs[1:])  # (two evicted since: the quarter's slack)
+    assert list(cache.outputs) == [tuple(out) for out in outs[3:]]
+
+
+def test_a_clear_during_a_background_rebuild_stands(monkeypatch):
+    gate = threading.Event()
+    build = GlobalSuffixCache._build
+    monkeypatch.setattr(GlobalSuffixCache, "_build", lambda self, *a: (gate.wait(10), build(self, *a)))
+    cache = GlobalSuffixCache(max_depth=8, max_cached_requests=4, background=True)
+    for i in range(5):
+        cache.insert([1000 + i, 2000 + i])
+    cache.clear()
+    gate.set()
+    time.sleep(0.2)
+    assert cache.tree.total == 0 and len(cache) == 0 and cache._building is None
 
 
 def test_deferred_inserts_land_once_after_the_block_and_never_inside_it():

@@ -75,3 +75,28 @@ def test_compiled_tree_equals_the_reference(depth, ops):
             for i in range(len(seq)):
                 sub = seq[i : i + depth]
                 assert ref.count(sub) == fast.count(sub)
+
+
+def test_a_tree_past_its_storage_chunks_equals_the_reference():
+    """Past 16,384 nodes (one chunk of the compiled tree's storage) several times over, with
+    matches held across the growth: the same nodes, counts and drafts as the reference."""
+    import random
+
+    rng = random.Random(7)
+    ref, fast = SuffixTree(16), CompiledSuffixTree(16)
+    mr, mf = ref.match([1, 2]), fast.match([1, 2])
+    for _ in range(120):
+        seq = [rng.randrange(3) for _ in range(500)]
+        assert ref.add(seq) == fast.add(seq)
+        ref.advance(mr, seq[:3])
+        fast.advance(mf, seq[:3])
+        assert (ref.num_nodes, ref.total) == (fast.num_nodes, fast.total)
+        assert ref.match_lengths(mr) == fast.match_lengths(mf)
+    assert fast.num_nodes > 5 * 16384
+    for start in range(0, 400, 37):
+        ctx = seq[start : start + 10]
+        assert ref.count(ctx) == fast.count(ctx)
+        same_draft(
+            ref.speculate_matches(ref.match(ctx), 16, 16, 1.0, 0.0, 0.0, True),
+            fast.speculate_matches(fast.match(ctx), 16, 16, 1.0, 0.0, 0.0, True),
+        )
