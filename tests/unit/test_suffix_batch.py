@@ -54,26 +54,34 @@ def test_a_batched_step_drafts_as_the_per_request_calls(depth, tree, live, min_p
         max_depth=depth, tree=tree, live_outputs=live, lag_live=False, spec=SpecParams(min_token_prob=min_prob)
     )
     fast, ref = drafter(cfg, True), drafter(cfg, False)
+
+    def step(asks):
+        for a, b in zip(fast.propose_batch(asks), ref.propose_batch(asks)):
+            same(a, b)
+
+    play(ops, fast, ref, step)
+
+
+def play(ops, a: SuffixDrafter, b: SuffixDrafter, step) -> list[str]:
+    """Both drafters through ``ops`` (``step(asks)`` for a step); the requests left running."""
     running: list[str] = []
     for n, o in enumerate(ops):
         if o[0] == "start":
             running.append(f"r{n}")
-            for d in (fast, ref):
+            for d in (a, b):
                 d.start(f"r{n}", o[1], scope=o[2])
         elif o[0] == "observe" and running:
-            req = running[o[1] % len(running)]
-            for d in (fast, ref):
-                d.observe(req, list(o[2]))
+            for d in (a, b):
+                d.observe(running[o[1] % len(running)], list(o[2]))
         elif o[0] == "step" and running:
-            asks = list({running[i % len(running)]: b for i, b in o[1]}.items())
-            for a, b in zip(fast.propose_batch(asks), ref.propose_batch(asks)):
-                same(a, b)
+            step(list({running[i % len(running)]: budget for i, budget in o[1]}.items()))
         elif o[0] == "stop" and running:
             req = running.pop(o[1] % len(running))
-            assert fast.stop(req) == ref.stop(req)
+            assert a.stop(req) == b.stop(req)
         elif o[0] == "peer" and o[1]:
-            for d in (fast, ref):
+            for d in (a, b):
                 d.global_cache.insert(list(o[1]))
+    return running
 
 
 def state(d: SuffixDrafter) -> tuple:
@@ -94,33 +102,18 @@ def state(d: SuffixDrafter) -> tuple:
 def test_a_lagged_step_leaves_the_unlagged_ones_trees_once_caught_up(depth, tree, ops):
     """Lagged, a step's drafts come before its live outputs enter the global tree; once the step
     is sent (``after_step``) the trees, live outputs and matches are the unlagged step's, so
-    every later step starts from the same state; drafts agree wherever the step's own new tokens
-    in the global tree could not change them (no live outputs there: the same drafts)."""
+    every later step starts from the same state."""
     lagged = drafter(SuffixConfig(max_depth=depth, tree=tree), True)
     plain = drafter(SuffixConfig(max_depth=depth, tree=tree, lag_live=False), True)
-    running: list[str] = []
-    for n, o in enumerate(ops):
-        if o[0] == "start":
-            running.append(f"r{n}")
-            for d in (lagged, plain):
-                d.start(f"r{n}", o[1], scope=o[2])
-        elif o[0] == "observe" and running:
-            for d in (lagged, plain):
-                d.observe(running[o[1] % len(running)], list(o[2]))
-        elif o[0] == "step" and running:
-            asks = list({running[i % len(running)]: b for i, b in o[1]}.items())
-            lagged.propose_batch(asks)
-            plain.propose_batch(asks)
-            assert lagged._lagged or not asks
-            lagged.after_step()
-            assert state(lagged) == state(plain)
-        elif o[0] == "stop" and running:
-            req = running.pop(o[1] % len(running))
-            assert lagged.stop(req) == plain.stop(req)
-        elif o[0] == "peer" and o[1]:
-            for d in (lagged, plain):
-                d.global_cache.insert(list(o[1]))
-    for req in running:
+
+    def step(asks):
+        lagged.propose_batch(asks)
+        plain.propose_batch(asks)
+        assert lagged._lagged or not asks
+        lagged.after_step()
+        assert state(lagged) == state(plain)
+
+    for req in play(ops, lagged, plain, step):
         lagged.speculate(req, 8)  # (catches up first)
         plain.speculate(req, 8)
     assert state(lagged) == state(plain)
