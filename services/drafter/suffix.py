@@ -104,8 +104,9 @@ class GlobalSuffixCache:
             tree.add(out)
         self._replace(tree)
 
-    def _replace(self, tree) -> None:
-        self.tree, self._evicted, self._building = tree, 0, None
+    def _replace(self, tree, evicted: int = 0) -> None:
+        """``tree`` serves from now on; it holds ``evicted`` outputs the deque no longer does."""
+        self.tree, self._evicted, self._building = tree, evicted, None
         self._epoch += 1
         self.version += 1
 
@@ -124,7 +125,7 @@ class GlobalSuffixCache:
                 return
             for out in self._building or ():
                 tree.add(out)
-            self._replace(tree)
+            self._replace(tree, self._evicted)  # (those evicted while it built are in it)
 
     def grow(self, live: LiveOutput, tokens: list[int]) -> None:
         """Append a live output's new tokens to the tree."""

@@ -144,6 +144,7 @@ def test_a_background_rebuild_serves_the_old_tree_until_the_new_one_holds_every_
     assert cache.tree.count(outs[0]) == 0
     assert all(cache.tree.count(out) == 1 for out in outs[1:])  # (two evicted since: the quarter's slack)
     assert list(cache.outputs) == [tuple(out) for out in outs[3:]]
+    assert cache._evicted == 2  # they count toward the next rebuild
 
 
 def test_a_clear_during_a_background_rebuild_stands(monkeypatch):
