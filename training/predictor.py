@@ -42,7 +42,8 @@ def replay_dataset(
         truth, pos = tr.continuation, 0
         while pos < len(truth):
             budget = max(0, min(max_draft, tr.max_new_tokens - pos - 1))
-            draft = drafter.propose(rid, budget) if budget else None
+            draft = drafter.propose_batch([(rid, budget)])[0] if budget else None
+            drafter.after_step()  # as the router drafts (its lagged writes once the step is sent)
             label = 0
             if draft is not None and draft.token_ids:
                 label = common_prefix(draft.token_ids, truth[pos:])

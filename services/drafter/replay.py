@@ -110,8 +110,10 @@ def replay(drafter: Drafter, traces: list[Trace], max_draft: int, progress: bool
         while pos < len(truth):
             budget = max(0, min(max_draft, tr.max_new_tokens - pos - 1))
             t0 = time.perf_counter()
-            draft = drafter.propose(rid, budget) if budget else Draft.empty()
+            draft = drafter.propose_batch([(rid, budget)])[0] if budget else Draft.empty()
             t1 = time.perf_counter()
+            drafter.after_step()  # as the router drafts: the step's writes once it is sent
+            ta = time.perf_counter()
             accepted = len(accepted_by(draft.token_ids, draft.parents, truth[pos:]))
             emitted = truth[pos : pos + accepted + 1]
             t2 = time.perf_counter()
@@ -120,7 +122,7 @@ def replay(drafter: Drafter, traces: list[Trace], max_draft: int, progress: bool
             if budget:
                 st.speculate_calls += 1
                 st.speculate_s += t1 - t0
-            st.update_s += t3 - t2
+            st.update_s += (t3 - t2) + (ta - t1)
             st.update_tokens += len(emitted)
             st.add_cycle(len(draft), accepted, len(emitted))
             pos += len(emitted)
