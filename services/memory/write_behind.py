@@ -60,6 +60,7 @@ class WriteBehindMemory:
         if spill_dir is not None:
             self.pending.update(claim_spills(spill_dir, spill_max_age_s))
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one flush at a time: a flush returns with every earlier count sent
         self._stop = threading.Event()
         self._try(self.refresh)
         self._thread = threading.Thread(target=self._loop, name="ocm-sync", daemon=True)
@@ -77,16 +78,19 @@ class WriteBehindMemory:
 
     # -- background sync -------------------------------------------------------------------
     def flush(self) -> None:
-        with self._lock:
-            batch, self.pending = self.pending, Counter()
-        if not batch:
-            return
-        try:
-            self.store.write(batch)
-        except StoreUnavailable:
+        """Send the pending counts. On return, every count recorded before the call is in the store,
+        including a batch another thread's flush had in flight."""
+        with self._flushing:
             with self._lock:
-                self.pending.update(batch)  # kept for the retry
-            raise
+                batch, self.pending = self.pending, Counter()
+            if not batch:
+                return
+            try:
+                self.store.write(batch)
+            except StoreUnavailable:
+                with self._lock:
+                    self.pending.update(batch)  # kept for the retry
+                raise
 
     def refresh(self) -> None:
         counts = self.store.read()
