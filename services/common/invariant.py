@@ -4,8 +4,10 @@ A lossless method equals plain greedy decoding only if the target's logits for a
 the same whether that position is decoded alone, verified as row 3 of a 6-token draft, sits in
 a token tree, or shares the step with other sessions. In float32 the rounding differences
 between those shapes stay below what flips a greedy choice; in bfloat16 they do not
-(``bench/bf16_lossless``). On the CPU the bfloat16 linear layers are invariant in the number of rows;
-attention is not: a decode at position p attends over p + 1 keys, a verification over
+(``bench/bf16_lossless``). A linear layer's GEMM may sum a row differently with the rows beside
+it, as the library picks its kernel by shape (oneDNN's AMX tiles from 33 rows; a wide input);
+``linear`` runs such a layer in blocks of rows and chunks of inputs that ``row_block`` probes as
+safe. Attention is not invariant either: a decode at position p attends over p + 1 keys, a verification over
 p + k + 1 (masked), a tree node finds its ancestors scattered among the keys, and the fused
 ``scaled_dot_product_attention`` kernel also rounds some rows differently with the number
 of queries beside them (measured: docs/decisions.md).
@@ -21,6 +23,7 @@ Pure torch: no gRPC, Redis or Ray.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,12 +36,66 @@ KV_BUCKET = 64  # keys are padded to a multiple of this: the waste per query is 
 # to this many inputs; over it (SmolLM2's 1,536-wide MLP input) a row can round differently beside
 # another (docs/decisions.md, Verification)
 K_CHUNK = 768
+# row counts ``row_block`` probes: each up to PROBE_ROWS, then these larger ones
+PROBE_ROWS, PROBE_BEYOND = 64, (96, 128, 256, 512)
+
+
+@functools.cache
+def row_block(out_features: int, in_features: int, dtype: torch.dtype, device: str) -> int:
+    """The most rows one GEMM of this shape takes while summing every row as it sums that row
+    alone; 0 when every row count probed does. Probed once per shape (``_probe_data``): whether
+    a kernel's reduction order depends on the row count is the library's choice, by CPU (oneDNN
+    takes AMX tiles from 33 rows, rounding rows differently from its one-row kernel:
+    docs/decisions.md) and by GPU."""
+    x, w = _probe_data(out_features, in_features, max(PROBE_BEYOND), dtype, torch.Generator().manual_seed(0))
+    x, w = x.to(device), w.to(device)
+    with torch.inference_mode():
+        alone = torch.cat([F.linear(x[j : j + 1], w) for j in range(PROBE_ROWS)])
+        for m in range(2, PROBE_ROWS + 1):
+            if not torch.equal(F.linear(x[:m], w), alone[:m]):
+                return m - 1
+        if all(torch.equal(F.linear(x[:m], w)[:PROBE_ROWS], alone) for m in PROBE_BEYOND):
+            return 0
+    return PROBE_ROWS
+
+
+def _probe_data(out_features: int, k: int, rows: int, dtype: torch.dtype, gen: torch.Generator):
+    """Inputs whose dot products cancel: terms of many magnitudes (2^-8..2^8), each row's second
+    half of the inputs repeating its first against weights of nearly the opposite sign, so a
+    result is mostly its partial sums' rounding and any other summation order shows in it (on
+    plain random data a kernel change can leave every rounded row the same)."""
+    h = k // 2
+    scale = lambda *shape: torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())  # noqa: E731
+    xa = torch.randn(rows, h, generator=gen) * scale(rows, h)
+    wa = torch.randn(out_features, h, generator=gen) * scale(out_features, h)
+    near = -wa * (1 + 2**-7 * torch.randn(out_features, h, generator=gen))
+    x = torch.cat([xa, xa, torch.randn(rows, k - 2 * h, generator=gen)], 1)
+    w = torch.cat([wa, near, torch.randn(out_features, k - 2 * h, generator=gen)], 1)
+    return x.to(dtype), w.to(dtype)
+
+
+def _block(weight: torch.Tensor) -> int:
+    """``row_block`` for the GEMMs ``linear`` makes of ``weight`` (its input chunks' widths)."""
+    out_features, k = weight.shape
+    widths = {min(k, K_CHUNK)} | ({k % K_CHUNK} if k > K_CHUNK and k % K_CHUNK else set())
+    blocks = [row_block(out_features, w, weight.dtype, weight.device.type) for w in widths]
+    return min((b for b in blocks if b), default=0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose rows do not depend on the rows beside them: over more than ``K_CHUNK``
-    inputs, in chunks of at most that many, the partial products summed in float32 in input
-    order."""
+    """``F.linear`` whose rows do not depend on the rows beside them: in blocks of at most
+    ``row_block`` rows, and over more than ``K_CHUNK`` inputs in chunks of at most that many,
+    the partial products summed in float32 in input order."""
+    block = _block(weight)
+    rows = x.reshape(-1, x.shape[-1])
+    if not block or rows.shape[0] <= block:
+        return _chunked(x, weight, bias)
+    out = torch.cat([_chunked(rows[i : i + block], weight, bias) for i in range(0, rows.shape[0], block)])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _chunked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` over inputs in chunks of at most ``K_CHUNK``, summed in float32 in order."""
     k = weight.shape[1]
     if k <= K_CHUNK:
         return F.linear(x, weight, bias)
@@ -48,6 +105,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
+
+
+def needs_invariant(plain: nn.Linear) -> bool:
+    """Whether ``plain`` rounds a row differently with the rows beside it (``linear`` fixes it)."""
+    return plain.in_features > K_CHUNK or bool(_block(plain.weight))
 
 
 class Linear(nn.Module):
@@ -69,11 +131,11 @@ class Linear(nn.Module):
 
 
 def use_invariant_linears(model: nn.Module, on: bool) -> None:
-    """Run (``on``) every ``nn.Linear`` of ``model`` over more than ``K_CHUNK`` inputs through
-    ``linear``, or give the plain ones back."""
+    """Run (``on``) every ``nn.Linear`` of ``model`` that ``needs_invariant`` through ``linear``,
+    or give the plain ones back."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if on and type(child) is nn.Linear and child.in_features > K_CHUNK:
+            if on and type(child) is nn.Linear and needs_invariant(child):
                 setattr(parent, name, Linear(child))
             elif not on and isinstance(child, Linear):
                 setattr(parent, name, child.plain)

@@ -5,8 +5,9 @@ verified beside another session, or reached through a token tree."""
 import pytest
 import torch
 
+from services.common import invariant
 from services.common.invariant import Linear as InvariantLinear
-from services.common.invariant import ancestry, bucket_len
+from services.common.invariant import ancestry, bucket_len, needs_invariant
 from services.common.invariant import linear as invariant_linear
 from services.common.llama import Llama
 from tests.conftest import BUNDLED_TARGET, make_tiny
@@ -63,20 +64,43 @@ def bf16_smollm2() -> Llama:
 
 
 def test_invariant_linear_rows_equal_one_row_calls():
-    """A linear over 1,536 inputs in bfloat16: every row of a call of 1-16 rows equals that row
-    alone through ``invariant.linear`` (``F.linear`` here rounds row 13 of 14-16 differently)."""
+    """Linears over 1,536 and 576 inputs in bfloat16: every row of a call of 1-80 rows equals that
+    row alone through ``invariant.linear`` (``F.linear`` here rounds row 13 of 14-16 differently
+    over 1,536 inputs, and with AMX every row count from 33 on over 576)."""
     torch.manual_seed(0)
-    w, x = torch.randn(576, 1536).bfloat16(), torch.randn(16, 1536).bfloat16()
-    alone = torch.cat([invariant_linear(x[j : j + 1], w) for j in range(16)])
-    for m in range(1, 17):
-        assert torch.equal(invariant_linear(x[:m], w), alone[:m]), m
+    for k in (1536, 576):
+        w, x = torch.randn(576, k).bfloat16(), torch.randn(80, k).bfloat16()
+        alone = torch.cat([invariant_linear(x[j : j + 1], w) for j in range(80)])
+        for m in range(1, 81):
+            assert torch.equal(invariant_linear(x[:m], w), alone[:m]), (k, m)
     model = Llama.from_pretrained("build/models/smollm2", torch.bfloat16)
     names = dict(model.named_parameters())
-    model.batch_invariant = True  # the MLPs' down projections, the same parameters under the same names
-    assert sum(isinstance(mod, InvariantLinear) for mod in model.modules()) == model.s.layers
+    needs = {n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and needs_invariant(mod)}
+    assert {f"layers.{i}.mlp.down_proj" for i in range(model.s.layers)} <= needs  # over K_CHUNK inputs
+    model.batch_invariant = True  # those linears, the same parameters under the same names
+    assert {n for n, mod in model.named_modules() if isinstance(mod, InvariantLinear)} == needs
     assert {k: id(v) for k, v in model.named_parameters()} == {k: id(v) for k, v in names.items()}
     model.batch_invariant = False
     assert not any(isinstance(mod, InvariantLinear) for mod in model.modules())
+
+
+def test_row_block_finds_where_a_gemm_sums_rows_differently(monkeypatch):
+    """The probe finds the row count from which a GEMM sums a row differently (faked: from 5
+    rows on, in another order), and ``linear`` then computes in blocks of 4 rows."""
+    real = torch.nn.functional.linear
+
+    def reordered(x, w, b=None):  # from 5 rows: the inputs summed back to front
+        return real(x.flip(-1), w.flip(-1), b) if x.reshape(-1, x.shape[-1]).shape[0] >= 5 else real(x, w, b)
+
+    monkeypatch.setattr(invariant.F, "linear", reordered)
+    invariant.row_block.cache_clear()
+    try:
+        assert invariant.row_block(96, 64, torch.bfloat16, "cpu") == 4
+        w, x = torch.randn(96, 64).bfloat16(), torch.randn(11, 64).bfloat16()
+        alone = torch.cat([invariant_linear(x[j : j + 1], w) for j in range(11)])
+        assert torch.equal(invariant_linear(x, w), alone)
+    finally:
+        invariant.row_block.cache_clear()
 
 
 @pytest.mark.parametrize(
