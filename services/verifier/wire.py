@@ -97,12 +97,13 @@ def cycle_from_pb(c: pb.Cycle) -> CycleRequest:
 
 
 def result_to_pb(r: CycleResult) -> pb.CycleResult:
-    return pb.CycleResult(
+    """Rule: a field left empty is not built (most cycles carry no log-probabilities and no
+    rescued pairs, and each of a step's results is converted on its critical path)."""
+    out = pb.CycleResult(
         committed=r.committed,
         drafted=r.drafted,
         accepted=r.accepted,
         source=r.source,
-        rescued=[pb.RescuedPair(draft=d, target=t) for d, t in r.rescued_pairs],
         rejected=r.rejected,
         draft_s=r.draft_s,
         verify_s=r.verify_s,
@@ -110,23 +111,29 @@ def result_to_pb(r: CycleResult) -> pb.CycleResult:
         server_s=r.server_s,
         batch_size=r.batch_size,
         cached_tokens=r.cached_tokens,
-        logprobs=[x.logprob for x in r.logprobs],
-        top_ids=[i for x in r.logprobs for i, _ in x.top],
-        top_logprobs=[v for x in r.logprobs for _, v in x.top],
-        prompt_ids=[x.token_id for x in r.prompt_logprobs],
-        prompt_logprobs=[x.logprob for x in r.prompt_logprobs],
-        prompt_top_ids=[i for x in r.prompt_logprobs for i, _ in x.top],
-        prompt_top_logprobs=[v for x in r.prompt_logprobs for _, v in x.top],
     )
+    if r.rescued_pairs:
+        out.rescued.extend(pb.RescuedPair(draft=d, target=t) for d, t in r.rescued_pairs)
+    if r.logprobs:
+        out.logprobs.extend(x.logprob for x in r.logprobs)
+        out.top_ids.extend(i for x in r.logprobs for i, _ in x.top)
+        out.top_logprobs.extend(v for x in r.logprobs for _, v in x.top)
+    if r.prompt_logprobs:
+        out.prompt_ids.extend(x.token_id for x in r.prompt_logprobs)
+        out.prompt_logprobs.extend(x.logprob for x in r.prompt_logprobs)
+        out.prompt_top_ids.extend(i for x in r.prompt_logprobs for i, _ in x.top)
+        out.prompt_top_logprobs.extend(v for x in r.prompt_logprobs for _, v in x.top)
+    return out
 
 
 def result_from_pb(r: pb.CycleResult) -> CycleResult:
+    """Rule: as ``result_to_pb``, an empty field is not walked."""
     return CycleResult(
         committed=list(r.committed),
         drafted=r.drafted,
         accepted=r.accepted,
         source=r.source,
-        rescued_pairs=tuple((p.draft, p.target) for p in r.rescued),
+        rescued_pairs=tuple((p.draft, p.target) for p in r.rescued) if r.rescued else (),
         rejected=r.rejected,
         draft_s=r.draft_s,
         verify_s=r.verify_s,
@@ -134,8 +141,12 @@ def result_from_pb(r: pb.CycleResult) -> CycleResult:
         server_s=r.server_s,
         batch_size=max(1, r.batch_size),
         cached_tokens=r.cached_tokens,
-        logprobs=logprobs_from_pb(r.committed, r.logprobs, r.top_ids, r.top_logprobs),
-        prompt_logprobs=logprobs_from_pb(r.prompt_ids, r.prompt_logprobs, r.prompt_top_ids, r.prompt_top_logprobs),
+        logprobs=logprobs_from_pb(r.committed, r.logprobs, r.top_ids, r.top_logprobs) if r.logprobs else (),
+        prompt_logprobs=(
+            logprobs_from_pb(r.prompt_ids, r.prompt_logprobs, r.prompt_top_ids, r.prompt_top_logprobs)
+            if r.prompt_logprobs
+            else ()
+        ),
     )
 
 

@@ -45,6 +45,8 @@ def test_cycle_result_round_trip_keeps_logprobs_and_the_cache_hit():
     assert result_from_pb(result_to_pb(res)) == res
     own = CycleResult(committed=[4], drafted=0, accepted=0, source="none", logprobs=(TokenLogprob(4, -0.5),))
     assert result_from_pb(result_to_pb(own)).logprobs == own.logprobs
+    plain = CycleResult(committed=[4, 5], drafted=2, accepted=1, source="suffix", server_s=0.5, batch_size=7)
+    assert result_from_pb(result_to_pb(plain)) == plain  # nothing optional set: the fast path
 
 
 def test_a_resumed_spec_carries_the_output_so_far():
