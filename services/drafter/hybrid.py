@@ -46,7 +46,7 @@ import torch
 from services.common.metrics import HYBRID_DECISIONS, PREDICTED_VS_ACTUAL
 from services.common.types import Delegate, Draft, Sampling
 from services.drafter.base import Drafter
-from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize
+from services.predictor.features import HIGH_YIELD, TokenFlags, YieldTracker, featurize_all
 
 CACHE, MODEL, PLAIN = "cache", "model", "plain"  # a hybrid's choices per cycle
 
@@ -346,7 +346,7 @@ class PredictorRule:
         if not asked:
             return verdicts
         t0 = time.perf_counter()
-        phi = np.stack([featurize(asks[i][0], asks[i][1], self.flags, asks[i][2]) for i in asked])
+        phi = featurize_all([(asks[i][0], asks[i][1], asks[i][2]) for i in asked], self.flags)
         raws = self.mlp.predict(phi).tolist()
         share = (time.perf_counter() - t0) / len(asked)
         for i, raw in zip(asked, raws):
@@ -463,7 +463,8 @@ class HybridDrafter(Drafter):
         # a follow-up is the model again, to measure it back to back (CycleCosts.follow_up)
         drafting = [i for i, st in enumerate(states) if not st.follow_up]
         drafts = self.cache.propose_batch([(asks[i][0], min(asks[i][1], self.max_cache)) for i in drafting])
-        fallbacks = {i: self.costs.fallback() if self.costs else MODEL for i in drafting}
+        fallback = self.costs.fallback() if self.costs else MODEL  # nothing is recorded within a step
+        fallbacks = dict.fromkeys(drafting, fallback)
         chains = {i: d.chain() for i, d in zip(drafting, drafts)}  # what the rule reads (trained on paths)
         judged = [i for i in drafting if chains[i].token_ids]
         verdicts = self.rule.verify_batch(

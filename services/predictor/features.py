@@ -144,27 +144,34 @@ class YieldTracker:
 
 
 def featurize(draft: Draft, tracker: YieldTracker, flags: TokenFlags, budget: int) -> np.ndarray:
+    return np.asarray(feature_row(draft, tracker, flags, budget), dtype=np.float32)
+
+
+def featurize_all(asks: list[tuple[Draft, YieldTracker, int]], flags: TokenFlags) -> np.ndarray:
+    """[N, F]: ``featurize`` of each (draft, tracker, budget), made as one array (a step's)."""
+    return np.array([feature_row(d, t, flags, b) for d, t, b in asks], dtype=np.float32)
+
+
+def feature_row(draft: Draft, tracker: YieldTracker, flags: TokenFlags, budget: int) -> list[float]:
+    """φ_t of a cache draft (``FEATURES`` names them)."""
     probs = draft.token_probs or [0.0]
     f = flags.of(draft.token_ids)
     t = tracker
-    return np.asarray(
-        [
-            draft.score,
-            draft.match_len,
-            len(draft),
-            sum(probs) / len(probs),
-            probs[-1],
-            float(draft.features.get("tree") == "global"),
-            math.log1p(t.prompt_len),
-            math.log1p(t.generated),
-            t.generated / max(1, t.max_new_tokens),
-            t.selection_rate,
-            *t.yields,
-            *t.accepted,
-            t.yield_ema,
-            *f,
-            float(bool(draft.token_ids) and flags.rows[draft.token_ids[0]][4] > 0),
-            budget,
-        ],
-        dtype=np.float32,
-    )
+    return [
+        draft.score,
+        draft.match_len,
+        len(draft),
+        sum(probs) / len(probs),
+        probs[-1],
+        float(draft.features.get("tree") == "global"),
+        math.log1p(t.prompt_len),
+        math.log1p(t.generated),
+        t.generated / max(1, t.max_new_tokens),
+        t.selection_rate,
+        *t.yields,
+        *t.accepted,
+        t.yield_ema,
+        *f,
+        float(bool(draft.token_ids) and flags.rows[draft.token_ids[0]][4] > 0),
+        budget,
+    ]

@@ -1,7 +1,7 @@
 """The predictor's per-request history must not depend on the router's choices: a declined
 cache draft is shadow-verified against later tokens, so its true yield is recorded."""
 
-from services.predictor.features import YieldTracker
+from services.predictor.features import FEATURES, TokenFlags, YieldTracker
 
 
 def test_verified_draft_records_its_yield_as_replay_does():
@@ -38,3 +38,30 @@ def test_selection_rate_counts_high_yield_drafts_not_choices():
     t.update(draft[1:], draft[1:9] + [99], verified=True)  # verified; yield 8 (> 6)
     assert list(t.yields) == [8, 9, 0]
     assert abs(t.selection_rate - 0.68) < 1e-9 and abs(t.yield_ema - (0.8 * 0.2 * 9 + 0.2 * 8)) < 1e-9
+
+
+def test_a_steps_features_in_one_array_equal_each_drafts_own():
+    """``featurize_all`` (the router's step) makes the rows ``featurize`` (training, replay) makes."""
+    import numpy as np
+
+    from services.common.types import Draft
+    from services.predictor.features import featurize, featurize_all
+
+    class Tok:
+        def __len__(self):
+            return 6
+
+        def decode(self, ids):
+            return [" ", "x", ",", "(", "\n", "ab"][ids[0]]
+
+    flags = TokenFlags(Tok())
+    t1, t2 = YieldTracker(10, 100), YieldTracker(300, 64)
+    t2.update([1, 2, 3], [1, 2, 5], verified=True)
+    asks = [
+        (Draft([1, 4, 2], token_probs=[0.9, 0.5, 0.25], score=1.65, match_len=7), t1, 8),
+        (Draft([]), t2, 3),
+        (Draft([5], token_probs=[0.125], score=0.125, match_len=2, features={"tree": "global"}), t2, 16),
+    ]
+    together = featurize_all(asks, flags)
+    assert together.dtype == np.float32 and together.shape == (3, len(FEATURES))
+    assert np.array_equal(together, np.stack([featurize(d, t, flags, b) for d, t, b in asks]))
