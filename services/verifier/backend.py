@@ -123,35 +123,56 @@ class Deadlines:
     """Calls due after a delay, on one thread: a posted cycle's \"no answer in time\" (the call
     itself checks whether the answer came meanwhile). Rule: a call runs at most ``slack_s``
     after it is due, together with every other call due by then, so a step's cycles (posted
-    together, due microseconds apart) take one wake-up of this thread, not one each."""
+    together, due microseconds apart) take one wake-up of this thread, not one each. A call
+    ``cancel``-led (its answer came) is dropped: what it holds is freed at once, and the heap
+    keeps only calls still wanted from its head on, so the thread sleeps until the oldest
+    unanswered one is due."""
 
     def __init__(self, slack_s: float = 0.005):
         self.slack_s = slack_s
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[list] = []  # [due, id, fn]: fn None once cancelled
         self._cond = threading.Condition()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def add(self, delay_s: float, fn: Callable[[], None]) -> None:
+    def add(self, delay_s: float, fn: Callable[[], None]) -> list:
+        """Run ``fn`` in ``delay_s``; returns its handle for ``cancel``."""
+        entry = [time.monotonic() + delay_s, next(self._ids), fn]
         with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + delay_s, next(self._ids), fn))
+            heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="verifier-deadlines", daemon=True)
                 self._thread.start()
-            elif self._heap[0][2] is fn:
+            elif self._heap[0] is entry:
                 self._cond.notify()
+        return entry
+
+    def cancel(self, entry: list) -> None:
+        """``entry``'s call will not run (a no-op once it has run or been cancelled)."""
+        with self._cond:
+            entry[2] = None
+            self._drop_cancelled()
+
+    def _drop_cancelled(self) -> None:
+        """Pop the cancelled calls at the heap's head (the lock held)."""
+        while self._heap and self._heap[0][2] is None:
+            heapq.heappop(self._heap)
 
     def _run(self) -> None:
         while True:
             with self._cond:
+                self._drop_cancelled()
                 while not self._closed and (not self._heap or self._heap[0][0] + self.slack_s > time.monotonic()):
                     self._cond.wait(self._heap[0][0] + self.slack_s - time.monotonic() if self._heap else None)
                 if self._closed:
                     return
                 now, due = time.monotonic(), []
                 while self._heap and self._heap[0][0] <= now:
-                    due.append(heapq.heappop(self._heap)[2])
+                    fn = heapq.heappop(self._heap)[2]
+                    if fn is not None:
+                        due.append(fn)
+                self._drop_cancelled()
             for fn in due:
                 try:
                     fn()

@@ -409,6 +409,7 @@ class ReplicaLink:
         self._shut = False
         self._inbox: dict[str, queue.SimpleQueue] = {}
         self._waiters: dict[str, Callable] = {}  # sid -> the posted cycle's callback (its reply, once)
+        self._timers: dict[str, list] = {}  # sid -> the posted cycle's deadline (cancelled once answered)
         self._deadlines = deadlines or Deadlines()
         self._ids = itertools.count()
         self._call = stub.Link(self._requests())
@@ -446,12 +447,17 @@ class ReplicaLink:
                 self._cond.wait_for(lambda: self._sent >= queued or self._shut or self.broken is not None, wait_s)
 
     def _take_waiter(self, sid: str, expected: Callable | None = None) -> Callable | None:
-        """The session's posted-cycle callback, taken once (only ``expected`` if given)."""
+        """The session's posted-cycle callback, taken once (only ``expected`` if given); its
+        deadline is cancelled."""
         with self._cond:
             waiter = self._waiters.get(sid)
             if waiter is None or (expected is not None and waiter is not expected):
                 return None
-            return self._waiters.pop(sid)
+            timer = self._timers.pop(sid, None)
+            waiter = self._waiters.pop(sid)
+        if timer is not None:
+            self._deadlines.cancel(timer)
+        return waiter
 
     def _deliver(self, sid: str, r) -> None:
         """A reply (or ``_BROKEN`` / ``_CLOSED``) to the session's posted cycle, else its inbox."""
@@ -479,7 +485,13 @@ class ReplicaLink:
         if self.broken is not None:  # it broke meanwhile, after the reader failed the waiters it had
             self._deliver(sid, _BROKEN)
         if wait_s is not None:
-            self._deadlines.add(wait_s, lambda: self._stalled(sid, answered, wait_s))
+            timer = self._deadlines.add(wait_s, lambda: self._stalled(sid, answered, wait_s))
+            with self._cond:
+                if self._waiters.get(sid) is answered:  # (not answered meanwhile)
+                    self._timers[sid] = timer
+                    timer = None
+            if timer is not None:
+                self._deadlines.cancel(timer)
         return item
 
     def _stalled(self, sid: str, answered: Callable, wait_s: float) -> None:

@@ -91,3 +91,46 @@ def test_deadlines_due_together_run_in_one_wake_up_never_early():
     assert all(at >= due for _, due, at, _ in ran)
     assert ran[-1][2] - ran[0][2] < 0.01  # together, not each at its own moment
     assert {w for *_, w in ran} == {1}
+
+
+def test_an_answered_cycle_cancels_its_deadline_and_an_unanswered_one_stalls():
+    """A posted cycle's "no answer in time" call is dropped once its reply comes (out of order
+    too): nothing of the cycle stays held for its budget, and the deadline thread has nothing
+    left to wake for. A cycle with no reply still gets ``Stalled`` when its budget runs out."""
+    import gc
+    import queue
+    import weakref
+
+    from services.common.types import CycleResult
+    from services.verifier.client import Stalled
+
+    link = ReplicaLink(Stub(send_s=0.0), "replica")
+    try:
+        got: dict[str, object] = {}
+
+        class Answered:  # the posted cycle's callback (weakly referenced: is it freed?)
+            def __init__(self, sid: str):
+                self.sid = sid
+
+            def __call__(self, outcome) -> None:
+                got[self.sid] = outcome
+
+        callbacks = {sid: Answered(sid) for sid in "abcd"}
+        for sid, cb in callbacks.items():
+            link._inbox[sid] = queue.SimpleQueue()  # opened
+            link.post(sid, pb.LinkItem(session_id=sid), 0.2 if sid == "d" else 60.0, cb)
+        assert len(link._deadlines._heap) == 4
+        refs = {sid: weakref.ref(cb) for sid, cb in callbacks.items()}
+        callbacks.clear()
+        for sid in "bac":
+            link._deliver(sid, pb.LinkReply(session_id=sid, result=pb.CycleResult(committed=[1], source="suffix")))
+        gc.collect()
+        assert all(isinstance(got[sid], CycleResult) for sid in "abc")
+        assert all(refs[sid]() is None for sid in "abc")  # freed now, not after their 60 s
+        assert set(link._timers) == {"d"}  # (the answered ones' entries hold nothing now)
+        end = time.monotonic() + 5
+        while "d" not in got and time.monotonic() < end:
+            time.sleep(0.01)
+        assert isinstance(got["d"], Stalled) and link._deadlines._heap == [] and link._timers == {}
+    finally:
+        link.shut()
