@@ -487,10 +487,10 @@ class ReplicaLink:
         if wait_s is not None:
             timer = self._deadlines.add(wait_s, lambda: self._stalled(sid, answered, wait_s))
             with self._cond:
-                if self._waiters.get(sid) is answered:  # (not answered meanwhile)
+                waiting = self._waiters.get(sid) is answered  # (not answered meanwhile)
+                if waiting:
                     self._timers[sid] = timer
-                    timer = None
-            if timer is not None:
+            if not waiting:
                 self._deadlines.cancel(timer)
         return item
 
