@@ -24,12 +24,15 @@ Pure torch: no gRPC, Redis or Ray.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger("specmesh.invariant")
 
 KV_BUCKET = 64  # keys are padded to a multiple of this: the waste per query is under one bucket
 # A CPU bfloat16 GEMM rounds a row the same whatever rows share the call in every shape tried up
@@ -47,6 +50,20 @@ def row_block(out_features: int, in_features: int, dtype: torch.dtype, device: s
     a kernel's reduction order depends on the row count is the library's choice, by CPU (oneDNN
     takes AMX tiles from 33 rows, rounding rows differently from its one-row kernel:
     docs/decisions.md) and by GPU."""
+    block = _probe(out_features, in_features, dtype, device)
+    if block:  # said once per shape: on a GPU, blocks of few rows cost much of its batching
+        log.info(
+            "batch-invariant GEMMs of %d inputs to %d outputs (%s, %s): in blocks of at most %d rows",
+            in_features,
+            out_features,
+            dtype,
+            device,
+            block,
+        )
+    return block
+
+
+def _probe(out_features: int, in_features: int, dtype: torch.dtype, device: str) -> int:
     x, w = _probe_data(out_features, in_features, max(PROBE_BEYOND), dtype, torch.Generator().manual_seed(0))
     x, w = x.to(device), w.to(device)
     with torch.inference_mode():

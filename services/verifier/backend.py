@@ -123,8 +123,8 @@ class Deadlines:
     """Calls due after a delay, on one thread: a posted cycle's \"no answer in time\" (the call
     itself checks whether the answer came meanwhile). Rule: a call runs at most ``slack_s``
     after it is due, together with every other call due by then, so a step's cycles (posted
-    together, due microseconds apart) take one wake-up of this thread, not one each. A call
-    ``cancel``-led (its answer came) is dropped: what it holds is freed at once, and the heap
+    together, due microseconds apart) take one wake-up of this thread, not one each. A
+    cancelled call (its answer came) is dropped: what it holds is freed at once, and the heap
     keeps only calls still wanted from its head on, so the thread sleeps until the oldest
     unanswered one is due."""
 
