@@ -99,11 +99,14 @@ def _block(weight: torch.Tensor) -> int:
     return min((b for b in blocks if b), default=0)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block: int | None = None
+) -> torch.Tensor:
     """``F.linear`` whose rows do not depend on the rows beside them: in blocks of at most
-    ``row_block`` rows, and over more than ``K_CHUNK`` inputs in chunks of at most that many,
-    the partial products summed in float32 in input order."""
-    block = _block(weight)
+    ``row_block`` rows (``block``, when the caller knows it), and over more than ``K_CHUNK``
+    inputs in chunks of at most that many, the partial products summed in float32 in input order."""
+    if block is None:
+        block = _block(weight)
     rows = x.reshape(-1, x.shape[-1])
     if not block or rows.shape[0] <= block:
         return _chunked(x, weight, bias)
@@ -138,13 +141,17 @@ class Linear(nn.Module):
         self.weight, self.bias = plain.weight, plain.bias
         self.in_features, self.out_features = plain.in_features, plain.out_features
         self._plain = [plain]  # (in a list: not a submodule, so no parameter is listed twice)
+        self._rows: tuple[torch.dtype, torch.device, int] | None = None  # row_block for the weight as it is
 
     @property
     def plain(self) -> nn.Linear:
         return self._plain[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        w = self.weight
+        if self._rows is None or self._rows[:2] != (w.dtype, w.device):  # looked up once, not per call
+            self._rows = (w.dtype, w.device, _block(w))
+        return linear(x, w, self.bias, self._rows[2])
 
 
 def use_invariant_linears(model: nn.Module, on: bool) -> None:

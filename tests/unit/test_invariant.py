@@ -99,6 +99,11 @@ def test_row_block_finds_where_a_gemm_sums_rows_differently(monkeypatch):
         w, x = torch.randn(96, 64).bfloat16(), torch.randn(11, 64).bfloat16()
         alone = torch.cat([invariant_linear(x[j : j + 1], w) for j in range(11)])
         assert torch.equal(invariant_linear(x, w), alone)
+        module = InvariantLinear(torch.nn.Linear(64, 96, bias=False).bfloat16())
+        with torch.no_grad():
+            module.weight.copy_(w)
+            assert torch.equal(module(x), alone)  # the block it looked up once
+            assert torch.equal(module(x[None]), alone[None])
     finally:
         invariant.row_block.cache_clear()
 
