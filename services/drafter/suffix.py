@@ -99,10 +99,14 @@ class GlobalSuffixCache:
 
     def _rebuild(self) -> None:
         """A new tree over the deque; live outputs follow at their next ``grow``."""
+        self._replace(self._tree_of(self.outputs))
+
+    def _tree_of(self, outputs):
+        """A new tree holding ``outputs``. (The compiled tree takes a long output without the GIL.)"""
         tree = new_tree(self.max_depth, self.compiled)
-        for out in self.outputs:
+        for out in outputs:
             tree.add(out)
-        self._replace(tree)
+        return tree
 
     def _replace(self, tree, evicted: int = 0) -> None:
         """``tree`` serves from now on; it holds ``evicted`` outputs the deque no longer does."""
@@ -117,9 +121,7 @@ class GlobalSuffixCache:
         threading.Thread(target=self._build, args=(outputs, self._epoch), name="suffix-rebuild").start()
 
     def _build(self, outputs: list[tuple[int, ...]], epoch: int) -> None:
-        tree = new_tree(self.max_depth, self.compiled)
-        for out in outputs:  # (the compiled tree takes a long output without the GIL)
-            tree.add(out)
+        tree = self._tree_of(outputs)
         with self.lock:
             if self._epoch != epoch:  # rebuilt or cleared meanwhile: that tree stands
                 return
