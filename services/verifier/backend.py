@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -126,7 +127,11 @@ class Deadlines:
     together, due microseconds apart) take one wake-up of this thread, not one each. A
     cancelled call (its answer came) is dropped: what it holds is freed at once, and the heap
     keeps only calls still wanted from its head on, so the thread sleeps until the oldest
-    unanswered one is due."""
+    unanswered one is due. An idle thread looks again every ``idle_s``, and a call due later
+    than it will look wakes nothing: each step's calls (due a replica's budget, seconds, away)
+    cost no wake-up of this thread, though each step finds the heap empty again."""
+
+    idle_s = 1.0
 
     def __init__(self, slack_s: float = 0.005):
         self.slack_s = slack_s
@@ -135,23 +140,36 @@ class Deadlines:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._wake_at = -math.inf  # when the sleeping thread looks next (-inf: it is awake)
 
     def add(self, delay_s: float, fn: Callable[[], None]) -> list:
         """Run ``fn`` in ``delay_s``; returns its handle for ``cancel``."""
-        entry = [time.monotonic() + delay_s, next(self._ids), fn]
+        return self.add_all([(delay_s, fn)])[0]
+
+    def add_all(self, calls: list[tuple[float, Callable[[], None]]]) -> list[list]:
+        """``add`` for each ``(delay_s, fn)`` under one lock (a step's cycles); their handles."""
+        now = time.monotonic()
+        entries = [[now + delay_s, next(self._ids), fn] for delay_s, fn in calls]
         with self._cond:
-            heapq.heappush(self._heap, entry)
+            head = self._heap[0] if self._heap else None
+            for entry in entries:
+                heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="verifier-deadlines", daemon=True)
                 self._thread.start()
-            elif self._heap[0] is entry:
+            elif self._heap[0] is not head and self._heap[0][0] + self.slack_s < self._wake_at:
                 self._cond.notify()
-        return entry
+        return entries
 
     def cancel(self, entry: list) -> None:
         """``entry``'s call will not run (a no-op once it has run or been cancelled)."""
+        self.cancel_all([entry])
+
+    def cancel_all(self, entries: list[list]) -> None:
+        """``cancel`` for each of ``entries`` under one lock."""
         with self._cond:
-            entry[2] = None
+            for entry in entries:
+                entry[2] = None
             self._drop_cancelled()
 
     def _drop_cancelled(self) -> None:
@@ -164,7 +182,10 @@ class Deadlines:
             with self._cond:
                 self._drop_cancelled()
                 while not self._closed and (not self._heap or self._heap[0][0] + self.slack_s > time.monotonic()):
-                    self._cond.wait(self._heap[0][0] + self.slack_s - time.monotonic() if self._heap else None)
+                    now = time.monotonic()
+                    self._wake_at = self._heap[0][0] + self.slack_s if self._heap else now + self.idle_s
+                    self._cond.wait(self._wake_at - now)
+                self._wake_at = -math.inf
                 if self._closed:
                     return
                 now, due = time.monotonic(), []

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import cast
+from typing import NamedTuple, cast
 
 import grpc
 
@@ -146,12 +146,13 @@ class RemoteSession:
         tried.add(self.addr)
         self._connect(exclude=tried)  # same context, so the same request is valid there
 
-    def post(self, req: CycleRequest, done: Callable[[Outcome], None]) -> tuple["ReplicaLink", pb.LinkItem] | None:
-        """The cycle as a Link item for the caller to send with the step's others, no thread
-        waiting on it: ``done(outcome)`` comes from the link's reader thread, or, after a
-        failure (an error, a broken link, no answer within the replica's budget), from a pooled
-        thread once the session has failed over as ``cycle`` does. None: a transport that
-        cannot post (its own stream), or a cancelled session: ``cycle`` it."""
+    def post(self, req: CycleRequest, done: Callable[[Outcome], None]) -> "Posting | None":
+        """The cycle as a Link item for the caller to post with the step's others
+        (``ReplicaLink.post_all``), no thread waiting on it: ``done(outcome)`` comes from the
+        link's reader thread, or, after a failure (an error, a broken link, no answer within the
+        replica's budget), from a pooled thread once the session has failed over as ``cycle``
+        does. None: a transport that cannot post (its own stream), or a cancelled session:
+        ``cycle`` it."""
         if not isinstance(self._t, LinkedSession) or self.cancelled:
             return None
         prefill = len(self.tokens) if self._fresh else 0
@@ -238,16 +239,16 @@ class RemoteVerifier:
         """The router's step (``VerifierBackend``): every session's cycle on a Link goes out in
         one message per replica and its outcome is applied as its reply comes (no thread waits
         on it); sessions on streams of their own cycle on pooled threads."""
-        sends: dict[ReplicaLink, list[pb.LinkItem]] = {}
+        sends: dict[ReplicaLink, list[Posting]] = {}
         rest: list[int] = []
         for i, (session, req) in enumerate(cycles):
-            posted = session.post(req, partial(done, i)) if isinstance(session, RemoteSession) else None
-            if posted is None:
+            posting = session.post(req, partial(done, i)) if isinstance(session, RemoteSession) else None
+            if posting is None:
                 rest.append(i)
             else:
-                sends.setdefault(posted[0], []).append(posted[1])
-        for link, items in sends.items():
-            link.send_all(items, wait_s=SEND_WAIT_S)  # out before the router's deferred work
+                sends.setdefault(posting.link, []).append(posting)
+        for link, postings in sends.items():
+            link.post_all(postings, wait_s=SEND_WAIT_S)  # out before the router's deferred work
         if rest:
             self._cycles.step([cycles[i] for i in rest], lambda j, outcome: done(rest[j], outcome))
 
@@ -461,38 +462,57 @@ class ReplicaLink:
 
     def _deliver(self, sid: str, r) -> None:
         """A reply (or ``_BROKEN`` / ``_CLOSED``) to the session's posted cycle, else its inbox."""
-        waiter = self._take_waiter(sid)
-        if waiter is not None:
+        self._deliver_all([(sid, r)])
+
+    def _deliver_all(self, replies: list[tuple[str, object]]) -> None:
+        """``_deliver`` for each ``(sid, reply)``, taking the lock and cancelling their
+        deadlines once for all (a step's replies come in one message)."""
+        with self._cond:
+            taken = [(sid, r, self._waiters.pop(sid, None)) for sid, r in replies]
+            timers = [t for sid, _, w in taken if w is not None and (t := self._timers.pop(sid, None)) is not None]
+        if timers:
+            self._deadlines.cancel_all(timers)
+        for sid, r, waiter in taken:
+            if waiter is None:
+                if (box := self._inbox.get(sid)) is not None:
+                    box.put(r)
+                continue
             try:
                 outcome = result_from_pb(self._unwrap(sid, r).result)
             except grpc.RpcError as e:
                 outcome = e
             waiter(outcome)
-            return
-        box = self._inbox.get(sid)
-        if box is not None:
-            box.put(r)
 
-    def post(self, sid: str, item: pb.LinkItem, wait_s: float | None, answered: Callable) -> pb.LinkItem:
-        """Expect the reply to ``item`` (the caller sends it): ``answered(result or error)``
-        once, from the reader thread; ``Stalled`` if none comes within ``wait_s``."""
-        if self.broken is not None or sid not in self._inbox:
-            raise_later = self.broken or LinkError(grpc.StatusCode.UNAVAILABLE, "session is closed")
-            self._deadlines.add(0.0, lambda: answered(raise_later))
-            return item
+    def post_all(self, postings: list[Posting], wait_s: float = 0.0) -> None:
+        """Send the postings' items in one message, expecting each one's reply:
+        ``answered(result or error)`` once, from the reader thread; ``Stalled`` if none comes
+        within its ``wait_s``. Rule: a step's postings take each lock once, not once each.
+        ``wait_s``: as ``send_all``."""
+        posted, refused = [], []
         with self._cond:
-            self._waiters[sid] = answered
+            for p in postings:
+                if self.broken is not None or p.sid not in self._inbox:
+                    refused.append(p)
+                else:
+                    self._waiters[p.sid] = p.answered
+                    posted.append(p)
+        for p in refused:  # answered on the deadline thread, not in the caller's step
+            error = self.broken or LinkError(grpc.StatusCode.UNAVAILABLE, "session is closed")
+            self._deadlines.add(0.0, partial(p.answered, error))
         if self.broken is not None:  # it broke meanwhile, after the reader failed the waiters it had
-            self._deliver(sid, _BROKEN)
-        if wait_s is not None:
-            timer = self._deadlines.add(wait_s, lambda: self._stalled(sid, answered, wait_s))
-            with self._cond:
-                waiting = self._waiters.get(sid) is answered  # (not answered meanwhile)
-                if waiting:
-                    self._timers[sid] = timer
-            if not waiting:
-                self._deadlines.cancel(timer)
-        return item
+            self._deliver_all([(p.sid, _BROKEN) for p in posted])
+        timed = [(p, p.wait_s) for p in posted if p.wait_s is not None]
+        timers = self._deadlines.add_all([(w, partial(self._stalled, p.sid, p.answered, w)) for p, w in timed])
+        late = []
+        with self._cond:
+            for (p, _), timer in zip(timed, timers):
+                if self._waiters.get(p.sid) is p.answered:  # (not answered meanwhile)
+                    self._timers[p.sid] = timer
+                else:
+                    late.append(timer)
+        if late:
+            self._deadlines.cancel_all(late)
+        self.send_all([p.item for p in postings], wait_s)
 
     def _stalled(self, sid: str, answered: Callable, wait_s: float) -> None:
         if self._take_waiter(sid, answered) is not None:  # not yet answered: the session leaves this replica
@@ -503,16 +523,14 @@ class ReplicaLink:
         err: grpc.RpcError = LinkError(grpc.StatusCode.UNAVAILABLE, f"link to {self.addr} ended")
         try:
             for msg in self._call:
-                for r in msg.replies:
-                    self._deliver(r.session_id, r)
+                self._deliver_all([(r.session_id, r) for r in msg.replies])
         except grpc.RpcError as e:
             err = LinkError(
                 e.code() if e.code() in _RETRYABLE else grpc.StatusCode.UNAVAILABLE,
                 f"link to {self.addr}: {e.details()}",
             )
         self.broken = err
-        for sid in list(self._waiters):
-            self._deliver(sid, _BROKEN)
+        self._deliver_all([(sid, _BROKEN) for sid in list(self._waiters)])
         for box in list(self._inbox.values()):
             box.put(_BROKEN)
 
@@ -559,6 +577,17 @@ class ReplicaLink:
         self._call.cancel()
 
 
+class Posting(NamedTuple):
+    """A cycle to post on a link (``ReplicaLink.post_all``): its item, how long its reply
+    may take (None: no limit), and who gets it."""
+
+    link: ReplicaLink
+    sid: str
+    item: pb.LinkItem
+    wait_s: float | None
+    answered: Callable
+
+
 class LinkedSession:
     """Transport: a session carried on a replica's link."""
 
@@ -571,9 +600,8 @@ class LinkedSession:
         self.link._send(pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req)))
         return result_from_pb(self.link._await(self.sid, timeout).result)
 
-    def post(self, req: CycleRequest, wait_s: float | None, answered: Callable) -> tuple[ReplicaLink, pb.LinkItem]:
-        item = pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req))
-        return self.link, self.link.post(self.sid, item, wait_s, answered)
+    def post(self, req: CycleRequest, wait_s: float | None, answered: Callable) -> Posting:
+        return Posting(self.link, self.sid, pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req)), wait_s, answered)
 
     def close(self) -> None:
         self.link.release(self.sid)

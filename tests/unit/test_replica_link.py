@@ -5,7 +5,7 @@ next message), not before."""
 import threading
 import time
 
-from services.verifier.client import ReplicaLink
+from services.verifier.client import Posting, ReplicaLink
 from specmesh.v1 import verifier_pb2 as pb
 
 
@@ -116,14 +116,19 @@ def test_an_answered_cycle_cancels_its_deadline_and_an_unanswered_one_stalls():
                 got[self.sid] = outcome
 
         callbacks = {sid: Answered(sid) for sid in "abcd"}
+        postings = []
         for sid, cb in callbacks.items():
             link._inbox[sid] = queue.SimpleQueue()  # opened
-            link.post(sid, pb.LinkItem(session_id=sid), 0.2 if sid == "d" else 60.0, cb)
+            postings.append(Posting(link, sid, pb.LinkItem(session_id=sid), 0.2 if sid == "d" else 60.0, cb))
+        link.post_all(postings)
         assert len(link._deadlines._heap) == 4
         refs = {sid: weakref.ref(cb) for sid, cb in callbacks.items()}
         callbacks.clear()
-        for sid in "bac":
-            link._deliver(sid, pb.LinkReply(session_id=sid, result=pb.CycleResult(committed=[1], source="suffix")))
+        postings.clear()
+        link._deliver("b", pb.LinkReply(session_id="b", result=pb.CycleResult(committed=[1], source="suffix")))
+        link._deliver_all(
+            [(sid, pb.LinkReply(session_id=sid, result=pb.CycleResult(committed=[1], source="suffix"))) for sid in "ac"]
+        )
         gc.collect()
         assert all(isinstance(got[sid], CycleResult) for sid in "abc")
         assert all(refs[sid]() is None for sid in "abc")  # freed now, not after their 60 s
@@ -134,3 +139,59 @@ def test_an_answered_cycle_cancels_its_deadline_and_an_unanswered_one_stalls():
         assert isinstance(got["d"], Stalled) and link._deadlines._heap == [] and link._timers == {}
     finally:
         link.shut()
+
+
+def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused():
+    """``post_all``: every posting's item in one message; a session not open on the link is
+    answered UNAVAILABLE (off the caller's thread) while the others wait for their replies."""
+    import queue
+
+    import grpc
+
+    from services.common.types import CycleResult
+
+    stub = Stub(send_s=0.0)
+    link = ReplicaLink(stub, "replica")
+    try:
+        got: dict[str, object] = {}
+        for sid in "ab":
+            link._inbox[sid] = queue.SimpleQueue()
+        postings = [
+            Posting(link, sid, pb.LinkItem(session_id=sid), 60.0, lambda o, sid=sid: got.__setitem__(sid, o))
+            for sid in "abc"
+        ]
+        link.post_all(postings, wait_s=5.0)
+        assert stub.call.sent == [["a", "b", "c"]]
+        end = time.monotonic() + 5
+        while "c" not in got and time.monotonic() < end:
+            time.sleep(0.01)
+        assert got["c"].code() == grpc.StatusCode.UNAVAILABLE and set(got) == {"c"}
+        assert set(link._waiters) == set(link._timers) == {"a", "b"}
+        reply = pb.LinkReply(result=pb.CycleResult(committed=[7], source="suffix"))
+        link._deliver_all([("a", reply), ("b", reply)])
+        assert [got[sid].committed for sid in "ab"] == [[7], [7]] and isinstance(got["a"], CycleResult)
+        assert link._waiters == link._timers == {} and link._deadlines._heap == []
+    finally:
+        link.shut()
+
+
+def test_a_call_due_after_the_deadline_thread_looks_next_does_not_wake_it():
+    """A step's "no answer in time" calls are due a budget (seconds) away: adding them wakes
+    the sleeping thread only when one is due before it would look anyway."""
+    from services.verifier.backend import Deadlines
+
+    deadlines = Deadlines(slack_s=0.01)
+    notified = []
+    try:
+        first = deadlines.add(30.0, lambda: None)  # starts the thread, which sleeps until it is due
+        time.sleep(0.05)
+        deadlines.cancel(first)  # answered: the heap is empty, as after each step's replies
+        notify = deadlines._cond.notify
+        deadlines._cond.notify = lambda *a: (notified.append(1), notify(*a))  # type: ignore[method-assign]
+        deadlines.cancel_all(deadlines.add_all([(30.0, lambda: None)] * 64))
+        assert notified == []
+        ran = threading.Event()
+        deadlines.add(0.0, ran.set)  # due now: wakes it
+        assert ran.wait(5) and notified == [1]
+    finally:
+        deadlines.close()
