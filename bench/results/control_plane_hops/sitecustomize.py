@@ -75,7 +75,10 @@ if _dir:
             wrap(m.Scheduler, "_settle", "settle")
         elif name == "services.verifier.client" and hasattr(m, "ReplicaLink"):
             wrap(m.RemoteVerifier, "step", "send0", "send1")
-            wrap(m.ReplicaLink, "_deliver", "deliver")
+            if hasattr(m.ReplicaLink, "_deliver_all"):  # a message's replies at once (e6dc02d on)
+                wrap(m.ReplicaLink, "_deliver_all", "deliver", "deliver")
+            else:
+                wrap(m.ReplicaLink, "_deliver", "deliver")
             m.pb = Stamping(m.pb, "LinkRequest", "yield")
         elif name == "services.verifier.grpc_server" and hasattr(m, "LinkServer"):
             wrap(m.LinkServer, "_take", "s_take0", "s_take1")
