@@ -239,22 +239,37 @@ class CycleCosts:
             return self._need(length, fallback)
 
     def _need(self, length: int, fallback: str) -> float | None:
-        """(1 + y) / (a + b·n + c·(1 + y)) ≥ r  ⟺  1 + y ≥ r·(a + b·n) / (1 − r·c)."""
-        f = self.ema[fallback]
-        if min(self.cache_cost.n, f.n) < self.warmup:
+        fit = self._fit(fallback)
+        return None if fit is None else _need_at(fit, length)
+
+    def _fit(self, fallback: str) -> tuple[float, float, float, float] | None:
+        """The cache cycle's cost fit (a, b, c) and the fallback's rate; None until both are measured."""
+        if min(self.cache_cost.n, self.ema[fallback].n) < self.warmup:
             return None
-        a, b, c = self.cache_cost.coefficients()
-        r = self._rate(fallback)
-        return r * max(1e-9, a + b * length) / max(1e-3, 1.0 - r * c) - 1.0
+        return (*self.cache_cost.coefficients(), self._rate(fallback))
 
     def plan(self, length: int, fallback: str) -> tuple[float | None, bool]:
         """(the least ŷ the draft needs, whether predicting it repays its cost), under one lock:
         a draft that needs no yield is never predicted."""
+        return self.plan_all([(length, fallback)])[0]
+
+    def plan_all(self, asks: list[tuple[int, str]]) -> list[tuple[float | None, bool]]:
+        """``plan`` for each ``(length, fallback)`` of a step, in order, under one lock. Rule:
+        the cost fit and each fallback's rate are read once (a step records nothing), and
+        ``_need``'s arithmetic is kept, so each answer is the one ``plan`` alone would give."""
+        fits: dict[str, tuple[float, float, float, float] | None] = {}
+        out: list[tuple[float | None, bool]] = []
         with self._lock:
-            need = self._need(length, fallback)
-            if need is None:
-                return None, True
-            return need, need > 0.0 and self.prediction.worth(length, self._rate(fallback))
+            for length, fallback in asks:
+                if fallback not in fits:
+                    fits[fallback] = self._fit(fallback)
+                fit = fits[fallback]
+                if fit is None:
+                    out.append((None, True))
+                    continue
+                need = _need_at(fit, length)
+                out.append((need, need > 0.0 and self.prediction.worth(length, fit[3])))
+        return out
 
     def record_prediction_cost(self, seconds: float) -> None:
         with self._lock:
@@ -268,6 +283,13 @@ class CycleCosts:
         """(1 + ŷ) tokens per second of an n-token cache cycle beat the fallback's measured
         rate; until both are measured, the paper's rule ŷ > τ decides."""
         return passes(y_hat, self.yield_needed(length, fallback), tau)
+
+
+def _need_at(fit: tuple[float, float, float, float], length: int) -> float:
+    """The least yield an n-token cache cycle needs under ``fit`` (a, b, c, the fallback's rate r):
+    (1 + y) / (a + b·n + c·(1 + y)) ≥ r  ⟺  1 + y ≥ r·(a + b·n) / (1 − r·c)."""
+    a, b, c, r = fit
+    return r * max(1e-9, a + b * length) / max(1e-3, 1.0 - r * c) - 1.0
 
 
 def passes(y_hat: float, need: float | None, tau: float) -> bool:
@@ -338,9 +360,11 @@ class PredictorRule:
         """One predictor call over the drafts whose ŷ is worth asking for (the rest pass: any
         ŷ ≥ 0 would, or a decline would not repay the prediction); each prediction costs its
         share of the call."""
-        plans = [
-            costs.plan(len(d.token_ids), fallback) if costs is not None else (None, True) for d, _, _, fallback in asks
-        ]
+        plans = (
+            costs.plan_all([(len(d.token_ids), fallback) for d, _, _, fallback in asks])
+            if costs is not None
+            else [(None, True)] * len(asks)
+        )
         asked = [i for i, (_, worth) in enumerate(plans) if worth]
         verdicts = [True] * len(asks)
         if not asked:

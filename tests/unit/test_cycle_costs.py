@@ -377,3 +377,31 @@ def test_a_step_s_cache_drafts_are_judged_in_one_predictor_call():
     assert mlp.calls == 1 and mlp.rows == 4 and cache.batches == [4]
     assert [isinstance(o, Delegate) for o in out] == [True, True, False, False]  # ŷ > τ from 3 tokens
     assert [hybrid.states[r].chose_cache for r in names] == [False, False, True, True]
+
+
+def test_a_steps_plans_at_once_equal_each_planned_alone():
+    """``plan_all`` (a step's drafts under one lock, the fit read once) answers each draft as
+    ``plan`` alone would, in order: the prediction's explore counters included."""
+    import random
+
+    def costs() -> CycleCosts:
+        rng = random.Random(5)
+        c = CycleCosts(warmup=4)
+        for _ in range(40):
+            n = rng.randint(1, 16)
+            c.record(CACHE, rng.randint(1, n + 1), 0.008 + 0.001 * n + rng.random() * 0.002, n)
+            c.record(rng.choice([MODEL, PLAIN]), rng.randint(1, 3), 0.006 + rng.random() * 0.004, gap=rng.randint(1, 4))
+        for n in range(1, 17):  # every bucket past warm-up, with gains either way
+            for _ in range(20):
+                c.prediction.realize(n, 1.0, declined=rng.random() < 0.5, y=rng.randint(0, 3))
+        c.prediction.record_cost(0.002)
+        return c
+
+    rng = random.Random(6)
+    asks = [(rng.randint(1, 16), rng.choice([MODEL, PLAIN])) for _ in range(200)]
+    together, alone = costs(), costs()
+    planned = together.plan_all(asks)
+    assert planned == [alone.plan(n, f) for n, f in asks]
+    assert together.prediction._skipped == alone.prediction._skipped
+    assert any(need is not None and need > 0 and not worth for need, worth in planned)  # some not worth predicting
+    assert CycleCosts(warmup=4).plan_all(asks[:3]) == [(None, True)] * 3  # unmeasured: the paper's rule
