@@ -157,7 +157,7 @@ class Deadlines:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="verifier-deadlines", daemon=True)
                 self._thread.start()
-            elif self._heap[0] is not head and self._heap[0][0] + self.slack_s < self._wake_at:
+            elif self._heap and self._heap[0] is not head and self._heap[0][0] + self.slack_s < self._wake_at:
                 self._cond.notify()
         return entries
 

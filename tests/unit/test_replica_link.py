@@ -190,6 +190,7 @@ def test_a_call_due_after_the_deadline_thread_looks_next_does_not_wake_it():
         deadlines._cond.notify = lambda *a: (notified.append(1), notify(*a))  # type: ignore[method-assign]
         deadlines.cancel_all(deadlines.add_all([(30.0, lambda: None)] * 64))
         assert notified == []
+        assert deadlines.add_all([]) == [] and notified == []  # nothing to add, on an empty heap
         ran = threading.Event()
         deadlines.add(0.0, ran.set)  # due now: wakes it
         assert ran.wait(5) and notified == [1]
