@@ -834,12 +834,8 @@ def app(args: dict):
         }
     }
 
-    def actor(num_cpus: float, num_gpus: float = 0.0, main_loop: bool = False) -> dict:
-        """``main_loop``: the replica runs its methods on Serve's own event loop rather than a
-        loop on a thread of their own (one thread hand-off less each way per call), for a
-        deployment whose methods never block (the verifier: it posts a step and awaits it)."""
-        own = {"env_vars": {**env["env_vars"], "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
-        return {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": own if main_loop else env}
+    def actor(num_cpus: float, num_gpus: float = 0.0) -> dict:
+        return {"num_cpus": num_cpus, "num_gpus": num_gpus, "runtime_env": env}
 
     auto = args.get("autoscaling")
     scaling: dict[str, Any] = (
@@ -870,7 +866,7 @@ def app(args: dict):
     verifier = (
         deployed(VerifierDeployment)
         .options(
-            ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0)), main_loop=True),
+            ray_actor_options=actor(cpus, float(args.get("verifier_gpus", 0))),
             max_ongoing_requests=int(args.get("verifier_max_sessions", VERIFIER_MAX_SESSIONS)) * 4,
             request_router_config=routing,
             **verifier_placement(cfg, cpus, float(args.get("verifier_gpus", 0))),
