@@ -111,7 +111,7 @@ SMOLLM2_METHODS ?= vanilla,sd,suffix,eagle3,hybrid,hf-vanilla,hf-assisted,hf-pld
 # (--models-dir: its draft, head, predictor and correction-memory prior are those under models/smollm2/,
 # and none where one is missing, never the bundled pair's)
 bench-smollm2: setup
-	for w in humaneval stdlib-heldout; do \
+	for w in humaneval stdlib-heldout edit chat; do \
 	  $(BIN)/python -m bench --models-dir models/smollm2 --target build/models/smollm2 --chat \
 	    --workload $$w --methods $(SMOLLM2_METHODS) --limit $(LIMIT) --threads 1 --max-new-tokens $(TOKENS) \
 	    --out bench/results/smollm2/$$w.json || exit 1; done

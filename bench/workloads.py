@@ -8,6 +8,10 @@
                   shape: signature and docstring, the body to write); training only.
 - humaneval-fewshot: HumanEval prompts after the same few solved HumanEval problems (the
                   last ones of the set, with their canonical solutions): a shared prompt prefix.
+- chat:           MMLU's multiple-choice questions, asked to be answered step by step (the 282
+                  chain-of-thought exemplars of FLAN's MMLU prompts, 57 subjects, read from the
+                  `lm-eval` PyPI wheel; ``MMLU_COT``): a user's turn through the chat template with
+                  an instruct target, else ``Q: ... A: Let's think step by step.``.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ import ast
 import gzip
 import json
 import os
+import re
 import textwrap
 import warnings
 from dataclasses import dataclass, replace
+from functools import cache
 
 from training import corpus
+from training.wheels import Wheel, read
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ class Prompt:
     id: str
     text: str
     reference: str | None = None  # expected output, where the workload defines one
+    message: str | None = None  # a chat workload's user turn (``text``: the same asked as plain text)
 
 
 def _humaneval_rows() -> list[dict]:
@@ -129,6 +137,35 @@ def edit(limit: int, split: str = "heldout") -> list[Prompt]:
     return [Prompt(f"{d.path}#{i}", d.prompt, reference=d.edited) for i, d in enumerate(docs[:limit])]
 
 
+MMLU_COT = Wheel(
+    "lm-eval",
+    "0.4.13",
+    "5daaa1973bf874005f64f28d3834b875f6886f0d6475878e6a6c821994a5286a",
+    "lm_eval/tasks/mmlu/flan_cot_fewshot/_cot_prompts.json",
+    size_mb=9,
+)
+STEP_BY_STEP = "Let's think step by step."
+
+
+@cache
+def _mmlu_cot() -> tuple[Prompt, ...]:
+    """Every exemplar, one subject's first question, then each subject's second, and so on (so
+    that a few prompts span many subjects)."""
+    per_subject = []
+    for subject, text in sorted(json.loads(read(MMLU_COT)).items()):
+        blocks = [b for b in re.split(r"\n\nQ: ", "\n\n" + text.split("\n\n", 1)[1]) if b.strip()]
+        per_subject.append([(subject, i, b.partition("\nA: ")[0].strip()) for i, b in enumerate(blocks)])
+    rounds = max(map(len, per_subject))
+    rows = [qs[r] for r in range(rounds) for qs in per_subject if r < len(qs)]
+    return tuple(
+        Prompt(f"{subject}/{i}", f"Q: {q}\nA: {STEP_BY_STEP}", message=f"{q}\n{STEP_BY_STEP}") for subject, i, q in rows
+    )
+
+
+def chat(limit: int) -> list[Prompt]:
+    return list(_mmlu_cot()[:limit])
+
+
 # Evaluation workloads, and training-split twins for calibration and predictor training
 # (never evaluated on).
 WORKLOADS = {
@@ -136,11 +173,12 @@ WORKLOADS = {
     "stdlib-heldout": stdlib_heldout,
     "edit": edit,
     "humaneval-fewshot": humaneval_fewshot,
+    "chat": chat,
     "stdlib-train": lambda limit: stdlib_heldout(limit, split="train"),
     "edit-train": lambda limit: edit(limit, split="train"),
     "functions-train": functions,
 }
-EVALUATION = ("humaneval", "stdlib-heldout", "edit")
+EVALUATION = ("humaneval", "stdlib-heldout", "edit", "chat")
 
 
 CODE_TASK = "Continue this Python code."
@@ -157,12 +195,24 @@ def through_chat(tokenizer, code: str) -> str:
     return f"{head}```python\n{code}"
 
 
+def as_asked(p: Prompt, chat_tokenizer=None) -> str:
+    """What the target is given: with ``chat_tokenizer``, a chat workload's message as the user's
+    turn and a code prompt through ``through_chat``, as an instruct target is asked; else the
+    plain text."""
+    if chat_tokenizer is None:
+        return p.text
+    if p.message is None:
+        return through_chat(chat_tokenizer, p.text)
+    return chat_tokenizer.apply_chat_template(
+        [{"role": "user", "content": p.message}], tokenize=False, add_generation_prompt=True
+    )
+
+
 def load(name: str, limit: int, chat_tokenizer=None) -> list[Prompt]:
-    """A workload's first ``limit`` prompts; with ``chat_tokenizer``, each given through its chat
-    template (``through_chat``), as an instruct target is asked."""
+    """A workload's first ``limit`` prompts, each as the target is given it (``as_asked``)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     prompts = WORKLOADS[name](limit)
     if chat_tokenizer is None:
         return prompts
-    return [replace(p, text=through_chat(chat_tokenizer, p.text)) for p in prompts]
+    return [replace(p, text=as_asked(p, chat_tokenizer)) for p in prompts]

