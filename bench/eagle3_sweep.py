@@ -1,12 +1,16 @@
 """Sweep EAGLE-3 chain length k, for one or more heads, against `sd` on a workload.
 
 Each setting runs `vanilla` and `eagle3` on the same prompts (greedy); `sd` runs once as the
-reference. A head trained without training-time test agrees more at chain position 1 and
+reference where the engine has a draft LM. The engine's flags are ``specmesh serve``'s
+(``--models-dir``, ``--target``, ...); ``--chat`` gives each prompt through the chat template
+as ``python -m bench`` does. A head trained without training-time test agrees more at chain position 1 and
 far less after it (`bench/results/eagle3_ablation.md`), so the best k depends on the head:
 the sweep picks the head and k together.
 
     python -m bench.eagle3_sweep --workload humaneval --heads models/eagle3,build/models/eagle3-ttt1 \
         --ks 1,2,3,4 --out bench/results/eagle3_sweep.json
+    python -m bench.eagle3_sweep --models-dir models/smollm2 --target build/models/smollm2 --chat \
+        --ks 4 --confidences 0.2,0.35,0.5 --out bench/results/smollm2/eagle3_confidence.json
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ def sweep(
     engine, prompts, max_new: int, heads: list[Path], ks: list[int], confidences: list[float] | None = None
 ) -> list[dict]:
     rows = []
-    for r in benchmark(engine, prompts, ["vanilla", "sd"], max_new, 1, None):
-        if r["method"] == "sd":
-            rows.append({"method": "sd", "head": None, "k": engine.max_draft["draft-lm"], **{x: r[x] for x in KEYS}})
+    if "draft-lm" in engine.verifier.drafters:  # the reference, where the engine has a draft LM
+        for r in benchmark(engine, prompts, ["vanilla", "sd"], max_new, 1, None):
+            if r["method"] == "sd":
+                rows.append(
+                    {"method": "sd", "head": None, "k": engine.max_draft["draft-lm"], **{x: r[x] for x in KEYS}}
+                )
     todo = [(h, k, c) for h in heads for k in ks for c in confidences or [engine.cfg.eagle3_confidence]]
     for i, (h, k, c) in enumerate(todo):
         use_head(engine, h, k, c)
@@ -126,28 +133,30 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from services.common.config import EngineConfig
+    from services.cli import add_engine_args, engine_config
     from services.common.runtime import freeze_startup_heap
     from services.router.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    workload_args(ap, "humaneval", 20, 128)
-    ap.add_argument("--heads", default="models/eagle3", help="comma-separated EAGLE-3 head directories")
+    add_engine_args(ap)
+    workload_args(ap, "humaneval", 20, 128, threads=False)  # --threads comes with the engine's flags
+    ap.add_argument("--chat", action="store_true", help="give each prompt through the chat template")
+    ap.add_argument("--heads", default=None, help="comma-separated EAGLE-3 head directories (default: the engine's)")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument(
         "--confidences", default=None, help="comma-separated chain-stop confidences (default: the engine's)"
     )
     args = ap.parse_args()
-    engine = Engine(EngineConfig(threads=args.threads))
+    engine = Engine(engine_config(args))
     freeze_startup_heap()  # as `make bench` and a serving process do: no full collections of the start-up heap
-    if "eagle3" not in engine.verifier.drafters or "draft-lm" not in engine.verifier.drafters:
-        sys.exit("error: the sweep needs models/eagle3 and models/draft")
-    prompts = load(args.workload, args.limit)
+    if "eagle3" not in engine.verifier.drafters:
+        sys.exit(f"error: the sweep needs an EAGLE-3 head; {engine.cfg.eagle3} holds none")
+    prompts = load(args.workload, args.limit, engine.tokenizer if args.chat else None)
     rows = sweep(
         engine,
         prompts,
         args.max_new_tokens,
-        [Path(h) for h in args.heads.split(",")],
+        [Path(h) for h in args.heads.split(",")] if args.heads else [Path(engine.cfg.eagle3)],
         [int(k) for k in args.ks.split(",")],
         [float(c) for c in args.confidences.split(",")] if args.confidences else None,
     )
@@ -155,6 +164,7 @@ def main() -> None:
         "workload": args.workload,
         "limit": len(prompts),
         "max_new_tokens": args.max_new_tokens,
+        "chat": args.chat,
         "command": "python -m bench.eagle3_sweep " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
