@@ -16,6 +16,7 @@ from services.common.config import SuffixConfig
 from services.common.types import Draft, Sampling
 from services.drafter.base import Drafter, register
 from services.drafter.suffix_tree import Candidate, CompiledMatches, grow_live, new_tree, step_batch
+from services.drafter.suffix_tree import Draft as SpecDraft
 
 
 class LiveOutput:
@@ -299,20 +300,21 @@ class SuffixDrafter(Drafter):
         return Candidate.of(local), "local"
 
     def propose(self, req_id: str, budget: int, tree: bool | None = None) -> Draft:
-        return self._draft(req_id, *self.speculate(req_id, budget, tree))
+        cand, which = self.speculate(req_id, budget, tree)
+        return self._draft(req_id, cand.as_tuple(), which)
 
     def propose_batch(self, asks: list[tuple[str, int]]) -> list[Draft]:
         """One step's drafts; the tokens every request observed since its last step enter the
         trees first, request by request (``_absorb``). With compiled trees, all of it is one
         call (``_step_batch``)."""
         if self.batched:
-            cands = self._step_batch(asks)
+            drafted = self._step_batch(asks)
         else:
             self._absorb_pending()
-            cands = [self.speculate(req_id, budget) for req_id, budget in asks]
-        return [self._draft(req_id, cand, which) for (req_id, _), (cand, which) in zip(asks, cands)]
+            drafted = [(cand.as_tuple(), which) for cand, which in (self.speculate(r, b) for r, b in asks)]
+        return [self._draft(req_id, spec, which) for (req_id, _), (spec, which) in zip(asks, drafted)]
 
-    def _step_batch(self, asks: list[tuple[str, int]]) -> list[tuple[Candidate, str]]:
+    def _step_batch(self, asks: list[tuple[str, int]]) -> list[tuple[SpecDraft, str]]:
         """``propose_batch`` in one compiled call per global cache (a scope's, the shared one)
         without the GIL (``step_batch``: what the per-request calls would do, in their order)."""
         budgets = dict(asks)
@@ -324,7 +326,7 @@ class SuffixDrafter(Drafter):
         drafted: dict[str, tuple] = {}
         for group in groups.values():
             drafted.update(self._step_cache(next(iter(group.values())).cache, group, budgets))
-        return [(Candidate.of(drafted[r][0]), "global" if drafted[r][1] else "local") for r, _ in asks]
+        return [(drafted[r][0], "global" if drafted[r][1] else "local") for r, _ in asks]
 
     def _step_cache(self, g: GlobalSuffixCache, reqs: dict[str, _Req], budgets: dict[str, int]) -> dict[str, tuple]:
         """One ``step_batch`` over requests of one global cache; its writers wait meanwhile, so
@@ -409,16 +411,18 @@ class SuffixDrafter(Drafter):
                 for (st, tokens, _, _), seq_id in zip(entries, seq_ids):
                     _grew(st, gt, seq_id, tokens)
 
-    def _draft(self, req_id: str, cand: Candidate, which: str) -> Draft:
+    def _draft(self, req_id: str, spec: SpecDraft, which: str) -> Draft:
+        """A tree's speculation (its lists are the call's own: the Draft takes them) as a Draft."""
+        ids, probs, parents, score, match_len = spec
         st = self.states[req_id]
-        st.drafted = cand.token_ids
+        st.drafted = ids
         return Draft(
-            token_ids=list(cand.token_ids),
-            parents=list(cand.parents),
-            score=cand.score,
+            token_ids=list(ids),
+            parents=parents,
+            score=score,
             source=self.name,
-            match_len=cand.match_len,
-            token_probs=list(cand.probs),
+            match_len=match_len,
+            token_probs=probs,
             features={"tree": which, "prompt_len": st.prompt_len, "generated_len": len(st.seq) - st.prompt_len},
         )
 

@@ -827,9 +827,10 @@ class Generation:
                 draft_ids=also,
                 draft_source="suffix" if also else "none",
             )
-        if choice.is_tree and (self.grammar is not None or self.req.sampling.bad_words):
-            choice = choice.chain()  # the checks below read a chain
-        if choice.is_tree:
+        tree = choice.is_tree
+        if tree and (self.grammar is not None or self.req.sampling.bad_words):
+            choice, tree = choice.chain(), False  # the checks below read a chain
+        if tree:
             return CycleRequest(
                 draft_ids=tuple(choice.token_ids), draft_parents=tuple(choice.parents), draft_source=choice.source
             )
@@ -927,6 +928,16 @@ class Generation:
         """Append tokens one by one, stopping at EOS, the length limit, a stop token (kept) or a
         stop string; the tokens taken. Text is detokenized here only when stop strings need it
         (else later, in ``_delta``)."""
+        req = self.req
+        if (
+            not req.stop
+            and not req.stop_token_ids
+            and len(self.output_ids) + len(tokens) < req.max_new_tokens
+            and (req.ignore_eos or self.engine.eos_id not in tokens)
+        ):  # nothing in them can stop the request: all taken at once
+            self.output_ids += tokens
+            self.stats.generated_tokens = len(self.output_ids)
+            return list(tokens)
         new_ids = []
         for tok in tokens:
             if tok == self.engine.eos_id and not self.req.ignore_eos:

@@ -237,7 +237,10 @@ class Scheduler:
 
     def _enqueue(self, gen: Generation, first: bool = False) -> None:
         """``gen`` waits for its lane's next step (``first``: at its head)."""
-        ready = self._ready.setdefault(self._lane(gen.session), deque())
+        lane = self._lane(gen.session)
+        ready = self._ready.get(lane)
+        if ready is None:
+            ready = self._ready[lane] = deque()
         (ready.appendleft if first else ready.append)(gen)
 
     def _running(self, lane: Hashable) -> int:
