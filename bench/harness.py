@@ -48,7 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="vanilla,sd,hf-vanilla,hf-assisted,hf-pld")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument(
-        "--chat", action="store_true", help="give each prompt through the chat template (bench.workloads.through_chat)"
+        "--chat", action="store_true", help="give each prompt through the chat template (bench.workloads.as_asked)"
     )
 
 
