@@ -86,11 +86,16 @@ def test_invariant_linear_rows_equal_one_row_calls():
 
 def test_row_block_finds_where_a_gemm_sums_rows_differently(monkeypatch):
     """The probe finds the row count from which a GEMM sums a row differently (faked: from 5
-    rows on, in another order), and ``linear`` then computes in blocks of 4 rows."""
+    rows on, in two halves, each rounded to the dtype before they are added), and ``linear``
+    then computes in blocks of 4 rows. (Not the inputs back to front: a CPU that accumulates
+    bf16 in fp32 rounds that order to the same bf16 results.)"""
     real = torch.nn.functional.linear
 
-    def reordered(x, w, b=None):  # from 5 rows: the inputs summed back to front
-        return real(x.flip(-1), w.flip(-1), b) if x.reshape(-1, x.shape[-1]).shape[0] >= 5 else real(x, w, b)
+    def reordered(x, w, b=None):  # from 5 rows: two half sums, each rounded, then added
+        if x.reshape(-1, x.shape[-1]).shape[0] < 5:
+            return real(x, w, b)
+        h = x.shape[-1] // 2
+        return real(x[..., :h], w[:, :h], b) + real(x[..., h:], w[:, h:])
 
     monkeypatch.setattr(invariant.F, "linear", reordered)
     invariant.row_block.cache_clear()
