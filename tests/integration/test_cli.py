@@ -16,6 +16,24 @@ CLI = [sys.executable, "-m", "services.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def wait_serving(server: subprocess.Popen, ch: grpc.Channel, timeout_s: float = 120.0) -> None:
+    """Wait until ``server`` answers on ``ch``; fail with its output if it exits first or never
+    answers (a bare channel wait only says it timed out)."""
+    deadline = time.monotonic() + timeout_s
+    ready = grpc.channel_ready_future(ch)
+    while True:
+        try:
+            ready.result(timeout=1)
+            return
+        except grpc.FutureTimeoutError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            ready.cancel()
+            server.kill()
+            out = server.communicate(timeout=20)[0] or ""
+            raise AssertionError(f"the server did not come up (exit {server.returncode}):\n{out[-3000:]}")
+
+
 def test_generate_json(tiny_dirs):
     target, draft = tiny_dirs
     out = subprocess.run(
@@ -111,7 +129,7 @@ def test_serve_then_client_streams(tiny_dirs):
     )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            grpc.channel_ready_future(ch).result(timeout=90)
+            wait_serving(server, ch)
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         out = subprocess.run(
@@ -301,7 +319,7 @@ def test_serve_takes_vllms_speculative_config(tiny_dirs, tiny_engine):
     prompt = "x = 1\nx = 1\nx = 1\nx = 1\n"
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            grpc.channel_ready_future(ch).result(timeout=90)
+            wait_serving(server, ch)
             msgs = list(
                 ggrpc.GenerationStub(ch).Generate(gpb.GenerateRequest(prompt=prompt, max_new_tokens=24), timeout=60)
             )
@@ -381,7 +399,7 @@ def test_hybrid_metrics_per_source_add_up(tiny_dirs, tiny_eagle3):
     )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            grpc.channel_ready_future(ch).result(timeout=90)
+            wait_serving(server, ch)
         total = 0
         for prompt in ("x = 1\nx = 1\nx = 1\nx = 1\nx = 1\nx = 1\n", "def add(a, b):\n    return a + b\n" * 3):
             out = subprocess.run(
