@@ -928,16 +928,6 @@ class Generation:
         """Append tokens one by one, stopping at EOS, the length limit, a stop token (kept) or a
         stop string; the tokens taken. Text is detokenized here only when stop strings need it
         (else later, in ``_delta``)."""
-        req = self.req
-        if (
-            not req.stop
-            and not req.stop_token_ids
-            and len(self.output_ids) + len(tokens) < req.max_new_tokens
-            and (req.ignore_eos or self.engine.eos_id not in tokens)
-        ):  # nothing in them can stop the request: all taken at once
-            self.output_ids += tokens
-            self.stats.generated_tokens = len(self.output_ids)
-            return list(tokens)
         new_ids = []
         for tok in tokens:
             if tok == self.engine.eos_id and not self.req.ignore_eos:
