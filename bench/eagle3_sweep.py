@@ -51,8 +51,16 @@ def use_head(engine, head_dir: Path, k: int, confidence: float | None = None) ->
 
 
 def sweep(
-    engine, prompts, max_new: int, heads: list[Path], ks: list[int], confidences: list[float] | None = None
+    engine,
+    prompts,
+    max_new: int,
+    heads: list[Path],
+    ks: list[int],
+    confidences: list[float] | None = None,
+    methods: tuple[str, ...] = ("eagle3",),
 ) -> list[dict]:
+    """Each (head, k, confidence) runs vanilla and ``methods`` (those that use the head:
+    eagle3, hybrid, eagle3-tree, hybrid-tree) on ``prompts``, interleaved."""
     rows = []
     if "draft-lm" in engine.verifier.drafters:  # the reference, where the engine has a draft LM
         for r in benchmark(engine, prompts, ["vanilla", "sd"], max_new, 1, None):
@@ -63,9 +71,9 @@ def sweep(
     todo = [(h, k, c) for h in heads for k in ks for c in confidences or [engine.cfg.eagle3_confidence]]
     for i, (h, k, c) in enumerate(todo):
         use_head(engine, h, k, c)
-        for r in benchmark(engine, prompts, ["vanilla", "eagle3"], max_new, 1, None):
-            if r["method"] == "eagle3":
-                rows.append({"method": "eagle3", "head": str(h), "k": k, "confidence": c, **{x: r[x] for x in KEYS}})
+        for r in benchmark(engine, prompts, ["vanilla", *methods], max_new, 1, None):
+            if r["method"] in methods:
+                rows.append({"method": r["method"], "head": str(h), "k": k, "confidence": c, **{x: r[x] for x in KEYS}})
         print(f"[eagle3-sweep] {i + 1}/{len(todo)} settings", file=sys.stderr, flush=True)
     return rows
 
@@ -113,15 +121,15 @@ def plot(result: dict, path: Path) -> None:
         (axes[0], "speedup_vs_vanilla", "speedup over vanilla"),
         (axes[1], "tau", "τ (tokens / target forward)"),
     ):
-        for head, c in dict.fromkeys(
-            (r["head"], r.get("confidence")) for r in result["rows"] if r["method"] == "eagle3"
+        for m, head, c in dict.fromkeys(
+            (r["method"], r["head"], r.get("confidence")) for r in result["rows"] if r["method"] != "sd"
         ):
-            rows = [r for r in result["rows"] if r["head"] == head and r.get("confidence") == c]
+            rows = [r for r in result["rows"] if (r["method"], r["head"], r.get("confidence")) == (m, head, c)]
             ax.plot(
                 [r["k"] for r in rows],
                 [r[key] for r in rows],
                 marker="o",
-                label=f"eagle3 {Path(head).name}" + ("" if c is None else f", confidence {c}"),
+                label=f"{m} {Path(head).name}" + ("" if c is None else f", confidence {c}"),
             )
         if sd is not None:
             ax.axhline(sd[key], color="grey", linestyle="--", label=f"sd (k={sd['k']})")
@@ -144,6 +152,11 @@ def main() -> None:
     ap.add_argument("--heads", default=None, help="comma-separated EAGLE-3 head directories (default: the engine's)")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument(
+        "--methods",
+        default="eagle3",
+        help="comma-separated methods run with each head (eagle3, hybrid, eagle3-tree, hybrid-tree)",
+    )
+    ap.add_argument(
         "--confidences", default=None, help="comma-separated chain-stop confidences (default: the engine's)"
     )
     args = ap.parse_args()
@@ -159,6 +172,7 @@ def main() -> None:
         [Path(h) for h in args.heads.split(",")] if args.heads else [Path(engine.cfg.eagle3)],
         [int(k) for k in args.ks.split(",")],
         [float(c) for c in args.confidences.split(",")] if args.confidences else None,
+        tuple(args.methods.split(",")),
     )
     result = {
         "workload": args.workload,

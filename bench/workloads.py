@@ -6,6 +6,8 @@
                   reference = the block rewritten with exactly those edits.
 - functions-train: stdlib functions of the training split cut after their docstring (HumanEval's
                   shape: signature and docstring, the body to write); training only.
+- functions-train-more: the same list's functions after its first ``FUNCTIONS_FIRST`` (1,200),
+                  so that a second trace set extends the first without overlapping it.
 - humaneval-fewshot: HumanEval prompts after the same few solved HumanEval problems (the
                   last ones of the set, with their canonical solutions): a shared prompt prefix.
 - chat:           MMLU's multiple-choice questions, asked to be answered step by step (the 282
@@ -166,6 +168,8 @@ def chat(limit: int) -> list[Prompt]:
     return list(_mmlu_cot()[:limit])
 
 
+FUNCTIONS_FIRST = 1200  # functions-train prompts in the first trace set (training/data/)
+
 # Evaluation workloads, and training-split twins for calibration and predictor training
 # (never evaluated on).
 WORKLOADS = {
@@ -177,6 +181,7 @@ WORKLOADS = {
     "stdlib-train": lambda limit: stdlib_heldout(limit, split="train"),
     "edit-train": lambda limit: edit(limit, split="train"),
     "functions-train": functions,
+    "functions-train-more": lambda limit: functions(FUNCTIONS_FIRST + limit)[FUNCTIONS_FIRST:],
 }
 EVALUATION = ("humaneval", "stdlib-heldout", "edit", "chat")
 

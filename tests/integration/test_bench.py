@@ -56,7 +56,8 @@ def test_benchmark_never_drafts_from_another_methods_output_of_the_same_prompt(t
 
 def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_path):
     """bench.eagle3_sweep: one `sd` reference row, then one lossless `eagle3` row per (head, k,
-    confidence) whose chains never pass k; a confidence no token reaches stops chains at one."""
+    confidence) whose chains never pass k; a confidence no token reaches stops chains at one;
+    other methods that use the head get rows of their own."""
     from bench.eagle3_sweep import markdown as sweep_md
     from bench.eagle3_sweep import plot, sweep
     from bench.harness import save
@@ -86,6 +87,10 @@ def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_p
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in rows)
     assert len(rows[1]["acceptance_per_position"]) <= 1 and len(rows[3]["acceptance_per_position"]) <= 3
     assert len(rows[4]["acceptance_per_position"]) <= 1
+    mixed = sweep(eng, prompts, 20, [tiny_eagle3], [2], None, ("eagle3", "hybrid-rule"))
+    assert [(r["method"], r["k"]) for r in mixed] == [("sd", 4), ("eagle3", 2), ("hybrid-rule", 2)]
+    assert all(r["exact_match_vs_vanilla"] == 1.0 for r in mixed)
+    rows += mixed[1:]
     result = {"workload": "t", "limit": 2, "max_new_tokens": 20, "command": "c", "rows": rows}
     assert "| eagle3 |" in sweep_md(result)
     save(tmp_path / "sweep.json", result, sweep_md, plot)

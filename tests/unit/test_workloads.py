@@ -53,6 +53,13 @@ def test_functions_train_round_robins_the_training_split_only():
     assert "functions-train" not in workloads.EVALUATION
 
 
+def test_functions_train_more_continues_the_first_set_without_overlap():
+    first = {p.id for p in workloads.load("functions-train", workloads.FUNCTIONS_FIRST)}
+    more = workloads.load("functions-train-more", 50)
+    assert len(more) == 50 and not first & {p.id for p in more}
+    assert [p.id for p in more] == [p.id for p in workloads.functions(workloads.FUNCTIONS_FIRST + 50)[-50:]]
+
+
 def test_load_gives_prompts_through_the_chat_template_when_asked():
     class Tok:
         def apply_chat_template(self, turns, tokenize, add_generation_prompt):
