@@ -60,7 +60,8 @@ def sweep(
     methods: tuple[str, ...] = ("eagle3",),
 ) -> list[dict]:
     """Each (head, k, confidence) runs vanilla and ``methods`` (those that use the head:
-    eagle3, hybrid, eagle3-tree, hybrid-tree) on ``prompts``, interleaved."""
+    eagle3, hybrid, eagle3-tree, hybrid-tree) on ``prompts``, interleaved, from an empty suffix
+    cache (which would otherwise hold an earlier setting's outputs of the same prompts)."""
     rows = []
     if "draft-lm" in engine.verifier.drafters:  # the reference, where the engine has a draft LM
         for r in benchmark(engine, prompts, ["vanilla", "sd"], max_new, 1, None):
@@ -69,8 +70,11 @@ def sweep(
                     {"method": "sd", "head": None, "k": engine.max_draft["draft-lm"], **{x: r[x] for x in KEYS}}
                 )
     todo = [(h, k, c) for h in heads for k in ks for c in confidences or [engine.cfg.eagle3_confidence]]
+    cache = getattr(engine, "suffix_cache", None)
     for i, (h, k, c) in enumerate(todo):
         use_head(engine, h, k, c)
+        if cache is not None:  # each setting's hybrid starts as the first did: no earlier setting's answers
+            cache.clear()
         for r in benchmark(engine, prompts, ["vanilla", *methods], max_new, 1, None):
             if r["method"] in methods:
                 rows.append({"method": r["method"], "head": str(h), "k": k, "confidence": c, **{x: r[x] for x in KEYS}})

@@ -90,6 +90,7 @@ def test_eagle3_sweep_swaps_heads_and_chain_length(tiny_dirs, tiny_eagle3, tmp_p
     mixed = sweep(eng, prompts, 20, [tiny_eagle3], [2], None, ("eagle3", "hybrid-rule"))
     assert [(r["method"], r["k"]) for r in mixed] == [("sd", 4), ("eagle3", 2), ("hybrid-rule", 2)]
     assert all(r["exact_match_vs_vanilla"] == 1.0 for r in mixed)
+    assert len(eng.suffix_cache.outputs) == len(prompts)  # the last setting's outputs only
     rows += mixed[1:]
     result = {"workload": "t", "limit": 2, "max_new_tokens": 20, "command": "c", "rows": rows}
     assert "| eagle3 |" in sweep_md(result)
