@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions traces-smollm2-functions-more smollm2-target-cache-functions2 eagle3-smollm2-functions2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -207,17 +207,27 @@ traces-smollm2-functions: setup
 	mkdir -p $(TRACES)
 	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
 	    --workload functions-train --limit 1200 --max-new-tokens 256 --concurrency 16 --method suffix --out $(SMOLLM2_FUNCS)
+# Its generations of the next FUNCS_MORE functions of that list (`functions-train-more`, none of
+# the first 1,200): what the head's fourth stage adds, 32 in flight.
+SMOLLM2_FUNCS_MORE := $(TRACES)/smollm2-functions-more-train.jsonl
+FUNCS_MORE ?= 1980
+traces-smollm2-functions-more: setup
+	mkdir -p $(TRACES)
+	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
+	    --workload functions-train-more --limit $(FUNCS_MORE) --max-new-tokens 256 --concurrency 32 --method suffix \
+	    --out $(SMOLLM2_FUNCS_MORE)
 smollm2-traces:
 	mkdir -p $(TRACES)
-	for t in smollm2-stdlib-train smollm2-functions-train smollm2-stdlib-heldout; do test -s $(TRACES)/$$t.jsonl || \
+	for t in smollm2-stdlib-train smollm2-functions-train smollm2-functions-more-train smollm2-stdlib-heldout; do test -s $(TRACES)/$$t.jsonl || \
 	  { test -f training/data/$$t.jsonl.gz && gunzip -c training/data/$$t.jsonl.gz > $(TRACES)/$$t.jsonl; } || true; done
 	test -s $(SMOLLM2_TRAIN) || $(MAKE) traces-smollm2
 	test -s $(SMOLLM2_FUNCS) || $(MAKE) traces-smollm2-functions
+	test -s $(SMOLLM2_FUNCS_MORE) || $(MAKE) traces-smollm2-functions-more
 # The real target's EAGLE-3 head (TTT, 4 steps) over an 8,192-token draft vocabulary: its own
 # generations of the training prompts plus 500 k tokens of the standard library's training split,
 # encoded with its tokenizer (target features and soft labels for both); one epoch, resumable.
-# Its first stage: eagle3-smollm2-more continues it, eagle3-smollm2-functions that into
-# build/models/smollm2-eagle3.
+# Its first stage: eagle3-smollm2-more continues it, eagle3-smollm2-functions that, and
+# eagle3-smollm2-functions2 that into build/models/smollm2-eagle3.
 eagle3-smollm2: setup smollm2-traces
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(TRACES)/smollm2-stdlib-train.jsonl \
 	    --out build/models/smollm2-eagle3-stage1 --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3 \
@@ -247,9 +257,21 @@ smollm2-target-cache-functions: setup smollm2-traces
 	    --aux-layers 1,15,29 --out $(SMOLLM2_CACHE_F)
 eagle3-smollm2-functions: smollm2-target-cache-functions
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(SMOLLM2_FUNCS) \
-	    --cache $(SMOLLM2_CACHE_F) --init build/models/smollm2-eagle3-stage2 --out build/models/smollm2-eagle3 \
+	    --cache $(SMOLLM2_CACHE_F) --init build/models/smollm2-eagle3-stage2 --out build/models/smollm2-eagle3-stage3 \
 	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-functions --draft-vocab 8192 --aux-layers 1 15 29 \
 	    --epochs $(E3F_EPOCHS) --lr 5e-4
+
+# Its fourth stage: one epoch from the third over both function trace sets (a third cache, the
+# first set's sequences and the new ones), into build/models/smollm2-eagle3.
+SMOLLM2_CACHE_F2 := $(HOME)/.cache/specmesh/smollm2-target-cache-functions2
+smollm2-target-cache-functions2: setup smollm2-traces
+	$(BIN)/python -m training.target_cache --target build/models/smollm2 --traces $(SMOLLM2_FUNCS),$(SMOLLM2_FUNCS_MORE) \
+	    --aux-layers 1,15,29 --out $(SMOLLM2_CACHE_F2)
+eagle3-smollm2-functions2: smollm2-target-cache-functions2
+	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(SMOLLM2_FUNCS),$(SMOLLM2_FUNCS_MORE) \
+	    --cache $(SMOLLM2_CACHE_F2) --init build/models/smollm2-eagle3-stage3 --out build/models/smollm2-eagle3 \
+	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-functions2 --draft-vocab 8192 --aux-layers 1 15 29 \
+	    --epochs 1 --lr 5e-4
 
 # The real target's draft LM: its first 3 of 30 layers, distilled toward it three epochs on the
 # target's cached top-32 labels (smollm2-target-cache: its traces plus 500 k corpus tokens),
@@ -274,7 +296,7 @@ predictor-smollm2: setup smollm2-traces
 cards-smollm2: setup
 	$(BIN)/python -m training.cards --target build/models/smollm2 --draft build/models/smollm2-draft --eagle3 build/models/smollm2-eagle3 \
 	    --predictor build/models/smollm2-predictor --heldout $(SMOLLM2_HELDOUT) --draft-card \
-	    --regenerate 'make eagle3-smollm2 eagle3-smollm2-more eagle3-smollm2-functions draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2'
+	    --regenerate 'make eagle3-smollm2 eagle3-smollm2-more eagle3-smollm2-functions eagle3-smollm2-functions2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2'
 publish-smollm2:
 	for m in eagle3 predictor draft; do test -d build/models/smollm2-$$m && mkdir -p models/smollm2/$$m && \
 	  cp -r build/models/smollm2-$$m/. models/smollm2/$$m/ || true; done

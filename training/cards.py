@@ -102,10 +102,16 @@ def stages(state: dict) -> list[dict]:
 
 
 def distinct_tokens(chain: list[dict]) -> int:
-    """The tokens of the different data a head's stages trained on: a stage that continued on
-    the data of an earlier one (same traces and corpus share) adds none."""
-    data = {(st.get("traces"), st.get("corpus_tokens", 0), st.get("corpus_offset", 0.0)): st["tokens"] for st in chain}
-    return sum(data.values())
+    """The tokens of the different data a head's stages trained on: a stage whose trace files
+    are those of another stage, or some of them, with the same corpus share adds none."""
+    data = {
+        (
+            frozenset((st.get("traces") or "").split(",")),
+            (st.get("corpus_tokens", 0), st.get("corpus_offset", 0.0)),
+        ): st["tokens"]
+        for st in chain
+    }
+    return sum(n for (files, corpus), n in data.items() if not any(files < f and corpus == c for f, c in data))
 
 
 def staged(chain: list[dict], cell) -> str:

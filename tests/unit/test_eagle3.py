@@ -286,12 +286,15 @@ def test_card_lists_every_training_stage_of_a_continued_head():
 
 
 def test_card_counts_the_data_of_stages_that_reran_it_once():
+    """A stage over the same trace files, or over them and more, counts its data once."""
     from training.cards import distinct_tokens
 
     first = {"traces": "a.jsonl", "corpus_tokens": 500, "tokens": 1000}
     again = {**first, "epochs": 2, "init": first}  # more epochs over the same data
     more = {"traces": "b.jsonl", "corpus_tokens": 0, "tokens": 400, "init": again}
     assert distinct_tokens([first, again, more]) == 1400 and distinct_tokens([first]) == 1000
+    wider = {"traces": "b.jsonl,c.jsonl", "corpus_tokens": 0, "tokens": 900, "init": more}  # b again, and c
+    assert distinct_tokens([first, again, more, wider]) == 1900
 
 
 def test_chain_acceptance_is_a_running_conjunction(tiny_dirs, tiny_eagle3, tmp_path):
