@@ -11,6 +11,9 @@ the sweep picks the head and k together.
         --ks 1,2,3,4 --out bench/results/eagle3_sweep.json
     python -m bench.eagle3_sweep --models-dir models/smollm2 --target build/models/smollm2 --chat \
         --ks 4 --confidences 0.2,0.35,0.5 --out bench/results/smollm2/eagle3_confidence.json
+
+``--methods eagle3,hybrid`` runs the hybrid (or any method that drafts with the head) beside
+`eagle3` at each setting, each setting from an empty suffix cache.
 """
 
 from __future__ import annotations
