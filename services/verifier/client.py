@@ -24,7 +24,7 @@ from services.common.refusals import DeadlineExceeded, Unavailable
 from services.common.types import CycleRequest, CycleResult, Session, SessionCancelled, SessionSpec
 from services.verifier.backend import CycleEach, Cycles, Deadlines, Done, Outcome
 from services.verifier.watch import ReplicaWatch
-from services.verifier.wire import cycle_to_pb, result_from_pb, spec_to_pb
+from services.verifier.wire import cycle_to_pb, result_from_pb, results_from_pb, spec_to_pb, step_to_pb
 from specmesh.v1 import verifier_pb2 as pb
 from specmesh.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -396,9 +396,9 @@ SEND_WAIT_S = 0.002
 
 
 class ReplicaLink:
-    """The router's end of one multiplexed ``Link`` to a replica. Sessions queue items; the
-    request generator sends all queued items as one message; a reader thread hands each
-    reply to its session. A broken link fails every session on it with UNAVAILABLE (they
+    """The router's end of one multiplexed ``Link`` to a replica. Sessions queue items and
+    posted cycles; the request generator sends all queued as one message (the cycles by
+    column, ``StepCycles``); a reader thread hands each reply to its session. A broken link fails every session on it with UNAVAILABLE (they
     re-open elsewhere)."""
 
     def __init__(self, stub: pb_grpc.VerifierStub, addr: str, deadlines: "Deadlines | None" = None):
@@ -406,6 +406,7 @@ class ReplicaLink:
         self.broken: grpc.RpcError | None = None
         self._cond = threading.Condition()
         self._items: list[pb.LinkItem] = []
+        self._cycles: list[tuple[str, CycleRequest]] = []  # posted cycles, sent after the items
         self._queued = self._sent = 0  # messages queued; of them, sent (gRPC asked for the next)
         self._shut = False
         self._inbox: dict[str, queue.SimpleQueue] = {}
@@ -419,12 +420,13 @@ class ReplicaLink:
     def _requests(self):
         while True:
             with self._cond:
-                while not self._items and not self._shut:
+                while not self._items and not self._cycles and not self._shut:
                     self._cond.wait()
                 items, self._items = self._items, []
+                cycles, self._cycles = self._cycles, []
                 queued = self._queued
-            if items:
-                yield pb.LinkRequest(items=items)
+            if items or cycles:
+                yield pb.LinkRequest(items=items, step=step_to_pb(cycles) if cycles else None)
                 with self._cond:  # gRPC asks for the next message once this one is sent
                     self._sent = queued
                     self._cond.notify_all()
@@ -434,13 +436,16 @@ class ReplicaLink:
     def _send(self, item: pb.LinkItem) -> None:
         self.send_all([item])
 
-    def send_all(self, items: list[pb.LinkItem], wait_s: float = 0.0) -> None:
-        """Queue ``items`` together: they leave in one message. ``wait_s``: wait (at most that
-        long) until it has left, so the sender's thread gives the GIL to gRPC's sending one
-        at once rather than after its own switch interval (a step's message: see
-        ``RemoteVerifier.step``)."""
+    def send_all(
+        self, items: list[pb.LinkItem], wait_s: float = 0.0, cycles: Sequence[tuple[str, CycleRequest]] = ()
+    ) -> None:
+        """Queue ``items`` and ``cycles`` (session id, request) together: they leave in one
+        message. ``wait_s``: wait (at most that long) until it has left, so the sender's thread
+        gives the GIL to gRPC's sending one at once rather than after its own switch interval
+        (a step's message: see ``RemoteVerifier.step``)."""
         with self._cond:
             self._items.extend(items)
+            self._cycles.extend(cycles)
             self._queued += 1
             queued = self._queued
             self._cond.notify_all()
@@ -466,7 +471,8 @@ class ReplicaLink:
 
     def _deliver_all(self, replies: list[tuple[str, object]]) -> None:
         """``_deliver`` for each ``(sid, reply)``, taking the lock and cancelling their
-        deadlines once for all (a step's replies come in one message)."""
+        deadlines once for all (a step's replies come in one message). A reply may be a
+        ``CycleResult`` already (a step's, read by column)."""
         with self._cond:
             taken = [(sid, r, self._waiters.pop(sid, None)) for sid, r in replies]
             timers = [t for sid, _, w in taken if w is not None and (t := self._timers.pop(sid, None)) is not None]
@@ -477,6 +483,9 @@ class ReplicaLink:
                 if (box := self._inbox.get(sid)) is not None:
                     box.put(r)
                 continue
+            if isinstance(r, CycleResult):
+                waiter(r)
+                continue
             try:
                 outcome = result_from_pb(self._unwrap(sid, r).result)
             except grpc.RpcError as e:
@@ -484,7 +493,7 @@ class ReplicaLink:
             waiter(outcome)
 
     def post_all(self, postings: list[Posting], wait_s: float = 0.0) -> None:
-        """Send the postings' items in one message, expecting each one's reply:
+        """Send the postings' cycles in one message, expecting each one's reply:
         ``answered(result or error)`` once, from the reader thread; ``Stalled`` if none comes
         within its ``wait_s``. Rule: a step's postings take each lock once, not once each.
         ``wait_s``: as ``send_all``."""
@@ -512,7 +521,7 @@ class ReplicaLink:
                     late.append(timer)
         if late:
             self._deadlines.cancel_all(late)
-        self.send_all([p.item for p in postings], wait_s)
+        self.send_all([], wait_s, [(p.sid, p.req) for p in postings])
 
     def _stalled(self, sid: str, answered: Callable, wait_s: float) -> None:
         if self._take_waiter(sid, answered) is not None:  # not yet answered: the session leaves this replica
@@ -523,12 +532,19 @@ class ReplicaLink:
         err: grpc.RpcError = LinkError(grpc.StatusCode.UNAVAILABLE, f"link to {self.addr} ended")
         try:
             for msg in self._call:
-                self._deliver_all([(r.session_id, r) for r in msg.replies])
+                replies: list[tuple[str, object]] = [(r.session_id, r) for r in msg.replies]
+                if msg.HasField("step"):
+                    replies += results_from_pb(msg.step)
+                self._deliver_all(replies)
         except grpc.RpcError as e:
             err = LinkError(
                 e.code() if e.code() in _RETRYABLE else grpc.StatusCode.UNAVAILABLE,
                 f"link to {self.addr}: {e.details()}",
             )
+        except ValueError as e:  # a reply that does not parse: the link is not to be trusted
+            log.error("link to %s: %s", self.addr, e)
+            self._call.cancel()
+            err = LinkError(grpc.StatusCode.UNAVAILABLE, f"link to {self.addr}: {e}")
         self.broken = err
         self._deliver_all([(sid, _BROKEN) for sid in list(self._waiters)])
         for box in list(self._inbox.values()):
@@ -578,12 +594,12 @@ class ReplicaLink:
 
 
 class Posting(NamedTuple):
-    """A cycle to post on a link (``ReplicaLink.post_all``): its item, how long its reply
+    """A cycle to post on a link (``ReplicaLink.post_all``): its request, how long its reply
     may take (None: no limit), and who gets it."""
 
     link: ReplicaLink
     sid: str
-    item: pb.LinkItem
+    req: CycleRequest
     wait_s: float | None
     answered: Callable
 
@@ -601,7 +617,7 @@ class LinkedSession:
         return result_from_pb(self.link._await(self.sid, timeout).result)
 
     def post(self, req: CycleRequest, wait_s: float | None, answered: Callable) -> Posting:
-        return Posting(self.link, self.sid, pb.LinkItem(session_id=self.sid, cycle=cycle_to_pb(req)), wait_s, answered)
+        return Posting(self.link, self.sid, req, wait_s, answered)
 
     def close(self) -> None:
         self.link.release(self.sid)

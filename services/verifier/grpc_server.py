@@ -15,11 +15,19 @@ import grpc
 from services.common.grpc_server import build_grpc_server, status_of
 from services.common.refusals import Invalid, Refusal
 from services.common.security import internal_token
-from services.common.types import CycleRequest, SessionCancelled, SessionSpec
+from services.common.types import CycleRequest, CycleResult, SessionCancelled, SessionSpec
 from services.verifier import faults
 from services.verifier.core import VerifierCore
 from services.verifier.replica import Replica
-from services.verifier.wire import SERVICE_NAME, cycle_from_pb, result_to_pb, spec_from_pb
+from services.verifier.wire import (
+    SERVICE_NAME,
+    cycle_from_pb,
+    packable,
+    result_to_pb,
+    results_to_pb,
+    spec_from_pb,
+    step_from_pb,
+)
 from specmesh.v1 import verifier_pb2 as pb
 from specmesh.v1 import verifier_pb2_grpc as pb_grpc
 
@@ -94,13 +102,23 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.links.add(link)
         try:
             while (replies := link.next_replies()) is not None:
-                yield pb.LinkResponse(replies=replies)
+                yield response_of(replies)
         finally:
             link.end()
             self.links.discard(link)
 
 
 _READ = object()  # in the reply queue: the reader thread hands reading back to the writer
+
+
+def response_of(replies: list) -> pb.LinkResponse:
+    """One message of queued replies: ``LinkReply``s as they are, a step's results
+    (``(session id, CycleResult)``) by column."""
+    results = [r for r in replies if isinstance(r, tuple)]
+    if not results:
+        return pb.LinkResponse(replies=replies)
+    singles = [r for r in replies if not isinstance(r, tuple)]
+    return pb.LinkResponse(replies=singles, step=results_to_pb(results))
 
 
 class LinkServer:
@@ -138,12 +156,15 @@ class LinkServer:
         return bool(self.busy or self.opening)
 
     def _take(self, msg) -> None:
-        """Handle one message: its items in order, then its cycles posted together (the
-        reading thread leads their step when none is running and it would not wait)."""
+        """Handle one message: its items in order, then its step's cycles, then every cycle
+        posted together (the reading thread leads their step when none is running and it would
+        not wait)."""
         if self.servicer is not None and self.servicer.delay_s:
             time.sleep(self.servicer.delay_s)
         for item in msg.items:
             self._handle(item)
+        if msg.HasField("step"):
+            self._take_step(msg.step)
         posts, self._posts = self._posts, []
         if posts:
             self.servicer.sessions.core.batcher.post_all(posts, lead=True)
@@ -216,7 +237,7 @@ class LinkServer:
     def _queued(self, block: bool) -> list | None:
         """The replies queued now (``block``: waiting for the first item); None at the link's
         end. An empty list when the reader thread has handed reading back."""
-        replies: list[pb.LinkReply] = []
+        replies: list = []  # LinkReply, or a step's (session id, result)
         while True:
             try:
                 r = self._out.get(block=block and not replies)
@@ -229,6 +250,18 @@ class LinkServer:
                 block = False  # the writer reads next: take what is queued, wait for nothing
             else:
                 replies.append(r)
+
+    def _take_step(self, step: pb.StepCycles) -> None:
+        """A step's cycles (``StepCycles``), each handled as a cycle item; their plain results
+        go back by column."""
+        try:
+            cycles = step_from_pb(step)
+        except ValueError as e:
+            for sid in dict.fromkeys(step.session_ids):
+                self._fail(sid, grpc.StatusCode.INVALID_ARGUMENT, f"link step: {e}")
+            return
+        for sid, req in cycles:
+            self._guarded(sid, "cycle", self._cycle, sid, req, True)
 
     def _handle(self, item: pb.LinkItem) -> None:
         sid, kind = item.session_id, item.WhichOneof("kind")
@@ -292,7 +325,9 @@ class LinkServer:
             )
         )
 
-    def _cycle(self, sid: str, req: CycleRequest) -> None:
+    def _cycle(self, sid: str, req: CycleRequest, by_column: bool = False) -> None:
+        """Post the session's cycle (``by_column``: it came in a step, and its plain result
+        goes back in one)."""
         with self._lock:
             session = self.sessions.get(sid)
             if session is None:
@@ -301,12 +336,17 @@ class LinkServer:
                 raise Invalid(f"link item: session {sid!r} already has a cycle in flight")
             self.servicer.sessions.check_cycle(req, session.spec)
             self.busy.add(sid)
-        self._posts.append((session, req, lambda item: self._done(sid, item)))
+        self._posts.append((session, req, lambda item: self._done(sid, item, by_column)))
 
-    def _done(self, sid: str, item) -> None:
+    def _done(self, sid: str, item, by_column: bool = False) -> None:
         """The session is free before its reply is queued: the router sends its next cycle as
-        soon as the reply arrives, and the reader must not find it still busy."""
-        if item.error is None:
+        soon as the reply arrives, and the reader must not find it still busy. A plain result
+        of a step's cycle queues as it is, converted with the others it leaves with
+        (``response_of``)."""
+        reply: pb.LinkReply | tuple[str, CycleResult]
+        if item.error is None and by_column and packable(item.result):
+            reply = (sid, item.result)
+        elif item.error is None:
             reply = pb.LinkReply(session_id=sid, result=result_to_pb(item.result))
         elif isinstance(item.error, SessionCancelled):
             log.info("session %s: %s", sid, item.error)

@@ -158,3 +158,105 @@ def logprobs_from_pb(tokens, lps, top_ids, top_lps) -> tuple[TokenLogprob, ...]:
         TokenLogprob(t, lp, tuple(zip(top_ids[j * k : (j + 1) * k], top_lps[j * k : (j + 1) * k])))
         for j, (t, lp) in enumerate(zip(tokens, lps))
     )
+
+
+def step_to_pb(cycles: list[tuple[str, CycleRequest]]) -> pb.StepCycles:
+    """A step's cycles on one link, by column (``StepCycles``)."""
+    sids, counts, pcounts, sources, withs, budgets = [], [], [], [], [], []
+    ids: list[int] = []
+    parents: list[int] = []
+    for sid, c in cycles:
+        sids.append(sid)
+        counts.append(len(c.draft_ids))
+        ids += c.draft_ids
+        pcounts.append(len(c.draft_parents))
+        parents += c.draft_parents
+        sources.append(c.draft_source)
+        withs.append(c.draft_with or "")
+        budgets.append(c.budget)
+    return pb.StepCycles(
+        session_ids=sids,
+        draft_counts=counts,
+        draft_ids=ids,
+        parent_counts=pcounts,
+        draft_parents=parents,
+        draft_sources=sources,
+        draft_with=withs,
+        budgets=budgets,
+    )
+
+
+def step_from_pb(s: pb.StepCycles) -> list[tuple[str, CycleRequest]]:
+    """``step_to_pb``'s cycles. Raises ``ValueError`` when the columns disagree in length."""
+    n = len(s.session_ids)
+    counts, pcounts = list(s.draft_counts), list(s.parent_counts)
+    ids, parents = list(s.draft_ids), list(s.draft_parents)
+    columns = (counts, pcounts, s.draft_sources, s.draft_with, s.budgets)
+    if any(len(c) != n for c in columns) or sum(counts) != len(ids) or sum(pcounts) != len(parents):
+        raise ValueError("step: every column must have one entry per cycle, and the counts must sum to the tokens")
+    out, at, pat = [], 0, 0
+    for sid, k, pk, source, with_, budget in zip(
+        s.session_ids, counts, pcounts, s.draft_sources, s.draft_with, s.budgets
+    ):
+        req = CycleRequest(
+            draft_ids=tuple(ids[at : at + k]),
+            draft_source=source or "none",
+            draft_with=with_ or None,
+            budget=budget,
+            draft_parents=tuple(parents[pat : pat + pk]),
+        )
+        out.append((sid, req))
+        at, pat = at + k, pat + pk
+    return out
+
+
+def packable(r: CycleResult) -> bool:
+    """Whether ``r`` fits ``StepResults`` (no rescued pairs, no log-probabilities)."""
+    return not (r.rescued_pairs or r.logprobs or r.prompt_logprobs)
+
+
+def results_to_pb(results: list[tuple[str, CycleResult]]) -> pb.StepResults:
+    """Plain results (``packable``) by column (``StepResults``)."""
+    out = pb.StepResults(session_ids=[sid for sid, _ in results])
+    rs = [r for _, r in results]
+    out.committed_counts.extend(len(r.committed) for r in rs)
+    out.committed.extend(t for r in rs for t in r.committed)
+    out.drafted.extend(r.drafted for r in rs)
+    out.accepted.extend(r.accepted for r in rs)
+    out.sources.extend(r.source for r in rs)
+    out.rejected.extend(r.rejected for r in rs)
+    out.draft_s.extend(r.draft_s for r in rs)
+    out.verify_s.extend(r.verify_s for r in rs)
+    out.gate_s.extend(r.gate_s for r in rs)
+    out.server_s.extend(r.server_s for r in rs)
+    out.batch_size.extend(r.batch_size for r in rs)
+    out.cached_tokens.extend(r.cached_tokens for r in rs)
+    return out
+
+
+def results_from_pb(s: pb.StepResults) -> list[tuple[str, CycleResult]]:
+    """``results_to_pb``'s results. Raises ``ValueError`` when the columns disagree in length."""
+    n = len(s.session_ids)
+    counts, committed = list(s.committed_counts), list(s.committed)
+    columns = (counts, s.drafted, s.accepted, s.sources, s.rejected, s.draft_s, s.verify_s, s.gate_s, s.server_s)
+    if any(len(c) != n for c in (*columns, s.batch_size, s.cached_tokens)) or sum(counts) != len(committed):
+        raise ValueError("step results: every column must have one entry per result")
+    out, at = [], 0
+    rows = zip(s.session_ids, counts, *columns[1:], s.batch_size, s.cached_tokens)
+    for sid, k, drafted, accepted, source, rejected, draft_s, verify_s, gate_s, server_s, batch, cached in rows:
+        res = CycleResult(
+            committed=committed[at : at + k],
+            drafted=drafted,
+            accepted=accepted,
+            source=source,
+            rejected=rejected,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            gate_s=gate_s,
+            server_s=server_s,
+            batch_size=max(1, batch),
+            cached_tokens=cached,
+        )
+        out.append((sid, res))
+        at += k
+    return out

@@ -220,11 +220,33 @@ class LinkItem(_message.Message):
     close: Close
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., cycle: _Optional[_Union[Cycle, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
+class StepCycles(_message.Message):
+    __slots__ = ("session_ids", "draft_counts", "draft_ids", "parent_counts", "draft_parents", "draft_sources", "draft_with", "budgets")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WITH_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    draft_ids: _containers.RepeatedScalarFieldContainer[int]
+    parent_counts: _containers.RepeatedScalarFieldContainer[int]
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    draft_sources: _containers.RepeatedScalarFieldContainer[str]
+    draft_with: _containers.RepeatedScalarFieldContainer[str]
+    budgets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., draft_ids: _Optional[_Iterable[int]] = ..., parent_counts: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_sources: _Optional[_Iterable[str]] = ..., draft_with: _Optional[_Iterable[str]] = ..., budgets: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LinkRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "step")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[LinkItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[LinkItem, _Mapping]]] = ...) -> None: ...
+    step: StepCycles
+    def __init__(self, items: _Optional[_Iterable[_Union[LinkItem, _Mapping]]] = ..., step: _Optional[_Union[StepCycles, _Mapping]] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")
@@ -246,8 +268,40 @@ class LinkReply(_message.Message):
     error: SessionError
     def __init__(self, session_id: _Optional[str] = ..., opened: _Optional[_Union[Opened, _Mapping]] = ..., result: _Optional[_Union[CycleResult, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
 
+class StepResults(_message.Message):
+    __slots__ = ("session_ids", "committed_counts", "committed", "drafted", "accepted", "sources", "rejected", "draft_s", "verify_s", "gate_s", "server_s", "batch_size", "cached_tokens")
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    GATE_S_FIELD_NUMBER: _ClassVar[int]
+    SERVER_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    committed_counts: _containers.RepeatedScalarFieldContainer[int]
+    committed: _containers.RepeatedScalarFieldContainer[int]
+    drafted: _containers.RepeatedScalarFieldContainer[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    rejected: _containers.RepeatedScalarFieldContainer[bool]
+    draft_s: _containers.RepeatedScalarFieldContainer[float]
+    verify_s: _containers.RepeatedScalarFieldContainer[float]
+    gate_s: _containers.RepeatedScalarFieldContainer[float]
+    server_s: _containers.RepeatedScalarFieldContainer[float]
+    batch_size: _containers.RepeatedScalarFieldContainer[int]
+    cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ..., committed_counts: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., drafted: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ..., sources: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[bool]] = ..., draft_s: _Optional[_Iterable[float]] = ..., verify_s: _Optional[_Iterable[float]] = ..., gate_s: _Optional[_Iterable[float]] = ..., server_s: _Optional[_Iterable[float]] = ..., batch_size: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LinkResponse(_message.Message):
-    __slots__ = ("replies",)
+    __slots__ = ("replies", "step")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[LinkReply]
-    def __init__(self, replies: _Optional[_Iterable[_Union[LinkReply, _Mapping]]] = ...) -> None: ...
+    step: StepResults
+    def __init__(self, replies: _Optional[_Iterable[_Union[LinkReply, _Mapping]]] = ..., step: _Optional[_Union[StepResults, _Mapping]] = ...) -> None: ...

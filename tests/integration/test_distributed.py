@@ -402,6 +402,46 @@ def test_link_answers_each_session_and_each_bad_item_alone(cluster):
     assert active(addrs[1]) == 0  # the half-closed link closed both sessions
 
 
+def test_a_links_step_by_column_is_answered_by_column_and_bad_columns_get_a_clear_status(cluster):
+    """A Link message's step (``StepCycles``) is handled as cycle items would be: good cycles
+    are answered by column (``StepResults``), a session not open gets its own status; a step
+    whose columns disagree fails its sessions with INVALID_ARGUMENT, and nothing is left open."""
+    from services.common.types import CycleRequest
+    from services.verifier.wire import results_from_pb, step_to_pb
+
+    _, _, addrs, _ = cluster
+    stub = vgrpc.VerifierStub(grpc.insecure_channel(addrs[1]))
+    ok = vpb.Open(prompt_ids=[5, 6, 7], max_new_tokens=8, max_draft=2)
+    cycles = [
+        ("a", CycleRequest(draft_ids=(5, 6), draft_source="suffix")),
+        ("b", CycleRequest()),
+        ("x", CycleRequest()),
+    ]
+    msg = vpb.LinkRequest(items=[vpb.LinkItem(session_id=s, open=ok) for s in "ab"], step=step_to_pb(cycles))
+    kinds: dict[str, list[str]] = {}
+    results = {}
+    for out in stub.Link(iter([msg]), timeout=30):
+        for r in out.replies:
+            kinds.setdefault(r.session_id, []).append(r.WhichOneof("kind"))
+            if r.WhichOneof("kind") == "error":
+                assert r.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "not open" in r.error.message
+        results.update(results_from_pb(out.step))
+    assert kinds == {"a": ["opened"], "b": ["opened"], "x": ["error"]}
+    assert set(results) == {"a", "b"} and len(results["b"].committed) == 1
+    assert 1 <= len(results["a"].committed) <= 3 and results["a"].source == "suffix"
+
+    bad = step_to_pb([("c", CycleRequest(draft_ids=(5, 6)))])
+    bad.draft_counts[0] = 3  # more tokens than the step carries
+    msg = vpb.LinkRequest(items=[vpb.LinkItem(session_id="c", open=ok)], step=bad)
+    replies = [r for out in stub.Link(iter([msg]), timeout=30) for r in out.replies]
+    assert [r.WhichOneof("kind") for r in replies] == ["opened", "error"]
+    assert replies[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "column" in replies[1].error.message
+    end = time.time() + 5
+    while active(addrs[1]) and time.time() < end:
+        time.sleep(0.05)
+    assert active(addrs[1]) == 0
+
+
 def test_a_lone_session_on_a_link_crosses_no_thread_of_ours_and_two_hand_reading_over(tiny_dirs, tiny_engine):
     """While nothing is in flight the link's writer reads the next message itself, leads the
     step and answers with no hand-off: a lone session's cycles start no reader thread. Two
@@ -704,21 +744,31 @@ def test_a_router_started_before_its_verifier_waits_for_it(tiny_dirs):
 
 def test_a_step_sends_every_session_s_cycle_in_one_link_message(tiny_dirs, tiny_engine, monkeypatch):
     """The router's scheduler steps n sessions together over the Link: each step's cycles leave in
-    one message (no more cycle-carrying messages than steps, each with every session still
-    running), their replies are applied from the link's reader thread, and every output equals
-    the embedded one."""
+    one message, by column (no more cycle-carrying messages than steps, each with every session
+    still running), their replies come back by column and are applied from the link's reader
+    thread, and every output equals the embedded one."""
+    from services.verifier import grpc_server
     from services.verifier.grpc_server import LinkServer, build_verifier_server
 
     cycles_per_message: list[int] = []
+    results_per_message: list[int] = []
     take = LinkServer._take
+    respond = grpc_server.response_of
 
     def counted(self, msg):
-        n = sum(item.WhichOneof("kind") == "cycle" for item in msg.items)
-        if n:
-            cycles_per_message.append(n)
+        assert not any(item.WhichOneof("kind") == "cycle" for item in msg.items)  # not one item each
+        if msg.step.session_ids:
+            cycles_per_message.append(len(msg.step.session_ids))
         return take(self, msg)
 
+    def answered(replies):
+        out = respond(replies)
+        assert not any(r.WhichOneof("kind") == "result" for r in out.replies)
+        results_per_message.append(len(out.step.session_ids))
+        return out
+
     monkeypatch.setattr(LinkServer, "_take", counted)
+    monkeypatch.setattr(grpc_server, "response_of", answered)
     cfg = EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None)
     server, _, port = build_verifier_server(Engine(cfg).verifier, "127.0.0.1", 0)
     server.start()
@@ -733,6 +783,7 @@ def test_a_step_sends_every_session_s_cycle_in_one_link_message(tiny_dirs, tiny_
         assert all(g.output_ids == ref for g in completions.gens)
         assert len(cycles_per_message) <= engine.scheduler.steps - steps
         assert max(cycles_per_message) == 4  # the four sessions' cycles in one message
+        assert sum(results_per_message) == sum(cycles_per_message)  # every result by column
     finally:
         engine.close()
         server.stop(0)

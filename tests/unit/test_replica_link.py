@@ -1,10 +1,11 @@
-"""The router's end of a replica's Link over a stand-in for gRPC's call: a step's items leave
-in one message, and a sender that asks to wait returns once gRPC has sent it (asked for the
+"""The router's end of a replica's Link over a stand-in for gRPC's call: a step's cycles leave
+in one message (by column), and a sender that asks to wait returns once gRPC has sent it (asked for the
 next message), not before."""
 
 import threading
 import time
 
+from services.common.types import CycleRequest
 from services.verifier.client import Posting, ReplicaLink
 from specmesh.v1 import verifier_pb2 as pb
 
@@ -22,7 +23,7 @@ class Call:
     def _consume(self, requests, send_s: float) -> None:
         for msg in requests:
             time.sleep(send_s)
-            self.sent.append([item.session_id for item in msg.items])
+            self.sent.append([item.session_id for item in msg.items] + list(msg.step.session_ids))
 
     def __iter__(self):
         self._end.wait()
@@ -119,7 +120,7 @@ def test_an_answered_cycle_cancels_its_deadline_and_an_unanswered_one_stalls():
         postings = []
         for sid, cb in callbacks.items():
             link._inbox[sid] = queue.SimpleQueue()  # opened
-            postings.append(Posting(link, sid, pb.LinkItem(session_id=sid), 0.2 if sid == "d" else 60.0, cb))
+            postings.append(Posting(link, sid, CycleRequest(), 1.5 if sid == "d" else 60.0, cb))
         link.post_all(postings)
         assert len(link._deadlines._heap) == 4
         refs = {sid: weakref.ref(cb) for sid, cb in callbacks.items()}
@@ -133,7 +134,7 @@ def test_an_answered_cycle_cancels_its_deadline_and_an_unanswered_one_stalls():
         assert all(isinstance(got[sid], CycleResult) for sid in "abc")
         assert all(refs[sid]() is None for sid in "abc")  # freed now, not after their 60 s
         assert set(link._timers) == {"d"}  # (the answered ones' entries hold nothing now)
-        end = time.monotonic() + 5
+        end = time.monotonic() + 10  # (d's budget is 1.5 s: a full collection above may take a while)
         while "d" not in got and time.monotonic() < end:
             time.sleep(0.01)
         assert isinstance(got["d"], Stalled) and link._deadlines._heap == [] and link._timers == {}
@@ -142,8 +143,9 @@ def test_an_answered_cycle_cancels_its_deadline_and_an_unanswered_one_stalls():
 
 
 def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused():
-    """``post_all``: every posting's item in one message; a session not open on the link is
-    answered UNAVAILABLE (off the caller's thread) while the others wait for their replies."""
+    """``post_all``: every posting's cycle in one message, by column; a session not open on the
+    link is answered UNAVAILABLE (off the caller's thread) while the others wait for their
+    replies, which may come by column too (``CycleResult``s already)."""
     import queue
 
     import grpc
@@ -157,7 +159,7 @@ def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused(
         for sid in "ab":
             link._inbox[sid] = queue.SimpleQueue()
         postings = [
-            Posting(link, sid, pb.LinkItem(session_id=sid), 60.0, lambda o, sid=sid: got.__setitem__(sid, o))
+            Posting(link, sid, CycleRequest(draft_ids=(4, 5)), 60.0, lambda o, sid=sid: got.__setitem__(sid, o))
             for sid in "abc"
         ]
         link.post_all(postings, wait_s=5.0)
@@ -168,7 +170,7 @@ def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused(
         assert got["c"].code() == grpc.StatusCode.UNAVAILABLE and set(got) == {"c"}
         assert set(link._waiters) == set(link._timers) == {"a", "b"}
         reply = pb.LinkReply(result=pb.CycleResult(committed=[7], source="suffix"))
-        link._deliver_all([("a", reply), ("b", reply)])
+        link._deliver_all([("a", reply), ("b", CycleResult(committed=[7], drafted=2, accepted=0, source="suffix"))])
         assert [got[sid].committed for sid in "ab"] == [[7], [7]] and isinstance(got["a"], CycleResult)
         assert link._waiters == link._timers == {} and link._deadlines._heap == []
     finally:
@@ -196,3 +198,35 @@ def test_a_call_due_after_the_deadline_thread_looks_next_does_not_wake_it():
         assert ran.wait(5) and notified == [1]
     finally:
         deadlines.close()
+
+
+def test_a_reply_whose_columns_disagree_breaks_the_link_and_fails_its_cycles():
+    """A step's results that do not parse (``StepResults`` columns of different lengths) leave
+    the link broken: its posted cycles get UNAVAILABLE (their sessions fail over), not silence."""
+    import queue
+
+    import grpc
+
+    class Garbled(Call):
+        def __iter__(self):
+            while not self.sent:
+                time.sleep(0.01)
+            return iter([pb.LinkResponse(step=pb.StepResults(session_ids=["a"]))])  # no other column
+
+    class GarbledStub(Stub):
+        def Link(self, requests):  # noqa: N802 - gRPC's method name
+            self.call = Garbled(requests, self.send_s)
+            return self.call
+
+    link = ReplicaLink(GarbledStub(send_s=0.0), "replica")
+    try:
+        got: list = []
+        link._inbox["a"] = queue.SimpleQueue()
+        link.post_all([Posting(link, "a", CycleRequest(), 60.0, got.append)])
+        end = time.monotonic() + 5
+        while not got and time.monotonic() < end:
+            time.sleep(0.01)
+        assert got and got[0].code() == grpc.StatusCode.UNAVAILABLE and "column" in got[0].details()
+        assert link.broken is not None
+    finally:
+        link.shut()

@@ -1,7 +1,20 @@
-"""The verifier's protobuf edge: session specs and cycle results survive the round trip."""
+"""The verifier's protobuf edge: session specs, cycle results and a step's cycles and results
+by column survive the round trip."""
 
-from services.common.types import CycleResult, Sampling, SessionSpec, TokenLogprob
-from services.verifier.wire import result_from_pb, result_to_pb, spec_from_pb, spec_to_pb
+import pytest
+
+from services.common.types import CycleRequest, CycleResult, Sampling, SessionSpec, TokenLogprob
+from services.verifier.wire import (
+    packable,
+    result_from_pb,
+    result_to_pb,
+    results_from_pb,
+    results_to_pb,
+    spec_from_pb,
+    spec_to_pb,
+    step_from_pb,
+    step_to_pb,
+)
 
 
 def test_session_spec_round_trip_keeps_every_field_but_the_deadline():
@@ -79,3 +92,51 @@ def test_a_link_frees_its_session_before_answering_the_cycle():
         "s", SimpleNamespace(error=None, result=CycleResult(committed=[4], drafted=0, accepted=0, source="none"))
     )
     assert busy_at_reply == [False]
+
+
+def test_a_steps_cycles_by_column_round_trip_chains_trees_and_delegations():
+    cycles = [
+        ("a", CycleRequest(draft_ids=(5, 6, 7), draft_source="suffix")),
+        ("b", CycleRequest()),  # nothing to draft (a prompt's chunk)
+        ("c", CycleRequest(draft_ids=(8, 9, 10), draft_parents=(-1, 0, 0), draft_source="suffix")),  # a tree
+        ("d", CycleRequest(draft_with="eagle3", budget=4, draft_ids=(11,), draft_source="suffix")),
+        ("e", CycleRequest(draft_with="draft-lm", budget=6)),
+    ]
+    assert step_from_pb(step_to_pb(cycles)) == cycles
+    assert step_from_pb(step_to_pb([])) == []
+
+
+def test_a_steps_columns_that_disagree_are_refused():
+    good = step_to_pb([("a", CycleRequest(draft_ids=(5, 6))), ("b", CycleRequest(draft_ids=(7,)))])
+    for spoil in (
+        lambda m: m.draft_ids.pop(),  # fewer tokens than the counts say
+        lambda m: m.budgets.pop(),  # a column one short
+        lambda m: m.session_ids.append("c"),  # a cycle with no columns
+        lambda m: m.parent_counts.__setitem__(0, 1),  # parents that are not there
+    ):
+        bad = type(good)()
+        bad.CopyFrom(good)
+        spoil(bad)
+        with pytest.raises(ValueError, match="column"):
+            step_from_pb(bad)
+
+
+def test_a_steps_plain_results_by_column_round_trip_and_the_rest_are_not_packable():
+    results = [
+        ("a", CycleResult(committed=[4, 5], drafted=3, accepted=1, source="suffix", rejected=True, server_s=0.5)),
+        ("b", CycleResult(committed=[], drafted=0, accepted=0, source="none", batch_size=7, cached_tokens=64)),
+        ("c", CycleResult(committed=[9], drafted=4, accepted=0, source="eagle3", draft_s=0.25, verify_s=0.125)),
+    ]
+    assert all(packable(r) for _, r in results)
+    assert results_from_pb(results_to_pb(results)) == results
+    broken = results_to_pb(results)
+    broken.committed.pop()
+    with pytest.raises(ValueError, match="column"):
+        results_from_pb(broken)
+    assert not packable(CycleResult(committed=[4], drafted=1, accepted=0, source="suffix", rescued_pairs=((4, 2),)))
+    assert not packable(
+        CycleResult(committed=[4], drafted=0, accepted=0, source="x", logprobs=(TokenLogprob(4, -0.5),))
+    )
+    assert not packable(
+        CycleResult(committed=[4], drafted=0, accepted=0, source="x", prompt_logprobs=(TokenLogprob(4, -0.5),))
+    )
