@@ -414,6 +414,7 @@ class ReplicaLink:
         self._timers: dict[str, list] = {}  # sid -> the posted cycle's deadline (cancelled once answered)
         self._deadlines = deadlines or Deadlines()
         self._ids = itertools.count()
+        self.columns = False  # the replica reads a step by column (its Opened says so)
         self._call = stub.Link(self._requests())
         threading.Thread(target=self._read, name=f"link-{addr}", daemon=True).start()
 
@@ -521,7 +522,10 @@ class ReplicaLink:
                     late.append(timer)
         if late:
             self._deadlines.cancel_all(late)
-        self.send_all([], wait_s, [(p.sid, p.req) for p in postings])
+        if self.columns:
+            self.send_all([], wait_s, [(p.sid, p.req) for p in postings])
+        else:  # a replica of an older release (during a rolling upgrade) reads cycle items
+            self.send_all([pb.LinkItem(session_id=p.sid, cycle=cycle_to_pb(p.req)) for p in postings], wait_s)
 
     def _stalled(self, sid: str, answered: Callable, wait_s: float) -> None:
         if self._take_waiter(sid, answered) is not None:  # not yet answered: the session leaves this replica
@@ -576,7 +580,9 @@ class ReplicaLink:
         if self.broken is not None:
             raise self.broken
         self._send(pb.LinkItem(session_id=sid, open=spec_to_pb(spec)))
-        return LinkedSession(self, sid, self._await(sid, timeout).opened.replica)
+        opened = self._await(sid, timeout).opened
+        self.columns = opened.step_columns
+        return LinkedSession(self, sid, opened.replica)
 
     def release(self, sid: str) -> None:
         box = self._inbox.pop(sid, None)

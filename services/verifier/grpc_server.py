@@ -321,7 +321,10 @@ class LinkServer:
             return
         self._out.put(
             pb.LinkReply(
-                session_id=sid, opened=pb.Opened(session_id=session.session_id, replica=self.servicer.sessions.replica)
+                session_id=sid,
+                opened=pb.Opened(
+                    session_id=session.session_id, replica=self.servicer.sessions.replica, step_columns=True
+                ),
             )
         )
 

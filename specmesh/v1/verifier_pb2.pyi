@@ -112,12 +112,14 @@ class SessionRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., cycle: _Optional[_Union[Cycle, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "replica")
+    __slots__ = ("session_id", "replica", "step_columns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STEP_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     replica: str
-    def __init__(self, session_id: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    step_columns: bool
+    def __init__(self, session_id: _Optional[str] = ..., replica: _Optional[str] = ..., step_columns: _Optional[bool] = ...) -> None: ...
 
 class RescuedPair(_message.Message):
     __slots__ = ("draft", "target")

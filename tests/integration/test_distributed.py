@@ -742,11 +742,13 @@ def test_a_router_started_before_its_verifier_waits_for_it(tiny_dirs):
             server.stop(0)
 
 
-def test_a_step_sends_every_session_s_cycle_in_one_link_message(tiny_dirs, tiny_engine, monkeypatch):
+@pytest.mark.parametrize("older", [False, True])
+def test_a_step_sends_every_session_s_cycle_in_one_link_message(tiny_dirs, tiny_engine, monkeypatch, older):
     """The router's scheduler steps n sessions together over the Link: each step's cycles leave in
     one message, by column (no more cycle-carrying messages than steps, each with every session
     still running), their replies come back by column and are applied from the link's reader
-    thread, and every output equals the embedded one."""
+    thread, and every output equals the embedded one. To a replica of an older release (its
+    ``Opened`` does not say it reads steps by column) the cycles go as items, one message a step."""
     from services.verifier import grpc_server
     from services.verifier.grpc_server import LinkServer, build_verifier_server
 
@@ -756,17 +758,30 @@ def test_a_step_sends_every_session_s_cycle_in_one_link_message(tiny_dirs, tiny_
     respond = grpc_server.response_of
 
     def counted(self, msg):
-        assert not any(item.WhichOneof("kind") == "cycle" for item in msg.items)  # not one item each
-        if msg.step.session_ids:
-            cycles_per_message.append(len(msg.step.session_ids))
+        items = sum(item.WhichOneof("kind") == "cycle" for item in msg.items)
+        assert not (items and msg.HasField("step")) and not (items if not older else msg.HasField("step"))
+        if items or msg.step.session_ids:
+            cycles_per_message.append(items or len(msg.step.session_ids))
         return take(self, msg)
 
     def answered(replies):
         out = respond(replies)
-        assert not any(r.WhichOneof("kind") == "result" for r in out.replies)
-        results_per_message.append(len(out.step.session_ids))
+        single = sum(r.WhichOneof("kind") == "result" for r in out.replies)
+        assert not single or older  # by column, unless the cycles came as items
+        results_per_message.append(len(out.step.session_ids) + single)
         return out
 
+    if older:
+
+        class Older:  # the messages as a replica of an older release builds them
+            def __getattr__(self, name):
+                return getattr(vpb, name)
+
+            @staticmethod
+            def Opened(step_columns=False, **fields):  # noqa: N802 - the message's name
+                return vpb.Opened(**fields)
+
+        monkeypatch.setattr(grpc_server, "pb", Older())
     monkeypatch.setattr(LinkServer, "_take", counted)
     monkeypatch.setattr(grpc_server, "response_of", answered)
     cfg = EngineConfig(target=tiny_dirs[0], draft=tiny_dirs[1], eagle3=None, predictor=None, ocm_snapshot=None)
@@ -783,7 +798,7 @@ def test_a_step_sends_every_session_s_cycle_in_one_link_message(tiny_dirs, tiny_
         assert all(g.output_ids == ref for g in completions.gens)
         assert len(cycles_per_message) <= engine.scheduler.steps - steps
         assert max(cycles_per_message) == 4  # the four sessions' cycles in one message
-        assert sum(results_per_message) == sum(cycles_per_message)  # every result by column
+        assert sum(results_per_message) == sum(cycles_per_message)  # every result, as it was asked
     finally:
         engine.close()
         server.stop(0)

@@ -5,6 +5,8 @@ next message), not before."""
 import threading
 import time
 
+import pytest
+
 from services.common.types import CycleRequest
 from services.verifier.client import Posting, ReplicaLink
 from specmesh.v1 import verifier_pb2 as pb
@@ -17,6 +19,7 @@ class Call:
 
     def __init__(self, requests, send_s: float):
         self.sent: list[list[str]] = []
+        self.kinds: list[set[str]] = []  # per message: its items' kinds, and "step" if it has one
         self._end = threading.Event()
         threading.Thread(target=self._consume, args=(requests, send_s), daemon=True).start()
 
@@ -24,6 +27,9 @@ class Call:
         for msg in requests:
             time.sleep(send_s)
             self.sent.append([item.session_id for item in msg.items] + list(msg.step.session_ids))
+            self.kinds.append(
+                {item.WhichOneof("kind") for item in msg.items} | ({"step"} if msg.HasField("step") else set())
+            )
 
     def __iter__(self):
         self._end.wait()
@@ -142,10 +148,12 @@ def test_an_answered_cycle_cancels_its_deadline_and_an_unanswered_one_stalls():
         link.shut()
 
 
-def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused():
-    """``post_all``: every posting's cycle in one message, by column; a session not open on the
-    link is answered UNAVAILABLE (off the caller's thread) while the others wait for their
-    replies, which may come by column too (``CycleResult``s already)."""
+@pytest.mark.parametrize("columns", [True, False])
+def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused(columns):
+    """``post_all``: every posting's cycle in one message, by column where the replica reads
+    them so (else as items: a replica of an older release); a session not open on the link is
+    answered UNAVAILABLE (off the caller's thread) while the others wait for their replies,
+    which may come by column too (``CycleResult``s already)."""
     import queue
 
     import grpc
@@ -154,6 +162,7 @@ def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused(
 
     stub = Stub(send_s=0.0)
     link = ReplicaLink(stub, "replica")
+    link.columns = columns
     try:
         got: dict[str, object] = {}
         for sid in "ab":
@@ -164,6 +173,7 @@ def test_a_steps_postings_leave_in_one_message_and_a_closed_sessions_is_refused(
         ]
         link.post_all(postings, wait_s=5.0)
         assert stub.call.sent == [["a", "b", "c"]]
+        assert stub.call.kinds == [{"step"} if columns else {"cycle"}]
         end = time.monotonic() + 5
         while "c" not in got and time.monotonic() < end:
             time.sleep(0.01)
