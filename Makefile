@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions traces-smollm2-functions-more smollm2-target-cache-functions2 eagle3-smollm2-functions2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions traces-smollm2-functions-more traces-smollm2-functions-rest smollm2-target-cache-functions2 eagle3-smollm2-functions2 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -216,13 +216,24 @@ traces-smollm2-functions-more: setup
 	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
 	    --workload functions-train-more --limit $(FUNCS_MORE) --max-new-tokens 256 --concurrency 32 --method suffix \
 	    --out $(SMOLLM2_FUNCS_MORE)
+# Its generations of the list's remaining FUNCS_REST functions (`functions-train-rest`, after the
+# 3,180 above): data for the head's next stage, 32 in flight.
+SMOLLM2_FUNCS_REST := $(TRACES)/smollm2-functions-rest-train.jsonl
+FUNCS_REST ?= 1368
+traces-smollm2-functions-rest: setup
+	mkdir -p $(TRACES)
+	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
+	    --workload functions-train-rest --limit $(FUNCS_REST) --max-new-tokens 256 --concurrency 32 --method suffix \
+	    --out $(SMOLLM2_FUNCS_REST)
 smollm2-traces:
 	mkdir -p $(TRACES)
-	for t in smollm2-stdlib-train smollm2-functions-train smollm2-functions-more-train smollm2-stdlib-heldout; do test -s $(TRACES)/$$t.jsonl || \
+	for t in smollm2-stdlib-train smollm2-functions-train smollm2-functions-more-train smollm2-functions-rest-train \
+	  smollm2-stdlib-heldout; do test -s $(TRACES)/$$t.jsonl || \
 	  { test -f training/data/$$t.jsonl.gz && gunzip -c training/data/$$t.jsonl.gz > $(TRACES)/$$t.jsonl; } || true; done
 	test -s $(SMOLLM2_TRAIN) || $(MAKE) traces-smollm2
 	test -s $(SMOLLM2_FUNCS) || $(MAKE) traces-smollm2-functions
 	test -s $(SMOLLM2_FUNCS_MORE) || $(MAKE) traces-smollm2-functions-more
+	test -s $(SMOLLM2_FUNCS_REST) || $(MAKE) traces-smollm2-functions-rest
 # The real target's EAGLE-3 head (TTT, 4 steps) over an 8,192-token draft vocabulary: its own
 # generations of the training prompts plus 500 k tokens of the standard library's training split,
 # encoded with its tokenizer (target features and soft labels for both); one epoch, resumable.

@@ -8,6 +8,8 @@
                   shape: signature and docstring, the body to write); training only.
 - functions-train-more: the same list's functions after its first ``FUNCTIONS_FIRST`` (1,200),
                   so that a second trace set extends the first without overlapping it.
+- functions-train-rest: the list's functions after those two sets (``FUNCTIONS_FIRST`` +
+                  ``FUNCTIONS_MORE``, 3,180): a third set, overlapping neither.
 - humaneval-fewshot: HumanEval prompts after the same few solved HumanEval problems (the
                   last ones of the set, with their canonical solutions): a shared prompt prefix.
 - chat:           MMLU's multiple-choice questions, asked to be answered step by step (the 282
@@ -169,6 +171,7 @@ def chat(limit: int) -> list[Prompt]:
 
 
 FUNCTIONS_FIRST = 1200  # functions-train prompts in the first trace set (training/data/)
+FUNCTIONS_MORE = 1980  # functions-train-more prompts in the second
 
 # Evaluation workloads, and training-split twins for calibration and predictor training
 # (never evaluated on).
@@ -182,6 +185,9 @@ WORKLOADS = {
     "edit-train": lambda limit: edit(limit, split="train"),
     "functions-train": functions,
     "functions-train-more": lambda limit: functions(FUNCTIONS_FIRST + limit)[FUNCTIONS_FIRST:],
+    "functions-train-rest": lambda limit: functions(FUNCTIONS_FIRST + FUNCTIONS_MORE + limit)[
+        FUNCTIONS_FIRST + FUNCTIONS_MORE :
+    ],
 }
 EVALUATION = ("humaneval", "stdlib-heldout", "edit", "chat")
 

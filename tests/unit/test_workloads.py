@@ -60,6 +60,15 @@ def test_functions_train_more_continues_the_first_set_without_overlap():
     assert [p.id for p in more] == [p.id for p in workloads.functions(workloads.FUNCTIONS_FIRST + 50)[-50:]]
 
 
+def test_functions_train_rest_overlaps_neither_earlier_set():
+    used = workloads.FUNCTIONS_FIRST + workloads.FUNCTIONS_MORE
+    earlier = {p.id for p in workloads.load("functions-train", workloads.FUNCTIONS_FIRST)}
+    earlier |= {p.id for p in workloads.load("functions-train-more", workloads.FUNCTIONS_MORE)}
+    rest = workloads.load("functions-train-rest", 40)
+    assert len(earlier) == used and len(rest) == 40 and not earlier & {p.id for p in rest}
+    assert [p.id for p in rest] == [p.id for p in workloads.functions(used + 40)[-40:]]
+
+
 def test_load_gives_prompts_through_the_chat_template_when_asked():
     class Tok:
         def apply_chat_template(self, turns, tokenize, add_generation_prompt):
