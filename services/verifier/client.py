@@ -398,8 +398,9 @@ SEND_WAIT_S = 0.002
 class ReplicaLink:
     """The router's end of one multiplexed ``Link`` to a replica. Sessions queue items and
     posted cycles; the request generator sends all queued as one message (the cycles by
-    column, ``StepCycles``); a reader thread hands each reply to its session. A broken link fails every session on it with UNAVAILABLE (they
-    re-open elsewhere)."""
+    column, ``StepCycles``, where the replica reads them so); a reader thread hands each reply
+    to its session. A broken link fails every session on it with UNAVAILABLE (they re-open
+    elsewhere)."""
 
     def __init__(self, stub: pb_grpc.VerifierStub, addr: str, deadlines: "Deadlines | None" = None):
         self.addr = addr
