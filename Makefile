@@ -203,28 +203,25 @@ traces-smollm2: setup
 # shape): 255 k output tokens (388 k with the prompts), 45 min here with the suffix drafter
 # (lossless), 16 in flight.
 SMOLLM2_FUNCS := $(TRACES)/smollm2-functions-train.jsonl
+# The target's greedy answers to a function workload with the suffix drafter (lossless), at most
+# 256 new tokens: $(1) workload, $(2) prompts, $(3) in flight, $(4) out.
+SMOLLM2_FUNCTION_TRACES = mkdir -p $(TRACES) && $(BIN)/python -m training trace --target build/models/smollm2 \
+	--draft '' --eagle3 '' --predictor '' --chat --workload $(1) --limit $(2) --max-new-tokens 256 --concurrency $(3) \
+	--method suffix --out $(4)
 traces-smollm2-functions: setup
-	mkdir -p $(TRACES)
-	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
-	    --workload functions-train --limit 1200 --max-new-tokens 256 --concurrency 16 --method suffix --out $(SMOLLM2_FUNCS)
+	$(call SMOLLM2_FUNCTION_TRACES,functions-train,1200,16,$(SMOLLM2_FUNCS))
 # Its generations of the next FUNCS_MORE functions of that list (`functions-train-more`, none of
 # the first 1,200): what the head's fourth stage adds, 32 in flight.
 SMOLLM2_FUNCS_MORE := $(TRACES)/smollm2-functions-more-train.jsonl
 FUNCS_MORE ?= 1980
 traces-smollm2-functions-more: setup
-	mkdir -p $(TRACES)
-	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
-	    --workload functions-train-more --limit $(FUNCS_MORE) --max-new-tokens 256 --concurrency 32 --method suffix \
-	    --out $(SMOLLM2_FUNCS_MORE)
+	$(call SMOLLM2_FUNCTION_TRACES,functions-train-more,$(FUNCS_MORE),32,$(SMOLLM2_FUNCS_MORE))
 # Its generations of the list's remaining FUNCS_REST functions (`functions-train-rest`, after the
 # 3,180 above): data for the head's next stage, 32 in flight.
 SMOLLM2_FUNCS_REST := $(TRACES)/smollm2-functions-rest-train.jsonl
 FUNCS_REST ?= 1368
 traces-smollm2-functions-rest: setup
-	mkdir -p $(TRACES)
-	$(BIN)/python -m training trace --target build/models/smollm2 --draft '' --eagle3 '' --predictor '' --chat \
-	    --workload functions-train-rest --limit $(FUNCS_REST) --max-new-tokens 256 --concurrency 32 --method suffix \
-	    --out $(SMOLLM2_FUNCS_REST)
+	$(call SMOLLM2_FUNCTION_TRACES,functions-train-rest,$(FUNCS_REST),32,$(SMOLLM2_FUNCS_REST))
 smollm2-traces:
 	mkdir -p $(TRACES)
 	for t in smollm2-stdlib-train smollm2-functions-train smollm2-functions-more-train smollm2-functions-rest-train \
