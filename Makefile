@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions traces-smollm2-functions-more traces-smollm2-functions-rest smollm2-target-cache-functions2 eagle3-smollm2-functions2 smollm2-target-cache-functions3 eagle3-smollm2-functions3 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions traces-smollm2-functions-more traces-smollm2-functions-rest traces-smollm2-explain smollm2-target-cache-functions2 eagle3-smollm2-functions2 smollm2-target-cache-functions3 eagle3-smollm2-functions3 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -203,8 +203,8 @@ traces-smollm2: setup
 # shape): 255 k output tokens (388 k with the prompts), 45 min here with the suffix drafter
 # (lossless), 16 in flight.
 SMOLLM2_FUNCS := $(TRACES)/smollm2-functions-train.jsonl
-# The target's greedy answers to a function workload with the suffix drafter (lossless), at most
-# 256 new tokens: $(1) workload, $(2) prompts, $(3) in flight, $(4) out.
+# The target's greedy answers to a workload of the function list with the suffix drafter
+# (lossless), at most 256 new tokens: $(1) workload, $(2) prompts, $(3) in flight, $(4) out.
 SMOLLM2_FUNCTION_TRACES = mkdir -p $(TRACES) && $(BIN)/python -m training trace --target build/models/smollm2 \
 	--draft '' --eagle3 '' --predictor '' --chat --workload $(1) --limit $(2) --max-new-tokens 256 --concurrency $(3) \
 	--method suffix --out $(4)
@@ -222,10 +222,16 @@ SMOLLM2_FUNCS_REST := $(TRACES)/smollm2-functions-rest-train.jsonl
 FUNCS_REST ?= 1368
 traces-smollm2-functions-rest: setup
 	$(call SMOLLM2_FUNCTION_TRACES,functions-train-rest,$(FUNCS_REST),32,$(SMOLLM2_FUNCS_REST))
+# Its prose: the first EXPLAINS functions of that list, each asked to be explained in plain words
+# (`explain-train`), 32 in flight: data for a head stage beyond code.
+SMOLLM2_EXPLAIN := $(TRACES)/smollm2-explain-train.jsonl
+EXPLAINS ?= 1000
+traces-smollm2-explain: setup
+	$(call SMOLLM2_FUNCTION_TRACES,explain-train,$(EXPLAINS),32,$(SMOLLM2_EXPLAIN))
 smollm2-traces:
 	mkdir -p $(TRACES)
 	for t in smollm2-stdlib-train smollm2-functions-train smollm2-functions-more-train smollm2-functions-rest-train \
-	  smollm2-stdlib-heldout; do test -s $(TRACES)/$$t.jsonl || \
+	  smollm2-explain-train smollm2-stdlib-heldout; do test -s $(TRACES)/$$t.jsonl || \
 	  { test -f training/data/$$t.jsonl.gz && gunzip -c training/data/$$t.jsonl.gz > $(TRACES)/$$t.jsonl; } || true; done
 	test -s $(SMOLLM2_TRAIN) || $(MAKE) traces-smollm2
 	test -s $(SMOLLM2_FUNCS) || $(MAKE) traces-smollm2-functions

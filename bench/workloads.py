@@ -10,6 +10,8 @@
                   so that a second trace set extends the first without overlapping it.
 - functions-train-rest: the list's functions after those two sets (``FUNCTIONS_FIRST`` +
                   ``FUNCTIONS_MORE``, 3,180): a third set, overlapping neither.
+- explain-train:  the functions-train list's functions, each asked to be explained in plain words
+                  through the chat template (prose answers, not code); training only.
 - humaneval-fewshot: HumanEval prompts after the same few solved HumanEval problems (the
                   last ones of the set, with their canonical solutions): a shared prompt prefix.
 - chat:           MMLU's multiple-choice questions, asked to be answered step by step (the 282
@@ -170,6 +172,18 @@ def chat(limit: int) -> list[Prompt]:
     return list(_mmlu_cot()[:limit])
 
 
+EXPLAIN_TASK = "Explain in plain words what this Python function does and when one would use it."
+
+
+def explain(limit: int) -> list[Prompt]:
+    """``functions``' first ``limit`` functions, each shown (signature and docstring) with a
+    request to explain it: a user's turn whose answer is prose."""
+    return [
+        Prompt(p.id, f"{p.text}\n# {EXPLAIN_TASK}\n", message=f"{EXPLAIN_TASK}\n\n```python\n{p.text}```")
+        for p in functions(limit)
+    ]
+
+
 FUNCTIONS_FIRST = 1200  # functions-train prompts in the first trace set (training/data/)
 FUNCTIONS_MORE = 1980  # functions-train-more prompts in the second
 
@@ -188,6 +202,7 @@ WORKLOADS = {
     "functions-train-rest": lambda limit: functions(FUNCTIONS_FIRST + FUNCTIONS_MORE + limit)[
         FUNCTIONS_FIRST + FUNCTIONS_MORE :
     ],
+    "explain-train": explain,
 }
 EVALUATION = ("humaneval", "stdlib-heldout", "edit", "chat")
 

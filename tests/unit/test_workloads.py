@@ -69,6 +69,20 @@ def test_functions_train_rest_overlaps_neither_earlier_set():
     assert [p.id for p in rest] == [p.id for p in workloads.functions(used + 40)[-40:]]
 
 
+def test_explain_train_asks_for_prose_about_the_training_functions():
+    class Tok:
+        def apply_chat_template(self, turns, tokenize, add_generation_prompt):
+            assert len(turns) == 1 and turns[0]["role"] == "user" and add_generation_prompt
+            return f"<user>{turns[0]['content']}</user><assistant>"
+
+    functions = workloads.load("functions-train", 30)
+    explained = workloads.load("explain-train", 30, Tok())
+    assert [p.id for p in explained] == [p.id for p in functions]
+    for e, f in zip(explained, functions):
+        assert e.text == f"<user>{workloads.EXPLAIN_TASK}\n\n```python\n{f.text}```</user><assistant>"
+    assert "explain-train" not in workloads.EVALUATION
+
+
 def test_load_gives_prompts_through_the_chat_template_when_asked():
     class Tok:
         def apply_chat_template(self, turns, tokenize, add_generation_prompt):
