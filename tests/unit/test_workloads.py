@@ -32,6 +32,14 @@ def documented(a, b):
 '''
 
 
+class UserTurn:
+    """A chat template stand-in: one user turn, then the assistant's."""
+
+    def apply_chat_template(self, turns, tokenize, add_generation_prompt):
+        assert len(turns) == 1 and turns[0]["role"] == "user" and add_generation_prompt
+        return f"<user>{turns[0]['content']}</user><assistant>"
+
+
 def test_documented_functions_cut_after_the_docstring_dedented_with_a_body_left_to_write():
     found = workloads._documented_functions(SOURCE)
     assert [line for line, _ in found] == [8, 20]  # not one-line docstrings, not empty bodies
@@ -70,13 +78,8 @@ def test_functions_train_rest_overlaps_neither_earlier_set():
 
 
 def test_explain_train_asks_for_prose_about_the_training_functions():
-    class Tok:
-        def apply_chat_template(self, turns, tokenize, add_generation_prompt):
-            assert len(turns) == 1 and turns[0]["role"] == "user" and add_generation_prompt
-            return f"<user>{turns[0]['content']}</user><assistant>"
-
     functions = workloads.load("functions-train", 30)
-    explained = workloads.load("explain-train", 30, Tok())
+    explained = workloads.load("explain-train", 30, UserTurn())
     assert [p.id for p in explained] == [p.id for p in functions]
     for e, f in zip(explained, functions):
         assert e.text == f"<user>{workloads.EXPLAIN_TASK}\n\n```python\n{f.text}```</user><assistant>"
@@ -97,18 +100,13 @@ def test_load_gives_prompts_through_the_chat_template_when_asked():
 
 
 def test_chat_asks_mmlu_questions_step_by_step_spanning_the_subjects_first():
-    class Tok:
-        def apply_chat_template(self, turns, tokenize, add_generation_prompt):
-            assert len(turns) == 1 and turns[0]["role"] == "user" and add_generation_prompt
-            return f"<user>{turns[0]['content']}</user><assistant>"
-
     prompts = workloads.load("chat", 400)
     assert len(prompts) == 282 and len({p.id for p in prompts}) == 282  # every exemplar, once
     assert len({p.id.split("/")[0] for p in prompts[:57]}) == 57  # one per subject first
     for p in prompts:
         assert p.text.startswith("Q: ") and p.text.endswith(f"\nA: {workloads.STEP_BY_STEP}")
         assert "(A)" in p.text and "\nA: " not in p.message and "\n\nQ: " not in p.message
-    asked = workloads.load("chat", 3, Tok())
+    asked = workloads.load("chat", 3, UserTurn())
     assert [a.text for a in asked] == [f"<user>{p.message}</user><assistant>" for p in prompts[:3]]
     assert "```" not in asked[0].text  # a question, not code to continue
     assert "chat" in workloads.EVALUATION
