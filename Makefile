@@ -12,7 +12,7 @@ TOKENS ?= 128
 TRACES := build/traces
 SMOLLM2 := build/models/smollm2/source.json
 
-.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions traces-smollm2-functions-more traces-smollm2-functions-rest traces-smollm2-explain smollm2-target-cache-functions2 eagle3-smollm2-functions2 smollm2-target-cache-functions3 eagle3-smollm2-functions3 draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
+.PHONY: model-smollm2 traces-smollm2 traces-smollm2-functions smollm2-traces eagle3-smollm2 smollm2-target-cache eagle3-smollm2-more smollm2-target-cache-functions eagle3-smollm2-functions traces-smollm2-functions-more traces-smollm2-functions-rest traces-smollm2-explain smollm2-target-cache-functions2 eagle3-smollm2-functions2 smollm2-target-cache-functions3 eagle3-smollm2-functions3 smollm2-target-cache-explain eagle3-smollm2-explain draft-smollm2 predictor-smollm2 cards-smollm2 publish-smollm2 bench-smollm2 image-tools bench-control-plane bench-suffix dashboard-png test-fast chaos image image-test image-cuda image-cuda-test lint wheel draft-vocab target-unlikelihood eagle3-1step head-cards draft-distill calibrate serve-ray publish-models setup serve test bench models model-target model-draft model-cards traces eagle3 predictor protos clean-venv
 
 setup: $(STAMP) $(SMOLLM2)
 
@@ -299,6 +299,19 @@ eagle3-smollm2-functions3: smollm2-target-cache-functions3
 	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(SMOLLM2_FUNCS_REST) \
 	    --cache $(SMOLLM2_CACHE_F3) --init $(E3_STAGE4) --out build/models/smollm2-eagle3-stage5 \
 	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-functions3 --draft-vocab 8192 --aux-layers 1 15 29 \
+	    --epochs 1 --lr 5e-4
+
+# A stage on prose, tried (docs/decisions.md): one epoch from the fourth (E3_STAGE4) over the
+# target's plain-words explanations of 1,000 functions (traces-smollm2-explain; a fifth cache,
+# 324 k tokens), into build/models/smollm2-eagle3-explain.
+SMOLLM2_CACHE_X := $(HOME)/.cache/specmesh/smollm2-target-cache-explain
+smollm2-target-cache-explain: setup smollm2-traces
+	$(BIN)/python -m training.target_cache --target build/models/smollm2 --traces $(SMOLLM2_EXPLAIN) \
+	    --aux-layers 1,15,29 --out $(SMOLLM2_CACHE_X)
+eagle3-smollm2-explain: smollm2-target-cache-explain
+	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(SMOLLM2_EXPLAIN) \
+	    --cache $(SMOLLM2_CACHE_X) --init $(E3_STAGE4) --out build/models/smollm2-eagle3-explain \
+	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-explain --draft-vocab 8192 --aux-layers 1 15 29 \
 	    --epochs 1 --lr 5e-4
 
 # The real target's draft LM: its first 3 of 30 layers, distilled toward it three epochs on the
