@@ -292,27 +292,28 @@ eagle3-smollm2-functions2: smollm2-target-cache-functions2
 # the last function set alone (a fourth cache, 442 k tokens), into build/models/smollm2-eagle3-stage5.
 SMOLLM2_CACHE_F3 := $(HOME)/.cache/specmesh/smollm2-target-cache-functions3
 E3_STAGE4 ?= $(if $(wildcard build/models/smollm2-eagle3/config.json),build/models/smollm2-eagle3,models/smollm2/eagle3)
+# The target's side of a head stage over traces $(1), cached in $(2).
+SMOLLM2_STAGE_CACHE = $(BIN)/python -m training.target_cache --target build/models/smollm2 --traces $(1) \
+	--aux-layers 1,15,29 --out $(2)
+# One epoch of the head from E3_STAGE4 over traces $(1) (cached in $(2)) into build/models/$(3),
+# resumable from its work directory $(4).
+SMOLLM2_STAGE = $(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(1) \
+	--cache $(2) --init $(E3_STAGE4) --out build/models/$(3) \
+	--work-dir $$HOME/.cache/specmesh/train/$(4) --draft-vocab 8192 --aux-layers 1 15 29 \
+	--epochs 1 --lr 5e-4
 smollm2-target-cache-functions3: setup smollm2-traces
-	$(BIN)/python -m training.target_cache --target build/models/smollm2 --traces $(SMOLLM2_FUNCS_REST) \
-	    --aux-layers 1,15,29 --out $(SMOLLM2_CACHE_F3)
+	$(call SMOLLM2_STAGE_CACHE,$(SMOLLM2_FUNCS_REST),$(SMOLLM2_CACHE_F3))
 eagle3-smollm2-functions3: smollm2-target-cache-functions3
-	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(SMOLLM2_FUNCS_REST) \
-	    --cache $(SMOLLM2_CACHE_F3) --init $(E3_STAGE4) --out build/models/smollm2-eagle3-stage5 \
-	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-functions3 --draft-vocab 8192 --aux-layers 1 15 29 \
-	    --epochs 1 --lr 5e-4
+	$(call SMOLLM2_STAGE,$(SMOLLM2_FUNCS_REST),$(SMOLLM2_CACHE_F3),smollm2-eagle3-stage5,smollm2-eagle3-functions3)
 
 # A stage on prose, tried (docs/decisions.md): one epoch from the fourth (E3_STAGE4) over the
 # target's plain-words explanations of 1,000 functions (traces-smollm2-explain; a fifth cache,
 # 324 k tokens), into build/models/smollm2-eagle3-explain.
 SMOLLM2_CACHE_X := $(HOME)/.cache/specmesh/smollm2-target-cache-explain
 smollm2-target-cache-explain: setup smollm2-traces
-	$(BIN)/python -m training.target_cache --target build/models/smollm2 --traces $(SMOLLM2_EXPLAIN) \
-	    --aux-layers 1,15,29 --out $(SMOLLM2_CACHE_X)
+	$(call SMOLLM2_STAGE_CACHE,$(SMOLLM2_EXPLAIN),$(SMOLLM2_CACHE_X))
 eagle3-smollm2-explain: smollm2-target-cache-explain
-	$(BIN)/python -m training.eagle3 --target build/models/smollm2 --traces $(SMOLLM2_EXPLAIN) \
-	    --cache $(SMOLLM2_CACHE_X) --init $(E3_STAGE4) --out build/models/smollm2-eagle3-explain \
-	    --work-dir $$HOME/.cache/specmesh/train/smollm2-eagle3-explain --draft-vocab 8192 --aux-layers 1 15 29 \
-	    --epochs 1 --lr 5e-4
+	$(call SMOLLM2_STAGE,$(SMOLLM2_EXPLAIN),$(SMOLLM2_CACHE_X),smollm2-eagle3-explain,smollm2-eagle3-explain)
 
 # The real target's draft LM: its first 3 of 30 layers, distilled toward it three epochs on the
 # target's cached top-32 labels (smollm2-target-cache: its traces plus 500 k corpus tokens),
